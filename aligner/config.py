@@ -1,0 +1,494 @@
+"""Configuration schemas for every aligner stage (SFT, RM, PPO, plan).
+
+Owns: the keyword-only dataclasses that Hydra/OmegaConf compose into, and their
+validation (``__post_init__``). Configs are never mutated after they are built;
+per-rank derived sizes (local heads, local batch) live in separate objects in
+``aligner.parallel``.
+
+Every bad value raises :class:`ConfigError` (a ``ValueError``) whose message names
+the dotted field, the bad value and the valid choices or the fix. The entry
+points turn it into a one-line message and exit code 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+PRESETS = ("tiny", "llama2_7b", "llama2_13b", "llama2_70b")
+STAGES = ("sft", "rm", "ppo", "plan")
+ROLES = ("actor", "critic", "reward", "ref", "rollout")
+
+
+class ConfigError(ValueError):
+    """A config value is invalid. The message names the field, the value and the fix."""
+
+
+def _check(ok: bool, field_name: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}={value!r} is invalid: {fix}")
+
+
+def _choice(field_name: str, value: Any, choices: tuple) -> None:
+    _check(value in choices, field_name, value, f"valid choices are {', '.join(map(str, choices))}")
+
+
+@dataclass(kw_only=True)
+class RopeScalingConfig:
+    """Llama 3 style RoPE frequency scaling (HF ``rope_scaling`` with rope_type llama3)."""
+
+    rope_type: str = "llama3"  # only "llama3" is implemented
+    factor: float = 8.0  # wavelength stretch for low frequencies
+    low_freq_factor: float = 1.0  # wavelengths above original_max/low_freq_factor are scaled fully
+    high_freq_factor: float = 4.0  # wavelengths below original_max/high_freq_factor are untouched
+    original_max_position_embeddings: int = 8192  # context length of the unscaled model, tokens
+
+    def validate(self, prefix: str) -> None:
+        _choice(f"{prefix}.rope_type", self.rope_type, ("llama3",))
+        _check(self.factor >= 1.0, f"{prefix}.factor", self.factor, "must be >= 1")
+        _check(
+            self.high_freq_factor > self.low_freq_factor,
+            f"{prefix}.high_freq_factor",
+            self.high_freq_factor,
+            "must be greater than low_freq_factor",
+        )
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Llama-family decoder dimensions (names follow HF LlamaConfig where they exist)."""
+
+    vocab_size: int = 512  # tokens in the vocabulary (the tokenizer must not exceed it)
+    hidden_size: int = 128  # model width H
+    intermediate_size: int = 352  # SwiGLU inner width
+    num_layers: int = 4  # decoder layers
+    num_heads: int = 4  # query heads
+    num_kv_heads: int = 4  # key/value heads (GQA when < num_heads)
+    head_dim: Optional[int] = None  # per-head width; None means hidden_size // num_heads
+    max_seq_len: int = 256  # longest sequence (prompt + response), tokens
+    rope_theta: float = 10000.0  # RoPE base
+    rope_scaling: Optional[RopeScalingConfig] = None  # Llama 3 scaling, or None
+    rms_norm_eps: float = 1e-5  # RMSNorm epsilon
+    tie_word_embeddings: bool = False  # lm_head shares the embedding matrix
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2 style)
+    init_std: float = 0.02  # normal init std for random weights
+    backend: str = "torch"  # layer implementation: torch | te (Transformer Engine, NVIDIA GPUs)
+    dtype: str = "float32"  # parameter dtype when not training with mixed precision
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def validate(self, prefix: str = "model") -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "max_seq_len"):
+            _check(getattr(self, name) > 0, f"{prefix}.{name}", getattr(self, name), "must be a positive integer")
+        _check(
+            self.num_heads % self.num_kv_heads == 0,
+            f"{prefix}.num_kv_heads",
+            self.num_kv_heads,
+            f"must divide {prefix}.num_heads={self.num_heads}",
+        )
+        if self.head_dim is None:
+            _check(
+                self.hidden_size % self.num_heads == 0,
+                f"{prefix}.num_heads",
+                self.num_heads,
+                f"must divide {prefix}.hidden_size={self.hidden_size} (or set {prefix}.head_dim)",
+            )
+        _check(self.resolved_head_dim % 2 == 0, f"{prefix}.head_dim", self.resolved_head_dim, "must be even for RoPE")
+        _choice(f"{prefix}.backend", self.backend, ("torch", "te"))
+        _choice(f"{prefix}.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        if self.rope_scaling is not None:
+            self.rope_scaling.validate(f"{prefix}.rope_scaling")
+
+    def num_parameters(self) -> int:
+        """Total parameter count of the causal LM (embedding + layers + norm + lm_head)."""
+        h, hd = self.hidden_size, self.resolved_head_dim
+        attn = h * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.attention_bias:
+            attn += hd * (self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * h * self.intermediate_size
+        layer = attn + mlp + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * layer + h + head
+
+
+@dataclass(kw_only=True)
+class TokenizerConfig:
+    """Where the tokenizer comes from."""
+
+    path: str = ""  # HF tokenizer dir, tokenizer.json or tokenizer.model; "" = the built-in task's own tokenizer
+    chat_template: str = ""  # Jinja chat template overriding the tokenizer's; "" = tokenizer's or the default
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Training/eval data."""
+
+    train_path: str = ""  # jsonl/json/parquet file or saved HF dataset dir; "" = the built-in task
+    eval_path: str = ""  # held-out split; "" = built-in task's or a slice of train
+    format: str = "auto"  # auto | prompt | sft | chat | pairs | hh | gsm8k
+    max_prompt_len: int = 64  # tokens; longer prompts follow `truncation`
+    max_seq_len: int = 128  # tokens, prompt + response
+    truncation: str = "error"  # error | left | right | skip: what to do with over-long rows
+    skip_invalid: bool = False  # skip (and count) invalid rows instead of failing
+    packing: bool = False  # pack several SFT samples into one sequence
+    eval_fraction: float = 0.05  # fraction of train held out when eval_path is empty
+    shuffle_seed: int = 0  # order of samples per epoch
+
+    def validate(self, prefix: str = "data") -> None:
+        _choice(f"{prefix}.format", self.format, ("auto", "prompt", "sft", "chat", "pairs", "hh", "gsm8k"))
+        _choice(f"{prefix}.truncation", self.truncation, ("error", "left", "right", "skip"))
+        _check(self.max_prompt_len > 0, f"{prefix}.max_prompt_len", self.max_prompt_len, "must be positive")
+        _check(
+            self.max_seq_len > self.max_prompt_len,
+            f"{prefix}.max_seq_len",
+            self.max_seq_len,
+            f"must exceed {prefix}.max_prompt_len={self.max_prompt_len}",
+        )
+        _check(0.0 <= self.eval_fraction < 1.0, f"{prefix}.eval_fraction", self.eval_fraction, "must be in [0, 1)")
+        for name in ("train_path", "eval_path"):
+            path = getattr(self, name)
+            if path and not os.path.exists(path):
+                raise ConfigError(f"{prefix}.{name}={path!r} does not exist: give an existing jsonl/json/parquet file or dataset dir")
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    """The built-in arithmetic task used by the embedded default (aligner.data.task)."""
+
+    name: str = "addition"  # built-in task name
+    seed: int = 1234  # generator seed: the whole task is a function of it
+    min_digits: int = 1  # smallest operand width
+    max_digits: int = 2  # largest operand width
+    num_sft: int = 4000  # SFT demonstrations
+    sft_error_rate: float = 0.35  # fraction of demonstrations with a deliberately wrong answer
+    num_pairs: int = 3000  # preference pairs for the RM
+    num_rl: int = 2000  # RL prompts
+    num_eval: int = 256  # held-out prompts with a rule checker
+    tokenizer_vocab_size: int = 256  # size of the trained BPE vocabulary
+
+    def validate(self, prefix: str = "task") -> None:
+        _check(0 < self.min_digits <= self.max_digits, f"{prefix}.min_digits", self.min_digits, "need 0 < min_digits <= max_digits")
+        _check(0.0 <= self.sft_error_rate < 1.0, f"{prefix}.sft_error_rate", self.sft_error_rate, "must be in [0, 1)")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW and the learning-rate schedule (warmup + cosine by default)."""
+
+    lr: float = 1e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # final lr as a fraction of lr (cosine)
+    warmup_steps: int = 10  # linear warmup, optimizer steps
+    schedule: str = "cosine"  # cosine | constant
+    weight_decay: float = 0.0  # decoupled weight decay
+    betas: tuple[float, float] = (0.9, 0.95)  # Adam betas
+    eps: float = 1e-8  # Adam epsilon
+    grad_clip: float = 1.0  # max global grad norm over tp, pp and dp; 0 disables
+
+    def validate(self, prefix: str) -> None:
+        _check(self.lr > 0, f"{prefix}.lr", self.lr, "learning rate must be positive (e.g. 1e-5)")
+        _check(0 <= self.min_lr_ratio <= 1, f"{prefix}.min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        _check(self.warmup_steps >= 0, f"{prefix}.warmup_steps", self.warmup_steps, "must be >= 0")
+        _choice(f"{prefix}.schedule", self.schedule, ("cosine", "constant"))
+        _check(self.weight_decay >= 0, f"{prefix}.weight_decay", self.weight_decay, "must be >= 0")
+        _check(self.grad_clip >= 0, f"{prefix}.grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """One role's TP x PP x DP layout and how it trains (Megatron-style TP/SP, 1F1B PP)."""
+
+    tp_size: int = 1  # tensor-parallel ranks
+    pp_size: int = 1  # pipeline stages
+    dp_size: int = 1  # data-parallel replicas
+    sequence_parallel: bool = False  # split norm regions along the sequence (needs tp_size > 1 to matter)
+    recompute: str = "none"  # activation recomputation per layer: none | selective | full
+    dp_backend: str = "fsdp2"  # fsdp2 | ddp | deepspeed
+    zero_stage: int = 1  # DeepSpeed ZeRO stage 1-3 (dp_backend=deepspeed only)
+    offload_optimizer: bool = False  # DeepSpeed CPU-offloaded Adam (dp_backend=deepspeed only)
+    mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and grad reduction)
+    num_microbatches: int = 0  # pipeline micro-batches per step; 0 = derive from batch sizes
+    pp_layer_split: Optional[list[int]] = None  # layers per stage (uneven splits); None = even
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size * self.dp_size
+
+    def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
+        for name in ("tp_size", "pp_size", "dp_size"):
+            _check(getattr(self, name) >= 1, f"{prefix}.{name}", getattr(self, name), "must be >= 1")
+        _choice(f"{prefix}.recompute", self.recompute, ("none", "selective", "full"))
+        _choice(f"{prefix}.dp_backend", self.dp_backend, ("fsdp2", "ddp", "deepspeed"))
+        _choice(f"{prefix}.mixed_precision", self.mixed_precision, ("fp32", "bf16"))
+        _choice(f"{prefix}.zero_stage", self.zero_stage, (0, 1, 2, 3))
+        if self.dp_backend == "deepspeed":
+            _check(
+                self.tp_size == 1 and self.pp_size == 1,
+                f"{prefix}.dp_backend",
+                self.dp_backend,
+                "DeepSpeed ZeRO is supported only where tp_size = pp_size = 1; use fsdp2 or ddp",
+            )
+        if model is None:
+            return
+        _check(
+            model.num_heads % self.tp_size == 0,
+            f"{prefix}.tp_size",
+            self.tp_size,
+            f"must divide model.num_heads={model.num_heads}; valid: "
+            + ", ".join(str(d) for d in range(1, model.num_heads + 1) if model.num_heads % d == 0),
+        )
+        kv, tp = model.num_kv_heads, self.tp_size
+        _check(
+            kv % tp == 0 or tp % kv == 0,
+            f"{prefix}.tp_size",
+            tp,
+            f"must divide or be a multiple of model.num_kv_heads={kv}",
+        )
+        _check(
+            model.intermediate_size % tp == 0,
+            f"{prefix}.tp_size",
+            tp,
+            f"must divide model.intermediate_size={model.intermediate_size}",
+        )
+        _check(
+            self.pp_size <= model.num_layers,
+            f"{prefix}.pp_size",
+            self.pp_size,
+            f"cannot exceed model.num_layers={model.num_layers}",
+        )
+        if self.pp_layer_split is not None:
+            split = list(self.pp_layer_split)
+            _check(
+                len(split) == self.pp_size and sum(split) == model.num_layers and min(split) >= 1,
+                f"{prefix}.pp_layer_split",
+                split,
+                f"needs {self.pp_size} positive entries summing to model.num_layers={model.num_layers}",
+            )
+
+
+@dataclass(kw_only=True)
+class ResourceConfig:
+    """What one role asks of the cluster (its node group)."""
+
+    num_nodes: int = 1  # nodes in this role's node group
+    gpus_per_node: int = 0  # GPUs per node this role uses; 0 = CPU workers
+    cpus_per_worker: int = 1  # CPUs per Ray worker (on CPU runs also torch threads per worker)
+
+
+@dataclass(kw_only=True)
+class RoleConfig:
+    """A model-hosting role: actor, critic, reward or reference."""
+
+    init: str = ""  # aligner checkpoint dir or HF model dir; "" = the stage's default
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # layout of this role
+    optim: OptimConfig = field(default_factory=OptimConfig)  # trainable roles only
+    resources: ResourceConfig = field(default_factory=ResourceConfig)  # node group
+    type: str = "model"  # reward only: model | rule
+    rule: str = "task_accuracy"  # reward only, type=rule: the rule function's name
+    colocate_with: str = ""  # name of a role whose bundles this one shares ("" = own node group)
+
+    def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
+        self.parallel.validate(f"{prefix}.parallel", model)
+        self.optim.validate(f"{prefix}.optim")
+        _choice(f"{prefix}.type", self.type, ("model", "rule"))
+        _check(self.resources.num_nodes >= 1, f"{prefix}.resources.num_nodes", self.resources.num_nodes, "must be >= 1")
+        _check(self.resources.gpus_per_node >= 0, f"{prefix}.resources.gpus_per_node", self.resources.gpus_per_node, "must be >= 0")
+        _check(self.resources.cpus_per_worker >= 1, f"{prefix}.resources.cpus_per_worker", self.resources.cpus_per_worker, "must be >= 1")
+        if self.init and not os.path.exists(self.init):
+            raise ConfigError(f"{prefix}.init={self.init!r} does not exist: give an aligner checkpoint dir or an HF model dir")
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    """Rollout sampling parameters."""
+
+    temperature: float = 1.0  # softmax temperature; 0 = greedy
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    max_new_tokens: int = 16  # response tokens per prompt
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens besides EOS
+
+    def validate(self, prefix: str) -> None:
+        _check(self.temperature >= 0, f"{prefix}.temperature", self.temperature, "must be >= 0 (0 = greedy)")
+        _check(self.top_k >= 0, f"{prefix}.top_k", self.top_k, "must be >= 0 (0 = off)")
+        _check(0 < self.top_p <= 1, f"{prefix}.top_p", self.top_p, "must be in (0, 1]")
+        _check(self.max_new_tokens >= 1, f"{prefix}.max_new_tokens", self.max_new_tokens, "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """The actor's rollout engine and refit."""
+
+    backend: str = "torch"  # torch | trtllm
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # engine tp/pp layout (dp = replicas)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how responses are sampled
+    refit_bucket_mb: int = 256  # refit sends weights in buckets of this size, MiB
+    max_batch_size: int = 256  # sequences per engine batch
+    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (GPU only)
+
+    def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
+        _choice(f"{prefix}.backend", self.backend, ("torch", "trtllm"))
+        self.parallel.validate(f"{prefix}.parallel", model)
+        self.sampling.validate(f"{prefix}.sampling")
+        _check(self.refit_bucket_mb > 0, f"{prefix}.refit_bucket_mb", self.refit_bucket_mb, "must be positive")
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    """PPO-family algorithm settings (formulas in aligner.algorithms)."""
+
+    advantage: str = "gae"  # gae | grpo | rloo | reinforce_pp
+    gamma: float = 1.0  # discount
+    gae_lambda: float = 0.95  # GAE lambda
+    clip_eps: float = 0.2  # PPO ratio clip
+    dual_clip: Optional[float] = None  # dual-clip bound c > 1 (Ye et al. 2020); None = off
+    value_clip_eps: Optional[float] = 0.2  # clipped value loss; None = unclipped
+    kl_coef: float = 0.05  # initial KL penalty coefficient
+    kl_estimator: str = "k1"  # k1 | k3 | abs | mse
+    kl_controller: str = "fixed"  # fixed | adaptive (Ziegler et al. 2019)
+    kl_target: float = 6.0  # adaptive controller target KL, nats per sequence
+    kl_horizon: int = 10000  # adaptive controller horizon, samples
+    entropy_coef: float = 0.0  # entropy bonus weight
+    whiten_advantages: bool = True  # normalize advantages over the batch
+    ppo_epochs: int = 1  # passes over each rollout batch
+    critic_warmup_steps: int = 0  # steps that train only the critic
+    normalize_rewards: bool = True  # standardize RM scores with the RM's saved mean/std
+    tis_cap: Optional[float] = None  # truncated importance-sampling cap on exp(old - rollout); None = off
+    vf_coef: float = 1.0  # value-loss weight
+
+    def validate(self, prefix: str = "algorithm") -> None:
+        _choice(f"{prefix}.advantage", self.advantage, ("gae", "grpo", "rloo", "reinforce_pp"))
+        _choice(f"{prefix}.kl_estimator", self.kl_estimator, ("k1", "k3", "abs", "mse"))
+        _choice(f"{prefix}.kl_controller", self.kl_controller, ("fixed", "adaptive"))
+        _check(0 <= self.gamma <= 1, f"{prefix}.gamma", self.gamma, "must be in [0, 1]")
+        _check(0 <= self.gae_lambda <= 1, f"{prefix}.gae_lambda", self.gae_lambda, "must be in [0, 1]")
+        _check(self.clip_eps > 0, f"{prefix}.clip_eps", self.clip_eps, "must be positive (e.g. 0.2)")
+        _check(self.kl_coef >= 0, f"{prefix}.kl_coef", self.kl_coef, "must be >= 0")
+        _check(self.ppo_epochs >= 1, f"{prefix}.ppo_epochs", self.ppo_epochs, "must be >= 1")
+        if self.dual_clip is not None:
+            _check(self.dual_clip > 1, f"{prefix}.dual_clip", self.dual_clip, "must be > 1 (e.g. 3.0) or null")
+        if self.tis_cap is not None:
+            _check(self.tis_cap >= 1, f"{prefix}.tis_cap", self.tis_cap, "must be >= 1 (e.g. 2.0) or null")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """The training loop: steps, batch sizes, seeds, logging and checkpoint cadence."""
+
+    max_steps: int = 100  # optimizer steps (SFT/RM) or PPO steps
+    seed: int = 42  # global seed (model init, data order, sampling)
+    save_every: int = 0  # checkpoint every N steps; 0 = only at the end
+    eval_every: int = 0  # evaluate every N steps; 0 = only at the end
+    log_every: int = 1  # log metrics every N steps
+    global_batch_size: int = 32  # SFT/RM: samples per optimizer step (over all dp ranks)
+    micro_batch_size: int = 8  # samples per forward/backward per dp rank
+    rollout_batch_size: int = 32  # PPO: prompts per step
+    n_samples_per_prompt: int = 1  # PPO: responses per prompt (>= 2 for grpo/rloo)
+    mini_batch_size: int = 32  # PPO: samples per optimizer step
+    eval_batch_size: int = 64  # prompts per evaluation batch
+    max_nonfinite: int = 3  # consecutive non-finite updates before the run stops
+    num_threads: int = 0  # torch threads per worker on CPU; 0 = resources.cpus_per_worker
+    progress: bool = True  # show a progress bar
+
+    def validate(self, prefix: str = "trainer") -> None:
+        for name in ("max_steps", "global_batch_size", "micro_batch_size", "rollout_batch_size", "n_samples_per_prompt", "mini_batch_size", "eval_batch_size", "max_nonfinite"):
+            _check(getattr(self, name) >= 1, f"{prefix}.{name}", getattr(self, name), "must be >= 1")
+        for name in ("save_every", "eval_every", "num_threads"):
+            _check(getattr(self, name) >= 0, f"{prefix}.{name}", getattr(self, name), "must be >= 0")
+        _check(
+            self.global_batch_size % self.micro_batch_size == 0,
+            f"{prefix}.global_batch_size",
+            self.global_batch_size,
+            f"must be a multiple of {prefix}.micro_batch_size={self.micro_batch_size}",
+        )
+        samples = self.rollout_batch_size * self.n_samples_per_prompt
+        _check(
+            samples % self.mini_batch_size == 0,
+            f"{prefix}.mini_batch_size",
+            self.mini_batch_size,
+            f"must divide rollout_batch_size * n_samples_per_prompt = {samples}",
+        )
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """The cluster the run is placed on (and that plans are made for)."""
+
+    address: str = ""  # Ray address; "" = RAY_ADDRESS or a new local instance, "auto" = existing cluster
+    num_nodes: int = 1  # nodes
+    gpus_per_node: int = 0  # GPUs per node (0 = CPU-only)
+    gpu_mem_gb: float = 80.0  # memory per GPU, GB
+    cpus_per_node: int = 0  # CPUs per node; 0 = detect
+    placement: str = "split"  # split (each role its own node group) | colocated (roles share bundles)
+    gpu_peak_tflops: float = 989.0  # dense bf16 peak per GPU, TFLOP/s (H100 SXM), for plans
+    intra_node_gbps: float = 450.0  # NVLink bandwidth per GPU, GB/s, for plans
+    inter_node_gbps: float = 50.0  # network bandwidth per GPU, GB/s, for plans
+
+    def validate(self, prefix: str = "cluster") -> None:
+        _check(self.num_nodes >= 1, f"{prefix}.num_nodes", self.num_nodes, "must be >= 1")
+        _check(self.gpus_per_node >= 0, f"{prefix}.gpus_per_node", self.gpus_per_node, "must be >= 0")
+        _check(self.gpu_mem_gb > 0, f"{prefix}.gpu_mem_gb", self.gpu_mem_gb, "must be positive")
+        _choice(f"{prefix}.placement", self.placement, ("split", "colocated"))
+
+
+@dataclass(kw_only=True)
+class AlignerConfig:
+    """The whole run. Built from Hydra (`conf=PRESET` plus overrides) and validated once."""
+
+    stage: str = "ppo"  # sft | rm | ppo | plan (set by the entry point)
+    preset: str = "tiny"  # name of the preset the run started from
+    output_dir: str = "outputs/tiny"  # checkpoints, metrics.jsonl, TensorBoard events, plots
+    resume: bool = False  # continue from the latest complete checkpoint in output_dir
+    plan_only: bool = False  # print the placement/memory plan and exit 0
+    model: ModelConfig = field(default_factory=ModelConfig)  # policy (and, by default, every role's) dimensions
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    actor: RoleConfig = field(default_factory=RoleConfig)  # policy (also the SFT model)
+    critic: RoleConfig = field(default_factory=RoleConfig)  # value model
+    reward: RoleConfig = field(default_factory=RoleConfig)  # reward model (also the RM stage's model)
+    ref: RoleConfig = field(default_factory=RoleConfig)  # frozen reference policy
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation engine
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def __post_init__(self) -> None:
+        _choice("stage", self.stage, STAGES)
+        _choice("conf", self.preset, PRESETS)
+        self.model.validate("model")
+        self.data.validate("data")
+        self.task.validate("task")
+        self.trainer.validate("trainer")
+        for role in ("actor", "critic", "reward", "ref"):
+            getattr(self, role).validate(role, self.model)
+        self.rollout.validate("rollout", self.model)
+        self.algorithm.validate("algorithm")
+        self.cluster.validate("cluster")
+        _check(
+            self.data.max_seq_len <= self.model.max_seq_len,
+            "data.max_seq_len",
+            self.data.max_seq_len,
+            f"must not exceed model.max_seq_len={self.model.max_seq_len}",
+        )
+        if self.stage == "ppo" and self.algorithm.advantage in ("grpo", "rloo"):
+            _check(
+                self.trainer.n_samples_per_prompt >= 2,
+                "trainer.n_samples_per_prompt",
+                self.trainer.n_samples_per_prompt,
+                f"algorithm.advantage={self.algorithm.advantage} needs >= 2 samples per prompt",
+            )
+
+    def role(self, name: str) -> RoleConfig:
+        """The RoleConfig of `name` (actor, critic, reward, ref); ValueError for other names."""
+        if name not in ("actor", "critic", "reward", "ref"):
+            raise ValueError(f"unknown role {name!r}: valid roles are actor, critic, reward, ref")
+        return getattr(self, name)
+
+
+def to_dict(cfg: Any) -> dict:
+    """A plain nested dict of a config dataclass (for logging and checkpoints)."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,343 @@
+"""Llama-family decoder (Llama 2/3, Qwen2-style QKV bias) built from aligner.parallel layers.
+
+Owns: RoPE (with Llama 3 frequency scaling), grouped-query attention, SwiGLU MLP,
+the decoder trunk, the causal LM (policy) and the scalar-head model (critic and
+reward model, exported as HF ``LlamaForSequenceClassification``).
+
+No rank logic lives here (STYLE 1). Tensor/sequence parallelism comes from the layer
+classes once ``aligner.parallel.tensor_parallel`` shards them; attention reshapes with
+-1 heads so a sharded layer needs no branch. Pipeline stages are the same classes with
+layers removed and ``embed_tokens`` / ``norm`` / head set to None
+(:func:`aligner.model.llama.prune_to_stage`). Parameter names equal HF's
+(``model.layers.0.self_attn.q_proj.weight`` ...), so HF import/export is a rename-free copy.
+
+Recomputation (Korthikanti et al. 2022) is a per-model switch set from outside:
+``recompute = "selective"`` recomputes the attention core (softmax(QK^T)V) in backward,
+``"full"`` recomputes each decoder layer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from aligner.config import ModelConfig
+from aligner.parallel import comm
+from aligner.parallel.layers import ColumnParallelLinear, ParallelLayer, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim/2] (Su et al. 2021), with Llama 3 scaling if configured.
+
+    Llama 3 scaling (Meta's llama3 reference / HF ``_compute_llama3_parameters``): wavelengths
+    longer than original_max/low_freq_factor are divided by `factor`, shorter than
+    original_max/high_freq_factor are kept, and those between are interpolated smoothly.
+    """
+    hd = cfg.resolved_head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [B, T, head_dim] for position_ids: [B, T] (fp32 math, cast to `dtype`)."""
+    freqs = position_ids.float().unsqueeze(-1) * inv_freq.to(position_ids.device).float()
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, hd]; cos/sin: [B, T, hd]. HF's rotate-half convention."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class KVCache:
+    """Static per-layer key/value cache for generation.
+
+    k, v: [L][B, kv_heads_local, S, hd]. Writes go to `positions` (slots along S);
+    the same slot index is used for every row (rows are left-padded by the engine).
+    """
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.length = 0  # slots in use; attention reads [0, length)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v: [B, kvh, Tq, hd] at slots `positions` [Tq]; return the valid cache prefix."""
+        self.k[layer].index_copy_(2, positions, k)
+        self.v[layer].index_copy_(2, positions, v)
+        return self.k[layer][:, :, : self.length], self.v[layer][:, :, : self.length]
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention; q/k/v column-parallel, o row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        hd = cfg.resolved_head_dim
+        self.head_dim = hd
+        self.layer_idx = layer_idx
+        self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.v_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * hd, cfg.hidden_size, bias=False)
+        self.recompute_core = False
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(hd)) v with GQA: q [B, h, Tq, hd], k/v [B, kvh, Tk, hd], mask [B, 1, Tq, Tk] bool."""
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def forward(self, x, cos, sin, mask, kv_cache: Optional[KVCache] = None, cache_positions=None):
+        """x: [B, T(/tp with SP), H] -> [B, T(/tp), H]."""
+        q = self.q_proj(x)
+        b, t = q.shape[0], q.shape[1]
+        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v, cache_positions)
+        if self.recompute_core and torch.is_grad_enabled():
+            out = checkpoint(self.core, q, k, v, mask, use_reentrant=False)
+        else:
+            out = self.core(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder block: h + attn(norm(h)), then h + mlp(norm(h))."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, mask, kv_cache=None, cache_positions=None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, kv_cache, cache_positions)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def build_attention_mask(
+    batch: int, t: int, device, segment_ids: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Boolean mask [B, 1, T, T]: causal, and block-diagonal over `segment_ids` [B, T] when given.
+
+    segment_ids: packed-sequence document ids (0 for padding); tokens attend only to earlier
+    tokens of the same segment. Padding attends to padding, so no row is empty.
+    """
+    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+    if segment_ids is None:
+        return causal.expand(batch, 1, t, t)
+    same = segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)
+    return (same & causal).unsqueeze(1)
+
+
+class LlamaModel(nn.Module):
+    """Decoder trunk: embeddings, decoder layers and final norm (any may be absent on a PP stage).
+
+    Forward: input_ids [B, T] int64 (first stage) or hidden_states [B, T(/tp), H] (later stages)
+    -> hidden_states [B, T(/tp), H] (normed on the last stage).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens: Optional[VocabParallelEmbedding] = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_layers)})
+        self.norm: Optional[RMSNorm] = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.recompute = "none"  # none | selective | full; set by aligner.parallel
+
+    def set_recompute(self, mode: str) -> None:
+        """Activation recomputation: none | selective (attention core) | full (whole layer)."""
+        if mode not in ("none", "selective", "full"):
+            raise ValueError(f"recompute={mode!r}: valid choices are none, selective, full")
+        self.recompute = mode
+        for layer in self.layers.values():
+            layer.self_attn.recompute_core = mode == "selective"
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        segment_ids: Optional[torch.Tensor] = None,
+        attn_mask: Optional[torch.Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
+        cache_positions: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """x: input_ids [B, T] or hidden [B, T(/tp), H]; position_ids [B, T] (default 0..T-1, or
+        restarting per segment when segment_ids is given); attn_mask [B, 1, T, Tk] bool overrides
+        the causal/segment mask (the engine passes its own with a KV cache)."""
+        if self.embed_tokens is not None:
+            b, t = x.shape
+            h = self.embed_tokens(x)
+        else:
+            h = x
+            b = h.shape[0]
+            t = position_ids.shape[1] if position_ids is not None else h.shape[1]
+        device = h.device
+        if position_ids is None:
+            position_ids = default_position_ids(b, t, device, segment_ids)
+        if attn_mask is None:
+            attn_mask = build_attention_mask(b, t, device, segment_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, position_ids, h.dtype)
+        for layer in self.layers.values():
+            if self.recompute == "full" and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, attn_mask, kv_cache, cache_positions, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, attn_mask, kv_cache, cache_positions)
+        return self.norm(h) if self.norm is not None else h
+
+
+def default_position_ids(batch: int, t: int, device, segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[B, T] positions 0..T-1, restarting at each new segment of `segment_ids` [B, T]."""
+    pos = torch.arange(t, device=device).expand(batch, t)
+    if segment_ids is None:
+        return pos
+    start = torch.ones_like(segment_ids, dtype=torch.bool)
+    start[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    start_idx = torch.where(start, pos, torch.zeros_like(pos)).cummax(dim=1).values
+    return pos - start_idx
+
+
+class LlamaForCausalLM(nn.Module):
+    """The policy: trunk + vocab-parallel lm_head.
+
+    Forward -> logits [B, T, V/tp] (fp32 math is left to the loss) on the last stage, else
+    hidden states. ``lm_head`` is tied to ``model.embed_tokens`` when tie_word_embeddings.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head: Optional[ColumnParallelLinear] = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, x: torch.Tensor, **kw) -> torch.Tensor:
+        h = self.model(x, **kw)
+        return self.lm_head(h) if self.lm_head is not None else h
+
+
+class ScalarHead(ParallelLayer):
+    """Replicated Linear(H, 1) head (HF ``score``) for values and rewards.
+
+    Forward: h [B, T(/tp), H] -> [B, T] fp32. With sequence parallelism the sequence is
+    gathered first (backward keeps this rank's slice: every rank computes the same loss).
+    """
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            h = comm.gather_from_sp_replicated(h, self.tp_group)
+        return F.linear(h, self.weight).squeeze(-1).float()
+
+
+class LlamaForScore(nn.Module):
+    """Critic / reward model: trunk + scalar head ``score`` (HF LlamaForSequenceClassification, 1 label).
+
+    Forward -> per-token scalars [B, T] fp32 on the last stage (values for the critic; the reward
+    model reads the last real token with :func:`last_token_scores`), else hidden states.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = LlamaModel(cfg)
+        self.score: Optional[ScalarHead] = ScalarHead(cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, **kw) -> torch.Tensor:
+        h = self.model(x, **kw)
+        return self.score(h) if self.score is not None else h
+
+
+def last_token_scores(per_token: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """per_token: [B, T]; attention_mask: [B, T] (1 = real token, right padded) -> [B] at the last real token."""
+    last = attention_mask.long().sum(-1) - 1
+    if (last < 0).any():
+        raise ValueError("last_token_scores: a row has no real tokens (attention_mask all zero)")
+    return per_token.gather(1, last.unsqueeze(1)).squeeze(1)
+
+
+def init_weights(model: nn.Module, std: float, generator: Optional[torch.Generator] = None) -> None:
+    """Random init in place: normal(0, std) for matrices, ones for norms, zeros for biases and heads."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias") or name.startswith("score."):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=generator)
+
+
+def build_model(cfg: ModelConfig, kind: str = "lm", seed: Optional[int] = None, device="cpu") -> nn.Module:
+    """Build a full (unsharded) model. kind: lm (policy) | score (critic/reward). Seeded init if `seed`."""
+    cls = {"lm": LlamaForCausalLM, "score": LlamaForScore}.get(kind)
+    if cls is None:
+        raise ValueError(f"kind={kind!r}: valid choices are lm, score")
+    with torch.device(device):
+        model = cls(cfg)
+    if device != "meta":
+        g = torch.Generator().manual_seed(seed if seed is not None else 0)
+        init_weights(model, cfg.init_std, g)
+    return model
+
+
+def prune_to_stage(model: nn.Module, layer_ids: list[int], first: bool, last: bool) -> nn.Module:
+    """Keep only decoder layers `layer_ids` (global indices) and the ends this PP stage owns."""
+    trunk = model.model
+    keep = {str(i) for i in layer_ids}
+    for key in list(trunk.layers.keys()):
+        if key not in keep:
+            del trunk.layers[key]
+    if not first:
+        trunk.embed_tokens = None
+    if not last:
+        trunk.norm = None
+        for head in ("lm_head", "score"):
+            if hasattr(model, head):
+                setattr(model, head, None)
+    return model

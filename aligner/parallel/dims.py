@@ -1,0 +1,147 @@
+"""ParallelDims: a role's TP x PP x DP layout and its process groups, built from one device mesh.
+
+Owns: the only reads of RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in
+aligner (STYLE 2), process-group initialization (gloo on CPU, NCCL on GPU), and the
+mapping from a global rank to (dp_rank, pp_rank, tp_rank).
+
+Rank order follows Megatron: tp varies fastest, then pp, then dp, so a tp group is
+contiguous ranks (one node's GPUs) and the mesh is ``(dp, pp, tp)``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistEnv:
+    """What the launcher told this process (torchrun-style variables)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_environ(cls) -> "DistEnv":
+        """Read RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (defaults: single process)."""
+        env = os.environ
+        return cls(
+            rank=int(env.get("RANK", 0)),
+            world_size=int(env.get("WORLD_SIZE", 1)),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)),
+        )
+
+
+def init_process_group(env: Optional[DistEnv] = None, backend: Optional[str] = None, timeout_s: float = 300.0) -> DistEnv:
+    """Initialize the default process group from `env` (or the environment); no-op if already up.
+
+    backend: "gloo" or "nccl"; default NCCL when CUDA is available, else gloo.
+    """
+    env = env or DistEnv.from_environ()
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(env.local_rank)
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return env
+
+
+@dataclass(kw_only=True)
+class ParallelDims:
+    """tp_size x pp_size x dp_size = world_size, and the groups along each axis.
+
+    Raises ValueError naming the three sizes when their product is not the world size.
+    Call :meth:`build` after the default process group exists to create the groups.
+    """
+
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    world_size: int = 1
+    rank: int = 0
+    tp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
+    pp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
+    dp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
+    mesh: object = field(default=None, repr=False)  # torch DeviceMesh ("dp", "pp", "tp")
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "pp_size", "dp_size", "world_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.tp_size * self.pp_size * self.dp_size != self.world_size:
+            raise ValueError(
+                f"tp_size={self.tp_size} x pp_size={self.pp_size} x dp_size={self.dp_size} = "
+                f"{self.tp_size * self.pp_size * self.dp_size}, but world_size={self.world_size}: "
+                "change one of the three so their product equals the number of processes"
+            )
+
+    # ---- coordinates -------------------------------------------------------------
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return (self.rank // self.tp_size) % self.pp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.tp_size * self.pp_size)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+        """Global rank of the process at mesh coordinates (dp, pp, tp)."""
+        return (dp_rank * self.pp_size + pp_rank) * self.tp_size + tp_rank
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp_rank, pp_rank, tp_rank) of global `rank`."""
+        return rank // (self.tp_size * self.pp_size), (rank // self.tp_size) % self.pp_size, rank % self.tp_size
+
+    # ---- groups ------------------------------------------------------------------
+    def build(self) -> "ParallelDims":
+        """Create the device mesh and tp/pp/dp groups (collective: every rank must call it)."""
+        if self.world_size == 1:
+            return self
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        self.mesh = init_device_mesh(device, (self.dp_size, self.pp_size, self.tp_size), mesh_dim_names=("dp", "pp", "tp"))
+        self.tp_group = self.mesh.get_group("tp") if self.tp_size > 1 else None
+        self.pp_group = self.mesh.get_group("pp") if self.pp_size > 1 else None
+        self.dp_group = self.mesh.get_group("dp") if self.dp_size > 1 else None
+        return self
+
+    @classmethod
+    def from_env(cls, tp_size: int = 1, pp_size: int = 1, dp_size: Optional[int] = None, backend: Optional[str] = None) -> "ParallelDims":
+        """Initialize the default group from the environment and build the groups.
+
+        dp_size None: world_size // (tp_size * pp_size).
+        """
+        env = init_process_group(backend=backend) if int(os.environ.get("WORLD_SIZE", 1)) > 1 else DistEnv.from_environ()
+        if dp_size is None:
+            dp_size = max(1, env.world_size // (tp_size * pp_size))
+        dims = cls(tp_size=tp_size, pp_size=pp_size, dp_size=dp_size, world_size=env.world_size, rank=env.rank)
+        return dims.build()

@@ -1,0 +1,204 @@
+"""Layer classes the Llama model is built from, tensor/sequence parallel when given a group.
+
+Owns: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, RMSNorm and
+the ParallelLayer protocol they share (Shoeybi et al. 2019, "Megatron-LM";
+Korthikanti et al. 2022 for sequence parallelism).
+
+Each layer is built at full (unsharded) shape and runs single-process until
+:meth:`ParallelLayer.shard_` is called on it from ``aligner.parallel.tensor_parallel``
+with a tp group: the layer then keeps only its slice of each parameter, and its
+forward issues the collectives of the Megatron scheme. Model code never reads a rank.
+
+Sharded parameter slices: column-parallel weights split dim 0 (outputs), row-parallel
+weights split dim 1 (inputs), the vocab-parallel embedding splits dim 0 (vocabulary).
+A layer may carry a custom ``row_index`` (the output rows it owns in the full weight),
+used for GQA key/value heads replicated when num_kv_heads < tp_size.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from aligner.parallel import comm
+
+
+class ParallelLayer(nn.Module):
+    """Base of layers that know how to shard themselves over a tensor-parallel group."""
+
+    tp_group: Optional[dist.ProcessGroup] = None
+    sequence_parallel: bool = False
+
+    def shard_(self, tp_group: Optional[dist.ProcessGroup], sequence_parallel: bool = False) -> None:
+        """Keep this rank's slice of every parameter and use `tp_group` in forward."""
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel and comm.group_size(tp_group) > 1
+
+    def full_to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """Slice a full (unsharded) tensor for parameter `name` down to this rank's shard."""
+        return full
+
+    def local_to_full_spec(self, name: str) -> tuple[Optional[int], Optional[torch.Tensor]]:
+        """(dim, row_index) telling how shards of `name` assemble into the full tensor.
+
+        dim None: replicated. row_index: LongTensor of full rows this rank holds along dim
+        (None: contiguous equal chunks in tp-rank order).
+        """
+        return None, None
+
+
+def _replace_param(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    old = getattr(module, name)
+    setattr(module, name, nn.Parameter(value.detach().clone(), requires_grad=old.requires_grad))
+
+
+class ColumnParallelLinear(ParallelLayer):
+    """y = x W^T + b with W: [out, in] split along `out` over the tp group.
+
+    Args:
+        in_features, out_features: full sizes.
+        bias: add a bias (split with the outputs).
+    Forward: x: [B, T, in] ([B, T/tp, in] with sequence parallelism) -> [B, T, out/tp].
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.row_index: Optional[torch.Tensor] = None
+
+    def _rows(self) -> torch.Tensor:
+        if self.row_index is not None:
+            return self.row_index
+        n, r = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
+        per = self.out_features // n
+        return torch.arange(r * per, (r + 1) * per)
+
+    def shard_(self, tp_group, sequence_parallel: bool = False, row_index: Optional[torch.Tensor] = None) -> None:
+        super().shard_(tp_group, sequence_parallel)
+        n = comm.group_size(tp_group)
+        if row_index is None and self.out_features % n:
+            raise ValueError(f"ColumnParallelLinear: out_features={self.out_features} not divisible by tp_size={n}")
+        self.row_index = row_index
+        rows = self._rows()
+        _replace_param(self, "weight", self.weight[rows] if self.weight.device.type != "meta" else torch.empty(len(rows), self.in_features, device="meta", dtype=self.weight.dtype))
+        if self.bias is not None:
+            _replace_param(self, "bias", self.bias[rows] if self.bias.device.type != "meta" else torch.empty(len(rows), device="meta", dtype=self.bias.dtype))
+
+    def full_to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return full[self._rows()] if comm.group_size(self.tp_group) > 1 or self.row_index is not None else full
+
+    def local_to_full_spec(self, name: str):
+        return 0, self.row_index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = comm.gather_from_sp(x, self.tp_group)
+        else:
+            x = comm.copy_to_tp(x, self.tp_group)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(ParallelLayer):
+    """y = x W^T + b with W: [out, in] split along `in`; partial sums all-reduced over tp.
+
+    Forward: x: [B, T, in/tp] -> [B, T, out] ([B, T/tp, out] reduce-scattered with
+    sequence parallelism). The bias is replicated and added after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def shard_(self, tp_group, sequence_parallel: bool = False) -> None:
+        super().shard_(tp_group, sequence_parallel)
+        n = comm.group_size(tp_group)
+        if self.in_features % n:
+            raise ValueError(f"RowParallelLinear: in_features={self.in_features} not divisible by tp_size={n}")
+        _replace_param(self, "weight", self.full_to_local("weight", self.weight) if self.weight.device.type != "meta" else torch.empty(self.out_features, self.in_features // n, device="meta", dtype=self.weight.dtype))
+
+    def full_to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        if name == "bias":
+            return full
+        n, r = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
+        return full.chunk(n, dim=1)[r] if n > 1 else full
+
+    def local_to_full_spec(self, name: str):
+        return (None, None) if name == "bias" else (1, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = comm.scatter_to_sp(y, self.tp_group)
+        else:
+            y = comm.reduce_from_tp(y, self.tp_group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(ParallelLayer):
+    """Token embedding with the vocabulary split over tp (Megatron VocabParallelEmbedding).
+
+    Forward: input_ids: [B, T] int64 -> [B, T, H] (all-reduced), or [B, T/tp, H]
+    (reduce-scattered) with sequence parallelism. Ids outside this rank's range
+    contribute zeros. num_embeddings must be divisible by tp_size.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+        self.vocab_start = 0
+
+    def shard_(self, tp_group, sequence_parallel: bool = False) -> None:
+        super().shard_(tp_group, sequence_parallel)
+        n = comm.group_size(tp_group)
+        if self.num_embeddings % n:
+            raise ValueError(f"VocabParallelEmbedding: vocab_size={self.num_embeddings} not divisible by tp_size={n}")
+        per = self.num_embeddings // n
+        self.vocab_start = comm.group_rank(tp_group) * per
+        _replace_param(self, "weight", self.full_to_local("weight", self.weight) if self.weight.device.type != "meta" else torch.empty(per, self.embedding_dim, device="meta", dtype=self.weight.dtype))
+
+    def full_to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        n, r = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
+        return full.chunk(n, dim=0)[r] if n > 1 else full
+
+    def local_to_full_spec(self, name: str):
+        return 0, None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if comm.group_size(self.tp_group) == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return comm.scatter_to_sp(out, self.tp_group)
+        return comm.reduce_from_tp(out, self.tp_group)
+
+
+class RMSNorm(ParallelLayer):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019), computed in fp32 as HF Llama does.
+
+    Forward: x: [..., H] -> [..., H] in x's dtype. The weight is replicated over tp;
+    with sequence parallelism its gradient is partial per rank and is all-reduced over
+    the tp group by ``aligner.parallel.tensor_parallel.sync_sequence_parallel_grads``.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)

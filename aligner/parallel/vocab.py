@@ -1,0 +1,91 @@
+"""Vocab-parallel per-token log-probs and entropy: no rank ever holds full-vocabulary logits.
+
+Owns the fused softmax statistics of Megatron's ``vocab_parallel_cross_entropy``
+(Shoeybi et al. 2019), extended to entropy as NeMo-Aligner's
+``from_parallel_logits_to_logprobs`` and verl's vocab-parallel entropy do:
+
+    m        = max_v logits              (all-reduce MAX over tp, no gradient)
+    Z        = sum_v exp(logits - m)     (all-reduce SUM over tp)
+    log p(y) = logits[y] - m - log Z     (logits[y] from the rank owning y, all-reduce SUM)
+    H        = m + log Z - sum_v p_v * logits_v
+
+All math is fp32 whatever the logits dtype. With ``tp_group=None`` this is the
+single-process computation, which the tests use as reference.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from aligner.parallel import comm
+
+
+def _stats(logits: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    logits = logits.float()
+    m = logits.detach().max(dim=-1, keepdim=True).values
+    comm.all_reduce_no_grad(m, tp_group, op=dist.ReduceOp.MAX)
+    shifted = logits - m
+    exp = shifted.exp()
+    z = comm.reduce_from_tp(exp.sum(dim=-1, keepdim=True), tp_group)
+    return shifted, exp, z
+
+
+def vocab_parallel_log_probs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    vocab_start: int = 0,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-probabilities of `labels` under softmax(logits / temperature).
+
+    Args:
+        logits: [B, T, V/tp] this rank's vocabulary shard (any float dtype).
+        labels: [B, T] int64 token ids in the full vocabulary.
+        tp_group: tensor-parallel group the vocabulary is split over (None: single process).
+        vocab_start: first vocabulary id of this rank's shard.
+        temperature: > 0; logits are divided by it (the rollout sampling temperature).
+    Returns:
+        log_probs: [B, T] fp32, differentiable w.r.t. logits.
+    Raises:
+        ValueError: temperature <= 0.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0 for log-probs (greedy uses 1.0)")
+    if temperature != 1.0:
+        logits = logits.float() / temperature
+    shifted, _, z = _stats(logits, tp_group)
+    local = labels - vocab_start
+    inside = (local >= 0) & (local < shifted.shape[-1])
+    picked = shifted.gather(-1, local.clamp(0, shifted.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    picked = comm.reduce_from_tp(picked * inside, tp_group)
+    return picked - z.squeeze(-1).log()
+
+
+def vocab_parallel_entropy(
+    logits: torch.Tensor, tp_group: Optional[dist.ProcessGroup] = None, temperature: float = 1.0
+) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per position.
+
+    Args:
+        logits: [B, T, V/tp] this rank's vocabulary shard.
+    Returns:
+        entropy: [B, T] fp32 nats, differentiable.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    if temperature != 1.0:
+        logits = logits.float() / temperature
+    shifted, exp, z = _stats(logits, tp_group)
+    weighted = comm.reduce_from_tp((exp * shifted).sum(dim=-1, keepdim=True), tp_group)
+    return (z.log() - weighted / z).squeeze(-1)
+
+
+def shifted_log_probs(
+    logits: torch.Tensor, input_ids: torch.Tensor, tp_group=None, vocab_start: int = 0, temperature: float = 1.0
+) -> torch.Tensor:
+    """Next-token log-probs: logits [B, T, V/tp], input_ids [B, T] -> [B, T-1] (position t scores token t+1)."""
+    return vocab_parallel_log_probs(logits[:, :-1], input_ids[:, 1:], tp_group, vocab_start, temperature)
