@@ -155,7 +155,7 @@ def test_build_kl_controller_bad_inputs():
 
 
 def test_token_rewards_score_at_last_response_token_of_ragged_rows():
-    scores = _t(1.0, 2.0, -3.0)[0]
+    scores = torch.tensor([1.0, 2.0, -3.0])
     kl = torch.full((3, 5), 0.5)
     mask = _ragged_mask([5, 2, 1], 5)
     r = alg.compute_token_rewards(scores, kl, mask, kl_coef=0.1)
@@ -229,6 +229,15 @@ def test_gae_matches_slow_reference_on_ragged_rows_with_garbage_padding():
     torch.testing.assert_close(adv, expected)
     torch.testing.assert_close(ret, (expected + values) * mask)
     assert torch.all(adv[mask == 0] == 0)
+
+
+def test_gae_skips_interior_masked_positions():
+    # a masked hole (e.g. a tool-output span) is skipped: same result as the compacted row
+    rewards, values = _t([0.3, 9.0, -0.2, 1.0]), _t([0.5, 7.0, 0.1, -0.4])
+    adv, _ = alg.compute_gae(rewards, values, _t([1.0, 0.0, 1.0, 1.0]), gamma=0.9, gae_lambda=0.7)
+    compact, _ = alg.compute_gae(rewards[:, [0, 2, 3]], values[:, [0, 2, 3]], torch.ones(1, 3), 0.9, 0.7)
+    torch.testing.assert_close(adv[:, [0, 2, 3]], compact)
+    assert adv[0, 1].item() == 0.0
 
 
 def test_gae_carries_no_gradient_and_checks_ranges():
