@@ -149,10 +149,6 @@ class DataConfig:
             f"must exceed {prefix}.max_prompt_len={self.max_prompt_len}",
         )
         _check(0.0 <= self.eval_fraction < 1.0, f"{prefix}.eval_fraction", self.eval_fraction, "must be in [0, 1)")
-        for name in ("train_path", "eval_path"):
-            path = getattr(self, name)
-            if path and not os.path.exists(path):
-                raise ConfigError(f"{prefix}.{name}={path!r} does not exist: give an existing jsonl/json/parquet file or dataset dir")
 
 
 @dataclass(kw_only=True)
@@ -163,16 +159,20 @@ class TaskConfig:
     seed: int = 1234  # generator seed: the whole task is a function of it
     min_digits: int = 1  # smallest operand width
     max_digits: int = 2  # largest operand width
-    num_sft: int = 4000  # SFT demonstrations
-    sft_error_rate: float = 0.35  # fraction of demonstrations with a deliberately wrong answer
-    num_pairs: int = 3000  # preference pairs for the RM
-    num_rl: int = 2000  # RL prompts
-    num_eval: int = 256  # held-out prompts with a rule checker
-    tokenizer_vocab_size: int = 256  # size of the trained BPE vocabulary
+    num_sft: int = 4000  # SFT demonstrations, rows
+    carry_error_rate: float = 0.6  # fraction of carry problems whose SFT demonstration forgets the carry (wrong)
+    num_pairs: int = 3000  # preference pairs for the RM, rows
+    num_rl: int = 2000  # RL prompts, rows
+    num_eval: int = 256  # held-out problems (disjoint from every train split), rows per eval split
+    tokenizer_vocab_size: int = 256  # upper bound on the trained BPE vocabulary, tokens (specials included)
 
     def validate(self, prefix: str = "task") -> None:
-        _check(0 < self.min_digits <= self.max_digits, f"{prefix}.min_digits", self.min_digits, "need 0 < min_digits <= max_digits")
-        _check(0.0 <= self.sft_error_rate < 1.0, f"{prefix}.sft_error_rate", self.sft_error_rate, "must be in [0, 1)")
+        _choice(f"{prefix}.name", self.name, ("addition",))
+        _check(0 < self.min_digits <= self.max_digits <= 9, f"{prefix}.min_digits", self.min_digits, "need 0 < min_digits <= max_digits <= 9")
+        _check(0.0 <= self.carry_error_rate <= 1.0, f"{prefix}.carry_error_rate", self.carry_error_rate, "must be in [0, 1]")
+        for name in ("num_sft", "num_pairs", "num_rl", "num_eval"):
+            _check(getattr(self, name) >= 1, f"{prefix}.{name}", getattr(self, name), "must be >= 1")
+        _check(self.tokenizer_vocab_size >= 20, f"{prefix}.tokenizer_vocab_size", self.tokenizer_vocab_size, "must be >= 20 (specials, digits and +-=)")
 
 
 @dataclass(kw_only=True)
@@ -297,8 +297,6 @@ class RoleConfig:
         _check(self.resources.num_nodes >= 1, f"{prefix}.resources.num_nodes", self.resources.num_nodes, "must be >= 1")
         _check(self.resources.gpus_per_node >= 0, f"{prefix}.resources.gpus_per_node", self.resources.gpus_per_node, "must be >= 0")
         _check(self.resources.cpus_per_worker >= 1, f"{prefix}.resources.cpus_per_worker", self.resources.cpus_per_worker, "must be >= 1")
-        if self.init and not os.path.exists(self.init):
-            raise ConfigError(f"{prefix}.init={self.init!r} does not exist: give an aligner checkpoint dir or an HF model dir")
 
 
 @dataclass(kw_only=True)
@@ -481,6 +479,25 @@ class AlignerConfig:
                 self.trainer.n_samples_per_prompt,
                 f"algorithm.advantage={self.algorithm.advantage} needs >= 2 samples per prompt",
             )
+
+    def check_paths(self, roles: tuple[str, ...] = ("actor", "critic", "reward", "ref")) -> None:
+        """Check that every input path the run will read exists (after planning, before any work).
+
+        Raises ConfigError naming the field, the path and what to give instead.
+        """
+        for name in ("train_path", "eval_path"):
+            path = getattr(self.data, name)
+            if path and not os.path.exists(path):
+                raise ConfigError(f"data.{name}={path!r} does not exist: give an existing jsonl/json/parquet file or a saved HF dataset dir")
+        if self.tokenizer.path and not os.path.exists(self.tokenizer.path):
+            raise ConfigError(f"tokenizer.path={self.tokenizer.path!r} does not exist: give an HF tokenizer dir, tokenizer.json or tokenizer.model")
+        for role in roles:
+            path = self.role(role).init
+            if path and not os.path.exists(path):
+                raise ConfigError(
+                    f"{role}.init={path!r} does not exist: give an aligner checkpoint dir or an HF model dir "
+                    "(for conf=tiny, run `python -m aligner.sft` and `python -m aligner.rm` first, or `make demo`)"
+                )
 
     def role(self, name: str) -> RoleConfig:
         """The RoleConfig of `name` (actor, critic, reward, ref); ValueError for other names."""
