@@ -73,6 +73,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_word_embeddings: bool = False  # lm_head shares the embedding matrix
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2 style)
+    o_proj_bias: bool = False  # bias on the attention output projection too (HF Llama attention_bias=true)
     init_std: float = 0.02  # normal init std for random weights
     backend: str = "torch"  # layer implementation: torch | te (Transformer Engine, NVIDIA GPUs)
     dtype: str = "float32"  # parameter dtype when not training with mixed precision
@@ -109,6 +110,8 @@ class ModelConfig:
         attn = h * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.attention_bias:
             attn += hd * (self.num_heads + 2 * self.num_kv_heads)
+        if self.o_proj_bias:
+            attn += h
         mlp = 3 * h * self.intermediate_size
         layer = attn + mlp + 2 * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
@@ -424,6 +427,7 @@ class ClusterConfig:
     gpu_peak_tflops: float = 989.0  # dense bf16 peak per GPU, TFLOP/s (H100 SXM), for plans
     intra_node_gbps: float = 450.0  # NVLink bandwidth per GPU, GB/s, for plans
     inter_node_gbps: float = 50.0  # network bandwidth per GPU, GB/s, for plans
+    hbm_gbps: float = 3350.0  # HBM bandwidth per GPU, GB/s (H100 SXM), for plans (decode is bandwidth bound)
 
     def validate(self, prefix: str = "cluster") -> None:
         _check(self.num_nodes >= 1, f"{prefix}.num_nodes", self.num_nodes, "must be >= 1")

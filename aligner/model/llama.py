@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from aligner.config import ModelConfig
 from aligner.parallel import comm
-from aligner.parallel.layers import ColumnParallelLinear, ParallelLayer, RMSNorm, RowParallelLinear, VocabParallelEmbedding
+from aligner.parallel.layers import ColumnParallelLinear, ParallelLayer, RMSNorm, RowParallelLinear, VocabParallelEmbedding, column_parallel_linears
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -99,7 +99,7 @@ class Attention(nn.Module):
         self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_heads * hd, bias=cfg.attention_bias)
         self.k_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
         self.v_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
-        self.o_proj = RowParallelLinear(cfg.num_heads * hd, cfg.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.recompute_core = False
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -112,11 +112,11 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, kv_cache: Optional[KVCache] = None, cache_positions=None):
         """x: [B, T(/tp with SP), H] -> [B, T(/tp), H]."""
-        q = self.q_proj(x)
+        q, k, v = column_parallel_linears(x, (self.q_proj, self.k_proj, self.v_proj))
         b, t = q.shape[0], q.shape[1]
         q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, cache_positions)
@@ -137,7 +137,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = column_parallel_linears(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -185,6 +186,7 @@ class LlamaModel(nn.Module):
         self.norm: Optional[RMSNorm] = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.recompute = "none"  # none | selective | full; set by aligner.parallel
+        self.seq_shards = 1  # hidden states hold T / seq_shards positions (tp_size with sequence parallelism)
 
     def set_recompute(self, mode: str) -> None:
         """Activation recomputation: none | selective (attention core) | full (whole layer)."""
@@ -212,7 +214,7 @@ class LlamaModel(nn.Module):
         else:
             h = x
             b = h.shape[0]
-            t = position_ids.shape[1] if position_ids is not None else h.shape[1]
+            t = position_ids.shape[1] if position_ids is not None else h.shape[1] * self.seq_shards
         device = h.device
         if position_ids is None:
             position_ids = default_position_ids(b, t, device, segment_ids)
