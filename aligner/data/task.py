@@ -1,0 +1,242 @@
+"""The built-in task: multi-digit addition ("12+39=" -> "51" then EOS), a function of TaskConfig.seed.
+
+Owns: problem generation, the rule checker :func:`check_answer`, every split of the task
+(SFT demonstrations, preference pairs, RL prompts, and held-out eval versions of each),
+the task's own tokenizer (:func:`build_task_tokenizer`) and :func:`write_task_files`, which
+materializes the splits as jsonl in the standard formats (sft, pairs, prompt) so that the
+task goes through the same loading path as user data.
+
+The SFT demonstrations are deliberately imperfect so that PPO has something to fix: for
+problems with a carry, a fraction ``carry_error_rate`` (default 60%) of demonstrations
+"forget the carry" (each column's digit sum mod 10, e.g. 15+27 -> "32"). An SFT model then
+answers carry problems wrong greedily (the majority answer) while the correct answer still
+appears in the data (sampling finds it, the RM and the rule reward prefer it). Problems
+without a carry are always demonstrated correctly, so held-out greedy accuracy of an SFT
+model is about the fraction of carry-free problems: ~47% with the default 1-2 digit operands.
+
+Determinism: every split draws from ``random.Random(f"{seed}:{split}")`` (Python's string
+seeding is independent of PYTHONHASHSEED). The held-out problems are drawn first and
+excluded from every train split.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from typing import Optional
+
+from aligner.config import TaskConfig
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+_PROMPT_RE = re.compile(r"^\s*(\d+)\s*\+\s*(\d+)\s*=\s*$")
+# Characters of the task tokenizer, in priority order (cut to the vocabulary budget).
+_ALPHABET = "0123456789+=-▁?\n" + "abcdefghijklmnopqrstuvwxyz" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ.,:!*/()#'\""
+
+
+def _draw_operand(rng: random.Random, cfg: TaskConfig) -> int:
+    width = rng.randint(cfg.min_digits, cfg.max_digits)
+    lo = 0 if width == 1 else 10 ** (width - 1)
+    return rng.randint(lo, 10**width - 1)
+
+
+def make_prompt(a: int, b: int) -> str:
+    """The prompt text of problem a + b, e.g. ``make_prompt(12, 39) == "12+39="``."""
+    return f"{a}+{b}="
+
+
+def parse_prompt(prompt: str) -> tuple[int, int]:
+    """(a, b) of a task prompt "a+b="; ValueError naming the prompt when it is not one."""
+    m = _PROMPT_RE.match(prompt)
+    if m is None:
+        raise ValueError(f"not an addition-task prompt: {prompt!r} (expected digits '+' digits '=', e.g. '12+39=')")
+    return int(m.group(1)), int(m.group(2))
+
+
+def has_carry(a: int, b: int) -> bool:
+    """True when adding a and b column by column (base 10) carries at least once."""
+    while a or b:
+        if a % 10 + b % 10 >= 10:
+            return True
+        a, b = a // 10, b // 10
+    return False
+
+
+def forget_carry(a: int, b: int) -> str:
+    """The "forgot the carry" answer: each column's digit sum mod 10 (15+27 -> "32", 95+17 -> "2")."""
+    digits, place = 0, 1
+    while a or b:
+        digits += ((a % 10 + b % 10) % 10) * place
+        a, b, place = a // 10, b // 10, place * 10
+    return str(digits)
+
+
+def check_answer(prompt: str, response: str) -> bool:
+    """True iff `response` (stripped of surrounding whitespace) is exactly the decimal sum.
+
+    prompt: "a+b=" (ValueError otherwise); response: decoded text without special tokens.
+    """
+    a, b = parse_prompt(prompt)
+    return response.strip() == str(a + b)
+
+
+def _wrong_answer(rng: random.Random, a: int, b: int) -> tuple[str, str]:
+    """A plausible wrong answer and its kind: dropped_carry | off_by_one_digit | off_by_ten."""
+    correct = a + b
+    kinds = ["off_by_one_digit", "off_by_ten"] + (["dropped_carry"] * 2 if has_carry(a, b) else [])
+    while True:
+        kind = rng.choice(kinds)
+        if kind == "dropped_carry":
+            wrong = forget_carry(a, b)
+        elif kind == "off_by_one_digit":
+            place = 10 ** rng.randrange(len(str(correct)))
+            wrong = str(correct + rng.choice((-1, 1)) * place)
+        else:
+            wrong = str(correct + rng.choice((-10, 10)))
+        if not wrong.startswith("-") and wrong != str(correct):
+            return wrong, kind
+
+
+def _problems(cfg: TaskConfig, split: str, n: int, exclude: frozenset) -> list[tuple[int, int]]:
+    rng = random.Random(f"{cfg.seed}:{split}")
+    out = []
+    tries = 0
+    while len(out) < n:
+        tries += 1
+        if tries > 100 * n + 10000:
+            raise ValueError(
+                f"task: cannot draw {n} {split} problems outside the held-out set with "
+                f"task.min_digits={cfg.min_digits}, task.max_digits={cfg.max_digits}: raise task.max_digits or lower task.num_eval"
+            )
+        p = (_draw_operand(rng, cfg), _draw_operand(rng, cfg))
+        if p not in exclude:
+            out.append(p)
+    return out
+
+
+def eval_problems(cfg: TaskConfig) -> list[tuple[int, int]]:
+    """The held-out problems (distinct pairs, disjoint from every train split)."""
+    rng = random.Random(f"{cfg.seed}:eval")
+    space = (10**cfg.max_digits) ** 2
+    if cfg.num_eval > space // 4:
+        raise ValueError(f"task.num_eval={cfg.num_eval} is too large for task.max_digits={cfg.max_digits}: use at most {space // 4}")
+    seen: dict = {}
+    while len(seen) < cfg.num_eval:
+        seen.setdefault((_draw_operand(rng, cfg), _draw_operand(rng, cfg)), None)
+    return list(seen)
+
+
+def sft_records(cfg: TaskConfig, split: str = "train") -> list[dict]:
+    """SFT rows {"prompt", "response", "correct"}: train has carry errors at carry_error_rate, eval is all correct."""
+    held = eval_problems(cfg)
+    if split == "eval":
+        return [{"prompt": make_prompt(a, b), "response": str(a + b), "correct": True} for a, b in held]
+    rng = random.Random(f"{cfg.seed}:sft_errors")
+    rows = []
+    for a, b in _problems(cfg, "sft", cfg.num_sft, frozenset(held)):
+        wrong = has_carry(a, b) and rng.random() < cfg.carry_error_rate
+        rows.append({"prompt": make_prompt(a, b), "response": forget_carry(a, b) if wrong else str(a + b), "correct": not wrong})
+    return rows
+
+
+def pair_records(cfg: TaskConfig, split: str = "train") -> list[dict]:
+    """Preference rows {"prompt", "chosen" (correct), "rejected" (plausibly wrong), "rejected_kind"}."""
+    held = eval_problems(cfg)
+    problems = held if split == "eval" else _problems(cfg, "pairs", cfg.num_pairs, frozenset(held))
+    rng = random.Random(f"{cfg.seed}:pairs_{split}")
+    rows = []
+    for a, b in problems:
+        wrong, kind = _wrong_answer(rng, a, b)
+        rows.append({"prompt": make_prompt(a, b), "chosen": str(a + b), "rejected": wrong, "rejected_kind": kind})
+    return rows
+
+
+def rl_records(cfg: TaskConfig, split: str = "train") -> list[dict]:
+    """RL prompt rows {"prompt", "answer"} (answer: the reference sum, for rule rewards and metrics)."""
+    held = eval_problems(cfg)
+    problems = held if split == "eval" else _problems(cfg, "rl", cfg.num_rl, frozenset(held))
+    return [{"prompt": make_prompt(a, b), "answer": str(a + b)} for a, b in problems]
+
+
+TASK_SPLITS = {
+    "sft_train": (sft_records, "train"),
+    "sft_eval": (sft_records, "eval"),
+    "pairs_train": (pair_records, "train"),
+    "pairs_eval": (pair_records, "eval"),
+    "rl_train": (rl_records, "train"),
+    "rl_eval": (rl_records, "eval"),
+}
+
+
+def write_task_files(cfg: TaskConfig, out_dir: str) -> dict[str, str]:
+    """Write every split as jsonl under `out_dir`; returns {split name: path}.
+
+    Keys: sft_train, sft_eval (format sft), pairs_train, pairs_eval (format pairs),
+    rl_train, rl_eval (format prompt, with the extra field "answer" kept as metadata).
+    Files are rewritten only when their content would change (so concurrent readers and
+    repeated runs see identical bytes).
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {}
+    for name, (fn, split) in TASK_SPLITS.items():
+        path = os.path.join(out_dir, f"{name}.jsonl")
+        text = "".join(json.dumps(r) + "\n" for r in fn(cfg, split))
+        _write_if_changed(path, text)
+        paths[name] = path
+    return paths
+
+
+def _write_if_changed(path: str, text: str) -> None:
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            if f.read() == text:
+                return
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def build_task_tokenizer(cfg: TaskConfig, out_dir: str, corpus: Optional[list[str]] = None) -> str:
+    """Train the task's BPE tokenizer and save it as ``out_dir/tokenizer.json``; returns that path.
+
+    Single digits are always their own tokens (the pre-tokenizer isolates digits and
+    punctuation; spaces become "▁" via Metaspace and are restored on decode). Special
+    tokens: <pad>=0, <bos>=1, <eos>=2, <unk>=3. The initial alphabet is the task's
+    characters first, then letters and punctuation while the budget allows, so the
+    vocabulary size is <= task.tokenizer_vocab_size (merges are learned only from
+    `corpus`, default: every task split's text).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    budget = cfg.tokenizer_vocab_size - len(SPECIAL_TOKENS)
+    alphabet = list(_ALPHABET[:budget])
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never"),
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.Split(Regex(r"[^\w▁]"), behavior="isolated"),
+        ]
+    )
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="never")
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.tokenizer_vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=alphabet,
+        limit_alphabet=len(alphabet),
+        show_progress=False,
+    )
+    if corpus is None:
+        corpus = []
+        for fn, split in TASK_SPLITS.values():
+            for r in fn(cfg, split):
+                corpus.extend(str(v) for k, v in r.items() if k in ("prompt", "response", "chosen", "rejected"))
+    tok.train_from_iterator(corpus, trainer=trainer)
+    vocab = tok.get_vocab_size()
+    assert vocab <= cfg.tokenizer_vocab_size, (vocab, cfg.tokenizer_vocab_size)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "tokenizer.json")
+    _write_if_changed(path, tok.to_str())
+    return path

@@ -1,0 +1,74 @@
+"""Rule-based rewards (``reward.type=rule``), a registry by name (``reward.rule=NAME``).
+
+Owns: :data:`RULES` and :func:`score`. Every rule maps one (prompt, response, metadata)
+to a float in [0, 1]:
+
+- "task_accuracy": the built-in addition task's checker (aligner.data.task.check_answer):
+  1.0 when the response is exactly the sum, else 0.0.
+- "gsm8k": 1.0 when the response's final number (after its last "####" if any, else its
+  last number) equals ``metadata["answer"]`` (the gsm8k reference after "####"), compared
+  as numbers after removing thousands separators, else 0.0 (as in the GSM8K paper's
+  exact-match metric, Cobbe et al. 2021).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Optional
+
+import torch
+
+from aligner.data.task import check_answer
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _task_accuracy(prompt: str, response: str, metadata: dict) -> float:
+    return 1.0 if check_answer(prompt, response) else 0.0
+
+
+def extract_final_number(text: str) -> Optional[str]:
+    """The number after the last "####" in `text`, else the last number in it; commas removed; None if none."""
+    tail = text.rsplit("####", 1)[1] if "####" in text else text
+    nums = _NUMBER.findall(tail)
+    if not nums:
+        return None
+    return (nums[0] if "####" in text else nums[-1]).replace(",", "").rstrip(".")
+
+
+def _same_number(a: str, b: str) -> bool:
+    try:
+        return abs(float(a) - float(b)) < 1e-6
+    except ValueError:
+        return a == b
+
+
+def _gsm8k(prompt: str, response: str, metadata: dict) -> float:
+    if "answer" not in metadata:
+        raise ValueError("reward.rule=gsm8k needs metadata['answer'] (the reference after '####'): use data.format=gsm8k data")
+    got = extract_final_number(response)
+    ref = str(metadata["answer"]).replace(",", "").strip()
+    return 1.0 if got is not None and _same_number(got, ref) else 0.0
+
+
+RULES: dict[str, Callable[[str, str, dict], float]] = {"task_accuracy": _task_accuracy, "gsm8k": _gsm8k}
+
+
+def get_rule(name: str) -> Callable[[str, str, dict], float]:
+    """The rule function called `name`; ValueError listing the valid names otherwise."""
+    if name not in RULES:
+        raise ValueError(f"reward.rule={name!r} is unknown: valid rules are {', '.join(RULES)}")
+    return RULES[name]
+
+
+def score(name: str, prompts: list[str], responses: list[str], metadata: Optional[list[dict]] = None) -> torch.Tensor:
+    """Scores [B] float32 of rule `name` for B (prompt, response, metadata) triples.
+
+    prompts / responses: decoded text (special tokens removed); metadata: per-row dicts
+    (defaults to empty dicts). Raises ValueError for an unknown rule or mismatched lengths.
+    """
+    fn = get_rule(name)
+    metadata = metadata if metadata is not None else [{} for _ in prompts]
+    if not len(prompts) == len(responses) == len(metadata):
+        raise ValueError(f"score: {len(prompts)} prompts, {len(responses)} responses, {len(metadata)} metadata rows: give one of each per sample")
+    return torch.tensor([fn(p, r, m) for p, r, m in zip(prompts, responses, metadata)], dtype=torch.float32)
