@@ -97,11 +97,55 @@ class ColumnParallelLinear(ParallelLayer):
         return 0, self.row_index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = comm.gather_from_sp(x, self.tp_group)
-        else:
-            x = comm.copy_to_tp(x, self.tp_group)
-        return F.linear(x, self.weight, self.bias)
+        return column_parallel_linears(x, (self,))[0]
+
+
+class _SPGatherLinears(torch.autograd.Function):
+    """All-gather x along the sequence once, apply several column-parallel linears to it.
+
+    Saves only the local shard x: [B, T/tp, in] and all-gathers it again in backward
+    (Korthikanti et al. 2022, sec. 4.2.2), so the gathered input costs 1/tp of the memory.
+    Backward: grad_x = reduce_scatter(sum_i g_i W_i), grad_W_i = g_i^T x_full, grad_b_i = sum g_i.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, *weights_and_biases):
+        full = comm._all_gather(x, group, comm.SEQ_DIM)
+        pairs = list(zip(weights_and_biases[0::2], weights_and_biases[1::2]))
+        ctx.group, ctx.has_bias = group, [b is not None for _, b in pairs]
+        ctx.save_for_backward(x, *[w for w, _ in pairs])
+        return tuple(F.linear(full, w, b) for w, b in pairs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        full = comm._all_gather(x, ctx.group, comm.SEQ_DIM).flatten(0, -2)
+        grad_full, out = None, []
+        for g, w, has_b in zip(grads, weights, ctx.has_bias):
+            g2 = g.flatten(0, -2)
+            gi = g2 @ w
+            grad_full = gi if grad_full is None else grad_full + gi
+            out += [g2.t() @ full, g2.sum(0) if has_b else None]
+        grad_x = comm._reduce_scatter(grad_full.view(x.shape[0], -1, x.shape[-1]), ctx.group, comm.SEQ_DIM)
+        return (grad_x, None, *out)
+
+
+def column_parallel_linears(x: torch.Tensor, layers) -> tuple[torch.Tensor, ...]:
+    """Apply column-parallel linears that share one input with one input collective.
+
+    x: [B, T, in] ([B, T/tp, in] with sequence parallelism) -> one [B, T, out_i/tp] per layer.
+    Without sequence parallelism the shared input passes one ``copy_to_tp`` (a single
+    all-reduce of the summed input gradient in backward, as Megatron's fused QKV does);
+    with it, one all-gather forward and one reduce-scatter backward, saving only the
+    local shard. All layers must share tp_group and sequence_parallel.
+    """
+    first = layers[0]
+    assert all(l.tp_group is first.tp_group and l.sequence_parallel == first.sequence_parallel for l in layers)
+    if first.sequence_parallel:
+        args = [t for l in layers for t in (l.weight, l.bias)]
+        return _SPGatherLinears.apply(x, first.tp_group, *args)
+    x = comm.copy_to_tp(x, first.tp_group)
+    return tuple(F.linear(x, l.weight, l.bias) for l in layers)
 
 
 class RowParallelLinear(ParallelLayer):
@@ -189,7 +233,7 @@ class RMSNorm(ParallelLayer):
 
     Forward: x: [..., H] -> [..., H] in x's dtype. The weight is replicated over tp;
     with sequence parallelism its gradient is partial per rank and is all-reduced over
-    the tp group by ``aligner.parallel.tensor_parallel.sync_sequence_parallel_grads``.
+    the tp group by ``aligner.parallel.tensor_parallel.sync_tp_grads``.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5):
