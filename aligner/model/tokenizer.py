@@ -73,9 +73,7 @@ def load_tokenizer(path: str, chat_template: str = "") -> transformers.PreTraine
             tok = _load_sentencepiece(path)
         else:
             raise ValueError("unrecognized file name")
-    except (FileNotFoundError, ValueError, OSError, RuntimeError, TypeError, KeyError) as e:
-        if isinstance(e, ValueError) and str(e).startswith("tokenizer.path"):
-            raise
+    except Exception as e:  # tokenizers raises bare Exception for malformed tokenizer.json
         raise ValueError(
             f"tokenizer.path={path!r} is not a loadable tokenizer ({type(e).__name__}: {e}): give an HF tokenizer dir, "
             "a tokenizer.json written by the `tokenizers` library, or a sentencepiece tokenizer.model"
