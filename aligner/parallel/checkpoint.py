@@ -1,0 +1,392 @@
+"""Resharding checkpoints of a TrainEngine (torch.distributed.checkpoint) and gather-to-HF export.
+
+Owns:
+
+- :func:`save_checkpoint` / :func:`load_checkpoint`: model parameters and AdamW state (and the
+  step) written with ``dcp.save`` and read with ``dcp.load``. Keys are full HF names
+  (``model/<hf name>``, ``optim/<hf name>/{exp_avg,exp_avg_sq,step}``, ``step``). Every
+  tensor is described by its *global* (unsharded) shape and this rank's offset in it, so a
+  checkpoint saved under one tp/pp/dp layout loads under any other:
+
+  * our TP is manual (plain local tensors), so each local shard is wrapped as a DTensor on a
+    ``(tp, dp)`` DeviceMesh of this rank's pipeline stage: ``Shard(d)`` over tp for a
+    parameter split along d (``ParallelLayer.local_to_full_spec``), ``Replicate()`` for
+    replicated ones; over dp ``Shard(0)`` for FSDP2 (which shards the TP-local tensor along
+    dim 0 with torch.chunk sizes: tp outer, dp inner, exactly DTensor's nested Shard order)
+    or ``Replicate()`` (DDP). dcp writes each distinct chunk once (replicas deduplicated).
+  * GQA key/value rows replicated over tp (num_kv_heads < tp_size) have no Shard form; they
+    are gathered and saved as full tensors, and sliced again on load.
+  * pipeline stages save disjoint keys; dcp merges them into one metadata file.
+
+  Writes go to ``<dir>.tmp`` and are renamed to ``<dir>`` after every rank finished (an
+  existing ``<dir>`` is replaced), so a crash never leaves a half checkpoint under the final
+  name. ``meta.json`` records the layout, step and model config.
+- :func:`gather_full_state_dict_any`: every HF-named full tensor from any layout (FSDP2
+  DTensors, TP shards, PP stages, ZeRO-3 partitions); :func:`export_hf` writes it with
+  :func:`aligner.model.hf.save_hf` (safetensors + config.json) from global rank 0.
+
+Simplification: DeepSpeed engines checkpoint with DeepSpeed's own ``save_checkpoint`` (ZeRO
+partitions, reloadable at the same dp size only); export to HF works for them from any stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from aligner.parallel import comm
+from aligner.parallel.layers import ParallelLayer
+
+META_FILE = "meta.json"
+_MESHES: dict[tuple, Any] = {}
+
+
+# ---- layout helpers -------------------------------------------------------------------
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _stage_mesh(dims):
+    """DeviceMesh ("tp", "dp") of this rank's pipeline stage, sliced from a ("pp","tp","dp") mesh.
+
+    Built once per layout (collective: every rank of the role creates the same groups)."""
+    key = (dims.tp_size, dims.pp_size, dims.dp_size, dims.world_size)
+    if key not in _MESHES:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = torch.tensor(
+            [[[dims.rank_of(d, p, t) for d in range(dims.dp_size)] for t in range(dims.tp_size)] for p in range(dims.pp_size)]
+        )
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        root = DeviceMesh(device, ranks, mesh_dim_names=("pp", "tp", "dp"))
+        _MESHES[key] = root["tp", "dp"]
+    return _MESHES[key]
+
+
+def _unique_params(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+    """(hf_name, owner module, attribute name, parameter), tied duplicates once."""
+    seen: set[int] = set()
+    for name, p in module.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        mod_name, _, pname = name.rpartition(".")
+        yield name, module.get_submodule(mod_name), pname, p
+
+
+def _tp_spec(owner: nn.Module, pname: str) -> tuple[Optional[int], Optional[torch.Tensor]]:
+    if isinstance(owner, ParallelLayer) and (comm.group_size(owner.tp_group) > 1 or getattr(owner, "row_index", None) is not None):
+        return owner.local_to_full_spec(pname)
+    return None, None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _tp_local_shape(p: torch.Tensor) -> torch.Size:
+    """Shape of the TP-local tensor (the FSDP2 DTensor's global shape, or the plain shape)."""
+    return p.shape
+
+
+def _dp_rows(n: int, dp_size: int, dp_rank: int) -> slice:
+    """Rows of a length-n dim 0 that FSDP2 keeps on dp_rank (torch.chunk sizes)."""
+    per = math.ceil(n / dp_size) if n else 0
+    start = min(n, per * dp_rank)
+    return slice(start, min(n, start + per))
+
+
+class _Layout:
+    """How one engine's tensors map to global tensors (built per save/load)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.dims = engine.dims
+        self.fsdp = engine.fsdp
+        self.mesh = _stage_mesh(self.dims) if _distributed() else None
+
+    def placements(self, dim: Optional[int]):
+        from torch.distributed.tensor import Replicate, Shard
+
+        tp = Shard(dim) if dim is not None else Replicate()
+        dp = Shard(0) if self.fsdp else Replicate()
+        return [tp, dp]
+
+    def global_shape(self, p: torch.Tensor, dim: Optional[int]) -> torch.Size:
+        shape = list(_tp_local_shape(p))
+        if dim is not None:
+            shape[dim] *= self.dims.tp_size
+        return torch.Size(shape)
+
+    def wrap(self, local: torch.Tensor, p: torch.Tensor, dim: Optional[int]):
+        """DTensor view of this rank's `local` piece of parameter-shaped tensor (p's layout)."""
+        if self.mesh is None:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        shape = self.global_shape(p, dim)
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local, self.mesh, self.placements(dim), run_check=False, shape=shape, stride=stride)
+
+    def full_replicated(self, t: torch.Tensor, owner: nn.Module, pname: str) -> torch.Tensor:
+        """Full tensor of a GQA-replicated-rows parameter-shaped tensor (collective over dp, tp)."""
+        tp_local = t.full_tensor() if hasattr(t, "full_tensor") else t
+        tp_group = self.dims.tp_group
+        n = comm.group_size(tp_group)
+        parts = [torch.empty_like(tp_local) for _ in range(n)]
+        rows = [torch.empty_like(owner.row_index) for _ in range(n)]
+        dist.all_gather(parts, tp_local.contiguous(), group=tp_group)
+        dist.all_gather(rows, owner.row_index, group=tp_group)
+        full = tp_local.new_empty((owner.out_features, *tp_local.shape[1:]))
+        for r in range(n):
+            full[rows[r]] = parts[r]
+        return full
+
+    def to_global(self, t: torch.Tensor, p: torch.Tensor, owner: nn.Module, pname: str):
+        """Save form of parameter-shaped `t` (the parameter or an Adam moment)."""
+        dim, row_index = _tp_spec(owner, pname)
+        if row_index is not None and comm.group_size(self.dims.tp_group) > 1:
+            return self.full_replicated(t, owner, pname)
+        return self.wrap(_local(t).detach(), p, dim)
+
+    def empty_global(self, p: torch.Tensor, owner: nn.Module, pname: str):
+        """A load buffer for parameter-shaped state: (buffer for dcp, function -> local tensor)."""
+        dim, row_index = _tp_spec(owner, pname)
+        local = _local(p)
+        if row_index is not None and comm.group_size(self.dims.tp_group) > 1:
+            full = torch.empty((owner.out_features, *p.shape[1:]), dtype=torch.float32, device=local.device)
+            return full, lambda: self._fsdp_slice(owner.full_to_local(pname, full))
+        buf = torch.empty(local.shape, dtype=torch.float32, device=local.device)
+        return self.wrap(buf, p, dim), lambda: buf
+
+    def _fsdp_slice(self, tp_local: torch.Tensor) -> torch.Tensor:
+        if not self.fsdp:
+            return tp_local
+        return tp_local[_dp_rows(tp_local.shape[0], self.dims.dp_size, self.dims.dp_rank)]
+
+
+# ---- state dicts ------------------------------------------------------------------------
+def _adam_state(engine, p: torch.Tensor) -> dict:
+    return engine.optimizer.state.get(p, {})
+
+
+def sharded_state_dict(engine) -> dict[str, Any]:
+    """{"model": {hf_name: global-view tensor}, "optim": {hf_name: {exp_avg, exp_avg_sq, step}}, "step"}.
+
+    Collective when GQA-replicated rows exist (they are gathered). Parameters without Adam
+    state yet (no step taken) save zero moments and step 0.
+    """
+    lay = _Layout(engine)
+    model, optim = {}, {}
+    for name, owner, pname, p in _unique_params(engine.module):
+        model[name] = lay.to_global(p, p, owner, pname)
+        st = _adam_state(engine, p)
+        zeros = torch.zeros_like(p) if not st else None
+        optim[name] = {
+            "exp_avg": lay.to_global(st.get("exp_avg", zeros), p, owner, pname),
+            "exp_avg_sq": lay.to_global(st.get("exp_avg_sq", zeros), p, owner, pname),
+            "step": torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).detach().clone().cpu(),
+        }
+    return {"model": model, "optim": optim, "step": torch.tensor(engine.step_count, dtype=torch.int64)}
+
+
+def _meta(engine, extra: Optional[dict]) -> dict:
+    d = engine.dims
+    return {
+        "format": "aligner-dcp-v1",
+        "step": engine.step_count,
+        "kind": engine.kind,
+        "layout": {"tp_size": d.tp_size, "pp_size": d.pp_size, "dp_size": d.dp_size, "dp_backend": engine.backend},
+        "model": dataclasses.asdict(engine.model_cfg),
+        "extra": extra or {},
+    }
+
+
+def _commit(tmp: str, final: str) -> None:
+    """Rank 0 renames `tmp` to `final`, replacing an existing `final`; every rank waits."""
+    _barrier()
+    if _rank() == 0:
+        old = final.rstrip("/") + ".old"
+        if os.path.exists(final):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+
+
+def save_checkpoint(engine, ckpt_dir: str, extra: Optional[dict] = None) -> str:
+    """Save `engine`'s model, optimizer and step to `ckpt_dir` (atomically). Collective; returns ckpt_dir.
+
+    DeepSpeed engines use DeepSpeed's ``save_checkpoint`` under the same atomic rename.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    ckpt_dir = os.path.abspath(ckpt_dir)
+    tmp = ckpt_dir.rstrip("/") + ".tmp"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    if engine.backend == "deepspeed":
+        engine.model.save_checkpoint(tmp, tag="ds", client_state={"step": engine.step_count})
+    else:
+        dcp.save(sharded_state_dict(engine), checkpoint_id=tmp, no_dist=not _distributed())
+    if _rank() == 0:
+        with open(os.path.join(tmp, META_FILE), "w") as f:
+            json.dump(_meta(engine, extra), f, indent=2)
+    _commit(tmp, ckpt_dir)
+    return ckpt_dir
+
+
+def read_meta(ckpt_dir: str) -> dict:
+    """meta.json of a checkpoint. Raises ValueError when `ckpt_dir` is not a complete checkpoint."""
+    path = os.path.join(ckpt_dir, META_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint dir {ckpt_dir!r} has no {META_FILE}: not a complete aligner checkpoint (pick another dir)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _check_compatible(engine, meta: dict, ckpt_dir: str) -> None:
+    saved = meta.get("model", {})
+    mine = dataclasses.asdict(engine.model_cfg)
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "tie_word_embeddings"):
+        if key in saved and saved[key] != mine[key]:
+            raise ValueError(f"checkpoint {ckpt_dir!r} has model.{key}={saved[key]} but this model has {mine[key]}: load it with the same model config")
+    if meta.get("kind", engine.kind) != engine.kind:
+        raise ValueError(f"checkpoint {ckpt_dir!r} holds a kind={meta['kind']!r} model, not {engine.kind!r}")
+    saved_ds = meta["layout"]["dp_backend"] == "deepspeed"
+    if saved_ds != (engine.backend == "deepspeed"):
+        raise ValueError(
+            f"checkpoint {ckpt_dir!r} was saved with dp_backend={meta['layout']['dp_backend']} and cannot load into "
+            f"dp_backend={engine.backend}: DeepSpeed checkpoints load only into DeepSpeed engines (export to HF instead)"
+        )
+
+
+@torch.no_grad()
+def load_checkpoint(engine, ckpt_dir: str) -> dict:
+    """Load a checkpoint saved under any tp/pp/dp layout into `engine` (collective); returns meta.
+
+    Parameters and Adam moments are copied into this rank's shards; the step counter and LR
+    schedule resume from the saved step. Raises ValueError for a missing/incomplete
+    checkpoint or a different model config.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    meta = read_meta(ckpt_dir)
+    _check_compatible(engine, meta, ckpt_dir)
+    if engine.backend == "deepspeed":
+        engine.model.load_checkpoint(ckpt_dir, tag="ds")
+        engine.set_step(int(meta["step"]))
+        return meta
+    lay = _Layout(engine)
+    sd: dict[str, Any] = {"model": {}, "optim": {}, "step": torch.zeros((), dtype=torch.int64)}
+    finish = []
+    for name, owner, pname, p in _unique_params(engine.module):
+        bufs = {}
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            bufs[key] = lay.empty_global(p, owner, pname)
+        sd["model"][name] = bufs["param"][0]
+        sd["optim"][name] = {"exp_avg": bufs["exp_avg"][0], "exp_avg_sq": bufs["exp_avg_sq"][0], "step": torch.zeros((), dtype=torch.float32)}
+        finish.append((name, p, bufs))
+    dcp.load(sd, checkpoint_id=ckpt_dir, no_dist=not _distributed())
+    for name, p, bufs in finish:
+        _local(p).copy_(bufs["param"][1]())
+        step = sd["optim"][name]["step"]
+        if float(step) > 0:
+            st = engine.optimizer.state[p]
+            st["step"] = step.clone()
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = torch.zeros_like(p)
+                _local(t).copy_(bufs[key][1]())
+                st[key] = t
+    engine.set_step(int(sd["step"]))
+    return meta
+
+
+# ---- gather / export ------------------------------------------------------------------
+def _pp_walk(stage: dict[str, torch.Tensor], pp_group) -> dict[str, torch.Tensor]:
+    """Every stage's tensors on every rank of `pp_group` (one broadcast per tensor), pp order."""
+    n = comm.group_size(pp_group)
+    if n == 1:
+        return stage
+    metas: list = [None] * n
+    dist.all_gather_object(metas, [(k, tuple(v.shape), v.dtype) for k, v in stage.items()], group=pp_group)
+    me, out = comm.group_rank(pp_group), {}
+    for s in range(n):
+        for k, shape, dtype in metas[s]:
+            t = stage[k].contiguous() if s == me else torch.empty(shape, dtype=dtype)
+            dist.broadcast(t, group_src=s, group=pp_group)
+            out[k] = t
+    return out
+
+
+@torch.no_grad()
+def gather_full_state_dict_any(engine) -> dict[str, torch.Tensor]:
+    """Every HF-named full parameter on every rank, from any layout (collective over the role).
+
+    FSDP2 / TP shards are gathered through their DTensor global view, PP stages broadcast in
+    order, ZeRO-3 partitions gathered with ``deepspeed.zero.GatheredParameters``. Values are
+    the parameters' own (fp32 master weights for FSDP2/DDP; DeepSpeed bf16 keeps bf16 module
+    weights). Tied embeddings appear under both names.
+    """
+    if engine.backend == "deepspeed":
+        return _gather_deepspeed(engine)
+    lay = _Layout(engine)
+    stage = {}
+    for name, owner, pname, p in _unique_params(engine.module):
+        g = lay.to_global(p, p, owner, pname)
+        stage[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    out = _pp_walk(stage, engine.dims.pp_group)
+    for name, t in engine.module.state_dict(keep_vars=True).items():
+        if name not in out and name.endswith("weight"):
+            tied = {"lm_head.weight": "model.embed_tokens.weight"}.get(name)
+            if tied in out:
+                out[name] = out[tied]
+    if engine.model_cfg.tie_word_embeddings and "model.embed_tokens.weight" in out:
+        out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
+    return out
+
+
+def _gather_deepspeed(engine) -> dict[str, torch.Tensor]:
+    params = dict(engine.module.named_parameters())
+    if engine.parallel.zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+            return {k: v.detach().clone() for k, v in params.items()}
+    return {k: v.detach().clone() for k, v in params.items()}
+
+
+def export_hf(engine, out_dir: str, tokenizer=None) -> Optional[str]:
+    """Write an HF model dir (config.json + safetensors) from any layout; returns the path on rank 0.
+
+    Collective (every rank gathers); global rank 0 writes through ``aligner.model.hf.save_hf``
+    (atomic). Other ranks return None.
+    """
+    from aligner.model.hf import save_hf
+
+    full = gather_full_state_dict_any(engine)
+    path = None
+    if _rank() == 0:
+        path = str(save_hf(full, engine.model_cfg, out_dir, kind=engine.kind, tokenizer=tokenizer))
+    _barrier()
+    return path

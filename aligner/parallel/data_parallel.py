@@ -1,0 +1,288 @@
+"""Data parallelism over the dp axis: FSDP2, DDP and DeepSpeed ZeRO, plus the global grad norm.
+
+Owns:
+
+- :func:`apply_fsdp2`: ``torch.distributed.fsdp.fully_shard`` on every decoder layer and then
+  on the root, over the dp mesh dimension. Our tensor parallelism is manual (plain-tensor local
+  shards, not DTensor), so FSDP2 shards each rank's *TP-local* parameters over dp: every
+  parameter becomes a DTensor on the 1-D dp mesh with ``Shard(0)``, and so do its gradients
+  and the AdamW state (optimizer state is sharded over dp for free).
+- :func:`apply_ddp`: ``DistributedDataParallel`` over the dp group (gradients averaged).
+  Simplification: the DDP optimizer state is replicated on every dp rank (no
+  ZeroRedundancyOptimizer), which keeps checkpoints a plain per-tensor layout.
+- :func:`deepspeed_config` / :func:`init_deepspeed`: DeepSpeed ZeRO stages 0-3 with optional
+  CPU-offloaded Adam (``DeepSpeedCPUAdam``), where tp = pp = 1 (checked by ParallelConfig).
+- Mixed precision ``bf16``: bf16 compute, fp32 master weights, fp32 gradient reduction.
+  FSDP2 uses ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; DDP (and
+  unwrapped single-replica models) use ``torch.autocast(device, bfloat16)`` around forward:
+  parameters and gradients stay fp32, matmuls run in bf16 (:func:`autocast_context`).
+  DeepSpeed uses its own ``bf16`` section (bf16 module, fp32 master copy in the optimizer).
+- :func:`clip_grad_norm_`: global-norm clipping over every axis (tp, pp and dp), equal to
+  ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.
+
+Nothing here builds process groups; they come from :class:`aligner.parallel.dims.ParallelDims`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from aligner.parallel import comm
+from aligner.parallel.layers import ParallelLayer
+
+DP_BACKENDS = ("fsdp2", "ddp", "deepspeed")
+MIXED_PRECISION = ("fp32", "bf16")
+
+
+def _check_choice(field: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{field}={value!r} is invalid: valid choices are {', '.join(map(str, choices))}")
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks of a LlamaForCausalLM / LlamaForScore (or a PP stage of one)."""
+    trunk = getattr(model, "model", None)
+    layers = getattr(trunk, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no .model.layers: data parallelism expects an aligner Llama model")
+    return list(layers.values())
+
+
+# ---- FSDP2 -------------------------------------------------------------------------------
+def apply_fsdp2(model: nn.Module, dp_mesh, mixed_precision: str = "fp32", reshard_after_forward: bool = True) -> nn.Module:
+    """Shard `model` over the 1-D `dp_mesh` with FSDP2 (in place; returns the same object).
+
+    Args:
+        model: an aligner Llama model (possibly TP-sharded and/or a PP stage); parameters fp32.
+        dp_mesh: 1-D DeviceMesh over the dp axis (``dims.mesh["dp"]``).
+        mixed_precision: "fp32" | "bf16" (bf16 unsharded params for compute, fp32 reduce-scatter).
+        reshard_after_forward: free the unsharded layer after forward (ZeRO-3 style); False keeps
+            it until backward (ZeRO-2 style, more memory, one all-gather less).
+    Raises:
+        ValueError: unknown mixed_precision, or dp_mesh is not 1-D.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    _check_choice("parallel.mixed_precision", mixed_precision, MIXED_PRECISION)
+    if dp_mesh is None or dp_mesh.ndim != 1:
+        raise ValueError(f"apply_fsdp2: dp_mesh={dp_mesh!r} must be a 1-D DeviceMesh (dims.mesh['dp'])")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision == "bf16" else MixedPrecisionPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+# ---- DDP ---------------------------------------------------------------------------------
+def apply_ddp(model: nn.Module, dp_group: Optional[dist.ProcessGroup]) -> nn.Module:
+    """Wrap `model` in DistributedDataParallel over `dp_group` (gradients averaged over dp).
+
+    Returns the wrapper (``.module`` is `model`). With dp_group None (dp_size 1) returns `model`.
+    Parameters must already be TP-sharded: DDP then all-reduces each TP-local gradient over dp.
+    """
+    if comm.group_size(dp_group) == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, process_group=dp_group, broadcast_buffers=False)
+
+
+@contextlib.contextmanager
+def autocast_context(enabled: bool, device_type: str = "cpu") -> Iterator[None]:
+    """torch.autocast to bf16 when `enabled` (fp32 params and grads, bf16 matmuls), else nothing."""
+    if not enabled:
+        yield
+        return
+    with torch.autocast(device_type=device_type, dtype=torch.bfloat16):
+        yield
+
+
+# ---- DeepSpeed ----------------------------------------------------------------------------
+def deepspeed_config(zero_stage: int, mixed_precision: str, grad_clip: float, offload_optimizer: bool) -> dict:
+    """The DeepSpeed JSON config for one training engine (one backward per optimizer step).
+
+    Args:
+        zero_stage: 0-3. mixed_precision: fp32 | bf16. grad_clip: max global norm (0 = off).
+        offload_optimizer: keep the fp32 master weights and Adam state on CPU (DeepSpeedCPUAdam).
+    Raises:
+        ValueError: zero_stage outside 0-3, unknown mixed_precision, offload with stage 0.
+    """
+    _check_choice("parallel.zero_stage", zero_stage, (0, 1, 2, 3))
+    _check_choice("parallel.mixed_precision", mixed_precision, MIXED_PRECISION)
+    if offload_optimizer and zero_stage == 0:
+        raise ValueError("parallel.offload_optimizer=True needs parallel.zero_stage >= 1 (ZeRO-Offload partitions the optimizer)")
+    zero: dict = {"stage": zero_stage}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    return {
+        "train_micro_batch_size_per_gpu": 1,  # nominal: the caller feeds whole local batches
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": float(grad_clip),
+        "zero_optimization": zero,
+        "bf16": {"enabled": mixed_precision == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError as e:  # pragma: no cover - deepspeed is a core dependency
+        raise ImportError("parallel.dp_backend=deepspeed needs DeepSpeed: pip install 'deepspeed>=0.16'") from e
+    return deepspeed
+
+
+def init_deepspeed(model: nn.Module, optimizer_kwargs: dict, config: dict):
+    """deepspeed.initialize on `model` with an AdamW client optimizer; returns (engine, client_optimizer).
+
+    optimizer_kwargs: lr, betas, eps, weight_decay. With CPU offload the client optimizer is
+    ``DeepSpeedCPUAdam(adamw_mode=True)`` (JIT-compiles the cpu_adam op once), else torch AdamW.
+    The learning rate is driven by writing ``param_groups[i]["lr"]`` of the client optimizer,
+    whose group dicts the ZeRO wrapper shares.
+    """
+    deepspeed = _import_deepspeed()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if config["zero_optimization"].get("offload_optimizer"):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        client = DeepSpeedCPUAdam(params, adamw_mode=True, **optimizer_kwargs)
+    else:
+        client = torch.optim.AdamW(params, **optimizer_kwargs)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client, config=config, dist_init_required=False)
+    return engine, client
+
+
+# ---- global grad norm ------------------------------------------------------------------
+def _tp_weight(module: nn.Module, pname: str, tp_size: int, tp_rank: int) -> float:
+    """How much this rank's copy of a parameter counts in the global norm across tp.
+
+    TP-split parameters count fully on every rank (each holds distinct rows); replicated ones
+    (norms, row-parallel bias, scalar head) count on tp rank 0 only; rows replicated over
+    several tp ranks (GQA key/value heads when num_kv_heads < tp_size) count 1/replicas each.
+    """
+    if tp_size == 1:
+        return 1.0
+    if not isinstance(module, ParallelLayer):
+        return 1.0 if tp_rank == 0 else 0.0
+    dim, row_index = module.local_to_full_spec(pname)
+    if dim is None:
+        return 1.0 if tp_rank == 0 else 0.0
+    if row_index is not None:
+        full = module.out_features
+        return full / (len(row_index) * tp_size)
+    return 1.0
+
+
+def _local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
+    g = p.grad
+    if g is None:
+        return None
+    return g.to_local() if hasattr(g, "to_local") else g
+
+
+def grad_norm_sq_local(model: nn.Module, tp_group=None) -> torch.Tensor:
+    """Sum of squared gradient entries of this rank's parameters, weighted so a later sum over
+    tp, pp (and dp for dp-sharded grads) counts every entry of the full model once. fp64 scalar."""
+    tp_size, tp_rank = comm.group_size(tp_group), comm.group_rank(tp_group)
+    total = torch.zeros((), dtype=torch.float64)
+    seen: set[int] = set()
+    for module in model.modules():
+        for pname, p in module._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            g = _local_grad(p)
+            if g is None:
+                continue
+            w = _tp_weight(module, pname, tp_size, tp_rank)
+            if w:
+                total += w * g.detach().double().pow(2).sum().cpu()
+    return total
+
+
+def clip_grad_norm_(
+    model: nn.Module,
+    max_norm: float,
+    tp_group=None,
+    pp_group=None,
+    dp_group=None,
+    grads_sharded_over_dp: bool = False,
+) -> float:
+    """Global-norm gradient clipping over tp, pp and dp; returns the norm before clipping.
+
+    Matches ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: the squared norm is
+    summed over tp (replicated params once), over pp, and over dp only when the gradients are
+    dp-sharded (FSDP2; DDP gradients are already identical on every dp rank). Grads are then
+    scaled by ``min(1, max_norm / (norm + 1e-6))``. max_norm <= 0 only measures the norm.
+    Must be called on every rank of the role (it issues all-reduces).
+    """
+    sq = grad_norm_sq_local(model, tp_group)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    sq = sq.to(device=device, dtype=torch.float64 if device.type == "cpu" else torch.float32)
+    for group in (tp_group, pp_group, dp_group if grads_sharded_over_dp else None):
+        comm.all_reduce_no_grad(sq, group)
+    norm = math.sqrt(float(sq))
+    if max_norm > 0:
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            with torch.no_grad():
+                for p in model.parameters():
+                    g = _local_grad(p)
+                    if g is not None:
+                        g.mul_(coef)
+    return norm
+
+
+def sync_tp_grads_local(model: nn.Module, tp_group, dp_rank: int = 0, dp_size: int = 1) -> None:
+    """:func:`aligner.parallel.tensor_parallel.sync_tp_grads` for dp-sharded (FSDP2 DTensor) grads.
+
+    Same two reductions over `tp_group`, applied to each rank's local FSDP shard of the
+    gradient: (1) sequence-parallel norm weights and row-parallel biases are summed over tp
+    (the shards of a replicated parameter cover the same index range on every tp rank);
+    (2) replicated GQA kv rows are summed between the ranks holding the same head, using the
+    full rows this dp shard covers (``row_index.chunk(dp_size)[dp_rank]``). Reductions commute
+    with FSDP's dp reduce-scatter, so the result equals the unsharded sync.
+    """
+    from aligner.parallel.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
+
+    if comm.group_size(tp_group) == 1:
+        return
+    pieces: list[torch.Tensor] = []
+    writers: list[tuple] = []
+    for m in model.modules():
+        if not isinstance(m, ParallelLayer) or comm.group_size(m.tp_group) == 1:
+            continue
+        if m.sequence_parallel and isinstance(m, (RMSNorm, RowParallelLinear)):
+            p = m.weight if isinstance(m, RMSNorm) else m.bias
+            g = None if p is None else _local_grad(p)
+            if g is not None:
+                pieces.append(g.reshape(-1))
+                writers.append((g, None, None))
+        if isinstance(m, ColumnParallelLinear) and m.row_index is not None:
+            rows = m.row_index.chunk(dp_size)[dp_rank] if dp_size > 1 else m.row_index
+            for p in (m.weight, m.bias):
+                g = None if p is None else _local_grad(p)
+                if g is None or g.shape[0] == 0:
+                    continue
+                full = g.new_zeros((m.out_features, *g.shape[1:]))
+                full[rows] = g
+                pieces.append(full.reshape(-1))
+                writers.append((g, rows, full.shape))
+    if not pieces:
+        return
+    flat = torch.cat(pieces)
+    comm.all_reduce_no_grad(flat, tp_group)
+    offset = 0
+    for g, rows, full_shape in writers:
+        n = g.numel() if rows is None else int(torch.Size(full_shape).numel())
+        chunk = flat[offset : offset + n]
+        g.copy_(chunk.view_as(g) if rows is None else chunk.view(full_shape)[rows])
+        offset += n

@@ -1,0 +1,246 @@
+"""TrainEngine: one role's model + optimizer + LR schedule on a TP x PP x DP layout.
+
+Owns the order of the parallel wrappers (build the full model from a seed, prune to the PP
+stage, shard over tp, wrap for dp), the optimizer (AdamW), the learning-rate schedule
+(linear warmup then cosine to ``min_lr_ratio * lr``, or constant), and one optimizer step:
+finish TP/SP gradients, global-norm clipping over tp/pp/dp, AdamW, schedule. Checkpoints
+go through :mod:`aligner.parallel.checkpoint` (torch.distributed.checkpoint, resharding).
+
+Simplifications (stated, not hidden):
+- The model is built at full size on every rank from the same seed and then sharded; a
+  meta-device build + :func:`aligner.parallel.sharding.load_full_state_dict` is the path
+  for large models (``model=`` lets the caller pass one already built).
+- DeepSpeed: one ``backward`` per ``step`` (gradient_accumulation_steps = 1); clipping is
+  DeepSpeed's own global-norm clipping; tp = pp = 1.
+- Loss scaling is the caller's: each dp rank passes the mean loss of its local batch, and
+  the dp reduction averages (FSDP2, DDP, DeepSpeed all divide by dp_size).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from aligner.config import ModelConfig, OptimConfig, ParallelConfig
+from aligner.parallel import comm, data_parallel as dpmod
+from aligner.parallel.dims import ParallelDims
+
+
+def lr_lambda(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of ``optim.lr`` at optimizer step `step` (0-based), for LambdaLR.
+
+    Warmup: (step + 1) / warmup_steps for step < warmup_steps (the first step is not at lr 0).
+    Then cosine from 1 to min_lr_ratio over the remaining ``total_steps - warmup_steps``
+    steps, flat at min_lr_ratio after; ``schedule="constant"`` stays at 1 after warmup.
+    """
+    warm, floor = optim.warmup_steps, optim.min_lr_ratio
+    decay = max(1, total_steps - warm)
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if optim.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warm) / decay)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR over `optimizer` with :func:`lr_lambda` (call ``.step()`` after each optimizer step)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, total_steps))
+
+
+def adamw_kwargs(optim: OptimConfig) -> dict:
+    """AdamW keyword arguments from OptimConfig (lr is the peak; the schedule scales it)."""
+    return {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay}
+
+
+def _check_dims(parallel: ParallelConfig, dims: ParallelDims) -> None:
+    for name in ("tp_size", "pp_size", "dp_size"):
+        if getattr(parallel, name) != getattr(dims, name):
+            raise ValueError(
+                f"parallel.{name}={getattr(parallel, name)} but ParallelDims.{name}={getattr(dims, name)}: "
+                "build ParallelDims from the same ParallelConfig"
+            )
+
+
+class TrainEngine:
+    """A role's trainable model on `dims`, wrapped for `parallel.dp_backend`.
+
+    Args:
+        model_cfg: the model dimensions. kind: "lm" (policy / SFT) or "score" (critic / RM).
+        parallel_cfg: layout and dp backend; its sizes must equal `dims`' (ValueError otherwise).
+        optim_cfg: AdamW + schedule. dims: built ParallelDims (groups exist).
+        total_steps: optimizer steps the schedule spans (>= 1).
+        seed: init seed (the same on every rank, so replicas start equal).
+        model: an already-built full (unsharded, unpruned) model to use instead of a fresh one.
+    Attributes:
+        module: the unwrapped model (HF parameter names; TP-local / PP-stage / FSDP DTensor params).
+        model: what forward runs (DDP or DeepSpeed wrapper, else ``module``).
+        optimizer, lr_scheduler, step_count (optimizer steps taken).
+    Raises:
+        ValueError: bad config values, sizes differing from `dims`, total_steps < 1.
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        kind: str,
+        parallel_cfg: ParallelConfig,
+        optim_cfg: OptimConfig,
+        dims: ParallelDims,
+        total_steps: int,
+        *,
+        seed: int = 0,
+        model: Optional[nn.Module] = None,
+    ):
+        model_cfg.validate("model")
+        parallel_cfg.validate("parallel", model_cfg)
+        optim_cfg.validate("optim")
+        _check_dims(parallel_cfg, dims)
+        if total_steps < 1:
+            raise ValueError(f"total_steps={total_steps} must be >= 1 (optimizer steps the LR schedule spans)")
+        self.model_cfg, self.kind, self.parallel, self.optim_cfg, self.dims = model_cfg, kind, parallel_cfg, optim_cfg, dims
+        self.total_steps = total_steps
+        self.step_count = 0
+        self.backend = parallel_cfg.dp_backend
+        self.bf16 = parallel_cfg.mixed_precision == "bf16"
+        self.module = self._build_module(model, seed)
+        self.device_type = next(self.module.parameters()).device.type
+        self._wrap_dp()
+
+    # ---- construction ----------------------------------------------------------------
+    def _build_module(self, model: Optional[nn.Module], seed: int) -> nn.Module:
+        from aligner.model.llama import build_model
+
+        model = model if model is not None else build_model(self.model_cfg, self.kind, seed=seed)
+        if self.dims.pp_size > 1:
+            from aligner.parallel.pipeline import build_stage_model
+
+            model = build_stage_model(model, self.dims, self.parallel)
+        if self.dims.tp_size > 1:
+            from aligner.parallel.tensor_parallel import apply_tensor_parallel
+
+            apply_tensor_parallel(model, self.dims.tp_group, self.parallel.sequence_parallel)
+        model.model.set_recompute(self.parallel.recompute)
+        return model
+
+    @property
+    def fsdp(self) -> bool:
+        """True when parameters are FSDP2 DTensors sharded over dp."""
+        return self.backend == "fsdp2" and self.dims.dp_size > 1
+
+    def _wrap_dp(self) -> None:
+        kw = adamw_kwargs(self.optim_cfg)
+        if self.backend == "deepspeed":
+            cfg = dpmod.deepspeed_config(self.parallel.zero_stage, self.parallel.mixed_precision, self.optim_cfg.grad_clip, self.parallel.offload_optimizer)
+            self.model, self.optimizer = dpmod.init_deepspeed(self.module, kw, cfg)
+        else:
+            if self.fsdp:
+                dpmod.apply_fsdp2(self.module, self.dims.mesh["dp"], self.parallel.mixed_precision)
+                self.model = self.module
+            elif self.backend == "ddp":
+                self.model = dpmod.apply_ddp(self.module, self.dims.dp_group)
+            else:
+                self.model = self.module
+            self.optimizer = torch.optim.AdamW([p for p in self.module.parameters() if p.requires_grad], **kw)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, self.optim_cfg, self.total_steps)
+
+    @property
+    def uses_autocast(self) -> bool:
+        """bf16 through torch.autocast: DDP or an unwrapped model (FSDP2/DeepSpeed cast themselves)."""
+        return self.bf16 and not self.fsdp and self.backend != "deepspeed"
+
+    # ---- one step ----------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Run the (wrapped) model: input_ids [B, T] int64 (first stage) -> logits [B, T, V/tp]
+        (policy) or scores [B, T] fp32 (score model). bf16 outputs under bf16 mixed precision."""
+        with dpmod.autocast_context(self.uses_autocast, self.device_type):
+            return self.model(*args, **kwargs)
+
+    __call__ = forward
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate a scalar `loss` (this rank's mean over its local batch)."""
+        if self.backend == "deepspeed":
+            self.model.backward(loss)
+        else:
+            loss.backward()
+
+    def clip_grads(self) -> float:
+        """Finish TP/SP grads and clip to optim.grad_clip by the global norm; returns the norm."""
+        d = self.dims
+        if self.fsdp:
+            dpmod.sync_tp_grads_local(self.module, d.tp_group, d.dp_rank, d.dp_size)
+        elif d.tp_size > 1:
+            from aligner.parallel.tensor_parallel import sync_tp_grads
+
+            sync_tp_grads(self.module, d.tp_group)
+        return dpmod.clip_grad_norm_(self.module, self.optim_cfg.grad_clip, d.tp_group, d.pp_group, d.dp_group, grads_sharded_over_dp=self.fsdp)
+
+    def step(self) -> dict[str, float]:
+        """One optimizer step after backward: clip, AdamW, advance the LR schedule.
+
+        Returns {"grad_norm": global norm before clipping, "lr": the lr this step used}.
+        """
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self.backend == "deepspeed":
+            self.model.step()
+            norm = self.model.get_global_grad_norm()
+            norm = float(norm) if norm is not None else float("nan")
+        else:
+            norm = self.clip_grads()
+            self.optimizer.step()
+        self.lr_scheduler.step()
+        self.step_count += 1
+        return {"grad_norm": norm, "lr": lr}
+
+    def zero_grad(self) -> None:
+        """Drop gradients (set to None)."""
+        if self.backend == "deepspeed":
+            self.model.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def train(self, mode: bool = True) -> "TrainEngine":
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "TrainEngine":
+        return self.train(False)
+
+    # ---- state -----------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every HF-named full parameter tensor (fp32 master values) on every rank.
+
+        Collective over the whole role (dp all-gather for FSDP2 / ZeRO-3, tp all-gather,
+        pp broadcast). Tied embeddings appear under both names, as ``state_dict()`` does.
+        """
+        from aligner.parallel.checkpoint import gather_full_state_dict_any
+
+        return gather_full_state_dict_any(self)
+
+    def save(self, ckpt_dir: str, extra: Optional[dict] = None) -> str:
+        """Sharded checkpoint of model + optimizer + step into `ckpt_dir` (atomic). Returns the path."""
+        from aligner.parallel.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, ckpt_dir, extra=extra)
+
+    def load(self, ckpt_dir: str) -> dict:
+        """Load a checkpoint saved under any tp/pp/dp layout; returns its metadata."""
+        from aligner.parallel.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, ckpt_dir)
+
+    def set_step(self, step: int) -> None:
+        """Set the optimizer step counter and the LR schedule to `step` (after loading)."""
+        self.step_count = step
+        self.lr_scheduler.last_epoch = step
+        factor = lr_lambda(self.optim_cfg, self.total_steps)(step)
+        for g in self.optimizer.param_groups:
+            g["lr"] = g["initial_lr"] * factor

@@ -1,0 +1,167 @@
+"""Data parallelism (FSDP2, DDP, DeepSpeed ZeRO) and mixed precision against a single-process reference.
+
+Every sharded run trains the same seeded tiny Llama for 3 AdamW steps with active global-norm
+clipping; the reference is the unsharded model on the full batch with torch AdamW,
+``torch.nn.utils.clip_grad_norm_`` and the same LambdaLR. Each spawn runs a whole battery.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _spawn import run_distributed
+
+from aligner.config import ModelConfig, OptimConfig, ParallelConfig
+from aligner.parallel.dims import ParallelDims
+from aligner.parallel.engine import TrainEngine, adamw_kwargs, build_lr_scheduler, lr_lambda
+from aligner.parallel.vocab import shifted_log_probs
+
+STEPS = 3
+CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32)
+OPTIM = dict(lr=1e-2, warmup_steps=1, grad_clip=0.05, weight_decay=0.01)
+
+
+def model_cfg(**kw) -> ModelConfig:
+    return ModelConfig(**{**CFG, **kw})
+
+
+def batches(n_steps: int = STEPS, batch: int = 4, t: int = 16, vocab: int = 64) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab, (batch, t), generator=g) for _ in range(n_steps)]
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor, tp_group=None, vocab_start: int = 0) -> torch.Tensor:
+    """Mean next-token NLL over all positions (fp32)."""
+    return -shifted_log_probs(logits, ids, tp_group, vocab_start).mean()
+
+
+def reference_run(cfg: ModelConfig, optim: OptimConfig, data: list[torch.Tensor], seed: int = 0):
+    """Single-process full-batch training: (losses, grad norms, final state dict)."""
+    from aligner.model.llama import build_model
+
+    model = build_model(cfg, "lm", seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(optim))
+    sched = build_lr_scheduler(opt, optim, total_steps=10)
+    losses, norms = [], []
+    for ids in data:
+        loss = lm_loss(model(ids), ids)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def engine_run(engine: TrainEngine, data: list[torch.Tensor]):
+    """Train `engine` on this dp rank's slice of each batch; (dp-mean losses, grad norms)."""
+    d = engine.dims
+    losses, norms = [], []
+    for ids in data:
+        local = ids.chunk(d.dp_size)[d.dp_rank]
+        loss = lm_loss(engine(local), local)
+        engine.backward(loss)
+        out = engine.step()
+        engine.zero_grad()
+        l = loss.detach().float().clone()
+        if d.dp_group is not None:
+            torch.distributed.all_reduce(l, group=d.dp_group)
+            l /= d.dp_size
+        losses.append(float(l))
+        norms.append(out["grad_norm"])
+    return losses, norms
+
+
+def max_param_diff(full: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    return max(float((full[k].float() - ref[k].float()).abs().max()) for k in ref)
+
+
+def make_engine(cfg, parallel: ParallelConfig, optim: OptimConfig, world: int) -> TrainEngine:
+    dims = ParallelDims(tp_size=parallel.tp_size, pp_size=parallel.pp_size, dp_size=parallel.dp_size, world_size=world, rank=torch.distributed.get_rank()).build()
+    return TrainEngine(cfg, "lm", parallel, optim, dims, total_steps=10)
+
+
+def dp2_battery(rank: int, world: int, ckpt_root: str) -> dict:
+    cfg, optim, data = model_cfg(), OptimConfig(**OPTIM), batches()
+    ref_losses, ref_norms, ref_sd = reference_run(cfg, optim, data)
+    out: dict = {"ref_losses": ref_losses, "ref_norms": ref_norms}
+    for backend in ("fsdp2", "ddp"):
+        eng = make_engine(cfg, ParallelConfig(dp_size=2, dp_backend=backend), optim, world)
+        losses, norms = engine_run(eng, data)
+        full = eng.full_state_dict()
+        out[backend] = {"losses": losses, "norms": norms, "param_diff": max_param_diff(full, ref_sd)}
+        if backend == "fsdp2":
+            out["fsdp2"]["sharded"] = all(hasattr(p, "to_local") for p in eng.module.parameters())
+            out["fsdp2"]["adam_sharded"] = all(hasattr(s["exp_avg"], "to_local") for s in eng.optimizer.state.values())
+            # checkpoint saved at dp=2 FSDP2, loaded into dp=2 DDP: same next-step loss
+            eng.save(f"{ckpt_root}/fsdp2_dp2")
+            nxt = batches(STEPS + 1)[-1]
+            out["fsdp2"]["next"] = engine_run(eng, [nxt])[0][0]
+            ddp = make_engine(cfg, ParallelConfig(dp_size=2, dp_backend="ddp"), optim, world)
+            meta = ddp.load(f"{ckpt_root}/fsdp2_dp2")
+            out["fsdp2"]["load_step"] = (meta["step"], ddp.step_count, ddp.optimizer.param_groups[0]["lr"])
+            out["fsdp2"]["next_after_load"] = engine_run(ddp, [nxt])[0][0]
+    for backend in ("fsdp2", "ddp"):
+        eng = make_engine(cfg, ParallelConfig(dp_size=2, dp_backend=backend, mixed_precision="bf16"), optim, world)
+        before = {k: v.clone() for k, v in eng.full_state_dict().items()}
+        losses, _ = engine_run(eng, data)
+        after = eng.full_state_dict()
+        out[f"{backend}_bf16"] = {
+            "losses": losses,
+            "master_fp32": all(p.dtype == torch.float32 for p in eng.module.parameters()),
+            "updated": all(not torch.equal(before[k], after[k]) for k in before),
+            "param_diff": max_param_diff(after, ref_sd),
+        }
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_dp2_fsdp2_ddp_bf16_clip_checkpoint(tmp_path):
+    results = run_distributed(dp2_battery, world_size=2, args=(str(tmp_path),), timeout_s=600)
+    r = results[0]
+    for backend in ("fsdp2", "ddp"):
+        assert r[backend]["losses"] == pytest.approx(r["ref_losses"], abs=1e-5), backend
+        # clipping is active (grad_clip=0.05) and the global norm equals the single-process one
+        assert min(r["ref_norms"]) > OPTIM["grad_clip"]
+        assert r[backend]["norms"] == pytest.approx(r["ref_norms"], rel=1e-5), backend
+        assert r[backend]["param_diff"] < 1e-5, backend
+    assert r["fsdp2"]["sharded"] and r["fsdp2"]["adam_sharded"]
+    assert r["fsdp2"]["load_step"][:2] == (STEPS, STEPS)
+    assert r["fsdp2"]["load_step"][2] == pytest.approx(OPTIM["lr"] * lr_lambda(OptimConfig(**OPTIM), 10)(STEPS))
+    assert r["fsdp2"]["next_after_load"] == pytest.approx(r["fsdp2"]["next"], abs=1e-6)
+    for backend in ("fsdp2_bf16", "ddp_bf16"):
+        assert r[backend]["master_fp32"] and r[backend]["updated"], backend
+        assert r[backend]["losses"] == pytest.approx(r["ref_losses"], rel=2e-2), backend
+        assert r[backend]["param_diff"] < 5e-2, backend
+    # every rank saw the same dp-averaged losses
+    assert results[1]["fsdp2"]["losses"] == r["fsdp2"]["losses"]
+
+
+def test_lr_schedule_warmup_cosine():
+    opt = OptimConfig(lr=1.0, warmup_steps=2, min_lr_ratio=0.1)
+    f = lr_lambda(opt, total_steps=12)
+    assert [f(0), f(1)] == [0.5, 1.0]
+    assert f(2) == pytest.approx(1.0)
+    assert f(7) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert f(12) == pytest.approx(0.1) and f(50) == pytest.approx(0.1)
+    assert lr_lambda(OptimConfig(lr=1.0, warmup_steps=0, schedule="constant"), 5)(3) == 1.0
+
+
+def test_engine_rejects_mismatched_dims():
+    with pytest.raises(ValueError, match="parallel.dp_size=2 but ParallelDims.dp_size=1"):
+        TrainEngine(model_cfg(), "lm", ParallelConfig(dp_size=2), OptimConfig(), ParallelDims(), total_steps=10)
+    with pytest.raises(ValueError, match="total_steps=0"):
+        TrainEngine(model_cfg(), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=0)
+
+
+def test_single_process_engine_matches_reference():
+    cfg, optim, data = model_cfg(), OptimConfig(**OPTIM), batches()
+    ref_losses, ref_norms, ref_sd = reference_run(cfg, optim, data)
+    eng = TrainEngine(cfg, "lm", ParallelConfig(), optim, ParallelDims(), total_steps=10)
+    losses, norms = engine_run(eng, data)
+    assert losses == pytest.approx(ref_losses, abs=1e-6)
+    assert norms == pytest.approx(ref_norms, rel=1e-6)
+    assert max_param_diff(eng.full_state_dict(), ref_sd) < 1e-6
