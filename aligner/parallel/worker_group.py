@@ -1,0 +1,549 @@
+"""Ray worker groups: one role's TP x PP x DP workers as Ray actors, and dispatch to them.
+
+Owns: the generic Ray actor shell that hosts a plain (Ray-free) worker class, the rendezvous
+a group arranges for itself (rank 0 picks a free port on its node; every rank gets RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT before the worker class is built), the
+role's process groups (``ParallelDims.from_env``: gloo on CPU, NCCL on GPU), the dispatch
+modes declared with :func:`dispatch`, batch splitting / result collection, futures, and
+failure reporting (:class:`WorkerError`, :class:`WorkerDiedError`).
+
+Dispatch modes (verl's ``@register``, STYLE 4):
+
+    broadcast   same call on every rank; result: list indexed by rank
+    dp_split    first positional argument (dict of tensors/lists, list, tuple, tensor or
+                dataclass) split into dp_size contiguous chunks by dp_rank; every tp/pp rank
+                of a replica gets its chunk, other arguments go to every rank; results are
+                taken from tp_rank 0 of the last pp stage of each replica and concatenated
+                in the original order
+    rank0       called on rank 0 only; result: rank 0's return value
+
+Simplifications: chunks of an uneven batch differ in size by at most one sample (numpy
+``array_split`` rule); a failure in any worker kills the whole group (the other ranks may
+be blocked in a collective with it), and the group cannot be used afterwards. On GPU each
+actor sees one GPU (Ray sets CUDA_VISIBLE_DEVICES), so LOCAL_RANK is 0 there; on CPU it is
+the worker's position among the group's workers on its node.
+
+This module imports Ray lazily so worker classes can use :func:`dispatch` without Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+from aligner.config import ParallelConfig, ResourceConfig
+from aligner.parallel.dims import ParallelDims
+from aligner.parallel.placement import RolePlacement, RoleRequest, create_placement, threads_per_worker
+
+DISPATCH_MODES = ("broadcast", "dp_split", "rank0")
+_ATTR = "_aligner_dispatch"
+
+
+# ---- declaring methods -------------------------------------------------------------
+def dispatch(mode: str) -> Callable[[Callable], Callable]:
+    """Mark a worker method as callable from the driver with dispatch `mode`.
+
+    mode: one of broadcast, dp_split, rank0 (see the module docstring).
+    The method itself is unchanged (tests call it directly). Raises ValueError for an
+    unknown mode.
+    """
+    if mode not in DISPATCH_MODES:
+        raise ValueError(f"dispatch mode {mode!r} is invalid: valid modes are {', '.join(DISPATCH_MODES)}")
+
+    def mark(fn: Callable) -> Callable:
+        setattr(fn, _ATTR, mode)
+        return fn
+
+    return mark
+
+
+def dispatched_methods(worker_cls: type) -> dict[str, str]:
+    """Method name -> dispatch mode for every method of `worker_cls` marked with :func:`dispatch`."""
+    out = {}
+    for name, fn in inspect.getmembers(worker_cls, predicate=callable):
+        mode = getattr(fn, _ATTR, None)
+        if mode is not None:
+            out[name] = mode
+    return out
+
+
+# ---- errors ----------------------------------------------------------------------
+class WorkerError(RuntimeError):
+    """A worker of a group failed: its role, rank, the method and the worker's traceback."""
+
+    def __init__(self, role: str, rank: int, traceback_text: str, method: str = "") -> None:
+        self.role, self.rank, self.traceback_text, self.method = role, rank, traceback_text, method
+        where = f" in {method}()" if method else ""
+        super().__init__(f"{role} rank {rank} failed{where}:\n{traceback_text}")
+
+    def __reduce__(self):
+        return (type(self), (self.role, self.rank, self.traceback_text, self.method))
+
+
+class WorkerDiedError(WorkerError):
+    """A worker process of a group died (killed, crashed, out of memory)."""
+
+
+# ---- batches -----------------------------------------------------------------------
+def _is_tensor(x: Any) -> bool:
+    import torch
+
+    return isinstance(x, torch.Tensor)
+
+
+def _batch_axis_len(x: Any) -> Optional[int]:
+    """Length along the batch axis of a splittable value, None for values copied whole."""
+    if _is_tensor(x):
+        return x.shape[0] if x.dim() > 0 else None
+    if isinstance(x, (list, tuple)):
+        return len(x)
+    return None
+
+
+def _bounds(length: int, n: int) -> list[tuple[int, int]]:
+    if length < n:
+        raise ValueError(f"a batch of {length} sample(s) cannot be split over dp_size={n}: give at least dp_size samples")
+    base, extra = divmod(length, n)
+    out, start = [], 0
+    for i in range(n):
+        stop = start + base + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def _fields(batch: Any) -> dict[str, Any]:
+    if isinstance(batch, Mapping):
+        return dict(batch)
+    return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+
+
+def _rebuild(batch: Any, values: dict[str, Any]) -> Any:
+    if isinstance(batch, Mapping):
+        return type(batch)(values) if type(batch) is not dict else values
+    return dataclasses.replace(batch, **values)
+
+
+def split_batch(batch: Any, n: int) -> list[Any]:
+    """Split `batch` into `n` contiguous chunks along the batch axis (dim 0).
+
+    batch: a tensor [B, ...], a list/tuple of B items, or a dict / dataclass whose tensor
+        and list values all have length B along dim 0 (other values, e.g. scalars, are
+        copied into every chunk).
+    Raises ValueError when values disagree on B (naming the key), when B < n, or when
+    nothing in the batch has a batch axis.
+    """
+    if n < 1:
+        raise ValueError(f"n={n} is invalid: must be >= 1")
+    if _is_tensor(batch) or isinstance(batch, (list, tuple)):
+        length = _batch_axis_len(batch)
+        if length is None:
+            raise ValueError("a 0-dim tensor has no batch axis to split: give a [B, ...] tensor")
+        return [batch[a:b] for a, b in _bounds(length, n)]
+    if not (isinstance(batch, Mapping) or dataclasses.is_dataclass(batch)):
+        raise ValueError(f"cannot split a {type(batch).__name__}: give a dict of tensors/lists, a list, a tensor or a dataclass")
+    values = _fields(batch)
+    lengths = {k: _batch_axis_len(v) for k, v in values.items()}
+    sized = {k: v for k, v in lengths.items() if v is not None}
+    if not sized:
+        raise ValueError(f"nothing to split in the batch (keys {list(values)}): give tensors or lists with a batch axis")
+    first_key, length = next(iter(sized.items()))
+    for k, v in sized.items():
+        if v != length:
+            raise ValueError(f"batch[{k!r}] has {v} samples but batch[{first_key!r}] has {length}: every tensor/list must share dim 0")
+    chunks = []
+    for a, b in _bounds(length, n):
+        chunks.append(_rebuild(batch, {k: (v[a:b] if lengths[k] is not None else v) for k, v in values.items()}))
+    return chunks
+
+
+def concat_results(results: Sequence[Any]) -> Any:
+    """Concatenate per-replica results in order (the inverse of :func:`split_batch`).
+
+    Tensors with a batch axis are concatenated along dim 0, lists and tuples joined,
+    dicts and dataclasses concatenated value by value; values without a batch axis
+    (scalars, 0-dim tensors, strings) come back as a list with one entry per replica;
+    all-None gives None. Raises ValueError when dict results have different keys.
+    """
+    first = results[0]
+    if all(r is None for r in results):
+        return None
+    if _is_tensor(first) and first.dim() > 0:
+        import torch
+
+        return torch.cat(list(results), dim=0)
+    if isinstance(first, list):
+        return [x for r in results for x in r]
+    if isinstance(first, tuple):
+        return tuple(x for r in results for x in r)
+    if isinstance(first, Mapping) or (dataclasses.is_dataclass(first) and not isinstance(first, type)):
+        keys = list(_fields(first))
+        for r in results[1:]:
+            if list(_fields(r)) != keys:
+                raise ValueError(f"dp replicas returned different keys: {keys} vs {list(_fields(r))}")
+        merged = {k: concat_results([_fields(r)[k] for r in results]) for k in keys}
+        return _rebuild(first, merged)
+    return list(results)
+
+
+# ---- the actor shell ---------------------------------------------------------------
+def _loopback_ifname() -> str:
+    for _, name in socket.if_nameindex():
+        if name.startswith("lo"):
+            return name
+    return "lo"
+
+
+class WorkerShell:
+    """Hosts one rank of a role in a Ray actor: env, threads, process groups, the worker object.
+
+    Ray-free itself (the group wraps it with ``ray.remote``); every method returns plain data.
+    """
+
+    def __init__(self, role: str, rank: int) -> None:
+        self.role, self.rank = role, rank
+        self.worker: Any = None
+        self.dims: Optional[ParallelDims] = None
+        self.num_threads = 0
+
+    def node_id(self) -> str:
+        """The Ray node id this worker runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def rendezvous_address(self, loopback: bool) -> tuple[str, int]:
+        """An address and a port that was free on this node (rank 0 hosts the rendezvous).
+
+        loopback: True when the whole group is on this node: 127.0.0.1 instead of the node IP.
+        """
+        import ray
+
+        ip = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))
+            return ip, s.getsockname()[1]
+
+    def setup(self, env: dict[str, str], sizes: tuple[int, int, int], backend: str, num_threads: int, worker_cls: type, packed: tuple[tuple, dict]) -> None:
+        """Set the env, torch threads and process groups, then build the worker.
+
+        The worker class gets ``dims=`` (this rank's ParallelDims) when its constructor
+        has a ``dims`` parameter. Exceptions come back as WorkerError.
+        """
+        args, kwargs = packed
+        try:
+            os.environ.update(env)
+            if num_threads > 0:
+                import torch
+
+                os.environ["OMP_NUM_THREADS"] = str(num_threads)
+                torch.set_num_threads(num_threads)
+                self.num_threads = num_threads
+            tp, pp, dp = sizes
+            self.dims = ParallelDims.from_env(tp_size=tp, pp_size=pp, dp_size=dp, backend=backend)
+            if "dims" in inspect.signature(worker_cls).parameters:
+                kwargs = {**kwargs, "dims": self.dims}
+            self.worker = worker_cls(*args, **kwargs)
+        except Exception:
+            raise WorkerError(self.role, self.rank, traceback.format_exc(), f"{getattr(worker_cls, '__name__', worker_cls)}.__init__") from None
+
+    def call(self, method: str, packed: tuple[tuple, dict]) -> Any:
+        """Run ``worker.method(*args, **kwargs)``; an exception comes back as WorkerError."""
+        args, kwargs = packed
+        try:
+            return getattr(self.worker, method)(*args, **kwargs)
+        except Exception:
+            raise WorkerError(self.role, self.rank, traceback.format_exc(), method) from None
+
+    def info(self) -> dict[str, Any]:
+        """pid, node IP, rank coordinates, env rendezvous and torch threads of this worker."""
+        import ray
+
+        d = self.dims
+        return {
+            "role": self.role,
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "dp_rank": d.dp_rank if d else 0,
+            "pp_rank": d.pp_rank if d else 0,
+            "tp_rank": d.tp_rank if d else 0,
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+            "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
+            "num_threads": self.num_threads,
+        }
+
+
+_REMOTE_SHELL: Any = None
+
+
+def _remote_shell() -> Any:
+    global _REMOTE_SHELL
+    if _REMOTE_SHELL is None:
+        import ray
+
+        _REMOTE_SHELL = ray.remote(max_restarts=0, max_task_retries=0)(WorkerShell)
+    return _REMOTE_SHELL
+
+
+# ---- futures -------------------------------------------------------------------------
+class GroupFuture:
+    """The pending result of one call on a worker group.
+
+    ``refs`` are the per-rank Ray ObjectRefs (ray.get-able); :meth:`get` waits on all of
+    them, reports the first failure as WorkerError / WorkerDiedError (killing the group),
+    and returns the call's collected result.
+    """
+
+    def __init__(self, group: "WorkerGroup", method: str, refs: dict[int, Any], collect: Callable[[dict[int, Any]], Any]) -> None:
+        self.group, self.method, self._collect = group, method, collect
+        self.refs_by_rank = refs
+
+    @property
+    def refs(self) -> list:
+        return list(self.refs_by_rank.values())
+
+    def done(self) -> bool:
+        """True when every rank has finished (successfully or not)."""
+        import ray
+
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def get(self, timeout_s: Optional[float] = None) -> Any:
+        """Wait for every rank and return the collected result.
+
+        Raises WorkerError (a worker raised), WorkerDiedError (a worker process died;
+        reported within ``group.poll_s`` of Ray noticing), TimeoutError after `timeout_s`.
+        """
+        return self._collect(self.group._wait(self.refs_by_rank, self.method, timeout_s))
+
+
+def get_all(futures: Iterable[GroupFuture], timeout_s: Optional[float] = None) -> list[Any]:
+    """Results of several futures (of one or several groups), in order."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    out = []
+    for f in futures:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        out.append(f.get(left))
+    return out
+
+
+# ---- the group -------------------------------------------------------------------------
+class WorkerGroup:
+    """world_size Ray actors of one role on a placement, each hosting `worker_cls`.
+
+    Every method of `worker_cls` marked with :func:`dispatch` becomes a method of the group
+    that takes the same arguments and returns a :class:`GroupFuture`.
+
+    role: name used in errors (actor, critic, ...).
+    worker_cls: a plain Python class; built in each actor after the process groups exist,
+        with ``dims=`` when its constructor takes it, plus `args` / `kwargs`.
+    placement: where the workers go (from :func:`aligner.parallel.placement.create_placement`).
+    parallel: the role's tp/pp/dp sizes; its world size must equal the placement's.
+    num_threads: torch threads per CPU worker; 0 = the role's resources.cpus_per_worker.
+    env: extra environment variables set in every worker before it is built.
+    Raises ValueError for mismatched sizes or a method name that clashes with the group's
+    own attributes; WorkerError when a worker fails to build (the group is then shut down).
+    """
+
+    def __init__(
+        self,
+        role: str,
+        worker_cls: type,
+        placement: RolePlacement,
+        parallel: ParallelConfig,
+        *,
+        args: tuple = (),
+        kwargs: Optional[dict] = None,
+        num_threads: int = 0,
+        env: Optional[Mapping[str, str]] = None,
+        setup_timeout_s: float = 300.0,
+        poll_s: float = 0.2,
+    ) -> None:
+        if parallel.world_size != placement.world_size:
+            raise ValueError(
+                f"{role}.parallel tp_size={parallel.tp_size} x pp_size={parallel.pp_size} x dp_size={parallel.dp_size} = "
+                f"{parallel.world_size}, but the placement of {placement.role!r} holds {placement.world_size} workers: make them equal"
+            )
+        self.role, self.worker_cls, self.placement, self.poll_s = role, worker_cls, placement, poll_s
+        self.dims = ParallelDims(tp_size=parallel.tp_size, pp_size=parallel.pp_size, dp_size=parallel.dp_size, world_size=parallel.world_size)
+        self.world_size = parallel.world_size
+        self.actors: list[Any] = []
+        self.failure: Optional[WorkerError] = None
+        self._closed = False
+        self.methods = dispatched_methods(worker_cls)
+        self._bind_methods()
+        try:
+            self._start(args, dict(kwargs or {}), num_threads, dict(env or {}), setup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @classmethod
+    def create(cls, role: str, worker_cls: type, parallel: ParallelConfig, resources: ResourceConfig, *, placement_timeout_s: float = 60.0, **kw: Any) -> "WorkerGroup":
+        """A group on its own new placement group (split placement of one role).
+
+        Raises PlacementError before any actor starts when the cluster lacks the resources.
+        """
+        placed = create_placement({role: RoleRequest.from_parts(role, parallel, resources)}, timeout_s=placement_timeout_s)
+        try:
+            return cls(role, worker_cls, placed.role(role), parallel, **kw)
+        except BaseException:
+            placed.remove()
+            raise
+
+    # ---- startup ---------------------------------------------------------------------
+    def _bind_methods(self) -> None:
+        for name, mode in self.methods.items():
+            if hasattr(type(self), name) or name in self.__dict__:
+                raise ValueError(f"{self.worker_cls.__name__}.{name} clashes with WorkerGroup.{name}: rename the worker method")
+
+            def call(*args: Any, _name: str = name, _mode: str = mode, **kwargs: Any) -> GroupFuture:
+                return self.execute(_name, *args, mode=_mode, **kwargs)
+
+            call.__name__ = name
+            call.__doc__ = f"[{mode}] {getattr(self.worker_cls, name).__doc__ or ''}"
+            setattr(self, name, call)
+
+    def _start(self, args: tuple, kwargs: dict, num_threads: int, env: dict, timeout_s: float) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        rp = self.placement
+        shell = _remote_shell()
+        for rank in range(self.world_size):
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=rp.placement_group,
+                placement_group_bundle_index=rp.bundle_index(rank),
+                placement_group_capture_child_tasks=True,
+            )
+            opts = dict(num_cpus=rp.num_cpus, num_gpus=rp.num_gpus, scheduling_strategy=strategy)
+            self.actors.append(shell.options(**opts).remote(self.role, rank))
+        nodes = self._wait({r: a.node_id.remote() for r, a in enumerate(self.actors)}, "node_id", timeout_s)
+        one_node = len(set(nodes.values())) == 1
+        ip, port = self._wait({0: self.actors[0].rendezvous_address.remote(one_node)}, "rendezvous_address", timeout_s)[0]
+        on_gpu = rp.num_gpus > 0
+        threads = 0 if on_gpu else threads_per_worker(num_threads, rp.request.cpus_per_worker)
+        backend = "nccl" if on_gpu else "gloo"
+        if one_node and "GLOO_SOCKET_IFNAME" not in env and "GLOO_SOCKET_IFNAME" not in os.environ:
+            env["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
+        init_ref = ray.put((args, kwargs))
+        sizes = (self.dims.tp_size, self.dims.pp_size, self.dims.dp_size)
+        refs = {}
+        for rank, actor in enumerate(self.actors):
+            rank_env = {
+                **env,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": "0" if on_gpu else str(rp.local_rank(rank)),
+                "LOCAL_WORLD_SIZE": str(rp.request.workers_per_node),
+                "MASTER_ADDR": ip,
+                "MASTER_PORT": str(port),
+            }
+            refs[rank] = actor.setup.remote(rank_env, sizes, backend, threads, self.worker_cls, init_ref)
+        self._wait(refs, "setup", timeout_s)
+
+    # ---- calls -----------------------------------------------------------------------
+    def execute(self, method: str, *args: Any, mode: str = "broadcast", **kwargs: Any) -> GroupFuture:
+        """Call `method` on the workers with dispatch `mode`; returns a GroupFuture.
+
+        Raises ValueError for an unknown mode or method, or a dp_split call without a batch;
+        RuntimeError when the group is shut down.
+        """
+        import ray
+
+        self._check_open()
+        if mode not in DISPATCH_MODES:
+            raise ValueError(f"mode={mode!r} is invalid: valid modes are {', '.join(DISPATCH_MODES)}")
+        if not callable(getattr(self.worker_cls, method, None)):
+            raise ValueError(f"{self.worker_cls.__name__} has no method {method!r}")
+        if mode == "rank0":
+            ref = self.actors[0].call.remote(method, ray.put((args, kwargs)))
+            return GroupFuture(self, method, {0: ref}, lambda res: res[0])
+        if mode == "broadcast":
+            packed = ray.put((args, kwargs))
+            refs = {r: a.call.remote(method, packed) for r, a in enumerate(self.actors)}
+            return GroupFuture(self, method, refs, lambda res: [res[r] for r in range(self.world_size)])
+        return self._dp_split(method, args, kwargs)
+
+    def _dp_split(self, method: str, args: tuple, kwargs: dict) -> GroupFuture:
+        import ray
+
+        if not args:
+            raise ValueError(f"{self.role}.{method} is dp_split: pass the batch as the first positional argument")
+        d = self.dims
+        chunks = split_batch(args[0], d.dp_size)
+        packed = [ray.put(((chunk, *args[1:]), kwargs)) for chunk in chunks]
+        refs = {r: a.call.remote(method, packed[d.coords(r)[0]]) for r, a in enumerate(self.actors)}
+        collect_ranks = [d.rank_of(dp, d.pp_size - 1, 0) for dp in range(d.dp_size)]
+        return GroupFuture(self, method, refs, lambda res: concat_results([res[r] for r in collect_ranks]))
+
+    def worker_info(self, timeout_s: Optional[float] = 60.0) -> list[dict[str, Any]]:
+        """Per-rank info (pid, node_ip, dp/pp/tp rank, local_rank, master, num_threads), by rank."""
+        self._check_open()
+        res = self._wait({r: a.info.remote() for r, a in enumerate(self.actors)}, "info", timeout_s)
+        return [res[r] for r in range(self.world_size)]
+
+    # ---- waiting and failure -----------------------------------------------------------
+    def _wait(self, refs: dict[int, Any], method: str, timeout_s: Optional[float]) -> dict[int, Any]:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+
+        pending = {ref: rank for rank, ref in refs.items()}
+        results: dict[int, Any] = {}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=self.poll_s)
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except RayTaskError as e:
+                    cause = getattr(e, "cause", None)
+                    err = cause if isinstance(cause, WorkerError) else WorkerError(self.role, rank, str(e), method)
+                    self._fail(WorkerError(err.role, err.rank, err.traceback_text, err.method))
+                except (RayActorError, GetTimeoutError, RayError) as e:
+                    self._fail(WorkerDiedError(self.role, rank, f"the worker process died or became unreachable: {e}", method))
+            if pending and deadline is not None and time.monotonic() > deadline:
+                ranks = sorted(pending.values())
+                raise TimeoutError(f"{self.role}.{method}() did not finish within {timeout_s:g} s on rank(s) {ranks}")
+        return results
+
+    def _fail(self, err: WorkerError) -> None:
+        self.failure = err
+        self.shutdown()
+        raise err
+
+    def _check_open(self) -> None:
+        if self._closed:
+            why = f" after {self.failure.role} rank {self.failure.rank} failed" if self.failure else ""
+            raise RuntimeError(f"worker group {self.role!r} is shut down{why}: build a new group")
+
+    # ---- teardown --------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Kill every actor of the group and release its placement group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+
+        if ray.is_initialized():
+            for actor in self.actors:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # already dead
+                    pass
+        self.actors = []
+        self.placement.release()
+
+    def __enter__(self) -> "WorkerGroup":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

@@ -1,0 +1,305 @@
+"""Ray worker groups on CPU: rendezvous, tp x dp process groups, dispatch modes, placement,
+concurrency of split roles, and failure reporting (exceptions, SIGKILL, over-asking).
+
+One local Ray instance (8 logical CPUs, 127.0.0.1, no dashboard) serves the whole module.
+The pure helpers (batch split / concat, node-group planning) are tested without Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from aligner.config import ParallelConfig, ResourceConfig
+from aligner.parallel.placement import PlacementError, RoleRequest, create_placement, plan_node_groups
+from aligner.parallel.worker_group import (
+    WorkerDiedError,
+    WorkerError,
+    WorkerGroup,
+    concat_results,
+    dispatch,
+    dispatched_methods,
+    get_all,
+    split_batch,
+)
+
+NUM_CPUS = 8
+
+
+# ---- worker classes (plain Python; pickled by value into the actors) --------------------
+class MeshWorker:
+    """Reports its coordinates and runs all-reduces over its tp and dp groups."""
+
+    def __init__(self, tag: str, dims) -> None:
+        self.tag, self.dims = tag, dims
+        self.seen: list = []
+
+    @dispatch("broadcast")
+    def collectives(self) -> dict:
+        import torch.distributed as dist
+
+        d = self.dims
+        tp = torch.tensor([float(d.rank + 1)])
+        dist.all_reduce(tp, group=d.tp_group)
+        dp = torch.tensor([float(d.rank + 1)])
+        dist.all_reduce(dp, group=d.dp_group)
+        return {
+            "rank": d.rank,
+            "coords": (d.dp_rank, d.pp_rank, d.tp_rank),
+            "tp_sum": tp.item(),
+            "dp_sum": dp.item(),
+            "env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")},
+            "threads": torch.get_num_threads(),
+            "tag": self.tag,
+        }
+
+    @dispatch("dp_split")
+    def scale(self, batch: dict, factor: float) -> dict:
+        self.seen.append(list(batch["ids"]))
+        return {"x": batch["x"] * factor, "ids": batch["ids"], "by_rank": [self.dims.rank] * len(batch["ids"]), "temp": batch["temp"]}
+
+    @dispatch("broadcast")
+    def last_seen(self) -> list:
+        return self.seen[-1]
+
+    @dispatch("rank0")
+    def whoami(self) -> int:
+        return self.dims.rank
+
+
+class SleepWorker:
+    """Busy work and failures on demand."""
+
+    def __init__(self, dims) -> None:
+        self.dims = dims
+
+    @dispatch("broadcast")
+    def busy(self, seconds: float) -> float:
+        t0 = time.monotonic()
+        time.sleep(seconds)
+        return time.monotonic() - t0
+
+    @dispatch("broadcast")
+    def fail_on(self, bad_rank: int) -> int:
+        if self.dims.rank == bad_rank:
+            raise ValueError(f"boom from rank {bad_rank}")
+        return self.dims.rank
+
+
+class BrokenInit:
+    def __init__(self) -> None:
+        raise RuntimeError("cannot build this worker")
+
+
+# ---- fixtures ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+    import ray.cloudpickle
+
+    from aligner.parallel.ray_runtime import init_ray, shutdown_ray
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    info = init_ray(num_cpus=NUM_CPUS)
+    yield info
+    shutdown_ray()
+
+
+def _pids_gone(pids: list[int], within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _pg_states() -> dict:
+    from ray.util.placement_group import placement_group_table
+
+    return {k: v["state"] for k, v in placement_group_table().items()}
+
+
+# ---- pure helpers (no Ray) ------------------------------------------------------------
+def test_split_and_concat_round_trip_uneven():
+    batch = {"x": torch.arange(7.0).view(7, 1), "ids": list(range(7)), "temp": 0.5}
+    chunks = split_batch(batch, 3)
+    assert [c["ids"] for c in chunks] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert [c["temp"] for c in chunks] == [0.5, 0.5, 0.5]
+    back = concat_results(chunks)
+    assert torch.equal(back["x"], batch["x"]) and back["ids"] == batch["ids"] and back["temp"] == [0.5] * 3
+    assert concat_results([None, None]) is None
+
+    @dataclass
+    class B:
+        tokens: torch.Tensor
+        n: int
+
+    parts = split_batch(B(tokens=torch.arange(4), n=3), 2)
+    assert [p.tokens.tolist() for p in parts] == [[0, 1], [2, 3]] and parts[1].n == 3
+    assert split_batch([1, 2, 3, 4], 2) == [[1, 2], [3, 4]]
+    with pytest.raises(ValueError, match=r"batch\['y'\] has 2 samples but batch\['x'\] has 3"):
+        split_batch({"x": [1, 2, 3], "y": torch.zeros(2)}, 2)
+    with pytest.raises(ValueError, match="dp_size=4"):
+        split_batch([1, 2], 4)
+
+
+def test_dispatch_declarations_and_node_group_plans():
+    assert dispatched_methods(MeshWorker) == {"collectives": "broadcast", "scale": "dp_split", "last_seen": "broadcast", "whoami": "rank0"}
+    with pytest.raises(ValueError, match="valid modes are broadcast, dp_split, rank0"):
+        dispatch("scatter")
+    a = RoleRequest(role="actor", world_size=16, num_nodes=2, gpus_per_node=8, cpus_per_worker=4)
+    c = RoleRequest(role="critic", world_size=16, num_nodes=2, gpus_per_node=8, cpus_per_worker=2)
+    split = plan_node_groups({"actor": a, "critic": c}, "split")
+    assert [s.name for s in split] == ["actor", "critic"]
+    assert split[0].bundles == [{"CPU": 32.0, "GPU": 8.0}] * 2 and split[0].strategy == "STRICT_SPREAD"
+    colo = plan_node_groups({"actor": a, "critic": c}, "colocated")
+    assert len(colo) == 1 and [r.role for r in colo[0].requests] == ["actor", "critic"]
+    ref = RoleRequest(role="ref", world_size=16, num_nodes=2, gpus_per_node=8)
+    linked = plan_node_groups({"actor": a, "critic": c, "ref": ref}, "split", {"ref": "actor"})
+    assert [[r.role for r in s.requests] for s in linked] == [["actor", "ref"], ["critic"]]
+    with pytest.raises(ValueError, match="world_size"):
+        RoleRequest(role="actor", world_size=6, num_nodes=1, gpus_per_node=8)
+    with pytest.raises(ValueError, match="ref.colocate_with='nobody'"):
+        plan_node_groups({"actor": a, "ref": ref}, "split", {"ref": "nobody"})
+
+
+# ---- Ray groups --------------------------------------------------------------------------
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tp2_dp2_group_collectives_dispatch_and_shutdown(ray_local):
+    parallel = ParallelConfig(tp_size=2, dp_size=2)
+    group = WorkerGroup.create("actor", MeshWorker, parallel, ResourceConfig(cpus_per_worker=1), kwargs={"tag": "t"}, num_threads=2)
+    try:
+        pg_id = group.placement.placement_group.id.hex()
+        out = group.collectives().get(timeout_s=120)
+        # Megatron order: tp fastest. tp groups {0,1} {2,3}; dp groups {0,2} {1,3}; values rank+1.
+        assert [o["rank"] for o in out] == [0, 1, 2, 3]
+        assert [o["coords"] for o in out] == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]
+        assert [o["tp_sum"] for o in out] == [3.0, 3.0, 7.0, 7.0]
+        assert [o["dp_sum"] for o in out] == [4.0, 6.0, 4.0, 6.0]
+        assert [o["env"]["RANK"] for o in out] == ["0", "1", "2", "3"]
+        assert {o["env"]["WORLD_SIZE"] for o in out} == {"4"} and [o["env"]["LOCAL_RANK"] for o in out] == ["0", "1", "2", "3"]
+        assert {(o["env"]["MASTER_ADDR"], o["env"]["MASTER_PORT"]) for o in out} == {(out[0]["env"]["MASTER_ADDR"], out[0]["env"]["MASTER_PORT"])}
+        assert out[0]["env"]["MASTER_ADDR"] == "127.0.0.1"
+        assert {o["threads"] for o in out} == {2} and {o["tag"] for o in out} == {"t"}
+
+        batch = {"x": torch.arange(7.0).view(7, 1), "ids": list(range(7)), "temp": 0.7}
+        res = group.scale(batch, 10.0).get(timeout_s=60)
+        assert torch.equal(res["x"], torch.arange(7.0).view(7, 1) * 10) and res["ids"] == list(range(7))
+        assert res["by_rank"] == [0, 0, 0, 0, 2, 2, 2]  # tp_rank 0 of each dp replica, in order
+        assert res["temp"] == [0.7, 0.7]
+        assert group.last_seen().get(timeout_s=60) == [[0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 6], [4, 5, 6]]
+        assert group.whoami().get(timeout_s=60) == 0
+        pids = [i["pid"] for i in group.worker_info()]
+    finally:
+        group.shutdown()
+    assert _pids_gone(pids), "actor processes survived shutdown"
+    assert _pg_states()[pg_id] == "REMOVED"
+    with pytest.raises(RuntimeError, match="shut down"):
+        group.whoami()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_split_roles_run_concurrently_and_colocated_share_bundles(ray_local):
+    one = ParallelConfig()
+    req = lambda role: RoleRequest.from_parts(role, one, ResourceConfig(cpus_per_worker=1))  # noqa: E731
+    split = create_placement({"actor": req("actor"), "critic": req("critic")}, "split")
+    actor = WorkerGroup("actor", SleepWorker, split.role("actor"), one)
+    critic = WorkerGroup("critic", SleepWorker, split.role("critic"), one)
+    try:
+        assert split.role("actor").placement_group.id != split.role("critic").placement_group.id
+        t0 = time.monotonic()
+        futures = [actor.busy(3.0), critic.busy(3.0)]
+        results = get_all(futures, timeout_s=60)
+        wall = time.monotonic() - t0
+        assert all(r[0] >= 3.0 for r in results)
+        assert wall < 4.5, f"two 3 s calls on separate node groups took {wall:.1f} s (sequential would be 6 s)"
+    finally:
+        actor.shutdown()
+        critic.shutdown()
+    colo = create_placement({"actor": req("actor"), "critic": req("critic")}, "colocated")
+    a, c = colo.role("actor"), colo.role("critic")
+    assert a.placement_group.id == c.placement_group.id and a.num_cpus == 0.5 == c.num_cpus
+    g1 = WorkerGroup("actor", SleepWorker, a, one)
+    g2 = WorkerGroup("critic", SleepWorker, c, one)
+    pg_id = a.placement_group.id.hex()
+    try:
+        assert get_all([g1.fail_on(-1), g2.fail_on(-1)], timeout_s=60) == [[0], [0]]
+        g1.shutdown()
+        assert _pg_states()[pg_id] == "CREATED"  # still held by critic
+    finally:
+        g1.shutdown()
+        g2.shutdown()
+    assert _pg_states()[pg_id] == "REMOVED"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_worker_exception_reaches_driver_with_role_rank_traceback(ray_local):
+    group = WorkerGroup.create("critic", SleepWorker, ParallelConfig(dp_size=2), ResourceConfig())
+    with pytest.raises(WorkerError) as info:
+        group.fail_on(1).get(timeout_s=60)
+    err = info.value
+    assert (err.role, err.rank, err.method) == ("critic", 1, "fail_on")
+    msg = str(err)
+    assert "critic rank 1" in msg and "Traceback (most recent call last)" in msg
+    assert "ValueError: boom from rank 1" in msg and "in fail_on" in msg
+    with pytest.raises(RuntimeError, match="shut down after critic rank 1 failed"):
+        group.fail_on(-1)
+    with pytest.raises(WorkerError, match=r"(?s)reward rank 0 failed in BrokenInit.__init__.*cannot build this worker"):
+        WorkerGroup.create("reward", BrokenInit, ParallelConfig(), ResourceConfig())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sigkilled_worker_is_reported_within_seconds(ray_local):
+    group = WorkerGroup.create("actor", SleepWorker, ParallelConfig(dp_size=2), ResourceConfig())
+    pids = [i["pid"] for i in group.worker_info()]
+    future = group.busy(60.0)
+    time.sleep(0.5)
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError) as info:
+        future.get(timeout_s=30)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 10.0, f"death of rank 1 reported after {elapsed:.1f} s"
+    assert info.value.role == "actor" and info.value.rank == 1 and "actor rank 1" in str(info.value)
+    assert _pids_gone(pids), "the rest of the group was not killed"
+
+
+@pytest.mark.distributed
+def test_over_asking_placement_is_refused_before_any_actor(ray_local):
+    before = _pg_states()
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError) as info:
+        WorkerGroup.create("actor", SleepWorker, ParallelConfig(dp_size=2), ResourceConfig(cpus_per_worker=64))
+    msg = str(info.value)
+    assert time.monotonic() - t0 < 5.0
+    assert "128 CPU in total, the cluster has 8" in msg
+    assert "actor: 1 node(s) x 2 worker(s)" in msg and "cpus_per_worker=64" in msg
+    assert f"CPU={NUM_CPUS}" in msg and "ray.cluster_resources()" in msg
+    assert _pg_states() == before  # nothing was created
+
+    # Second guard: the cluster has the CPUs, but they are held by another placement group.
+    hold = create_placement({"other": RoleRequest(role="other", world_size=1, cpus_per_worker=NUM_CPUS - 2)})
+    try:
+        with pytest.raises(PlacementError, match=r"(?s)not placed within 1 s.*available now: CPU=2"):
+            create_placement({"critic": RoleRequest(role="critic", world_size=4)}, timeout_s=1.0)
+    finally:
+        hold.remove()
+    assert sum(s != "REMOVED" for s in _pg_states().values()) == sum(s != "REMOVED" for s in before.values())
