@@ -1,0 +1,324 @@
+"""Pipeline parallelism: stage construction and a 1F1B schedule with explicit P2P.
+
+Owns: the layer split over pp stages (:func:`stage_layer_ids`), per-rank stage models
+(:func:`build_stage_model`: prune, then TP/SP shard), the one-forward-one-backward
+schedule of PipeDream-Flush / Megatron (Narayanan et al. 2021) for training
+(:func:`pipeline_train_step`), a forward-only schedule returning per-token outputs
+(:func:`pipeline_forward`), and the gradient finalization TP/PP leave to the caller
+(:func:`finalize_grads`: SP norm / replicated kv grads, tied embeddings across stages).
+
+Why explicit P2P rather than ``torch.distributed.pipelining``: the RL losses take
+per-micro-batch tensors (advantages, old_log_probs, masks, normalizers) that are not
+model inputs, and forward-only log-prob passes need a caller function on the last
+stage; here a micro-batch is a dict of tensors every pp rank holds, the model reads
+``input_ids`` / ``position_ids`` / ``segment_ids`` and the loss gets the whole dict.
+Activations between stages are [b, T/seq_shards, H] in the model dtype, with shapes
+known from the micro-batch, so no shape handshake is needed. P2P runs on the pp group
+with ``batch_isend_irecv`` (paired send/recv, deadlock-free in the 1F1B order).
+
+Loss scaling: ``loss_reduction="mean"`` divides each micro-batch loss by
+num_microbatches (whole-batch mean of equal-sized micro-batch means); ``"sum"`` leaves it
+(the loss_fn already divides by a whole-batch normalizer such as the masked token count),
+so either way the accumulated gradients equal the whole-batch gradients.
+
+Tied embeddings with pp_size > 1: the first stage holds embed_tokens and the last stage
+an lm_head sharing the same initial weight; :func:`finalize_grads` sums their grads
+between the two stages so both copies stay equal under any deterministic optimizer.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from aligner.model.llama import build_model, prune_to_stage, rope_inv_freq
+from aligner.parallel import comm
+from aligner.parallel.sharding import load_full_state_dict
+from aligner.parallel.tensor_parallel import apply_tensor_parallel, sync_tp_grads
+
+MODEL_INPUT_KEYS = ("position_ids", "segment_ids")
+
+
+def stage_layer_ids(num_layers: int, pp_size: int, pp_rank: int, layer_split: Optional[Sequence[int]] = None) -> list[int]:
+    """Global decoder-layer indices of stage `pp_rank`.
+
+    layer_split: layers per stage (ParallelConfig.pp_layer_split); None splits evenly with
+    the first num_layers % pp_size stages taking one extra layer.
+    Raises ValueError: the split does not have pp_size positive entries summing to num_layers.
+    """
+    if layer_split is None:
+        if pp_size > num_layers:
+            raise ValueError(f"pp_size={pp_size} exceeds num_layers={num_layers}: use at most {num_layers} stages")
+        base, extra = divmod(num_layers, pp_size)
+        layer_split = [base + (1 if s < extra else 0) for s in range(pp_size)]
+    split = list(layer_split)
+    if len(split) != pp_size or sum(split) != num_layers or min(split) < 1:
+        raise ValueError(f"pp_layer_split={split} needs {pp_size} positive entries summing to num_layers={num_layers}")
+    start = sum(split[:pp_rank])
+    return list(range(start, start + split[pp_rank]))
+
+
+def build_stage_model(
+    cfg,
+    kind: str,
+    dims,
+    *,
+    layer_split: Optional[Sequence[int]] = None,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    seed: int = 0,
+    full_state_dict: Optional[dict[str, torch.Tensor]] = None,
+    device="cpu",
+) -> nn.Module:
+    """This rank's stage of a TP x PP model: the layers of dims.pp_rank, sharded over dims.tp_group.
+
+    Args:
+        cfg: ModelConfig. kind: "lm" | "score" (see ``build_model``).
+        dims: ParallelDims (tp_size, pp_size, pp_rank, is_first_stage, is_last_stage, tp_group).
+        layer_split: layers per stage; None = even.
+        sequence_parallel / recompute: SP on the tp group; none | selective | full.
+        seed: without `full_state_dict`, weights equal ``build_model(cfg, kind, seed)``'s
+            (the full model is built, then pruned and sliced: fine for tests and small models).
+        full_state_dict: HF-named full weights; the stage is built on meta, sharded, then
+            materialized on `device` and loaded (no full model in memory).
+    Returns: the stage model (LlamaForCausalLM / LlamaForScore with pruned parts set to None).
+    """
+    ids = stage_layer_ids(cfg.num_layers, dims.pp_size, dims.pp_rank, layer_split)
+    on_meta = full_state_dict is not None
+    model = build_model(cfg, kind, seed=seed, device="meta" if on_meta else device)
+    prune_to_stage(model, ids, dims.is_first_stage, dims.is_last_stage)
+    apply_tensor_parallel(model, dims.tp_group, sequence_parallel)
+    if on_meta:
+        model.to_empty(device=device)
+        model.model.inv_freq = rope_inv_freq(cfg).to(device)
+        load_full_state_dict(model, full_state_dict)
+    model.model.set_recompute(recompute)
+    return model
+
+
+def split_microbatches(batch: dict[str, torch.Tensor], num_microbatches: int) -> list[dict[str, torch.Tensor]]:
+    """Split every [B, ...] tensor of `batch` along dim 0 into num_microbatches dicts.
+
+    0-dim tensors and non-tensors are shared by all micro-batches.
+    Raises ValueError: B not divisible by num_microbatches.
+    """
+    sizes = {v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"split_microbatches: batch tensors disagree on dim 0 sizes {sorted(sizes)}")
+    b = sizes.pop()
+    if num_microbatches < 1 or b % num_microbatches:
+        raise ValueError(f"num_microbatches={num_microbatches} must divide the batch size {b}")
+    out = [{} for _ in range(num_microbatches)]
+    for k, v in batch.items():
+        parts = v.chunk(num_microbatches) if torch.is_tensor(v) and v.dim() > 0 else [v] * num_microbatches
+        for mb, part in zip(out, parts):
+            mb[k] = part
+    return out
+
+
+class _P2P:
+    """Paired point-to-point transfers with the neighbouring stages on the pp group."""
+
+    def __init__(self, dims):
+        self.group, self.rank, self.size = dims.pp_group, dims.pp_rank, dims.pp_size
+        self.first, self.last = self.rank == 0, self.rank == self.size - 1
+
+    def run(self, send_prev=None, send_next=None, recv_prev=None, recv_next=None) -> None:
+        ops = []
+        for t, peer, op in ((send_prev, self.rank - 1, dist.isend), (send_next, self.rank + 1, dist.isend),
+                            (recv_prev, self.rank - 1, dist.irecv), (recv_next, self.rank + 1, dist.irecv)):
+            if t is not None:
+                if op is dist.isend:
+                    comm.record("send", t.numel())
+                ops.append(dist.P2POp(op, t, group=self.group, group_peer=peer))
+        if ops:
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+
+
+def _model_kwargs(mb: dict) -> dict:
+    return {k: mb[k] for k in MODEL_INPUT_KEYS if k in mb and mb[k] is not None}
+
+
+def _hidden_buffer(model: nn.Module, mb: dict, requires_grad: bool) -> torch.Tensor:
+    b, t = mb["input_ids"].shape
+    shards = model.model.seq_shards
+    if t % shards:
+        raise ValueError(f"sequence length T={t} must be divisible by tp_size={shards} with sequence parallelism: pad it")
+    p = next(model.parameters())
+    return torch.empty(b, t // shards, model.cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=requires_grad)
+
+
+def pipeline_train_step(
+    model: nn.Module,
+    dims,
+    microbatches: Sequence[dict[str, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, dict], torch.Tensor],
+    *,
+    loss_reduction: str = "mean",
+    finalize: bool = True,
+) -> torch.Tensor:
+    """Forward and backward over all micro-batches in the 1F1B order; gradients accumulate in .grad.
+
+    Args:
+        model: this rank's stage (``build_stage_model``).
+        dims: ParallelDims (pp_group, pp_rank, pp_size, tp_group, is_first/last_stage).
+        microbatches: num_microbatches dicts, the same on every pp rank: ``input_ids`` [b, T]
+            int64 (shapes on every stage, tokens on the first), optional ``position_ids`` /
+            ``segment_ids`` [b, T], and any extra tensors the loss needs (advantages,
+            old_log_probs, masks, labels, normalizers).
+        loss_fn: (output, mb) -> scalar loss, run on the last stage; output is the last
+            stage's model output (logits [b, T, V/tp] or scores [b, T]).
+        loss_reduction: "mean" (scale each loss by 1/num_microbatches) or "sum" (no scaling).
+        finalize: run :func:`finalize_grads` after the last backward.
+    Returns:
+        losses: [num_microbatches] fp32, the unscaled loss_fn values, on every pp rank.
+    Raises ValueError: bad loss_reduction, no micro-batches, or T not divisible under SP.
+    """
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction={loss_reduction!r}: valid choices are mean, sum")
+    m = len(microbatches)
+    if m == 0:
+        raise ValueError("pipeline_train_step: got no micro-batches")
+    scale = 1.0 / m if loss_reduction == "mean" else 1.0
+    p2p = _P2P(dims)
+    losses: list[torch.Tensor] = []
+
+    def recv_input(mb):
+        return None if p2p.first else _hidden_buffer(model, mb, requires_grad=False)
+
+    def forward(i, x):
+        mb = microbatches[i]
+        if x is not None:
+            x.requires_grad_(True)
+        out = model(mb["input_ids"] if x is None else x, **_model_kwargs(mb))
+        if p2p.last:
+            loss = loss_fn(out, mb)
+            if loss.dim() != 0:
+                raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+            losses.append(loss.detach().float())
+            return loss * scale
+        return out
+
+    def backward(x, y, grad):
+        torch.autograd.backward(y, grad_tensors=None if p2p.last else grad)
+        return None if x is None else x.grad
+
+    warmup = min(p2p.size - p2p.rank - 1, m)
+    inputs, outputs = deque(), deque()
+    for i in range(warmup):
+        x = recv_input(microbatches[i])
+        p2p.run(recv_prev=x)
+        y = forward(i, x)
+        p2p.run(send_next=y.detach() if not p2p.last else None)
+        inputs.append(x)
+        outputs.append(y)
+    x = recv_input(microbatches[warmup]) if warmup < m else None
+    if warmup < m:
+        p2p.run(recv_prev=x)
+    for j in range(m - warmup):
+        i = warmup + j
+        y = forward(i, x)
+        grad = None if p2p.last else torch.empty_like(y)
+        p2p.run(send_next=None if p2p.last else y.detach(), recv_next=grad)
+        inputs.append(x)
+        outputs.append(y)
+        dx = backward(inputs.popleft(), outputs.popleft(), grad)
+        if j == m - warmup - 1:
+            p2p.run(send_prev=dx)
+        else:
+            x = recv_input(microbatches[i + 1])
+            p2p.run(send_prev=dx, recv_prev=x)
+    for _ in range(warmup):
+        x0, y0 = inputs.popleft(), outputs.popleft()
+        grad = torch.empty_like(y0)
+        p2p.run(recv_next=grad)
+        p2p.run(send_prev=backward(x0, y0, grad))
+    if finalize:
+        finalize_grads(model, dims)
+    return _broadcast_from_last(torch.stack(losses) if p2p.last else None, dims)
+
+
+@torch.no_grad()
+def pipeline_forward(
+    model: nn.Module,
+    dims,
+    microbatches: Sequence[dict[str, torch.Tensor]],
+    output_fn: Callable[[torch.Tensor, dict], torch.Tensor],
+    broadcast: bool = True,
+) -> Optional[torch.Tensor]:
+    """Forward-only pass over the micro-batches (no autograd graph kept).
+
+    output_fn: (output, mb) -> [b, ...] per micro-batch on the last stage, e.g. log_probs
+        [b, T-1] from ``vocab_parallel_log_probs`` on logits [b, T, V/tp], or values [b, T].
+    Returns: the per-micro-batch outputs concatenated on dim 0 ([B, ...]) on the last stage,
+        and on every pp rank when `broadcast` (else None elsewhere).
+    """
+    p2p = _P2P(dims)
+    pending, results = [], []
+    for mb in microbatches:
+        x = None
+        if not p2p.first:
+            x = _hidden_buffer(model, mb, requires_grad=False)
+            p2p.run(recv_prev=x)
+        out = model(mb["input_ids"] if x is None else x, **_model_kwargs(mb))
+        if p2p.last:
+            results.append(output_fn(out, mb))
+        else:
+            comm.record("send", out.numel())
+            pending.append((out, dist.isend(out.contiguous(), group=p2p.group, group_dst=p2p.rank + 1)))
+    for _, req in pending:
+        req.wait()
+    result = torch.cat(results) if p2p.last else None
+    return _broadcast_from_last(result, dims) if broadcast else result
+
+
+def _broadcast_from_last(t: Optional[torch.Tensor], dims) -> torch.Tensor:
+    """Broadcast tensor `t` (given on the last stage) to every rank of the pp group."""
+    if dims.pp_size == 1:
+        return t
+    last = dims.pp_size - 1
+    header = [None]
+    if dims.pp_rank == last:
+        header = [(tuple(t.shape), t.dtype)]
+    dist.broadcast_object_list(header, group_src=last, group=dims.pp_group)
+    shape, dtype = header[0]
+    if dims.pp_rank != last:
+        t = torch.empty(shape, dtype=dtype)
+    t = t.contiguous()
+    dist.broadcast(t, group_src=last, group=dims.pp_group)
+    return t
+
+
+def sync_tied_embedding_grads(model: nn.Module, dims) -> None:
+    """Sum the grads of the tied embedding copies on the first and last pp stages.
+
+    No-op unless tie_word_embeddings and pp_size > 1. The two ends exchange their
+    [V/tp, H] grads point-to-point (same tp_rank on both ends) and add them.
+    """
+    if not model.cfg.tie_word_embeddings or dims.pp_size == 1 or not (dims.is_first_stage or dims.is_last_stage):
+        return
+    p = model.model.embed_tokens.weight if dims.is_first_stage else model.lm_head.weight
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    other = torch.empty_like(p.grad)
+    peer = dims.pp_size - 1 if dims.is_first_stage else 0
+    ops = [dist.P2POp(dist.isend, p.grad.contiguous(), group=dims.pp_group, group_peer=peer),
+           dist.P2POp(dist.irecv, other, group=dims.pp_group, group_peer=peer)]
+    comm.record("send", p.grad.numel())
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    p.grad.add_(other)
+
+
+def finalize_grads(model: nn.Module, dims) -> None:
+    """TP/SP grad reductions (:func:`sync_tp_grads`) then tied-embedding sync across stages.
+
+    Data-parallel reduction is the dp backend's (FSDP2 / DDP / DeepSpeed) job, not this one's.
+    """
+    sync_tp_grads(model, dims.tp_group)
+    sync_tied_embedding_grads(model, dims)
