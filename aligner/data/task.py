@@ -32,7 +32,7 @@ from aligner.config import TaskConfig
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 _PROMPT_RE = re.compile(r"^\s*(\d+)\s*\+\s*(\d+)\s*=\s*$")
 # Characters of the task tokenizer, in priority order (cut to the vocabulary budget).
-_ALPHABET = "0123456789+=-▁?\n" + "abcdefghijklmnopqrstuvwxyz" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ.,:!*/()#'\""
+_ALPHABET = "0123456789+=-▁?\n" + "abcdefghijklmnopqrstuvwxyz" + "<|>" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ.,:!*/()#'\""
 
 
 def _draw_operand(rng: random.Random, cfg: TaskConfig) -> int:
