@@ -1,0 +1,137 @@
+"""The rollout-engine interface every backend implements, and the checks they share.
+
+Owns: :class:`Generation` (one response), :class:`RolloutEngine` (generate, the bucketed
+weight update protocol, offload/onload), :func:`check_sampling` / :func:`check_prompts`
+(bad input raises ValueError naming the parameter, the value and the fix), and
+:func:`mismatch_metrics` (rollout vs trainer log-probs, delegating to
+:func:`aligner.algorithms.rollout_mismatch_metrics`).
+
+Weight update protocol (DESIGN "Rollout engines and refit"): the refit calls
+``update_weights`` once per bucket of ``(hf_name, tensor)`` pairs, then
+``finish_weight_update`` once, which finalizes, drops caches and bumps
+``weight_version``. Every :class:`Generation` carries the ``weight_version`` it was
+sampled with, so a trainer can tell stale rollouts from fresh ones.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+
+@dataclass
+class Generation:
+    """One sampled response.
+
+    token_ids: list[int] of length R, the response only (prompt excluded); ends with the
+        stop token when finish_reason == "stop".
+    rollout_log_probs: list[float] of length R, natural-log probability of each response
+        token under softmax(logits / temperature) over the full vocabulary (temperature 1
+        for greedy), as reported by the engine. See the engine for how top-k / top-p
+        truncation is treated.
+    finish_reason: "stop" (a stop token was sampled) or "length" (max_new_tokens reached).
+    weight_version: the engine's weight_version when this response was generated.
+    """
+
+    token_ids: list[int]
+    rollout_log_probs: list[float]
+    finish_reason: str
+    weight_version: int
+    extra: dict[str, Any] = field(default_factory=dict)  # backend-specific details
+
+
+class RolloutEngine(abc.ABC):
+    """A generation engine the actor refits every PPO step.
+
+    Subclasses keep ``self.weight_version`` (int, starts at 0, +1 per finished update).
+    """
+
+    weight_version: int = 0
+
+    @abc.abstractmethod
+    def generate(self, prompt_ids: list[list[int]], sampling: Any, seeds: Optional[list[int]] = None) -> list[Generation]:
+        """Sample one response per prompt.
+
+        Args:
+            prompt_ids: list[list[int]] of B non-empty token-id lists (ragged lengths).
+            sampling: a SamplingConfig-like object with temperature, top_k, top_p,
+                max_new_tokens, stop_token_ids.
+            seeds: list[int] of length B, one RNG seed per request, or None (engine RNG).
+        Returns:
+            list[Generation] of length B, in prompt order.
+        Raises:
+            ValueError: bad sampling parameters, empty prompts, or sequences that do not fit.
+        """
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load one bucket of ``(hf_name, tensor)`` pairs (full or engine-sharded tensors)."""
+
+    @abc.abstractmethod
+    def finish_weight_update(self) -> None:
+        """Finalize a weight update: drop caches and bump ``weight_version``."""
+
+    def offload(self) -> None:  # noqa: B027 - optional hook
+        """Free device memory (weights and caches) while the trainer runs."""
+
+    def onload(self) -> None:  # noqa: B027 - optional hook
+        """Restore what :meth:`offload` freed before generating again."""
+
+
+def check_sampling(sampling: Any) -> None:
+    """Validate a SamplingConfig-like object; ValueError naming the field, value and fix."""
+    for name in ("temperature", "top_k", "top_p", "max_new_tokens", "stop_token_ids"):
+        if not hasattr(sampling, name):
+            raise ValueError(f"sampling has no field {name!r}: pass an aligner.config.SamplingConfig")
+    t, k, p, n = sampling.temperature, sampling.top_k, sampling.top_p, sampling.max_new_tokens
+    if not (isinstance(t, (int, float)) and t >= 0):
+        raise ValueError(f"sampling.temperature={t!r} is invalid: must be >= 0 (0 = greedy)")
+    if not (isinstance(k, int) and k >= 0):
+        raise ValueError(f"sampling.top_k={k!r} is invalid: must be an int >= 0 (0 = off)")
+    if not (isinstance(p, (int, float)) and 0 < p <= 1):
+        raise ValueError(f"sampling.top_p={p!r} is invalid: must be in (0, 1] (1 = off)")
+    if not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"sampling.max_new_tokens={n!r} is invalid: must be an int >= 1")
+
+
+def check_prompts(prompt_ids: Sequence[Sequence[int]], seeds: Optional[Sequence[int]], vocab_size: int) -> None:
+    """Validate prompts and seeds; ValueError naming the bad row."""
+    if len(prompt_ids) == 0:
+        raise ValueError("prompt_ids=[] is invalid: pass at least one prompt")
+    for i, p in enumerate(prompt_ids):
+        if len(p) == 0:
+            raise ValueError(f"prompt_ids[{i}]=[] is empty: every prompt needs at least one token (e.g. BOS)")
+        lo, hi = min(p), max(p)
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"prompt_ids[{i}] has token id {lo if lo < 0 else hi} outside [0, {vocab_size}): check the tokenizer matches the model")
+    if seeds is not None and len(seeds) != len(prompt_ids):
+        raise ValueError(f"seeds has {len(seeds)} entries for {len(prompt_ids)} prompts: pass one seed per prompt or None")
+
+
+def generations_to_padded(gens: Sequence[Generation], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad responses: token_ids [B, R] int64, rollout_log_probs [B, R] fp32, response_mask [B, R] bool."""
+    r = max(1, max(len(g.token_ids) for g in gens))
+    ids = torch.full((len(gens), r), pad_id, dtype=torch.long)
+    lp = torch.zeros(len(gens), r)
+    mask = torch.zeros(len(gens), r, dtype=torch.bool)
+    for i, g in enumerate(gens):
+        n = len(g.token_ids)
+        ids[i, :n] = torch.tensor(g.token_ids, dtype=torch.long)
+        lp[i, :n] = torch.tensor(g.rollout_log_probs, dtype=torch.float32)
+        mask[i, :n] = True
+    return ids, lp, mask
+
+
+def mismatch_metrics(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
+    """Mean / max |rollout_log_probs - old_log_probs| and the fraction of tokens with ratio outside [0.9, 1.1].
+
+    rollout_log_probs, old_log_probs: [B, R] float; response_mask: [B, R]. Returns python floats
+    keyed "log_probs_abs_diff_mean", "log_probs_abs_diff_max", "ratio_out_of_range_frac"
+    (computed by :func:`aligner.algorithms.rollout_mismatch_metrics`).
+    """
+    from aligner.algorithms import rollout_mismatch_metrics
+
+    return {k: float(v) for k, v in rollout_mismatch_metrics(rollout_log_probs, old_log_probs, response_mask).items()}
