@@ -1,0 +1,228 @@
+"""Planner: the memory model against what aligner allocates on CPU, and the search on real presets.
+
+Reference parameter counts: Llama 2 paper / HF config.json (7B: 6,738,415,616; 13B:
+13,015,864,320; 70B: 68,976,648,192 parameters).
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from aligner.config import (
+    AlignerConfig,
+    ClusterConfig,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    RoleConfig,
+    RolloutConfig,
+    SamplingConfig,
+    TrainerConfig,
+)
+from aligner.model.llama import build_model
+from aligner.planner import (
+    GB,
+    Layout,
+    LayoutEstimate,
+    PlanError,
+    Rejected,
+    RoleWork,
+    check_fits,
+    estimate_layout,
+    evaluate_layout,
+    format_plan,
+    kv_cache_bytes,
+    layer_activation_bytes_per_token,
+    make_plan,
+    plan_role,
+    role_num_parameters,
+    smallest_cluster,
+)
+from aligner.plan import main_from_config
+
+LLAMA2 = {
+    "7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32),
+    "13b": dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_layers=40, num_heads=40, num_kv_heads=40),
+    "70b": dict(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8),
+}
+
+
+def llama2_cfg(size: str, nodes: int, gpus: int = 8, mem: float = 80.0, stage: str = "plan", **kw) -> AlignerConfig:
+    bf16 = lambda: RoleConfig(parallel=ParallelConfig(mixed_precision="bf16"))  # noqa: E731
+    return AlignerConfig(
+        stage=stage,
+        preset=f"llama2_{size}",
+        model=ModelConfig(**LLAMA2[size], max_seq_len=4096, dtype="bfloat16"),
+        data=DataConfig(max_prompt_len=1024, max_seq_len=2048),
+        actor=bf16(),
+        critic=bf16(),
+        reward=bf16(),
+        ref=bf16(),
+        rollout=RolloutConfig(parallel=ParallelConfig(mixed_precision="bf16"), sampling=SamplingConfig(max_new_tokens=1024)),
+        trainer=TrainerConfig(rollout_batch_size=128, mini_batch_size=128, micro_batch_size=1, global_batch_size=128),
+        cluster=ClusterConfig(num_nodes=nodes, gpus_per_node=gpus, gpu_mem_gb=mem),
+        **kw,
+    )
+
+
+TINY = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=176, num_layers=3, num_heads=4, num_kv_heads=2, max_seq_len=64)
+
+
+def tiny_work(seq: int, batch: int, kind: str = "lm") -> RoleWork:
+    return RoleWork(role="actor", kind=kind, mode="train", parallel=ParallelConfig(), batch=batch, batch_field="b", seq_len=seq)
+
+
+def storage_bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("kind", ["lm", "score"])
+def test_parameter_grad_optimizer_bytes_exact(kind):
+    model = build_model(TINY, kind=kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, TINY.vocab_size, (2, 16))
+    model(ids).float().pow(2).mean().backward()
+    opt.step()
+    params = list(model.parameters())
+    est = estimate_layout(TINY, tiny_work(16, 2, kind), Layout(tp=1, pp=1, dp=1, micro_batch_size=2), ClusterConfig())
+    assert role_num_parameters(TINY, kind) == sum(p.numel() for p in params)
+    assert est.memory.weights == storage_bytes(params)
+    assert est.memory.grads == storage_bytes(p.grad for p in params)
+    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    assert est.memory.optimizer == storage_bytes(state)
+
+
+def measured_activation_bytes(recompute: str, batch: int, seq: int) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves for backward (fwd + loss)."""
+    model = build_model(TINY)
+    model.model.set_recompute(recompute)
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in param_ptrs:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    ids = torch.randint(0, TINY.vocab_size, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(ids)
+        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_activation_estimate_within_20_percent_of_saved_tensors(recompute):
+    batch, seq = 2, 48
+    measured = measured_activation_bytes(recompute, batch, seq)
+    est = estimate_layout(TINY, tiny_work(seq, batch), Layout(tp=1, pp=1, dp=1, micro_batch_size=batch, recompute=recompute), ClusterConfig())
+    assert abs(est.memory.activations - measured) <= 0.2 * measured, (est.memory.activations, measured)
+
+
+def test_activation_formula_orders_and_splits():
+    m, e, s = ModelConfig(**LLAMA2["70b"], max_seq_len=4096), 2, 2048
+    f = lambda tp, sp, rc: layer_activation_bytes_per_token(m, e, tp, sp, rc, s)  # noqa: E731
+    assert f(1, False, "none") > f(1, False, "selective") > f(1, False, "full")
+    # SP divides everything TP leaves replicated, so TP+SP is exactly the unsharded layer over t
+    # for the selective mode (no replicated mask term): Korthikanti Table 2, rows 3 vs 1.
+    assert f(8, True, "selective") == pytest.approx(f(1, False, "selective") / 8)
+    assert f(8, False, "none") > f(8, True, "none")
+    assert f(8, True, "full") == pytest.approx(e * m.hidden_size / 8)
+
+
+@pytest.mark.parametrize("size,expected", [("7b", 6.74e9), ("13b", 13.0e9), ("70b", 68.98e9)])
+def test_llama2_parameter_counts(size, expected):
+    assert role_num_parameters(ModelConfig(**LLAMA2[size]), "lm") == pytest.approx(expected, rel=0.002)
+
+
+def test_kv_cache_bytes_70b():
+    m = ModelConfig(**LLAMA2["70b"])
+    # 2 (k, v) * 80 layers * 8 kv heads * 128 * 2 B = 327,680 B per token; tp=8 keeps 1 head per device
+    assert kv_cache_bytes(m, 2, 1, 1, 1, 1) == 327680
+    assert kv_cache_bytes(m, 2, 8, 2, 4, 100) == 327680 / 8 / 2 * 4 * 100
+
+
+def test_70b_on_one_node_is_rejected_with_smallest_cluster():
+    cfg = llama2_cfg("70b", nodes=1)
+    with pytest.raises(PlanError) as err:
+        make_plan(cfg)
+    nodes, gpus = smallest_cluster(cfg)
+    assert nodes > 1 and gpus == 8
+    assert f"{nodes} nodes x 8 GPUs" in str(err.value)
+    assert "GB/GPU > 80 GB" in str(err.value)
+    make_plan(dataclasses.replace(cfg, cluster=ClusterConfig(num_nodes=nodes, gpus_per_node=8, gpu_mem_gb=80)))
+    assert main_from_config(cfg) == 1
+
+
+def test_tp_not_dividing_heads_is_rejected_with_reason():
+    cfg = llama2_cfg("70b", nodes=16)
+    work = RoleWork(role="ref", kind="lm", mode="forward", parallel=cfg.ref.parallel, batch=128, batch_field="samples", seq_len=2048)
+    r = evaluate_layout(cfg.model, work, Layout(tp=3, pp=1, dp=1, micro_batch_size=1), cfg.cluster)
+    assert isinstance(r, Rejected) and r.reason == "num_heads=64 not divisible by tp=3"
+    r = evaluate_layout(cfg.model, work, Layout(tp=16, pp=1, dp=1, micro_batch_size=1), cfg.cluster)
+    assert isinstance(r, Rejected) and r.reason.startswith("tp=16 exceeds gpus_per_node=8")
+    r = evaluate_layout(cfg.model, work, Layout(tp=1, pp=1, dp=1, micro_batch_size=1), cfg.cluster)
+    assert isinstance(r, Rejected) and r.reason.startswith("needs ") and r.reason.endswith("GB/GPU > 80 GB")
+    assert 137 < r.estimate.memory.weights / GB < 139  # 68.98e9 params * 2 B
+
+
+def test_ranking_prefers_less_recomputation_when_memory_allows():
+    cfg = llama2_cfg("7b", nodes=2, stage="sft")
+    work = RoleWork(role="actor", kind="lm", mode="train", parallel=cfg.actor.parallel, batch=128, batch_field="b", seq_len=2048)
+    plan = plan_role(cfg.model, work, 16, cfg.cluster)
+    assert plan.ranked and plan.best.layout.recompute == "none"
+    times = [e.time.total_s for e in plan.ranked]
+    assert times == sorted(times)
+    same = [e for e in plan.ranked if dataclasses.replace(e.layout, recompute="none") == plan.best.layout]
+    assert [e.layout.recompute for e in same] == ["none", "selective", "full"]
+    # when memory does not allow it, the same layout is rejected without recomputation only
+    lay = Layout(tp=8, pp=1, dp=2, micro_batch_size=4, sp=True)
+    sel = dataclasses.replace(lay, recompute="selective")
+    none_gb, sel_gb = (estimate_layout(cfg.model, work, x, cfg.cluster).memory.total / GB for x in (lay, sel))
+    assert sel_gb < none_gb
+    tight = dataclasses.replace(cfg.cluster, gpu_mem_gb=(none_gb + sel_gb) / 2)
+    assert isinstance(evaluate_layout(cfg.model, work, lay, tight), Rejected)
+    assert isinstance(evaluate_layout(cfg.model, work, sel, tight), LayoutEstimate)
+
+
+def test_70b_plan_on_16_nodes_splits_nodes_and_prints_every_role(capsys):
+    cfg = llama2_cfg("70b", nodes=16)
+    plan = make_plan(cfg)
+    assert set(plan.roles) == {"actor", "rollout", "critic", "reward", "ref"}
+    ns = plan.node_split
+    assert ns.actor_nodes + ns.critic_nodes == 16 and ns.actor_nodes >= 1 and ns.critic_nodes >= 1
+    feasible = [t for _, t in ns.tried if isinstance(t, float)]
+    assert ns.step_time_s == min(feasible)
+    for rp in plan.roles.values():
+        for est in rp.ranked:
+            assert est.layout.devices == rp.devices and est.memory.total <= 80 * GB
+    assert plan.roles["rollout"].best.memory.kv_cache > 0
+    assert main_from_config(cfg) == 0
+    out = capsys.readouterr().out
+    for word in ("node split", "actor (training", "rollout (rollout engine", "critic (training", "reward (inference", "ref (inference", "rejected"):
+        assert word in out
+    assert out.strip() == format_plan(plan).strip()
+
+
+def test_check_fits_names_the_role_and_what_it_lacks():
+    cfg = llama2_cfg("13b", nodes=2, stage="sft")
+    with pytest.raises(PlanError) as err:
+        check_fits(cfg)  # tp = pp = dp = 1 with 13B under fp32-master Adam: about 210 GB
+    assert "actor: tp=1 pp=1 dp=1" in str(err.value) and "GB/GPU > 80 GB" in str(err.value)
+    assert "the planner suggests" in str(err.value)
+    good = dataclasses.replace(cfg, actor=RoleConfig(parallel=ParallelConfig(tp_size=8, pp_size=2, sequence_parallel=True, recompute="selective", mixed_precision="bf16")))
+    fits = check_fits(good)
+    assert isinstance(fits["actor"], LayoutEstimate) and fits["actor"].memory.total < 80 * GB
+
+
+def test_default_cpu_config_plans_and_fits():
+    cfg = AlignerConfig(stage="plan")
+    plan = make_plan(cfg)
+    assert plan.placement == "colocated" and plan.node_split is None
+    assert set(check_fits(cfg)) == set(plan.roles)
