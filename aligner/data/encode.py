@@ -2,7 +2,7 @@
 
 Owns: prompt/response tokenization with a response-only loss mask, chat rendering with loss
 on assistant turns only, the truncation policy (``data.truncation``), and the counters
-that make every deviation visible (skipped, truncated, boundary mismatches).
+that make every deviation visible (skipped, truncated, boundary mismatches, unknown tokens).
 
 Conventions. Plain (non-chat) rows: ``[bos] + prompt + response + [eos]`` (bos only when the
 tokenizer has one). The prompt/response boundary is found by tokenizing the prompt alone
@@ -40,6 +40,7 @@ class EncodeResult:
     num_skipped: int = 0
     num_truncated: int = 0
     num_boundary_mismatch: int = 0
+    num_unk: int = 0  # examples containing the tokenizer's unk id (text the vocabulary cannot represent)
     reasons: list[str] = field(default_factory=list)  # first few "file:line: ..." skip reasons
 
 
@@ -185,6 +186,7 @@ def encode_prompt(record: dict, tok, cfg: DataConfig, stats: EncodeResult) -> di
     return {"prompt_ids": ids, "prompt": text, "metadata": meta, "source": record["source"]}
 
 
+_ID_KEYS = ("input_ids", "chosen_ids", "rejected_ids", "prompt_ids")
 ENCODERS = {"sft": encode_sft, "pairs": encode_pair, "prompt": encode_prompt}
 
 
@@ -195,11 +197,17 @@ def encode_records(records: list[dict], tok, cfg: DataConfig, kind: str) -> Enco
     stats = EncodeResult(examples=[])
     for rec in records:
         try:
-            stats.examples.append(ENCODERS[kind](rec, tok, cfg, stats))
+            ex = ENCODERS[kind](rec, tok, cfg, stats)
         except _Skip as e:
             stats.num_skipped += 1
             if len(stats.reasons) < 5:
                 stats.reasons.append(str(e))
+            continue
+        stats.examples.append(ex)
+        if tok.unk_token_id is not None and any(tok.unk_token_id in ex.get(k, ()) for k in _ID_KEYS):
+            stats.num_unk += 1
+            if stats.num_unk == 1:
+                log.warning("%s: text maps to the unknown token %r: the tokenizer cannot represent it", rec["source"], tok.unk_token)
     if stats.num_skipped or stats.num_truncated:
         log.info("data: %d rows skipped, %d truncated (data.truncation=%s)", stats.num_skipped, stats.num_truncated, cfg.truncation)
     if not stats.examples:

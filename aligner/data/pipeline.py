@@ -73,7 +73,7 @@ def load_data(kind: str, data_cfg: DataConfig, task_cfg: TaskConfig, tokenizer, 
         train_recs, eval_recs = _hold_out(train.records, data_cfg.eval_fraction, data_cfg.shuffle_seed)
     enc_train = encode_records(train_recs, tokenizer, data_cfg, kind)
     enc_eval = encode_records(eval_recs, tokenizer, data_cfg, kind) if eval_recs else EncodeResult(examples=[])
-    for name, attr in (("skipped_long", "num_skipped"), ("truncated", "num_truncated"), ("boundary_mismatch", "num_boundary_mismatch")):
+    for name, attr in (("skipped_long", "num_skipped"), ("truncated", "num_truncated"), ("boundary_mismatch", "num_boundary_mismatch"), ("unk", "num_unk")):
         stats[name] = getattr(enc_train, attr) + getattr(enc_eval, attr)
     stats["reasons"] += enc_train.reasons + enc_eval.reasons
     log.info("data: %s %d train / %d eval examples from %s (format %s); %s", kind, len(enc_train.examples), len(enc_eval.examples), train_path, train.format, {k: v for k, v in stats.items() if k != "reasons"})

@@ -273,3 +273,21 @@ def test_shared_gsm8k_file():
 
     s = score("gsm8k", [x["prompt"] for x in res.records[:100]], [x["response"] for x in res.records[:100]], [x["metadata"] for x in res.records[:100]])
     assert s.sum().item() == 100  # the reference solutions score 1 against their own answers
+
+
+def test_unknown_characters_are_counted(tok, caplog):
+    recs = [{"prompt": "1+2=", "response": "3", "source": "u:1", "metadata": {}}, {"prompt": "1+2=", "response": "€", "source": "u:2", "metadata": {}}]
+    with caplog.at_level(logging.WARNING, logger="aligner.data"):
+        res = encode_records(recs, tok, DataConfig(), "sft")
+    assert res.num_unk == 1 and "u:2: text maps to the unknown token" in caplog.text
+
+
+def test_llama2_sft_boundary_and_mask():
+    tk = load_tokenizer(str(shared_path("data", "tokenizers", "llama2", "tokenizer.model")))
+    recs = [{"prompt": "Question: 12+39=", "response": "51", "source": "l:1", "metadata": {}}]
+    res = encode_records(recs, tk, DataConfig(), "sft")
+    ex = res.examples[0]
+    assert res.num_boundary_mismatch == 0 and ex["input_ids"][0] == 1 and ex["input_ids"][-1] == 2
+    trained = [t for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m]
+    assert tk.decode(trained, skip_special_tokens=True) == "51" and trained[-1] == tk.eos_token_id
+    assert tk.decode(ex["input_ids"], skip_special_tokens=True) == "Question: 12+39=51"
