@@ -23,3 +23,14 @@ def main_from_config(cfg: AlignerConfig) -> int:
         return 1
     print(format_plan(plan))
     return 0
+
+
+def main(argv=None) -> int:
+    """`python -m aligner.plan [conf=PRESET] [cluster.num_nodes=N ...]`: Hydra overrides -> exit code."""
+    from aligner.cli import run  # Hydra is imported only by the command line
+
+    return run("plan", main_from_config, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

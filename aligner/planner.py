@@ -720,7 +720,7 @@ def smallest_cluster(cfg: AlignerConfig) -> tuple[int, int]:
 
 
 def _cluster_text(nodes: int, gpus: int, mem: float) -> str:
-    return f"{nodes} nodes x {gpus} GPUs x {mem:g} GB"
+    return f"{nodes} node{'s' if nodes != 1 else ''} x {gpus} GPUs x {mem:g} GB"
 
 
 def make_plan(cfg: AlignerConfig) -> Plan:
@@ -797,7 +797,7 @@ def format_plan(plan: Plan) -> str:
     ]
     if plan.node_split:
         ns = plan.node_split
-        lines.append(f"node split: actor group (actor, rollout) {ns.actor_nodes} nodes, critic group {ns.critic_nodes} nodes")
+        lines.append(f"node split: actor group (actor, rollout) {ns.actor_nodes} of {c.num_nodes} nodes, critic group {ns.critic_nodes}")
         tried = ", ".join(f"{a}:{t:.1f}s" if isinstance(t, float) else f"{a}:no fit" for a, t in ns.tried)
         lines.append(f"  splits tried (actor nodes: step time): {tried}")
     lines.append(f"estimated step time: {plan.step_time_s:.2f} s (memory in GB per device, times in seconds per step)")

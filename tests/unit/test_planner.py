@@ -226,3 +226,14 @@ def test_default_cpu_config_plans_and_fits():
     plan = make_plan(cfg)
     assert plan.placement == "colocated" and plan.node_split is None
     assert set(check_fits(cfg)) == set(plan.roles)
+
+
+def test_command_line_plan_for_70b_preset(capsys):
+    from aligner.plan import main
+
+    assert main(["conf=llama2_70b", "cluster.num_nodes=16", "cluster.gpus_per_node=8", "cluster.gpu_mem_gb=80"]) == 0
+    out = capsys.readouterr().out
+    assert "16 nodes x 8 GPUs x 80 GB" in out and "node split: actor group" in out
+    assert main(["conf=llama2_70b", "cluster.num_nodes=1", "cluster.gpus_per_node=8", "cluster.gpu_mem_gb=80"]) == 1
+    err = capsys.readouterr().err
+    assert "the smallest cluster that fits is" in err and "cluster.num_nodes=" in err
