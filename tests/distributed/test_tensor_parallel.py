@@ -69,6 +69,10 @@ def _max_err(full: dict, ref: dict) -> float:
     return max(float((full[k] - ref[k]).abs().max()) for k in ref)
 
 
+def worst_key(full: dict, ref: dict) -> str:
+    return max(ref, key=lambda k: float((full[k] - ref[k]).abs().max()))
+
+
 def run_layout(dims, cfg, kind: str = "lm", *, sp: bool = False, recompute: str = "none", layer_split=None,
                num_microbatches: int = 1, steps: int = 3) -> dict[str, float]:
     """Run one TP x PP layout against the single-process reference; return {check: max abs error}."""
@@ -116,8 +120,10 @@ def run_layout(dims, cfg, kind: str = "lm", *, sp: bool = False, recompute: str 
     # training: loss, every gradient (step 0) and parameters after `steps` AdamW steps
     ref_loss_fn = make_loss_fn(kind, None, 0)
     loss_fn = make_loss_fn(kind, tp_group, vstart)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
-    opt = torch.optim.AdamW(stage.parameters(), lr=1e-3, weight_decay=0.01)
+    # eps=1e-6: some grads are ~0 in exact arithmetic (k_proj bias: softmax is shift-invariant),
+    # and Adam with eps=1e-8 would turn their fp32 rounding noise into +-lr steps.
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01, eps=1e-6)
+    opt = torch.optim.AdamW(stage.parameters(), lr=1e-3, weight_decay=0.01, eps=1e-6)
     for step in range(steps):
         ref_opt.zero_grad()
         opt.zero_grad()
