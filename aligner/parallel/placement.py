@@ -374,14 +374,29 @@ def create_placement(
     return Placement(roles=out, specs=specs)
 
 
+def _config_requests(cfg: Any, roles: Sequence[str]) -> tuple[dict[str, RoleRequest], dict[str, str]]:
+    requests = {name: RoleRequest.from_role(name, cfg.role(name)) for name in roles}
+    colocate = {name: cfg.role(name).colocate_with for name in roles if cfg.role(name).colocate_with}
+    return requests, colocate
+
+
+def plan_from_config(cfg: Any, roles: Sequence[str]) -> list[NodeGroupSpec]:
+    """The node groups of `roles` (RoleConfig names on an AlignerConfig), without Ray.
+
+    Uses ``cfg.cluster.placement`` and each role's ``colocate_with``; raises ValueError
+    as :func:`plan_node_groups`.
+    """
+    requests, colocate = _config_requests(cfg, roles)
+    return plan_node_groups(requests, cfg.cluster.placement, colocate)
+
+
 def placement_from_config(cfg: Any, roles: Sequence[str], timeout_s: float = 60.0) -> Placement:
     """Create the placement of `roles` (names of RoleConfigs on an AlignerConfig `cfg`).
 
     Uses ``cfg.cluster.placement`` and each role's ``colocate_with``.
     Raises ValueError/PlacementError as :func:`create_placement`.
     """
-    requests = {name: RoleRequest.from_role(name, cfg.role(name)) for name in roles}
-    colocate = {name: cfg.role(name).colocate_with for name in roles if cfg.role(name).colocate_with}
+    requests, colocate = _config_requests(cfg, roles)
     return create_placement(requests, cfg.cluster.placement, colocate, timeout_s)
 
 

@@ -87,6 +87,7 @@ def init_ray(
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(
+        address="local",  # None would join any cluster started on this machine by `ray start`
         num_cpus=local_num_cpus(cluster, num_cpus),
         include_dashboard=False,
         **common,

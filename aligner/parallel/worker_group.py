@@ -17,6 +17,9 @@ Dispatch modes (verl's ``@register``, STYLE 4):
                 in the original order
     rank0       called on rank 0 only; result: rank 0's return value
 
+Rendezvous: a group whose workers all sit on one node uses 127.0.0.1 (and gloo on the
+loopback interface); a multi-node group uses rank 0's node IP.
+
 Simplifications: chunks of an uneven batch differ in size by at most one sample (numpy
 ``array_split`` rule); a failure in any worker kills the whole group (the other ranks may
 be blocked in a collective with it), and the group cannot be used afterwards. On GPU each
@@ -38,7 +41,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from aligner.config import ParallelConfig, ResourceConfig
 from aligner.parallel.dims import ParallelDims
-from aligner.parallel.placement import RolePlacement, RoleRequest, create_placement, threads_per_worker
+from aligner.parallel.placement import Placement, RolePlacement, RoleRequest, create_placement, threads_per_worker
 
 DISPATCH_MODES = ("broadcast", "dp_split", "rank0")
 _ATTR = "_aligner_dispatch"
@@ -547,3 +550,14 @@ class WorkerGroup:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+def role_worker_group(cfg: Any, role: str, worker_cls: type, placement: Placement, **kw: Any) -> WorkerGroup:
+    """The worker group of `role` from an AlignerConfig `cfg`.
+
+    Uses ``cfg.<role>.parallel``, the role's share of `placement`, and torch threads per CPU
+    worker from ``cfg.trainer.num_threads`` (0 = ``cfg.<role>.resources.cpus_per_worker``).
+    Other keywords go to :class:`WorkerGroup`. Raises as WorkerGroup and ``cfg.role``.
+    """
+    kw.setdefault("num_threads", cfg.trainer.num_threads)
+    return WorkerGroup(role, worker_cls, placement.role(role), cfg.role(role).parallel, **kw)

@@ -84,6 +84,16 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout_s} s")
 
 
+def _forget_cluster(gcs_port: int) -> None:
+    """Remove Ray's pointer to this (stopped) cluster, as `ray stop` would, if it still names it."""
+    pointer = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"
+    try:
+        if pointer.read_text().strip().endswith(f":{gcs_port}"):
+            pointer.unlink()
+    except OSError:
+        pass
+
+
 def _stop(proc: subprocess.Popen) -> None:
     """SIGTERM the head (it kills the processes it started), then its session as a backstop."""
     if proc.poll() is None:
@@ -129,4 +139,5 @@ def test_ray_job_submit_runs_worker_group_on_cluster(tmp_path):
         assert "succeeded" in out, out[-4000:]
     finally:
         _stop(head)
+        _forget_cluster(gcs)
         log.close()
