@@ -46,6 +46,7 @@ from aligner.parallel import comm
 from aligner.parallel.layers import ParallelLayer
 
 META_FILE = "meta.json"
+_TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 _MESHES: dict[tuple, Any] = {}
 
 
@@ -239,6 +240,11 @@ def save_checkpoint(engine, ckpt_dir: str, extra: Optional[dict] = None) -> str:
     """
     import torch.distributed.checkpoint as dcp
 
+    if engine.model_cfg.backend == "te":
+        raise ValueError(
+            "model.backend=te: resharding checkpoints of TE layers are not implemented; "
+            "export weights with te_backend.te_layer_to_hf or checkpoint with model.backend=torch"
+        )
     ckpt_dir = os.path.abspath(ckpt_dir)
     tmp = ckpt_dir.rstrip("/") + ".tmp"
     if _rank() == 0:
@@ -298,15 +304,21 @@ def load_checkpoint(engine, ckpt_dir: str) -> dict:
         engine.set_step(int(meta["step"]))
         return meta
     lay = _Layout(engine)
+    saved = set(dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata)
     sd: dict[str, Any] = {"model": {}, "optim": {}, "step": torch.zeros((), dtype=torch.int64)}
     finish = []
     for name, owner, pname, p in _unique_params(engine.module):
+        key = name if f"model.{name}" in saved else _TIED.get(name, name)  # tied lm_head saved once at pp=1
+        if f"model.{key}" not in saved:
+            raise ValueError(f"checkpoint {ckpt_dir!r} has no tensor for parameter {name!r}: it was saved from a different model")
         bufs = {}
-        for key in ("param", "exp_avg", "exp_avg_sq"):
-            bufs[key] = lay.empty_global(p, owner, pname)
-        sd["model"][name] = bufs["param"][0]
-        sd["optim"][name] = {"exp_avg": bufs["exp_avg"][0], "exp_avg_sq": bufs["exp_avg_sq"][0], "step": torch.zeros((), dtype=torch.float32)}
-        finish.append((name, p, bufs))
+        for k in ("param", "exp_avg", "exp_avg_sq"):
+            bufs[k] = lay.empty_global(p, owner, pname)
+        if key in sd["model"]:  # both tied names on one stage cannot happen (deduplicated), guard anyway
+            raise ValueError(f"checkpoint load: {name!r} and another parameter map to the same tensor {key!r}")
+        sd["model"][key] = bufs["param"][0]
+        sd["optim"][key] = {"exp_avg": bufs["exp_avg"][0], "exp_avg_sq": bufs["exp_avg_sq"][0], "step": torch.zeros((), dtype=torch.float32)}
+        finish.append((key, p, bufs))
     dcp.load(sd, checkpoint_id=ckpt_dir, no_dist=not _distributed())
     for name, p, bufs in finish:
         _local(p).copy_(bufs["param"][1]())

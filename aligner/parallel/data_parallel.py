@@ -90,7 +90,7 @@ def apply_ddp(model: nn.Module, dp_group: Optional[dist.ProcessGroup]) -> nn.Mod
         return model
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(model, process_group=dp_group, broadcast_buffers=False)
+    return DistributedDataParallel(model, process_group=dp_group)
 
 
 @contextlib.contextmanager
@@ -171,6 +171,9 @@ def _tp_weight(module: nn.Module, pname: str, tp_size: int, tp_rank: int) -> flo
     if tp_size == 1:
         return 1.0
     if not isinstance(module, ParallelLayer):
+        mode = getattr(module, "parallel_mode", None)  # Transformer Engine layers (te_backend)
+        if (mode in ("column", "row") and pname == "weight") or (mode == "column" and pname == "bias"):
+            return 1.0
         return 1.0 if tp_rank == 0 else 0.0
     dim, row_index = module.local_to_full_spec(pname)
     if dim is None:
@@ -188,12 +191,14 @@ def _local_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     return g.to_local() if hasattr(g, "to_local") else g
 
 
-def grad_norm_sq_local(model: nn.Module, tp_group=None) -> torch.Tensor:
+def grad_norm_sq_local(model: nn.Module, tp_group=None, exclude: Optional[set[int]] = None) -> torch.Tensor:
     """Sum of squared gradient entries of this rank's parameters, weighted so a later sum over
-    tp, pp (and dp for dp-sharded grads) counts every entry of the full model once. fp64 scalar."""
+    tp, pp (and dp for dp-sharded grads) counts every entry of the full model once. fp64 scalar.
+
+    exclude: ids of parameters counted elsewhere (the last stage's copy of a tied embedding)."""
     tp_size, tp_rank = comm.group_size(tp_group), comm.group_rank(tp_group)
     total = torch.zeros((), dtype=torch.float64)
-    seen: set[int] = set()
+    seen: set[int] = set(exclude or ())
     for module in model.modules():
         for pname, p in module._parameters.items():
             if p is None or id(p) in seen:
@@ -215,6 +220,7 @@ def clip_grad_norm_(
     pp_group=None,
     dp_group=None,
     grads_sharded_over_dp: bool = False,
+    exclude: Optional[set[int]] = None,
 ) -> float:
     """Global-norm gradient clipping over tp, pp and dp; returns the norm before clipping.
 
@@ -222,9 +228,10 @@ def clip_grad_norm_(
     summed over tp (replicated params once), over pp, and over dp only when the gradients are
     dp-sharded (FSDP2; DDP gradients are already identical on every dp rank). Grads are then
     scaled by ``min(1, max_norm / (norm + 1e-6))``. max_norm <= 0 only measures the norm.
-    Must be called on every rank of the role (it issues all-reduces).
+    exclude: ids of parameters left out of the norm but still clipped (a tied embedding's
+    second copy on the last pp stage). Must be called on every rank of the role (all-reduces).
     """
-    sq = grad_norm_sq_local(model, tp_group)
+    sq = grad_norm_sq_local(model, tp_group, exclude)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     sq = sq.to(device=device, dtype=torch.float64 if device.type == "cpu" else torch.float32)
     for group in (tp_group, pp_group, dp_group if grads_sharded_over_dp else None):

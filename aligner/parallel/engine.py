@@ -69,6 +69,43 @@ def _check_dims(parallel: ParallelConfig, dims: ParallelDims) -> None:
             )
 
 
+def _sync_tied_grads(model: nn.Module, dims) -> None:
+    """Sum the tied embedding / lm_head grads between the first and last stage (local shards:
+    works for plain and FSDP2 DTensor grads, both ends hold the same dp shard)."""
+    if not model.cfg.tie_word_embeddings or not (dims.is_first_stage or dims.is_last_stage):
+        return
+    import torch.distributed as dist
+
+    p = model.model.embed_tokens.weight if dims.is_first_stage else model.lm_head.weight
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    g = dpmod._local_grad(p)
+    other = torch.empty_like(g)
+    peer = dims.pp_size - 1 if dims.is_first_stage else 0
+    ops = [dist.P2POp(dist.isend, g.contiguous(), group=dims.pp_group, group_peer=peer),
+           dist.P2POp(dist.irecv, other, group=dims.pp_group, group_peer=peer)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    g.add_(other)
+
+
+def _all_reduce_mean_grads(model: nn.Module, dp_group) -> None:
+    """Average every gradient over `dp_group` (DDP semantics), one flat all-reduce per dtype."""
+    n = comm.group_size(dp_group)
+    if n == 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    for dtype in {g.dtype for g in grads}:
+        same = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in same])
+        comm.all_reduce_no_grad(flat, dp_group)
+        flat /= n
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
 class TrainEngine:
     """A role's trainable model on `dims`, wrapped for `parallel.dp_backend`.
 
@@ -111,6 +148,10 @@ class TrainEngine:
         self.backend = parallel_cfg.dp_backend
         self.bf16 = parallel_cfg.mixed_precision == "bf16"
         self.module = self._build_module(model, seed)
+        if model_cfg.backend == "te":
+            from aligner.parallel.te_backend import apply_te_backend
+
+            apply_te_backend(self.module, dims.tp_group, parallel_cfg.sequence_parallel)
         self.device_type = next(self.module.parameters()).device.type
         self._wrap_dp()
 
@@ -118,17 +159,17 @@ class TrainEngine:
     def _build_module(self, model: Optional[nn.Module], seed: int) -> nn.Module:
         from aligner.model.llama import build_model
 
-        model = model if model is not None else build_model(self.model_cfg, self.kind, seed=seed)
-        if self.dims.pp_size > 1:
-            from aligner.parallel.pipeline import build_stage_model
+        d, par = self.dims, self.parallel
+        if d.pp_size == 1 and d.tp_size == 1:
+            model = model if model is not None else build_model(self.model_cfg, self.kind, seed=seed)
+            model.model.set_recompute(par.recompute)
+            return model
+        from aligner.parallel.pipeline import build_stage_model
 
-            model = build_stage_model(model, self.dims, self.parallel)
-        if self.dims.tp_size > 1:
-            from aligner.parallel.tensor_parallel import apply_tensor_parallel
-
-            apply_tensor_parallel(model, self.dims.tp_group, self.parallel.sequence_parallel)
-        model.model.set_recompute(self.parallel.recompute)
-        return model
+        return build_stage_model(
+            self.model_cfg, self.kind, d, layer_split=par.pp_layer_split, sequence_parallel=par.sequence_parallel,
+            recompute=par.recompute, seed=seed, full_state_dict=None if model is None else model.state_dict(),
+        )
 
     @property
     def fsdp(self) -> bool:
@@ -144,7 +185,7 @@ class TrainEngine:
             if self.fsdp:
                 dpmod.apply_fsdp2(self.module, self.dims.mesh["dp"], self.parallel.mixed_precision)
                 self.model = self.module
-            elif self.backend == "ddp":
+            elif self.backend == "ddp" and self.dims.pp_size == 1:
                 self.model = dpmod.apply_ddp(self.module, self.dims.dp_group)
             else:
                 self.model = self.module
@@ -172,8 +213,38 @@ class TrainEngine:
         else:
             loss.backward()
 
-    def clip_grads(self) -> float:
-        """Finish TP/SP grads and clip to optim.grad_clip by the global norm; returns the norm."""
+    def forward_backward(
+        self, microbatches: list[dict], loss_fn: Callable[[torch.Tensor, dict], torch.Tensor], loss_reduction: str = "mean"
+    ) -> torch.Tensor:
+        """Forward + backward over micro-batches (1F1B across stages when pp_size > 1).
+
+        microbatches: dicts with ``input_ids`` [b, T] int64 (optional position_ids /
+        segment_ids [b, T]) plus whatever `loss_fn` (output, mb) -> scalar reads; the same
+        on every pp rank of a dp replica. loss_reduction: "mean" scales each loss by
+        1/num_microbatches, "sum" leaves it (see aligner.parallel.pipeline).
+        Returns: [num_microbatches] fp32 unscaled losses (on every pp rank).
+        """
+        if self.dims.pp_size > 1:
+            from aligner.parallel.pipeline import pipeline_train_step
+
+            with dpmod.autocast_context(self.uses_autocast, self.device_type):
+                return pipeline_train_step(self.model, self.dims, microbatches, loss_fn, loss_reduction=loss_reduction, finalize=False)
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction={loss_reduction!r}: valid choices are mean, sum")
+        scale = 1.0 / len(microbatches) if loss_reduction == "mean" else 1.0
+        losses = []
+        for mb in microbatches:
+            kw = {k: mb[k] for k in ("position_ids", "segment_ids") if mb.get(k) is not None}
+            loss = loss_fn(self.forward(mb["input_ids"], **kw), mb)
+            self.backward(loss * scale)
+            losses.append(loss.detach().float())
+        return torch.stack(losses)
+
+    def finalize_grads(self) -> None:
+        """Gradient reductions left after backward: TP/SP (norms, replicated kv rows), tied
+        embeddings across the first/last pp stages, and the dp all-reduce for DDP with pp > 1
+        (DDP's wrapper cannot see 1F1B's interleaved forwards, so the averaged all-reduce over
+        dp is issued here, one flat buffer per dtype)."""
         d = self.dims
         if self.fsdp:
             dpmod.sync_tp_grads_local(self.module, d.tp_group, d.dp_rank, d.dp_size)
@@ -181,7 +252,22 @@ class TrainEngine:
             from aligner.parallel.tensor_parallel import sync_tp_grads
 
             sync_tp_grads(self.module, d.tp_group)
-        return dpmod.clip_grad_norm_(self.module, self.optim_cfg.grad_clip, d.tp_group, d.pp_group, d.dp_group, grads_sharded_over_dp=self.fsdp)
+        if d.pp_size > 1:
+            _sync_tied_grads(self.module, d)
+            if self.backend == "ddp":
+                _all_reduce_mean_grads(self.module, d.dp_group)
+
+    def clip_grads(self) -> float:
+        """Finish the gradients (:meth:`finalize_grads`) and clip to optim.grad_clip by the
+        global norm over tp, pp and dp; returns the norm before clipping."""
+        d = self.dims
+        self.finalize_grads()
+        exclude = None
+        if self.model_cfg.tie_word_embeddings and d.pp_size > 1 and d.is_last_stage and getattr(self.module, "lm_head", None) is not None:
+            exclude = {id(self.module.lm_head.weight)}  # counted on the first stage
+        return dpmod.clip_grad_norm_(
+            self.module, self.optim_cfg.grad_clip, d.tp_group, d.pp_group, d.dp_group, grads_sharded_over_dp=self.fsdp, exclude=exclude
+        )
 
     def step(self) -> dict[str, float]:
         """One optimizer step after backward: clip, AdamW, advance the LR schedule.
