@@ -187,22 +187,23 @@ def tp_battery(rank: int, world_size: int) -> dict:
     except ValueError as e:
         out["errors"]["odd T"] = str(e)
 
-    # collectives per forward: 2 layers, each 2 all-reduces of B*T*H (no SP) or
-    # all-gather + reduce-scatter of the same volume (SP); plus embedding and lm_head.
+    # collectives per layer forward: 2 all-reduces of B*T*H (no SP), or all-gather +
+    # reduce-scatter of the same volume (SP); and saved bytes vs the adjusted formula
+    from aligner.parallel.accounting import LayerDims, layer_comm, layer_saved_bytes, llama_layer_activation_elements
+
+    out["memory"] = {}
     for sp in (False, True):
         m = apply_tensor_parallel(build_model(tiny_cfg(), seed=0), dims.tp_group, sequence_parallel=sp)
-        with torch.no_grad(), comm.CommCounter() as c:
-            h = torch.zeros(B, T // (2 if sp else 1), 32)
-            cos, sin = _rope(m)
-            m.model.layers["0"](h, cos, sin, torch.ones(B, 1, T, T, dtype=torch.bool))
+        c = layer_comm(m, B, T)
         out["comm"][sp] = (dict(c.calls), dict(c.elements))
+        for kv in (4, 1):
+            cfg = tiny_cfg(hidden_size=64, intermediate_size=160, num_kv_heads=kv, num_layers=1, max_seq_len=32)
+            m = apply_tensor_parallel(build_model(cfg, seed=0), dims.tp_group, sequence_parallel=sp)
+            for mode in ("none", "selective", "full"):
+                m.model.set_recompute(mode)
+                formula = 4 * llama_layer_activation_elements(LayerDims(s=32, b=2, h=64, a=4, i=160, t=2, kv=kv), sp, mode)
+                out["memory"][(kv, sp, mode)] = (layer_saved_bytes(m, 2, 32), formula)
     return out
-
-
-def _rope(model):
-    from aligner.model.llama import rope_cos_sin
-
-    return rope_cos_sin(model.model.inv_freq, torch.arange(T).expand(B, T), torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -235,3 +236,12 @@ def test_tp_layer_collectives(tp_results):
     calls, elems = tp_results[0]["comm"][True]
     assert calls == {"all_gather": 2, "reduce_scatter": 2}
     assert elems == {"all_gather": 2 * B * T * 32, "reduce_scatter": 2 * B * T * 32}
+
+
+@pytest.mark.distributed
+def test_tp_sp_activation_memory_matches_formula(tp_results):
+    """Saved bytes per layer with tp=2 (SP off/on, each recompute mode, kv split/replicated) equal
+    the Llama-adjusted Korthikanti et al. formula (aligner.parallel.accounting)."""
+    for rank, res in enumerate(tp_results):
+        bad = {k: v for k, v in res["memory"].items() if v[0] != v[1]}
+        assert not bad, f"rank {rank}: (measured, formula) differ: {bad}"

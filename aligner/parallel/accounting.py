@@ -1,0 +1,164 @@
+"""Per-layer communication and activation-memory accounting for TP / SP / recomputation.
+
+Owns: measuring what one decoder layer communicates (:func:`layer_comm`, via
+``aligner.parallel.comm.CommCounter``) and what it saves for backward
+(:func:`layer_saved_bytes`, via ``torch.autograd.graph.saved_tensors_hooks``, deduped by
+storage, parameters and layer-shared inputs excluded), and the closed forms they are
+compared with: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", Table 2; :func:`korthikanti_bytes`) and the same derivation redone
+for this model (:func:`llama_layer_activation_elements`).
+
+Derivation for our Llama layer (elements saved per layer; s seq, b micro-batch, h hidden,
+a query heads, i SwiGLU width, t tp_size), term by term against the paper's GPT layer:
+
+    RMSNorm x2          2 * (input + normalized) sbh + 2 sb (rsqrt)     paper LayerNorm: input only (fused kernel)
+    linear inputs       QKV input sbh + MLP input sbh                   same as paper
+    attention           q, k, v (post-RoPE; GQA k/v repeated to a heads) same as paper (QK^T inputs, V)
+                        + output-projection input sbh                   same as paper
+                        + logsumexp a*sb                                paper: softmax 2as^2b + its dropout
+                        + additive float mask b*s^2                       mask and output (fused flash kernel here)
+    SwiGLU              gate, up, silu(gate), product: 4 * sbi          paper GeLU: 4h input + 4h output
+    dropout             none (Llama has no dropout)                     paper: 2 sbh masks + as^2b mask
+
+    none:       sbh (10 + 4i/h + (a + 2)/h) + b s^2
+    TP:         norms and the two linear inputs are replicated: sbh (6 + 2/h) + sbh (4 + 4i/h + a/h) / t + b s^2
+    TP + SP:    everything in T/t (linear inputs saved as the local shard, re-gathered in backward):
+                [sbh (10 + 4i/h + (a + 2)/h)] / t + b s^2
+    selective:  the attention core (logsumexp, float mask) is recomputed: drop a*sb/t and b s^2;
+                its saved inputs k, v are the kv-head tensors (GQA repeat happens inside the core):
+                q, k, v cost sbh (1 + 2 kv/a) instead of 3 sbh
+    full:       only the layer input: sbh (sbh/t with SP)
+
+RoPE's cos/sin [b, s, hd] and the boolean mask are built once per forward and shared by
+all layers, so they are excluded (as the paper excludes embeddings). Bytes = elements x
+element size (4 in fp32 here; the paper counts 2-byte activations and 1-byte dropout masks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from aligner.model.llama import build_attention_mask, rope_cos_sin
+from aligner.parallel import comm
+
+
+@dataclass(frozen=True)
+class LayerDims:
+    """Sizes in the formulas: s seq len (tokens), b micro-batch, h hidden, a heads, i SwiGLU width,
+    t tp_size, kv key/value heads (None: a)."""
+
+    s: int
+    b: int
+    h: int
+    a: int
+    i: int
+    t: int = 1
+    kv: int | None = None
+
+
+def korthikanti_bytes(d: LayerDims, sequence_parallel: bool = False, recompute: str = "none") -> float:
+    """Activation bytes per transformer layer from Korthikanti et al. 2022, Table 2 (16-bit GPT layer).
+
+    none: sbh(10 + 24/t + 5as/(ht)); with SP: sbh/t (34 + 5as/h); selective: 34 sbh/t with SP,
+    sbh(10 + 24/t) without; full: 2 sbh (2 sbh/t with SP).
+    """
+    s, b, h, a, t = d.s, d.b, d.h, d.a, d.t
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    attn = 0 if recompute == "selective" else 5 * a * s / h
+    if sequence_parallel:
+        return sbh * (34 + attn) / t
+    return sbh * (10 + 24 / t + attn / t)
+
+
+def llama_layer_activation_elements(d: LayerDims, sequence_parallel: bool = False, recompute: str = "none", mask: bool = True) -> float:
+    """Elements one decoder layer of this model saves for backward (derivation in the module docstring).
+
+    mask: include the additive float attention mask b*s^2 that SDPA builds from a boolean mask.
+    """
+    s, b, h, a, i, t = d.s, d.b, d.h, d.a, d.i, d.t
+    sbh = s * b * h
+    if recompute == "full":
+        return sbh / (t if sequence_parallel else 1)
+    core = 0 if recompute == "selective" else a * s * b  # logsumexp
+    mask_elems = b * s * s if (mask and recompute != "selective") else 0
+    kv = max(d.kv or a, t)  # kv heads replicated when fewer than t: each rank holds one
+    qkv = sbh * (1 + 2 * kv / a) if recompute == "selective" else 3 * sbh  # k, v repeated to a heads outside a checkpoint
+    sharded = qkv + sbh * (1 + 4 * i / h) + core  # q, k, v, attention output; SwiGLU
+    replicated = sbh * 6 + 2 * s * b  # 2 norms (input + normalized, rsqrt), QKV and MLP inputs
+    if sequence_parallel:
+        return (sharded + replicated) / t + mask_elems
+    return replicated + sharded / t + mask_elems
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def saved_bytes(fn, *args, exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes autograd saves for backward while running fn(*args), each storage counted once.
+
+    Storages of `exclude` (parameters, layer-shared inputs) are not counted. Tensors saved
+    inside non-reentrant checkpoints are not saved (they are recomputed), so they are not seen;
+    the checkpoint's own saved inputs are.
+    """
+    skip = {_storage_key(t) for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in skip:
+            seen[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    del out
+    return sum(seen.values())
+
+
+def _layer_inputs(model: nn.Module, batch_size: int, seq_len: int, requires_grad: bool):
+    trunk = model.model
+    if seq_len % trunk.seq_shards:
+        raise ValueError(f"seq_len={seq_len} must be divisible by tp_size={trunk.seq_shards} with sequence parallelism")
+    p = next(model.parameters())
+    h = torch.randn(batch_size, seq_len // trunk.seq_shards, model.cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=requires_grad)
+    cos, sin = rope_cos_sin(trunk.inv_freq, torch.arange(seq_len, device=p.device).expand(batch_size, seq_len), p.dtype)
+    return h, cos, sin, build_attention_mask(batch_size, seq_len, p.device)
+
+
+def layer_saved_bytes(model: nn.Module, batch_size: int, seq_len: int, layer: str | None = None) -> int:
+    """Bytes this rank's decoder layer `layer` (default: the first) saves for backward on one
+    micro-batch [batch_size, seq_len], under the model's recompute mode and TP/SP sharding.
+
+    Excludes parameters and the layer-shared cos/sin and boolean mask.
+    """
+    trunk = model.model
+    block = trunk.layers[layer or next(iter(trunk.layers))]
+    h, cos, sin, mask = _layer_inputs(model, batch_size, seq_len, requires_grad=True)
+
+    def run(x):
+        if trunk.recompute == "full":
+            return checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+        return block(x, cos, sin, mask)
+
+    return saved_bytes(run, h, exclude=[*model.parameters(), cos, sin, mask])
+
+
+def layer_comm(model: nn.Module, batch_size: int, seq_len: int, backward: bool = False) -> comm.CommCounter:
+    """Collectives one decoder layer issues on a [batch_size, seq_len] micro-batch (forward, or
+    forward + backward); counts and elements per op in the returned CommCounter."""
+    trunk = model.model
+    block = trunk.layers[next(iter(trunk.layers))]
+    h, cos, sin, mask = _layer_inputs(model, batch_size, seq_len, requires_grad=backward)
+    with comm.CommCounter() as c, torch.set_grad_enabled(backward):
+        out = block(h, cos, sin, mask)
+        if backward:
+            out.sum().backward()
+    return c
