@@ -496,7 +496,7 @@ class WorkerGroup:
     # ---- waiting and failure -----------------------------------------------------------
     def _wait(self, refs: dict[int, Any], method: str, timeout_s: Optional[float]) -> dict[int, Any]:
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+        from ray.exceptions import RayError, RayTaskError
 
         pending = {ref: rank for rank, ref in refs.items()}
         results: dict[int, Any] = {}
@@ -511,7 +511,7 @@ class WorkerGroup:
                     cause = getattr(e, "cause", None)
                     err = cause if isinstance(cause, WorkerError) else WorkerError(self.role, rank, str(e), method)
                     self._fail(WorkerError(err.role, err.rank, err.traceback_text, err.method))
-                except (RayActorError, GetTimeoutError, RayError) as e:
+                except RayError as e:  # RayActorError and other system errors: the process is gone
                     self._fail(WorkerDiedError(self.role, rank, f"the worker process died or became unreachable: {e}", method))
             if pending and deadline is not None and time.monotonic() > deadline:
                 ranks = sorted(pending.values())

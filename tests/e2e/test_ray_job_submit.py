@@ -57,7 +57,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(tmp: Path) -> dict:
+def _env() -> dict:
     env = dict(os.environ)
     env.update(
         PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
@@ -113,7 +113,7 @@ def _stop(proc: subprocess.Popen) -> None:
 @pytest.mark.distributed
 def test_ray_job_submit_runs_worker_group_on_cluster(tmp_path):
     gcs, dash, client, agent = (_free_port() for _ in range(4))
-    env = _env(tmp_path)
+    env = _env()
     start = [
         str(VENV_BIN / "ray"), "start", "--head", "--block",
         "--node-ip-address=127.0.0.1", f"--port={gcs}",
