@@ -403,3 +403,9 @@ def placement_from_config(cfg: Any, roles: Sequence[str], timeout_s: float = 60.
 def threads_per_worker(num_threads: int, cpus_per_worker: float) -> int:
     """Torch threads for a CPU worker: `num_threads` when set (> 0), else its CPUs (at least 1)."""
     return num_threads if num_threads > 0 else max(1, int(math.floor(cpus_per_worker)))
+
+
+def cluster_shortfall(specs: Sequence[NodeGroupSpec], nodes: list[dict[str, float]]) -> Optional[str]:
+    """What `nodes` (resource dicts, e.g. ``[{"CPU": 8, "GPU": 0}]`` for this machine) lack to hold
+    `specs`, as one sentence; None when they fit. Needs no Ray (used before starting it)."""
+    return _shortfall(specs, nodes)

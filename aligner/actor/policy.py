@@ -1,0 +1,119 @@
+"""Policy: the Ray-free actor (and reference, and SFT model) on its parallel layout.
+
+Owns the policy-side computations of SFT and PPO, each written once per micro-batch and
+run on any tp/pp/dp layout through :class:`aligner.parallel.runner.ModelRunner`:
+
+- ``log_probs``: per-response-token log-probs under softmax(logits / temperature),
+  vocab-parallel (no rank holds full-vocabulary logits).
+- ``sft_step``: next-token NLL on response tokens only (loss_mask), token-mean over the
+  global batch.
+- ``ppo_step``: clipped surrogate (Schulman et al. 2017) with optional dual clip,
+  entropy bonus and truncated importance sampling (aligner.algorithms), token-mean over
+  the global mini-batch.
+
+Batches are dicts of tensors in the layout of :mod:`aligner.protocol`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aligner import algorithms as alg
+from aligner.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
+from aligner.parallel.dims import ParallelDims
+from aligner.parallel.role import RoleModel
+from aligner.parallel.runner import from_last_stage
+from aligner.parallel.vocab import vocab_parallel_entropy, vocab_parallel_log_probs
+from aligner.protocol import to_response
+
+
+class Policy(RoleModel):
+    """A causal LM role. See RoleModel for the constructor arguments (kind is "lm")."""
+
+    def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, optim: OptimConfig, dims: ParallelDims,
+                 total_steps: int = 1, init: str = "", seed: int = 0):
+        super().__init__(model_cfg, "lm", parallel, optim, dims, total_steps, init, seed)
+
+    def _token_log_probs(self, logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+        """[b, T, V/tp] logits -> [b, T-1] next-token log-probs."""
+        return vocab_parallel_log_probs(logits[:, :-1], input_ids[:, 1:], self.tp_group, self.vocab_start, temperature)
+
+    # ---- inference ------------------------------------------------------------------
+    def log_probs(self, batch: dict[str, torch.Tensor], micro_batch_size: int, temperature: float = 1.0) -> torch.Tensor:
+        """batch: input_ids [B, T], prompt_lens [B], response_mask [B, R] -> log_probs [B, R] fp32."""
+        def out(logits, mb):
+            lp = self._token_log_probs(logits, mb["input_ids"], temperature)
+            return to_response(lp, mb["prompt_lens"], mb["response_mask"])
+
+        keys = ("input_ids", "prompt_lens", "response_mask")
+        return self.runner.forward({k: batch[k] for k in keys}, out, micro_batch_size)
+
+    def sequence_log_probs(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
+        """batch: input_ids [B, T] -> next-token log_probs [B, T-1] fp32 (all positions)."""
+        return self.runner.forward({"input_ids": batch["input_ids"]},
+                                   lambda logits, mb: self._token_log_probs(logits, mb["input_ids"], 1.0),
+                                   micro_batch_size)
+
+    # ---- SFT ----------------------------------------------------------------------
+    def sft_step(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> dict[str, float]:
+        """One optimizer step of response-only NLL.
+
+        batch: input_ids [B, T] int64, loss_mask [B, T] (1 on tokens that are predicted, i.e.
+        response tokens), optional segment_ids / position_ids [B, T] for packed rows.
+        Returns loss (global token-mean NLL, nats), tokens (global), grad_norm, lr.
+        """
+        target = batch["loss_mask"][:, 1:].float()
+        norm = self.normalizer(target.sum())
+
+        def loss_fn(logits, mb):
+            lp = self._token_log_probs(logits, mb["input_ids"], 1.0)
+            return -(lp * mb["loss_mask"][:, 1:].float()).sum() / norm
+
+        stats = self.runner.train_step(batch, loss_fn, micro_batch_size)
+        tokens = norm * self.dims.dp_size
+        return {"loss": self.dp_mean(stats["loss"] * norm, tokens), "tokens": tokens,
+                "grad_norm": stats["grad_norm"], "lr": stats["lr"]}
+
+    @torch.no_grad()
+    def sft_eval(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> dict[str, float]:
+        """Validation NLL: {"loss": token-mean over this call's global batch, "tokens"}."""
+        lp = self.sequence_log_probs(batch, micro_batch_size)
+        mask = batch["loss_mask"][:, 1:].float()
+        local, count = float(-(lp * mask).sum()), float(mask.sum())
+        return {"loss": self.dp_mean(local, count), "tokens": self.normalizer(count) * self.dims.dp_size}
+
+    # ---- PPO ----------------------------------------------------------------------
+    def ppo_step(self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig, micro_batch_size: int,
+                 temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step of the clipped policy loss over this rank's share of a mini-batch.
+
+        batch: input_ids [B, T], prompt_lens [B], response_mask [B, R], old_log_probs [B, R],
+        advantages [B, R], and rollout_log_probs [B, R] when algo.tis_cap is set.
+        Returns policy_loss, clipfrac, approx_kl, entropy (token means over the global
+        mini-batch), grad_norm, lr.
+        """
+        norm = self.normalizer(batch["response_mask"].sum())
+        sums: dict[str, float] = {}
+
+        def loss_fn(logits, mb):
+            mask = mb["response_mask"]
+            lp = to_response(self._token_log_probs(logits, mb["input_ids"], temperature), mb["prompt_lens"], mask)
+            weights = None
+            if algo.tis_cap is not None:
+                weights = alg.truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"], mask, algo.tis_cap)
+            loss, m = alg.policy_loss(lp, mb["old_log_probs"], mb["advantages"], mask, algo.clip_eps,
+                                      dual_clip=algo.dual_clip, loss_agg="token-mean", is_weights=weights)
+            n = mask.sum()
+            ent_tok = to_response(vocab_parallel_entropy(logits[:, :-1], self.tp_group, temperature), mb["prompt_lens"], mask)
+            ent = (ent_tok * mask).sum()
+            total = loss * n - algo.entropy_coef * ent
+            for k, v in (("policy_loss", loss * n), ("clipfrac", m["clipfrac"] * n), ("approx_kl", m["approx_kl"] * n),
+                         ("entropy", ent)):
+                sums[k] = sums.get(k, 0.0) + float(v.detach())
+            return total / norm
+
+        stats = self.runner.train_step(batch, loss_fn, micro_batch_size)
+        sums = from_last_stage(sums, self.dims)
+        count = float(batch["response_mask"].sum())
+        out = {k: self.dp_mean(v, count) for k, v in sorted(sums.items())}
+        return {**out, "grad_norm": stats["grad_norm"], "lr": stats["lr"]}

@@ -1,0 +1,147 @@
+"""Ray worker shells of the policy roles: ActorWorker (policy + rollout engine) and RefWorker.
+
+Thin (STYLE 3): every computation is a method of :class:`aligner.actor.policy.Policy` or of
+the rollout engine; this module only declares how the driver calls them (dispatch modes of
+:mod:`aligner.parallel.worker_group`) and owns the engine's layout and refit.
+
+The rollout engine lives in the actor's own processes. Its layout (rollout.parallel tp/pp)
+is built over the actor's ranks: dp_infer = world / (tp_infer * pp_infer) replicas, so
+freed pipeline stages become extra replicas (NeMo-Aligner's reshard). ``generate`` is
+broadcast: every rank receives all prompts, each replica generates its contiguous share,
+and the first rank of each replica returns it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from aligner.actor.policy import Policy
+from aligner.config import AlignerConfig, SamplingConfig
+from aligner.parallel.dims import ParallelDims
+from aligner.parallel.worker_group import dispatch, split_batch
+
+
+class PolicyWorker:
+    """Policy on the role's layout: training (SFT, PPO) and log-probs. Reference = frozen PolicyWorker."""
+
+    def __init__(self, cfg: AlignerConfig, role: str, total_steps: int = 1, init: str = "", dims: Optional[ParallelDims] = None):
+        self.cfg, self.role_name = cfg, role
+        self.dims = dims or ParallelDims()
+        role_cfg = cfg.role(role)
+        torch.manual_seed(cfg.trainer.seed)
+        self.policy = Policy(cfg.model, role_cfg.parallel, role_cfg.optim, self.dims, total_steps,
+                             init=init if init else role_cfg.init, seed=cfg.trainer.seed)
+
+    @dispatch("dp_split")
+    def log_probs(self, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+        return self.policy.log_probs(batch, self.cfg.trainer.micro_batch_size, temperature)
+
+    @dispatch("dp_split")
+    def sft_step(self, batch: dict) -> dict:
+        return self.policy.sft_step(batch, self.cfg.trainer.micro_batch_size)
+
+    @dispatch("dp_split")
+    def sft_eval(self, batch: dict) -> dict:
+        return self.policy.sft_eval(batch, self.cfg.trainer.micro_batch_size)
+
+    @dispatch("dp_split")
+    def ppo_step(self, batch: dict, temperature: float = 1.0) -> dict:
+        return self.policy.ppo_step(batch, self.cfg.algorithm, self.cfg.trainer.micro_batch_size, temperature)
+
+    @dispatch("broadcast")
+    def save(self, ckpt_dir: str) -> None:
+        self.policy.save(ckpt_dir)
+
+    @dispatch("broadcast")
+    def load(self, ckpt_dir: str) -> None:
+        self.policy.load(ckpt_dir)
+
+    @dispatch("broadcast")
+    def export_hf(self, out_dir: str, tokenizer_path: str = "") -> Optional[str]:
+        tok = None
+        if tokenizer_path:
+            from aligner.model.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(tokenizer_path)
+        return self.policy.export_hf(out_dir, tokenizer=tok)
+
+    @dispatch("broadcast")
+    def param_checksum(self) -> float:
+        """Sum of all full parameters (collective): a cheap identity check used by tests."""
+        return float(sum(v.double().sum() for v in self.policy.full_state_dict().values()))
+
+
+class ActorWorker(PolicyWorker):
+    """The actor: a trainable PolicyWorker that also owns the rollout engine and its refit."""
+
+    def __init__(self, cfg: AlignerConfig, role: str = "actor", total_steps: int = 1, init: str = "",
+                 eos_token_id: Optional[int] = None, dims: Optional[ParallelDims] = None):
+        super().__init__(cfg, role, total_steps, init, dims)
+        self.eos_token_id = eos_token_id
+        self.engine = None
+        self.infer_dims = None
+
+    def _build_engine(self) -> None:
+        from aligner.model.llama import build_model, prune_to_stage, rope_inv_freq
+        from aligner.parallel.pipeline import stage_layer_ids
+        from aligner.parallel.tensor_parallel import apply_tensor_parallel
+        from aligner.rollout import build_engine
+        from aligner.rollout.refit import rollout_dims
+
+        rp = self.cfg.rollout.parallel
+        mc = self.policy.model_cfg
+        if self.dims.world_size == 1:
+            self.infer_dims = ParallelDims()
+        else:
+            self.infer_dims = rollout_dims(self.dims.world_size, self.dims.rank, rp.tp_size, rp.pp_size)
+        d = self.infer_dims
+        if self.cfg.rollout.backend != "torch":
+            raise ValueError(f"rollout.backend={self.cfg.rollout.backend!r} runs through TrtllmEngine on GPU nodes; "
+                             "this worker builds the torch engine only (use rollout.backend=torch on CPU)")
+        with torch.device("meta"):
+            model = build_model(mc, "lm", device="meta")
+        if d.pp_size > 1:
+            prune_to_stage(model, stage_layer_ids(mc.num_layers, d.pp_size, d.pp_rank), d.is_first_stage, d.is_last_stage)
+        if d.tp_size > 1:
+            apply_tensor_parallel(model, d.tp_group, sequence_parallel=False)
+        model.to_empty(device="cpu")
+        model.model.inv_freq = rope_inv_freq(mc)  # a non-persistent buffer: to_empty left it uninitialized
+        self.engine = build_engine("torch", model, eos_token_id=self.eos_token_id, tp_group=d.tp_group, pp_group=d.pp_group,
+                                   max_batch_size=self.cfg.rollout.max_batch_size, cuda_graphs=self.cfg.rollout.cuda_graphs,
+                                   seed=self.cfg.trainer.seed)
+
+    @dispatch("broadcast")
+    def refit(self) -> dict:
+        """Copy the current policy weights into the engine (collective). Returns seconds, bytes, weight_version."""
+        if self.engine is None:
+            self._build_engine()
+        t0 = time.perf_counter()
+        eng = self.policy.engine
+        sharded = eng.fsdp or eng.backend == "deepspeed"
+        if not sharded:
+            from aligner.rollout.refit import refit
+
+            stats = refit(eng.module, self.engine, bucket_mb=self.cfg.rollout.refit_bucket_mb,
+                          tp_group=self.dims.tp_group, pp_group=self.dims.pp_group)
+            nbytes = stats.bytes
+        else:
+            sd = self.policy.full_state_dict()
+            self.engine.update_weights(list(sd.items()))
+            self.engine.finish_weight_update()
+            nbytes = sum(v.numel() * v.element_size() for v in sd.values())
+        return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "weight_version": self.engine.weight_version}
+
+    @dispatch("broadcast")
+    def generate(self, prompt_ids: list, sampling: SamplingConfig, seeds: list) -> Optional[tuple[int, list]]:
+        """All prompts in; this replica's contiguous share generated. Returns (replica, generations) on the
+        replica's first rank, None elsewhere. The driver concatenates shares in replica order."""
+        if self.engine is None:
+            raise RuntimeError("generate before refit: call refit() first so the engine holds the policy weights")
+        d = self.infer_dims
+        share = split_batch({"p": prompt_ids, "s": seeds}, d.dp_size)[d.dp_rank]
+        gens = self.engine.generate(share["p"], sampling, seeds=share["s"]) if share["p"] else []
+        lead = d.tp_rank == 0 and d.pp_rank == 0
+        return (d.dp_rank, gens) if lead else None

@@ -1,0 +1,113 @@
+"""RoleModel: the Ray-free base of every model-hosting role (policy, reference, critic, reward).
+
+Owns: resolving a role's initial weights (an HF model dir, or an aligner run dir whose
+``hf/`` export is used), building its TrainEngine on the role's layout, the ModelRunner
+over it, the global loss normalizer across dp, HF export of the gathered weights, and
+checkpoint save/load of model + optimizer (resharding, via the engine).
+
+The model dimensions come from the init checkpoint's config.json when there is one
+(a critic or RM may differ from the policy), else from ``cfg.model``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from aligner.config import ModelConfig, OptimConfig, ParallelConfig
+from aligner.parallel.dims import ParallelDims
+from aligner.parallel.runner import ModelRunner, dp_sum, global_normalizer
+
+log = logging.getLogger("aligner")
+
+
+def resolve_init(path: str) -> Optional[Path]:
+    """The HF dir to initialize from: `path` itself if it has config.json, else `path`/hf. None for ""."""
+    if not path:
+        return None
+    p = Path(path)
+    for cand in (p, p / "hf"):
+        if (cand / "config.json").is_file():
+            return cand
+    raise ValueError(
+        f"init={path!r} is neither an HF model dir (config.json + safetensors) nor an aligner run dir with hf/ inside; "
+        "point it at the output_dir of an SFT/RM run or at an HF model dir"
+    )
+
+
+def load_initial_model(init: str, model_cfg: ModelConfig, kind: str, seed: int):
+    """(full unsharded model, ModelConfig) from `init`, or a seeded random model of `model_cfg`."""
+    from aligner.model.hf import load_hf_model
+    from aligner.model.llama import build_model
+
+    hf_dir = resolve_init(init)
+    if hf_dir is None:
+        return build_model(model_cfg, kind=kind, seed=seed), model_cfg
+    model, cfg = load_hf_model(hf_dir, kind=kind)
+    return model, cfg
+
+
+class RoleModel:
+    """A role's model on its TP x PP x DP layout with an optimizer (unused by frozen roles).
+
+    Args:
+        model_cfg: dimensions used when `init` is empty. kind: "lm" or "score".
+        parallel: the role's layout. optim: AdamW + schedule. dims: built ParallelDims.
+        total_steps: optimizer steps of the run (LR schedule length). init: HF/run dir or "".
+        seed: init seed for random weights.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, kind: str, parallel: ParallelConfig, optim: OptimConfig,
+                 dims: ParallelDims, total_steps: int = 1, init: str = "", seed: int = 0):
+        from aligner.parallel.engine import TrainEngine
+        from aligner.parallel.tensor_parallel import vocab_start
+
+        full, self.model_cfg = load_initial_model(init, model_cfg, kind, seed)
+        self.kind, self.dims, self.parallel = kind, dims, parallel
+        self.engine = TrainEngine(self.model_cfg, kind, parallel, optim, dims, max(1, total_steps), seed=seed, model=full)
+        self.runner = ModelRunner(self.engine, dims)
+        self.vocab_start = vocab_start(self.engine.module) if kind == "lm" else 0
+
+    @property
+    def tp_group(self):
+        return self.dims.tp_group
+
+    def normalizer(self, local_count: float | torch.Tensor) -> float:
+        """Per-rank loss divisor: global count over dp / dp_size (see aligner.parallel.runner)."""
+        return global_normalizer(local_count, self.dims)
+
+    def dp_mean(self, local_sum: float, local_count: float) -> float:
+        """Global mean of a quantity summed per rank: dp_sum(sum) / dp_sum(count)."""
+        return dp_sum(local_sum, self.dims) / max(dp_sum(local_count, self.dims), 1e-12)
+
+    # ---- weights ------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every HF-named full tensor (collective over the role; same result on every rank)."""
+        return self.engine.full_state_dict()
+
+    def export_hf(self, out_dir: str, tokenizer=None, extra_files: Optional[dict[str, dict]] = None) -> Optional[str]:
+        """Write the gathered weights as an HF dir (rank 0 writes; collective). Returns the path on rank 0."""
+        from aligner.model.hf import save_hf
+
+        sd = self.full_state_dict()
+        if self.dims.rank != 0:
+            return None
+        path = save_hf(sd, self.model_cfg, out_dir, kind=self.kind, tokenizer=tokenizer)
+        for name, obj in (extra_files or {}).items():
+            tmp = Path(path) / f".{name}.tmp"
+            tmp.write_text(json.dumps(obj, indent=2))
+            os.replace(tmp, Path(path) / name)
+        return str(path)
+
+    def save(self, ckpt_dir: str) -> None:
+        """Model + optimizer + schedule of this role into `ckpt_dir` (collective)."""
+        self.engine.save(ckpt_dir)
+
+    def load(self, ckpt_dir: str) -> None:
+        """Restore what :meth:`save` wrote (any source layout)."""
+        self.engine.load(ckpt_dir)

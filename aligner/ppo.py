@@ -1,0 +1,185 @@
+"""`python -m aligner.ppo conf=...`: the main job (PPO, or GRPO/RLOO/REINFORCE++ by algorithm.advantage).
+
+Owns the run around :class:`aligner.trainer.PPOTrainer`, as named phases:
+
+    plan        the placement/memory plan (aligner.planner); plan_only=true prints it and exits 0.
+                A layout that cannot fit the configured cluster, or a local machine that lacks
+                the node groups' GPUs/CPUs, stops here within seconds, before Ray or any weights.
+    data        tokenizer + RL prompts (built-in task by default), paths checked
+    start       Ray, node groups, worker groups (weights load in the workers)
+    resume      latest complete checkpoint in output_dir when resume=true
+    loop        PPO steps; metrics every step, eval every eval_every, checkpoint every save_every
+    finish      final eval, HF export of the policy to output_dir/hf, PNG report, summary table
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from aligner.cli import UserError, config_yaml, run
+from aligner.config import AlignerConfig
+
+log = logging.getLogger("aligner.ppo")
+
+REPORT_KEYS = ("score_mean", "kl_mean", "eval_accuracy", "train_accuracy", "policy_loss", "value_loss", "entropy",
+               "time/refit", "time/generate", "time/inference", "time/train")
+
+
+def plan_phase(cfg: AlignerConfig) -> Optional[int]:
+    """Print the plan; return 0 for plan_only, raise UserError when the layout or machine cannot hold the run."""
+    from aligner.parallel.placement import cluster_shortfall, describe_request, plan_from_config
+    from aligner.planner import PlanError, check_fits, format_plan, make_plan
+    from aligner.trainer import roles_used
+
+    try:
+        if cfg.plan_only:
+            print(format_plan(make_plan(cfg)))
+            return 0
+        check_fits(cfg)
+    except PlanError as e:
+        raise UserError(str(e)) from None
+    roles = roles_used(cfg)
+    specs = plan_from_config(cfg, roles)
+    if not (cfg.cluster.address or os.environ.get("RAY_ADDRESS")):
+        from aligner.parallel.ray_runtime import local_num_cpus
+
+        gpus = _local_gpus()
+        why = cluster_shortfall(specs, [{"CPU": float(local_num_cpus(cfg.cluster)), "GPU": float(gpus)}])
+        if why:
+            try:
+                plan_text = format_plan(make_plan(cfg))
+            except PlanError as e:
+                plan_text = str(e)
+            raise UserError(
+                f"this machine cannot hold the run ({why}).\nplan for cluster.num_nodes={cfg.cluster.num_nodes} x "
+                f"gpus_per_node={cfg.cluster.gpus_per_node}:\n{plan_text}\nnode groups asked:\n{describe_request(specs)}\n"
+                "fix: submit to a Ray cluster that has them (ray job submit ... / cluster.address=auto), "
+                "or use conf=tiny on a CPU machine"
+            )
+    return None
+
+
+def _local_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def load_prompts(cfg: AlignerConfig):
+    from aligner.data.pipeline import load_data, resolve_tokenizer
+
+    tok = resolve_tokenizer(cfg.tokenizer, cfg.task, cfg.output_dir)
+    splits = load_data("prompt", cfg.data, cfg.task, tok, cfg.output_dir)
+    if not splits.eval:
+        splits.eval = splits.train[: cfg.task.num_eval]
+    return tok, splits
+
+
+def run_ppo(cfg: AlignerConfig) -> int:
+    """The whole PPO run; returns the exit code."""
+    code = plan_phase(cfg)
+    if code is not None:
+        return code
+    cfg.check_paths(("actor", "critic", "reward", "ref"))
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(config_yaml(cfg))
+    try:
+        tok, splits = load_prompts(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        raise UserError(str(e)) from None
+    from aligner.parallel.ray_runtime import init_ray, shutdown_ray
+    from aligner.trainer import PPOTrainer
+
+    init_ray(cfg.cluster)
+    trainer = PPOTrainer(cfg, tok, splits.train, splits.eval)
+    try:
+        trainer.start()
+        summary = train_loop(cfg, trainer)
+        finish(cfg, trainer, tok, summary)
+    finally:
+        trainer.shutdown()
+        shutdown_ray()
+    return 0
+
+
+def train_loop(cfg: AlignerConfig, trainer) -> dict:
+    """Resume, step, log, evaluate, checkpoint. Returns {"initial": eval before training, "final": last eval}."""
+    from aligner.checkpointing import CheckpointManager
+    from aligner.tracking import MetricsLogger
+
+    manager = CheckpointManager(cfg.output_dir)
+    if cfg.resume and (ckpt := manager.latest()) is not None:
+        trainer.load(ckpt)
+        log.info("resumed from %s (step %d)", ckpt, trainer.step)
+    t = cfg.trainer
+    logger = MetricsLogger(cfg.output_dir, "ppo", t.max_steps, start_step=trainer.step, progress=t.progress,
+                           bar_keys=("score_mean", "kl_mean", "eval_accuracy"))
+    if trainer.step == 0:
+        initial = trainer.evaluate()
+        trainer.history.append({"step": 0, **initial})
+        logger.log(0, initial, advance=False)
+    while trainer.step < t.max_steps:
+        metrics = trainer.train_step()
+        trainer.step += 1
+        if t.eval_every and trainer.step % t.eval_every == 0 or trainer.step == t.max_steps:
+            ev = trainer.evaluate()
+            metrics.update(ev)
+            trainer.history.append({"step": trainer.step, **ev})
+        check_finite(metrics, trainer.step)
+        logger.log(trainer.step, metrics)
+        if t.save_every and trainer.step % t.save_every == 0 or trainer.step == t.max_steps:
+            trainer.save(manager)
+    logger.close()
+    return {"initial": trainer.history[0] if trainer.history else {}, "final": trainer.history[-1] if trainer.history else {}}
+
+
+def check_finite(metrics: dict, step: int) -> None:
+    import math
+
+    bad = [k for k in ("policy_loss", "value_loss", "kl_mean", "score_mean") if k in metrics and not math.isfinite(metrics[k])]
+    if bad:
+        raise UserError(f"step {step}: non-finite {', '.join(bad)}: lower the learning rates or kl_coef; "
+                        "the last complete checkpoint is intact (resume=true)")
+
+
+def finish(cfg: AlignerConfig, trainer, tok, summary: dict) -> None:
+    """HF export of the policy, a PNG report and the summary table."""
+    from aligner.tracking import plot_curves
+
+    out = Path(cfg.output_dir)
+    tok_dir = out / "tokenizer"
+    tok.save_pretrained(str(tok_dir))
+    trainer.groups["actor"].export_hf(str(out / "hf"), str(tok_dir)).get()
+    plot_curves(out / "metrics.jsonl", out / "ppo_report.png", REPORT_KEYS, title=f"aligner PPO ({cfg.preset})")
+    print(summary_table(summary), file=sys.stderr if not sys.stdout.isatty() else sys.stdout)
+    (out / "summary.json").write_text(__import__("json").dumps(summary, indent=2))
+
+
+def summary_table(summary: dict) -> str:
+    i, f = summary.get("initial", {}), summary.get("final", {})
+
+    def fmt(d, k, pct=False):
+        return "-" if k not in d else (f"{100 * d[k]:.1f}%" if pct else f"{d[k]:.3f}")
+
+    rows = [("held-out accuracy (greedy, rule-checked)", fmt(i, "eval_accuracy", True), fmt(f, "eval_accuracy", True)),
+            ("mean RM score (greedy responses)", fmt(i, "eval_rm_score"), fmt(f, "eval_rm_score")),
+            ("KL to reference (nats/sequence)", fmt(i, "eval_kl_to_ref"), fmt(f, "eval_kl_to_ref"))]
+    w = max(len(r[0]) for r in rows)
+    lines = [f"{'':{w}}  {'SFT policy':>12}  {'PPO policy':>12}"] + [f"{a:{w}}  {b:>12}  {c:>12}" for a, b, c in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    return run("ppo", run_ppo, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
