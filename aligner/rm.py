@@ -54,11 +54,6 @@ class RMStage(Stage):
     def __init__(self, cfg: AlignerConfig):
         super().__init__(cfg)
         self.init = default_init(cfg)
-        if self.init:
-            log.info("rm: initializing the reward model from %s", self.init)
-        else:
-            log.info("rm: initializing the reward model from random weights (reward.init is empty%s)",
-                     f" and {TINY_SFT_DIR} has no HF export" if cfg.preset == "tiny" else "")
 
     def worker_cls(self) -> type:
         from aligner.reward.worker import RewardWorker
@@ -66,6 +61,11 @@ class RMStage(Stage):
         return RewardWorker
 
     def worker_kwargs(self) -> dict:
+        if self.init:
+            log.info("rm: initializing the reward model from %s", self.init)
+        else:
+            log.info("rm: initializing the reward model from random weights (reward.init is empty%s)",
+                     f" and {TINY_SFT_DIR} has no HF export" if self.cfg.preset == "tiny" else "")
         return {"cfg": self.cfg, "total_steps": self.cfg.trainer.max_steps, "init": self.init}
 
     def collate(self, examples: list[dict]) -> dict:
