@@ -39,6 +39,8 @@ class CheckpointManager:
         self.keep = keep
         for stale in self.root.glob(".step_*.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
+        for stale in self.root.glob(".latest.tmp-*"):  # pointer temp file of a save killed before its rename
+            stale.unlink(missing_ok=True)
 
     @staticmethod
     def name(step: int) -> str:
