@@ -68,7 +68,8 @@ def compose(stage: str, overrides: Sequence[str] = ()) -> "omegaconf.DictConfig"
 
 def _explain(e: BaseException) -> str:
     """One line from a Hydra/OmegaConf error: the override, and the cause if there is one."""
-    parts = [str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__]
+    lines = str(e).strip().splitlines()
+    parts = [" ".join(lines[:2]) if lines and lines[0].endswith(":") else (lines[0] if lines else type(e).__name__)]
     cause = e.__cause__
     if cause is not None and str(cause).strip():
         parts.append(str(cause).strip().splitlines()[0])

@@ -159,7 +159,7 @@ def finish(cfg: AlignerConfig, trainer, tok, summary: dict) -> None:
     tok.save_pretrained(str(tok_dir))
     trainer.groups["actor"].export_hf(str(out / "hf"), str(tok_dir)).get()
     plot_curves(out / "metrics.jsonl", out / "ppo_report.png", REPORT_KEYS, title=f"aligner PPO ({cfg.preset})")
-    print(summary_table(summary), file=sys.stderr if not sys.stdout.isatty() else sys.stdout)
+    print(summary_table(summary))
     (out / "summary.json").write_text(__import__("json").dumps(summary, indent=2))
 
 
