@@ -1,0 +1,188 @@
+"""Every validation in aligner/config.py: the error names the dotted field, the bad value and the fix.
+
+Table-driven over ``aligner.cli.load_config("ppo", overrides)`` (the path every entry point
+takes), plus the path checks of ``AlignerConfig.check_paths`` and two subprocess checks of the
+command-line contract: exit 2, exactly one line on stderr, no traceback.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from aligner.cli import load_config
+from aligner.config import AlignerConfig, ConfigError, ModelConfig, RopeScalingConfig
+
+# (overrides, dotted field, bad value as printed, words of the fix / valid choices)
+CASES = [
+    (["conf=nope"], "conf", "'nope'", "tiny, llama2_7b"),
+    (["model.vocab_size=0"], "model.vocab_size", "0", "positive integer"),
+    (["model.hidden_size=-8"], "model.hidden_size", "-8", "positive integer"),
+    (["model.intermediate_size=0"], "model.intermediate_size", "0", "positive integer"),
+    (["model.num_layers=0"], "model.num_layers", "0", "positive integer"),
+    (["model.max_seq_len=0"], "model.max_seq_len", "0", "positive integer"),
+    (["model.num_kv_heads=3"], "model.num_kv_heads", "3", "must divide model.num_heads=4"),
+    (["model.num_heads=3", "model.num_kv_heads=1"], "model.num_heads", "3", "must divide model.hidden_size=128"),
+    (["model.head_dim=7"], "model.head_dim", "7", "even"),
+    (["model.backend=jax"], "model.backend", "'jax'", "torch, te"),
+    (["model.dtype=int8"], "model.dtype", "'int8'", "float32, bfloat16, float16"),
+    (["data.format=xml"], "data.format", "'xml'", "prompt, sft, chat, pairs, hh, gsm8k"),
+    (["data.truncation=middle"], "data.truncation", "'middle'", "error, left, right, skip"),
+    (["data.max_prompt_len=0"], "data.max_prompt_len", "0", "positive"),
+    (["data.max_seq_len=10"], "data.max_seq_len", "10", "must exceed data.max_prompt_len=16"),
+    (["data.eval_fraction=1.0"], "data.eval_fraction", "1.0", "[0, 1)"),
+    (["data.max_seq_len=100"], "data.max_seq_len", "100", "must not exceed model.max_seq_len=64"),
+    (["task.name=subtraction"], "task.name", "'subtraction'", "addition"),
+    (["task.min_digits=0"], "task.min_digits", "0", "0 < min_digits <= max_digits <= 9"),
+    (["task.carry_error_rate=2"], "task.carry_error_rate", "2.0", "[0, 1]"),
+    (["task.num_rl=0"], "task.num_rl", "0", ">= 1"),
+    (["task.tokenizer_vocab_size=10"], "task.tokenizer_vocab_size", "10", ">= 20"),
+    (["actor.optim.lr=-1"], "actor.optim.lr", "-1.0", "must be positive (e.g. 1e-5)"),
+    (["critic.optim.min_lr_ratio=2"], "critic.optim.min_lr_ratio", "2.0", "[0, 1]"),
+    (["actor.optim.warmup_steps=-1"], "actor.optim.warmup_steps", "-1", ">= 0"),
+    (["actor.optim.schedule=linear"], "actor.optim.schedule", "'linear'", "cosine, constant"),
+    (["actor.optim.weight_decay=-0.1"], "actor.optim.weight_decay", "-0.1", ">= 0"),
+    (["actor.optim.grad_clip=-1"], "actor.optim.grad_clip", "-1.0", "0 disables"),
+    (["actor.parallel.tp_size=0"], "actor.parallel.tp_size", "0", ">= 1"),
+    (["critic.parallel.pp_size=0"], "critic.parallel.pp_size", "0", ">= 1"),
+    (["ref.parallel.dp_size=0"], "ref.parallel.dp_size", "0", ">= 1"),
+    (["actor.parallel.recompute=some"], "actor.parallel.recompute", "'some'", "none, selective, full"),
+    (["actor.parallel.dp_backend=horovod"], "actor.parallel.dp_backend", "'horovod'", "fsdp2, ddp, deepspeed"),
+    (["actor.parallel.mixed_precision=fp8"], "actor.parallel.mixed_precision", "'fp8'", "fp32, bf16"),
+    (["actor.parallel.zero_stage=5"], "actor.parallel.zero_stage", "5", "0, 1, 2, 3"),
+    (["actor.parallel.dp_backend=deepspeed", "actor.parallel.tp_size=2"], "actor.parallel.dp_backend", "'deepspeed'",
+     "tp_size = pp_size = 1"),
+    (["actor.parallel.tp_size=3"], "actor.parallel.tp_size", "3", "must divide model.num_heads=4; valid: 1, 2, 4"),
+    (["model.num_heads=6", "model.num_kv_heads=3", "model.head_dim=32", "critic.parallel.tp_size=2"],
+     "critic.parallel.tp_size", "2", "must divide or be a multiple of model.num_kv_heads=3"),
+    (["model.intermediate_size=351", "actor.parallel.tp_size=2"], "actor.parallel.tp_size", "2", "model.intermediate_size=351"),
+    (["actor.parallel.pp_size=5"], "actor.parallel.pp_size", "5", "cannot exceed model.num_layers=4"),
+    (["actor.parallel.pp_size=2", "actor.parallel.pp_layer_split=[1,1]"], "actor.parallel.pp_layer_split", "[1, 1]",
+     "summing to model.num_layers=4"),
+    (["reward.type=magic"], "reward.type", "'magic'", "model, rule"),
+    (["actor.resources.num_nodes=0"], "actor.resources.num_nodes", "0", ">= 1"),
+    (["actor.resources.gpus_per_node=-1"], "actor.resources.gpus_per_node", "-1", ">= 0"),
+    (["critic.resources.cpus_per_worker=0"], "critic.resources.cpus_per_worker", "0", ">= 1"),
+    (["rollout.backend=vllm"], "rollout.backend", "'vllm'", "torch, trtllm"),
+    (["rollout.parallel.tp_size=3"], "rollout.parallel.tp_size", "3", "valid: 1, 2, 4"),
+    (["rollout.refit_bucket_mb=0"], "rollout.refit_bucket_mb", "0", "positive"),
+    (["rollout.sampling.temperature=-1"], "rollout.sampling.temperature", "-1.0", "0 = greedy"),
+    (["rollout.sampling.top_k=-1"], "rollout.sampling.top_k", "-1", "0 = off"),
+    (["rollout.sampling.top_p=0"], "rollout.sampling.top_p", "0.0", "(0, 1]"),
+    (["rollout.sampling.max_new_tokens=0"], "rollout.sampling.max_new_tokens", "0", ">= 1"),
+    (["algorithm.advantage=ppo2"], "algorithm.advantage", "'ppo2'", "gae, grpo, rloo, reinforce_pp"),
+    (["algorithm.kl_estimator=k2"], "algorithm.kl_estimator", "'k2'", "k1, k3, abs, mse"),
+    (["algorithm.kl_controller=pid"], "algorithm.kl_controller", "'pid'", "fixed, adaptive"),
+    (["algorithm.gamma=2"], "algorithm.gamma", "2.0", "[0, 1]"),
+    (["algorithm.gae_lambda=-0.1"], "algorithm.gae_lambda", "-0.1", "[0, 1]"),
+    (["algorithm.clip_eps=0"], "algorithm.clip_eps", "0.0", "positive (e.g. 0.2)"),
+    (["algorithm.kl_coef=-1"], "algorithm.kl_coef", "-1.0", ">= 0"),
+    (["algorithm.ppo_epochs=0"], "algorithm.ppo_epochs", "0", ">= 1"),
+    (["algorithm.dual_clip=0.5"], "algorithm.dual_clip", "0.5", "> 1 (e.g. 3.0) or null"),
+    (["algorithm.tis_cap=0.5"], "algorithm.tis_cap", "0.5", ">= 1 (e.g. 2.0) or null"),
+    (["algorithm.advantage=grpo"], "trainer.n_samples_per_prompt", "1", "grpo needs >= 2 samples"),
+    (["trainer.max_steps=0"], "trainer.max_steps", "0", ">= 1"),
+    (["trainer.micro_batch_size=0"], "trainer.micro_batch_size", "0", ">= 1"),
+    (["trainer.save_every=-1"], "trainer.save_every", "-1", ">= 0"),
+    (["trainer.num_threads=-2"], "trainer.num_threads", "-2", ">= 0"),
+    (["trainer.global_batch_size=48"], "trainer.global_batch_size", "48", "multiple of trainer.micro_batch_size=32"),
+    (["trainer.mini_batch_size=48"], "trainer.mini_batch_size", "48", "divide rollout_batch_size * n_samples_per_prompt = 64"),
+    (["cluster.num_nodes=0"], "cluster.num_nodes", "0", ">= 1"),
+    (["cluster.gpus_per_node=-1"], "cluster.gpus_per_node", "-1", ">= 0"),
+    (["cluster.gpu_mem_gb=0"], "cluster.gpu_mem_gb", "0.0", "positive"),
+    (["cluster.placement=mixed"], "cluster.placement", "'mixed'", "split, colocated"),
+]
+
+
+@pytest.mark.parametrize("overrides,field,value,fix", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_config_error_names_field_value_and_fix(overrides, field, value, fix):
+    with pytest.raises(ConfigError) as e:
+        load_config("ppo", overrides)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    assert f"{field}={value}" in msg, f"expected {field}={value} in: {msg}"
+    assert fix in msg, f"expected the fix {fix!r} in: {msg}"
+
+
+def test_every_validation_in_config_py_has_a_case():
+    """Each dotted field that config.py validates appears in CASES (or the direct cases below)."""
+    import ast
+    import inspect
+
+    import aligner.config as config
+
+    src = inspect.getsource(config)
+    n_calls = sum(isinstance(n, ast.Call) and getattr(n.func, "id", "") in ("_check", "_choice") for n in ast.walk(ast.parse(src)))
+    # loops validate several fields per call site (positive sizes, batch sizes): cases >= call sites
+    assert len(CASES) + len(ROPE_CASES) + 1 >= n_calls, (len(CASES), n_calls)
+
+
+ROPE_CASES = [  # rope_scaling cannot be set from the command line (see the xfail below): built directly
+    (dict(factor=0.5), "model.rope_scaling.factor=0.5", "must be >= 1"),
+    (dict(rope_type="yarn"), "model.rope_scaling.rope_type='yarn'", "valid choices are llama3"),
+    (dict(low_freq_factor=4.0, high_freq_factor=1.0), "model.rope_scaling.high_freq_factor=1.0", "greater than low_freq_factor"),
+]
+
+
+@pytest.mark.parametrize("kw,field_value,fix", ROPE_CASES)
+def test_rope_scaling_validation(kw, field_value, fix):
+    with pytest.raises(ConfigError) as e:
+        ModelConfig(rope_scaling=RopeScalingConfig(**kw)).validate("model")
+    assert field_value in str(e.value) and fix in str(e.value), str(e.value)
+
+
+def test_stage_validation():
+    with pytest.raises(ConfigError, match=r"stage='train' is invalid: valid choices are sft, rm, ppo, plan"):
+        AlignerConfig(stage="train")
+
+
+@pytest.mark.xfail(strict=True, raises=(AttributeError, AssertionError),
+                   reason="OmegaConf cannot merge into the None-valued Optional rope_scaling node; cli.compose lets the "
+                   "AttributeError/AssertionError escape (a traceback instead of exit 2). Fix in RELIABILITY.md")
+@pytest.mark.parametrize("override", ["model.rope_scaling={factor:0.5}", "+model.rope_scaling.factor=0.5"])
+def test_rope_scaling_override_is_a_config_error(override):
+    with pytest.raises(ConfigError, match="model.rope_scaling"):
+        load_config("ppo", [override])
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["actor.optim.lrr=1"], ["actor.optim.lrr", "no such config field"]),
+    (["trainer.max_steps=abc"], ["trainer.max_steps", "abc"]),
+])
+def test_unknown_key_and_wrong_type_are_config_errors(overrides, words):
+    with pytest.raises(ConfigError) as e:
+        load_config("ppo", overrides)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("data.train_path", "/nonexistent/train.jsonl", ["jsonl/json/parquet"]),
+    ("data.eval_path", "/nonexistent/eval.jsonl", ["jsonl/json/parquet"]),
+    ("tokenizer.path", "/nonexistent/tok", ["HF tokenizer dir"]),
+    ("actor.init", "/nonexistent/sft", ["aligner checkpoint dir or an HF model dir", "python -m aligner.sft"]),
+    ("critic.init", "/nonexistent/rm", ["HF model dir"]),
+    ("reward.init", "/nonexistent/rm", ["HF model dir"]),
+    ("ref.init", "/nonexistent/ref", ["HF model dir"]),
+])
+def test_check_paths_names_field_and_path(field, value, words):
+    cfg = load_config("ppo", ["actor.init=", "critic.init=", "reward.init=", f"{field}={value}"])
+    with pytest.raises(ConfigError) as e:
+        cfg.check_paths()
+    assert f"{field}={value!r} does not exist" in str(e.value)
+    for w in words:
+        assert w in str(e.value)
+
+
+@pytest.mark.parametrize("arg,field", [("conf=nope", "conf='nope'"), ("actor.optim.lr=-1", "actor.optim.lr=-1.0")])
+def test_cli_config_error_is_one_line_exit_2(arg, field, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "aligner.ppo", arg, f"output_dir={tmp_path}/out"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert lines[0].startswith("aligner ppo: error: ") and field in lines[0], lines[0]
+    assert not (tmp_path / "out").exists(), "a config error must not create the output dir"
