@@ -130,6 +130,14 @@ def run(stage: str, main: Callable[[AlignerConfig], Optional[int]], argv: Option
     except (ConfigError, UserError) as e:
         print(f"aligner {stage}: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - a worker failure ends the run with its role, rank and traceback
+        from aligner.parallel.worker_group import WorkerError
+
+        if not isinstance(e, WorkerError):
+            raise
+        print(f"aligner {stage}: error: {e}\nthe last complete checkpoint in output_dir is intact: rerun with resume=true",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"aligner {stage}: interrupted", file=sys.stderr)
         return 130

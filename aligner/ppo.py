@@ -133,21 +133,11 @@ def train_loop(cfg: AlignerConfig, trainer) -> dict:
             ev = trainer.evaluate()
             metrics.update(ev)
             trainer.history.append({"step": trainer.step, **ev})
-        check_finite(metrics, trainer.step)
         logger.log(trainer.step, metrics)
         if t.save_every and trainer.step % t.save_every == 0 or trainer.step == t.max_steps:
             trainer.save(manager)
     logger.close()
     return {"initial": trainer.history[0] if trainer.history else {}, "final": trainer.history[-1] if trainer.history else {}}
-
-
-def check_finite(metrics: dict, step: int) -> None:
-    import math
-
-    bad = [k for k in ("policy_loss", "value_loss", "kl_mean", "score_mean") if k in metrics and not math.isfinite(metrics[k])]
-    if bad:
-        raise UserError(f"step {step}: non-finite {', '.join(bad)}: lower the learning rates or kl_coef; "
-                        "the last complete checkpoint is intact (resume=true)")
 
 
 def finish(cfg: AlignerConfig, trainer, tok, summary: dict) -> None:

@@ -88,6 +88,8 @@ class PPOTrainer:
         self.placement = None
         self.reward_stats = {"mean": 0.0, "std": 1.0}
         self.history: list[dict] = []
+        self.nonfinite_in_a_row = 0  # consecutive steps whose update was skipped (NaN/Inf reward or grad norm)
+        self.nonfinite_total = 0
 
     # ---- set-up ------------------------------------------------------------------
     def start(self) -> None:
@@ -135,16 +137,40 @@ class PPOTrainer:
             batch = self.rollout(self.next_prompts(), self.cfg.rollout.sampling, self.step)
         with timer.phase("inference"):
             self.infer(batch)
+        if not torch.isfinite(batch.scores).all():
+            return self._skip_step(timer, "reward", batch)
         with timer.phase("advantages"):
             adv_metrics = self.compute_advantages(batch)
         with timer.phase("train"):
             train_metrics = self.update(batch)
+        skipped = train_metrics.get("actor/skipped", 0.0) + train_metrics.get("critic/skipped", 0.0)
+        self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if skipped else 0
+        self.nonfinite_total += 1 if skipped else 0
+        self._check_nonfinite("loss or gradient norm")
         self.kl_ctl.update(float(alg.masked_sum(batch.kl, batch.response_mask) / len(batch)), len(batch))
-        metrics = {**self.rollout_metrics(batch), **adv_metrics, **train_metrics,
+        metrics = {**self.rollout_metrics(batch), **adv_metrics, **train_metrics, "nonfinite_skips": float(self.nonfinite_total),
                    "refit_bytes": refit["bytes"], "weight_version": refit["weight_version"]}
         metrics.update({f"time/{k}": v for k, v in timer.times.items()})
         metrics["time/step"] = sum(timer.times.values())
         return metrics
+
+    def _skip_step(self, timer: PhaseTimer, what: str, batch: RolloutBatch) -> dict[str, float]:
+        """Count a step whose `what` was NaN/Inf; no update happens. Stops the run after max_nonfinite in a row."""
+        self.nonfinite_in_a_row += 1
+        self.nonfinite_total += 1
+        log.warning("step %d: non-finite %s: update skipped (%d in a row)", self.step + 1, what, self.nonfinite_in_a_row)
+        self._check_nonfinite(what)
+        return {"skipped_nonfinite": 1.0, "nonfinite_skips": float(self.nonfinite_total),
+                **{f"time/{k}": v for k, v in timer.times.items()}}
+
+    def _check_nonfinite(self, what: str) -> None:
+        limit = self.cfg.trainer.max_nonfinite
+        if self.nonfinite_in_a_row >= limit:
+            from aligner.cli import UserError
+
+            raise UserError(f"{self.nonfinite_in_a_row} PPO steps in a row had a non-finite {what} "
+                            f"(trainer.max_nonfinite={limit}): stopping; lower actor.optim.lr / critic.optim.lr or check "
+                            "the reward, then resume=true from the last checkpoint (non-finite weights are never saved)")
 
     def next_prompts(self) -> list[dict]:
         return self.data.next_batch(self.cfg.trainer.rollout_batch_size)
@@ -240,8 +266,12 @@ class PPOTrainer:
                     futs["critic"] = self.groups["critic"].value_step(mb.tensors(*critic_keys))
                 for role, res in zip(futs, get_all(list(futs.values()))):
                     for k, v in first_replica(res).items():
-                        sums.setdefault(f"{role}/{k}" if k in ("grad_norm", "lr") else k, []).append(v)
-        return {k: sum(v) / len(v) for k, v in sums.items()}
+                        sums.setdefault(f"{role}/{k}" if k in ("grad_norm", "lr", "skipped") else k, []).append(v)
+        out = {k: sum(v) / len(v) for k, v in sums.items()}
+        for key in ("actor/skipped", "critic/skipped"):
+            if key in sums:
+                out[key] = float(max(sums[key]))
+        return out
 
     def rollout_metrics(self, batch: RolloutBatch) -> dict[str, float]:
         mask = batch.response_mask
@@ -291,13 +321,16 @@ class PPOTrainer:
 
     # ---- checkpoints ----------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        return {"step": self.step, "data": self.data.state_dict(), "kl_ctl": self.kl_ctl.state_dict(), "history": self.history}
+        return {"step": self.step, "data": self.data.state_dict(), "kl_ctl": self.kl_ctl.state_dict(), "history": self.history,
+                "nonfinite_total": self.nonfinite_total, "nonfinite_in_a_row": self.nonfinite_in_a_row}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.data.load_state_dict(state["data"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.history = list(state.get("history", []))
+        self.nonfinite_total = int(state.get("nonfinite_total", 0))
+        self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
 
     def save(self, manager) -> Path:
         """Every role's model + optimizer and the trainer state, atomically (CheckpointManager)."""

@@ -71,8 +71,8 @@ class Policy(RoleModel):
 
         stats = self.runner.train_step(batch, loss_fn, micro_batch_size)
         tokens = norm * self.dims.dp_size
-        return {"loss": self.dp_mean(stats["loss"] * norm, tokens), "tokens": tokens,
-                "grad_norm": stats["grad_norm"], "lr": stats["lr"]}
+        return {"loss": self.dp_mean(stats["loss"] * norm, float(target.sum())), "tokens": tokens,
+                "grad_norm": stats["grad_norm"], "lr": stats["lr"], "skipped": stats.get("skipped", 0.0)}
 
     @torch.no_grad()
     def sft_eval(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> dict[str, float]:
@@ -116,4 +116,4 @@ class Policy(RoleModel):
         sums = from_last_stage(sums, self.dims)
         count = float(batch["response_mask"].sum())
         out = {k: self.dp_mean(v, count) for k, v in sorted(sums.items())}
-        return {**out, "grad_norm": stats["grad_norm"], "lr": stats["lr"]}
+        return {**out, "grad_norm": stats["grad_norm"], "lr": stats["lr"], "skipped": stats.get("skipped", 0.0)}

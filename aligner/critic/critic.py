@@ -53,4 +53,4 @@ class Critic(RoleModel):
         stats = self.runner.train_step(batch, loss_fn, micro_batch_size)
         sums = from_last_stage(sums, self.dims)
         count = float(batch["response_mask"].sum())
-        return {**{k: self.dp_mean(v, count) for k, v in sorted(sums.items())}, "grad_norm": stats["grad_norm"], "lr": stats["lr"]}
+        return {**{k: self.dp_mean(v, count) for k, v in sorted(sums.items())}, "grad_norm": stats["grad_norm"], "lr": stats["lr"], "skipped": stats.get("skipped", 0.0)}

@@ -245,6 +245,7 @@ def save_checkpoint(engine, ckpt_dir: str, extra: Optional[dict] = None) -> str:
             "model.backend=te: resharding checkpoints of TE layers are not implemented; "
             "export weights with te_backend.te_layer_to_hf or checkpoint with model.backend=torch"
         )
+    _check_finite(engine)
     ckpt_dir = os.path.abspath(ckpt_dir)
     tmp = ckpt_dir.rstrip("/") + ".tmp"
     if _rank() == 0:
@@ -260,6 +261,23 @@ def save_checkpoint(engine, ckpt_dir: str, extra: Optional[dict] = None) -> str:
             json.dump(_meta(engine, extra), f, indent=2)
     _commit(tmp, ckpt_dir)
     return ckpt_dir
+
+
+def _check_finite(engine) -> None:
+    """Refuse to checkpoint non-finite weights (collective: every rank learns if any rank has them)."""
+    import torch
+    import torch.distributed as dist
+
+    bad = torch.tensor(0.0)
+    for name, p in engine.module.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.is_floating_point() and not torch.isfinite(local.detach()).all():
+            bad += 1
+    if _distributed():
+        dist.all_reduce(bad)
+    if bad > 0:
+        raise ValueError("refusing to write a checkpoint: the model has NaN/Inf weights "
+                         "(the previous checkpoint is kept; lower the learning rate and resume from it)")
 
 
 def read_meta(ckpt_dir: str) -> dict:

@@ -145,6 +145,7 @@ class TrainEngine:
         self.model_cfg, self.kind, self.parallel, self.optim_cfg, self.dims = model_cfg, kind, parallel_cfg, optim_cfg, dims
         self.total_steps = total_steps
         self.step_count = 0
+        self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient norm
         self.backend = parallel_cfg.dp_backend
         self.bf16 = parallel_cfg.mixed_precision == "bf16"
         self.module = self._build_module(model, seed)
@@ -272,7 +273,8 @@ class TrainEngine:
     def step(self) -> dict[str, float]:
         """One optimizer step after backward: clip, AdamW, advance the LR schedule.
 
-        Returns {"grad_norm": global norm before clipping, "lr": the lr this step used}.
+        Returns {"grad_norm": global norm before clipping, "lr": the lr this step used, "skipped": 1.0
+        when the norm was NaN/Inf and the update was skipped (gradients dropped, schedule not advanced)}.
         """
         lr = self.optimizer.param_groups[0]["lr"]
         if self.backend == "deepspeed":
@@ -281,10 +283,15 @@ class TrainEngine:
             norm = float(norm) if norm is not None else float("nan")
         else:
             norm = self.clip_grads()
+            if not math.isfinite(norm):
+                # global norm: every rank sees the same value and skips together
+                self.zero_grad()
+                self.skipped_steps += 1
+                return {"grad_norm": norm, "lr": lr, "skipped": 1.0}
             self.optimizer.step()
         self.lr_scheduler.step()
         self.step_count += 1
-        return {"grad_norm": norm, "lr": lr}
+        return {"grad_norm": norm, "lr": lr, "skipped": 0.0}
 
     def zero_grad(self) -> None:
         """Drop gradients (set to None)."""

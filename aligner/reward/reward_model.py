@@ -68,7 +68,7 @@ class RewardModel(RoleModel):
 
         stats = self.runner.train_step(flat, loss_fn, 2 * micro_batch_size)
         sums = from_last_stage(sums, self.dims)
-        return {**{k: self.dp_mean(v, pairs) for k, v in sorted(sums.items())}, "grad_norm": stats["grad_norm"], "lr": stats["lr"]}
+        return {**{k: self.dp_mean(v, pairs) for k, v in sorted(sums.items())}, "grad_norm": stats["grad_norm"], "lr": stats["lr"], "skipped": stats.get("skipped", 0.0)}
 
     @torch.no_grad()
     def bt_eval(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> dict[str, float]:
