@@ -106,6 +106,8 @@ def test_worker_killed_mid_step_fails_fast_then_resumes(tmp_path):
     named = re.findall(r"(actor|critic|ref) rank (\d+)", err)
     assert named, f"the error does not name the role and rank: {err[-3000:]}"
     assert "died" in err, err[-3000:]
+    assert f"pid: {victim}" in err, "the error is about another process than the one killed"
+    assert "Traceback" not in err and "rerun with resume=true" in err, err[-3000:]
     time.sleep(5)
     stray = [(p, cmdline(p)[:80]) for p in tree if alive(p)]
     assert not stray, f"processes of the run still alive 5 s after it exited: {stray}"
