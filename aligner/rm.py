@@ -55,6 +55,9 @@ class RMStage(Stage):
         super().__init__(cfg)
         self.init = default_init(cfg)
 
+    def init_path(self) -> str:
+        return self.init
+
     def worker_cls(self) -> type:
         from aligner.reward.worker import RewardWorker
 

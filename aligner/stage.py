@@ -118,6 +118,7 @@ class Stage:
         """The whole stage; returns the exit code."""
         cfg = self.cfg
         cfg.check_paths((self.role,))
+        self.check_init()
         if cfg.plan_only:
             from aligner.plan import main_from_config
 
@@ -134,6 +135,19 @@ class Stage:
             self.stop_group()
             if info.started and info.local:
                 shutdown_ray()
+
+    def init_path(self) -> str:
+        """Where the role's weights start from ("" = random init)."""
+        return self.cfg.role(self.role).init
+
+    def check_init(self) -> None:
+        """UserError naming <role>.init when it is neither an HF model dir nor a run dir with hf/ inside."""
+        from aligner.parallel.role import resolve_init
+
+        try:
+            resolve_init(self.init_path())
+        except ValueError as e:
+            raise UserError(f"{self.role}.{e}") from None
 
     def prepare_output(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)

@@ -76,6 +76,14 @@ def test_config_errors_exit_2_with_one_line(module, args, expect, tmp_path):
     assert not (tmp_path / "out").exists(), "nothing may be written before the configuration is accepted"
 
 
+def test_init_that_is_not_a_model_exits_2(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc, _ = _cli("aligner.rm", f"reward.init={empty}", f"output_dir={tmp_path / 'out'}", timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"aligner rm: error: reward.init='{empty}' is neither an HF model dir")
+
+
 def test_tiny_rm_default_init(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_config("rm", [])
