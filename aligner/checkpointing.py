@@ -83,6 +83,7 @@ class CheckpointManager:
     def _prune(self) -> None:
         done = sorted(p for p in self.root.glob("step_*") if (p / COMPLETE).exists())
         for old in done[: max(0, len(done) - self.keep)]:
+            (old / COMPLETE).unlink(missing_ok=True)  # never half-deleted yet still marked complete
             shutil.rmtree(old, ignore_errors=True)
 
 

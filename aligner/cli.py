@@ -49,6 +49,10 @@ def compose(stage: str, overrides: Sequence[str] = ()) -> "omegaconf.DictConfig"
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    for o in overrides:
+        if o.startswith(("+", "~")):
+            raise ConfigError(f"override {o!r}: adding or deleting config keys is not allowed; every field already exists "
+                              "(set it with key=value; --cfg lists the fields)")
     preset = _preset_of(overrides)
     if preset not in PRESETS:
         raise ConfigError(f"conf={preset!r} is not a preset: valid choices are {', '.join(PRESETS)}")
@@ -63,6 +67,11 @@ def compose(stage: str, overrides: Sequence[str] = ()) -> "omegaconf.DictConfig"
             merged = hydra_compose(config_name=stage, overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(_explain(e)) from None
+    except (AttributeError, AssertionError) as e:  # OmegaConf merging into a None-valued Optional dataclass node
+        keys = [o.split("=", 1)[0] for o in overrides if "=" in o]
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"bad configuration: cannot apply {', '.join(keys)} ({type(e).__name__}: {first}); "
+                          "set model.rope_scaling in a preset YAML file") from None
     return merged
 
 

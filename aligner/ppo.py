@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from aligner.cli import UserError, config_yaml, run
-from aligner.config import AlignerConfig
+from aligner.config import AlignerConfig, ConfigError
 
 log = logging.getLogger("aligner.ppo")
 
@@ -76,10 +76,25 @@ def load_prompts(cfg: AlignerConfig):
     from aligner.data.pipeline import load_data, resolve_tokenizer
 
     tok = resolve_tokenizer(cfg.tokenizer, cfg.task, cfg.output_dir)
+    check_vocab(cfg, len(tok))
     splits = load_data("prompt", cfg.data, cfg.task, tok, cfg.output_dir)
     if not splits.eval:
         splits.eval = splits.train[: cfg.task.num_eval]
     return tok, splits
+
+
+def check_vocab(cfg: AlignerConfig, n_tokens: int) -> None:
+    """The tokenizer must fit the actor's vocabulary (its init checkpoint's, else model.vocab_size)."""
+    from aligner.config import ConfigError
+    from aligner.model.hf import read_hf_config
+    from aligner.parallel.role import resolve_init
+
+    hf_dir = resolve_init(cfg.actor.init) if cfg.actor.init else None
+    vocab = int(read_hf_config(hf_dir)["vocab_size"]) if hf_dir else cfg.model.vocab_size
+    field = f"{cfg.actor.init}/config.json vocab_size" if hf_dir else "model.vocab_size"
+    if n_tokens > vocab:
+        raise ConfigError(f"{field}={vocab} is smaller than the tokenizer's {n_tokens} tokens: "
+                          f"set model.vocab_size={n_tokens} or more, or use the tokenizer the model was trained with")
 
 
 def run_ppo(cfg: AlignerConfig) -> int:
@@ -93,6 +108,8 @@ def run_ppo(cfg: AlignerConfig) -> int:
     (out / "config.yaml").write_text(config_yaml(cfg))
     try:
         tok, splits = load_prompts(cfg)
+    except ConfigError:
+        raise
     except (ValueError, FileNotFoundError) as e:
         raise UserError(str(e)) from None
     from aligner.parallel.ray_runtime import init_ray, shutdown_ray

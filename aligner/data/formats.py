@@ -250,6 +250,8 @@ def load_records(path: str, fmt: str = "auto", kind: Optional[str] = None, skip_
     """
     if fmt != "auto" and fmt not in FORMATS:
         raise ValueError(f"data.format={fmt!r} is unknown: valid formats are auto, {', '.join(FORMATS)}")
+    if fmt != "auto":
+        _check_kind(fmt, kind, path)
     records: list[dict] = []
     reasons: list[str] = []
     skipped = 0

@@ -123,6 +123,7 @@ def model_config_to_hf(cfg: ModelConfig, kind: str = "lm") -> dict:
 
 
 def read_hf_config(model_dir: str | os.PathLike) -> dict:
+    recover_dir(Path(model_dir))
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{path}: missing; an HF model dir needs config.json and safetensors weights")
@@ -145,6 +146,7 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def load_hf_state_dict(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of an HF dir: model.safetensors, a sharded index, or pytorch_model.bin (weights_only)."""
     d = Path(model_dir)
+    recover_dir(d)
     if not d.is_dir():
         raise CheckpointError(f"{d}: not a directory; give an HF model dir with config.json and *.safetensors")
     if (d / INDEX_NAME).is_file():
@@ -216,6 +218,24 @@ def load_hf_model(model_dir: str | os.PathLike, kind: str = "lm", dtype: Optiona
     return model, cfg
 
 
+def recover_dir(final: Path) -> None:
+    """Finish or undo an interrupted :func:`atomic_dir` replace of `final`.
+
+    A replace moves the old dir to ``.<name>.old-<pid>`` and then the new one into place; a
+    kill between the two leaves no `final`: the newest old copy is moved back. Stale temp and
+    old copies beside an existing `final` are removed.
+    """
+    parent = final.parent
+    if not parent.is_dir():
+        return
+    olds = sorted(parent.glob(f".{final.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if not final.exists() and olds:
+        os.replace(olds.pop(), final)
+    if final.exists():
+        for stale in olds + list(parent.glob(f".{final.name}.tmp-*")):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 def atomic_dir(final: str | os.PathLike):
     """Context manager yielding a temp dir beside `final` that replaces `final` on success."""
     return _AtomicDir(Path(final))
@@ -227,7 +247,9 @@ class _AtomicDir:
 
     def __enter__(self) -> Path:
         self.final.parent.mkdir(parents=True, exist_ok=True)
+        recover_dir(self.final)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.tmp-", dir=self.final.parent))
+        os.chmod(self.tmp, 0o755)  # mkdtemp makes 0700; an export is meant to be read by others
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -339,8 +339,6 @@ def test_cli_not_a_tokenizer(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="aligner.ppo does not compare the tokenizer's vocabulary with model.vocab_size "
-                   "(aligner.stage does, for SFT/RM): the run starts Ray and fails inside a worker. Fix in RELIABILITY.md")
 def test_cli_tokenizer_larger_than_model_vocab(tmp_path):
     proc = _ppo(tmp_path, "model.vocab_size=16", "task.tokenizer_vocab_size=64", "trainer.max_steps=1",
                 "trainer.rollout_batch_size=8", "trainer.mini_batch_size=8", "trainer.micro_batch_size=8", timeout=120)

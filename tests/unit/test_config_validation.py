@@ -138,9 +138,6 @@ def test_stage_validation():
         AlignerConfig(stage="train")
 
 
-@pytest.mark.xfail(strict=True, raises=(AttributeError, AssertionError),
-                   reason="OmegaConf cannot merge into the None-valued Optional rope_scaling node; cli.compose lets the "
-                   "AttributeError/AssertionError escape (a traceback instead of exit 2). Fix in RELIABILITY.md")
 @pytest.mark.parametrize("override", ["model.rope_scaling={factor:0.5}", "+model.rope_scaling.factor=0.5"])
 def test_rope_scaling_override_is_a_config_error(override):
     with pytest.raises(ConfigError, match="model.rope_scaling"):

@@ -93,8 +93,6 @@ def test_no_hydra_instantiate_or_targets():
     assert not bad, f"Hydra instantiation of config-named classes at {bad}"
 
 
-@pytest.mark.xfail(strict=True, reason="`+key=value` overrides of keys outside the schema are accepted silently "
-                   "(harmless today: nothing instantiates _target_); fix proposed in RELIABILITY.md")
 def test_a_target_override_is_refused():
     from aligner.cli import load_config
     from aligner.config import ConfigError
