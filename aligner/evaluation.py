@@ -15,7 +15,7 @@ that budget counts as whatever its text scores (usually wrong).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from aligner.config import AlignerConfig, SamplingConfig
 from aligner.reward.rules import score
@@ -41,7 +41,7 @@ def gather_generations(results: Sequence[Any]) -> list:
 
 
 def evaluate_task_accuracy(actor_group, eval_examples: list[dict], tokenizer, cfg: AlignerConfig,
-                           rule: str = "task_accuracy") -> dict[str, float]:
+                           rule: str = "task_accuracy", groups: Optional[Sequence[str]] = None) -> dict[str, float]:
     """Greedy accuracy of the actor group's current policy on held-out prompts.
 
     actor_group: a WorkerGroup of :class:`aligner.actor.worker.ActorWorker` (refit + generate).
@@ -49,12 +49,15 @@ def evaluate_task_accuracy(actor_group, eval_examples: list[dict], tokenizer, cf
         "prompt_ids" (list[int]), "prompt" (str) and "metadata" (dict, e.g. the gsm8k answer).
     tokenizer: decodes response ids (special tokens dropped).
     rule: a name in :data:`aligner.reward.rules.RULES` that scores (prompt, response, metadata).
+    groups: optional label per example (e.g. "carry" / "no_carry"); adds "accuracy_<label>" per label.
     Returns {"accuracy": fraction of responses the rule scores 1 (in [0, 1]), "n": prompts,
     "mean_response_len": mean response length, tokens (stop token included)}.
-    Raises ValueError for an empty eval set or an unknown rule.
+    Raises ValueError for an empty eval set, an unknown rule or groups of the wrong length.
     """
     if not eval_examples:
         raise ValueError("evaluate_task_accuracy: no eval prompts (the eval split is empty): set data.eval_path or task.num_eval")
+    if groups is not None and len(groups) != len(eval_examples):
+        raise ValueError(f"groups has {len(groups)} labels for {len(eval_examples)} eval examples: give one label per example")
     prompts = [list(e["prompt_ids"]) for e in eval_examples]
     sampling = greedy_sampling(cfg, max(len(p) for p in prompts))
     actor_group.refit().get()
@@ -63,5 +66,9 @@ def evaluate_task_accuracy(actor_group, eval_examples: list[dict], tokenizer, cf
         raise RuntimeError(f"the actor returned {len(gens)} generations for {len(prompts)} prompts")
     responses = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in gens]
     scores = score(rule, [e["prompt"] for e in eval_examples], responses, [dict(e.get("metadata") or {}) for e in eval_examples])
-    return {"accuracy": float(scores.mean()), "n": float(len(prompts)),
-            "mean_response_len": sum(len(g.token_ids) for g in gens) / len(gens)}
+    out = {"accuracy": float(scores.mean()), "n": float(len(prompts)),
+           "mean_response_len": sum(len(g.token_ids) for g in gens) / len(gens)}
+    for label in sorted(set(groups or ())):
+        picked = [float(x) for x, g in zip(scores, groups) if g == label]
+        out[f"accuracy_{label}"] = sum(picked) / len(picked)
+    return out

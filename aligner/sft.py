@@ -57,11 +57,15 @@ class SFTStage(Stage):
         from aligner.data.pipeline import load_data
         from aligner.evaluation import evaluate_task_accuracy
 
+        from aligner.data.task import has_carry, parse_prompt
+
         prompts = load_data("prompt", self.cfg.data, self.cfg.task, self.tokenizer, str(self.out)).eval
-        res = evaluate_task_accuracy(self.group, prompts, self.tokenizer, self.cfg)
-        log.info("sft: held-out greedy accuracy %.3f on %d problems (mean response %.1f tokens)",
-                 res["accuracy"], int(res["n"]), res["mean_response_len"])
-        return {"task_accuracy": res["accuracy"], "task_eval_n": res["n"], "task_response_len": res["mean_response_len"]}, {}
+        groups = ["carry" if has_carry(*parse_prompt(e["prompt"])) else "no_carry" for e in prompts]
+        res = evaluate_task_accuracy(self.group, prompts, self.tokenizer, self.cfg, groups=groups)
+        log.info("sft: held-out greedy accuracy %.3f on %d problems (%.3f without a carry, %.3f with one; "
+                 "mean response %.1f tokens)", res["accuracy"], int(res["n"]), res.get("accuracy_no_carry", float("nan")),
+                 res.get("accuracy_carry", float("nan")), res["mean_response_len"])
+        return {f"task_{k}": v for k, v in res.items()}, {}
 
 
 def run_sft(cfg: AlignerConfig) -> int:

@@ -147,9 +147,11 @@ def test_tiny_sft_then_rm_acceptance(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert secs < 300, f"tiny SFT took {secs:.0f} s (budget 300 s)"
     final = read_metrics(sft / "metrics.jsonl")[-1]
-    # Carry-free problems are demonstrated right, carry problems wrong 60% of the time: greedy
-    # SFT answers ~the carry-free fraction (~45% of the held-out set) right, not ~100%, not ~0.
-    assert 0.35 <= final["task_accuracy"] <= 0.65, final
+    # Carry-free problems are always demonstrated right, carry problems wrong 60% of the time:
+    # greedy SFT gets the carry-free ones (~45% of the held-out set) right and most carry ones wrong.
+    assert final["task_accuracy_no_carry"] >= 0.9, final
+    assert final["task_accuracy_carry"] <= 0.6, final
+    assert 0.4 <= final["task_accuracy"] <= 0.8, final
     assert final["eval_loss"] < 1.0, final
     for name in ("config.yaml", "curves.png", "hf/config.json", "hf/model.safetensors", "hf/tokenizer.json", "checkpoints/latest"):
         assert (sft / name).exists(), name
