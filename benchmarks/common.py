@@ -1,0 +1,338 @@
+"""Shared helpers of the side-by-side benchmarks: same model, same tokenizer, same prompts, alternating runs.
+
+Owns:
+- the benchmark fixtures both sides load from disk: a word-level HF tokenizer (every id
+  decodes, so sampled ids never hit an unknown token), a random-init tiny Llama saved as an
+  HF dir (policy, ``LlamaForCausalLM``) and a reward/value model of the same dims
+  (``LlamaForSequenceClassification``, 1 label), and fixed-length random prompts;
+- an in-process stand-in for Ray worker groups (:class:`InProcessGroup`): each method call
+  runs the worker method directly and returns an object with ``.get()``, so
+  :class:`aligner.trainer.PPOTrainer` runs its real phases in one process without Ray;
+- peer processes (:class:`PeerProcess`): a peer (TRL) runs in its own venv, pauses after
+  every optimizer step in a trainer callback, prints the step's wall time and waits for the
+  next "go" on stdin. The driver alternates aligner step, peer step, aligner step, ... so
+  load drift on a shared machine hits both sides alike;
+- :func:`ensure_venv` (creates the peer's venv with pip when it is missing) and the
+  environment line every RESULTS.md table records.
+
+Nothing here is imported by aligner/: benchmarks are never part of the test run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0..3
+
+
+# ---- fixtures -----------------------------------------------------------------------------
+def tiny_model_cfg(vocab_size: int = 32000, max_seq_len: int = 256, **kw):
+    """The benchmark Llama: hidden 256, 4 layers, 8 heads (head_dim 32), SwiGLU 688, untied head."""
+    from aligner.config import ModelConfig
+
+    base = dict(vocab_size=vocab_size, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8,
+                num_kv_heads=8, max_seq_len=max_seq_len)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def make_tokenizer(out_dir: str | Path, vocab_size: int) -> str:
+    """A word-level tokenizer of exactly `vocab_size` ids ("<pad>" 0, "<bos>" 1, "<eos>" 2, "<unk>" 3,
+    then "w4" ...), saved as an HF tokenizer dir (tokenizer.json + tokenizer_config.json). Returns the dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    if (out / "tokenizer.json").exists():
+        return str(out)
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    vocab.update({f"w{i}": i for i in range(len(SPECIALS), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>")
+    fast.save_pretrained(str(out))
+    return str(out)
+
+
+def make_checkpoints(out_dir: str | Path, model_cfg, seed: int = 0) -> dict[str, str]:
+    """Random-init policy (lm) and reward/value model (score) of `model_cfg`, saved as HF dirs with the
+    tokenizer. Returns {"tokenizer", "policy", "reward"} paths (reused when already written)."""
+    from aligner.model.hf import save_hf
+    from aligner.model.llama import build_model
+    from aligner.model.tokenizer import load_tokenizer
+
+    out = Path(out_dir)
+    tok_dir = make_tokenizer(out / "tokenizer", model_cfg.vocab_size)
+    tok = load_tokenizer(tok_dir)
+    paths = {"tokenizer": tok_dir}
+    for kind, name, s in (("lm", "policy", seed), ("score", "reward", seed + 1)):
+        path = out / name
+        if not (path / "config.json").exists():
+            save_hf(build_model(model_cfg, kind=kind, seed=s).state_dict(), model_cfg, str(path), kind=kind, tokenizer=tok)
+        paths[name] = str(path)
+    return paths
+
+
+def make_prompts(n: int, prompt_len: int, vocab_size: int, seed: int = 0) -> list[dict]:
+    """`n` prompts of exactly `prompt_len` random non-special tokens: [{"prompt", "prompt_ids", "metadata"}]."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(len(SPECIALS), vocab_size, (n, prompt_len), generator=g).tolist()
+    return [{"prompt": " ".join(f"w{i}" for i in row), "prompt_ids": row, "metadata": {}} for row in ids]
+
+
+# ---- in-process worker groups ---------------------------------------------------------------
+class Done:
+    """An already-computed result with the GroupFuture interface (``get(timeout_s=None)``)."""
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def get(self, timeout_s: Optional[float] = None) -> Any:
+        return self.value
+
+    def done(self) -> bool:
+        return True
+
+
+def _move(obj: Any, device: str) -> Any:
+    """Tensors in obj (nested dict / list / tuple) moved to `device`; other values unchanged."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _move(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and obj and isinstance(obj[0], torch.Tensor):
+        return type(obj)(_move(v, device) for v in obj)
+    return obj
+
+
+class InProcessGroup:
+    """A one-rank worker group in this process: ``group.method(*a)`` runs ``worker.method(*a)`` now.
+
+    Results follow the dispatch modes of :mod:`aligner.parallel.worker_group` for world size 1:
+    broadcast -> [result] (a list by rank), dp_split and rank0 -> the result itself.
+    device: where the worker's tensors live ("cpu", or "cuda" after :func:`to_device`); tensor
+    arguments are moved there and tensor results back to the CPU, as the driver expects.
+    """
+
+    def __init__(self, worker: Any, device: str = "cpu"):
+        from aligner.parallel.worker_group import dispatched_methods
+
+        self.worker, self.device = worker, device
+        self.modes = dispatched_methods(type(worker))
+
+    def __getattr__(self, name: str) -> Callable[..., Done]:
+        modes = self.__dict__.get("modes", {})
+        if name not in modes:
+            raise AttributeError(name)
+        fn, dev = getattr(self.worker, name), self.device
+
+        def call(*a, **k):
+            out = fn(*[_move(x, dev) for x in a], **_move(k, dev)) if dev != "cpu" else fn(*a, **k)
+            out = _move(out, "cpu") if dev != "cpu" else out
+            return Done([out] if modes[name] == "broadcast" else out)
+
+        return call
+
+    def shutdown(self) -> None:
+        pass
+
+
+def ppo_config(*, advantage: str = "gae", prompts: int = 16, n_samples: int = 1, new_tokens: int = 64,
+               prompt_len: int = 32, model_cfg=None, paths: Optional[dict] = None, kl_coef: float = 0.05,
+               temperature: float = 1.0, lr: float = 1e-5):
+    """AlignerConfig of one benchmark step: 1 epoch, one mini-batch (and one micro-batch) of every sample."""
+    from aligner.config import (AlgorithmConfig, AlignerConfig, DataConfig, OptimConfig, RoleConfig, RolloutConfig,
+                                SamplingConfig, TrainerConfig)
+
+    model_cfg = model_cfg or tiny_model_cfg(max_seq_len=max(256, prompt_len + new_tokens))
+    paths = paths or {}
+    samples = prompts * n_samples
+    optim = OptimConfig(lr=lr, warmup_steps=0, schedule="constant")
+    role = lambda init="": RoleConfig(init=init, optim=optim)  # noqa: E731
+    return AlignerConfig(
+        stage="ppo", model=model_cfg,
+        # a non-empty train_path marks the prompts as not the built-in task (no task-accuracy metric);
+        # nothing reads it: the prompts are passed to the trainer directly
+        data=DataConfig(train_path="<benchmark prompts>", max_prompt_len=prompt_len, max_seq_len=prompt_len + new_tokens),
+        trainer=TrainerConfig(max_steps=1000, rollout_batch_size=prompts, n_samples_per_prompt=n_samples,
+                              mini_batch_size=samples, micro_batch_size=samples, progress=False),
+        actor=role(paths.get("policy", "")), ref=role(paths.get("policy", "")),
+        critic=role(paths.get("reward", "")), reward=role(paths.get("reward", "")),
+        rollout=RolloutConfig(sampling=SamplingConfig(temperature=temperature, max_new_tokens=new_tokens),
+                              max_batch_size=samples, cuda_graphs=True),
+        algorithm=AlgorithmConfig(advantage=advantage, kl_coef=kl_coef, ppo_epochs=1, normalize_rewards=False),
+    )
+
+
+def inprocess_trainer(cfg, tokenizer, prompts: list[dict], dims=None):
+    """A PPOTrainer whose role groups are :class:`InProcessGroup` s of the real worker classes (no Ray).
+
+    The actor's engine gets no EOS (``eos_token_id=None``) so every response has exactly
+    max_new_tokens tokens, the same work as a peer generating with min_new_tokens = max_new_tokens.
+    """
+    from aligner.actor.worker import ActorWorker, PolicyWorker
+    from aligner.critic.worker import CriticWorker
+    from aligner.reward.worker import RewardWorker
+    from aligner.trainer import PPOTrainer, roles_used
+
+    trainer = PPOTrainer(cfg, tokenizer, prompts, prompts)
+    steps = 1000
+    kw = {} if dims is None else {"dims": dims}
+    build = {
+        "actor": lambda: ActorWorker(cfg, "actor", total_steps=steps, eos_token_id=None, **kw),
+        "ref": lambda: PolicyWorker(cfg, "ref", init=cfg.ref.init or cfg.actor.init, **kw),
+        "critic": lambda: CriticWorker(cfg, total_steps=steps, init=cfg.critic.init or cfg.reward.init, **kw),
+        "reward": lambda: RewardWorker(cfg, **kw),
+    }
+    for role in roles_used(cfg):
+        trainer.groups[role] = InProcessGroup(build[role]())
+    return trainer
+
+
+def to_device(trainer, device: str) -> None:
+    """Move every in-process role (its TrainEngine module, and the actor's rollout engine) to `device`.
+
+    The Ray-free role classes build on the CPU (a Ray worker would be placed on its GPU by the
+    caller); a module moved in place keeps its Parameter objects, so the optimizers stay valid.
+    The actor's engine is built (one refit) first so it can be moved too.
+    """
+    for group in trainer.groups.values():
+        w = group.worker
+        role = getattr(w, "policy", None) or getattr(w, "critic", None) or getattr(w, "rm", None)
+        role.engine.module.to(device)
+        role.engine.device_type = device.split(":")[0]
+        if hasattr(w, "refit"):
+            w.refit()
+            w.engine.model.to(device)
+        group.device = device
+
+
+def timed_step(trainer) -> dict[str, float]:
+    """One PPOTrainer step: its metrics, with ``time/step`` (sum of the phases, seconds)."""
+    m = trainer.train_step()
+    trainer.step += 1
+    return m
+
+
+# ---- peers in their own venvs ------------------------------------------------------------------
+def ensure_venv(venv: Path, packages: list[str], check: str) -> Path:
+    """The venv's python; creates the venv and pip-installs `packages` when `check` (a python
+    statement) fails in it. torch is pinned by the caller (a local CPU wheel here)."""
+    py = venv / "bin" / "python"
+    if py.exists() and subprocess.run([str(py), "-c", check], capture_output=True).returncode == 0:
+        return py
+    print(f"[setup] creating {venv} with {' '.join(packages)} (one time)", flush=True)
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", *packages], check=True)
+    return py
+
+
+class PeerProcess:
+    """A peer benchmark in another interpreter, driven step by step.
+
+    The child prints ``@@READY {json}`` once built, then after every optimizer step
+    ``@@STEP <seconds> {json}`` and blocks until it reads a line on stdin. Other output is
+    passed through to stderr (prefixed). ``step()`` releases one step and returns (seconds, info).
+    """
+
+    def __init__(self, python: Path, args: list[str], env: Optional[dict] = None):
+        e = {**os.environ, **(env or {})}
+        e.pop("PYTHONPATH", None)
+        self.proc = subprocess.Popen([str(python), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1, env=e, cwd=str(ROOT))
+        self.ready = self._read("@@READY")[1]
+
+    def _read(self, tag: str) -> tuple[str, dict]:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"peer exited (code {self.proc.wait()}) before {tag}")
+            if line.startswith(tag):
+                rest = line[len(tag):].strip()
+                head, _, js = rest.partition(" ")
+                if tag == "@@READY":
+                    return "", json.loads(rest or "{}")
+                return head, json.loads(js or "{}")
+            print(f"  [peer] {line.rstrip()}", file=sys.stderr)
+
+    def first(self) -> tuple[float, dict]:
+        """The first step starts as soon as the peer is ready: read its result."""
+        head, info = self._read("@@STEP")
+        return float(head), info
+
+    def step(self) -> tuple[float, dict]:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        head, info = self._read("@@STEP")
+        return float(head), info
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("stop\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def peer_report(tag: str, seconds: float, info: Optional[dict] = None) -> None:
+    """Child side of :class:`PeerProcess`: report, then wait for "go" (exit on "stop" or EOF)."""
+    print(f"{tag} {seconds:.6f} {json.dumps(info or {})}" if tag == "@@STEP" else f"{tag} {json.dumps(info or {})}",
+          flush=True)
+    if tag == "@@STEP":
+        line = sys.stdin.readline()
+        if not line or line.strip() == "stop":
+            os._exit(0)
+
+
+# ---- numbers and the environment ------------------------------------------------------------------
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def env_line() -> str:
+    """date, machine, load and versions: the header every RESULTS.md table records."""
+    import torch
+    import transformers
+
+    load = os.getloadavg()
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{datetime.date.today().isoformat()}, {platform.machine()} {os.cpu_count()}-core CPU, {mem:.0f} GiB, "
+            f"load {load[0]:.2f}/{load[1]:.2f}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"transformers {transformers.__version__}, python {platform.python_version()}")
+
+
+def command_line() -> str:
+    return "python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
+
+
+class Clock:
+    """perf_counter stopwatch: ``with Clock() as c: ...; c.seconds``."""
+
+    def __enter__(self) -> "Clock":
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.t0

@@ -1,0 +1,162 @@
+"""Benchmark: one GRPO step of aligner vs TRL's GRPOTrainer (current trl), alternating in one run.
+
+What is measured: wall time of one GRPO step (generate G samples per prompt, old log-probs
+and reward-model scores, group-normalized advantages, one optimizer step of the policy),
+on CPU, with both processes alive at once:
+
+- aligner: :class:`aligner.trainer.PPOTrainer` with ``algorithm.advantage=grpo``, kl_coef 0
+  (no reference), no critic, driven in-process through benchmarks/common.py ``InProcessGroup``
+  (the real worker classes, no Ray); its per-phase times are reported.
+- TRL: ``trl.GRPOTrainer`` (newest trl) in benchmarks/.venv-trl, created with
+  ``pip install torch==2.13.0 trl`` when missing. A TrainerCallback pauses it after every
+  optimizer step (``on_step_end``) and reports the wall time since the previous one.
+
+The driver alternates aligner step, TRL step, ... (after one warm-up step each) and prints
+medians and the ratio aligner / TRL.
+
+Same work: the same tiny Llama (hidden 256, 4 layers, 8 heads, vocab 32000) from one HF dir,
+a reward model of the same dims (HF LlamaForSequenceClassification dir, random init), the
+same word-level tokenizer, 16 prompts of 32 tokens x G samples (default 4), 64 new tokens at
+temperature 1 forced to the full length (aligner: no stop token; TRL: min_new_tokens), fp32,
+one optimizer step over all samples (TRL: per_device_train_batch_size = 16 G,
+steps_per_generation 1, num_iterations 1), beta / kl_coef 0, AdamW lr 1e-5.
+
+Differences that remain (stated, not hidden):
+- TRL skips the old-log-prob forward when num_iterations = 1 (it uses the detached current
+  log-probs); aligner always recomputes old_log_probs in the inference phase (one extra
+  forward of 16 G sequences).
+- Loss normalization: TRL's default loss_type; aligner's token-mean clipped loss. Same FLOPs.
+- TRL's step time includes its metric logging after the previous ``on_step_end``.
+
+    python benchmarks/grpo_step.py            # 16 prompts x 4 samples x 64 new tokens, 5 repeats
+    python benchmarks/grpo_step.py --quick    # 16 prompts x 2 samples x 16 new tokens, 2 repeats
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
+
+TRL_VENV = C.BENCH / ".venv-trl"
+TRL_PKGS = ["torch==2.13.0", "trl"]
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="2 samples per prompt, 16 new tokens, 2 repeats")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--samples", type=int, default=4, help="G: samples per prompt")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--fixtures", default="/tmp/aligner_bench_fixtures")
+    ap.add_argument("--aligner-only", action="store_true", help="no peer: aligner's phases only")
+    ap.add_argument("--peer", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--paths", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.quick:
+        args.samples, args.new_tokens, args.repeats = 2, 16, 2
+    return args
+
+
+# ---- TRL side (runs in benchmarks/.venv-trl) ------------------------------------------------------
+def trl_child(args: argparse.Namespace) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    paths = json.loads(args.paths)
+    tok = AutoTokenizer.from_pretrained(paths["tokenizer"])
+    policy = AutoModelForCausalLM.from_pretrained(paths["policy"], dtype=torch.float32)
+    reward = AutoModelForSequenceClassification.from_pretrained(paths["reward"], num_labels=1, dtype=torch.float32)
+    prompts = C.make_prompts(args.prompts * 64, args.prompt_len, policy.config.vocab_size)
+    ds = Dataset.from_dict({"prompt": [p["prompt"] for p in prompts]})
+    n = args.prompts * args.samples
+    cfg = GRPOConfig(
+        output_dir="/tmp/trl_grpo_bench", per_device_train_batch_size=n, gradient_accumulation_steps=1,
+        steps_per_generation=1, num_iterations=1, num_generations=args.samples, max_completion_length=args.new_tokens,
+        temperature=1.0, top_p=1.0, beta=0.0, learning_rate=1e-5, lr_scheduler_type="constant",
+        generation_kwargs={"min_new_tokens": args.new_tokens}, max_steps=10_000, report_to=[], use_cpu=True,
+        bf16=False, fp16=False, disable_tqdm=True, save_strategy="no", logging_steps=10_000, seed=0,
+    )
+
+    class Pause(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            C.peer_report("@@READY", 0.0, {"trl": __import__("trl").__version__,
+                                             "transformers": __import__("transformers").__version__})
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            C.peer_report("@@STEP", time.perf_counter() - self.t0)
+            self.t0 = time.perf_counter()
+
+    trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
+                          reward_processing_classes=tok, callbacks=[Pause()])
+    trainer.train()
+
+
+# ---- aligner side ------------------------------------------------------------------------------
+def build_aligner(args: argparse.Namespace, paths: dict, mc):
+    from aligner.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(paths["tokenizer"])
+    cfg = C.ppo_config(advantage="grpo", prompts=args.prompts, n_samples=args.samples, new_tokens=args.new_tokens,
+                       prompt_len=args.prompt_len, model_cfg=mc, paths=paths, kl_coef=0.0)
+    prompts = C.make_prompts(args.prompts * 64, args.prompt_len, mc.vocab_size)
+    return C.inprocess_trainer(cfg, tok, prompts)
+
+
+def phase_table(rows: list[dict]) -> str:
+    keys = [k for k in rows[0] if k.startswith("time/")]
+    return "\n".join(f"  {k[5:]:<11} {C.median([r[k] for r in rows]):8.3f} s" for k in keys)
+
+
+def main() -> None:
+    args = parse()
+    if args.peer == "trl":
+        return trl_child(args)
+    mc = C.tiny_model_cfg(max_seq_len=max(256, args.prompt_len + args.new_tokens))
+    paths = C.make_checkpoints(args.fixtures, mc)
+    print(C.env_line())
+    print(f"command: {C.command_line()}")
+    print(f"work: {args.prompts} prompts x {args.samples} samples, {args.prompt_len} prompt tokens, {args.new_tokens} new tokens, "
+          f"1 epoch, 1 mini-batch of {args.prompts * args.samples}, {args.repeats} repeats after 1 warm-up step each", flush=True)
+    trainer = build_aligner(args, paths, mc)
+    ours = [C.timed_step(trainer)]  # warm-up
+    peer = None
+    if not args.aligner_only:
+        py = C.ensure_venv(TRL_VENV, TRL_PKGS, "from trl import GRPOTrainer")
+        peer = C.PeerProcess(py, [str(Path(__file__).resolve()), "--peer", "trl", "--paths", json.dumps(paths),
+                                  "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len),
+                                  "--new-tokens", str(args.new_tokens), "--samples", str(args.samples)])
+        print(f"peer: trl {peer.ready.get('trl')}, transformers {peer.ready.get('transformers')}", flush=True)
+        peer.first()  # warm-up
+    ours, theirs = [], []
+    try:
+        for i in range(args.repeats):  # alternate so load drift hits both alike
+            ours.append(C.timed_step(trainer))
+            msg = f"  repeat {i}: aligner {ours[-1]['time/step']:.2f} s"
+            if peer is not None:
+                theirs.append(peer.step()[0])
+                msg += f", TRL {theirs[-1]:.2f} s"
+            print(msg, flush=True)
+    finally:
+        if peer is not None:
+            peer.close()
+    a = C.median([r["time/step"] for r in ours])
+    print(f"aligner GRPO step: median {a:.2f} s; phases (median):\n{phase_table(ours)}")
+    if theirs:
+        t = C.median(theirs)
+        print(f"TRL GRPOTrainer step: median {t:.2f} s")
+        print(f"ratio aligner / TRL: {a / t:.2f}x (goal <= 0.5x: {'met' if a / t <= 0.5 else 'not met'})")
+
+
+if __name__ == "__main__":
+    main()

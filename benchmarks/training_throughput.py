@@ -1,0 +1,157 @@
+"""Benchmark: training tokens/s of aligner's Llama vs HF transformers' LlamaForCausalLM, alternating.
+
+What is measured: wall time of one training step (forward, next-token NLL, backward, AdamW
+step) on the same config, same weights (aligner's parameter names equal HF's, so HF gets our
+state dict with a strict load), same batch of random tokens. aligner runs through its real
+training path: :class:`aligner.actor.policy.Policy` ``sft_step`` (TrainEngine + ModelRunner +
+vocab-parallel log-probs, single process, fp32 on CPU); HF runs ``model(input_ids,
+labels=...)`` + ``loss.backward()`` + ``torch.optim.AdamW.step()``. Runs alternate
+(aligner, HF, aligner, ...) after one warm-up step each; tokens/s = batch * seq / median time.
+
+On a GPU (``--gpu``, used by benchmarks/gpu_suite.sh) it instead reports the MFU of aligner's
+training step on a Llama of about 1B parameters in bf16:
+MFU = 6 * params * tokens / time / peak bf16 FLOP/s (``--peak-tflops``, H100 SXM 989).
+
+    python benchmarks/training_throughput.py            # batch 8 x 256 tokens, 5 repeats
+    python benchmarks/training_throughput.py --quick    # batch 4 x 128 tokens, 3 repeats
+    python benchmarks/training_throughput.py --gpu      # 1B Llama MFU (CUDA)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
+
+
+def hf_model(mc, sd: dict):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
+                      num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
+                      max_position_embeddings=mc.max_seq_len, rope_theta=mc.rope_theta, rms_norm_eps=mc.rms_norm_eps,
+                      tie_word_embeddings=False, attention_bias=False, pad_token_id=0)
+    model = LlamaForCausalLM(cfg)
+    model.load_state_dict(sd, strict=True)
+    return model.train()
+
+
+def policy(mc, parallel=None, lr: float = 1e-5):
+    from aligner.actor.policy import Policy
+    from aligner.config import OptimConfig, ParallelConfig
+    from aligner.parallel.dims import ParallelDims
+
+    optim = OptimConfig(lr=lr, warmup_steps=0, schedule="constant", grad_clip=0.0)
+    return Policy(mc, parallel or ParallelConfig(), optim, ParallelDims(), total_steps=10_000, seed=0)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def cpu_compare(args) -> None:
+    mc = C.tiny_model_cfg(max_seq_len=max(256, args.seq))
+    pol = policy(mc)
+    sd = {k: v.detach().clone() for k, v in pol.full_state_dict().items()}
+    hf = hf_model(mc, sd)
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, mc.vocab_size, (args.batch, args.seq), generator=g)
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
+
+    def ours() -> float:
+        t0 = time.perf_counter()
+        pol.sft_step(batch, micro_batch_size=args.batch)
+        return time.perf_counter() - t0
+
+    def theirs() -> float:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        hf(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    print(C.env_line())
+    print(f"command: {C.command_line()}")
+    print(f"model: hidden 256, 4 layers, 8 heads, vocab {mc.vocab_size}, {mc.num_parameters() / 1e6:.1f}M params; "
+          f"batch {args.batch} x {args.seq} tokens, fp32, {args.repeats} repeats after 1 warm-up each", flush=True)
+    ours(), theirs()
+    a, b = [], []
+    for i in range(args.repeats):
+        a.append(ours())
+        b.append(theirs())
+        print(f"  repeat {i}: aligner {a[-1]:.3f} s, HF {b[-1]:.3f} s", flush=True)
+    tok = args.batch * args.seq
+    ta, tb = tok / C.median(a), tok / C.median(b)
+    print(f"aligner {ta:,.0f} tok/s, HF {tb:,.0f} tok/s, ratio {ta / tb:.2f}x (goal >= 1.0x: {'met' if ta >= tb else 'not met'})")
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, fn in (("aligner", ours), ("HF", theirs)):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                fn()
+            print(f"--- {name}: top ops by self CPU time")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
+def gpu_mfu(args) -> None:
+    from aligner.config import ModelConfig, ParallelConfig
+
+    # ~1.1B parameters: Llama shape (TinyLlama-1.1B dims, MHA), vocab 32000
+    mc = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=32,
+                     num_kv_heads=4, max_seq_len=args.seq, dtype="float32")
+    torch.set_default_device("cuda")
+    pol = policy(mc, ParallelConfig(mixed_precision="bf16"))
+    ids = torch.randint(4, mc.vocab_size, (args.batch, args.seq), device="cuda")
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
+    for _ in range(2):
+        pol.sft_step(batch, micro_batch_size=args.micro)
+    sync()
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        pol.sft_step(batch, micro_batch_size=args.micro)
+        sync()
+        times.append(time.perf_counter() - t0)
+    t = C.median(times)
+    params = mc.num_parameters()
+    tokens = args.batch * args.seq
+    mfu = 6 * params * tokens / t / (args.peak_tflops * 1e12)
+    print(f"device: {torch.cuda.get_device_name()}; model {params / 1e9:.2f}B params, batch {args.batch} x {args.seq}, "
+          f"micro {args.micro}, bf16 mixed precision")
+    print(f"training step median {t:.3f} s, {tokens / t:,.0f} tok/s, MFU {100 * mfu:.1f}% "
+          f"(6 * params * tokens / time / {args.peak_tflops} TFLOP/s; attention FLOPs not counted)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="batch 4 x 128, 3 repeats")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="torch.profiler top ops of one step each")
+    ap.add_argument("--gpu", action="store_true", help="1B Llama MFU on CUDA instead of the CPU comparison")
+    ap.add_argument("--micro", type=int, default=4, help="--gpu: micro-batch size")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="--gpu: dense bf16 peak, TFLOP/s")
+    args = ap.parse_args()
+    if args.quick:
+        args.batch, args.seq, args.repeats = 4, 128, 3
+    if args.gpu:
+        if not torch.cuda.is_available():
+            raise SystemExit("--gpu needs CUDA")
+        if args.batch == 8 and args.seq == 256:
+            args.batch, args.seq = 16, 2048
+        gpu_mfu(args)
+    else:
+        cpu_compare(args)
+
+
+if __name__ == "__main__":
+    main()
