@@ -205,7 +205,7 @@ def test_rm_on_hh_rlhf_with_llama2_tokenizer(ray_cluster, tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     data = shared_path("data", "hh-rlhf", "harmless-base-test.jsonl")
     out = tmp_path / "rm"
-    assert _run(RMStage, "rm", _llama2_tiny(out) + [f"data.train_path={data}", "data.format=hh"]) == 0
+    assert _run(RMStage, "rm", _llama2_tiny(out) + [f"data.train_path={data}", "data.format=hh", "data.skip_invalid=true"]) == 0
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     # near-zero random scores: the Bradley-Terry loss starts at ln 2
