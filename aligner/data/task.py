@@ -10,7 +10,9 @@ The SFT demonstrations are deliberately imperfect so that PPO has something to f
 problems with a carry, a fraction ``carry_error_rate`` (default 60%) of demonstrations
 "forget the carry" (each column's digit sum mod 10, e.g. 15+27 -> "32"). An SFT model then
 answers carry problems wrong greedily (the majority answer) while the correct answer still
-appears in the data (sampling finds it, the RM and the rule reward prefer it). Problems
+appears in the data (sampling finds it, the RM and the rule reward prefer it). The preference
+pairs contrast the correct sum with the problem's carry mistake: a dropped carry where one is
+due, a phantom carry where none is, so the RM must learn when a carry happens. Problems
 without a carry are always demonstrated correctly, so held-out greedy accuracy of an SFT
 model is about the fraction of carry-free problems: ~47% with the default 1-2 digit operands.
 
@@ -81,21 +83,24 @@ def check_answer(prompt: str, response: str) -> bool:
     return response.strip() == str(a + b)
 
 
-def _wrong_answer(rng: random.Random, a: int, b: int) -> tuple[str, str]:
-    """A plausible wrong answer and its kind: dropped_carry | off_by_one_digit | off_by_ten."""
+def phantom_carry(a: int, b: int, rng: random.Random) -> str:
+    """A "phantom carry" answer for a problem without a carry: the sum with a carry added into a
+    random column (+10 or +100 for 1-2 digit operands), e.g. 12+31 -> "53" or "143"."""
     correct = a + b
-    kinds = ["off_by_one_digit", "off_by_ten"] + (["dropped_carry"] * 2 if has_carry(a, b) else [])
-    while True:
-        kind = rng.choice(kinds)
-        if kind == "dropped_carry":
-            wrong = forget_carry(a, b)
-        elif kind == "off_by_one_digit":
-            place = 10 ** rng.randrange(len(str(correct)))
-            wrong = str(correct + rng.choice((-1, 1)) * place)
-        else:
-            wrong = str(correct + rng.choice((-10, 10)))
-        if not wrong.startswith("-") and wrong != str(correct):
-            return wrong, kind
+    place = 10 ** rng.randint(1, max(1, len(str(max(a, b)))))
+    return str(correct + place)
+
+
+def _wrong_answer(rng: random.Random, a: int, b: int) -> tuple[str, str]:
+    """The plausible wrong answer of a problem and its kind: a carry mistake in either direction.
+
+    dropped_carry where a carry is due (what the imperfect SFT demonstrations do), phantom_carry
+    where none is. Both directions appear so that "the larger answer is better" is no shortcut:
+    the reward model has to learn when a carry happens, exactly what PPO then needs to reward.
+    """
+    if has_carry(a, b):
+        return forget_carry(a, b), "dropped_carry"
+    return phantom_carry(a, b, rng), "phantom_carry"
 
 
 def _problems(cfg: TaskConfig, split: str, n: int, exclude: frozenset) -> list[tuple[int, int]]:

@@ -94,8 +94,15 @@ def test_pairs_chosen_correct_rejected_wrong():
         assert check_answer(r["prompt"], r["chosen"])
         assert not check_answer(r["prompt"], r["rejected"])
         assert r["rejected"].isdigit()
+        a, b = parse_prompt(r["prompt"])
+        # the rejected answer is the carry mistake of the problem: dropped where due, phantom where not
+        if has_carry(a, b):
+            assert r["rejected_kind"] == "dropped_carry" and int(r["rejected"]) < a + b
+        else:
+            assert r["rejected_kind"] == "phantom_carry" and int(r["rejected"]) > a + b
+            assert (int(r["rejected"]) - (a + b)) in (10, 100)
         kinds.add(r["rejected_kind"])
-    assert kinds == {"dropped_carry", "off_by_one_digit", "off_by_ten"}
+    assert kinds == {"dropped_carry", "phantom_carry"}
 
 
 def test_eval_held_out_from_train():
