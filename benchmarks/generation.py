@@ -15,7 +15,9 @@ Our parameter names equal HF's, so HF's LlamaForCausalLM gets our state dict dir
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -71,7 +73,8 @@ def main() -> None:
     sd = {k: v.clone() for k, v in ours.state_dict().items()}
     hf = hf_model(cfg, sd)
     engine = TorchEngine(ours, max_batch_size=max(batches))
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, prompt {prompt_len}, new {new}, repeats {repeats}")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, prompt {prompt_len}, new {new}, repeats {repeats}, "
+          f"load {os.getloadavg()[0]:.2f}, command: python benchmarks/generation.py {' '.join(sys.argv[1:])}")
     print(f"{'batch':>6} {'HF tok/s':>10} {'ours tok/s':>11} {'ratio':>6}")
     g = torch.Generator().manual_seed(0)
     for b in batches:
