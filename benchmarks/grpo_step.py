@@ -85,6 +85,7 @@ def trl_child(args: argparse.Namespace) -> None:
         temperature=1.0, top_p=1.0, beta=0.0, learning_rate=1e-5, lr_scheduler_type="constant",
         generation_kwargs={"min_new_tokens": args.new_tokens}, max_steps=10_000, report_to=[], use_cpu=True,
         bf16=False, fp16=False, disable_tqdm=True, save_strategy="no", logging_steps=10_000, seed=0,
+        gradient_checkpointing=False,  # TRL defaults to True; aligner runs without recomputation here
     )
 
     class Pause(TrainerCallback):
@@ -155,7 +156,9 @@ def main() -> None:
     if theirs:
         t = C.median(theirs)
         print(f"TRL GRPOTrainer step: median {t:.2f} s")
-        print(f"ratio aligner / TRL: {a / t:.2f}x (goal <= 0.5x: {'met' if a / t <= 0.5 else 'not met'})")
+        paired = C.median([o["time/step"] / x for o, x in zip(ours, theirs)])
+        print(f"ratio aligner / TRL: {a / t:.2f}x of medians, {paired:.2f}x median of per-repeat pairs "
+              f"(goal <= 0.5x: {'met' if max(a / t, paired) <= 0.5 else 'not met'})")
 
 
 if __name__ == "__main__":

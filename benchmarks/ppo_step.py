@@ -91,6 +91,7 @@ def trl_child(args: argparse.Namespace) -> None:
         lr_scheduler_type="constant", total_episodes=args.prompts * 10_000, num_sample_generations=0,
         stop_token=None, missing_eos_penalty=None, report_to=[], use_cpu=True, bf16=False, fp16=False,
         disable_tqdm=True, save_strategy="no", logging_steps=10_000, seed=0,
+        gradient_checkpointing=False,  # TRL defaults to True; aligner runs without recomputation here
     )
 
     class Pause(TrainerCallback):
@@ -163,7 +164,9 @@ def main() -> None:
     if theirs:
         t = C.median(theirs)
         print(f"TRL PPOTrainer step: median {t:.2f} s")
-        print(f"ratio aligner / TRL: {a / t:.2f}x (goal <= 0.5x: {'met' if a / t <= 0.5 else 'not met'})")
+        paired = C.median([o["time/step"] / x for o, x in zip(ours, theirs)])
+        print(f"ratio aligner / TRL: {a / t:.2f}x of medians, {paired:.2f}x median of per-repeat pairs "
+              f"(goal <= 0.5x: {'met' if max(a / t, paired) <= 0.5 else 'not met'})")
 
 
 if __name__ == "__main__":
