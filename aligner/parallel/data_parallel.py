@@ -199,6 +199,7 @@ def grad_norm_sq_local(model: nn.Module, tp_group=None, exclude: Optional[set[in
     tp_size, tp_rank = comm.group_size(tp_group), comm.group_rank(tp_group)
     total = torch.zeros((), dtype=torch.float64)
     seen: set[int] = set(exclude or ())
+    by_weight: dict[float, list[torch.Tensor]] = {}
     for module in model.modules():
         for pname, p in module._parameters.items():
             if p is None or id(p) in seen:
@@ -209,7 +210,10 @@ def grad_norm_sq_local(model: nn.Module, tp_group=None, exclude: Optional[set[in
                 continue
             w = _tp_weight(module, pname, tp_size, tp_rank)
             if w:
-                total += w * g.detach().double().pow(2).sum().cpu()
+                by_weight.setdefault(float(w), []).append(g.detach())
+    for w, grads in by_weight.items():  # one fused norm kernel per weight class, not one per tensor
+        norms = torch.stack(torch._foreach_norm(grads, 2.0)).double()
+        total += w * norms.pow(2).sum().cpu()
     return total
 
 

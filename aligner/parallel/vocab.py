@@ -9,8 +9,9 @@ Owns the fused softmax statistics of Megatron's ``vocab_parallel_cross_entropy``
     log p(y) = logits[y] - m - log Z     (logits[y] from the rank owning y, all-reduce SUM)
     H        = m + log Z - sum_v p_v * logits_v
 
-All math is fp32 whatever the logits dtype. With ``tp_group=None`` this is the
-single-process computation, which the tests use as reference.
+All math is fp32 whatever the logits dtype. With ``tp_group=None`` the same quantities come
+from fused single-process kernels (cross-entropy, log-softmax); the distributed tests compare
+the sharded path against them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from aligner.parallel import comm
 
@@ -57,6 +59,9 @@ def vocab_parallel_log_probs(
         raise ValueError(f"temperature={temperature} must be > 0 for log-probs (greedy uses 1.0)")
     if temperature != 1.0:
         logits = logits.float() / temperature
+    if comm.group_size(tp_group) == 1 and vocab_start == 0:
+        # one fused kernel (log-softmax + gather) when the vocabulary is not split
+        return -F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none").view(labels.shape)
     shifted, _, z = _stats(logits, tp_group)
     local = labels - vocab_start
     inside = (local >= 0) & (local < shifted.shape[-1])
@@ -79,6 +84,9 @@ def vocab_parallel_entropy(
         raise ValueError(f"temperature={temperature} must be > 0")
     if temperature != 1.0:
         logits = logits.float() / temperature
+    if comm.group_size(tp_group) == 1:
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        return -(lp.exp() * lp).sum(dim=-1)
     shifted, exp, z = _stats(logits, tp_group)
     weighted = comm.reduce_from_tp((exp * shifted).sum(dim=-1, keepdim=True), tp_group)
     return (z.log() - weighted / z).squeeze(-1)

@@ -3,9 +3,9 @@ that uses aligner's WorkerGroup on that cluster.
 
 The head runs as `ray start --block` in its own session; cleanup sends SIGTERM to that one
 process (it stops the processes it started) and then to its session, never `ray stop`, which
-would stop every Ray instance on the machine. The job's command is JOB_COMMAND (one line to
-change, e.g. to `python -m aligner.sft conf=tiny`); the job's `python` is the venv's (its bin
-directory leads PATH) and the uploaded working directory is on sys.path.
+would stop every Ray instance on the machine. The job is `python -m aligner.ppo conf=tiny
+trainer.max_steps=2 ...`; the job's `python` is the venv's (its bin directory leads PATH) and
+the uploaded working directory is on sys.path.
 """
 
 from __future__ import annotations
@@ -27,28 +27,16 @@ REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 RUNTIME_ENV = {"excludes": [".venv", ".git", "outputs", "runs", "*.egg-info", "__pycache__", ".pytest_cache"]}
 
-JOB_SCRIPT = """
-from aligner.config import ClusterConfig, ParallelConfig, ResourceConfig
-from aligner.parallel.ray_runtime import init_ray
-from aligner.parallel.worker_group import WorkerGroup, dispatch
+# The main job, 2 PPO steps, as DESIGN.md's `ray job submit --working-dir . -- python -m aligner.ppo ...`.
+# A random policy and the dense rule reward keep it independent of SFT/RM checkpoints; the run
+# joins the head through RAY_ADDRESS, which the job runtime sets.
+PPO_OVERRIDES = (
+    "conf=tiny trainer.max_steps=2 actor.init= reward.init= critic.init= reward.type=rule "
+    "reward.rule=digit_fraction trainer.rollout_batch_size=8 trainer.mini_batch_size=8 trainer.micro_batch_size=8 "
+    "task.num_sft=100 task.num_pairs=100 task.num_eval=16 trainer.progress=false"
+)
+EXPECTED = "held-out accuracy (greedy, rule-checked)"
 
-class Summer:
-    def __init__(self, dims):
-        self.dims = dims
-
-    @dispatch("broadcast")
-    def tp_sum(self):
-        import torch, torch.distributed as dist
-        t = torch.tensor([float(self.dims.rank + 1)])
-        dist.all_reduce(t, group=self.dims.tp_group)
-        return t.item()
-
-init_ray(ClusterConfig(address="auto"))
-with WorkerGroup.create("actor", Summer, ParallelConfig(tp_size=2), ResourceConfig()) as group:
-    print("ALIGNER_RESULT", group.tp_sum().get(timeout_s=120))
-"""
-JOB_COMMAND = f"python -c {shlex.quote(JOB_SCRIPT)}"
-EXPECTED = "ALIGNER_RESULT [3.0, 3.0]"
 
 
 def _free_port() -> int:
@@ -111,7 +99,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_ray_job_submit_runs_worker_group_on_cluster(tmp_path):
+def test_ray_job_submit_runs_ppo_on_cluster(tmp_path):
     gcs, dash, client, agent = (_free_port() for _ in range(4))
     env = _env()
     start = [
@@ -130,13 +118,15 @@ def test_ray_job_submit_runs_worker_group_on_cluster(tmp_path):
             "--address", f"http://127.0.0.1:{dash}",
             "--working-dir", str(REPO),
             "--runtime-env-json", json.dumps(RUNTIME_ENV),
-            "--", *shlex.split(JOB_COMMAND),
+            "--", "python", "-m", "aligner.ppo", *shlex.split(PPO_OVERRIDES), f"output_dir={tmp_path / 'ppo'}",
         ]  # fmt: skip
         res = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=400)
         out = res.stdout + res.stderr
         assert res.returncode == 0, out[-4000:]
         assert EXPECTED in out, out[-4000:]
         assert "succeeded" in out, out[-4000:]
+        steps = [json.loads(line)["step"] for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+        assert steps == [0, 1, 2], steps
     finally:
         _stop(head)
         _forget_cluster(gcs)
