@@ -336,3 +336,28 @@ class Clock:
 
     def __exit__(self, *exc) -> None:
         self.seconds = time.perf_counter() - self.t0
+
+
+def alternate_and_compare(trainer, peer, repeats: int, name: str, peer_name: str, phase_table) -> None:
+    """Alternate one aligner step and one peer step `repeats` times (load drift hits both alike),
+    then print medians, aligner's phase breakdown and the ratio against the 0.5x goal."""
+    ours, theirs = [], []
+    try:
+        for i in range(repeats):
+            ours.append(timed_step(trainer))
+            msg = f"  repeat {i}: aligner {ours[-1]['time/step']:.2f} s"
+            if peer is not None:
+                theirs.append(peer.step()[0])
+                msg += f", TRL {theirs[-1]:.2f} s"
+            print(msg, flush=True)
+    finally:
+        if peer is not None:
+            peer.close()
+    a = median([r["time/step"] for r in ours])
+    print(f"aligner {name} step: median {a:.2f} s; phases (median):\n{phase_table(ours)}")
+    if theirs:
+        t = median(theirs)
+        print(f"TRL {peer_name} step: median {t:.2f} s")
+        paired = median([o["time/step"] / x for o, x in zip(ours, theirs)])
+        print(f"ratio aligner / TRL: {a / t:.2f}x of medians, {paired:.2f}x median of per-repeat pairs "
+              f"(goal <= 0.5x: {'met' if max(a / t, paired) <= 0.5 else 'not met'})")

@@ -139,26 +139,7 @@ def main() -> None:
                                   "--new-tokens", str(args.new_tokens), "--samples", str(args.samples)])
         print(f"peer: trl {peer.ready.get('trl')}, transformers {peer.ready.get('transformers')}", flush=True)
         peer.first()  # warm-up
-    ours, theirs = [], []
-    try:
-        for i in range(args.repeats):  # alternate so load drift hits both alike
-            ours.append(C.timed_step(trainer))
-            msg = f"  repeat {i}: aligner {ours[-1]['time/step']:.2f} s"
-            if peer is not None:
-                theirs.append(peer.step()[0])
-                msg += f", TRL {theirs[-1]:.2f} s"
-            print(msg, flush=True)
-    finally:
-        if peer is not None:
-            peer.close()
-    a = C.median([r["time/step"] for r in ours])
-    print(f"aligner GRPO step: median {a:.2f} s; phases (median):\n{phase_table(ours)}")
-    if theirs:
-        t = C.median(theirs)
-        print(f"TRL GRPOTrainer step: median {t:.2f} s")
-        paired = C.median([o["time/step"] / x for o, x in zip(ours, theirs)])
-        print(f"ratio aligner / TRL: {a / t:.2f}x of medians, {paired:.2f}x median of per-repeat pairs "
-              f"(goal <= 0.5x: {'met' if max(a / t, paired) <= 0.5 else 'not met'})")
+    C.alternate_and_compare(trainer, peer, args.repeats, "GRPO", "GRPOTrainer", phase_table)
 
 
 if __name__ == "__main__":
