@@ -46,7 +46,6 @@ def compose(stage: str, overrides: Sequence[str] = ()) -> "omegaconf.DictConfig"
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
-    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     for o in overrides:

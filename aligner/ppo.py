@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -74,27 +73,14 @@ def _local_gpus() -> int:
 
 def load_prompts(cfg: AlignerConfig):
     from aligner.data.pipeline import load_data, resolve_tokenizer
+    from aligner.parallel.role import check_tokenizer_fits
 
     tok = resolve_tokenizer(cfg.tokenizer, cfg.task, cfg.output_dir)
-    check_vocab(cfg, len(tok))
+    check_tokenizer_fits(len(tok), cfg.actor.init, cfg.model, "actor")
     splits = load_data("prompt", cfg.data, cfg.task, tok, cfg.output_dir)
     if not splits.eval:
         splits.eval = splits.train[: cfg.task.num_eval]
     return tok, splits
-
-
-def check_vocab(cfg: AlignerConfig, n_tokens: int) -> None:
-    """The tokenizer must fit the actor's vocabulary (its init checkpoint's, else model.vocab_size)."""
-    from aligner.config import ConfigError
-    from aligner.model.hf import read_hf_config
-    from aligner.parallel.role import resolve_init
-
-    hf_dir = resolve_init(cfg.actor.init) if cfg.actor.init else None
-    vocab = int(read_hf_config(hf_dir)["vocab_size"]) if hf_dir else cfg.model.vocab_size
-    field = f"{cfg.actor.init}/config.json vocab_size" if hf_dir else "model.vocab_size"
-    if n_tokens > vocab:
-        raise ConfigError(f"{field}={vocab} is smaller than the tokenizer's {n_tokens} tokens: "
-                          f"set model.vocab_size={n_tokens} or more, or use the tokenizer the model was trained with")
 
 
 def run_ppo(cfg: AlignerConfig) -> int:

@@ -31,10 +31,10 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from aligner.cli import UserError, config_yaml
-from aligner.config import AlignerConfig, ConfigError
+from aligner.config import AlignerConfig
 
 log = logging.getLogger("aligner")
 
@@ -164,10 +164,9 @@ class Stage:
             self.tokenizer = load_tokenizer(self.tok_path, cfg.tokenizer.chat_template)
         except (OSError, ValueError) as e:
             raise UserError(f"tokenizer.path={cfg.tokenizer.path!r}: {e}") from None
-        n_tok = len(self.tokenizer)
-        if n_tok > cfg.model.vocab_size:
-            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {n_tok} tokens "
-                              f"({self.tok_path}): set model.vocab_size={n_tok} or more")
+        from aligner.parallel.role import check_tokenizer_fits
+
+        check_tokenizer_fits(len(self.tokenizer), self.init_path(), cfg.model, self.role)
         try:
             self.data = load_data(self.data_kind, cfg.data, cfg.task, self.tokenizer, str(self.out))
         except ValueError as e:

@@ -32,6 +32,7 @@ import torch
 from aligner import algorithms as alg
 from aligner.config import AlignerConfig, SamplingConfig
 from aligner.protocol import RolloutBatch, build_sequences
+from aligner.rollout.base import generations_to_padded
 
 log = logging.getLogger("aligner.ppo")
 
@@ -138,7 +139,7 @@ class PPOTrainer:
         with timer.phase("inference"):
             self.infer(batch)
         if not torch.isfinite(batch.scores).all():
-            return self._skip_step(timer, "reward", batch)
+            return self._skip_step(timer, "reward")
         with timer.phase("advantages"):
             adv_metrics = self.compute_advantages(batch)
         with timer.phase("train"):
@@ -154,7 +155,7 @@ class PPOTrainer:
         metrics["time/step"] = sum(timer.times.values())
         return metrics
 
-    def _skip_step(self, timer: PhaseTimer, what: str, batch: RolloutBatch) -> dict[str, float]:
+    def _skip_step(self, timer: PhaseTimer, what: str) -> dict[str, float]:
         """Count a step whose `what` was NaN/Inf; no update happens. Stops the run after max_nonfinite in a row."""
         self.nonfinite_in_a_row += 1
         self.nonfinite_total += 1
@@ -184,10 +185,7 @@ class PPOTrainer:
         shares = [s for s in self.groups["actor"].generate(ids, sampling, seeds).get() if s is not None]
         gens = [g for _, part in sorted(shares, key=lambda s: s[0]) for g in part]
         seq = build_sequences(ids, [g.token_ids for g in gens], self.tok.pad_token_id)
-        r = seq["response_mask"].shape[1]
-        rollout_lp = torch.zeros(len(gens), r)
-        for i, g in enumerate(gens):
-            rollout_lp[i, : len(g.rollout_log_probs)] = torch.tensor(g.rollout_log_probs, dtype=torch.float32)
+        _, rollout_lp, _ = generations_to_padded(gens)  # [B, R], the same R as seq["response_mask"]
         meta = [{"prompt": row["prompt"], "response": self.tok.decode(g.token_ids, skip_special_tokens=True),
                  "metadata": row.get("metadata", {}), "finish_reason": g.finish_reason} for row, g in zip(rows, gens)]
         group_ids = torch.arange(len(prompts)).repeat_interleave(n)
@@ -226,7 +224,7 @@ class PPOTrainer:
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
         """Rewards (standardized RM scores), per-token KL, advantages and returns."""
-        a, t = self.cfg.algorithm, self.cfg.trainer
+        a = self.cfg.algorithm
         mask = batch.response_mask
         standardize = a.normalize_rewards and self.cfg.reward.type == "model"
         batch.rewards = alg.standardize_scores(batch.scores, self.reward_stats["mean"], self.reward_stats["std"]) if standardize else batch.scores.float()

@@ -338,7 +338,13 @@ class Clock:
         self.seconds = time.perf_counter() - self.t0
 
 
-def alternate_and_compare(trainer, peer, repeats: int, name: str, peer_name: str, phase_table) -> None:
+def phase_table(rows: list[dict]) -> str:
+    """Median seconds per PPO phase (the trainer's ``time/*`` metrics), one line each."""
+    keys = [k for k in rows[0] if k.startswith("time/")]
+    return "\n".join(f"  {k[5:]:<11} {median([r[k] for r in rows]):8.3f} s" for k in keys)
+
+
+def alternate_and_compare(trainer, peer, repeats: int, name: str, peer_name: str) -> None:
     """Alternate one aligner step and one peer step `repeats` times (load drift hits both alike),
     then print medians, aligner's phase breakdown and the ratio against the 0.5x goal."""
     ours, theirs = [], []

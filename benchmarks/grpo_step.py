@@ -114,11 +114,6 @@ def build_aligner(args: argparse.Namespace, paths: dict, mc):
     return C.inprocess_trainer(cfg, tok, prompts)
 
 
-def phase_table(rows: list[dict]) -> str:
-    keys = [k for k in rows[0] if k.startswith("time/")]
-    return "\n".join(f"  {k[5:]:<11} {C.median([r[k] for r in rows]):8.3f} s" for k in keys)
-
-
 def main() -> None:
     args = parse()
     if args.peer == "trl":
@@ -130,7 +125,7 @@ def main() -> None:
     print(f"work: {args.prompts} prompts x {args.samples} samples, {args.prompt_len} prompt tokens, {args.new_tokens} new tokens, "
           f"1 epoch, 1 mini-batch of {args.prompts * args.samples}, {args.repeats} repeats after 1 warm-up step each", flush=True)
     trainer = build_aligner(args, paths, mc)
-    ours = [C.timed_step(trainer)]  # warm-up
+    C.timed_step(trainer)  # warm-up
     peer = None
     if not args.aligner_only:
         py = C.ensure_venv(TRL_VENV, TRL_PKGS, "from trl import GRPOTrainer")
@@ -139,7 +134,7 @@ def main() -> None:
                                   "--new-tokens", str(args.new_tokens), "--samples", str(args.samples)])
         print(f"peer: trl {peer.ready.get('trl')}, transformers {peer.ready.get('transformers')}", flush=True)
         peer.first()  # warm-up
-    C.alternate_and_compare(trainer, peer, args.repeats, "GRPO", "GRPOTrainer", phase_table)
+    C.alternate_and_compare(trainer, peer, args.repeats, "GRPO", "GRPOTrainer")
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def main() -> None:
     for sp in (False, True):
         fc, fe, bc, be = tp[sp]["comm"]
         print(f"  {'SP ' if sp else 'TP '} forward: " + ", ".join(f"{k} x{fc[k]} ({fe[k] / bth:g})" for k in sorted(fc)))
-        print(f"      fwd+bwd: " + ", ".join(f"{k} x{bc[k]} ({be[k] / bth:g})" for k in sorted(bc)))
+        print("      fwd+bwd: " + ", ".join(f"{k} x{bc[k]} ({be[k] / bth:g})" for k in sorted(bc)))
     print("(forward: 2 all-reduces, or all-gather + reduce-scatter of the same total volume; with SP the backward\n"
           " re-gathers each linear input shard instead of saving the gathered input, Korthikanti et al. sec. 4.2.2)")
 

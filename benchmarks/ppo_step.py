@@ -120,11 +120,6 @@ def build_aligner(args: argparse.Namespace, paths: dict, mc):
     return C.inprocess_trainer(cfg, tok, prompts)
 
 
-def phase_table(rows: list[dict]) -> str:
-    keys = [k for k in rows[0] if k.startswith("time/")]
-    return "\n".join(f"  {k[5:]:<11} {C.median([r[k] for r in rows]):8.3f} s" for k in keys)
-
-
 def main() -> None:
     args = parse()
     if args.peer == "trl":
@@ -147,7 +142,7 @@ def main() -> None:
                                   "--new-tokens", str(args.new_tokens)])
         print(f"peer: trl {peer.ready.get('trl')}, transformers {peer.ready.get('transformers')}", flush=True)
         peer.first()  # warm-up
-    C.alternate_and_compare(trainer, peer, args.repeats, "PPO", "PPOTrainer", phase_table)
+    C.alternate_and_compare(trainer, peer, args.repeats, "PPO", "PPOTrainer")
 
 
 if __name__ == "__main__":

@@ -104,9 +104,10 @@ class Policy(RoleModel):
             loss, m = alg.policy_loss(lp, mb["old_log_probs"], mb["advantages"], mask, algo.clip_eps,
                                       dual_clip=algo.dual_clip, loss_agg="token-mean", is_weights=weights)
             n = mask.sum()
-            ent_tok = to_response(vocab_parallel_entropy(logits[:, :-1], self.tp_group, temperature), mb["prompt_lens"], mask)
-            ent = (ent_tok * mask).sum()
-            total = loss * n - algo.entropy_coef * ent
+            with torch.set_grad_enabled(algo.entropy_coef > 0):  # a metric only: keep no graph for it
+                ent_tok = to_response(vocab_parallel_entropy(logits[:, :-1], self.tp_group, temperature), mb["prompt_lens"], mask)
+                ent = (ent_tok * mask).sum()
+            total = loss * n - algo.entropy_coef * ent if algo.entropy_coef > 0 else loss * n
             for k, v in (("policy_loss", loss * n), ("clipfrac", m["clipfrac"] * n), ("approx_kl", m["approx_kl"] * n),
                          ("entropy", ent)):
                 sums[k] = sums.get(k, 0.0) + float(v.detach())

@@ -61,12 +61,7 @@ class PolicyWorker:
 
     @dispatch("broadcast")
     def export_hf(self, out_dir: str, tokenizer_path: str = "") -> Optional[str]:
-        tok = None
-        if tokenizer_path:
-            from aligner.model.tokenizer import load_tokenizer
-
-            tok = load_tokenizer(tokenizer_path)
-        return self.policy.export_hf(out_dir, tokenizer=tok)
+        return self.policy.export_hf(out_dir, tokenizer_path)
 
     @dispatch("broadcast")
     def param_checksum(self) -> float:
@@ -85,30 +80,24 @@ class ActorWorker(PolicyWorker):
         self.infer_dims = None
 
     def _build_engine(self) -> None:
-        from aligner.model.llama import build_model, prune_to_stage, rope_inv_freq
-        from aligner.parallel.pipeline import stage_layer_ids
-        from aligner.parallel.tensor_parallel import apply_tensor_parallel
+        """The rollout engine on the engine layout (rollout.parallel) over this group's ranks.
+
+        Its weights start as the seeded init and are replaced by the first refit.
+        """
+        from aligner.parallel.pipeline import build_stage_model
         from aligner.rollout import build_engine
         from aligner.rollout.refit import rollout_dims
 
+        if self.cfg.rollout.backend != "torch":
+            raise ValueError(f"rollout.backend={self.cfg.rollout.backend!r} runs through TrtllmEngine on GPU nodes; "
+                             "this worker builds the torch engine only (use rollout.backend=torch on CPU)")
         rp = self.cfg.rollout.parallel
-        mc = self.policy.model_cfg
         if self.dims.world_size == 1:
             self.infer_dims = ParallelDims()
         else:
             self.infer_dims = rollout_dims(self.dims.world_size, self.dims.rank, rp.tp_size, rp.pp_size)
         d = self.infer_dims
-        if self.cfg.rollout.backend != "torch":
-            raise ValueError(f"rollout.backend={self.cfg.rollout.backend!r} runs through TrtllmEngine on GPU nodes; "
-                             "this worker builds the torch engine only (use rollout.backend=torch on CPU)")
-        with torch.device("meta"):
-            model = build_model(mc, "lm", device="meta")
-        if d.pp_size > 1:
-            prune_to_stage(model, stage_layer_ids(mc.num_layers, d.pp_size, d.pp_rank), d.is_first_stage, d.is_last_stage)
-        if d.tp_size > 1:
-            apply_tensor_parallel(model, d.tp_group, sequence_parallel=False)
-        model.to_empty(device="cpu")
-        model.model.inv_freq = rope_inv_freq(mc)  # a non-persistent buffer: to_empty left it uninitialized
+        model = build_stage_model(self.policy.model_cfg, "lm", d, seed=self.cfg.trainer.seed)
         self.engine = build_engine("torch", model, eos_token_id=self.eos_token_id, tp_group=d.tp_group, pp_group=d.pp_group,
                                    max_batch_size=self.cfg.rollout.max_batch_size, cuda_graphs=self.cfg.rollout.cuda_graphs,
                                    seed=self.cfg.trainer.seed)

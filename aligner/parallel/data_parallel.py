@@ -266,8 +266,9 @@ def sync_tp_grads_local(model: nn.Module, tp_group, dp_rank: int = 0, dp_size: i
 
     if comm.group_size(tp_group) == 1:
         return
-    pieces: list[torch.Tensor] = []
-    writers: list[tuple] = []
+    from aligner.parallel.tensor_parallel import all_reduce_grad_pieces
+
+    items: list[tuple] = []
     for m in model.modules():
         if not isinstance(m, ParallelLayer) or comm.group_size(m.tp_group) == 1:
             continue
@@ -275,25 +276,11 @@ def sync_tp_grads_local(model: nn.Module, tp_group, dp_rank: int = 0, dp_size: i
             p = m.weight if isinstance(m, RMSNorm) else m.bias
             g = None if p is None else _local_grad(p)
             if g is not None:
-                pieces.append(g.reshape(-1))
-                writers.append((g, None, None))
+                items.append((g, None, None))
         if isinstance(m, ColumnParallelLinear) and m.row_index is not None:
             rows = m.row_index.chunk(dp_size)[dp_rank] if dp_size > 1 else m.row_index
             for p in (m.weight, m.bias):
                 g = None if p is None else _local_grad(p)
-                if g is None or g.shape[0] == 0:
-                    continue
-                full = g.new_zeros((m.out_features, *g.shape[1:]))
-                full[rows] = g
-                pieces.append(full.reshape(-1))
-                writers.append((g, rows, full.shape))
-    if not pieces:
-        return
-    flat = torch.cat(pieces)
-    comm.all_reduce_no_grad(flat, tp_group)
-    offset = 0
-    for g, rows, full_shape in writers:
-        n = g.numel() if rows is None else int(torch.Size(full_shape).numel())
-        chunk = flat[offset : offset + n]
-        g.copy_(chunk.view_as(g) if rows is None else chunk.view(full_shape)[rows])
-        offset += n
+                if g is not None and g.shape[0] > 0:
+                    items.append((g, rows, m.out_features))
+    all_reduce_grad_pieces(items, tp_group)

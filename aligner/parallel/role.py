@@ -40,6 +40,20 @@ def resolve_init(path: str) -> Optional[Path]:
     )
 
 
+def check_tokenizer_fits(n_tokens: int, init: str, model_cfg: ModelConfig, role: str) -> None:
+    """The tokenizer's `n_tokens` must fit the role's vocabulary: the init checkpoint's config.json
+    vocab_size when `init` is given, else model.vocab_size. Raises ConfigError naming the field and the fix."""
+    from aligner.config import ConfigError
+    from aligner.model.hf import read_hf_config
+
+    hf_dir = resolve_init(init)
+    vocab = int(read_hf_config(hf_dir)["vocab_size"]) if hf_dir else model_cfg.vocab_size
+    field = f"{role}.init={init!r} (config.json vocab_size)" if hf_dir else "model.vocab_size"
+    if n_tokens > vocab:
+        raise ConfigError(f"{field}={vocab} is smaller than the tokenizer's {n_tokens} tokens: set model.vocab_size="
+                          f"{n_tokens} or more, or use the tokenizer the model was trained with")
+
+
 def load_initial_model(init: str, model_cfg: ModelConfig, kind: str, seed: int):
     """(full unsharded model, ModelConfig) from `init`, or a seeded random model of `model_cfg`."""
     from aligner.model.hf import load_hf_model
@@ -90,14 +104,20 @@ class RoleModel:
         """Every HF-named full tensor (collective over the role; same result on every rank)."""
         return self.engine.full_state_dict()
 
-    def export_hf(self, out_dir: str, tokenizer=None, extra_files: Optional[dict[str, dict]] = None) -> Optional[str]:
-        """Write the gathered weights as an HF dir (rank 0 writes; collective). Returns the path on rank 0."""
+    def export_hf(self, out_dir: str, tokenizer_path: str = "", extra_files: Optional[dict[str, dict]] = None) -> Optional[str]:
+        """Write the gathered weights as an HF dir (rank 0 writes; collective), with the tokenizer at
+        `tokenizer_path` saved beside them when given. Returns the path on rank 0, None elsewhere."""
         from aligner.model.hf import save_hf
 
         sd = self.full_state_dict()
         if self.dims.rank != 0:
             return None
-        path = save_hf(sd, self.model_cfg, out_dir, kind=self.kind, tokenizer=tokenizer)
+        tok = None
+        if tokenizer_path:
+            from aligner.model.tokenizer import load_tokenizer
+
+            tok = load_tokenizer(tokenizer_path)
+        path = save_hf(sd, self.model_cfg, out_dir, kind=self.kind, tokenizer=tok)
         for name, obj in (extra_files or {}).items():
             tmp = Path(path) / f".{name}.tmp"
             tmp.write_text(json.dumps(obj, indent=2))

@@ -14,7 +14,7 @@ over dp ranks and micro-batches gives the single-process gradient.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,11 @@ OutputFn = Callable[[torch.Tensor, dict], torch.Tensor]
 
 
 def split_micro(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
-    """Contiguous micro-batches of at most `micro_batch_size` rows (tensors split on dim 0)."""
+    """Contiguous micro-batches of at most `micro_batch_size` rows (tensors split on dim 0).
+
+    Unlike ``pipeline.split_microbatches`` (an exact count), the last micro-batch may be smaller:
+    dp_split hands ranks local batches whose sizes differ by one.
+    """
     n = next(iter(batch.values())).shape[0]
     if n == 0:
         return []
@@ -130,5 +134,3 @@ def from_last_stage(obj, dims: ParallelDims):
     return box[0]
 
 
-def maybe_item(x: Optional[torch.Tensor]) -> Optional[float]:
-    return None if x is None else float(x)

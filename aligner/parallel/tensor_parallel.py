@@ -145,30 +145,36 @@ def sync_tp_grads(model: nn.Module, tp_group: Optional[dist.ProcessGroup]) -> No
     """
     if comm.group_size(tp_group) == 1:
         return
-    pieces, writers = [], []
-    for p in _partial_replicated_params(model):
-        if p.grad is not None:
-            pieces.append(p.grad.reshape(-1))
-            writers.append((p, None, None))
+    items = [(p.grad, None, None) for p in _partial_replicated_params(model) if p.grad is not None]
     for layer in _replicated_kv_layers(model):
-        for pname in ("weight", "bias"):
-            p = getattr(layer, pname)
-            if p is None or p.grad is None:
-                continue
-            full = p.grad.new_zeros((layer.out_features, *p.shape[1:]))
-            full[layer.row_index] = p.grad
-            pieces.append(full.reshape(-1))
-            writers.append((p, layer.row_index, full.shape))
-    if not pieces:
+        for p in (layer.weight, layer.bias):
+            if p is not None and p.grad is not None:
+                items.append((p.grad, layer.row_index, layer.out_features))
+    all_reduce_grad_pieces(items, tp_group)
+
+
+def all_reduce_grad_pieces(items: list[tuple[torch.Tensor, Optional[torch.Tensor], Optional[int]]], tp_group) -> None:
+    """Sum gradient pieces over `tp_group` in place, with one flat all-reduce.
+
+    items: (grad, rows, full_rows). rows None: the whole `grad` is summed. Otherwise `grad` holds
+    rows `rows` (LongTensor) of a [full_rows, ...] tensor: it is scattered into zeros of that
+    shape, the full buffers are summed, and each rank reads its rows back (replicated GQA kv
+    heads: ranks sharing a head add their shares). Used for plain and FSDP-local gradients.
+    """
+    if not items:
         return
+    pieces = []
+    for g, rows, full_rows in items:
+        if rows is None:
+            pieces.append(g.reshape(-1))
+        else:
+            full = g.new_zeros((full_rows, *g.shape[1:]))
+            full[rows] = g
+            pieces.append(full.reshape(-1))
     flat = torch.cat(pieces)
     comm.all_reduce_no_grad(flat, tp_group)
     offset = 0
-    for p, rows, full_shape in writers:
-        if rows is None:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-        else:
-            n = int(torch.Size(full_shape).numel())
-            p.grad.copy_(flat[offset : offset + n].view(full_shape)[rows])
-        offset += n
+    for (g, rows, _), piece in zip(items, pieces):
+        chunk = flat[offset : offset + piece.numel()]
+        g.copy_(chunk.view_as(g) if rows is None else chunk.view(-1, *g.shape[1:])[rows])
+        offset += piece.numel()

@@ -44,9 +44,4 @@ class RewardWorker:
 
     @dispatch("broadcast")
     def export_hf(self, out_dir: str, tokenizer_path: str = "", stats: Optional[dict] = None) -> Optional[str]:
-        tok = None
-        if tokenizer_path:
-            from aligner.model.tokenizer import load_tokenizer
-
-            tok = load_tokenizer(tokenizer_path)
-        return self.rm.export_hf(out_dir, tokenizer=tok, extra_files={"reward_stats.json": stats} if stats else None)
+        return self.rm.export_hf(out_dir, tokenizer_path, extra_files={"reward_stats.json": stats} if stats else None)

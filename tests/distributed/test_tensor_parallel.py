@@ -167,7 +167,6 @@ TP_LAYOUTS = {
 def tp_battery(rank: int, world_size: int) -> dict:
     """Every TP layout on tp=2, plus input-validation and collective-count checks."""
     from aligner.model.llama import build_model
-    from aligner.parallel import comm
     from aligner.parallel.tensor_parallel import apply_tensor_parallel
 
     torch.manual_seed(0)

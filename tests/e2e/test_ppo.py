@@ -10,7 +10,6 @@ import json
 import math
 
 import pytest
-import torch
 
 from aligner.ppo import main as ppo_main
 

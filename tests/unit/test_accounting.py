@@ -6,7 +6,6 @@ tests/distributed/test_tensor_parallel.py (same formula with t = 2)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from aligner.config import ModelConfig
 from aligner.model.llama import build_model

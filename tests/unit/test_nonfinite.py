@@ -53,8 +53,8 @@ def test_n_nonfinite_steps_in_a_row_stop_the_run():
     cfg = load_config("ppo", ["trainer.max_nonfinite=3"])
     trainer = PPOTrainer(cfg, tokenizer=None, train_prompts=[{"prompt_ids": [1]}], eval_prompts=[])
     for _ in range(2):
-        out = trainer._skip_step(PhaseTimer(), "reward", batch=None)
+        out = trainer._skip_step(PhaseTimer(), "reward")
         assert out["skipped_nonfinite"] == 1.0
     with pytest.raises(UserError, match="3 PPO steps in a row had a non-finite reward"):
-        trainer._skip_step(PhaseTimer(), "reward", batch=None)
+        trainer._skip_step(PhaseTimer(), "reward")
     assert trainer.nonfinite_total == 3
