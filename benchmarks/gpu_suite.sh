@@ -17,6 +17,8 @@ set -u
 cd "$(dirname "$0")/.."
 OUT="${1:-benchmarks/gpu_results.txt}"
 PY="${PYTHON:-python}"
+# the benchmark scripts import aligner from this checkout (no pip install on the GPU machine)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=false TRL_EXPERIMENTAL_SILENCE=1
 
 step() {  # step NAME SECONDS CMD...: run one part under a time limit, record its exit status
