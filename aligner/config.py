@@ -329,9 +329,11 @@ class RolloutConfig:
     refit_bucket_mb: int = 256  # refit sends weights in buckets of this size, MiB
     max_batch_size: int = 256  # sequences per engine batch
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (GPU only)
+    dtype: str = "float32"  # engine weights and KV cache: float32 | bfloat16 | float16 (refit casts)
 
     def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
         _choice(f"{prefix}.backend", self.backend, ("torch", "trtllm"))
+        _choice(f"{prefix}.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         self.parallel.validate(f"{prefix}.parallel", model)
         self.sampling.validate(f"{prefix}.sampling")
         _check(self.refit_bucket_mb > 0, f"{prefix}.refit_bucket_mb", self.refit_bucket_mb, "must be positive")

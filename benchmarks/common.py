@@ -47,6 +47,25 @@ def tiny_model_cfg(vocab_size: int = 32000, max_seq_len: int = 256, **kw):
     return ModelConfig(**base)
 
 
+def hf_llama(cfg, sd: dict, train: bool = False):
+    """HF LlamaForCausalLM of aligner ModelConfig `cfg` holding state dict `sd` (strict load: our
+    parameter names equal HF's), on sd's device and dtype; train() or eval() mode."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_seq_len, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=False, attention_bias=False, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+    )
+    first = next(iter(sd.values()))
+    with torch.device(first.device):
+        model = LlamaForCausalLM(hf_cfg).to(first.dtype)
+    model.load_state_dict(sd, strict=True)
+    return model.train(train)
+
+
 def make_tokenizer(out_dir: str | Path, vocab_size: int) -> str:
     """A word-level tokenizer of exactly `vocab_size` ids ("<pad>" 0, "<bos>" 1, "<eos>" 2, "<unk>" 3,
     then "w4" ...), saved as an HF tokenizer dir (tokenizer.json + tokenizer_config.json). Returns the dir."""
@@ -109,43 +128,29 @@ class Done:
         return True
 
 
-def _move(obj: Any, device: str) -> Any:
-    """Tensors in obj (nested dict / list / tuple) moved to `device`; other values unchanged."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _move(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and obj and isinstance(obj[0], torch.Tensor):
-        return type(obj)(_move(v, device) for v in obj)
-    return obj
-
-
 class InProcessGroup:
     """A one-rank worker group in this process: ``group.method(*a)`` runs ``worker.method(*a)`` now.
 
     Results follow the dispatch modes of :mod:`aligner.parallel.worker_group` for world size 1:
-    broadcast -> [result] (a list by rank), dp_split and rank0 -> the result itself.
-    device: where the worker's tensors live ("cpu", or "cuda" after :func:`to_device`); tensor
-    arguments are moved there and tensor results back to the CPU, as the driver expects.
+    broadcast -> [result] (a list by rank), dp_split and rank0 -> the result itself. Devices need
+    no handling here: each role places its model on ``ParallelDims.device`` (CUDA when available)
+    and its ModelRunner moves batches there and returns results on the CPU, as under Ray.
     """
 
-    def __init__(self, worker: Any, device: str = "cpu"):
+    def __init__(self, worker: Any):
         from aligner.parallel.worker_group import dispatched_methods
 
-        self.worker, self.device = worker, device
+        self.worker = worker
         self.modes = dispatched_methods(type(worker))
 
     def __getattr__(self, name: str) -> Callable[..., Done]:
         modes = self.__dict__.get("modes", {})
         if name not in modes:
             raise AttributeError(name)
-        fn, dev = getattr(self.worker, name), self.device
+        fn = getattr(self.worker, name)
 
         def call(*a, **k):
-            out = fn(*[_move(x, dev) for x in a], **_move(k, dev)) if dev != "cpu" else fn(*a, **k)
-            out = _move(out, "cpu") if dev != "cpu" else out
+            out = fn(*a, **k)
             return Done([out] if modes[name] == "broadcast" else out)
 
         return call
@@ -204,24 +209,6 @@ def inprocess_trainer(cfg, tokenizer, prompts: list[dict], dims=None):
     for role in roles_used(cfg):
         trainer.groups[role] = InProcessGroup(build[role]())
     return trainer
-
-
-def to_device(trainer, device: str) -> None:
-    """Move every in-process role (its TrainEngine module, and the actor's rollout engine) to `device`.
-
-    The Ray-free role classes build on the CPU (a Ray worker would be placed on its GPU by the
-    caller); a module moved in place keeps its Parameter objects, so the optimizers stay valid.
-    The actor's engine is built (one refit) first so it can be moved too.
-    """
-    for group in trainer.groups.values():
-        w = group.worker
-        role = getattr(w, "policy", None) or getattr(w, "critic", None) or getattr(w, "rm", None)
-        role.engine.module.to(device)
-        role.engine.device_type = device.split(":")[0]
-        if hasattr(w, "refit"):
-            w.refit()
-            w.engine.model.to(device)
-        group.device = device
 
 
 def timed_step(trainer) -> dict[str, float]:
@@ -318,7 +305,8 @@ def env_line() -> str:
 
     load = os.getloadavg()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{datetime.date.today().isoformat()}, {platform.machine()} {os.cpu_count()}-core CPU, {mem:.0f} GiB, "
+    gpu = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}), " if torch.cuda.is_available() else ""
+    return (f"{datetime.date.today().isoformat()}, {gpu}{platform.machine()} {os.cpu_count()}-core CPU, {mem:.0f} GiB, "
             f"load {load[0]:.2f}/{load[1]:.2f}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
             f"transformers {transformers.__version__}, python {platform.python_version()}")
 

@@ -1,93 +1,103 @@
 """Benchmark: TorchEngine vs HF transformers ``generate`` on the same weights, and refit vs a plain copy.
 
-Not a test. Tiny Llama (hidden 256, 4 layers, 8 heads, vocab 32000), prompt 64 tokens,
-128 new tokens, greedy with every stop token disabled (both generate the full length),
-runs alternate between the two engines and the table shows medians over repeats:
+Not a test. Both sides get the same weights (our parameter names equal HF's: strict load), the
+same dtype, the same prompts; greedy with every stop token disabled, so both generate the full
+length; runs alternate between the two (after one warm-up each) and the table shows medians.
 
-    python benchmarks/generation.py            # batch 1, 8, 32, 128
-    python benchmarks/generation.py --quick    # batch 1, 8; prompt 32, 32 new tokens
+CPU (default): tiny Llama (hidden 256, 4 layers, 8 heads, vocab 32000), prompt 64, 128 new
+tokens, batch 1, 8, 32, 128, in float32 and in bfloat16 (both sides in the same dtype on each
+row). The refit row times ``refit`` (bucketed update_weights) against ``param.copy_``.
 
-Our parameter names equal HF's, so HF's LlamaForCausalLM gets our state dict directly
-(strict load). The refit row times ``refit`` (bucketed update_weights) against
-``param.copy_`` of the same tensors.
+GPU (``--gpu``, used by benchmarks/gpu_suite.sh): a ~1.1B Llama (TinyLlama-1.1B dims, GQA 32/4
+heads) in bf16 on CUDA, prompt 128, 256 new tokens, TorchEngine with CUDA-graph decode against
+HF generate (static shapes are not forced on HF: its default dynamic cache), and against the
+memory-bandwidth bound: every decode step reads every weight once, so tokens/s <= batch x
+(measured device copy bandwidth) / (weight bytes). KV-cache reads are not in the bound.
+
+    python benchmarks/generation.py                 # CPU, batch 1, 8, 32, 128, fp32 and bf16
+    python benchmarks/generation.py --quick         # CPU, batch 1, 8; prompt 32, 32 new tokens
+    python benchmarks/generation.py --gpu           # CUDA, 1.1B, batch 1, 8, 32, 64
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from aligner.config import ModelConfig, SamplingConfig
-from aligner.model.llama import build_model
-from aligner.rollout.refit import refit
-from aligner.rollout.torch_engine import TorchEngine
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
+
+from aligner.config import ModelConfig, SamplingConfig  # noqa: E402
+from aligner.model.llama import build_model  # noqa: E402
+from aligner.rollout.refit import refit  # noqa: E402
+from aligner.rollout.torch_engine import TorchEngine  # noqa: E402
 
 
-def hf_model(cfg: ModelConfig, sd: dict):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hf_cfg = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_seq_len, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=False, attention_bias=False, bos_token_id=None, eos_token_id=None, pad_token_id=0,
-    )
-    model = LlamaForCausalLM(hf_cfg).eval()
-    model.load_state_dict(sd, strict=True)
-    return model
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def time_hf(model, ids: torch.Tensor, new: int) -> float:
+    _sync()
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    _sync()
     dt = time.perf_counter() - t0
     assert out.shape[1] == ids.shape[1] + new
     return dt
 
 
 def time_ours(engine: TorchEngine, prompts: list[list[int]], new: int) -> float:
+    _sync()
     t0 = time.perf_counter()
     gens = engine.generate(prompts, SamplingConfig(temperature=0.0, max_new_tokens=new))
+    _sync()
     dt = time.perf_counter() - t0
     assert all(len(g.token_ids) == new for g in gens)
     return dt
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="batch 1 and 8, prompt 32, 32 new tokens, 2 repeats")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--batches", type=str, default="")
-    args = ap.parse_args()
+def compare(engine: TorchEngine, hf, ids: torch.Tensor, new: int, repeats: int) -> tuple[float, float]:
+    """(ours tok/s, HF tok/s): medians over `repeats` alternating runs after one warm-up each."""
+    prompts = ids.tolist()
+    time_ours(engine, prompts, new), time_hf(hf, ids, new)
+    t_ours, t_hf = [], []
+    for _ in range(repeats):  # alternate so drift hits both alike
+        t_ours.append(time_ours(engine, prompts, new))
+        t_hf.append(time_hf(hf, ids, new))
+    b = ids.shape[0]
+    return b * new / statistics.median(t_ours), b * new / statistics.median(t_hf)
+
+
+def cpu_main(args) -> None:
     prompt_len, new = (32, 32) if args.quick else (64, 128)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1, 8] if args.quick else [1, 8, 32, 128])
     repeats = 2 if args.quick else args.repeats
+    dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
     cfg = ModelConfig(vocab_size=32000, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=8, max_seq_len=prompt_len + new)
-    ours = build_model(cfg, seed=0).eval()
-    sd = {k: v.clone() for k, v in ours.state_dict().items()}
-    hf = hf_model(cfg, sd)
-    engine = TorchEngine(ours, max_batch_size=max(batches))
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, prompt {prompt_len}, new {new}, repeats {repeats}, "
-          f"load {os.getloadavg()[0]:.2f}, command: python benchmarks/generation.py {' '.join(sys.argv[1:])}")
-    print(f"{'batch':>6} {'HF tok/s':>10} {'ours tok/s':>11} {'ratio':>6}")
+    print(C.env_line())
+    print(f"command: {C.command_line()}")
+    print(f"prompt {prompt_len}, new {new}, greedy, repeats {repeats} (medians)")
+    print(f"{'dtype':>9} {'batch':>6} {'HF tok/s':>10} {'ours tok/s':>11} {'ratio':>6}", flush=True)
     g = torch.Generator().manual_seed(0)
-    for b in batches:
-        ids = torch.randint(1, cfg.vocab_size, (b, prompt_len), generator=g)
-        prompts = ids.tolist()
-        time_ours(engine, prompts, 4), time_hf(hf, ids, 4)  # warm up
-        t_hf, t_ours = [], []
-        for _ in range(repeats):  # alternate so drift hits both alike
-            t_hf.append(time_hf(hf, ids, new))
-            t_ours.append(time_ours(engine, prompts, new))
-        hf_tps, our_tps = b * new / statistics.median(t_hf), b * new / statistics.median(t_ours)
-        print(f"{b:>6} {hf_tps:>10.0f} {our_tps:>11.0f} {our_tps / hf_tps:>6.2f}x")
-    # refit vs plain copy of the same bytes
+    for dtype in dtypes:
+        ours = build_model(cfg, seed=0).eval().to(getattr(torch, dtype))
+        hf = C.hf_llama(cfg, {k: v.clone() for k, v in ours.state_dict().items()})
+        engine = TorchEngine(ours, max_batch_size=max(batches))
+        for b in batches:
+            ids = torch.randint(1, cfg.vocab_size, (b, prompt_len), generator=g)
+            our_tps, hf_tps = compare(engine, hf, ids, new, repeats)
+            print(f"{dtype:>9} {b:>6} {hf_tps:>10.0f} {our_tps:>11.0f} {our_tps / hf_tps:>5.2f}x", flush=True)
+        del hf
+    # refit vs plain copy of the same bytes (fp32 trainer -> fp32 engine)
+    engine = TorchEngine(build_model(cfg, seed=0).eval())
     trainer = build_model(cfg, seed=1)
     t_refit, t_copy = [], []
     for _ in range(repeats):
@@ -100,6 +110,58 @@ def main() -> None:
     nbytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
     r, c = statistics.median(t_refit), statistics.median(t_copy)
     print(f"refit {nbytes / 2**20:.1f} MiB: {r * 1e3:.1f} ms (plain copy {c * 1e3:.1f} ms, ratio {r / c:.2f}x)")
+
+
+def copy_bandwidth(nbytes: int = 2**30) -> float:
+    """Device-to-device copy bandwidth, bytes/s counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * 20 * nbytes / (start.elapsed_time(end) / 1e3)
+
+
+def gpu_main(args) -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("--gpu needs CUDA")
+    torch.manual_seed(0)
+    prompt_len, new = 128, 256
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 8, 32, 64]
+    cfg = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=32,
+                      num_kv_heads=4, max_seq_len=prompt_len + new)
+    model = build_model(cfg, seed=0, device="cuda").to(torch.bfloat16).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bw = copy_bandwidth()
+    hf = C.hf_llama(cfg, {k: v.clone() for k, v in model.state_dict().items()})
+    engine = TorchEngine(model, max_batch_size=max(batches), cuda_graphs=True)
+    print(C.env_line())
+    print(f"command: {C.command_line()}")
+    print(f"{cfg.num_parameters() / 1e9:.2f}B params, {weight_bytes / 1e9:.2f} GB of bf16 weights; copy bandwidth "
+          f"{bw / 1e9:.0f} GB/s (read + write); prompt {prompt_len}, {new} new tokens, greedy, {args.repeats} repeats")
+    print(f"{'batch':>5} {'bound tok/s':>12} {'ours tok/s':>11} {'of bound':>9} {'HF tok/s':>9} {'ours/HF':>8}", flush=True)
+    for b in batches:
+        ids = torch.randint(4, cfg.vocab_size, (b, prompt_len), device="cuda")
+        ours, theirs = compare(engine, hf, ids, new, args.repeats)
+        bound = b * bw / weight_bytes
+        print(f"{b:>5} {bound:>12,.0f} {ours:>11,.0f} {100 * ours / bound:>8.0f}% {theirs:>9,.0f} {ours / theirs:>7.2f}x", flush=True)
+    print("(times include the prefill of the prompt; the bound counts decode weight reads only)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="CPU: batch 1 and 8, prompt 32, 32 new tokens, 2 repeats")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batches", type=str, default="", help="comma-separated batch sizes")
+    ap.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"], help="CPU rows' dtype")
+    ap.add_argument("--gpu", action="store_true", help="1.1B Llama on CUDA vs the bandwidth bound and HF")
+    args = ap.parse_args()
+    gpu_main(args) if args.gpu else cpu_main(args)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ Differences that remain (stated, not hidden):
 
     python benchmarks/ppo_step.py            # 16 prompts x 64 new tokens, 5 repeats
     python benchmarks/ppo_step.py --quick    # 16 prompts x 16 new tokens, 2 repeats
-    python benchmarks/ppo_step.py --aligner-only --device cuda   # phases only (GPU suite)
+    python benchmarks/ppo_step.py --aligner-only   # phases only (GPU suite: the roles use CUDA when it is there)
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--fixtures", default="/tmp/aligner_bench_fixtures")
     ap.add_argument("--aligner-only", action="store_true", help="no peer: aligner's phases only")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda (aligner-only)")
     ap.add_argument("--peer", default="", help=argparse.SUPPRESS)  # child mode: "trl"
     ap.add_argument("--paths", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -131,8 +130,6 @@ def main() -> None:
     print(f"work: {args.prompts} prompts x {args.prompt_len} prompt tokens, {args.new_tokens} new tokens, "
           f"1 epoch, 1 mini-batch of {args.prompts}, {args.repeats} repeats after 1 warm-up step each", flush=True)
     trainer = build_aligner(args, paths, mc)
-    if args.device != "cpu":
-        C.to_device(trainer, args.device)
     C.timed_step(trainer)  # warm-up
     peer = None
     if not args.aligner_only:

@@ -30,18 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
 
-def hf_model(mc, sd: dict):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
-                      num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
-                      max_position_embeddings=mc.max_seq_len, rope_theta=mc.rope_theta, rms_norm_eps=mc.rms_norm_eps,
-                      tie_word_embeddings=False, attention_bias=False, pad_token_id=0)
-    model = LlamaForCausalLM(cfg)
-    model.load_state_dict(sd, strict=True)
-    return model.train()
-
-
 def policy(mc, parallel=None, lr: float = 1e-5):
     from aligner.actor.policy import Policy
     from aligner.config import OptimConfig, ParallelConfig
@@ -60,7 +48,7 @@ def cpu_compare(args) -> None:
     mc = C.tiny_model_cfg(max_seq_len=max(256, args.seq))
     pol = policy(mc)
     sd = {k: v.detach().clone() for k, v in pol.full_state_dict().items()}
-    hf = hf_model(mc, sd)
+    hf = C.hf_llama(mc, sd, train=True)
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, mc.vocab_size, (args.batch, args.seq), generator=g)
@@ -104,12 +92,13 @@ def cpu_compare(args) -> None:
 def gpu_mfu(args) -> None:
     from aligner.config import ModelConfig, ParallelConfig
 
-    # ~1.1B parameters: Llama shape (TinyLlama-1.1B dims, MHA), vocab 32000
+    # ~1.1B parameters: Llama shape (TinyLlama-1.1B dims, GQA 32/4 heads), vocab 32000. The policy
+    # places itself on the GPU (ParallelDims.device) and its runner moves the batch there.
     mc = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=32,
                      num_kv_heads=4, max_seq_len=args.seq, dtype="float32")
-    torch.set_default_device("cuda")
     pol = policy(mc, ParallelConfig(mixed_precision="bf16"))
-    ids = torch.randint(4, mc.vocab_size, (args.batch, args.seq), device="cuda")
+    assert pol.engine.device.type == "cuda", pol.engine.device
+    ids = torch.randint(4, mc.vocab_size, (args.batch, args.seq))
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
     for _ in range(2):
         pol.sft_step(batch, micro_batch_size=args.micro)
@@ -117,15 +106,17 @@ def gpu_mfu(args) -> None:
     times = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        pol.sft_step(batch, micro_batch_size=args.micro)
+        stats = pol.sft_step(batch, micro_batch_size=args.micro)
         sync()
         times.append(time.perf_counter() - t0)
     t = C.median(times)
     params = mc.num_parameters()
     tokens = args.batch * args.seq
     mfu = 6 * params * tokens / t / (args.peak_tflops * 1e12)
-    print(f"device: {torch.cuda.get_device_name()}; model {params / 1e9:.2f}B params, batch {args.batch} x {args.seq}, "
-          f"micro {args.micro}, bf16 mixed precision")
+    print(C.env_line())
+    print(f"command: {C.command_line()}")
+    print(f"model {params / 1e9:.2f}B params, batch {args.batch} x {args.seq}, micro {args.micro}, bf16 mixed precision "
+          f"(fp32 master weights), loss {stats['loss']:.3f}, peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
     print(f"training step median {t:.3f} s, {tokens / t:,.0f} tok/s, MFU {100 * mfu:.1f}% "
           f"(6 * params * tokens / time / {args.peak_tflops} TFLOP/s; attention FLOPs not counted)")
 

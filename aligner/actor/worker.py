@@ -98,6 +98,7 @@ class ActorWorker(PolicyWorker):
             self.infer_dims = rollout_dims(self.dims.world_size, self.dims.rank, rp.tp_size, rp.pp_size)
         d = self.infer_dims
         model = build_stage_model(self.policy.model_cfg, "lm", d, seed=self.cfg.trainer.seed)
+        model = model.to(device=d.device, dtype=getattr(torch, self.cfg.rollout.dtype))
         self.engine = build_engine("torch", model, eos_token_id=self.eos_token_id, tp_group=d.tp_group, pp_group=d.pp_group,
                                    max_batch_size=self.cfg.rollout.max_batch_size, cuda_graphs=self.cfg.rollout.cuda_graphs,
                                    seed=self.cfg.trainer.seed)

@@ -304,15 +304,21 @@ def last_token_scores(per_token: torch.Tensor, attention_mask: torch.Tensor) -> 
 
 
 def init_weights(model: nn.Module, std: float, generator: Optional[torch.Generator] = None) -> None:
-    """Random init in place: normal(0, std) for matrices, ones for norms, zeros for biases and heads."""
+    """Random init in place: normal(0, std) for matrices, ones for norms, zeros for biases and heads.
+
+    generator: a CPU torch.Generator (or None). Values are drawn on the CPU in fp32 and copied to
+    the parameter's device and dtype, so the same seed gives the same weights on CPU and GPU.
+    """
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias") or name.startswith("score."):
                 p.zero_()
-            else:
+            elif p.device.type == "cpu" and p.dtype == torch.float32:
                 p.normal_(0.0, std, generator=generator)
+            else:
+                p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=generator))
 
 
 def build_model(cfg: ModelConfig, kind: str = "lm", seed: Optional[int] = None, device="cpu") -> nn.Module:

@@ -197,7 +197,7 @@ def grad_norm_sq_local(model: nn.Module, tp_group=None, exclude: Optional[set[in
 
     exclude: ids of parameters counted elsewhere (the last stage's copy of a tied embedding)."""
     tp_size, tp_rank = comm.group_size(tp_group), comm.group_rank(tp_group)
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)
     seen: set[int] = set(exclude or ())
     by_weight: dict[float, list[torch.Tensor]] = {}
     for module in model.modules():

@@ -79,11 +79,14 @@ class ParallelDims:
     pp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
     dp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
     mesh: object = field(default=None, repr=False)  # torch DeviceMesh ("dp", "pp", "tp")
+    device_type: Optional[str] = None  # "cpu" or "cuda" to pin a single-process role; None: see `device`
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "pp_size", "dp_size", "world_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.device_type not in (None, "cpu", "cuda"):
+            raise ValueError(f"device_type={self.device_type!r} is invalid: use 'cpu', 'cuda' or None (automatic)")
         if self.tp_size * self.pp_size * self.dp_size != self.world_size:
             raise ValueError(
                 f"tp_size={self.tp_size} x pp_size={self.pp_size} x dp_size={self.dp_size} = "
@@ -119,6 +122,19 @@ class ParallelDims:
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(dp_rank, pp_rank, tp_rank) of global `rank`."""
         return rank // (self.tp_size * self.pp_size), (rank // self.tp_size) % self.pp_size, rank % self.tp_size
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's model and batches live: `device_type` when set; else the current CUDA
+        device when the default group uses NCCL or, in a single process, when CUDA is available
+        (``CUDA_VISIBLE_DEVICES=`` forces the CPU); else the CPU (gloo)."""
+        if self.device_type is not None:
+            on_gpu = self.device_type == "cuda"
+        elif dist.is_initialized():
+            on_gpu = dist.get_backend() == "nccl"
+        else:
+            on_gpu = torch.cuda.is_available()
+        return torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
 
     # ---- groups ------------------------------------------------------------------
     def build(self) -> "ParallelDims":

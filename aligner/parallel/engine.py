@@ -153,7 +153,8 @@ class TrainEngine:
             from aligner.parallel.te_backend import apply_te_backend
 
             apply_te_backend(self.module, dims.tp_group, parallel_cfg.sequence_parallel)
-        self.device_type = next(self.module.parameters()).device.type
+        self.device = next(self.module.parameters()).device  # where batches must be (ModelRunner moves them)
+        self.device_type = self.device.type
         self._wrap_dp()
 
     # ---- construction ----------------------------------------------------------------
@@ -164,13 +165,15 @@ class TrainEngine:
         if d.pp_size == 1 and d.tp_size == 1:
             model = model if model is not None else build_model(self.model_cfg, self.kind, seed=seed)
             model.model.set_recompute(par.recompute)
-            return model
+            return model.to(d.device)
         from aligner.parallel.pipeline import build_stage_model
 
-        return build_stage_model(
+        stage = build_stage_model(
             self.model_cfg, self.kind, d, layer_split=par.pp_layer_split, sequence_parallel=par.sequence_parallel,
             recompute=par.recompute, seed=seed, full_state_dict=None if model is None else model.state_dict(),
+            device=d.device if model is not None else "cpu",
         )
+        return stage.to(d.device)
 
     @property
     def fsdp(self) -> bool:

@@ -288,7 +288,7 @@ def _broadcast_from_last(t: Optional[torch.Tensor], dims) -> torch.Tensor:
     dist.broadcast_object_list(header, group_src=last, group=dims.pp_group)
     shape, dtype = header[0]
     if dims.pp_rank != last:
-        t = torch.empty(shape, dtype=dtype)
+        t = torch.empty(shape, dtype=dtype, device=dims.device)
     t = t.contiguous()
     dist.broadcast(t, group_src=last, group=dims.pp_group)
     return t

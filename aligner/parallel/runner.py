@@ -73,6 +73,8 @@ class ModelRunner:
         return self.engine.module
 
     def _prepare(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+        dev = self.engine.device
+        batch = {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         batch = pad_sequence_dim(batch, self.seq_multiple)
         if getattr(self.engine, "backend", None) == "deepspeed":
             micro_batch_size = next(iter(batch.values())).shape[0]  # one backward per DeepSpeed step
@@ -84,7 +86,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, batch: dict[str, torch.Tensor], output_fn: OutputFn, micro_batch_size: int) -> torch.Tensor:
-        """Forward-only pass; `output_fn(output, mb)` -> [b, ...] on the last stage; returns [B, ...] on every rank."""
+        """Forward-only pass; `output_fn(output, mb)` -> [b, ...] on the last stage; returns [B, ...] on every rank.
+
+        Batch tensors may live anywhere: micro-batches are moved to the engine's device, and the
+        result comes back on the CPU (where the driver's batch lives)."""
         mbs = self._prepare(batch, micro_batch_size)
         was_training = self.engine.module.training
         self.engine.train(False)
@@ -92,8 +97,8 @@ class ModelRunner:
             if self.dims.pp_size > 1:
                 from aligner.parallel.pipeline import pipeline_forward
 
-                return pipeline_forward(self.engine.model, self.dims, mbs, output_fn, broadcast=True)
-            return torch.cat([output_fn(self.engine(mb["input_ids"], **self._kwargs(mb)), mb) for mb in mbs])
+                return pipeline_forward(self.engine.model, self.dims, mbs, output_fn, broadcast=True).cpu()
+            return torch.cat([output_fn(self.engine(mb["input_ids"], **self._kwargs(mb)), mb) for mb in mbs]).cpu()
         finally:
             self.engine.train(was_training)
 
@@ -113,9 +118,10 @@ class ModelRunner:
 
 def dp_sum(value: float | torch.Tensor, dims: ParallelDims) -> float:
     """Sum a number over the dp group (every rank of a dp replica holds the same value)."""
-    t = torch.as_tensor(value, dtype=torch.float64).clone()
-    if dims.dp_size > 1:
-        dist.all_reduce(t, group=dims.dp_group)
+    if dims.dp_size == 1:
+        return float(value)
+    t = torch.as_tensor(value, dtype=torch.float64).detach().clone().to(dims.device)
+    dist.all_reduce(t, group=dims.dp_group)
     return float(t)
 
 
