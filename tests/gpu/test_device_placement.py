@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aligner.config import AlignerConfig, ModelConfig, OptimConfig, ParallelConfig, RolloutConfig, SamplingConfig
+from aligner.config import AlignerConfig, DataConfig, ModelConfig, OptimConfig, ParallelConfig, RolloutConfig, SamplingConfig
 from aligner.parallel.dims import ParallelDims
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -45,7 +45,7 @@ def test_actor_worker_bf16_engine_on_cuda():
     """The actor's rollout engine lands on the GPU in rollout.dtype; its log-probs stay near the trainer's."""
     from aligner.actor.worker import ActorWorker
 
-    cfg = AlignerConfig(model=CFG, rollout=RolloutConfig(dtype="bfloat16", max_batch_size=8,
+    cfg = AlignerConfig(model=CFG, data=DataConfig(max_prompt_len=16, max_seq_len=CFG.max_seq_len), rollout=RolloutConfig(dtype="bfloat16", max_batch_size=8,
                                                         sampling=SamplingConfig(temperature=1.0, max_new_tokens=8)))
     worker = ActorWorker(cfg, "actor", total_steps=10)
     worker.refit()
