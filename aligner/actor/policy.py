@@ -23,8 +23,8 @@ from aligner.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelCo
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.role import RoleModel
 from aligner.parallel.runner import from_last_stage
-from aligner.parallel.vocab import vocab_parallel_entropy, vocab_parallel_log_probs
-from aligner.protocol import to_response
+from aligner.parallel.vocab import vocab_parallel_log_probs, vocab_parallel_log_probs_entropy
+from aligner.protocol import response_index
 
 
 class Policy(RoleModel):
@@ -38,15 +38,24 @@ class Policy(RoleModel):
         """[b, T, V/tp] logits -> [b, T-1] next-token log-probs."""
         return vocab_parallel_log_probs(logits[:, :-1], input_ids[:, 1:], self.tp_group, self.vocab_start, temperature)
 
+    @staticmethod
+    def _response_inputs(batch: dict[str, torch.Tensor], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """`keys` of batch plus head_index [B, R] (the positions whose logits predict the response
+        tokens: prompt_len - 1 + j, clamped) and labels [B, R] (the tokens they predict), so the
+        model applies its head to the response positions only (LlamaForCausalLM ``head_index``)."""
+        ids = batch["input_ids"]
+        head_index = response_index(batch["prompt_lens"], batch["response_mask"].shape[1], ids.shape[1] - 1)
+        return {**{k: batch[k] for k in keys}, "head_index": head_index, "labels": ids.gather(1, head_index + 1)}
+
     # ---- inference ------------------------------------------------------------------
     def log_probs(self, batch: dict[str, torch.Tensor], micro_batch_size: int, temperature: float = 1.0) -> torch.Tensor:
-        """batch: input_ids [B, T], prompt_lens [B], response_mask [B, R] -> log_probs [B, R] fp32."""
-        def out(logits, mb):
-            lp = self._token_log_probs(logits, mb["input_ids"], temperature)
-            return to_response(lp, mb["prompt_lens"], mb["response_mask"])
+        """batch: input_ids [B, T], prompt_lens [B], response_mask [B, R] -> log_probs [B, R] fp32 (0 where masked)."""
+        def out(logits, mb):  # logits [b, R, V/tp] at the response positions
+            lp = vocab_parallel_log_probs(logits, mb["labels"], self.tp_group, self.vocab_start, temperature)
+            return lp * mb["response_mask"]
 
-        keys = ("input_ids", "prompt_lens", "response_mask")
-        return self.runner.forward({k: batch[k] for k in keys}, out, micro_batch_size)
+        inputs = self._response_inputs(batch, ("input_ids", "response_mask"))
+        return self.runner.forward(inputs, out, micro_batch_size)
 
     def sequence_log_probs(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
         """batch: input_ids [B, T] -> next-token log_probs [B, T-1] fp32 (all positions)."""
@@ -95,25 +104,27 @@ class Policy(RoleModel):
         norm = self.normalizer(batch["response_mask"].sum())
         sums: dict[str, float] = {}
 
-        def loss_fn(logits, mb):
+        def loss_fn(logits, mb):  # logits [b, R, V/tp] at the response positions
             mask = mb["response_mask"]
-            lp = to_response(self._token_log_probs(logits, mb["input_ids"], temperature), mb["prompt_lens"], mask)
+            lp, ent_tok = vocab_parallel_log_probs_entropy(logits, mb["labels"], self.tp_group, self.vocab_start,
+                                                           temperature, entropy_grad=algo.entropy_coef > 0)
+            lp = lp * mask
             weights = None
             if algo.tis_cap is not None:
                 weights = alg.truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"], mask, algo.tis_cap)
             loss, m = alg.policy_loss(lp, mb["old_log_probs"], mb["advantages"], mask, algo.clip_eps,
                                       dual_clip=algo.dual_clip, loss_agg="token-mean", is_weights=weights)
             n = mask.sum()
-            with torch.set_grad_enabled(algo.entropy_coef > 0):  # a metric only: keep no graph for it
-                ent_tok = to_response(vocab_parallel_entropy(logits[:, :-1], self.tp_group, temperature), mb["prompt_lens"], mask)
-                ent = (ent_tok * mask).sum()
+            ent = (ent_tok * mask).sum()
             total = loss * n - algo.entropy_coef * ent if algo.entropy_coef > 0 else loss * n
             for k, v in (("policy_loss", loss * n), ("clipfrac", m["clipfrac"] * n), ("approx_kl", m["approx_kl"] * n),
                          ("entropy", ent)):
                 sums[k] = sums.get(k, 0.0) + float(v.detach())
             return total / norm
 
-        stats = self.runner.train_step(batch, loss_fn, micro_batch_size)
+        keys = ("input_ids", "response_mask", "old_log_probs", "advantages", "rollout_log_probs")
+        inputs = self._response_inputs(batch, tuple(k for k in keys if k in batch))
+        stats = self.runner.train_step(inputs, loss_fn, micro_batch_size)
         sums = from_last_stage(sums, self.dims)
         count = float(batch["response_mask"].sum())
         out = {k: self.dp_mean(v, count) for k, v in sorted(sums.items())}

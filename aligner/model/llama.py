@@ -245,6 +245,10 @@ class LlamaForCausalLM(nn.Module):
 
     Forward -> logits [B, T, V/tp] (fp32 math is left to the loss) on the last stage, else
     hidden states. ``lm_head`` is tied to ``model.embed_tokens`` when tie_word_embeddings.
+    ``head_index`` [B, R] int64 (positions in 0..T-1) restricts the head to those positions:
+    logits [B, R, V/tp], row i holding the logits at positions head_index[i]. RL losses need
+    only the response positions, so the head's matmul and every vocabulary-sized tensor after it
+    shrink by R / T (with sequence parallelism the head runs on all positions, then selects).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -255,9 +259,20 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, x: torch.Tensor, **kw) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, head_index: Optional[torch.Tensor] = None, **kw) -> torch.Tensor:
         h = self.model(x, **kw)
-        return self.lm_head(h) if self.lm_head is not None else h
+        if self.lm_head is None:
+            return h
+        if head_index is None:
+            return self.lm_head(h)
+        if self.lm_head.sequence_parallel:  # h holds T/tp positions: select after the head's gather
+            return select_positions(self.lm_head(h), head_index)
+        return self.lm_head(select_positions(h, head_index))
+
+
+def select_positions(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, D], index: [B, R] int64 in [0, T) -> [B, R, D] with out[b, r] = x[b, index[b, r]]."""
+    return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
 
 
 class ScalarHead(ParallelLayer):

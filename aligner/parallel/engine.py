@@ -27,6 +27,7 @@ import torch.nn as nn
 from aligner.config import ModelConfig, OptimConfig, ParallelConfig
 from aligner.parallel import comm, data_parallel as dpmod
 from aligner.parallel.dims import ParallelDims
+from aligner.parallel.pipeline import model_kwargs
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
@@ -222,8 +223,8 @@ class TrainEngine:
     ) -> torch.Tensor:
         """Forward + backward over micro-batches (1F1B across stages when pp_size > 1).
 
-        microbatches: dicts with ``input_ids`` [b, T] int64 (optional position_ids /
-        segment_ids [b, T]) plus whatever `loss_fn` (output, mb) -> scalar reads; the same
+        microbatches: dicts with ``input_ids`` [b, T] int64 (optional model inputs
+        ``pipeline.MODEL_INPUT_KEYS``: position_ids / segment_ids [b, T], head_index [b, R]) plus whatever `loss_fn` (output, mb) -> scalar reads; the same
         on every pp rank of a dp replica. loss_reduction: "mean" scales each loss by
         1/num_microbatches, "sum" leaves it (see aligner.parallel.pipeline).
         Returns: [num_microbatches] fp32 unscaled losses (on every pp rank).
@@ -238,8 +239,7 @@ class TrainEngine:
         scale = 1.0 / len(microbatches) if loss_reduction == "mean" else 1.0
         losses = []
         for mb in microbatches:
-            kw = {k: mb[k] for k in ("position_ids", "segment_ids") if mb.get(k) is not None}
-            loss = loss_fn(self.forward(mb["input_ids"], **kw), mb)
+            loss = loss_fn(self.forward(mb["input_ids"], **model_kwargs(mb)), mb)
             self.backward(loss * scale)
             losses.append(loss.detach().float())
         return torch.stack(losses)

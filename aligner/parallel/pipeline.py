@@ -40,7 +40,7 @@ from aligner.parallel import comm
 from aligner.parallel.sharding import load_full_state_dict
 from aligner.parallel.tensor_parallel import apply_tensor_parallel, sync_tp_grads
 
-MODEL_INPUT_KEYS = ("position_ids", "segment_ids")
+MODEL_INPUT_KEYS = ("position_ids", "segment_ids", "head_index")
 
 
 def stage_layer_ids(num_layers: int, pp_size: int, pp_rank: int, layer_split: Optional[Sequence[int]] = None) -> list[int]:
@@ -140,7 +140,8 @@ class _P2P:
                 req.wait()
 
 
-def _model_kwargs(mb: dict) -> dict:
+def model_kwargs(mb: dict) -> dict:
+    """The model-input tensors of micro-batch `mb` (MODEL_INPUT_KEYS present and not None)."""
     return {k: mb[k] for k in MODEL_INPUT_KEYS if k in mb and mb[k] is not None}
 
 
@@ -195,7 +196,7 @@ def pipeline_train_step(
         mb = microbatches[i]
         if x is not None:
             x.requires_grad_(True)
-        out = model(mb["input_ids"] if x is None else x, **_model_kwargs(mb))
+        out = model(mb["input_ids"] if x is None else x, **model_kwargs(mb))
         if p2p.last:
             loss = loss_fn(out, mb)
             if loss.dim() != 0:
@@ -265,7 +266,7 @@ def pipeline_forward(
         if not p2p.first:
             x = _hidden_buffer(model, mb, requires_grad=False)
             p2p.run(recv_prev=x)
-        out = model(mb["input_ids"] if x is None else x, **_model_kwargs(mb))
+        out = model(mb["input_ids"] if x is None else x, **model_kwargs(mb))
         if p2p.last:
             results.append(output_fn(out, mb))
         else:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.parallel.dims import ParallelDims
+from aligner.parallel.pipeline import model_kwargs
 
 LossFn = Callable[[torch.Tensor, dict], torch.Tensor]
 OutputFn = Callable[[torch.Tensor, dict], torch.Tensor]
@@ -80,10 +81,6 @@ class ModelRunner:
             micro_batch_size = next(iter(batch.values())).shape[0]  # one backward per DeepSpeed step
         return split_micro(batch, micro_batch_size)
 
-    @staticmethod
-    def _kwargs(mb: dict) -> dict:
-        return {k: mb[k] for k in ("position_ids", "segment_ids") if k in mb}
-
     @torch.no_grad()
     def forward(self, batch: dict[str, torch.Tensor], output_fn: OutputFn, micro_batch_size: int) -> torch.Tensor:
         """Forward-only pass; `output_fn(output, mb)` -> [b, ...] on the last stage; returns [B, ...] on every rank.
@@ -98,7 +95,7 @@ class ModelRunner:
                 from aligner.parallel.pipeline import pipeline_forward
 
                 return pipeline_forward(self.engine.model, self.dims, mbs, output_fn, broadcast=True).cpu()
-            return torch.cat([output_fn(self.engine(mb["input_ids"], **self._kwargs(mb)), mb) for mb in mbs]).cpu()
+            return torch.cat([output_fn(self.engine(mb["input_ids"], **model_kwargs(mb)), mb) for mb in mbs]).cpu()
         finally:
             self.engine.train(was_training)
 

@@ -92,6 +92,55 @@ def vocab_parallel_entropy(
     return (z.log() - weighted / z).squeeze(-1)
 
 
+def vocab_parallel_log_probs_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    vocab_start: int = 0,
+    temperature: float = 1.0,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of `labels` and the entropy, from one pass of softmax statistics.
+
+    The same quantities as :func:`vocab_parallel_log_probs` and :func:`vocab_parallel_entropy`
+    (formulas in the module docstring), sharing the normalization: one log-softmax over the
+    vocabulary (single process) or one max / sum-exp all-reduce pair (vocab-parallel) instead of
+    two. The PPO actor loss needs the log-probs with gradient and the entropy as a metric.
+
+    Args:
+        logits: [B, T, V/tp] this rank's vocabulary shard (any float dtype).
+        labels: [B, T] int64 token ids in the full vocabulary.
+        tp_group, vocab_start, temperature: as for :func:`vocab_parallel_log_probs`.
+        entropy_grad: keep the entropy in the autograd graph (an entropy bonus); else it is
+            computed without one (a metric: no [B, T, V] tensor saved for it).
+    Returns:
+        (log_probs [B, T] fp32, differentiable; entropy [B, T] fp32 nats).
+    Raises:
+        ValueError: temperature <= 0.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0 for log-probs (greedy uses 1.0)")
+    logits = logits.float() if temperature == 1.0 else logits.float() / temperature
+    if comm.group_size(tp_group) == 1 and vocab_start == 0:
+        lsm = torch.log_softmax(logits, dim=-1)
+        log_probs = lsm.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            src = lsm if entropy_grad else lsm.detach()
+            entropy = -(src.exp() * src).sum(dim=-1)
+        return log_probs, entropy
+    shifted, exp, z = _stats(logits, tp_group)
+    local = labels - vocab_start
+    inside = (local >= 0) & (local < shifted.shape[-1])
+    picked = shifted.gather(-1, local.clamp(0, shifted.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    log_z = z.squeeze(-1).log()
+    log_probs = comm.reduce_from_tp(picked * inside, tp_group) - log_z
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        e, s, lz, zz = (exp, shifted, log_z, z) if entropy_grad else (exp.detach(), shifted.detach(), log_z.detach(), z.detach())
+        weighted = comm.reduce_from_tp((e * s).sum(dim=-1, keepdim=True), tp_group)
+        entropy = lz - (weighted / zz).squeeze(-1)
+    return log_probs, entropy
+
+
 def shifted_log_probs(
     logits: torch.Tensor, input_ids: torch.Tensor, tp_group=None, vocab_start: int = 0, temperature: float = 1.0
 ) -> torch.Tensor:
