@@ -232,6 +232,12 @@ def ensure_venv(venv: Path, packages: list[str], check: str) -> Path:
     return py
 
 
+# aligner's CPU workers keep freed heap memory for reuse (aligner.parallel.host: glibc mallopt);
+# ``--peer-malloc`` gives the peer process the same glibc setting through its environment, so the
+# ratio can be read with and without this allocator difference.
+SAME_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+
+
 class PeerProcess:
     """A peer benchmark in another interpreter, driven step by step.
 

@@ -57,6 +57,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--fixtures", default="/tmp/aligner_bench_fixtures")
     ap.add_argument("--aligner-only", action="store_true", help="no peer: aligner's phases only")
+    ap.add_argument("--peer-malloc", action="store_true",
+                    help="run the peer with aligner's glibc malloc setting (common.SAME_MALLOC_ENV)")
     ap.add_argument("--peer", default="", help=argparse.SUPPRESS)
     ap.add_argument("--paths", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -131,7 +133,8 @@ def main() -> None:
         py = C.ensure_venv(TRL_VENV, TRL_PKGS, "from trl import GRPOTrainer")
         peer = C.PeerProcess(py, [str(Path(__file__).resolve()), "--peer", "trl", "--paths", json.dumps(paths),
                                   "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len),
-                                  "--new-tokens", str(args.new_tokens), "--samples", str(args.samples)])
+                                  "--new-tokens", str(args.new_tokens), "--samples", str(args.samples)],
+                              env=C.SAME_MALLOC_ENV if args.peer_malloc else None)
         print(f"peer: trl {peer.ready.get('trl')}, transformers {peer.ready.get('transformers')}", flush=True)
         peer.first()  # warm-up
     C.alternate_and_compare(trainer, peer, args.repeats, "GRPO", "GRPOTrainer")

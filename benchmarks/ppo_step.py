@@ -58,6 +58,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--fixtures", default="/tmp/aligner_bench_fixtures")
     ap.add_argument("--aligner-only", action="store_true", help="no peer: aligner's phases only")
+    ap.add_argument("--peer-malloc", action="store_true",
+                    help="run the peer with aligner's glibc malloc setting (common.SAME_MALLOC_ENV)")
     ap.add_argument("--peer", default="", help=argparse.SUPPRESS)  # child mode: "trl"
     ap.add_argument("--paths", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -136,7 +138,8 @@ def main() -> None:
         py = C.ensure_venv(TRL_VENV, TRL_PKGS, "import trl.experimental.ppo")
         peer = C.PeerProcess(py, [str(Path(__file__).resolve()), "--peer", "trl", "--paths", json.dumps(paths),
                                   "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len),
-                                  "--new-tokens", str(args.new_tokens)])
+                                  "--new-tokens", str(args.new_tokens)],
+                              env=C.SAME_MALLOC_ENV if args.peer_malloc else None)
         print(f"peer: trl {peer.ready.get('trl')}, transformers {peer.ready.get('transformers')}", flush=True)
         peer.first()  # warm-up
     C.alternate_and_compare(trainer, peer, args.repeats, "PPO", "PPOTrainer")

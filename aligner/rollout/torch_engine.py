@@ -17,14 +17,14 @@ How a batch runs:
 Sampling choices (documented simplifications):
 - Under TP the last position's logits [B, V/tp] are all-gathered to [B, V] on every tp rank
   (only the last position, once per step: B * V floats), and every rank samples the same
-  token with identically seeded generators. This keeps tokens independent of the tp layout
-  (tp 1 and tp 2 give the same tokens for the same seeds). Log-probs never need the gather:
-  they come from :func:`aligner.parallel.vocab.vocab_parallel_log_probs` on the local shard,
-  the same function the trainer uses.
-- Sampling is Gumbel-max: token = argmax(logits / T + Gumbel noise) over the tokens top-k /
-  top-p keep. Each seeded row draws its own V uniforms per step from its own
-  ``torch.Generator``, so a row's tokens depend on its seed and the weights only, not on the
-  other rows of the batch.
+  token and log-prob from the same full logits with identically seeded generators. This keeps
+  tokens independent of the tp layout (tp 1 and tp 2 give the same tokens for the same seeds).
+- Sampling is inverse-CDF: each row draws one uniform u per step and takes the first token
+  whose cumulative (top-k / top-p filtered) probability mass exceeds u times the kept mass, the
+  method of ``torch.multinomial``; one random number per row and step instead of V (Gumbel-max)
+  keeps sampling a small part of a decode step. Each seeded row's uniforms come from its own
+  ``torch.Generator``, drawn for the whole response at the start, so a row's tokens depend on
+  its seed and the weights only, not on the other rows of the batch. Greedy takes the max.
 - ``rollout_log_probs`` are log softmax(logits / T) over the FULL vocabulary (T = 1 for
   greedy), not renormalized over the top-k / top-p set. That is the quantity the trainer
   recomputes (``old_log_probs``), so the mismatch metric measures engine numerics only; the
@@ -46,8 +46,7 @@ import torch.nn as nn
 
 from aligner.model.llama import KVCache, build_model
 from aligner.parallel import comm
-from aligner.parallel.layers import ParallelLayer
-from aligner.parallel.vocab import vocab_parallel_log_probs
+from aligner.parallel.layers import ColumnParallelLinear, ParallelLayer, RowParallelLinear
 from aligner.rollout.base import Generation, RolloutEngine, check_prompts, check_sampling
 
 
@@ -86,7 +85,6 @@ class TorchEngine(RolloutEngine):
         self.pp_size, self.pp_rank = comm.group_size(pp_group), comm.group_rank(pp_group)
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
         self.max_batch_size = max_batch_size
-        self.vocab_start = self.tp_rank * (self.cfg.vocab_size // self.tp_size)
         self.weight_version = 0
         self.cuda_graphs = cuda_graphs
         self._rng_seed = seed
@@ -96,6 +94,12 @@ class TorchEngine(RolloutEngine):
         self._full_names = {n for n, _ in build_model(self.cfg, device="meta").named_parameters(remove_duplicate=False)}
         self._received: set[str] = set()
         self._offloaded: list[torch.Tensor] = []
+        if self.device.type == "cpu":
+            from aligner.parallel.host import keep_freed_host_memory
+
+            keep_freed_host_memory()
+            _store_linear_weights_transposed(model)
+            self._params = _param_slots(model)
 
     # ---- properties of the local model --------------------------------------------------
     @property
@@ -214,11 +218,15 @@ class TorchEngine(RolloutEngine):
         valid[:, p:] = True
         ids, valid = ids.to(dev), valid.to(dev)
         lens = torch.tensor([len(x) for x in prompts], device=dev)
-        sampler = _Sampler(sampling, seeds, b, self.cfg.vocab_size, dev, self._rng_seed * 1_000_003 + self._calls * 7919 + offset)
+        sampler = _Sampler(sampling, seeds, b, n_new, dev, self._rng_seed * 1_000_003 + self._calls * 7919 + offset)
         stop = sorted({*sampling.stop_token_ids, *([] if self.eos_token_id is None else [self.eos_token_id])})
         stop_t = torch.tensor(stop, dtype=torch.long, device=dev)
         graph = self._graph_for(b, total) if self._use_graphs() else None
         cache = graph.cache if graph is not None else self.new_cache(b, total)
+        if graph is not None:
+            graph.set_valid(valid)
+        # asking whether every row has stopped syncs with the device: on a GPU only every 8 steps
+        check_every = 1 if dev.type == "cpu" else 8
 
         # prefill
         pos = (valid[:, :p].long().cumsum(-1) - 1).clamp(min=0)
@@ -226,20 +234,20 @@ class TorchEngine(RolloutEngine):
         mask = ((torch.ones(p, p, dtype=torch.bool, device=dev).tril() & valid[:, None, :p]) | eye).unsqueeze(1)
         cache.length = p
         logits = self._forward(ids, pos, mask, cache, torch.arange(p, device=dev))
-        tok, lp = self._sample(logits, sampler)
+        tok, lp = self._sample(logits, sampler, 0)
         tokens, log_probs = [tok], [lp]
         finished = torch.isin(tok, stop_t)
         for step in range(1, n_new):
-            if bool(finished.all()):
+            if step % check_every == 0 and bool(finished.all()):
                 break
             slot = p + step - 1
             pos = (lens + step - 1).unsqueeze(1)
             if graph is not None:
-                logits = graph.run(tok, pos, valid, slot)
+                logits = graph.run(tok, pos, slot)
             else:
                 cache.length = slot + 1
                 logits = self._forward(tok.unsqueeze(1), pos, valid[:, None, None, : slot + 1], cache, torch.tensor([slot], device=dev))
-            tok, lp = self._sample(logits, sampler)
+            tok, lp = self._sample(logits, sampler, step)
             tokens.append(tok)
             log_probs.append(lp)
             finished = finished | torch.isin(tok, stop_t)
@@ -267,13 +275,11 @@ class TorchEngine(RolloutEngine):
             return None
         return self.model.lm_head(h[:, -1]).float()
 
-    def _sample(self, logits: Optional[torch.Tensor], sampler: "_Sampler") -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: Optional[torch.Tensor], sampler: "_Sampler", step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Local logits [B, V/tp] on the last stage -> (tokens [B] int64, log_probs [B] fp32) on every rank."""
         if self.is_last:
             full = logits if self.tp_size == 1 else _gather_vocab(logits, self.tp_group)
-            tok = sampler.sample(full)
-            temp = sampler.temperature if sampler.temperature > 0 else 1.0
-            lp = vocab_parallel_log_probs(logits.unsqueeze(1), tok.unsqueeze(1), self.tp_group, self.vocab_start, temp).squeeze(1)
+            tok, lp = sampler.sample(full, step)
         else:
             tok = sampler.skip()
             lp = torch.empty(tok.shape[0], dtype=torch.float32, device=self.device)
@@ -308,8 +314,8 @@ class _DecodeGraph:
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=dev)
         self.slot = torch.full((1,), total - 1, dtype=torch.long, device=dev)
-        self.mask = torch.zeros(batch, 1, 1, total, dtype=torch.bool, device=dev)
-        self.mask[..., -1] = True
+        self.valid = torch.ones(batch, total, dtype=torch.bool, device=dev)  # key slots holding real tokens
+        self.slots = torch.arange(total, device=dev)
         self.total = total
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -323,56 +329,70 @@ class _DecodeGraph:
 
     def _step(self) -> torch.Tensor:
         self.cache.length = self.total
-        return self.engine._forward(self.tok, self.pos, self.mask, self.cache, self.slot)
+        mask = (self.valid & (self.slots <= self.slot))[:, None, None, :]  # [B, 1, 1, total], built in the graph
+        return self.engine._forward(self.tok, self.pos, mask, self.cache, self.slot)
 
-    def run(self, tok: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, slot: int) -> torch.Tensor:
-        """tok [B], pos [B, 1], valid [B, total] bool, slot int -> local logits [B, V/tp] (a copy)."""
+    def set_valid(self, valid: torch.Tensor) -> None:
+        """valid [B, total] bool: this generate call's key slots (left padding False); once per call."""
+        self.valid.copy_(valid)
+
+    def run(self, tok: torch.Tensor, pos: torch.Tensor, slot: int) -> torch.Tensor:
+        """tok [B], pos [B, 1], slot int -> local logits [B, V/tp] (a copy)."""
         self.tok.copy_(tok.unsqueeze(1))
         self.pos.copy_(pos)
         self.slot.fill_(slot)
-        m = valid.clone()
-        m[:, slot + 1 :] = False
-        self.mask.copy_(m[:, None, None, :])
         self.graph.replay()
         return self.out.clone()
 
 
 class _Sampler:
-    """Per-step token choice: greedy, or Gumbel-max under temperature / top-k / top-p.
+    """Per-step token choice: greedy (max), or inverse-CDF sampling under temperature / top-k / top-p.
 
-    Seeded rows each own a torch.Generator and draw V uniforms per step whatever the batch.
+    Args:
+        sampling: SamplingConfig-like. seeds: one seed per row, or None (one engine generator).
+        batch, n_new: rows and decode steps. fallback_seed: the engine generator's seed.
+    Seeded rows draw their n_new uniforms [n_new] from their own torch.Generator up front, so a
+    row's draws do not depend on the batch it is in.
     """
 
-    def __init__(self, sampling, seeds: Optional[list[int]], batch: int, vocab: int, device, fallback_seed: int):
+    def __init__(self, sampling, seeds: Optional[list[int]], batch: int, n_new: int, device, fallback_seed: int):
         self.temperature = float(sampling.temperature)
         self.top_k, self.top_p = int(sampling.top_k), float(sampling.top_p)
-        self.batch, self.vocab, self.device = batch, vocab, device
+        self.batch, self.device = batch, device
         self.greedy = self.temperature == 0
-        if seeds is None:
-            self.gens = [torch.Generator(device=device).manual_seed(fallback_seed % (2**63))]
-        else:
-            self.gens = [torch.Generator(device=device).manual_seed(int(s) % (2**63)) for s in seeds]
-        self.noise = torch.empty(batch, vocab, device=device)
+        self.uniforms: Optional[torch.Tensor] = None  # [B, n_new] fp32 in [0, 1)
+        if not self.greedy:
+            if seeds is None:
+                g = torch.Generator().manual_seed(fallback_seed % (2**63))
+                u = torch.rand(batch, n_new, generator=g)
+            else:
+                u = torch.stack([torch.rand(n_new, generator=torch.Generator().manual_seed(int(s) % (2**63))) for s in seeds])
+            self.uniforms = u.to(device)
 
     def skip(self) -> torch.Tensor:
         """Off the last stage: no token yet (filled by the broadcast)."""
         return torch.empty(self.batch, dtype=torch.long, device=self.device)
 
-    def _draw(self) -> torch.Tensor:
-        if len(self.gens) == 1 and self.batch != 1:
-            self.noise.uniform_(generator=self.gens[0])
-        else:
-            for i, g in enumerate(self.gens):
-                self.noise[i].uniform_(generator=g)
-        return -torch.log(-torch.log(self.noise.clamp_min(torch.finfo(torch.float32).tiny)))
+    def sample(self, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [B, V] fp32 (full vocabulary) -> (tokens [B] int64, log_probs [B] fp32).
 
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits: [B, V] fp32 (full vocabulary) -> tokens [B] int64."""
+        log_probs are log softmax(logits / T) of the chosen tokens over the full vocabulary
+        (T = 1 when greedy), whatever top-k / top-p kept.
+        """
         if self.greedy:
-            return logits.argmax(-1)
-        scaled = logits / self.temperature
-        scaled = _filter_top_k_top_p(scaled, self.top_k, self.top_p)
-        return (scaled + self._draw()).argmax(-1)
+            top, tok = logits.max(dim=-1)
+            return tok, -(logits - top.unsqueeze(-1)).exp_().sum(-1).log_()  # logits[tok] - logsumexp
+        scaled = logits / self.temperature if self.temperature != 1.0 else logits
+        top = scaled.max(dim=-1, keepdim=True).values
+        weights = (scaled - top).exp_()  # unnormalized probabilities, the largest is 1
+        log_z = weights.sum(-1).log_()
+        if 0 < self.top_k < logits.shape[-1] or self.top_p < 1.0:
+            weights.masked_fill_(~torch.isfinite(_filter_top_k_top_p(scaled, self.top_k, self.top_p)), 0.0)
+        cdf = weights.cumsum_(-1)
+        u = self.uniforms[:, step : step + 1] * cdf[:, -1:]
+        tok = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+        lp = scaled.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - top.squeeze(-1) - log_z
+        return tok, lp
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -394,6 +414,23 @@ def _gather_vocab(local: torch.Tensor, group) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(comm.group_size(group))]
     dist.all_gather(parts, local.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
+
+
+def _store_linear_weights_transposed(model: nn.Module) -> None:
+    """Keep every linear weight W [out, in] as a transposed view of contiguous [in, out] storage.
+
+    Same values, same module code: ``F.linear(x, W)`` then runs the GEMM x @ W^T in MKL's
+    no-transpose form, which on the CPU is up to 2x faster at decode batch sizes (measured on the
+    development CPU, lm_head 32000 x 256 at batch 8: 0.91 vs 1.84 ms). Weights shared with another
+    module (a tied lm_head / embedding) keep their layout. Refit's ``copy_`` writes through the
+    view; parameters are replaced before the engine records its slots.
+    """
+    shared = {id(p) for m in model.modules() if not isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for p in m._parameters.values() if p is not None}
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and id(module.weight) not in shared:
+                w = module.weight
+                module.weight = nn.Parameter(w.t().contiguous().t(), requires_grad=w.requires_grad)
 
 
 def _param_slots(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:

@@ -15,7 +15,7 @@ from aligner.parallel.vocab import vocab_parallel_log_probs
 from aligner.rollout import build_engine, engine_class
 from aligner.rollout.base import Generation, generations_to_padded, mismatch_metrics
 from aligner.rollout.refit import iter_buckets, refit
-from aligner.rollout.torch_engine import TorchEngine, _filter_top_k_top_p
+from aligner.rollout.torch_engine import TorchEngine, _filter_top_k_top_p, _Sampler
 
 CFG = ModelConfig(
     vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=48, init_std=0.1
@@ -207,3 +207,22 @@ def test_registry_unknown_backend_and_trtllm_hint(model):
 def test_generation_dataclass_fields():
     g = Generation([1, 2], [-0.1, -0.2], "stop", 3)
     assert (g.token_ids, g.finish_reason, g.weight_version) == ([1, 2], "stop", 3)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.7), (2.0, 4, 0.9)])
+def test_sampler_draws_the_filtered_softmax_distribution(temperature, top_k, top_p):
+    """20,000 rows of the same logits, one step: token frequencies match softmax(logits / T) renormalized
+    over the top-k / top-p set (3.5 sigma at most), and log-probs are over the full vocabulary."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    n = 20_000
+    s = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1)
+    tok, lp = _Sampler(s, None, n, 1, torch.device("cpu"), fallback_seed=5).sample(logits.expand(n, -1).clone(), 0)
+    full = torch.log_softmax(logits / temperature, -1)
+    torch.testing.assert_close(lp, full[tok], atol=1e-6, rtol=0)
+    keep = torch.isfinite(_filter_top_k_top_p((logits / temperature)[None], top_k, top_p))[0]
+    want = full.exp() * keep
+    want = want / want.sum()
+    freq = torch.bincount(tok, minlength=len(logits)).double() / n
+    sigma = (want * (1 - want) / n).sqrt().double()
+    assert (freq[~keep] == 0).all(), "a filtered-out token was sampled"
+    assert ((freq - want.double()).abs() <= 3.5 * sigma + 1e-12).all(), (freq.tolist(), want.tolist())

@@ -1,0 +1,48 @@
+"""Host-memory setting for processes that train or generate on the CPU.
+
+Owns one process-wide setting: glibc's malloc keeps large freed blocks for reuse instead of
+returning them to the kernel. By default glibc serves every allocation above 32 MiB with a
+fresh ``mmap`` and unmaps it on free, so each [B, T, V] logits-sized tensor of a training
+step (tens to hundreds of MiB) is zero-filled page by page by the kernel again at every step:
+measured on the 2-core development CPU, 2 x 131 MiB allocate-touch-free cycles cost 67 ms by
+default and 20 ms with this setting, and a tiny-model PPO actor update 2.1 s vs 1.0 s. It is
+the CPU counterpart of the CUDA caching allocator (Intel's PyTorch CPU guides reach the same
+with jemalloc / tcmalloc preloaded). The cost: the process keeps its peak heap (RSS does not
+shrink after a large step). GPU processes are left alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger("aligner")
+
+M_TRIM_THRESHOLD = -1  # glibc mallopt parameter numbers (malloc.h)
+M_MMAP_THRESHOLD = -3
+_applied: bool | None = None
+
+
+def keep_freed_host_memory(mmap_threshold: int = 1 << 30) -> bool:
+    """Make glibc serve allocations below `mmap_threshold` bytes from its heap and never trim it.
+
+    Idempotent; a no-op returning False where the C library is not glibc (macOS, musl) or
+    refuses the values. Returns True when the setting is in effect for this process.
+    """
+    global _applied
+    if _applied is not None:
+        return _applied
+    _applied = False
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    ok = mallopt(M_MMAP_THRESHOLD, min(mmap_threshold, 2**31 - 1)) == 1 and mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    if not ok:
+        log.debug("mallopt refused the host-memory setting; large CPU tensors stay mmap-backed")
+    _applied = ok
+    return ok
