@@ -18,9 +18,9 @@ Memory model (per device, bytes):
   Transformer Models"), Table 2, re-derived for aligner's Llama layers instead of GPT's:
   no dropout (their masks vanish); the SwiGLU MLP saves gate, up, silu(gate) and their
   product (4I elements instead of GPT's 4h + 4h GeLU in/out); attention saves q, the
-  GQA-repeated k and v and the output (4 q-widths), the fp32 log-sum-exp per head and the
-  [B,1,T,T] additive mask the SDPA kernel builds from the boolean one (no a*s^2 score matrix:
-  the kernel is flash-style, so the paper's 5as/h term becomes 4a/e + s); each unfused
+  GQA-repeated k and v and the output (4 q-widths) and the fp32 log-sum-exp per head (no
+  a*s^2 score matrix and no mask: the causal kernel is flash-style, so the paper's 5as/h term
+  becomes 4a/e); each unfused
   RMSNorm saves an fp32 copy of its input, the normalized tensor and its output (Korthikanti's
   2 bytes per LayerNorm becomes 4 + 2e). TP divides everything inside the TP regions; SP also
   divides the norm regions; selective recomputation keeps only q, k, v (un-repeated) and the
@@ -312,9 +312,10 @@ def layer_activation_bytes_per_token(model: ModelConfig, e: int, tp: int, sp: bo
     """Bytes saved for backward per token by one decoder layer (Korthikanti et al. 2022, Table 2, for Llama).
 
     none: norms 2*(4h + 2eh + 4) [/t with SP] + e*(4q + 4I)/t (q, repeated k and v, output; gate,
-    up, silu, product) + 4a/t (fp32 log-sum-exp) + e*T (the [B,1,T,T] additive mask, replicated).
-    selective: the attention core is recomputed, so e*(2q + 2kv) replaces e*4q and the mask and
-    log-sum-exp go. full: only the layer input, e*h [/t with SP] (the paper's 2sbh).
+    up, silu, product) + 4a/t (fp32 log-sum-exp). RL and RM batches are unpacked and attention is
+    plain causal (SDPA ``is_causal``), so no [B,1,T,T] mask is saved.
+    selective: the attention core is recomputed, so e*(2q + 2kv) replaces e*4q and the
+    log-sum-exp goes. full: only the layer input, e*h [/t with SP] (the paper's 2sbh).
     """
     h, hd = model.hidden_size, model.resolved_head_dim
     q, kv = model.num_heads * hd, model.num_kv_heads * hd
@@ -327,16 +328,15 @@ def layer_activation_bytes_per_token(model: ModelConfig, e: int, tp: int, sp: bo
         return norms + e * (2 * q + 2 * kv) / tp + mlp
     if recompute != "none":
         raise ValueError(f"recompute={recompute!r}: valid choices are {', '.join(RECOMPUTE_MODES)}")
-    return norms + 4 * e * q / tp + 4 * model.num_heads / tp + e * seq_len + mlp
+    return norms + 4 * e * q / tp + 4 * model.num_heads / tp + mlp
 
 
 def shared_activation_bytes(model: ModelConfig, e: int, batch: int, seq_len: int, recompute: str, first: bool) -> float:
-    """Per micro-batch, not per layer: input ids (int64, first stage), RoPE cos and sin, and the
-    boolean [T, T] causal mask, which checkpointing saves once as an input."""
+    """Per micro-batch, not per layer: input ids (int64, first stage) and RoPE cos and sin
+    (unpacked batches build no attention mask)."""
     ids = 8 * batch * seq_len if first else 0
     rope = 2 * batch * seq_len * model.resolved_head_dim * e
-    mask = seq_len * seq_len if recompute != "none" else 0
-    return ids + rope + mask
+    return ids + rope
 
 
 def head_activation_bytes_per_token(model: ModelConfig, e: int, tp: int, sp: bool, kind: str) -> float:

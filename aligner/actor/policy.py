@@ -35,8 +35,13 @@ class Policy(RoleModel):
         super().__init__(model_cfg, "lm", parallel, optim, dims, total_steps, init, seed)
 
     def _token_log_probs(self, logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-        """[b, T, V/tp] logits -> [b, T-1] next-token log-probs."""
-        return vocab_parallel_log_probs(logits[:, :-1], input_ids[:, 1:], self.tp_group, self.vocab_start, temperature)
+        """[b, T, V/tp] logits -> [b, T-1] next-token log-probs.
+
+        The labels are shifted, not the logits: the log-probs run over all T positions (the last
+        one scores a dummy label and is dropped), so the [b, T, V] logits are read in place
+        instead of copied into a [b, T-1, V] slice first (as HF's causal-LM loss does)."""
+        labels = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
+        return vocab_parallel_log_probs(logits, labels, self.tp_group, self.vocab_start, temperature)[:, :-1]
 
     @staticmethod
     def _response_inputs(batch: dict[str, torch.Tensor], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:

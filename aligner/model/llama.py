@@ -102,12 +102,16 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.recompute_core = False
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(hd)) v with GQA: q [B, h, Tq, hd], k/v [B, kvh, Tk, hd], mask [B, 1, Tq, Tk] bool."""
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """softmax(q k^T / sqrt(hd)) v with GQA: q [B, h, Tq, hd], k/v [B, kvh, Tk, hd], mask [B, 1, Tq, Tk]
+        bool, or None for plain causal attention (Tq == Tk): SDPA's causal kernels (flash
+        attention on GPU), with no [B, 1, T, T] mask built or saved."""
         rep = q.shape[1] // k.shape[1]
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     def forward(self, x, cos, sin, mask, kv_cache: Optional[KVCache] = None, cache_positions=None):
@@ -158,15 +162,17 @@ class DecoderLayer(nn.Module):
 
 def build_attention_mask(
     batch: int, t: int, device, segment_ids: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    """Boolean mask [B, 1, T, T]: causal, and block-diagonal over `segment_ids` [B, T] when given.
+) -> Optional[torch.Tensor]:
+    """Boolean mask [B, 1, T, T]: causal and block-diagonal over `segment_ids` [B, T]; None without them.
 
     segment_ids: packed-sequence document ids (0 for padding); tokens attend only to earlier
     tokens of the same segment. Padding attends to padding, so no row is empty.
+    None means plain causal attention (``is_causal``): right padding needs no mask, since no
+    real token attends to a later position.
     """
-    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
     if segment_ids is None:
-        return causal.expand(batch, 1, t, t)
+        return None
+    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
     same = segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)
     return (same & causal).unsqueeze(1)
 
@@ -207,7 +213,8 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """x: input_ids [B, T] or hidden [B, T(/tp), H]; position_ids [B, T] (default 0..T-1, or
         restarting per segment when segment_ids is given); attn_mask [B, 1, T, Tk] bool overrides
-        the causal/segment mask (the engine passes its own with a KV cache)."""
+        the causal/segment mask (the engine passes its own with a KV cache); without either,
+        attention is plain causal with no mask tensor."""
         if self.embed_tokens is not None:
             b, t = x.shape
             h = self.embed_tokens(x)

@@ -16,21 +16,22 @@ a query heads, i SwiGLU width, t tp_size), term by term against the paper's GPT 
     attention           q, k, v (post-RoPE; GQA k/v repeated to a heads) same as paper (QK^T inputs, V)
                         + output-projection input sbh                   same as paper
                         + logsumexp a*sb                                paper: softmax 2as^2b + its dropout
-                        + additive float mask b*s^2                       mask and output (fused flash kernel here)
+                        + additive float mask b*s^2 (packed batches only) mask and output (fused flash kernel here)
     SwiGLU              gate, up, silu(gate), product: 4 * sbi          paper GeLU: 4h input + 4h output
     dropout             none (Llama has no dropout)                     paper: 2 sbh masks + as^2b mask
 
-    none:       sbh (10 + 4i/h + (a + 2)/h) + b s^2
-    TP:         norms and the two linear inputs are replicated: sbh (6 + 2/h) + sbh (4 + 4i/h + a/h) / t + b s^2
+    none:       sbh (10 + 4i/h + (a + 2)/h) [+ b s^2 packed]
+    TP:         norms and the two linear inputs are replicated: sbh (6 + 2/h) + sbh (4 + 4i/h + a/h) / t [+ b s^2]
     TP + SP:    everything in T/t (linear inputs saved as the local shard, re-gathered in backward):
-                [sbh (10 + 4i/h + (a + 2)/h)] / t + b s^2
+                [sbh (10 + 4i/h + (a + 2)/h)] / t [+ b s^2]
     selective:  the attention core (logsumexp, float mask) is recomputed: drop a*sb/t and b s^2;
                 its saved inputs k, v are the kv-head tensors (GQA repeat happens inside the core):
                 q, k, v cost sbh (1 + 2 kv/a) instead of 3 sbh
     full:       only the layer input: sbh (sbh/t with SP)
 
-RoPE's cos/sin [b, s, hd] and the boolean mask are built once per forward and shared by
-all layers, so they are excluded (as the paper excludes embeddings). Bytes = elements x
+RoPE's cos/sin [b, s, hd] (and a packed batch's boolean mask) are built once per forward and
+shared by all layers, so they are excluded (as the paper excludes embeddings). Unpacked
+batches use SDPA's causal kernels and save no mask at all. Bytes = elements x
 element size (4 in fp32 here; the paper counts 2-byte activations and 1-byte dropout masks).
 """
 
@@ -77,10 +78,11 @@ def korthikanti_bytes(d: LayerDims, sequence_parallel: bool = False, recompute: 
     return sbh * (10 + 24 / t + attn / t)
 
 
-def llama_layer_activation_elements(d: LayerDims, sequence_parallel: bool = False, recompute: str = "none", mask: bool = True) -> float:
+def llama_layer_activation_elements(d: LayerDims, sequence_parallel: bool = False, recompute: str = "none", mask: bool = False) -> float:
     """Elements one decoder layer of this model saves for backward (derivation in the module docstring).
 
-    mask: include the additive float attention mask b*s^2 that SDPA builds from a boolean mask.
+    mask: include the additive float attention mask b*s^2 that SDPA builds from a boolean mask;
+    only packed batches (segment_ids) have one: plain causal attention passes no mask.
     """
     s, b, h, a, i, t = d.s, d.b, d.h, d.a, d.i, d.t
     sbh = s * b * h
@@ -137,7 +139,7 @@ def layer_saved_bytes(model: nn.Module, batch_size: int, seq_len: int, layer: st
     """Bytes this rank's decoder layer `layer` (default: the first) saves for backward on one
     micro-batch [batch_size, seq_len], under the model's recompute mode and TP/SP sharding.
 
-    Excludes parameters and the layer-shared cos/sin and boolean mask.
+    Excludes parameters and the layer-shared cos/sin (a plain causal micro-batch has no mask).
     """
     trunk = model.model
     block = trunk.layers[layer or next(iter(trunk.layers))]
@@ -148,7 +150,7 @@ def layer_saved_bytes(model: nn.Module, batch_size: int, seq_len: int, layer: st
             return checkpoint(block, x, cos, sin, mask, use_reentrant=False)
         return block(x, cos, sin, mask)
 
-    return saved_bytes(run, h, exclude=[*model.parameters(), cos, sin, mask])
+    return saved_bytes(run, h, exclude=[*model.parameters(), cos, sin, *([] if mask is None else [mask])])
 
 
 def layer_comm(model: nn.Module, batch_size: int, seq_len: int, backward: bool = False) -> comm.CommCounter:

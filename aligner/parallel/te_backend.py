@@ -127,7 +127,7 @@ class TEDecoderLayer(nn.Module):
         rep = q.shape[1] // k.shape[1]
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         attn = attn.transpose(1, 2).reshape(b, t, -1).transpose(0, 1).contiguous()  # [T, B, q local]
         x = x + self.o_proj(attn)
         gate, up = self.gate_up(x).split([self.inter_local, self.inter_local], dim=-1)
