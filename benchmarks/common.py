@@ -232,10 +232,25 @@ def ensure_venv(venv: Path, packages: list[str], check: str) -> Path:
     return py
 
 
-# aligner's CPU workers keep freed heap memory for reuse (aligner.parallel.host: glibc mallopt);
-# ``--peer-malloc`` gives the peer process the same glibc setting through its environment, so the
-# ratio can be read with and without this allocator difference.
-SAME_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+def as_cpu_worker() -> None:
+    """Re-run this script with the environment of aligner's CPU Ray workers (glibc malloc settings,
+    aligner.parallel.host.HOST_MALLOC_ENV) unless it already has it: glibc reads them at start-up,
+    and the in-process roles should allocate as the real workers do. Prints what was set."""
+    from aligner.parallel.host import HOST_MALLOC_ENV
+
+    if all(os.environ.get(k) == v for k, v in HOST_MALLOC_ENV.items()):
+        print("environment: " + " ".join(f"{k}={v}" for k, v in HOST_MALLOC_ENV.items()) + " (as aligner's CPU workers)", flush=True)
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **HOST_MALLOC_ENV})
+
+
+def peer_env(same_malloc: bool) -> Optional[dict]:
+    """The peer process's extra environment: aligner's CPU-worker malloc setting with ``--peer-malloc``
+    (so a ratio can be read with and without this allocator difference), else none: the
+    peer's default glibc behaviour."""
+    from aligner.parallel.host import HOST_MALLOC_ENV
+
+    return dict(HOST_MALLOC_ENV) if same_malloc else {k: None for k in HOST_MALLOC_ENV}
 
 
 class PeerProcess:
@@ -248,6 +263,7 @@ class PeerProcess:
 
     def __init__(self, python: Path, args: list[str], env: Optional[dict] = None):
         e = {**os.environ, **(env or {})}
+        e = {k: v for k, v in e.items() if v is not None}  # None in `env`: unset for the peer
         e.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen([str(python), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, bufsize=1, env=e, cwd=str(ROOT))

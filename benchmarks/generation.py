@@ -161,7 +161,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"], help="CPU rows' dtype")
     ap.add_argument("--gpu", action="store_true", help="1.1B Llama on CUDA vs the bandwidth bound and HF")
     args = ap.parse_args()
-    gpu_main(args) if args.gpu else cpu_main(args)
+    if args.gpu:
+        return gpu_main(args)
+    C.as_cpu_worker()
+    cpu_main(args)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--fixtures", default="/tmp/aligner_bench_fixtures")
     ap.add_argument("--aligner-only", action="store_true", help="no peer: aligner's phases only")
     ap.add_argument("--peer-malloc", action="store_true",
-                    help="run the peer with aligner's glibc malloc setting (common.SAME_MALLOC_ENV)")
+                    help="run the peer with the glibc malloc setting of aligner's CPU workers")
     ap.add_argument("--peer", default="", help=argparse.SUPPRESS)
     ap.add_argument("--paths", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -120,6 +120,7 @@ def main() -> None:
     args = parse()
     if args.peer == "trl":
         return trl_child(args)
+    C.as_cpu_worker()
     mc = C.tiny_model_cfg(max_seq_len=max(256, args.prompt_len + args.new_tokens))
     paths = C.make_checkpoints(args.fixtures, mc)
     print(C.env_line())
@@ -134,7 +135,7 @@ def main() -> None:
         peer = C.PeerProcess(py, [str(Path(__file__).resolve()), "--peer", "trl", "--paths", json.dumps(paths),
                                   "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len),
                                   "--new-tokens", str(args.new_tokens), "--samples", str(args.samples)],
-                              env=C.SAME_MALLOC_ENV if args.peer_malloc else None)
+                              env=C.peer_env(args.peer_malloc))
         print(f"peer: trl {peer.ready.get('trl')}, transformers {peer.ready.get('transformers')}", flush=True)
         peer.first()  # warm-up
     C.alternate_and_compare(trainer, peer, args.repeats, "GRPO", "GRPOTrainer")

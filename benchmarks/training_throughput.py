@@ -134,6 +134,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.batch, args.seq, args.repeats = 4, 128, 3
+    if not args.gpu:
+        C.as_cpu_worker()
     if args.gpu:
         if not torch.cuda.is_available():
             raise SystemExit("--gpu needs CUDA")

@@ -19,14 +19,23 @@ import logging
 
 log = logging.getLogger("aligner")
 
+# The same setting for a process started with it (glibc reads these at start-up, before any
+# thread has its own arena): aligner's CPU Ray workers get it through their runtime_env, so
+# large blocks freed by any thread are reused. One arena: threads share the main heap.
+HOST_MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+
 M_TRIM_THRESHOLD = -1  # glibc mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 _applied: bool | None = None
 
 
 def keep_freed_host_memory(mmap_threshold: int = 1 << 30) -> bool:
-    """Make glibc serve allocations below `mmap_threshold` bytes from its heap and never trim it.
+    """Make glibc serve allocations below `mmap_threshold` bytes from its heap and never trim it,
+    and put threads that have no arena yet on the main one (``mallopt`` at run time).
 
+    Threads that already own an arena keep it, so a process started with HOST_MALLOC_ENV gets
+    the full effect; this call covers processes that were not (a driver, a test, a notebook).
     Idempotent; a no-op returning False where the C library is not glibc (macOS, musl) or
     refuses the values. Returns True when the setting is in effect for this process.
     """
@@ -41,7 +50,8 @@ def keep_freed_host_memory(mmap_threshold: int = 1 << 30) -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    ok = mallopt(M_MMAP_THRESHOLD, min(mmap_threshold, 2**31 - 1)) == 1 and mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    ok = (mallopt(M_MMAP_THRESHOLD, min(mmap_threshold, 2**31 - 1)) == 1 and mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
+          and mallopt(M_ARENA_MAX, 1) == 1)
     if not ok:
         log.debug("mallopt refused the host-memory setting; large CPU tensors stay mmap-backed")
     _applied = ok

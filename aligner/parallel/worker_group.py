@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from aligner.config import ParallelConfig, ResourceConfig
 from aligner.parallel.dims import ParallelDims
+from aligner.parallel.host import HOST_MALLOC_ENV
 from aligner.parallel.placement import Placement, RolePlacement, RoleRequest, create_placement, threads_per_worker
 
 DISPATCH_MODES = ("broadcast", "dp_split", "rank0")
@@ -427,6 +428,8 @@ class WorkerGroup:
                 placement_group_capture_child_tasks=True,
             )
             opts = dict(num_cpus=rp.num_cpus, num_gpus=rp.num_gpus, scheduling_strategy=strategy)
+            if rp.num_gpus == 0:  # CPU workers reuse freed host memory from their first allocation
+                opts["runtime_env"] = {"env_vars": dict(HOST_MALLOC_ENV)}
             self.actors.append(shell.options(**opts).remote(self.role, rank))
         nodes = self._wait({r: a.node_id.remote() for r, a in enumerate(self.actors)}, "node_id", timeout_s)
         one_node = len(set(nodes.values())) == 1
