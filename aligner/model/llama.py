@@ -106,7 +106,14 @@ class Attention(nn.Module):
         """softmax(q k^T / sqrt(hd)) v with GQA: q [B, h, Tq, hd], k/v [B, kvh, Tk, hd], mask [B, 1, Tq, Tk]
         bool, or None for plain causal attention (Tq == Tk): SDPA's causal kernels (flash
         attention on GPU), with no [B, 1, T, T] mask built or saved."""
-        rep = q.shape[1] // k.shape[1]
+        b, h, tq, hd = q.shape
+        kvh = k.shape[1]
+        rep = h // kvh
+        if rep > 1 and tq == 1 and mask is not None:
+            # one-token decode: each kv head's query group becomes the query axis ([B, kvh, rep, hd]),
+            # so the cached k/v are read once instead of copied rep times (q head j uses kv head j // rep)
+            out = F.scaled_dot_product_attention(q.reshape(b, kvh, rep, hd), k, v, attn_mask=mask)
+            return out.reshape(b, h, 1, hd)
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
