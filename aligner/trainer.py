@@ -303,6 +303,11 @@ class PPOTrainer:
                                 stop_token_ids=list(self.cfg.rollout.sampling.stop_token_ids))
         batch = self.rollout(prompts, greedy, step=-1, n=1)
         out = {"eval_accuracy": self._accuracy(batch.meta), "eval_response_len": float(batch.response_mask.sum(-1).mean())}
+        if self._is_task():  # which mistakes the policy makes: carries dropped (what PPO must fix) or not
+            from aligner.data.task import mistake_breakdown
+
+            res = mistake_breakdown([m["prompt"] for m in batch.meta], [m["response"] for m in batch.meta])
+            out.update({f"eval_{k}": v for k, v in res.items()})
         futs, names = [], []
         if "reward" in self.groups:
             futs.append(self.groups["reward"].scores(batch.tensors("input_ids", "attention_mask")))

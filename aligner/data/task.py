@@ -83,6 +83,30 @@ def check_answer(prompt: str, response: str) -> bool:
     return response.strip() == str(a + b)
 
 
+def mistake_breakdown(prompts: list[str], responses: list[str]) -> dict[str, float]:
+    """Greedy answers to task prompts split by whether the problem has a carry.
+
+    Returns accuracy_carry / accuracy_no_carry (fraction correct in each group) and
+    dropped_carry (fraction of carry problems answered with the dropped-carry sum, the mistake
+    the SFT demonstrations teach and the RM's pairs penalize); a group with no problems is left out.
+    Raises ValueError for a prompt that is not "a+b=".
+    """
+    carry = {True: [0, 0, 0], False: [0, 0, 0]}  # n, correct, dropped
+    for prompt, response in zip(prompts, responses):
+        a, b = parse_prompt(prompt)
+        c = carry[has_carry(a, b)]
+        c[0] += 1
+        c[1] += response.strip() == str(a + b)
+        c[2] += has_carry(a, b) and response.strip() == forget_carry(a, b)
+    out = {}
+    for group, (n, ok, dropped) in (("carry", carry[True]), ("no_carry", carry[False])):
+        if n:
+            out[f"accuracy_{group}"] = ok / n
+    if carry[True][0]:
+        out["dropped_carry"] = carry[True][2] / carry[True][0]
+    return out
+
+
 def phantom_carry(a: int, b: int, rng: random.Random) -> str:
     """A "phantom carry" answer for a problem without a carry: the sum with a carry added into a
     random column (+10 or +100 for 1-2 digit operands), e.g. 12+31 -> "53" or "143"."""

@@ -14,6 +14,7 @@ from aligner.data.task import (
     eval_problems,
     forget_carry,
     has_carry,
+    mistake_breakdown,
     pair_records,
     parse_prompt,
     rl_records,
@@ -155,3 +156,13 @@ def test_rule_rewards():
         score("nope", ["a"], ["b"], [{}])
     with pytest.raises(ValueError, match="metadata"):
         score("gsm8k", ["a"], ["1"], [{}])
+
+
+def test_mistake_breakdown_counts_dropped_carries_per_group():
+    prompts = ["15+27=", "15+27=", "95+17=", "12+31=", "12+31="]
+    responses = ["42", "32", "2", "43", "143"]  # right, dropped, dropped, right, phantom carry
+    res = mistake_breakdown(prompts, responses)
+    assert res == {"accuracy_carry": 1 / 3, "accuracy_no_carry": 0.5, "dropped_carry": 2 / 3}
+    assert mistake_breakdown(["12+31="], ["43"]) == {"accuracy_no_carry": 1.0}
+    with pytest.raises(ValueError):
+        mistake_breakdown(["hello"], ["1"])
