@@ -35,6 +35,14 @@ def _stats(logits: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tensor, 
     return shifted, exp, z
 
 
+def _label_logit(shifted: torch.Tensor, labels: torch.Tensor, vocab_start: int, tp_group) -> torch.Tensor:
+    """(logits - m) at each label [B, T], from the rank whose shard holds it (all-reduce SUM over tp)."""
+    local = labels - vocab_start
+    inside = (local >= 0) & (local < shifted.shape[-1])
+    picked = shifted.gather(-1, local.clamp(0, shifted.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    return comm.reduce_from_tp(picked * inside, tp_group)
+
+
 def vocab_parallel_log_probs(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -63,11 +71,7 @@ def vocab_parallel_log_probs(
         # one fused kernel (log-softmax + gather) when the vocabulary is not split
         return -F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none").view(labels.shape)
     shifted, _, z = _stats(logits, tp_group)
-    local = labels - vocab_start
-    inside = (local >= 0) & (local < shifted.shape[-1])
-    picked = shifted.gather(-1, local.clamp(0, shifted.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    picked = comm.reduce_from_tp(picked * inside, tp_group)
-    return picked - z.squeeze(-1).log()
+    return _label_logit(shifted, labels, vocab_start, tp_group) - z.squeeze(-1).log()
 
 
 def vocab_parallel_entropy(
@@ -129,11 +133,8 @@ def vocab_parallel_log_probs_entropy(
             entropy = -(src.exp() * src).sum(dim=-1)
         return log_probs, entropy
     shifted, exp, z = _stats(logits, tp_group)
-    local = labels - vocab_start
-    inside = (local >= 0) & (local < shifted.shape[-1])
-    picked = shifted.gather(-1, local.clamp(0, shifted.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
     log_z = z.squeeze(-1).log()
-    log_probs = comm.reduce_from_tp(picked * inside, tp_group) - log_z
+    log_probs = _label_logit(shifted, labels, vocab_start, tp_group) - log_z
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         e, s, lz, zz = (exp, shifted, log_z, z) if entropy_grad else (exp.detach(), shifted.detach(), log_z.detach(), z.detach())
         weighted = comm.reduce_from_tp((e * s).sum(dim=-1, keepdim=True), tp_group)
