@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--fixtures", default="/tmp/aligner_bench_fixtures")
     ap.add_argument("--out", default=str(C.BENCH / "scaling.png"))
     args = ap.parse_args()
+    C.as_cpu_worker()
     batches, lengths, fixed_len, fixed_batch = (8, 16, 32, 64), (32, 64, 128), 64, 16
     if args.quick:
         batches, lengths, fixed_len, fixed_batch, args.repeats = (8, 16, 32), (16, 32, 64), 16, 8, 1

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.parallel.dims import ParallelDims
-from aligner.parallel.pipeline import model_kwargs
+from aligner.parallel.pipeline import model_kwargs, pipeline_forward
 
 LossFn = Callable[[torch.Tensor, dict], torch.Tensor]
 OutputFn = Callable[[torch.Tensor, dict], torch.Tensor]
@@ -92,8 +92,6 @@ class ModelRunner:
         self.engine.train(False)
         try:
             if self.dims.pp_size > 1:
-                from aligner.parallel.pipeline import pipeline_forward
-
                 return pipeline_forward(self.engine.model, self.dims, mbs, output_fn, broadcast=True).cpu()
             return torch.cat([output_fn(self.engine(mb["input_ids"], **model_kwargs(mb)), mb) for mb in mbs]).cpu()
         finally:

@@ -3,7 +3,9 @@
 Owns: left-padded batched prefill + decode over :class:`aligner.model.llama.KVCache`,
 greedy / temperature / top-k / top-p sampling with per-request seeds, stop tokens,
 rollout log-probs, the HF-named weight update, tensor- and pipeline-parallel generation
-in the engine's own layout, and CUDA-graph decode on GPU.
+in the engine's own layout, and CUDA-graph decode on GPU (run on an H100, 2026-11-22:
+tests/gpu/test_trtllm_engine.py and benchmarks/generation.py --gpu; TP/PP engines on GPUs
+have not run, only on gloo).
 
 How a batch runs:
 - prompts are left-padded to the longest P; one cache of P + max_new_tokens slots is

@@ -30,7 +30,9 @@ What the adapter uses (names checked against the 1.2.1 source unless marked):
   recomputes ``old_log_probs`` anyway and the mismatch metric exposes any difference.
 
 Status: NOTHING in this module has run on a GPU or against an installed tensorrt_llm (it
-cannot be installed on the CPU development machine). build_llm_kwargs / build_sampling_kwargs
+cannot be installed on the CPU development machine, and the H100 lent on 2026-11-22 had no
+tensorrt_llm and no network to fetch it from NVIDIA's index; its wheels exceed what can be
+carried there). build_llm_kwargs / build_sampling_kwargs
 and the call sites are checked statically by tests/unit/test_trtllm_contract.py; the end-to-end
 behaviour is exercised only by tests/gpu/test_trtllm_engine.py where the package imports.
 Simplification: one Python process owns the LLM; tensors handed to update_weights must live
