@@ -5,8 +5,10 @@ step) on the same config, same weights (aligner's parameter names equal HF's, so
 state dict with a strict load), same batch of random tokens. aligner runs through its real
 training path: :class:`aligner.actor.policy.Policy` ``sft_step`` (TrainEngine + ModelRunner +
 vocab-parallel log-probs, single process, fp32 on CPU); HF runs ``model(input_ids,
-labels=...)`` + ``loss.backward()`` + ``torch.optim.AdamW.step()``. Runs alternate
-(aligner, HF, aligner, ...) after one warm-up step each; tokens/s = batch * seq / median time.
+labels=...)`` + ``loss.backward()`` + ``torch.optim.AdamW.step()`` in a child process (each side
+has its own heap, as in the TRL benchmarks; both with the environment of aligner's CPU workers,
+which the script re-runs itself in). Runs alternate (aligner, HF, aligner, ...) after one
+warm-up step each; tokens/s = batch * seq / median time.
 
 On a GPU (``--gpu``, used by benchmarks/gpu_suite.sh) it instead reports the MFU of aligner's
 training step on a Llama of about 1B parameters in bf16:
@@ -44,15 +46,42 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def _batch(mc, args) -> torch.Tensor:
+    return torch.randint(4, mc.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+
+
+def hf_child(args) -> None:
+    """The HF side in its own process (its own heap, as TRL's peers): one step per "go" from the driver."""
+    import transformers
+    from safetensors.torch import load_file
+
+    mc = C.tiny_model_cfg(max_seq_len=max(256, args.seq))
+    hf = C.hf_llama(mc, load_file(args.sd), train=True)
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    ids = _batch(mc, args)
+    C.peer_report("@@READY", {"transformers": transformers.__version__})
+    while True:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        hf(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        C.peer_report("@@STEP", time.perf_counter() - t0)
+
+
 def cpu_compare(args) -> None:
+    import tempfile
+
+    from safetensors.torch import save_file
+
     mc = C.tiny_model_cfg(max_seq_len=max(256, args.seq))
     pol = policy(mc)
-    sd = {k: v.detach().clone() for k, v in pol.full_state_dict().items()}
-    hf = C.hf_llama(mc, sd, train=True)
-    opt = torch.optim.AdamW(hf.parameters(), lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(4, mc.vocab_size, (args.batch, args.seq), generator=g)
+    sd = {k: v.detach().clone().contiguous() for k, v in pol.full_state_dict().items()}
+    ids = _batch(mc, args)
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
+    tmp = tempfile.TemporaryDirectory()
+    save_file(sd, f"{tmp.name}/model.safetensors")
+    peer = C.PeerProcess(Path(sys.executable), [str(Path(__file__).resolve()), "--peer", "hf", "--sd", f"{tmp.name}/model.safetensors",
+                                                "--batch", str(args.batch), "--seq", str(args.seq)])
 
     def ours() -> float:
         t0 = time.perf_counter()
@@ -60,33 +89,32 @@ def cpu_compare(args) -> None:
         return time.perf_counter() - t0
 
     def theirs() -> float:
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        hf(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        return time.perf_counter() - t0
+        return peer.step()[0]
 
     print(C.env_line())
     print(f"command: {C.command_line()}")
     print(f"model: hidden 256, 4 layers, 8 heads, vocab {mc.vocab_size}, {mc.num_parameters() / 1e6:.1f}M params; "
           f"batch {args.batch} x {args.seq} tokens, fp32, {args.repeats} repeats after 1 warm-up each", flush=True)
-    ours(), theirs()
+    ours(), peer.first()  # warm-up: the peer's first step runs as soon as it is ready
     a, b = [], []
-    for i in range(args.repeats):
-        a.append(ours())
-        b.append(theirs())
-        print(f"  repeat {i}: aligner {a[-1]:.3f} s, HF {b[-1]:.3f} s", flush=True)
+    try:
+        for i in range(args.repeats):
+            a.append(ours())
+            b.append(theirs())
+            print(f"  repeat {i}: aligner {a[-1]:.3f} s, HF {b[-1]:.3f} s", flush=True)
+    finally:
+        peer.close()
+        tmp.cleanup()
     tok = args.batch * args.seq
     ta, tb = tok / C.median(a), tok / C.median(b)
     print(f"aligner {ta:,.0f} tok/s, HF {tb:,.0f} tok/s, ratio {ta / tb:.2f}x (goal >= 1.0x: {'met' if ta >= tb else 'not met'})")
-    if args.profile:
+    if args.profile:  # aligner's side only: HF runs in its own process
         from torch.profiler import ProfilerActivity, profile
 
-        for name, fn in (("aligner", ours), ("HF", theirs)):
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                fn()
-            print(f"--- {name}: top ops by self CPU time")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            ours()
+        print("--- aligner: top ops by self CPU time")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
 def gpu_mfu(args) -> None:
@@ -131,7 +159,11 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true", help="1B Llama MFU on CUDA instead of the CPU comparison")
     ap.add_argument("--micro", type=int, default=4, help="--gpu: micro-batch size")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="--gpu: dense bf16 peak, TFLOP/s")
+    ap.add_argument("--peer", default="", help=argparse.SUPPRESS)  # child mode: "hf"
+    ap.add_argument("--sd", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.peer == "hf":
+        return hf_child(args)
     if args.quick:
         args.batch, args.seq, args.repeats = 4, 128, 3
     if not args.gpu:
