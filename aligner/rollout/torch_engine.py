@@ -92,16 +92,15 @@ class TorchEngine(RolloutEngine):
         self._rng_seed = seed
         self._calls = 0
         self._graphs: dict[tuple[int, int], "_DecodeGraph"] = {}
-        self._params = _param_slots(model)
-        self._full_names = {n for n, _ in build_model(self.cfg, device="meta").named_parameters(remove_duplicate=False)}
-        self._received: set[str] = set()
-        self._offloaded: list[torch.Tensor] = []
         if self.device.type == "cpu":
             from aligner.parallel.host import keep_freed_host_memory
 
             keep_freed_host_memory()
-            _store_linear_weights_transposed(model)
-            self._params = _param_slots(model)
+            _store_linear_weights_transposed(model)  # before the slots are recorded
+        self._params = _param_slots(model)
+        self._full_names = {n for n, _ in build_model(self.cfg, device="meta").named_parameters(remove_duplicate=False)}
+        self._received: set[str] = set()
+        self._offloaded: list[torch.Tensor] = []
 
     # ---- properties of the local model --------------------------------------------------
     @property
