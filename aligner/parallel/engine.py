@@ -173,12 +173,11 @@ class TrainEngine:
             return model.to(d.device)
         from aligner.parallel.pipeline import build_stage_model
 
-        stage = build_stage_model(
+        return build_stage_model(
             self.model_cfg, self.kind, d, layer_split=par.pp_layer_split, sequence_parallel=par.sequence_parallel,
             recompute=par.recompute, seed=seed, full_state_dict=None if model is None else model.state_dict(),
-            device=d.device if model is not None else "cpu",
+            device=d.device,
         )
-        return stage.to(d.device)
 
     @property
     def fsdp(self) -> bool:
@@ -231,8 +230,9 @@ class TrainEngine:
     ) -> torch.Tensor:
         """Forward + backward over micro-batches (1F1B across stages when pp_size > 1).
 
-        microbatches: dicts with ``input_ids`` [b, T] int64 (optional model inputs
-        ``pipeline.MODEL_INPUT_KEYS``: position_ids / segment_ids [b, T], head_index [b, R]) plus whatever `loss_fn` (output, mb) -> scalar reads; the same
+        microbatches: dicts with ``input_ids`` [b, T] int64, the optional model inputs of
+        ``pipeline.MODEL_INPUT_KEYS`` (position_ids / segment_ids [b, T], head_index [b, R]),
+        plus whatever `loss_fn` (output, mb) -> scalar reads; the same
         on every pp rank of a dp replica. loss_reduction: "mean" scales each loss by
         1/num_microbatches, "sum" leaves it (see aligner.parallel.pipeline).
         Returns: [num_microbatches] fp32 unscaled losses (on every pp rank).
