@@ -52,6 +52,21 @@ def test_cuda_graph_decode_matches_eager_and_reference():
     assert [g.token_ids for g in graphed.generate(PROMPTS, s)] == [g.token_ids for g in fresh]
 
 
+@needs_cuda
+def test_fused_decode_on_cuda_matches_the_module_path_eager_and_graphed():
+    """The packed-weight decode step (on by default only on the CPU) on CUDA, eager and inside a
+    CUDA graph, against the module path; once this passes on a GPU the default can include CUDA."""
+    s = SamplingConfig(temperature=0.0, max_new_tokens=12)
+    want = TorchEngine(build_model(CFG, seed=1, device="cuda").eval(), cuda_graphs=False, fused_decode=False).generate(PROMPTS, s)
+    for graphs in (False, True):
+        engine = TorchEngine(build_model(CFG, seed=1, device="cuda").eval(), cuda_graphs=graphs, fused_decode=True)
+        assert engine.fused_decode
+        got = engine.generate(PROMPTS, s)
+        assert [g.token_ids for g in got] == [g.token_ids for g in want]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(torch.tensor(g.rollout_log_probs), torch.tensor(w.rollout_log_probs), atol=1e-4, rtol=0)
+
+
 @needs_trtllm
 def test_trtllm_engine_refit_generate_sleep(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
