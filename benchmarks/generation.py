@@ -6,7 +6,10 @@ length; runs alternate between the two (after one warm-up each) and the table sh
 
 CPU (default): tiny Llama (hidden 256, 4 layers, 8 heads, vocab 32000), prompt 64, 128 new
 tokens, batch 1, 8, 32, 128, in float32 and in bfloat16 (both sides in the same dtype on each
-row). The refit row times ``refit`` (bucketed update_weights) against ``param.copy_``.
+row). The refit row times ``refit`` (bucketed update_weights) against ``param.copy_``. Each
+row also shows a floor: the same weights through only the step's GEMMs plus one read of the
+KV cache per step (``cpu_floor``), and floor / HF, the most any engine built from these GEMMs
+could gain over HF here.
 
 GPU (``--gpu``, used by benchmarks/gpu_suite.sh): a ~1.1B Llama (TinyLlama-1.1B dims, GQA 32/4
 heads) in bf16 on CUDA, prompt 128, 256 new tokens, TorchEngine with CUDA-graph decode against
@@ -76,6 +79,34 @@ def compare(engine: TorchEngine, hf, ids: torch.Tensor, new: int, repeats: int) 
     return b * new / statistics.median(t_ours), b * new / statistics.median(t_hf)
 
 
+def cpu_floor(engine: TorchEngine, batch: int, context: int, steps: int, repeats: int) -> float:
+    """tok/s of a loop doing only what a decode step cannot avoid: the engine's own weights through
+    the same GEMMs (fused q/k/v, o, fused gate/up, down, head) and one read of each layer's K and
+    V cache at `context` slots (the mean over the run). No attention math, norms, RoPE,
+    sampling or Python bookkeeping: the GEMM-and-memory floor of this machine for this model."""
+    model, cfg = engine.model, engine.cfg
+    dtype, hd = engine.dtype, cfg.resolved_head_dim
+    weights = [(l.self_attn.fused_qkv[0], l.self_attn.o_proj.weight, l.mlp.fused_gate_up[0], l.mlp.down_proj.weight) for l in model.model.layers.values()]
+    kv = [torch.randn(batch, cfg.num_kv_heads, context, hd).to(dtype) for _ in range(2 * len(weights))]
+    x = torch.randn(batch, cfg.hidden_size).to(dtype)
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            h = x
+            for i, (w_qkv, w_o, w_gu, w_down) in enumerate(weights):
+                qkv = torch.nn.functional.linear(h, w_qkv)
+                kv[2 * i].sum(), kv[2 * i + 1].sum()
+                h = h + torch.nn.functional.linear(qkv[:, : w_o.shape[1]], w_o)
+                h = h + torch.nn.functional.linear(torch.nn.functional.linear(h, w_gu)[:, : w_down.shape[1]], w_down)
+            torch.nn.functional.linear(h, model.lm_head.weight)
+        return time.perf_counter() - t0
+
+    with torch.inference_mode():
+        run()
+        return batch * steps / statistics.median(run() for _ in range(repeats))
+
+
 def cpu_main(args) -> None:
     prompt_len, new = (32, 32) if args.quick else (64, 128)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1, 8] if args.quick else [1, 8, 32, 128])
@@ -85,7 +116,7 @@ def cpu_main(args) -> None:
     print(C.env_line())
     print(f"command: {C.command_line()}")
     print(f"prompt {prompt_len}, new {new}, greedy, repeats {repeats} (medians)")
-    print(f"{'dtype':>9} {'batch':>6} {'HF tok/s':>10} {'ours tok/s':>11} {'ratio':>6}", flush=True)
+    print(f"{'dtype':>9} {'batch':>6} {'HF tok/s':>10} {'ours tok/s':>11} {'ratio':>6} {'floor tok/s':>12} {'ours/floor':>11} {'floor/HF':>9}", flush=True)
     g = torch.Generator().manual_seed(0)
     for dtype in dtypes:
         ours = build_model(cfg, seed=0).eval().to(getattr(torch, dtype))
@@ -94,7 +125,9 @@ def cpu_main(args) -> None:
         for b in batches:
             ids = torch.randint(1, cfg.vocab_size, (b, prompt_len), generator=g)
             our_tps, hf_tps = compare(engine, hf, ids, new, repeats)
-            print(f"{dtype:>9} {b:>6} {hf_tps:>10.0f} {our_tps:>11.0f} {our_tps / hf_tps:>5.2f}x", flush=True)
+            floor = cpu_floor(engine, b, prompt_len + new // 2, new, repeats)
+            print(f"{dtype:>9} {b:>6} {hf_tps:>10.0f} {our_tps:>11.0f} {our_tps / hf_tps:>5.2f}x {floor:>12.0f} "
+                  f"{100 * our_tps / floor:>10.0f}% {floor / hf_tps:>8.2f}x", flush=True)
         del hf
     # refit vs plain copy of the same bytes (fp32 trainer -> fp32 engine)
     engine = TorchEngine(build_model(cfg, seed=0).eval())
