@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
@@ -95,11 +96,11 @@ def cpu_floor(engine: TorchEngine, batch: int, context: int, steps: int, repeats
         for _ in range(steps):
             h = x
             for i, (w_qkv, w_o, w_gu, w_down) in enumerate(weights):
-                qkv = torch.nn.functional.linear(h, w_qkv)
+                qkv = F.linear(h, w_qkv)
                 kv[2 * i].sum(), kv[2 * i + 1].sum()
-                h = h + torch.nn.functional.linear(qkv[:, : w_o.shape[1]], w_o)
-                h = h + torch.nn.functional.linear(torch.nn.functional.linear(h, w_gu)[:, : w_down.shape[1]], w_down)
-            torch.nn.functional.linear(h, model.lm_head.weight)
+                h = h + F.linear(qkv[:, : w_o.shape[1]], w_o)
+                h = h + F.linear(F.linear(h, w_gu)[:, : w_down.shape[1]], w_down)
+            F.linear(h, model.lm_head.weight)
         return time.perf_counter() - t0
 
     with torch.inference_mode():

@@ -43,6 +43,14 @@ def _label_logit(shifted: torch.Tensor, labels: torch.Tensor, vocab_start: int, 
     return comm.reduce_from_tp(picked * inside, tp_group)
 
 
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature in fp32 (logits unchanged, any dtype, at temperature 1).
+    Raises ValueError for temperature <= 0 (greedy rollouts report log-probs at 1.0)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0 for log-probs and entropy (greedy uses 1.0)")
+    return logits if temperature == 1.0 else logits.float() / temperature
+
+
 def vocab_parallel_log_probs(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -63,10 +71,7 @@ def vocab_parallel_log_probs(
     Raises:
         ValueError: temperature <= 0.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature} must be > 0 for log-probs (greedy uses 1.0)")
-    if temperature != 1.0:
-        logits = logits.float() / temperature
+    logits = _tempered(logits, temperature)
     if comm.group_size(tp_group) == 1 and vocab_start == 0:
         # one fused kernel (log-softmax + gather) when the vocabulary is not split
         return -F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none").view(labels.shape)
@@ -84,10 +89,7 @@ def vocab_parallel_entropy(
     Returns:
         entropy: [B, T] fp32 nats, differentiable.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature} must be > 0")
-    if temperature != 1.0:
-        logits = logits.float() / temperature
+    logits = _tempered(logits, temperature)
     if comm.group_size(tp_group) == 1:
         lp = torch.log_softmax(logits.float(), dim=-1)
         return -(lp.exp() * lp).sum(dim=-1)
@@ -122,9 +124,7 @@ def vocab_parallel_log_probs_entropy(
     Raises:
         ValueError: temperature <= 0.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature} must be > 0 for log-probs (greedy uses 1.0)")
-    logits = logits.float() if temperature == 1.0 else logits.float() / temperature
+    logits = _tempered(logits, temperature).float()
     if comm.group_size(tp_group) == 1 and vocab_start == 0:
         lsm = torch.log_softmax(logits, dim=-1)
         log_probs = lsm.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
