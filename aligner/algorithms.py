@@ -1,10 +1,11 @@
 """Pure RL math for PPO-family RLHF: advantages, KL penalties and controllers, losses.
 
 Owns: masked reductions (mean / sum / var / whiten), KL estimators (``KL_ESTIMATORS``),
-KL-coefficient controllers (``KL_CONTROLLERS``), KL-shaped token rewards, GAE and the
-critic-free advantage estimators (``ADVANTAGE_ESTIMATORS``), the PPO policy / value
-losses, the entropy bonus, truncated importance sampling against the rollout engine's
-log-probs, and reward standardization. Everything here is a pure function of tensors
+KL-coefficient controllers (``KL_CONTROLLERS``), the KL in the reward (per token, or per
+sequence for outcome rewards) or as a loss term, GAE and the critic-free advantage
+estimators (``ADVANTAGE_ESTIMATORS``), the PPO policy / value losses and their
+aggregation (``LOSS_AGG_MODES``), truncated importance sampling against the rollout
+engine's log-probs, and reward standardization. Everything here is a pure function of tensors
 (torch only, no other aligner import, no process group): the trainer and the workers
 call it, tests check it against hand-computed and peer reference values.
 
@@ -39,7 +40,7 @@ import torch
 Tensor = torch.Tensor
 
 _LOG_RATIO_CLAMP = 20.0  # |log ratio| clamp before exp (verl), keeps exp finite in fp32
-_K3_CLAMP = 10.0  # k3 output clamp, as verl's "low_var_kl"
+_K3_CLAMP = 10.0  # k3 output clamp, as verl's "low_var_kl" (biases the estimate low beyond it)
 
 
 # ----------------------------------------------------------------------------------------
@@ -141,9 +142,11 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
 def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
     """Normalize ``x`` to mean 0 and unit (unbiased) variance over the masked entries.
 
-    As TRL / NeMo-Aligner ``whiten``: ``(x - mean) / sqrt(var + eps)``; with
-    ``shift_mean=False`` the mean is added back (only the scale changes). Entries
-    outside the mask are set to 0.
+    As TRL ``masked_whiten``: ``(x - mean) / sqrt(var + eps)`` with the unbiased
+    (Bessel-corrected) variance. NeMo-Aligner's ``masked_whiten`` divides by the biased
+    variance instead, so its result is ours times ``sqrt((n - 1) / n)`` for n masked
+    entries. With ``shift_mean=False`` the mean is added back (only the scale changes).
+    Entries outside the mask are set to 0.
 
     Args:
         x: [B, R] float tensor (e.g. advantages).
@@ -199,8 +202,10 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, estimator: str = "k1") 
     With ``d = log_probs - ref_log_probs`` (Schulman 2020, verl ``kl_penalty``):
 
     - "k1": ``d`` (unbiased, high variance, can be negative).
-    - "k3": ``exp(-d) - 1 + d`` (unbiased, low variance, >= 0; verl "low_var_kl");
-      ``d`` is clamped to [-20, 20] and the result to [-10, 10] as in verl.
+    - "k3": ``exp(-d) - 1 + d`` (low variance, >= 0; verl "low_var_kl"). The formula is
+      unbiased, but as in verl ``d`` is clamped to [-20, 20] and the result to at most 10,
+      so tokens with ``d < -2.6`` (the reference far more likely than the policy)
+      contribute 10 instead of more: the clamped estimate is biased low there.
     - "abs": ``|d|``.
     - "mse": ``0.5 * d**2`` (k2).
 
@@ -397,6 +402,31 @@ def compute_gae(
 # ----------------------------------------------------------------------------------------
 
 
+def kl_shaped_scores(scores: Tensor, kl: Optional[Tensor], response_mask: Tensor, kl_coef: float) -> Tensor:
+    """Sequence rewards with the KL penalty in them: ``scores - kl_coef * sum_t kl[:, t]``.
+
+    How an outcome-reward estimator (GRPO, RLOO) puts the KL into the reward: verl
+    ``apply_kl_penalty`` subtracts ``kl_coef * kl`` from the token-level rewards and its
+    GRPO / RLOO estimators sum them per sequence; TRL's ``RLOOTrainer`` adds
+    ``-kl_coef * kl.sum(1)`` to the score before the leave-one-out baseline. The group
+    baseline is then taken over these KL-shaped rewards.
+
+    Args:
+        scores: [B] float, one outcome reward per sample.
+        kl: [B, R] float per-token KL estimate (:func:`kl_penalty`), or None (no KL).
+        response_mask: [B, R]; only response tokens are summed.
+        kl_coef: KL coefficient, >= 0; 0 returns ``scores`` unchanged.
+
+    Returns:
+        [B] float, no gradient.
+    """
+    _check_outcome_inputs(scores, response_mask)
+    if kl is None or kl_coef == 0:
+        return scores.detach()
+    _check_same_shape("response_mask", response_mask, kl=kl)
+    return (scores - kl_coef * masked_sum(kl.detach(), response_mask, dim=-1).to(scores.dtype)).detach()
+
+
 def _group_index(batch_size: int, group_ids: Optional[Tensor], group_size: Optional[int]) -> Tensor:
     """[B] int64 dense group index 0..G-1 from ``group_ids: [B]`` or a contiguous ``group_size``."""
     if (group_ids is None) == (group_size is None):
@@ -586,12 +616,15 @@ def _gae_estimator(*, scores, response_mask, values=None, kl=None, kl_coef=0.0, 
     return compute_gae(token_rewards, values, response_mask, gamma, gae_lambda)
 
 
-def _grpo_estimator(*, scores, response_mask, group_ids=None, group_size=None, norm_by_std=True, **_):
+def _grpo_estimator(*, scores, response_mask, kl=None, kl_coef=0.0, group_ids=None, group_size=None,
+                    norm_by_std=True, **_):
+    scores = kl_shaped_scores(scores, kl, response_mask, kl_coef)
     adv = compute_grpo_advantages(scores, response_mask, group_ids, group_size, norm_by_std)
     return adv, adv
 
 
-def _rloo_estimator(*, scores, response_mask, group_ids=None, group_size=None, **_):
+def _rloo_estimator(*, scores, response_mask, kl=None, kl_coef=0.0, group_ids=None, group_size=None, **_):
+    scores = kl_shaped_scores(scores, kl, response_mask, kl_coef)
     adv = compute_rloo_advantages(scores, response_mask, group_ids, group_size)
     return adv, adv
 
@@ -628,16 +661,20 @@ def get_advantage_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
             scores=scores,                # [B] sequence reward
             response_mask=response_mask,  # [B, R]
             values=values,                # [B, R] critic values (gae only, required there)
-            kl=kl, kl_coef=kl_coef,       # [B, R] KL estimate (gae, reinforce_pp*); None = 0
+            kl=kl, kl_coef=kl_coef,       # [B, R] KL estimate and its coefficient in the reward; None = 0
             gamma=gamma, gae_lambda=gae_lambda,
             group_ids=group_ids,          # [B] int prompt group (grpo, rloo, reinforce_pp_baseline)
             group_size=None,              # or contiguous groups of this size
             norm_by_std=True,             # grpo only
         )
 
-    Both outputs are [B, R] with no gradient and 0 on padding. The critic-free
-    estimators return their advantages as ``returns`` (there is no critic to train),
-    except REINFORCE++ which returns its un-whitened return-to-go.
+    Both outputs are [B, R] with no gradient and 0 on padding. Every estimator puts
+    ``kl_coef * kl`` into the reward: per token for GAE and REINFORCE++
+    (:func:`compute_token_rewards`), summed per sequence for GRPO and RLOO
+    (:func:`kl_shaped_scores`); pass ``kl_coef=0`` when the KL is a loss term instead
+    (:func:`kl_loss`). The critic-free estimators return their advantages as ``returns``
+    (there is no critic to train), except REINFORCE++ which returns its un-whitened
+    return-to-go.
     """
     if name not in ADVANTAGE_ESTIMATORS:
         raise _unknown("advantage estimator", name, ADVANTAGE_ESTIMATORS)
@@ -651,13 +688,40 @@ def get_advantage_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
+def loss_agg_count(response_mask: Tensor, loss_agg: str = "token-mean") -> Tensor:
+    """The denominator of :func:`aggregate_loss`: response tokens ("token-mean") or sequences
+    with at least one response token (the two "seq-mean" modes).
+
+    A loss over several micro-batches or data-parallel ranks is exact when each part adds
+    ``aggregate_loss(part) * loss_agg_count(part)`` and the total is divided by the count
+    of the whole batch.
+
+    Args:
+        response_mask: [B, R].
+        loss_agg: one of ``LOSS_AGG_MODES``.
+
+    Returns:
+        0-dim float tensor.
+    """
+    if loss_agg not in LOSS_AGG_MODES:
+        raise _unknown("loss_agg", loss_agg, LOSS_AGG_MODES)
+    _check_ndim("response_mask", response_mask, 2, "[B, R]")
+    mask = response_mask.float()
+    return mask.sum() if loss_agg == "token-mean" else (mask.sum(-1) > 0).float().sum()
+
+
 def aggregate_loss(loss_mat: Tensor, response_mask: Tensor, loss_agg: str = "token-mean") -> Tensor:
     """Reduce a per-token loss to a scalar (verl ``agg_loss``).
 
-    - "token-mean": mean over all response tokens of the batch.
-    - "seq-mean-token-mean": mean over sequences of each sequence's token mean
-      (sequences with no response token are left out).
-    - "seq-mean-token-sum": mean over sequences of each sequence's token sum.
+    - "token-mean": mean over all response tokens of the batch (PPO as in most RLHF code).
+    - "seq-mean-token-mean": mean over sequences of each sequence's token mean (GRPO as
+      written in Shao et al. 2024).
+    - "seq-mean-token-sum": mean over sequences of each sequence's token sum (Dr. GRPO,
+      Liu et al. 2025, "Understanding R1-Zero-Like Training", without its constant length
+      normalizer).
+
+    Sequences with no response token are left out of both "seq-mean" modes (verl counts
+    them in "seq-mean-token-sum"); an empty batch gives 0.
 
     Args:
         loss_mat: [B, R] float per-token loss.
@@ -667,17 +731,40 @@ def aggregate_loss(loss_mat: Tensor, response_mask: Tensor, loss_agg: str = "tok
     Returns:
         0-dim tensor.
     """
-    if loss_agg not in LOSS_AGG_MODES:
-        raise _unknown("loss_agg", loss_agg, LOSS_AGG_MODES)
+    count = loss_agg_count(response_mask, loss_agg)
     _check_ndim("loss_mat", loss_mat, 2, "[B, R]")
     _check_same_shape("loss_mat", loss_mat, response_mask=response_mask)
     if loss_agg == "token-mean":
-        return masked_mean(loss_mat, response_mask)
-    if loss_agg == "seq-mean-token-sum":
-        return masked_sum(loss_mat, response_mask, dim=-1).mean()
-    seq_loss = masked_mean(loss_mat, response_mask, dim=-1)
-    has_tokens = _float_mask(response_mask, loss_mat).sum(-1) > 0
-    return masked_mean(seq_loss, has_tokens)
+        total = masked_sum(loss_mat, response_mask)
+    elif loss_agg == "seq-mean-token-sum":
+        total = masked_sum(loss_mat, response_mask, dim=-1).sum()
+    else:
+        total = masked_mean(loss_mat, response_mask, dim=-1).sum()
+    return total / count.to(total.dtype).clamp_min(1.0)
+
+
+def kl_loss(
+    log_probs: Tensor, ref_log_probs: Tensor, response_mask: Tensor, estimator: str = "k3",
+    loss_agg: str = "token-mean",
+) -> Tensor:
+    """KL(pi || pi_ref) as a loss term, with gradient through ``log_probs``.
+
+    The GRPO form (Shao et al. 2024, DeepSeekMath eq. 3-4: ``beta * k3`` added to the
+    per-token objective; TRL ``GRPOTrainer`` ``beta``; verl ``use_kl_loss`` with
+    ``kl_loss_type``): the per-token estimate of :func:`kl_penalty`, aggregated like the
+    policy loss. The caller adds ``kl_loss_coef *`` it to the policy loss.
+
+    Args:
+        log_probs: [B, R] float, current policy log-probs (with gradient).
+        ref_log_probs: [B, R] float, the reference policy's log-probs of the same tokens.
+        response_mask: [B, R].
+        estimator: a key of ``KL_ESTIMATORS`` ("k3" in DeepSeekMath and TRL).
+        loss_agg: one of ``LOSS_AGG_MODES``.
+
+    Returns:
+        0-dim tensor.
+    """
+    return aggregate_loss(kl_penalty(log_probs, ref_log_probs.detach(), estimator), response_mask, loss_agg)
 
 
 def policy_loss(
@@ -705,7 +792,8 @@ def policy_loss(
         advantages: [B, R] float.
         response_mask: [B, R].
         clip_eps: lower clip (and upper, unless ``clip_eps_high`` is set), > 0.
-        clip_eps_high: upper clip (DAPO "clip-higher"); None = ``clip_eps``.
+        clip_eps_high: upper clip (DAPO "clip-higher", Yu et al. 2025, arXiv:2503.14476);
+            None = ``clip_eps``.
         dual_clip: dual-clip bound c > 1; None = off.
         loss_agg: one of ``LOSS_AGG_MODES``.
         is_weights: [B, R] float, e.g. :func:`truncated_is_weights`; None = 1.
@@ -802,20 +890,6 @@ def value_loss(
             "value_error": masked_mean(unclipped, response_mask),
         }
     return loss, metrics
-
-
-def entropy_bonus(entropy: Tensor, response_mask: Tensor, loss_agg: str = "token-mean") -> Tensor:
-    """Mean policy entropy over response tokens (the caller subtracts ``entropy_coef *`` it).
-
-    Args:
-        entropy: [B, R] float, per-token entropy of the policy in nats (with gradient).
-        response_mask: [B, R].
-        loss_agg: one of ``LOSS_AGG_MODES``.
-
-    Returns:
-        0-dim tensor.
-    """
-    return aggregate_loss(entropy, response_mask, loss_agg)
 
 
 # ----------------------------------------------------------------------------------------

@@ -94,13 +94,108 @@ def load_config(stage: str, overrides: Sequence[str] = ()) -> AlignerConfig:
 
     merged = compose(stage, overrides)
     merged.stage = stage
+    adopt_checkpoint_dims(merged, stage, overrides)
     try:
-        return OmegaConf.to_object(merged)
+        cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         cause = e.__cause__ or e.__context__
         if isinstance(cause, ConfigError):
             raise cause from None
         raise ConfigError(f"bad configuration: {str(e).strip().splitlines()[0]}") from None
+    check_role_checkpoints(cfg)
+    return cfg
+
+
+# ModelConfig fields a checkpoint's config.json defines (the rest: init_std, backend, dtype, are run choices)
+CHECKPOINT_DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                   "head_dim", "max_seq_len", "rope_theta", "rope_scaling", "rms_norm_eps", "tie_word_embeddings",
+                   "attention_bias", "o_proj_bias")
+
+
+def primary_role(stage: str) -> str:
+    """The role whose model ``model.*`` describes: the reward model in the RM stage, else the policy."""
+    return "reward" if stage == "rm" else "actor"
+
+
+def checkpoint_model_config(init: str, field_name: str) -> Optional["ModelConfig"]:  # noqa: F821
+    """The ModelConfig of the HF checkpoint that `init` (an HF dir or a run dir) names; None when `init`
+    is empty or does not name one (the path checks report that later). Raises ConfigError naming
+    `field_name` for a config.json aligner cannot build (another architecture, an unsupported field)."""
+    from aligner.model.hf import CheckpointError, model_config_from_hf, read_hf_config
+    from aligner.parallel.role import resolve_init
+
+    try:
+        hf_dir = resolve_init(init)
+    except ValueError:
+        return None
+    if hf_dir is None:
+        return None
+    try:
+        return model_config_from_hf(read_hf_config(hf_dir), str(hf_dir / "config.json"))
+    except (CheckpointError, ConfigError) as e:
+        raise ConfigError(f"{field_name}={init!r}: {e}") from None
+
+
+def adopt_checkpoint_dims(merged, stage: str, overrides: Sequence[str]) -> None:
+    """Set ``model.*`` to the dimensions of the primary role's init checkpoint, before validation.
+
+    The model is built from the checkpoint's config.json, so the preset's dimensions must not be
+    what lengths and layouts are checked against. An explicit ``model.<field>=`` override on the
+    command line that disagrees with the checkpoint raises ConfigError naming both values.
+    """
+    from omegaconf import OmegaConf
+
+    role = primary_role(stage)
+    init = merged[role].init
+    if stage == "rm" and not init:
+        from aligner.rm import default_init
+
+        init = default_init(merged)
+    ckpt = checkpoint_model_config(init, f"{role}.init")
+    if ckpt is None:
+        return
+    explicit = {o.split("=", 1)[0].strip() for o in overrides if "=" in o}
+    preset = OmegaConf.to_object(merged.model)
+    for name in CHECKPOINT_DIMS:
+        have, want = getattr(preset, name), getattr(ckpt, name)
+        if name == "head_dim":
+            have, want = preset.resolved_head_dim, ckpt.resolved_head_dim
+        if _same_value(have, want):
+            continue
+        if f"model.{name}" in explicit:
+            raise ConfigError(f"model.{name}={have!r} conflicts with {role}.init={init!r}, whose config.json gives "
+                              f"{want!r}: the model is built from the checkpoint; drop the model.{name} override "
+                              f"or give another {role}.init")
+        merged.model[name] = getattr(ckpt, name)
+
+
+def _same_value(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        try:
+            return abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(b)))
+        except (TypeError, ValueError):
+            return False
+    return a == b
+
+
+def check_role_checkpoints(cfg: AlignerConfig) -> None:
+    """Validate every other role the run starts against its own init checkpoint's dimensions
+    (a critic or reward model may differ from the policy): its layout and data.max_seq_len."""
+    primary = primary_role(cfg.stage)
+    checked = {cfg.init_of(primary)}
+    for role in cfg.roles_used():
+        init = cfg.init_of(role)
+        if not init or init in checked:
+            continue
+        checked.add(init)
+        ckpt = checkpoint_model_config(init, cfg.init_field(role))
+        if ckpt is None:
+            continue
+        cfg.role(role).parallel.validate(f"{role}.parallel", ckpt)
+        if cfg.data.max_seq_len > ckpt.max_seq_len:
+            raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} is invalid: must not exceed the {role} "
+                              f"model's max_seq_len={ckpt.max_seq_len} ({cfg.init_field(role)}={init!r}, "
+                              "config.json max_position_embeddings)")
 
 
 def config_yaml(cfg: AlignerConfig) -> str:

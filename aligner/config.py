@@ -12,14 +12,16 @@ points turn it into a one-line message and exit code 2, with no traceback.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from aligner import algorithms as alg
+
 PRESETS = ("tiny", "llama2_7b", "llama2_13b", "llama2_70b")
 STAGES = ("sft", "rm", "ppo", "plan")
 ROLES = ("actor", "critic", "reward", "ref", "rollout")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")  # advantage estimators with a per-prompt group baseline
 
 
 class ConfigError(ValueError):
@@ -132,7 +134,7 @@ class DataConfig:
 
     train_path: str = ""  # jsonl/json/parquet file or saved HF dataset dir; "" = the built-in task
     eval_path: str = ""  # held-out split; "" = built-in task's or a slice of train
-    format: str = "auto"  # auto | prompt | sft | chat | pairs | hh | gsm8k
+    format: str = "auto"  # auto or a key of aligner.data.formats.FORMATS
     max_prompt_len: int = 64  # tokens; longer prompts follow `truncation`
     max_seq_len: int = 128  # tokens, prompt + response
     truncation: str = "error"  # error | left | right | skip: what to do with over-long rows
@@ -142,7 +144,9 @@ class DataConfig:
     shuffle_seed: int = 0  # order of samples per epoch
 
     def validate(self, prefix: str = "data") -> None:
-        _choice(f"{prefix}.format", self.format, ("auto", "prompt", "sft", "chat", "pairs", "hh", "gsm8k"))
+        from aligner.data.formats import FORMATS  # here, not at import: aligner.data imports this module
+
+        _choice(f"{prefix}.format", self.format, ("auto", *FORMATS))
         _choice(f"{prefix}.truncation", self.truncation, ("error", "left", "right", "skip"))
         _check(self.max_prompt_len > 0, f"{prefix}.max_prompt_len", self.max_prompt_len, "must be positive")
         _check(
@@ -323,7 +327,7 @@ class SamplingConfig:
 class RolloutConfig:
     """The actor's rollout engine and refit."""
 
-    backend: str = "torch"  # torch | trtllm
+    backend: str = "torch"  # torch (trtllm is refused until it is wired into the PPO loop)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # engine tp/pp layout (dp = replicas)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how responses are sampled
     refit_bucket_mb: int = 256  # refit sends weights in buckets of this size, MiB
@@ -332,7 +336,10 @@ class RolloutConfig:
     dtype: str = "float32"  # engine weights and KV cache: float32 | bfloat16 | float16 (refit casts)
 
     def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
-        _choice(f"{prefix}.backend", self.backend, ("torch", "trtllm"))
+        _check(self.backend != "trtllm", f"{prefix}.backend", self.backend,
+               "TrtllmEngine is not wired into the PPO loop yet (refit into it and its weight layout are the scope of "
+               "the GPU-path issue); use rollout.backend=torch, which runs on CPU and CUDA")
+        _choice(f"{prefix}.backend", self.backend, ("torch",))
         _choice(f"{prefix}.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         self.parallel.validate(f"{prefix}.parallel", model)
         self.sampling.validate(f"{prefix}.sampling")
@@ -341,40 +348,82 @@ class RolloutConfig:
 
 @dataclass(kw_only=True)
 class AlgorithmConfig:
-    """PPO-family algorithm settings (formulas in aligner.algorithms)."""
+    """PPO-family algorithm settings (formulas and papers in aligner.algorithms).
 
-    advantage: str = "gae"  # gae | grpo | rloo | reinforce_pp
+    The KL to the reference policy enters in one or both of two places: in the reward
+    (``kl_in_reward``, coefficient ``kl_coef`` under ``kl_controller``: per token for gae
+    and reinforce_pp, per sequence for grpo and rloo), or as a loss term of the actor
+    (``kl_loss_coef`` with ``kl_loss_estimator``, as DeepSeekMath's GRPO). A coefficient
+    that nothing applies is refused.
+    """
+
+    advantage: str = "gae"  # a key of aligner.algorithms.ADVANTAGE_ESTIMATORS
     gamma: float = 1.0  # discount
     gae_lambda: float = 0.95  # GAE lambda
-    clip_eps: float = 0.2  # PPO ratio clip
+    clip_eps: float = 0.2  # PPO ratio clip (lower, and upper unless clip_eps_high is set)
+    clip_eps_high: Optional[float] = None  # upper ratio clip, "clip-higher" (DAPO, Yu et al. 2025); None = clip_eps
     dual_clip: Optional[float] = None  # dual-clip bound c > 1 (Ye et al. 2020); None = off
     value_clip_eps: Optional[float] = 0.2  # clipped value loss; None = unclipped
-    kl_coef: float = 0.05  # initial KL penalty coefficient
-    kl_estimator: str = "k1"  # k1 | k3 | abs | mse
-    kl_controller: str = "fixed"  # fixed | adaptive (Ziegler et al. 2019)
+    loss_agg: str = "token-mean"  # actor loss aggregation: token-mean | seq-mean-token-mean (GRPO paper) | seq-mean-token-sum (Dr. GRPO)
+    norm_by_std: bool = True  # grpo only: divide by the group std; false = Dr. GRPO (Liu et al. 2025)
+    kl_in_reward: Optional[bool] = None  # KL penalty in the reward; None = true except for grpo (KL as a loss there)
+    kl_coef: float = 0.05  # (initial) coefficient of the KL in the reward
+    kl_estimator: str = "k1"  # KL estimator in the reward and the KL metrics: a key of KL_ESTIMATORS
+    kl_controller: str = "fixed"  # fixed | adaptive (Ziegler et al. 2019), for kl_coef
     kl_target: float = 6.0  # adaptive controller target KL, nats per sequence
     kl_horizon: int = 10000  # adaptive controller horizon, samples
+    kl_loss_coef: float = 0.0  # coefficient of the KL loss term in the actor loss (TRL GRPO beta, verl kl_loss_coef); 0 = off
+    kl_loss_estimator: str = "k3"  # estimator of the KL loss term (DeepSeekMath: k3)
     entropy_coef: float = 0.0  # entropy bonus weight
-    whiten_advantages: bool = True  # normalize advantages over the batch
+    whiten_advantages: bool = True  # gae: normalize advantages over the batch
     ppo_epochs: int = 1  # passes over each rollout batch
     critic_warmup_steps: int = 0  # steps that train only the critic
     normalize_rewards: bool = True  # standardize RM scores with the RM's saved mean/std
     tis_cap: Optional[float] = None  # truncated importance-sampling cap on exp(old - rollout); None = off
     vf_coef: float = 1.0  # value-loss weight
 
+    @property
+    def resolved_kl_in_reward(self) -> bool:
+        """``kl_in_reward``, or its default: true for every estimator but grpo."""
+        return self.advantage != "grpo" if self.kl_in_reward is None else bool(self.kl_in_reward)
+
+    @property
+    def reward_kl_coef_used(self) -> bool:
+        """Whether the KL-in-reward coefficient can be nonzero in this run."""
+        return self.resolved_kl_in_reward and (self.kl_coef > 0 or self.kl_controller == "adaptive")
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether any KL term needs the reference policy's log-probs."""
+        return self.reward_kl_coef_used or self.kl_loss_coef > 0
+
     def validate(self, prefix: str = "algorithm") -> None:
-        _choice(f"{prefix}.advantage", self.advantage, ("gae", "grpo", "rloo", "reinforce_pp"))
-        _choice(f"{prefix}.kl_estimator", self.kl_estimator, ("k1", "k3", "abs", "mse"))
-        _choice(f"{prefix}.kl_controller", self.kl_controller, ("fixed", "adaptive"))
+        _choice(f"{prefix}.advantage", self.advantage, tuple(alg.ADVANTAGE_ESTIMATORS))
+        _choice(f"{prefix}.kl_estimator", self.kl_estimator, tuple(alg.KL_ESTIMATORS))
+        _choice(f"{prefix}.kl_loss_estimator", self.kl_loss_estimator, tuple(alg.KL_ESTIMATORS))
+        _choice(f"{prefix}.kl_controller", self.kl_controller, tuple(alg.KL_CONTROLLERS))
+        _choice(f"{prefix}.loss_agg", self.loss_agg, alg.LOSS_AGG_MODES)
         _check(0 <= self.gamma <= 1, f"{prefix}.gamma", self.gamma, "must be in [0, 1]")
         _check(0 <= self.gae_lambda <= 1, f"{prefix}.gae_lambda", self.gae_lambda, "must be in [0, 1]")
         _check(self.clip_eps > 0, f"{prefix}.clip_eps", self.clip_eps, "must be positive (e.g. 0.2)")
+        if self.clip_eps_high is not None:
+            _check(self.clip_eps_high > 0, f"{prefix}.clip_eps_high", self.clip_eps_high, "must be positive (e.g. 0.28, DAPO) or null")
         _check(self.kl_coef >= 0, f"{prefix}.kl_coef", self.kl_coef, "must be >= 0")
+        _check(self.kl_loss_coef >= 0, f"{prefix}.kl_loss_coef", self.kl_loss_coef, "must be >= 0 (e.g. 0.04, DeepSeekMath)")
         _check(self.ppo_epochs >= 1, f"{prefix}.ppo_epochs", self.ppo_epochs, "must be >= 1")
         if self.dual_clip is not None:
             _check(self.dual_clip > 1, f"{prefix}.dual_clip", self.dual_clip, "must be > 1 (e.g. 3.0) or null")
         if self.tis_cap is not None:
             _check(self.tis_cap >= 1, f"{prefix}.tis_cap", self.tis_cap, "must be >= 1 (e.g. 2.0) or null")
+        _check(self.norm_by_std or self.advantage == "grpo", f"{prefix}.norm_by_std", self.norm_by_std,
+               f"applies to advantage=grpo only (advantage={self.advantage} has no group std): remove it")
+        if not self.resolved_kl_in_reward:
+            where = (f"{prefix}.kl_in_reward=false" if self.kl_in_reward is not None
+                     else f"{prefix}.kl_in_reward is false by default for advantage={self.advantage}")
+            fix = (f"the KL is not in the reward ({where}): set {prefix}.kl_coef=0 and put the KL in the loss with "
+                   f"{prefix}.kl_loss_coef (e.g. 0.04, DeepSeekMath), or set {prefix}.kl_in_reward=true")
+            _check(self.kl_coef == 0, f"{prefix}.kl_coef", self.kl_coef, fix)
+            _check(self.kl_controller == "fixed", f"{prefix}.kl_controller", self.kl_controller, fix)
 
 
 @dataclass(kw_only=True)
@@ -389,7 +438,7 @@ class TrainerConfig:
     global_batch_size: int = 32  # SFT/RM: samples per optimizer step (over all dp ranks)
     micro_batch_size: int = 8  # samples per forward/backward per dp rank
     rollout_batch_size: int = 32  # PPO: prompts per step
-    n_samples_per_prompt: int = 1  # PPO: responses per prompt (>= 2 for grpo/rloo)
+    n_samples_per_prompt: int = 1  # PPO: responses per prompt (>= 2 for grpo, rloo, reinforce_pp_baseline)
     mini_batch_size: int = 32  # PPO: samples per optimizer step
     eval_batch_size: int = 64  # prompts per evaluation batch
     max_nonfinite: int = 3  # consecutive non-finite updates before the run stops
@@ -478,7 +527,7 @@ class AlignerConfig:
             self.data.max_seq_len,
             f"must not exceed model.max_seq_len={self.model.max_seq_len}",
         )
-        if self.stage == "ppo" and self.algorithm.advantage in ("grpo", "rloo"):
+        if self.stage == "ppo" and self.algorithm.advantage in GROUP_ESTIMATORS:
             _check(
                 self.trainer.n_samples_per_prompt >= 2,
                 "trainer.n_samples_per_prompt",
@@ -486,8 +535,50 @@ class AlignerConfig:
                 f"algorithm.advantage={self.algorithm.advantage} needs >= 2 samples per prompt",
             )
 
-    def check_paths(self, roles: tuple[str, ...] = ("actor", "critic", "reward", "ref")) -> None:
+    def roles_used(self) -> tuple[str, ...]:
+        """The role groups this run starts.
+
+        sft: actor. rm: reward. ppo: actor always; critic for gae; reward when
+        ``reward.type=model``; ref when a KL term needs it (:attr:`AlgorithmConfig.uses_reference`).
+        plan: the PPO roles.
+        """
+        if self.stage == "sft":
+            return ("actor",)
+        if self.stage == "rm":
+            return ("reward",)
+        roles = ["actor"]
+        if self.algorithm.advantage == "gae":
+            roles.append("critic")
+        if self.reward.type == "model":
+            roles.append("reward")
+        if self.algorithm.uses_reference:
+            roles.append("ref")
+        return tuple(roles)
+
+    def init_of(self, role: str) -> str:
+        """The checkpoint `role` starts from: its own ``init``, else the critic starts from the
+        reward model (``reward.init``, when ``reward.type=model``) and the reference from the
+        policy (``actor.init``); "" = random weights."""
+        return self.role(role).init or (self.role(fallback).init if (fallback := self._init_fallback(role)) else "")
+
+    def init_field(self, role: str) -> str:
+        """How to name where `role`'s init comes from in a message: "critic.init", or
+        "reward.init (critic.init is empty)" when it falls back."""
+        fallback = self._init_fallback(role)
+        if self.role(role).init or not fallback or not self.role(fallback).init:
+            return f"{role}.init"
+        return f"{fallback}.init (the {role} starts from it: {role}.init is empty)"
+
+    def _init_fallback(self, role: str) -> str:
+        if role == "critic":
+            return "reward" if self.reward.type == "model" else ""
+        return "actor" if role == "ref" else ""
+
+    def check_paths(self, roles: Optional[tuple[str, ...]] = None) -> None:
         """Check that every input path the run will read exists (after planning, before any work).
+
+        Args:
+            roles: the roles whose init checkpoints are read; None = :meth:`roles_used`.
 
         Raises ConfigError naming the field, the path and what to give instead.
         """
@@ -497,11 +588,12 @@ class AlignerConfig:
                 raise ConfigError(f"data.{name}={path!r} does not exist: give an existing jsonl/json/parquet file or a saved HF dataset dir")
         if self.tokenizer.path and not os.path.exists(self.tokenizer.path):
             raise ConfigError(f"tokenizer.path={self.tokenizer.path!r} does not exist: give an HF tokenizer dir, tokenizer.json or tokenizer.model")
-        for role in roles:
-            path = self.role(role).init
+        roles = self.roles_used() if roles is None else roles
+        for role in sorted(roles, key=lambda r: not self.role(r).init):  # a role's own init before a fallback
+            path = self.init_of(role)
             if path and not os.path.exists(path):
                 raise ConfigError(
-                    f"{role}.init={path!r} does not exist: give an aligner checkpoint dir or an HF model dir "
+                    f"{self.init_field(role)}={path!r} does not exist: give an aligner checkpoint dir or an HF model dir "
                     "(for conf=tiny, run `python -m aligner.sft` and `python -m aligner.rm` first, or `make demo`)"
                 )
 
@@ -511,7 +603,3 @@ class AlignerConfig:
             raise ValueError(f"unknown role {name!r}: valid roles are actor, critic, reward, ref")
         return getattr(self, name)
 
-
-def to_dict(cfg: Any) -> dict:
-    """A plain nested dict of a config dataclass (for logging and checkpoints)."""
-    return dataclasses.asdict(cfg)

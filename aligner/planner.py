@@ -584,11 +584,13 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
         RoleWork(role="actor", kind="lm", parallel=cfg.actor.parallel, group="actor", **train),
         RoleWork(role="rollout", kind="lm", mode="generate", parallel=cfg.rollout.parallel, batch=samples, batch_field="samples", seq_len=d.max_prompt_len, new_tokens=new_tokens, max_batch_size=cfg.rollout.max_batch_size, group="actor"),
     ]
-    if cfg.algorithm.advantage == "gae":
+    roles = cfg.roles_used()
+    if "critic" in roles:
         works.append(RoleWork(role="critic", kind="score", parallel=cfg.critic.parallel, group="critic", **train))
-    if cfg.reward.type == "model":
+    if "reward" in roles:
         works.append(RoleWork(role="reward", kind="score", mode="forward", parallel=cfg.reward.parallel, batch=samples, batch_field="samples", seq_len=d.max_seq_len, group=group("reward", "critic")))
-    works.append(RoleWork(role="ref", kind="lm", mode="forward", parallel=cfg.ref.parallel, batch=samples, batch_field="samples", seq_len=d.max_seq_len, group=group("ref", "critic")))
+    if "ref" in roles:
+        works.append(RoleWork(role="ref", kind="lm", mode="forward", parallel=cfg.ref.parallel, batch=samples, batch_field="samples", seq_len=d.max_seq_len, group=group("ref", "critic")))
     return works
 
 

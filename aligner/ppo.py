@@ -14,6 +14,7 @@ Owns the run around :class:`aligner.trainer.PPOTrainer`, as named phases:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -32,7 +33,6 @@ def plan_phase(cfg: AlignerConfig) -> Optional[int]:
     """Print the plan; return 0 for plan_only, raise UserError when the layout or machine cannot hold the run."""
     from aligner.parallel.placement import cluster_shortfall, describe_request, plan_from_config
     from aligner.planner import PlanError, check_fits, format_plan, make_plan
-    from aligner.trainer import roles_used
 
     try:
         if cfg.plan_only:
@@ -41,7 +41,7 @@ def plan_phase(cfg: AlignerConfig) -> Optional[int]:
         check_fits(cfg)
     except PlanError as e:
         raise UserError(str(e)) from None
-    roles = roles_used(cfg)
+    roles = cfg.roles_used()
     specs = plan_from_config(cfg, roles)
     if not (cfg.cluster.address or os.environ.get("RAY_ADDRESS")):
         from aligner.parallel.ray_runtime import local_num_cpus
@@ -88,7 +88,7 @@ def run_ppo(cfg: AlignerConfig) -> int:
     code = plan_phase(cfg)
     if code is not None:
         return code
-    cfg.check_paths(("actor", "critic", "reward", "ref"))
+    cfg.check_paths()
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(config_yaml(cfg))
@@ -153,7 +153,7 @@ def finish(cfg: AlignerConfig, trainer, tok, summary: dict) -> None:
     trainer.groups["actor"].export_hf(str(out / "hf"), str(tok_dir)).get()
     plot_curves(out / "metrics.jsonl", out / "ppo_report.png", REPORT_KEYS, title=f"aligner PPO ({cfg.preset})")
     print(summary_table(summary))
-    (out / "summary.json").write_text(__import__("json").dumps(summary, indent=2))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
 def summary_table(summary: dict) -> str:

@@ -22,7 +22,7 @@ import torch
 
 # Per-token [B, R] float fields and per-sequence [B] fields, in the DESIGN.md vocabulary.
 TOKEN_FIELDS = ("response_mask", "rollout_log_probs", "old_log_probs", "ref_log_probs", "values", "advantages",
-                "returns", "token_rewards", "kl")
+                "returns", "kl")
 SEQ_FIELDS = ("scores", "rewards", "prompt_lens", "response_lens", "group_ids")
 
 
@@ -37,7 +37,7 @@ class RolloutBatch:
         response_mask: [B, R] float32.
         rollout_log_probs: [B, R] from the rollout engine (for the mismatch metric / TIS).
         old_log_probs, ref_log_probs: [B, R] recomputed by the actor / reference before the update.
-        values: [B, R] critic values (GAE only). advantages, returns, token_rewards, kl: [B, R].
+        values: [B, R] critic values (GAE only). advantages, returns, kl: [B, R].
         scores: [B] raw reward (RM output or rule). rewards: [B] after standardization.
         group_ids: [B] int64 prompt index (samples of one prompt share it; GRPO/RLOO groups).
         weight_version: the actor weight version that generated the responses.
@@ -56,7 +56,6 @@ class RolloutBatch:
     values: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None
-    token_rewards: Optional[torch.Tensor] = None
     kl: Optional[torch.Tensor] = None
     scores: Optional[torch.Tensor] = None
     rewards: Optional[torch.Tensor] = None

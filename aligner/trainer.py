@@ -55,18 +55,6 @@ class PhaseTimer:
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
 
-def roles_used(cfg: AlignerConfig) -> list[str]:
-    """Role groups a PPO run starts: actor always; critic for GAE; reward when model-based; ref when KL is used."""
-    roles = ["actor"]
-    if cfg.algorithm.advantage == "gae":
-        roles.append("critic")
-    if cfg.reward.type == "model":
-        roles.append("reward")
-    if cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_controller == "adaptive":
-        roles.append("ref")
-    return roles
-
-
 class PPOTrainer:
     """Builds the role groups and runs PPO steps.
 
@@ -81,7 +69,7 @@ class PPOTrainer:
 
         self.cfg, self.tok = cfg, tokenizer
         self.train_prompts, self.eval_prompts = train_prompts, eval_prompts
-        self.data = DataIterator(train_prompts, seed=cfg.trainer.seed)
+        self.data = DataIterator(train_prompts, seed=cfg.data.shuffle_seed)
         a = cfg.algorithm
         self.kl_ctl = alg.build_kl_controller(a.kl_controller, a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)
         self.step = 0
@@ -102,13 +90,13 @@ class PPOTrainer:
         from aligner.reward.worker import RewardWorker
 
         cfg = self.cfg
-        roles = roles_used(cfg)
+        roles = cfg.roles_used()
         self.placement = placement_from_config(cfg, roles)
         steps = cfg.trainer.max_steps * cfg.algorithm.ppo_epochs * self.minibatches_per_step()
         specs = {
             "actor": (ActorWorker, dict(cfg=cfg, role="actor", total_steps=steps, eos_token_id=self.tok.eos_token_id)),
-            "ref": (PolicyWorker, dict(cfg=cfg, role="ref", init=cfg.ref.init or cfg.actor.init)),
-            "critic": (CriticWorker, dict(cfg=cfg, total_steps=steps, init=cfg.critic.init or cfg.reward.init)),
+            "ref": (PolicyWorker, dict(cfg=cfg, role="ref", init=cfg.init_of("ref"))),
+            "critic": (CriticWorker, dict(cfg=cfg, total_steps=steps, init=cfg.init_of("critic"))),
             "reward": (RewardWorker, dict(cfg=cfg)),
         }
         for role in roles:
@@ -223,7 +211,12 @@ class PPOTrainer:
                      [m["metadata"] for m in batch.meta])
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
-        """Rewards (standardized RM scores), per-token KL, advantages and returns."""
+        """Rewards (standardized RM scores), per-token KL, advantages and returns.
+
+        The KL enters the reward with the controller's coefficient when
+        ``algorithm.kl_in_reward`` (resolved) is true, and 0 otherwise; the KL loss term
+        (``algorithm.kl_loss_coef``) is applied in the actor's ppo_step instead.
+        """
         a = self.cfg.algorithm
         mask = batch.response_mask
         standardize = a.normalize_rewards and self.cfg.reward.type == "model"
@@ -231,15 +224,17 @@ class PPOTrainer:
         batch.kl = alg.kl_penalty(batch.old_log_probs, batch.ref_log_probs, a.kl_estimator) * mask
         estimator = alg.get_advantage_estimator(a.advantage)
         adv, ret = estimator(scores=batch.rewards, response_mask=mask, values=batch.values, kl=batch.kl,
-                             kl_coef=self.kl_ctl.value, gamma=a.gamma, gae_lambda=a.gae_lambda,
-                             group_ids=batch.group_ids, norm_by_std=True)
-        if a.advantage == "gae":
-            batch.token_rewards = alg.compute_token_rewards(batch.rewards, batch.kl, mask, self.kl_ctl.value)
-            if a.whiten_advantages:
-                adv = alg.masked_whiten(adv, mask)
+                             kl_coef=self.reward_kl_coef(), gamma=a.gamma, gae_lambda=a.gae_lambda,
+                             group_ids=batch.group_ids, norm_by_std=a.norm_by_std)
+        if a.advantage == "gae" and a.whiten_advantages:
+            adv = alg.masked_whiten(adv, mask)
         batch.advantages, batch.returns = adv * mask, ret * mask
         return {"advantages_mean": float(alg.masked_mean(batch.advantages, mask)),
                 "returns_mean": float(alg.masked_mean(batch.returns, mask))}
+
+    def reward_kl_coef(self) -> float:
+        """The coefficient of the KL in the reward this step: the controller's, or 0 when the KL is not in the reward."""
+        return self.kl_ctl.value if self.cfg.algorithm.resolved_kl_in_reward else 0.0
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """ppo_epochs passes of mini-batches: critic and actor updates run concurrently."""
@@ -250,6 +245,8 @@ class PPOTrainer:
         actor_keys = ["input_ids", "prompt_lens", "response_mask", "old_log_probs", "advantages"]
         if a.tis_cap is not None:
             actor_keys.append("rollout_log_probs")
+        if a.kl_loss_coef > 0:
+            actor_keys.append("ref_log_probs")
         critic_keys = ["input_ids", "prompt_lens", "response_mask", "values", "returns"]
         sums: dict[str, list[float]] = {}
         g = torch.Generator().manual_seed(sample_seed(t.seed, self.step, -1))
@@ -275,7 +272,7 @@ class PPOTrainer:
         mask = batch.response_mask
         kl_seq = (batch.kl * mask).sum(-1)
         out = {"score_mean": float(batch.scores.mean()), "reward_mean": float(batch.rewards.mean()),
-               "kl_mean": float(kl_seq.mean()), "kl_coef": float(self.kl_ctl.value),
+               "kl_mean": float(kl_seq.mean()), "kl_coef": float(self.reward_kl_coef()),
                "response_len": float(mask.sum(-1).mean()),
                "stop_frac": sum(m["finish_reason"] == "stop" for m in batch.meta) / max(1, len(batch))}
         if self.cfg.reward.type == "model" and self._is_task():

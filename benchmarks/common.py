@@ -196,18 +196,18 @@ def inprocess_trainer(cfg, tokenizer, prompts: list[dict], dims=None):
     from aligner.actor.worker import ActorWorker, PolicyWorker
     from aligner.critic.worker import CriticWorker
     from aligner.reward.worker import RewardWorker
-    from aligner.trainer import PPOTrainer, roles_used
+    from aligner.trainer import PPOTrainer
 
     trainer = PPOTrainer(cfg, tokenizer, prompts, prompts)
     steps = 1000
     kw = {} if dims is None else {"dims": dims}
     build = {
         "actor": lambda: ActorWorker(cfg, "actor", total_steps=steps, eos_token_id=None, **kw),
-        "ref": lambda: PolicyWorker(cfg, "ref", init=cfg.ref.init or cfg.actor.init, **kw),
-        "critic": lambda: CriticWorker(cfg, total_steps=steps, init=cfg.critic.init or cfg.reward.init, **kw),
+        "ref": lambda: PolicyWorker(cfg, "ref", init=cfg.init_of("ref"), **kw),
+        "critic": lambda: CriticWorker(cfg, total_steps=steps, init=cfg.init_of("critic"), **kw),
         "reward": lambda: RewardWorker(cfg, **kw),
     }
-    for role in roles_used(cfg):
+    for role in cfg.roles_used():
         trainer.groups[role] = InProcessGroup(build[role]())
     return trainer
 

@@ -7,9 +7,9 @@ run on any tp/pp/dp layout through :class:`aligner.parallel.runner.ModelRunner`:
   vocab-parallel (no rank holds full-vocabulary logits).
 - ``sft_step``: next-token NLL on response tokens only (loss_mask), token-mean over the
   global batch.
-- ``ppo_step``: clipped surrogate (Schulman et al. 2017) with optional dual clip,
-  entropy bonus and truncated importance sampling (aligner.algorithms), token-mean over
-  the global mini-batch.
+- ``ppo_step``: clipped surrogate (Schulman et al. 2017) with optional clip-higher and
+  dual clip, entropy bonus, KL loss term and truncated importance sampling
+  (aligner.algorithms), aggregated over the global mini-batch by ``algorithm.loss_agg``.
 
 Batches are dicts of tensors in the layout of :mod:`aligner.protocol`.
 """
@@ -102,12 +102,23 @@ class Policy(RoleModel):
         """One optimizer step of the clipped policy loss over this rank's share of a mini-batch.
 
         batch: input_ids [B, T], prompt_lens [B], response_mask [B, R], old_log_probs [B, R],
-        advantages [B, R], and rollout_log_probs [B, R] when algo.tis_cap is set.
-        Returns policy_loss, clipfrac, approx_kl, entropy (token means over the global
-        mini-batch), grad_norm, lr.
+        advantages [B, R]; rollout_log_probs [B, R] when algo.tis_cap is set; ref_log_probs
+        [B, R] when algo.kl_loss_coef > 0.
+
+        The loss is ``policy_loss - entropy_coef * entropy + kl_loss_coef * kl_loss``, each
+        term aggregated over the global mini-batch by ``algo.loss_agg`` (exact across
+        micro-batches and dp ranks: every part adds its sum and the total is divided by the
+        global token or sequence count, :func:`aligner.algorithms.loss_agg_count`).
+
+        Returns policy_loss, kl_loss (with kl_loss_coef > 0) and entropy (aggregated by
+        ``loss_agg``), clipfrac and approx_kl (token means), grad_norm, lr, skipped.
         """
-        norm = self.normalizer(batch["response_mask"].sum())
+        mode = algo.loss_agg
+        norm = self.normalizer(alg.loss_agg_count(batch["response_mask"], mode))
         sums: dict[str, float] = {}
+
+        def add(name: str, value: torch.Tensor) -> None:
+            sums[name] = sums.get(name, 0.0) + float(value.detach())
 
         def loss_fn(logits, mb):  # logits [b, R, V/tp] at the response positions
             mask = mb["response_mask"]
@@ -118,19 +129,28 @@ class Policy(RoleModel):
             if algo.tis_cap is not None:
                 weights = alg.truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"], mask, algo.tis_cap)
             loss, m = alg.policy_loss(lp, mb["old_log_probs"], mb["advantages"], mask, algo.clip_eps,
-                                      dual_clip=algo.dual_clip, loss_agg="token-mean", is_weights=weights)
-            n = mask.sum()
-            ent = (ent_tok * mask).sum()
-            total = loss * n - algo.entropy_coef * ent if algo.entropy_coef > 0 else loss * n
-            for k, v in (("policy_loss", loss * n), ("clipfrac", m["clipfrac"] * n), ("approx_kl", m["approx_kl"] * n),
-                         ("entropy", ent)):
-                sums[k] = sums.get(k, 0.0) + float(v.detach())
+                                      clip_eps_high=algo.clip_eps_high, dual_clip=algo.dual_clip, loss_agg=mode,
+                                      is_weights=weights)
+            count, tokens = alg.loss_agg_count(mask, mode), mask.sum()
+            entropy = alg.aggregate_loss(ent_tok, mask, mode)
+            total = loss * count
+            if algo.entropy_coef > 0:
+                total = total - algo.entropy_coef * entropy * count
+            if algo.kl_loss_coef > 0:
+                kl = alg.kl_loss(lp, mb["ref_log_probs"], mask, algo.kl_loss_estimator, mode)
+                total = total + algo.kl_loss_coef * kl * count
+                add("kl_loss", kl * count)
+            add("policy_loss", loss * count)
+            add("entropy", entropy * count)
+            add("clipfrac", m["clipfrac"] * tokens)
+            add("approx_kl", m["approx_kl"] * tokens)
             return total / norm
 
-        keys = ("input_ids", "response_mask", "old_log_probs", "advantages", "rollout_log_probs")
+        keys = ("input_ids", "response_mask", "old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs")
         inputs = self._response_inputs(batch, tuple(k for k in keys if k in batch))
         stats = self.runner.train_step(inputs, loss_fn, micro_batch_size)
         sums = from_last_stage(sums, self.dims)
-        count = float(batch["response_mask"].sum())
-        out = {k: self.dp_mean(v, count) for k, v in sorted(sums.items())}
+        counts = {"clipfrac": float(batch["response_mask"].sum()), "approx_kl": float(batch["response_mask"].sum())}
+        agg_count = float(alg.loss_agg_count(batch["response_mask"], mode))
+        out = {k: self.dp_mean(v, counts.get(k, agg_count)) for k, v in sorted(sums.items())}
         return {**out, "grad_norm": stats["grad_norm"], "lr": stats["lr"], "skipped": stats.get("skipped", 0.0)}

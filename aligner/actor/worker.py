@@ -63,11 +63,6 @@ class PolicyWorker:
     def export_hf(self, out_dir: str, tokenizer_path: str = "") -> Optional[str]:
         return self.policy.export_hf(out_dir, tokenizer_path)
 
-    @dispatch("broadcast")
-    def param_checksum(self) -> float:
-        """Sum of all full parameters (collective): a cheap identity check used by tests."""
-        return float(sum(v.double().sum() for v in self.policy.full_state_dict().values()))
-
 
 class ActorWorker(PolicyWorker):
     """The actor: a trainable PolicyWorker that also owns the rollout engine and its refit."""

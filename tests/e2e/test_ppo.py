@@ -61,14 +61,22 @@ def test_split_placement_tp2_actor_two_steps_and_resume(tmp_path):
     assert comparable(resumed[-1]) == comparable(full[-1])
 
 
-@pytest.mark.parametrize("advantage", ["grpo", "rloo"])
-def test_critic_free_estimators_two_steps(tmp_path, advantage):
+@pytest.mark.parametrize("advantage,kl", [
+    ("grpo", ["algorithm.kl_coef=0", "algorithm.kl_loss_coef=0.05"]),  # KL as a loss term (DeepSeekMath)
+    ("rloo", ["algorithm.kl_coef=0.2"]),  # KL in the reward (TRL RLOO, OpenRLHF)
+])
+def test_critic_free_estimators_two_steps(tmp_path, advantage, kl):
     ms = run(tmp_path, f"algorithm.advantage={advantage}", "trainer.n_samples_per_prompt=4", "trainer.rollout_batch_size=4",
-             "trainer.max_steps=2")
+             "trainer.max_steps=2", *kl)
     steps = [m for m in ms if m["step"] > 0]
     assert len(steps) == 2
     assert all("value_loss" not in m for m in steps)  # no critic group
     assert all(math.isfinite(m["policy_loss"]) and abs(m["advantages_mean"]) < 1.0 for m in steps)
+    if advantage == "grpo":  # the reference runs and its KL reaches the actor's loss, not the reward
+        assert all(m["kl_coef"] == 0.0 and math.isfinite(m["kl_loss"]) for m in steps)
+        assert steps[1]["kl_loss"] > 0  # the policy moved after the first update
+    else:
+        assert all(m["kl_coef"] == pytest.approx(0.2) and "kl_loss" not in m for m in steps)
 
 
 def test_reward_rises(tmp_path):

@@ -356,10 +356,63 @@ def test_advantage_registry_shared_contract():
     exp_adv, exp_ret = alg.compute_gae(token_rewards, kwargs["values"], mask, 1.0, 0.95)
     torch.testing.assert_close(adv, exp_adv)
     torch.testing.assert_close(ret, exp_ret)
+    shaped = kwargs["scores"] - 0.1 * (kwargs["kl"] * mask).sum(-1)  # KL in the reward, per sequence
     adv, _ = alg.get_advantage_estimator("rloo")(**kwargs)
-    torch.testing.assert_close(adv, alg.compute_rloo_advantages(kwargs["scores"], mask, group_size=2))
+    torch.testing.assert_close(adv, alg.compute_rloo_advantages(shaped, mask, group_size=2))
+    adv, _ = alg.get_advantage_estimator("grpo")(**kwargs)
+    torch.testing.assert_close(adv, alg.compute_grpo_advantages(shaped, mask, group_size=2))
     with pytest.raises(ValueError, match="needs values"):
         alg.get_advantage_estimator("gae")(**{**kwargs, "values": None})
+
+
+def test_kl_shaped_scores_by_hand():
+    scores = torch.tensor([1.0, 2.0])
+    kl = _t([0.5, 0.25, 9.0], [1.0, 9.0, 9.0])
+    mask = _ragged_mask([2, 1], 3)
+    out = alg.kl_shaped_scores(scores, kl, mask, kl_coef=0.2)
+    torch.testing.assert_close(out, torch.tensor([1.0 - 0.2 * 0.75, 2.0 - 0.2 * 1.0]))
+    assert torch.equal(alg.kl_shaped_scores(scores, kl, mask, kl_coef=0.0), scores)
+    assert torch.equal(alg.kl_shaped_scores(scores, None, mask, kl_coef=0.5), scores)
+
+
+def test_rloo_with_kl_in_reward_matches_trl_formula():
+    """TRL RLOOTrainer: rlhf_reward = score - kl_coef * sum_t kl; advantage = rlhf_reward - mean of the others."""
+    torch.manual_seed(0)
+    k, n_prompts, R = 4, 3, 5
+    scores, kl = torch.randn(k * n_prompts), torch.rand(k * n_prompts, R)
+    mask = torch.ones(k * n_prompts, R)
+    # TRL lays samples out as [k, n_prompts] (sample-major); ours groups contiguously by prompt
+    rlhf = (scores - 0.3 * kl.sum(1)).reshape(n_prompts, k).T  # [k, n_prompts]
+    expected = (rlhf - (rlhf.sum(0) - rlhf) / (k - 1)).T.reshape(-1)
+    adv, _ = alg.get_advantage_estimator("rloo")(scores=scores, response_mask=mask, kl=kl, kl_coef=0.3, group_size=k)
+    torch.testing.assert_close(adv[:, 0], expected)
+
+
+@pytest.mark.parametrize("name", sorted(alg.ADVANTAGE_ESTIMATORS))
+def test_kl_coef_changes_the_advantages_of_every_estimator(name):
+    """Issue 16: GRPO and RLOO ignored the KL; every estimator must apply the KL in the reward."""
+    torch.manual_seed(1)
+    mask = _ragged_mask([4, 2, 3, 4, 1, 4], 4)
+    kwargs = dict(scores=torch.randn(6), response_mask=mask, values=torch.randn(6, 4), kl=torch.rand(6, 4) * mask,
+                  gamma=1.0, gae_lambda=0.95, group_size=3)
+    estimator = alg.get_advantage_estimator(name)
+    without, _ = estimator(**kwargs, kl_coef=0.0)
+    with_kl, _ = estimator(**kwargs, kl_coef=0.5)
+    assert (with_kl - without).abs().max() > 1e-3, name
+
+
+def test_kl_loss_is_k3_with_gradient_through_the_policy():
+    log_probs = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    ref = _t([-1.5, -2.0, -3.0])
+    mask = _t([1.0, 1.0, 0.0])
+    loss = alg.kl_loss(log_probs, ref, mask, "k3")
+    d = log_probs.detach() - ref
+    expected = ((torch.exp(-d) - 1 + d) * mask).sum() / 2
+    assert loss.item() == pytest.approx(expected.item())
+    loss.backward()
+    # d/d(lp) of exp(ref - lp) - 1 + (lp - ref) = 1 - exp(ref - lp), token mean over 2 tokens
+    torch.testing.assert_close(log_probs.grad, ((1 - torch.exp(-d)) * mask) / 2)
+    assert alg.kl_loss(ref.clone(), ref, mask).item() == 0.0
 
 
 # ---------------------------------------------------------------------------------------
@@ -438,6 +491,28 @@ def test_policy_loss_aggregation_modes_by_hand():
         alg.policy_loss(log_probs, log_probs, adv, mask, 0.2, loss_agg="sum")
 
 
+def test_seq_mean_modes_leave_out_rows_without_response_tokens():
+    loss_mat = _t([1.0, 2.0, 3.0], [7.0, 7.0, 7.0], [4.0, 0.0, 0.0])
+    mask = _ragged_mask([3, 0, 1], 3)
+    assert alg.aggregate_loss(loss_mat, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    assert alg.aggregate_loss(loss_mat, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    assert alg.aggregate_loss(loss_mat, mask, "token-mean").item() == pytest.approx(10 / 4)
+    assert alg.aggregate_loss(loss_mat, torch.zeros(3, 3), "seq-mean-token-sum").item() == 0.0
+
+
+@pytest.mark.parametrize("mode", alg.LOSS_AGG_MODES)
+def test_aggregate_loss_is_exact_over_parts(mode):
+    """Each part adds aggregate * count; dividing by the whole batch's count gives the whole batch's loss
+    (how ppo_step aggregates over micro-batches and dp ranks)."""
+    torch.manual_seed(3)
+    loss_mat = torch.randn(6, 5)
+    mask = _ragged_mask([5, 0, 2, 4, 1, 3], 5)
+    whole = alg.aggregate_loss(loss_mat, mask, mode)
+    parts = sum(alg.aggregate_loss(loss_mat[i:i + 2], mask[i:i + 2], mode) * alg.loss_agg_count(mask[i:i + 2], mode)
+                for i in (0, 2, 4))
+    torch.testing.assert_close(parts / alg.loss_agg_count(mask, mode), whole)
+
+
 def test_policy_loss_is_weights_multiply_per_token_loss():
     log_probs = torch.zeros(1, 2)
     adv = _t([1.0, 1.0])
@@ -475,9 +550,6 @@ def test_value_loss_ignores_padding():
     assert loss.item() == pytest.approx(0.5 * 4.0)
 
 
-def test_entropy_bonus_is_masked_mean():
-    entropy = _t([1.0, 2.0, 50.0], [3.0, 50.0, 50.0])
-    assert alg.entropy_bonus(entropy, _ragged_mask([2, 1], 3)).item() == pytest.approx(2.0)
 
 
 # ---------------------------------------------------------------------------------------
