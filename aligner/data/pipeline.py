@@ -75,6 +75,7 @@ def load_data(kind: str, data_cfg: DataConfig, task_cfg: TaskConfig, tokenizer, 
     enc_eval = encode_records(eval_recs, tokenizer, data_cfg, kind) if eval_recs else EncodeResult(examples=[])
     for name, attr in (("skipped_long", "num_skipped"), ("truncated", "num_truncated"), ("boundary_mismatch", "num_boundary_mismatch"), ("unk", "num_unk")):
         stats[name] = getattr(enc_train, attr) + getattr(enc_eval, attr)
+    stats["skipped_invalid"] += enc_train.num_invalid + enc_eval.num_invalid  # rows the chat template cannot split
     stats["reasons"] += enc_train.reasons + enc_eval.reasons
     log.info("data: %s %d train / %d eval examples from %s (format %s); %s", kind, len(enc_train.examples), len(enc_eval.examples), train_path, train.format, {k: v for k, v in stats.items() if k != "reasons"})
     return DataSplits(train=enc_train.examples, eval=enc_eval.examples, format=train.format, stats=stats)

@@ -63,7 +63,7 @@ DATA_CASES = [
     ("hh_empty_answer", "hh", "pairs", [{"chosen": HH + "ok", "rejected": HH + "  "}], 1, ["'rejected'", "empty final assistant turn"]),
     ("gsm8k_no_final_answer", "gsm8k", "sft", [{"question": "q", "answer": "it is 4"}], 1, ["field 'answer'", "####"]),
     ("gsm8k_empty_question", "gsm8k", "prompt", [{"question": "", "answer": "#### 4"}], 1, ["field 'question' is empty"]),
-    ("auto_no_format", "auto", "prompt", [{"text": "x"}], 1, ["matches no format", "data.format"]),
+    ("auto_no_format", "auto", "prompt", [{"body": "x"}], 1, ["matches no format", "data.format"]),
     ("prompt_file_for_sft", "auto", "sft", [{"prompt": "x"}], None, ["format 'prompt' cannot supply sft", "sft, chat, pairs, hh, gsm8k"]),
 ]
 

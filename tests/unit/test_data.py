@@ -84,8 +84,8 @@ def test_json_parquet_and_dataset_dir(tmp_path):
 
 
 def test_unknown_and_ambiguous_fields(tmp_path):
-    with pytest.raises(ValueError, match=r"u\.jsonl:1: fields \['text'\] matches no format.*sft: \{'prompt', 'response'\}"):
-        load_records(write_jsonl(tmp_path / "u.jsonl", [{"text": "x"}]))
+    with pytest.raises(ValueError, match=r"u\.jsonl:1: fields \['body'\] matches no format.*sft: \{'prompt', 'response'\}"):
+        load_records(write_jsonl(tmp_path / "u.jsonl", [{"body": "x"}]))
     amb = {"prompt": "p", "response": "r", "chosen": "c", "rejected": "x"}
     with pytest.raises(ValueError, match="ambiguous between sft, pairs"):
         load_records(write_jsonl(tmp_path / "a.jsonl", [amb]))
