@@ -589,3 +589,22 @@ def test_standardize_scores():
     torch.testing.assert_close(out, torch.tensor([1.0, -1.0]))
     with pytest.raises(ValueError, match="std=-1"):
         alg.standardize_scores(torch.zeros(2), 0.0, -1.0)
+
+
+def test_masked_whiten_uses_the_unbiased_variance_as_trl_not_nemo_aligner():
+    """The docstring's claim: TRL's unbiased variance; NeMo-Aligner's biased one differs by sqrt((n-1)/n)."""
+    x = _t([1.0, 2.0, 4.0, 9.0])
+    mask = torch.ones(1, 4)
+    ours = alg.masked_whiten(x, mask, eps=0.0)
+    torch.testing.assert_close(ours, (x - x.mean()) / x.std(unbiased=True))
+    nemo = (x - x.mean()) / x.std(unbiased=False)
+    torch.testing.assert_close(nemo * (3 / 4) ** 0.5, ours)
+
+
+def test_k3_clamp_biases_large_reference_excess_low():
+    """The docstring's claim: k3 is clamped at 10, so d < -2.6 contributes less than the formula."""
+    d = torch.tensor([[-5.0, -1.0, 0.0, 3.0]])
+    k3 = alg.kl_penalty(d, torch.zeros_like(d), "k3")
+    exact = torch.exp(-d) - 1 + d
+    assert k3[0, 0].item() == 10.0 and exact[0, 0].item() > 140
+    torch.testing.assert_close(k3[:, 1:], exact[:, 1:])
