@@ -13,7 +13,10 @@ Owns the on-disk layout and its atomicity:
 A save writes into ``.step_XXXXXXXX.tmp-<pid>`` and is renamed when complete, then
 ``latest`` is replaced; a SIGKILL at any moment leaves the previous checkpoint and the
 pointer intact. Stale temp dirs from killed saves are removed on the next start.
-Old checkpoints beyond `keep` are deleted after the pointer moves.
+Old checkpoints beyond `keep` are deleted after the pointer moves, among this run's own only:
+every trainer_state.json records the run's ``run_id`` (a resumed run takes over the id of the
+checkpoint it resumed from, :meth:`CheckpointManager.adopt`) and its ``stage``; a checkpoint
+of another run (another id, or none) is never deleted, whatever its step.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import json
 import os
 import random
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,10 +37,13 @@ COMPLETE = "COMPLETE"
 class CheckpointManager:
     """Checkpoints of one run under ``output_dir/checkpoints`` (see module docstring)."""
 
-    def __init__(self, output_dir: str | os.PathLike, keep: int = 2):
+    def __init__(self, output_dir: str | os.PathLike, keep: int = 2, stage: str = ""):
         self.root = Path(output_dir) / "checkpoints"
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep = keep
+        self.stage = stage  # recorded in trainer_state.json unless the caller's state has one
+        self.run_id = uuid.uuid4().hex  # this run's id, until adopt() continues another's
+        self.own: set[str] = set()  # step dir names this run wrote or resumed from
         for stale in self.root.glob(".step_*.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         for stale in self.root.glob(".latest.tmp-*"):  # pointer temp file of a save killed before its rename
@@ -54,8 +61,10 @@ class CheckpointManager:
         return tmp
 
     def commit(self, tmp: Path, step: int, trainer_state: dict[str, Any]) -> Path:
-        """Write trainer state + RNG + COMPLETE into `tmp`, rename it to its final name, move `latest`."""
-        _write_json(tmp / "trainer_state.json", trainer_state)
+        """Write trainer state (+ run_id, stage) + RNG + COMPLETE into `tmp`, rename it to its final name,
+        move `latest`, prune this run's older checkpoints."""
+        state = {"run_id": self.run_id, **({"stage": self.stage} if self.stage else {}), **trainer_state}
+        _write_json(tmp / "trainer_state.json", state)
         torch.save(rng_state(), tmp / "rng.pt")
         (tmp / COMPLETE).write_text(str(step))
         _fsync_dir(tmp)
@@ -63,6 +72,7 @@ class CheckpointManager:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        self.own.add(final.name)
         ptr_tmp = self.root / f".latest.tmp-{os.getpid()}"
         ptr_tmp.write_text(final.name)
         os.replace(ptr_tmp, self.root / "latest")
@@ -72,19 +82,46 @@ class CheckpointManager:
 
     def latest(self) -> Optional[Path]:
         """The newest complete checkpoint: the one `latest` names, else the highest complete step dir."""
-        ptr = self.root / "latest"
-        if ptr.exists():
-            cand = self.root / ptr.read_text().strip()
-            if (cand / COMPLETE).exists():
-                return cand
-        done = sorted(p for p in self.root.glob("step_*") if (p / COMPLETE).exists())
-        return done[-1] if done else None
+        return latest_checkpoint(self.root)
+
+    def adopt(self, ckpt: Path) -> None:
+        """Continue the run that wrote `ckpt` (resume): take over its run_id and count `ckpt` as this run's own."""
+        run_id = _read_state(ckpt).get("run_id")
+        if run_id:
+            self.run_id = str(run_id)
+        self.own.add(Path(ckpt).name)
+
+    def _is_own(self, ckpt: Path) -> bool:
+        return ckpt.name in self.own or _read_state(ckpt).get("run_id") == self.run_id
 
     def _prune(self) -> None:
-        done = sorted(p for p in self.root.glob("step_*") if (p / COMPLETE).exists())
+        """Delete this run's complete checkpoints beyond the newest `keep`; other runs' are left alone."""
+        done = sorted(p for p in self.root.glob("step_*") if (p / COMPLETE).exists() and self._is_own(p))
         for old in done[: max(0, len(done) - self.keep)]:
             (old / COMPLETE).unlink(missing_ok=True)  # never half-deleted yet still marked complete
             shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(root: Path) -> Optional[Path]:
+    """The newest complete checkpoint under `root` (a checkpoints/ dir, maybe missing) without changing
+    anything: the one `latest` names, else the highest complete step dir; None when there is none."""
+    root = Path(root)
+    ptr = root / "latest"
+    if ptr.is_file():
+        cand = root / ptr.read_text().strip()
+        if (cand / COMPLETE).exists():
+            return cand
+    done = sorted(p for p in root.glob("step_*") if (p / COMPLETE).exists())
+    return done[-1] if done else None
+
+
+def _read_state(ckpt: Path) -> dict[str, Any]:
+    """trainer_state.json of `ckpt` as a dict ({} when unreadable), without touching RNG states."""
+    try:
+        state = json.loads((Path(ckpt) / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
 
 
 def load_trainer_state(ckpt: Path) -> dict[str, Any]:

@@ -495,6 +495,9 @@ class AlignerConfig:
     preset: str = "tiny"  # name of the preset the run started from
     output_dir: str = "outputs/tiny"  # checkpoints, metrics.jsonl, TensorBoard events, plots
     resume: bool = False  # continue from the latest complete checkpoint in output_dir
+    # delete a previous run's outputs in output_dir first, then run fresh (without it, or resume=true,
+    # a run refuses an output_dir that holds a previous run's files: see aligner/run_dir.py)
+    overwrite: bool = False
     plan_only: bool = False  # print the placement/memory plan and exit 0
     model: ModelConfig = field(default_factory=ModelConfig)  # policy (and, by default, every role's) dimensions
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -512,6 +515,8 @@ class AlignerConfig:
     def __post_init__(self) -> None:
         _choice("stage", self.stage, STAGES)
         _choice("conf", self.preset, PRESETS)
+        _check(bool(self.output_dir.strip()), "output_dir", self.output_dir,
+               "give a directory, e.g. output_dir=outputs/run1 (empty would write into the current directory)")
         self.model.validate("model")
         self.data.validate("data")
         self.task.validate("task")
@@ -527,12 +532,48 @@ class AlignerConfig:
             self.data.max_seq_len,
             f"must not exceed model.max_seq_len={self.model.max_seq_len}",
         )
+        if self.stage == "ppo":
+            self._validate_rollout_lengths()
+        self._validate_cluster_devices()
         if self.stage == "ppo" and self.algorithm.advantage in GROUP_ESTIMATORS:
             _check(
                 self.trainer.n_samples_per_prompt >= 2,
                 "trainer.n_samples_per_prompt",
                 self.trainer.n_samples_per_prompt,
                 f"algorithm.advantage={self.algorithm.advantage} needs >= 2 samples per prompt",
+            )
+            _check(
+                self.rollout.sampling.temperature > 0,
+                "rollout.sampling.temperature",
+                self.rollout.sampling.temperature,
+                f"greedy sampling gives every sample of a prompt the same response, so algorithm.advantage="
+                f"{self.algorithm.advantage} (a per-prompt group baseline) has zero advantages and trains nothing: "
+                "sample with temperature > 0 (e.g. 1.0)",
+            )
+
+    def _validate_rollout_lengths(self) -> None:
+        """The longest prompt plus the response must fit the model (the engine's KV cache and RoPE positions)."""
+        s, d, m = self.rollout.sampling, self.data, self.model
+        _check(
+            d.max_prompt_len + s.max_new_tokens <= m.max_seq_len,
+            "rollout.sampling.max_new_tokens",
+            s.max_new_tokens,
+            f"data.max_prompt_len={d.max_prompt_len} + max_new_tokens must not exceed model.max_seq_len={m.max_seq_len}: "
+            f"lower it to {max(1, m.max_seq_len - d.max_prompt_len)} or shorten data.max_prompt_len",
+        )
+
+    def _validate_cluster_devices(self) -> None:
+        """Roles that ask for GPUs need a cluster with GPUs (plans for a GPU preset on 0 GPUs are meaningless)."""
+        if self.cluster.gpus_per_node > 0:
+            return
+        for role in ("actor", "critic", "reward", "ref"):
+            gpus = self.role(role).resources.gpus_per_node
+            _check(
+                gpus == 0,
+                "cluster.gpus_per_node",
+                self.cluster.gpus_per_node,
+                f"conf={self.preset} runs its roles on GPUs ({role}.resources.gpus_per_node={gpus}): give the cluster's "
+                "GPUs per node (e.g. cluster.gpus_per_node=8), or use conf=tiny for a CPU run",
             )
 
     def roles_used(self) -> tuple[str, ...]:

@@ -6,6 +6,11 @@ wires each stage's output into the next (RM and critic from the SFT policy / RM,
 from the SFT policy), and ends with the PPO run's table: held-out accuracy of the SFT and
 PPO policies, mean RM score, KL to the reference. Extra ``key=value`` arguments go to
 every stage (e.g. ``trainer.progress=false``).
+
+Every stage gets ``overwrite=true``, so running the demo again (a second ``make demo``)
+deletes the previous demo's outputs under <root>/{sft,rm,ppo} and starts over, where a plain
+stage run refuses an output_dir that holds a previous run (aligner.run_dir). Pass
+``overwrite=false`` (refuse instead) or ``resume=true`` (continue each stage) to change that.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             root = Path(a.split("=", 1)[1])
         else:
             rest.append(a)
+    if not any(a.startswith(("overwrite=", "resume=")) for a in rest):
+        rest.insert(0, "overwrite=true")  # a second demo replaces the first (see the module docstring)
     stages = [
         ("sft", sft.main, [f"output_dir={root / 'sft'}"]),
         ("rm", rm.main, [f"output_dir={root / 'rm'}", f"reward.init={root / 'sft'}"]),

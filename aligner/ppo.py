@@ -5,6 +5,8 @@ Owns the run around :class:`aligner.trainer.PPOTrainer`, as named phases:
     plan        the placement/memory plan (aligner.planner); plan_only=true prints it and exits 0.
                 A layout that cannot fit the configured cluster, or a local machine that lacks
                 the node groups' GPUs/CPUs, stops here within seconds, before Ray or any weights.
+    output_dir  aligner.run_dir: refuse a previous run's dir unless resume=true / overwrite=true, refuse
+                resuming another stage's run, take the dir's lock (held to the end of the run)
     data        tokenizer + RL prompts (built-in task by default), paths checked
     start       Ray, node groups, worker groups (weights load in the workers)
     resume      latest complete checkpoint in output_dir when resume=true
@@ -78,7 +80,9 @@ def load_prompts(cfg: AlignerConfig):
     tok = resolve_tokenizer(cfg.tokenizer, cfg.task, cfg.output_dir)
     check_tokenizer_fits(len(tok), cfg.actor.init, cfg.model, "actor")
     splits = load_data("prompt", cfg.data, cfg.task, tok, cfg.output_dir)
-    if not splits.eval:
+    if not splits.eval:  # no held-out prompts (warned by load_data): evaluation runs on training prompts
+        log.warning("ppo: evaluating on the first %d training prompts: the eval_* metrics are not held-out figures",
+                    min(cfg.task.num_eval, len(splits.train)))
         splits.eval = splits.train[: cfg.task.num_eval]
     return tok, splits
 
@@ -89,27 +93,28 @@ def run_ppo(cfg: AlignerConfig) -> int:
     if code is not None:
         return code
     cfg.check_paths()
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(config_yaml(cfg))
-    try:
-        tok, splits = load_prompts(cfg)
-    except ConfigError:
-        raise
-    except (ValueError, FileNotFoundError) as e:
-        raise UserError(str(e)) from None
-    from aligner.parallel.ray_runtime import init_ray, shutdown_ray
-    from aligner.trainer import PPOTrainer
+    from aligner.run_dir import claim_output_dir
 
-    init_ray(cfg.cluster)
-    trainer = PPOTrainer(cfg, tok, splits.train, splits.eval)
-    try:
-        trainer.start()
-        summary = train_loop(cfg, trainer)
-        finish(cfg, trainer, tok, summary)
-    finally:
-        trainer.shutdown()
-        shutdown_ray()
+    with claim_output_dir(cfg):  # fresh / resume / overwrite checked, and locked until the end
+        (Path(cfg.output_dir) / "config.yaml").write_text(config_yaml(cfg))
+        try:
+            tok, splits = load_prompts(cfg)
+        except ConfigError:
+            raise
+        except (ValueError, FileNotFoundError) as e:
+            raise UserError(str(e)) from None
+        from aligner.parallel.ray_runtime import init_ray, shutdown_ray
+        from aligner.trainer import PPOTrainer
+
+        init_ray(cfg.cluster)
+        trainer = PPOTrainer(cfg, tok, splits.train, splits.eval)
+        try:
+            trainer.start()
+            summary = train_loop(cfg, trainer)
+            finish(cfg, trainer, tok, summary)
+        finally:
+            trainer.shutdown()
+            shutdown_ray()
     return 0
 
 
@@ -118,9 +123,10 @@ def train_loop(cfg: AlignerConfig, trainer) -> dict:
     from aligner.checkpointing import CheckpointManager
     from aligner.tracking import MetricsLogger
 
-    manager = CheckpointManager(cfg.output_dir)
+    manager = CheckpointManager(cfg.output_dir, stage="ppo")  # records stage + run id; resume checks them (run_dir)
     if cfg.resume and (ckpt := manager.latest()) is not None:
         trainer.load(ckpt)
+        manager.adopt(ckpt)
         log.info("resumed from %s (step %d)", ckpt, trainer.step)
     t = cfg.trainer
     logger = MetricsLogger(cfg.output_dir, "ppo", t.max_steps, start_step=trainer.step, progress=t.progress,

@@ -2,7 +2,8 @@
 
 Owns the loop both stages run on the parallel runtime, as named phases:
 
-    check paths -> (plan_only: print the plan) -> prepare output_dir (config.yaml)
+    check paths -> (plan_only: print the plan) -> claim output_dir (aligner.run_dir: fresh,
+    resume or overwrite, and the lock, held to the end) -> prepare output_dir (config.yaml)
     -> tokenizer + data -> Ray + the role's worker group -> resume
     -> per step: next global batch -> one dp_split train call -> eval / log / checkpoint
     -> final eval + stage extras -> HF export (+ tokenizer) -> curves PNG
@@ -123,18 +124,21 @@ class Stage:
             from aligner.plan import main_from_config
 
             return main_from_config(cfg)
-        self.prepare_output()
-        self.load_inputs()
-        from aligner.parallel.ray_runtime import init_ray, shutdown_ray
+        from aligner.run_dir import claim_output_dir
 
-        info = init_ray(cfg.cluster)
-        try:
-            self.start_group()
-            return self.train()
-        finally:
-            self.stop_group()
-            if info.started and info.local:
-                shutdown_ray()
+        with claim_output_dir(cfg, {f"{self.role}.init": self.init_path()}):  # checked and locked until the end
+            self.prepare_output()
+            self.load_inputs()
+            from aligner.parallel.ray_runtime import init_ray, shutdown_ray
+
+            info = init_ray(cfg.cluster)
+            try:
+                self.start_group()
+                return self.train()
+            finally:
+                self.stop_group()
+                if info.started and info.local:
+                    shutdown_ray()
 
     def init_path(self) -> str:
         """Where the role's weights start from ("" = random init)."""
@@ -203,6 +207,7 @@ class Stage:
             log.info("%s: resume=true but %s holds no complete checkpoint: starting from step 0", self.name, ckpts.root)
             return 0
         self.group.load(str(latest / self.role)).get()
+        ckpts.adopt(latest)  # this run continues that one: its checkpoints are ours to prune
         state = load_trainer_state(latest)
         try:
             it.load_state_dict(state["data"])
@@ -222,7 +227,7 @@ class Stage:
         from aligner.tracking import MetricsLogger
 
         tr = self.cfg.trainer
-        ckpts = CheckpointManager(self.out)
+        ckpts = CheckpointManager(self.out, stage=self.name)
         it = DataIterator(self.data.train, seed=self.cfg.data.shuffle_seed)
         start = self.resume(ckpts, it)
         logger = MetricsLogger(self.out, self.name, tr.max_steps, start_step=start, progress=tr.progress, bar_keys=self.bar_keys)

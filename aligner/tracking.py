@@ -3,17 +3,20 @@
 Owns :class:`MetricsLogger`. Every logged step is one JSON line in
 ``output_dir/metrics.jsonl`` (appended, so a resumed run continues the file; lines
 for steps past the resume point are dropped on resume), a TensorBoard scalar per
-metric, and the progress bar's postfix (loss, tokens/s, ETA from tqdm).
+metric, and the progress bar's postfix (loss, tokens/s, ETA from tqdm). A last line cut
+short (an append interrupted by a full disk or a kill) is dropped with a warning.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
 from typing import Iterable, Optional
 
+log = logging.getLogger("aligner")
 
 class MetricsLogger:
     """Write metrics for `stage` under `output_dir`; show a tqdm bar over `total_steps`.
@@ -49,10 +52,7 @@ class MetricsLogger:
         """Keep only lines with step <= `step` (a resumed run rewrites what came after its checkpoint)."""
         if not self.path.exists():
             return
-        keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(ln + "\n" for ln in keep))
-        os.replace(tmp, self.path)
+        _rewrite(self.path, [r for r in read_metrics(self.path) if r.get("step", 0) <= step])
 
     def log(self, step: int, metrics: dict, advance: bool = True) -> None:
         """Record `metrics` (floats) for `step`; advance the bar by one step when `advance`."""
@@ -84,11 +84,50 @@ def _num(v):
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """All records of a metrics.jsonl file."""
+    """All records of a metrics.jsonl file ([] when missing).
+
+    A last line that is not JSON (cut short) is dropped with a warning. Raises ValueError naming
+    file:line for any other line that is not a JSON object.
+    """
+    return _parse(Path(path))[0]
+
+
+def repair_metrics(path: str | os.PathLike) -> None:
+    """Rewrite a metrics.jsonl whose last line was cut short without that line (warns); no-op otherwise.
+
+    Raises ValueError naming file:line for an earlier line that is not a JSON object.
+    """
     p = Path(path)
+    rows, dropped = _parse(p)
+    if dropped:
+        _rewrite(p, rows)
+
+
+def _parse(p: Path) -> tuple[list[dict], bool]:
+    """(records, whether a cut last line was dropped)."""
     if not p.exists():
-        return []
-    return [json.loads(ln) for ln in p.read_text().splitlines() if ln.strip()]
+        return [], False
+    lines = [(i, ln) for i, ln in enumerate(p.read_text(errors="replace").splitlines(), 1) if ln.strip()]
+    rows = []
+    for i, ln in lines:
+        try:
+            row = json.loads(ln)
+        except ValueError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif i == lines[-1][0]:
+            log.warning("%s:%d: dropped the last line, cut short (%d bytes: an interrupted append)", p, i, len(ln))
+            return rows, True
+        else:
+            raise ValueError(f"{p}:{i}: not a JSON object: fix or delete that line")
+    return rows, False
+
+
+def _rewrite(p: Path, rows: list[dict]) -> None:
+    tmp = p.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, p)
 
 
 def plot_curves(metrics_path: str | os.PathLike, out_png: str | os.PathLike, keys: Iterable[str],

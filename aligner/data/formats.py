@@ -112,6 +112,7 @@ class LoadResult:
     path: str
     num_skipped: int = 0
     reasons: list[str] = field(default_factory=list)  # the first few skip reasons, "file:line: ..."
+    num_tied: int = 0  # preference pairs skipped because chosen == rejected
 
 
 def formats_help() -> str:
@@ -164,6 +165,10 @@ def _iter_rows(path: str) -> Iterator[tuple[str, Any]]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"data file {path!r} does not exist: give a jsonl/json/parquet file or a saved HF dataset dir")
     if os.path.isdir(path):
+        if not _is_saved_dataset(path):
+            for file in _hub_data_files(path):
+                yield from _iter_rows(file)
+            return
         import datasets
 
         ds = datasets.load_from_disk(path)
@@ -197,6 +202,28 @@ def _iter_rows(path: str) -> Iterator[tuple[str, Any]]:
         raise ValueError(f"{path}: unknown data file type: use .jsonl, .json, .parquet or a saved HF dataset dir")
     for i, row in enumerate(rows, start=1):
         yield f"{path}:{i}", row
+
+
+def _is_saved_dataset(path: str) -> bool:
+    """Whether `path` is a dir written by HF ``save_to_disk`` (a Dataset or a DatasetDict)."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
+
+
+def _hub_data_files(path: str) -> list[str]:
+    """The data files of a dataset repository laid out as on the HF hub (e.g. ``data/train-00000-of-00001.parquet``):
+    its .parquet files, else its .jsonl files, those with "train" in their name when there are such.
+
+    Raises ValueError when the directory holds neither a saved dataset nor data files.
+    """
+    for ext in (".parquet", ".jsonl"):
+        files = sorted(os.path.join(d, f) for d, _, names in os.walk(path) for f in names if f.endswith(ext))
+        train = [f for f in files if "train" in os.path.relpath(f, path)]
+        if files:
+            log.info("data: %s is a dataset repository: reading %d %s file(s)", path, len(train or files), ext)
+            return train or files
+    raise ValueError(f"{path}: a directory that is neither a saved HF dataset (save_to_disk: dataset_info.json or "
+                     "dataset_dict.json) nor a dataset repository with .parquet or .jsonl files: point data.*_path "
+                     "at a data file or at such a directory")
 
 
 def _field(row: dict, name: str, where: str) -> Any:
@@ -460,6 +487,8 @@ def load_records(path: str, fmt: str = "auto", kind: Optional[str] = None, skip_
         turn for sft) are invalid.
     skip_invalid: skip invalid rows, counting them (``num_skipped``) and keeping the first
         few reasons; otherwise the first invalid row raises ValueError "file:line: ...".
+        Preference pairs whose chosen equals rejected are always skipped, counted in
+        ``num_tied`` and logged: they carry no preference.
 
     Raises FileNotFoundError for a missing path; ValueError for unknown/ambiguous formats,
     invalid rows (unless skipped) and files with no valid rows.
@@ -470,6 +499,7 @@ def load_records(path: str, fmt: str = "auto", kind: Optional[str] = None, skip_
         _check_kind(fmt, kind, path)
     records: list[dict] = []
     reasons: list[str] = []
+    tied: list[str] = []  # pairs whose chosen equals rejected: no preference to learn, always skipped
     skipped = 0
     for where, row in _iter_rows(path):
         try:
@@ -484,6 +514,9 @@ def load_records(path: str, fmt: str = "auto", kind: Optional[str] = None, skip_
             rec = normalize_row(fmt, row, where)
             if kind == "sft" and rec["response"] is None:
                 raise RowError(f"{where}: the row has no response (chat: no final assistant turn) to train SFT on")
+            if kind == "pairs" and rec["chosen"] == rec["rejected"]:
+                tied.append(where)
+                continue
             records.append(rec)
         except RowError as e:
             if not skip_invalid:
@@ -496,9 +529,13 @@ def load_records(path: str, fmt: str = "auto", kind: Optional[str] = None, skip_
     _check_kind(fmt, kind, path)
     if skipped:
         log.warning("data: skipped %d invalid rows of %s (data.skip_invalid=true); first: %s", skipped, path, " | ".join(reasons))
+    if tied:
+        log.warning("data: skipped %d pairs of %s whose chosen equals rejected (no preference to learn); first: %s",
+                    len(tied), path, ", ".join(tied[:_MAX_REASONS]))
     if not records:
-        raise ValueError(f"{path}: no valid rows ({skipped} skipped; first reasons: {' | '.join(reasons)}): fix the file")
-    return LoadResult(records=records, format=fmt, path=path, num_skipped=skipped, reasons=reasons)
+        raise ValueError(f"{path}: no valid rows ({skipped} skipped, {len(tied)} pairs with chosen == rejected; "
+                         f"first reasons: {' | '.join(reasons)}): fix the file")
+    return LoadResult(records=records, format=fmt, path=path, num_skipped=skipped, reasons=reasons, num_tied=len(tied))
 
 
 def _check_kind(fmt: str, kind: Optional[str], path: str) -> None:

@@ -34,7 +34,7 @@ class DataSplits:
     train: list[dict]
     eval: list[dict]
     format: str
-    stats: dict = field(default_factory=dict)  # skipped_invalid, skipped_long, truncated, boundary_mismatch, reasons
+    stats: dict = field(default_factory=dict)  # skipped_invalid, skipped_tied, skipped_long, truncated, boundary_mismatch, reasons
 
 
 def resolve_tokenizer(tok_cfg: TokenizerConfig, task_cfg: TaskConfig, work_dir: str):
@@ -63,14 +63,19 @@ def load_data(kind: str, data_cfg: DataConfig, task_cfg: TaskConfig, tokenizer, 
     else:
         train_path, eval_path = task_paths(task_cfg, kind, work_dir)
     train = load_records(train_path, data_cfg.format, kind, data_cfg.skip_invalid)
-    stats = {"skipped_invalid": train.num_skipped, "reasons": list(train.reasons)}
+    stats = {"skipped_invalid": train.num_skipped, "skipped_tied": train.num_tied, "reasons": list(train.reasons)}
     if eval_path:
         ev = load_records(eval_path, data_cfg.format, kind, data_cfg.skip_invalid)
         stats["skipped_invalid"] += ev.num_skipped
+        stats["skipped_tied"] += ev.num_tied
         stats["reasons"] += ev.reasons
         train_recs, eval_recs = train.records, ev.records
     else:
         train_recs, eval_recs = _hold_out(train.records, data_cfg.eval_fraction, data_cfg.shuffle_seed)
+    if not eval_recs:
+        log.warning("data: no held-out split: %d %s rows of %s and data.eval_fraction=%g hold out none; set data.eval_path "
+                    "or a larger data.eval_fraction to evaluate on rows the model does not train on", len(train_recs), kind,
+                    train_path, data_cfg.eval_fraction)
     enc_train = encode_records(train_recs, tokenizer, data_cfg, kind)
     enc_eval = encode_records(eval_recs, tokenizer, data_cfg, kind) if eval_recs else EncodeResult(examples=[])
     for name, attr in (("skipped_long", "num_skipped"), ("truncated", "num_truncated"), ("boundary_mismatch", "num_boundary_mismatch"), ("unk", "num_unk")):

@@ -249,13 +249,13 @@ class _AtomicDir:
         self.final.parent.mkdir(parents=True, exist_ok=True)
         recover_dir(self.final)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.tmp-", dir=self.final.parent))
-        os.chmod(self.tmp, 0o755)  # mkdtemp makes 0700; an export is meant to be read by others
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
+        _apply_umask(self.tmp)
         old = None
         if self.final.exists():
             old = self.final.with_name(f".{self.final.name}.old-{os.getpid()}")
@@ -263,6 +263,22 @@ class _AtomicDir:
         os.replace(self.tmp, self.final)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _apply_umask(root: Path) -> None:
+    """Give `root` and the files below it the modes a plain mkdir / open would (0777 / 0666 less the
+    umask): mkdtemp makes 0700 and safetensors writes 0600, but an export is meant to be shared."""
+    mask = _current_umask()
+    for dirpath, _, files in os.walk(root):
+        os.chmod(dirpath, 0o777 & ~mask)
+        for f in files:
+            os.chmod(os.path.join(dirpath, f), 0o666 & ~mask)
 
 
 def save_hf(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | os.PathLike, kind: str = "lm",
