@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from aligner.config import PRESETS, AlignerConfig, ConfigError
+from aligner.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
+from aligner.preemption import Preempted
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 log = logging.getLogger("aligner")
@@ -213,7 +215,8 @@ def setup_logging() -> None:
 def run(stage: str, main: Callable[[AlignerConfig], Optional[int]], argv: Optional[Sequence[str]] = None) -> int:
     """Parse `argv` (default sys.argv[1:]) as Hydra overrides, validate, call `main(cfg)`.
 
-    Returns the exit code: main's return (0 if None), 2 for configuration/user errors.
+    Returns the exit code: main's return (0 if None), 2 for configuration/user errors, 143
+    after a SIGTERM that stopped the run at a step boundary (aligner.preemption).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging()
@@ -233,9 +236,19 @@ def run(stage: str, main: Callable[[AlignerConfig], Optional[int]], argv: Option
     except (ConfigError, UserError) as e:
         print(f"aligner {stage}: error: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:
+        print(f"aligner {stage}: {e}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     except Exception as e:  # noqa: BLE001 - a worker failure ends the run with its role, rank and traceback
-        from aligner.parallel.worker_group import WorkerError
+        from aligner.parallel.worker_group import WorkerError, disk_full_path
 
+        full = disk_full_path(e)
+        if full is not None:  # the driver's or a worker's write: one line, no traceback
+            who = f" ({e.role} rank {e.rank}, {e.method})" if isinstance(e, WorkerError) else ""
+            print(f"aligner {stage}: error: the disk is full: no space left on device writing {full}{who}; free space "
+                  "there or give another output_dir, then rerun with resume=true (the last complete checkpoint in "
+                  "output_dir is intact: saves are atomic)", file=sys.stderr)
+            return 1
         if not isinstance(e, WorkerError):
             raise
         print(f"aligner {stage}: error: {e}\nthe last complete checkpoint in output_dir is intact: rerun with resume=true",

@@ -444,12 +444,15 @@ class TrainerConfig:
     max_nonfinite: int = 3  # consecutive non-finite updates before the run stops
     num_threads: int = 0  # torch threads per worker on CPU; 0 = resources.cpus_per_worker
     progress: bool = True  # show a progress bar
+    preempt_grace_s: float = 25.0  # after SIGTERM: seconds to finish the step and checkpoint (below the scheduler's grace, 30 s by default)
 
     def validate(self, prefix: str = "trainer") -> None:
         for name in ("max_steps", "global_batch_size", "micro_batch_size", "rollout_batch_size", "n_samples_per_prompt", "mini_batch_size", "eval_batch_size", "max_nonfinite"):
             _check(getattr(self, name) >= 1, f"{prefix}.{name}", getattr(self, name), "must be >= 1")
         for name in ("save_every", "eval_every", "num_threads"):
             _check(getattr(self, name) >= 0, f"{prefix}.{name}", getattr(self, name), "must be >= 0")
+        _check(self.preempt_grace_s > 0, f"{prefix}.preempt_grace_s", self.preempt_grace_s,
+               "must be > 0 seconds (a few below the scheduler's grace period, e.g. 25)")
         _check(
             self.global_batch_size % self.micro_batch_size == 0,
             f"{prefix}.global_batch_size",

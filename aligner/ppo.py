@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Optional
 
+from aligner import preemption
 from aligner.cli import UserError, config_yaml, run
 from aligner.config import AlignerConfig, ConfigError
 
@@ -33,7 +33,7 @@ REPORT_KEYS = ("score_mean", "kl_mean", "eval_accuracy", "train_accuracy", "poli
 
 def plan_phase(cfg: AlignerConfig) -> Optional[int]:
     """Print the plan; return 0 for plan_only, raise UserError when the layout or machine cannot hold the run."""
-    from aligner.parallel.placement import cluster_shortfall, describe_request, plan_from_config
+    from aligner.parallel.placement import describe_request, local_shortfall, plan_from_config
     from aligner.planner import PlanError, check_fits, format_plan, make_plan
 
     try:
@@ -44,33 +44,20 @@ def plan_phase(cfg: AlignerConfig) -> Optional[int]:
     except PlanError as e:
         raise UserError(str(e)) from None
     roles = cfg.roles_used()
-    specs = plan_from_config(cfg, roles)
-    if not (cfg.cluster.address or os.environ.get("RAY_ADDRESS")):
-        from aligner.parallel.ray_runtime import local_num_cpus
-
-        gpus = _local_gpus()
-        why = cluster_shortfall(specs, [{"CPU": float(local_num_cpus(cfg.cluster)), "GPU": float(gpus)}])
-        if why:
-            try:
-                plan_text = format_plan(make_plan(cfg))
-            except PlanError as e:
-                plan_text = str(e)
-            raise UserError(
-                f"this machine cannot hold the run ({why}).\nplan for cluster.num_nodes={cfg.cluster.num_nodes} x "
-                f"gpus_per_node={cfg.cluster.gpus_per_node}:\n{plan_text}\nnode groups asked:\n{describe_request(specs)}\n"
-                "fix: submit to a Ray cluster that has them (ray job submit ... / cluster.address=auto), "
-                "or use conf=tiny on a CPU machine"
-            )
+    why = local_shortfall(cfg, roles)
+    if why:
+        try:
+            plan_text = format_plan(make_plan(cfg))
+        except PlanError as e:
+            plan_text = str(e)
+        raise UserError(
+            f"this machine cannot hold the run ({why}).\nplan for cluster.num_nodes={cfg.cluster.num_nodes} x "
+            f"gpus_per_node={cfg.cluster.gpus_per_node}:\n{plan_text}\nnode groups asked:\n"
+            f"{describe_request(plan_from_config(cfg, roles))}\n"
+            "fix: submit to a Ray cluster that has them (ray job submit ... / cluster.address=auto), "
+            "or use conf=tiny on a CPU machine"
+        )
     return None
-
-
-def _local_gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:  # noqa: BLE001
-        return 0
 
 
 def load_prompts(cfg: AlignerConfig):
@@ -107,12 +94,14 @@ def run_ppo(cfg: AlignerConfig) -> int:
         from aligner.trainer import PPOTrainer
 
         init_ray(cfg.cluster)
+        preemption.install("ppo", cfg.trainer.preempt_grace_s)  # after Ray: its handler would crash on SIGTERM
         trainer = PPOTrainer(cfg, tok, splits.train, splits.eval)
         try:
             trainer.start()
             summary = train_loop(cfg, trainer)
             finish(cfg, trainer, tok, summary)
         finally:
+            preemption.uninstall()
             trainer.shutdown()
             shutdown_ray()
     return 0
@@ -124,28 +113,38 @@ def train_loop(cfg: AlignerConfig, trainer) -> dict:
     from aligner.tracking import MetricsLogger
 
     manager = CheckpointManager(cfg.output_dir, stage="ppo")  # records stage + run id; resume checks them (run_dir)
+    last_saved = -1
     if cfg.resume and (ckpt := manager.latest()) is not None:
         trainer.load(ckpt)
         manager.adopt(ckpt)
+        last_saved = trainer.step
         log.info("resumed from %s (step %d)", ckpt, trainer.step)
+    elif cfg.resume:
+        log.info("ppo: resume=true but %s holds no complete checkpoint: starting from step 0", manager.root)
     t = cfg.trainer
+    where = str(manager.root)
+    preemption.stop_at_step_boundary(trainer.step, last_saved, lambda: None, where)
     logger = MetricsLogger(cfg.output_dir, "ppo", t.max_steps, start_step=trainer.step, progress=t.progress,
                            bar_keys=("score_mean", "kl_mean", "eval_accuracy"))
-    if trainer.step == 0:
-        initial = trainer.evaluate()
-        trainer.history.append({"step": 0, **initial})
-        logger.log(0, initial, advance=False)
-    while trainer.step < t.max_steps:
-        metrics = trainer.train_step()
-        trainer.step += 1
-        if t.eval_every and trainer.step % t.eval_every == 0 or trainer.step == t.max_steps:
-            ev = trainer.evaluate()
-            metrics.update(ev)
-            trainer.history.append({"step": trainer.step, **ev})
-        logger.log(trainer.step, metrics)
-        if t.save_every and trainer.step % t.save_every == 0 or trainer.step == t.max_steps:
-            trainer.save(manager)
-    logger.close()
+    try:
+        if trainer.step == 0:
+            initial = trainer.evaluate()
+            trainer.history.append({"step": 0, **initial})
+            logger.log(0, initial, advance=False)
+        while trainer.step < t.max_steps:
+            metrics = trainer.train_step()
+            trainer.step += 1
+            if t.eval_every and trainer.step % t.eval_every == 0 or trainer.step == t.max_steps:
+                ev = trainer.evaluate()
+                metrics.update(ev)
+                trainer.history.append({"step": trainer.step, **ev})
+            logger.log(trainer.step, metrics)
+            if t.save_every and trainer.step % t.save_every == 0 or trainer.step == t.max_steps:
+                trainer.save(manager)
+                last_saved = trainer.step
+            preemption.stop_at_step_boundary(trainer.step, last_saved, lambda: trainer.save(manager), where)
+    finally:
+        logger.close()
     return {"initial": trainer.history[0] if trainer.history else {}, "final": trainer.history[-1] if trainer.history else {}}
 
 

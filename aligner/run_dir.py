@@ -189,6 +189,7 @@ def decide(cfg: AlignerConfig, out: Path, inputs: Optional[dict[str, str]] = Non
         return "overwrite"
     if cfg.resume:
         _check_same_stage(cfg.stage, out)
+        _check_same_run_settings(cfg, out)
         return "resume"
     shown = ", ".join(e + ("/" if (out / e).is_dir() else "") for e in entries)
     raise UserError(f"output_dir={str(out)!r} holds a previous run ({shown}): give another output_dir, "
@@ -246,6 +247,39 @@ def _check_same_stage(stage: str, out: Path) -> None:
     if found is not None and found[0] != stage:
         raise UserError(f"resume=true: output_dir={str(out)!r} holds a run of stage {found[0]} ({found[1]}), not {stage}: "
                         f"give the {stage} run's output_dir, or another output_dir to start fresh")
+
+
+def _saved_config(out: Path) -> dict:
+    """The previous run's config.yaml as a dict ({} when missing or unreadable)."""
+    import yaml
+
+    try:
+        return yaml.safe_load((out / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+
+
+def _check_same_run_settings(cfg: AlignerConfig, out: Path) -> None:
+    """A resumed run must build the model it continues; a changed schedule length is said, not refused.
+
+    Raises UserError naming the first ``model.*`` field whose value differs from the run's
+    config.yaml (its checkpoints load only into the model they were saved from). Logs a
+    warning when ``trainer.max_steps`` differs: the LR schedule (warmup + decay over
+    max_steps) is reshaped from the resumed step on.
+    """
+    from omegaconf import OmegaConf
+
+    saved = _saved_config(out)
+    now = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    for name, value in (saved.get("model") or {}).items():
+        if name in now["model"] and now["model"][name] != value:
+            raise UserError(f"resume=true: model.{name}={now['model'][name]!r} differs from the run in output_dir="
+                            f"{str(out)!r} (config.yaml: {value!r}); its checkpoints load only into the model they were "
+                            f"saved from: drop the model.{name} override, or give another output_dir to start fresh")
+    old_steps = (saved.get("trainer") or {}).get("max_steps")
+    if old_steps is not None and old_steps != cfg.trainer.max_steps:
+        log.warning("resume=true: trainer.max_steps changed from %s to %d: the learning-rate schedule (warmup and "
+                    "decay over max_steps) is reshaped from the resumed step on", old_steps, cfg.trainer.max_steps)
 
 
 def delete_previous_run(out: Path) -> None:

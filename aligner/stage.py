@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aligner import preemption
 from aligner.cli import UserError, config_yaml
 from aligner.config import AlignerConfig
 
@@ -124,6 +125,7 @@ class Stage:
             from aligner.plan import main_from_config
 
             return main_from_config(cfg)
+        self.check_machine()
         from aligner.run_dir import claim_output_dir
 
         with claim_output_dir(cfg, {f"{self.role}.init": self.init_path()}):  # checked and locked until the end
@@ -132,13 +134,26 @@ class Stage:
             from aligner.parallel.ray_runtime import init_ray, shutdown_ray
 
             info = init_ray(cfg.cluster)
+            preemption.install(self.name, cfg.trainer.preempt_grace_s)  # after Ray: its handler would crash on SIGTERM
             try:
                 self.start_group()
                 return self.train()
             finally:
+                preemption.uninstall()
                 self.stop_group()
                 if info.started and info.local:
                     shutdown_ray()
+
+    def check_machine(self) -> None:
+        """UserError (before Ray starts) when this machine cannot hold the role's workers."""
+        from aligner.parallel.placement import local_shortfall
+
+        why = local_shortfall(self.cfg, (self.role,))
+        if why:
+            r = self.role
+            raise UserError(f"this machine cannot hold the run ({why}): lower {r}.resources.cpus_per_worker, "
+                            f"{r}.resources.gpus_per_node or {r}.parallel sizes, or submit to a Ray cluster that has "
+                            "them (ray job submit ... / cluster.address=auto)")
 
     def init_path(self) -> str:
         """Where the role's weights start from ("" = random init)."""
@@ -230,8 +245,10 @@ class Stage:
         ckpts = CheckpointManager(self.out, stage=self.name)
         it = DataIterator(self.data.train, seed=self.cfg.data.shuffle_seed)
         start = self.resume(ckpts, it)
+        last_saved = start if start > 0 else -1
         logger = MetricsLogger(self.out, self.name, tr.max_steps, start_step=start, progress=tr.progress, bar_keys=self.bar_keys)
         try:
+            preemption.stop_at_step_boundary(start, last_saved, lambda: None, str(ckpts.root))
             for step in range(start + 1, tr.max_steps + 1):
                 metrics = self.train_step(it)
                 last = step == tr.max_steps
@@ -243,6 +260,8 @@ class Stage:
                 logger.log(step, metrics)
                 if last or (tr.save_every and step % tr.save_every == 0):
                     self.save(ckpts, step, it)
+                    last_saved = step
+                preemption.stop_at_step_boundary(step, last_saved, lambda: self.save(ckpts, step, it), str(ckpts.root))
             self.export()
         finally:
             logger.close()

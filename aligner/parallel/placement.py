@@ -405,6 +405,25 @@ def threads_per_worker(num_threads: int, cpus_per_worker: float) -> int:
     return num_threads if num_threads > 0 else max(1, int(math.floor(cpus_per_worker)))
 
 
+def local_shortfall(cfg, roles: Sequence[str]) -> Optional[str]:
+    """What this machine lacks to hold `roles` of `cfg` when the run starts its own local Ray
+    instance (no cluster.address, no RAY_ADDRESS), as one sentence; None when it fits or when
+    the run joins an existing cluster (Ray's placement then says what is missing). Needs no Ray."""
+    import os
+
+    if cfg.cluster.address or os.environ.get("RAY_ADDRESS"):
+        return None
+    from aligner.parallel.ray_runtime import local_num_cpus
+
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - a broken CUDA install counts as no GPU
+        gpus = 0
+    return cluster_shortfall(plan_from_config(cfg, list(roles)), [{"CPU": float(local_num_cpus(cfg.cluster)), "GPU": float(gpus)}])
+
+
 def cluster_shortfall(specs: Sequence[NodeGroupSpec], nodes: list[dict[str, float]]) -> Optional[str]:
     """What `nodes` (resource dicts, e.g. ``[{"CPU": 8, "GPU": 0}]`` for this machine) lack to hold
     `specs`, as one sentence; None when they fit. Needs no Ray (used before starting it)."""

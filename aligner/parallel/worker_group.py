@@ -32,6 +32,7 @@ This module imports Ray lazily so worker classes can use :func:`dispatch` withou
 from __future__ import annotations
 
 import dataclasses
+import errno
 import inspect
 import os
 import socket
@@ -78,15 +79,34 @@ def dispatched_methods(worker_cls: type) -> dict[str, str]:
 
 # ---- errors ----------------------------------------------------------------------
 class WorkerError(RuntimeError):
-    """A worker of a group failed: its role, rank, the method and the worker's traceback."""
+    """A worker of a group failed: its role, rank, the method and the worker's traceback.
 
-    def __init__(self, role: str, rank: int, traceback_text: str, method: str = "") -> None:
+    ``disk_full`` is the path whose write failed with "No space left on device" when that
+    is what ended the call ("" otherwise), so the driver can say so in one line.
+    """
+
+    def __init__(self, role: str, rank: int, traceback_text: str, method: str = "", disk_full: str = "") -> None:
         self.role, self.rank, self.traceback_text, self.method = role, rank, traceback_text, method
+        self.disk_full = disk_full
         where = f" in {method}()" if method else ""
         super().__init__(f"{role} rank {rank} failed{where}:\n{traceback_text}")
 
     def __reduce__(self):
-        return (type(self), (self.role, self.rank, self.traceback_text, self.method))
+        return (type(self), (self.role, self.rank, self.traceback_text, self.method, self.disk_full))
+
+
+def disk_full_path(exc: BaseException) -> Optional[str]:
+    """The path of a "No space left on device" (ENOSPC) error in `exc` or its causes; None when
+    there is none ("?" when the error names no path)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, WorkerError) and exc.disk_full:
+            return exc.disk_full
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return str(exc.filename) if exc.filename else "?"
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 class WorkerDiedError(WorkerError):
@@ -261,8 +281,8 @@ class WorkerShell:
         args, kwargs = packed
         try:
             return getattr(self.worker, method)(*args, **kwargs)
-        except Exception:
-            raise WorkerError(self.role, self.rank, traceback.format_exc(), method) from None
+        except Exception as e:
+            raise WorkerError(self.role, self.rank, traceback.format_exc(), method, disk_full_path(e) or "") from None
 
     def info(self) -> dict[str, Any]:
         """pid, node IP, rank coordinates, env rendezvous and torch threads of this worker."""
@@ -513,7 +533,7 @@ class WorkerGroup:
                 except RayTaskError as e:
                     cause = getattr(e, "cause", None)
                     err = cause if isinstance(cause, WorkerError) else WorkerError(self.role, rank, str(e), method)
-                    self._fail(WorkerError(err.role, err.rank, err.traceback_text, err.method))
+                    self._fail(WorkerError(err.role, err.rank, err.traceback_text, err.method, err.disk_full))
                 except RayError as e:  # RayActorError and other system errors: the process is gone
                     self._fail(WorkerDiedError(self.role, rank, f"the worker process died or became unreachable: {e}", method))
             if pending and deadline is not None and time.monotonic() > deadline:

@@ -105,6 +105,7 @@ CASES = [
     (["conf=llama2_7b", "cluster.gpus_per_node=0"], "cluster.gpus_per_node", "0",
      "conf=llama2_7b runs its roles on GPUs (actor.resources.gpus_per_node=8)"),
     (["output_dir="], "output_dir", "''", "empty would write into the current directory"),
+    (["trainer.preempt_grace_s=0"], "trainer.preempt_grace_s", "0.0", "must be > 0 seconds"),
     (["trainer.max_steps=0"], "trainer.max_steps", "0", ">= 1"),
     (["trainer.micro_batch_size=0"], "trainer.micro_batch_size", "0", ">= 1"),
     (["trainer.save_every=-1"], "trainer.save_every", "-1", ">= 0"),

@@ -85,3 +85,49 @@ def test_exported_weights_follow_the_umask(tmp_path, umask):
     assert stat.S_IMODE(os.stat(out).st_mode) == 0o777 & ~umask
     for name in ("config.json", "model.safetensors"):
         assert stat.S_IMODE(os.stat(out / name).st_mode) == 0o666 & ~umask, name
+
+
+def test_a_full_disk_is_one_line_naming_the_path_for_the_driver_and_for_a_worker(capsys):
+    import errno
+
+    from aligner.cli import run
+    from aligner.parallel.worker_group import WorkerError, disk_full_path
+
+    def driver_write(cfg):
+        raise OSError(errno.ENOSPC, "No space left on device", "/data/run/metrics.jsonl")
+
+    assert run("sft", driver_write, ["trainer.progress=false"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the disk is full: no space left on device writing /data/run/metrics.jsonl" in err[0], err
+
+    try:  # a worker's save: the path travels inside the WorkerError (pickled through Ray)
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/data/run/checkpoints/.step_4/actor/__0_0.distcp")
+        except OSError as inner:
+            raise RuntimeError("dcp save failed") from inner
+    except RuntimeError as e:
+        path = disk_full_path(e)
+    err_obj = WorkerError("actor", 1, "traceback...", "save", path)
+    import pickle
+
+    err_obj = pickle.loads(pickle.dumps(err_obj))
+
+    def worker_write(cfg):
+        raise err_obj
+
+    assert run("sft", worker_write, ["trainer.progress=false"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "writing /data/run/checkpoints/.step_4/actor/__0_0.distcp (actor rank 1, save)" in err[0], err
+
+
+def test_sft_on_a_machine_too_small_for_its_workers_stops_before_ray(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "aligner.sft", "conf=tiny", "actor.resources.cpus_per_worker=512",
+                           f"output_dir={out}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("aligner sft")]
+    assert len(lines) == 1 and "this machine cannot hold the run (512 CPU" in lines[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not out.exists()

@@ -288,3 +288,29 @@ def test_a_bad_line_before_the_last_names_file_and_line(tmp_path):
     with pytest.raises(UserError, match=r"resume=true: .*metrics.jsonl:2: not a JSON object"):
         with claim_output_dir(_cfg("sft", tmp_path / "run", "resume=true")):
             pass
+
+
+def _run_with_saved_config(out: Path, *overrides: str) -> Path:
+    """A previous SFT run whose config.yaml is the real composed config of `overrides`."""
+    from aligner.cli import config_yaml
+
+    _previous_run(out)
+    (out / "config.yaml").write_text(config_yaml(_cfg("sft", out, *overrides)))
+    return out
+
+
+def test_resume_with_a_changed_model_dimension_is_refused_naming_both_values(tmp_path):
+    out = _run_with_saved_config(tmp_path / "run")
+    before = _snapshot(out)
+    with pytest.raises(UserError) as e:
+        decide(_cfg("sft", out, "resume=true", "model.hidden_size=256", "model.num_heads=8"), out)
+    msg = str(e.value)
+    assert "model.hidden_size=256 differs from the run in output_dir" in msg and "config.yaml: 128" in msg, msg
+    assert _snapshot(out) == before  # the saved config.yaml is not replaced by the failing one
+
+
+def test_resume_with_another_max_steps_says_the_schedule_is_reshaped(tmp_path, caplog):
+    out = _run_with_saved_config(tmp_path / "run", "trainer.max_steps=100")
+    with caplog.at_level(logging.WARNING, logger="aligner"):
+        assert decide(_cfg("sft", out, "resume=true", "trainer.max_steps=300"), out) == "resume"
+    assert "trainer.max_steps changed from 100 to 300" in caplog.text and "reshaped" in caplog.text

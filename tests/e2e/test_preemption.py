@@ -1,0 +1,115 @@
+"""SIGTERM end to end (issue 21, "Reliability II": preemption-safe SIGTERM), with real processes.
+
+What Slurm, Kubernetes and Ray send before they kill:
+
+- SIGTERM to the driver (SFT and PPO): the current step finishes, a checkpoint of it is
+  written, the run exits 143 within trainer.preempt_grace_s with one line saying what was
+  saved; resume=true continues from exactly that step;
+- SIGTERM to every process of the run (driver, Ray's own processes, the workers): the
+  workers are gone, so nothing new can be saved: the driver exits 143 within the grace time
+  with one line, and the last complete checkpoint is intact and resumable.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from aligner.checkpointing import CheckpointManager
+from aligner.tracking import read_metrics
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+SMALL = ["conf=tiny", "task.num_sft=200", "task.num_pairs=200", "task.num_rl=200", "task.num_eval=16",
+         "trainer.global_batch_size=8", "trainer.micro_batch_size=8", "trainer.eval_every=0", "trainer.progress=false"]
+PPO = ["actor.init=", "reward.init=", "critic.init=", "reward.type=rule", "reward.rule=digit_fraction",
+       "trainer.rollout_batch_size=8", "trainer.mini_batch_size=8", "trainer.eval_every=0"]
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+GRACE_S = 20
+
+
+def _start(module: str, out: Path, *args: str) -> subprocess.Popen:
+    """The run in its own session (so the test can signal all of its processes, and only them)."""
+    return subprocess.Popen([sys.executable, "-m", module, *SMALL, f"output_dir={out}",
+                             f"trainer.preempt_grace_s={GRACE_S}", *args], cwd=REPO, env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _wait_for_steps(proc: subprocess.Popen, out: Path, n: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        if (out / "metrics.jsonl").exists() and len([r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]) >= n:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"no {n} steps within {timeout} s")
+
+
+def _stop(proc: subprocess.Popen, pids: list[int]) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    _, err = proc.communicate(timeout=GRACE_S + 60)
+    return proc.returncode, err, time.monotonic() - t0
+
+
+def _last_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("aligner ")]
+    assert lines, err[-3000:]
+    return lines[-1]
+
+
+def _session_pids(sid: int) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
+    return [int(p) for p, s in (line.split() for line in out.splitlines()) if int(s) == sid]
+
+
+@pytest.mark.parametrize("module,extra", [("aligner.sft", []), ("aligner.ppo", PPO)])
+def test_sigterm_to_the_driver_saves_the_current_step_and_exits_143(tmp_path, module, extra):
+    out = tmp_path / "run"
+    proc = _start(module, out, "trainer.max_steps=100000", "trainer.save_every=0", *extra)
+    _wait_for_steps(proc, out, 2)
+    code, err, secs = _stop(proc, [proc.pid])
+    assert code == 143, err[-3000:]
+    assert secs < GRACE_S + 30, secs
+    line = _last_line(err)
+    steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
+    last = steps[-1]
+    stage = module.split(".")[1]
+    assert line.startswith(f"aligner {stage}: stopped by SIGTERM after step {last} ") and \
+        f"saved the checkpoint of step {last}" in line and "resume=true" in line, line
+    assert "Traceback" not in err
+    latest = CheckpointManager(out).latest()
+    assert latest is not None and latest.name == CheckpointManager.name(last)
+    assert not (out / ".aligner.lock").exists()
+    if module == "aligner.sft":  # resume continues from exactly the saved step
+        done = subprocess.run([sys.executable, "-m", module, *SMALL, f"output_dir={out}", "resume=true",
+                               f"trainer.max_steps={last + 2}", *extra], cwd=REPO, env=ENV, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == steps + [last + 1, last + 2]
+
+
+def test_sigterm_to_every_process_exits_143_within_the_grace_time_and_keeps_the_last_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    proc = _start("aligner.sft", out, "trainer.max_steps=100000", "trainer.save_every=2")
+    _wait_for_steps(proc, out, 4)
+    saved = CheckpointManager(out).latest()
+    assert saved is not None
+    code, err, secs = _stop(proc, _session_pids(os.getsid(proc.pid)))
+    assert code == 143, err[-3000:]
+    assert secs < GRACE_S + 30, secs
+    line = _last_line(err)
+    assert line.startswith("aligner sft: ") and "SIGTERM" in line and "resume=true" in line, line
+    latest = CheckpointManager(out).latest()
+    assert latest is not None and int(latest.name.split("_")[1]) >= int(saved.name.split("_")[1])
