@@ -76,4 +76,7 @@ def test_response_head_matches_single_process(tp, pp, sp):
         for k, v in want_m.items():
             assert m[k] == pytest.approx(v, abs=1e-5), (rank, k)
         diff = max(float((torch.tensor(sd[k]) - want_sd[k]).abs().max()) for k in want_sd)
-        assert diff < 1e-7, (rank, diff)
+        # 2e-7, not 1e-7: the RMSNorm gains end near 1.0, where one fp32 ulp is 1.19e-7, and the tp GEMMs'
+        # last-bit noise (largest diff seen: 3e-8) may round one of them the other way; a weight moves by
+        # lr * dg / (1 + |g|)^2 = 1e-2 * dg / (1 + |g|)^2, so gradient errors of a few 1e-5 still fail this
+        assert diff < 2e-7, (rank, diff)

@@ -171,9 +171,14 @@ def test_refit_after_optimizer_step_gives_the_trainers_logits():
     assert stats.buckets > 1 and stats.tensors == len(list(trainer.parameters())) and stats.weight_version == 1
     assert eng.last_update_names == {n for n, _ in trainer.named_parameters()}
     with torch.no_grad():
-        assert torch.equal(eng.model(ids), trainer(ids))
+        # not torch.equal: the engine stores its linear weights as [in, out] (see _pack_weights), the trainer
+        # as [out, in], so the fp32 GEMMs take different kernels/blocking and differ in the last bits (1e-6
+        # here, AVX2 and AVX-512); a stale or wrong tensor after refit moves the logits by ~1e-2 or more
+        torch.testing.assert_close(eng.model(ids), trainer(ids), atol=1e-5, rtol=0)
     gens = eng.generate(PROMPTS, SamplingConfig(temperature=0.0, max_new_tokens=5))
     assert all(g.weight_version == 1 for g in gens)
+    # token equality across the two layouts is safe: the reference's top-2 logit gap is >= 3.8e-3 on every
+    # step, three orders above the 1e-6 layout noise
     assert [g.token_ids for g in gens] == [greedy_reference(trainer.eval(), p, 5) for p in PROMPTS]
 
 
