@@ -314,3 +314,25 @@ def test_resume_with_another_max_steps_says_the_schedule_is_reshaped(tmp_path, c
     with caplog.at_level(logging.WARNING, logger="aligner"):
         assert decide(_cfg("sft", out, "resume=true", "trainer.max_steps=300"), out) == "resume"
     assert "trainer.max_steps changed from 100 to 300" in caplog.text and "reshaped" in caplog.text
+
+
+def test_ppo_resume_without_a_checkpoint_says_it_starts_from_step_0(tmp_path, caplog):
+    """As SFT/RM do: resume=true into a dir with no complete checkpoint is logged, not silent."""
+    from aligner.ppo import train_loop
+
+    class FakeTrainer:  # the loop's contract with PPOTrainer, no Ray
+        step, history = 0, []
+
+        def evaluate(self):
+            return {"eval_accuracy": 0.5}
+
+        def train_step(self):
+            return {"score_mean": 1.0}
+
+        def save(self, manager):
+            pass
+
+    cfg = _cfg("ppo", tmp_path / "run", "resume=true", "trainer.max_steps=1", "trainer.progress=false")
+    with caplog.at_level(logging.INFO, logger="aligner"):
+        train_loop(cfg, FakeTrainer())
+    assert "resume=true but" in caplog.text and "holds no complete checkpoint: starting from step 0" in caplog.text
