@@ -123,3 +123,35 @@ def test_missing_file_and_usage(tmp_path):
     line = _one_error_line(_convert_cli(str(tmp_path / "nope.gguf"), str(tmp_path / "out")))
     assert "no such file" in line, line
     assert _convert_cli().returncode == 2
+
+
+def test_engine_greedy_equals_hf_generate_on_real_chat_prompts(smollm2_hf):
+    """Real weights, real chat-templated prompts of ragged length, left padding for HF: TorchEngine's
+    greedy tokens equal transformers' generate token for token, stopping at the model's EOS."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from aligner.config import SamplingConfig
+    from aligner.model.hf import load_hf_model
+    from aligner.rollout.torch_engine import TorchEngine
+
+    tok = AutoTokenizer.from_pretrained(smollm2_hf)
+    questions = ["What is 7 times 8?", "Name a primary colour.",
+                 "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                 "How many clips did Natalia sell altogether in April and May?"]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in questions]
+    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]  # BatchEncoding or ids
+    assert len({len(p) for p in prompts}) == 3  # ragged
+    n = 24
+    ours, _ = load_hf_model(smollm2_hf, kind="lm")
+    gens = TorchEngine(ours.eval(), eos_token_id=tok.eos_token_id).generate(
+        prompts, SamplingConfig(temperature=0.0, max_new_tokens=n))
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_hf, dtype=torch.float32).eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    for g, row in zip(gens, out[:, width:].tolist()):
+        want = row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
+        assert g.token_ids == want, (tok.decode(g.token_ids), tok.decode(want))
