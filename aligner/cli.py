@@ -20,15 +20,12 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from aligner.config import PRESETS, AlignerConfig, ConfigError
-from aligner.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
-from aligner.preemption import Preempted
+from aligner.errors import UserError
+from aligner.trainers.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
+from aligner.trainers.preemption import Preempted
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 log = logging.getLogger("aligner")
-
-
-class UserError(Exception):
-    """A problem with the user's input (data, checkpoint, cluster) that ends the run with a message."""
 
 
 def _preset_of(overrides: Sequence[str]) -> str:
@@ -124,7 +121,7 @@ def checkpoint_model_config(init: str, field_name: str) -> Optional["ModelConfig
     is empty or does not name one (the path checks report that later). Raises ConfigError naming
     `field_name` for a config.json aligner cannot build (another architecture, an unsupported field)."""
     from aligner.model.hf import CheckpointError, model_config_from_hf, read_hf_config
-    from aligner.parallel.role import resolve_init
+    from aligner.runtime.role import resolve_init
 
     try:
         hf_dir = resolve_init(init)
@@ -216,7 +213,7 @@ def run(stage: str, main: Callable[[AlignerConfig], Optional[int]], argv: Option
     """Parse `argv` (default sys.argv[1:]) as Hydra overrides, validate, call `main(cfg)`.
 
     Returns the exit code: main's return (0 if None), 2 for configuration/user errors, 143
-    after a SIGTERM that stopped the run at a step boundary (aligner.preemption).
+    after a SIGTERM that stopped the run at a step boundary (aligner.trainers.preemption).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging()
@@ -240,7 +237,7 @@ def run(stage: str, main: Callable[[AlignerConfig], Optional[int]], argv: Option
         print(f"aligner {stage}: {e}", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     except Exception as e:  # noqa: BLE001 - a worker failure ends the run with its role, rank and traceback
-        from aligner.parallel.worker_group import WorkerError, disk_full_path
+        from aligner.errors import WorkerError, disk_full_path
 
         full = disk_full_path(e)
         if full is not None:  # the driver's or a worker's write: one line, no traceback

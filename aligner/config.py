@@ -17,15 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from aligner import algorithms as alg
+from aligner.errors import ConfigError
 
 PRESETS = ("tiny", "llama2_7b", "llama2_13b", "llama2_70b")
 STAGES = ("sft", "rm", "ppo", "plan")
 ROLES = ("actor", "critic", "reward", "ref", "rollout")
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")  # advantage estimators with a per-prompt group baseline
-
-
-class ConfigError(ValueError):
-    """A config value is invalid. The message names the field, the value and the fix."""
 
 
 def _check(ok: bool, field_name: str, value: Any, fix: str) -> None:
@@ -499,7 +496,7 @@ class AlignerConfig:
     output_dir: str = "outputs/tiny"  # checkpoints, metrics.jsonl, TensorBoard events, plots
     resume: bool = False  # continue from the latest complete checkpoint in output_dir
     # delete a previous run's outputs in output_dir first, then run fresh (without it, or resume=true,
-    # a run refuses an output_dir that holds a previous run's files: see aligner/run_dir.py)
+    # a run refuses an output_dir that holds a previous run's files: see aligner/trainers/run_dir.py)
     overwrite: bool = False
     plan_only: bool = False  # print the placement/memory plan and exit 0
     model: ModelConfig = field(default_factory=ModelConfig)  # policy (and, by default, every role's) dimensions

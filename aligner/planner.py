@@ -54,6 +54,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
 from aligner.config import AlignerConfig, ClusterConfig, ModelConfig, ParallelConfig
+from aligner.errors import PlanError
 
 GB = 1e9  # bytes per GB (decimal, as GPU vendors quote memory)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -64,10 +65,6 @@ MAX_NODES = 4096  # smallest_cluster gives up beyond this many nodes
 RECOMPUTE_MODES = ("none", "selective", "full")
 SHOW_RANKED = 5  # layouts per role in format_plan
 SHOW_REJECTED = 5  # rejected layouts per role in format_plan
-
-
-class PlanError(ValueError):
-    """No layout fits (or a configured layout does not fit); the message says what is missing."""
 
 
 # --------------------------------------------------------------------------- data structures

@@ -1,11 +1,11 @@
 """`python -m aligner.ppo conf=...`: the main job (PPO, or GRPO/RLOO/REINFORCE++ by algorithm.advantage).
 
-Owns the run around :class:`aligner.trainer.PPOTrainer`, as named phases:
+Owns the run around :class:`aligner.trainers.ppo.PPOTrainer`, as named phases:
 
     plan        the placement/memory plan (aligner.planner); plan_only=true prints it and exits 0.
                 A layout that cannot fit the configured cluster, or a local machine that lacks
                 the node groups' GPUs/CPUs, stops here within seconds, before Ray or any weights.
-    output_dir  aligner.run_dir: refuse a previous run's dir unless resume=true / overwrite=true, refuse
+    output_dir  aligner.trainers.run_dir: refuse a previous run's dir unless resume=true / overwrite=true, refuse
                 resuming another stage's run, take the dir's lock (held to the end of the run)
     data        tokenizer + RL prompts (built-in task by default), paths checked
     start       Ray, node groups, worker groups (weights load in the workers)
@@ -21,9 +21,9 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from aligner import preemption
 from aligner.cli import UserError, config_yaml, run
 from aligner.config import AlignerConfig, ConfigError
+from aligner.trainers import preemption
 
 log = logging.getLogger("aligner.ppo")
 
@@ -33,8 +33,8 @@ REPORT_KEYS = ("score_mean", "kl_mean", "eval_accuracy", "train_accuracy", "poli
 
 def plan_phase(cfg: AlignerConfig) -> Optional[int]:
     """Print the plan; return 0 for plan_only, raise UserError when the layout or machine cannot hold the run."""
-    from aligner.parallel.placement import describe_request, local_shortfall, plan_from_config
     from aligner.planner import PlanError, check_fits, format_plan, make_plan
+    from aligner.workers.placement import describe_request, local_shortfall, plan_from_config
 
     try:
         if cfg.plan_only:
@@ -62,7 +62,7 @@ def plan_phase(cfg: AlignerConfig) -> Optional[int]:
 
 def load_prompts(cfg: AlignerConfig):
     from aligner.data.pipeline import load_data, resolve_tokenizer
-    from aligner.parallel.role import check_tokenizer_fits
+    from aligner.runtime.role import check_tokenizer_fits
 
     tok = resolve_tokenizer(cfg.tokenizer, cfg.task, cfg.output_dir)
     check_tokenizer_fits(len(tok), cfg.actor.init, cfg.model, "actor")
@@ -80,7 +80,7 @@ def run_ppo(cfg: AlignerConfig) -> int:
     if code is not None:
         return code
     cfg.check_paths()
-    from aligner.run_dir import claim_output_dir
+    from aligner.trainers.run_dir import claim_output_dir
 
     with claim_output_dir(cfg):  # fresh / resume / overwrite checked, and locked until the end
         (Path(cfg.output_dir) / "config.yaml").write_text(config_yaml(cfg))
@@ -90,8 +90,8 @@ def run_ppo(cfg: AlignerConfig) -> int:
             raise
         except (ValueError, FileNotFoundError) as e:
             raise UserError(str(e)) from None
-        from aligner.parallel.ray_runtime import init_ray, shutdown_ray
-        from aligner.trainer import PPOTrainer
+        from aligner.trainers.ppo import PPOTrainer
+        from aligner.workers.ray_runtime import init_ray, shutdown_ray
 
         init_ray(cfg.cluster)
         preemption.install("ppo", cfg.trainer.preempt_grace_s)  # after Ray: its handler would crash on SIGTERM
@@ -109,8 +109,8 @@ def run_ppo(cfg: AlignerConfig) -> int:
 
 def train_loop(cfg: AlignerConfig, trainer) -> dict:
     """Resume, step, log, evaluate, checkpoint. Returns {"initial": eval before training, "final": last eval}."""
-    from aligner.checkpointing import CheckpointManager
     from aligner.tracking import MetricsLogger
+    from aligner.trainers.checkpointing import CheckpointManager
 
     manager = CheckpointManager(cfg.output_dir, stage="ppo")  # records stage + run id; resume checks them (run_dir)
     last_saved = -1

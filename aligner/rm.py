@@ -1,6 +1,6 @@
 """`python -m aligner.rm`: a Bradley-Terry reward model on preference pairs (the reward role).
 
-Owns the RM stage on top of :mod:`aligner.stage`: loss -log sigmoid(r(chosen) - r(rejected))
+Owns the RM stage on top of :mod:`aligner.trainers.supervised`: loss -log sigmoid(r(chosen) - r(rejected))
 with the scalar head on the last token of each sequence (:mod:`aligner.reward.reward_model`),
 metrics loss, pairwise accuracy and mean margin (train and held out), and at the end the
 reward normalization statistics (mean and std of the RM's scores over the training pairs'
@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 from aligner import cli
 from aligner.config import AlignerConfig
-from aligner.stage import Stage
+from aligner.trainers.supervised import Stage
 
 log = logging.getLogger("aligner")
 
@@ -59,7 +59,7 @@ class RMStage(Stage):
         return self.init
 
     def worker_cls(self) -> type:
-        from aligner.reward.worker import RewardWorker
+        from aligner.workers.reward import RewardWorker
 
         return RewardWorker
 
@@ -81,7 +81,7 @@ class RMStage(Stage):
         """Mean and std of the RM's scores over the responses (chosen and rejected) of the first
         MAX_STATS_PAIRS training pairs: {"mean", "std", "num_scores"}."""
         from aligner.reward.reward_model import interleave_pairs
-        from aligner.stage import eval_chunks
+        from aligner.trainers.supervised import eval_chunks
 
         dp = self.cfg.reward.parallel.dp_size
         pairs = self.data.train[:MAX_STATS_PAIRS]

@@ -1,11 +1,11 @@
 """`python -m aligner.sft`: supervised fine-tuning of the policy (the actor role).
 
-Owns the SFT stage on top of :mod:`aligner.stage`: the loss is next-token NLL on response
+Owns the SFT stage on top of :mod:`aligner.trainers.supervised`: the loss is next-token NLL on response
 tokens only (prompt + response rows, or chat rows with loss on assistant turns), optional
 sequence packing (``data.packing``), the actor's tp/pp/dp layout (``actor.parallel``),
 gradient accumulation to trainer.global_batch_size, warmup + cosine LR (``actor.optim``),
 periodic validation loss, and at the end the held-out greedy accuracy on the built-in task
-(:func:`aligner.evaluation.evaluate_task_accuracy`), an aligner checkpoint and an HF export
+(:func:`aligner.trainers.evaluation.evaluate_task_accuracy`), an aligner checkpoint and an HF export
 (with the tokenizer) in ``output_dir/hf``.
 
 Only the actor role's worker group is placed (ActorWorker: training and, for the accuracy,
@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from aligner import cli
 from aligner.config import AlignerConfig
-from aligner.stage import Stage
+from aligner.trainers.supervised import Stage
 
 log = logging.getLogger("aligner")
 
@@ -33,7 +33,7 @@ class SFTStage(Stage):
     plot_keys = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "task_accuracy")
 
     def worker_cls(self) -> type:
-        from aligner.actor.worker import ActorWorker
+        from aligner.workers.actor import ActorWorker
 
         return ActorWorker
 
@@ -55,9 +55,8 @@ class SFTStage(Stage):
             log.info("sft: data.train_path is set: skipping the built-in task's greedy accuracy")
             return {}, {}
         from aligner.data.pipeline import load_data
-        from aligner.evaluation import evaluate_task_accuracy
-
         from aligner.data.task import has_carry, parse_prompt
+        from aligner.trainers.evaluation import evaluate_task_accuracy
 
         prompts = load_data("prompt", self.cfg.data, self.cfg.task, self.tokenizer, str(self.out)).eval
         groups = ["carry" if has_carry(*parse_prompt(e["prompt"])) else "no_carry" for e in prompts]

@@ -7,7 +7,7 @@ Owns:
   (``LlamaForSequenceClassification``, 1 label), and fixed-length random prompts;
 - an in-process stand-in for Ray worker groups (:class:`InProcessGroup`): each method call
   runs the worker method directly and returns an object with ``.get()``, so
-  :class:`aligner.trainer.PPOTrainer` runs its real phases in one process without Ray;
+  :class:`aligner.trainers.ppo.PPOTrainer` runs its real phases in one process without Ray;
 - peer processes (:class:`PeerProcess`): a peer (TRL) runs in its own venv, pauses after
   every optimizer step in a trainer callback, prints the step's wall time and waits for the
   next "go" on stdin. The driver alternates aligner step, peer step, aligner step, ... so
@@ -89,9 +89,9 @@ def make_tokenizer(out_dir: str | Path, vocab_size: int) -> str:
 def make_checkpoints(out_dir: str | Path, model_cfg, seed: int = 0) -> dict[str, str]:
     """Random-init policy (lm) and reward/value model (score) of `model_cfg`, saved as HF dirs with the
     tokenizer. Returns {"tokenizer", "policy", "reward"} paths (reused when already written)."""
+    from aligner.data.tokenizer import load_tokenizer
     from aligner.model.hf import save_hf
     from aligner.model.llama import build_model
-    from aligner.model.tokenizer import load_tokenizer
 
     out = Path(out_dir)
     tok_dir = make_tokenizer(out / "tokenizer", model_cfg.vocab_size)
@@ -131,14 +131,14 @@ class Done:
 class InProcessGroup:
     """A one-rank worker group in this process: ``group.method(*a)`` runs ``worker.method(*a)`` now.
 
-    Results follow the dispatch modes of :mod:`aligner.parallel.worker_group` for world size 1:
+    Results follow the dispatch modes of :mod:`aligner.workers.group` for world size 1:
     broadcast -> [result] (a list by rank), dp_split and rank0 -> the result itself. Devices need
     no handling here: each role places its model on ``ParallelDims.device`` (CUDA when available)
     and its ModelRunner moves batches there and returns results on the CPU, as under Ray.
     """
 
     def __init__(self, worker: Any):
-        from aligner.parallel.worker_group import dispatched_methods
+        from aligner.workers.group import dispatched_methods
 
         self.worker = worker
         self.modes = dispatched_methods(type(worker))
@@ -163,8 +163,16 @@ def ppo_config(*, advantage: str = "gae", prompts: int = 16, n_samples: int = 1,
                prompt_len: int = 32, model_cfg=None, paths: Optional[dict] = None, kl_coef: float = 0.05,
                temperature: float = 1.0, lr: float = 1e-5):
     """AlignerConfig of one benchmark step: 1 epoch, one mini-batch (and one micro-batch) of every sample."""
-    from aligner.config import (AlgorithmConfig, AlignerConfig, DataConfig, OptimConfig, RoleConfig, RolloutConfig,
-                                SamplingConfig, TrainerConfig)
+    from aligner.config import (
+        AlgorithmConfig,
+        AlignerConfig,
+        DataConfig,
+        OptimConfig,
+        RoleConfig,
+        RolloutConfig,
+        SamplingConfig,
+        TrainerConfig,
+    )
 
     model_cfg = model_cfg or tiny_model_cfg(max_seq_len=max(256, prompt_len + new_tokens))
     paths = paths or {}
@@ -193,10 +201,10 @@ def inprocess_trainer(cfg, tokenizer, prompts: list[dict], dims=None):
     The actor's engine gets no EOS (``eos_token_id=None``) so every response has exactly
     max_new_tokens tokens, the same work as a peer generating with min_new_tokens = max_new_tokens.
     """
-    from aligner.actor.worker import ActorWorker, PolicyWorker
-    from aligner.critic.worker import CriticWorker
-    from aligner.reward.worker import RewardWorker
-    from aligner.trainer import PPOTrainer
+    from aligner.trainers.ppo import PPOTrainer
+    from aligner.workers.actor import ActorWorker, PolicyWorker
+    from aligner.workers.critic import CriticWorker
+    from aligner.workers.reward import RewardWorker
 
     trainer = PPOTrainer(cfg, tokenizer, prompts, prompts)
     steps = 1000
@@ -235,9 +243,9 @@ def ensure_venv(venv: Path, packages: list[str], check: str) -> Path:
 
 def as_cpu_worker() -> None:
     """Re-run this script with the environment of aligner's CPU Ray workers (glibc malloc settings,
-    aligner.parallel.host.HOST_MALLOC_ENV) unless it already has it: glibc reads them at start-up,
+    aligner.runtime.host.HOST_MALLOC_ENV) unless it already has it: glibc reads them at start-up,
     and the in-process roles should allocate as the real workers do. Prints what was set."""
-    from aligner.parallel.host import HOST_MALLOC_ENV
+    from aligner.runtime.host import HOST_MALLOC_ENV
 
     if all(os.environ.get(k) == v for k, v in HOST_MALLOC_ENV.items()):
         print("environment: " + " ".join(f"{k}={v}" for k, v in HOST_MALLOC_ENV.items()) + " (as aligner's CPU workers)", flush=True)
@@ -249,7 +257,7 @@ def peer_env(same_malloc: bool) -> Optional[dict]:
     """The peer process's extra environment: aligner's CPU-worker malloc setting with ``--peer-malloc``
     (so a ratio can be read with and without this allocator difference), else none: the
     peer's default glibc behaviour."""
-    from aligner.parallel.host import HOST_MALLOC_ENV
+    from aligner.runtime.host import HOST_MALLOC_ENV
 
     return dict(HOST_MALLOC_ENV) if same_malloc else {k: None for k in HOST_MALLOC_ENV}
 

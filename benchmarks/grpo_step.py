@@ -4,7 +4,7 @@ What is measured: wall time of one GRPO step (generate G samples per prompt, old
 and reward-model scores, group-normalized advantages, one optimizer step of the policy),
 on CPU, with both processes alive at once:
 
-- aligner: :class:`aligner.trainer.PPOTrainer` with ``algorithm.advantage=grpo``, kl_coef 0
+- aligner: :class:`aligner.trainers.ppo.PPOTrainer` with ``algorithm.advantage=grpo``, kl_coef 0
   (no reference), no critic, driven in-process through benchmarks/common.py ``InProcessGroup``
   (the real worker classes, no Ray); its per-phase times are reported.
 - TRL: ``trl.GRPOTrainer`` (newest trl) in benchmarks/.venv-trl, created with
@@ -107,7 +107,7 @@ def trl_child(args: argparse.Namespace) -> None:
 
 # ---- aligner side ------------------------------------------------------------------------------
 def build_aligner(args: argparse.Namespace, paths: dict, mc):
-    from aligner.model.tokenizer import load_tokenizer
+    from aligner.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(paths["tokenizer"])
     cfg = C.ppo_config(advantage="grpo", prompts=args.prompts, n_samples=args.samples, new_tokens=args.new_tokens,

@@ -3,7 +3,7 @@
 What is measured: the peak resident memory (bytes above the level just before the call) of
 forward + backward of the per-token log-probs of given logits [B, T, V] (V = 32000):
 
-- aligner: :func:`aligner.parallel.vocab.vocab_parallel_log_probs` (the fused softmax
+- aligner: :func:`aligner.nn.vocab.vocab_parallel_log_probs` (the fused softmax
   statistics of Megatron's vocab-parallel cross entropy; tp_group=None, one process), as
   Policy.log_probs calls it (ppo_step calls its log-prob + entropy variant); the policy's
   response-only head already shrinks the logits from [B, T, V] to [B, R, V] before this;
@@ -43,7 +43,7 @@ def _status_kb(key: str) -> int:
 
 
 def aligner_path(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    from aligner.parallel.vocab import vocab_parallel_log_probs
+    from aligner.nn.vocab import vocab_parallel_log_probs
 
     return vocab_parallel_log_probs(logits, labels)
 

@@ -5,7 +5,7 @@
 Spawns 2 gloo ranks (tp_size 2) and a single-process baseline; for each of none /
 selective / full recomputation, without and with TP+SP, prints bytes saved for backward
 by one decoder layer (measured with saved_tensors_hooks, storages counted once), the
-Llama-adjusted formula (aligner.parallel.accounting) and Korthikanti et al. 2022's GPT
+Llama-adjusted formula (aligner.parallel.memory) and Korthikanti et al. 2022's GPT
 formula in 16-bit, with the ratios; then the collectives of one layer forward/backward.
 
 Why the paper's formula differs from ours (measured / paper is printed; measured /
@@ -30,7 +30,7 @@ MODES = ("none", "selective", "full")
 def _measure(args, tp_group, sp: bool) -> dict:
     from aligner.config import ModelConfig
     from aligner.model.llama import build_model
-    from aligner.parallel.accounting import layer_comm, layer_saved_bytes
+    from aligner.parallel.memory import layer_comm, layer_saved_bytes
     from aligner.parallel.tensor_parallel import apply_tensor_parallel
 
     cfg = ModelConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=args.ffn, num_layers=1,
@@ -48,8 +48,9 @@ def _measure(args, tp_group, sp: bool) -> dict:
 
 
 def _tp_worker(rank: int, world_size: int, args) -> dict:
-    from aligner.parallel.dims import ParallelDims
     import torch.distributed as dist
+
+    from aligner.parallel.dims import ParallelDims
 
     dims = ParallelDims(tp_size=world_size, world_size=world_size, rank=dist.get_rank()).build()
     return {sp: _measure(args, dims.tp_group, sp) for sp in (False, True)}
@@ -65,7 +66,8 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=352)
     args = p.parse_args()
     from _spawn import run_distributed
-    from aligner.parallel.accounting import LayerDims, korthikanti_bytes, llama_layer_activation_elements
+
+    from aligner.parallel.memory import LayerDims, korthikanti_bytes, llama_layer_activation_elements
 
     single = _measure(args, None, False)
     tp = run_distributed(_tp_worker, world_size=2, args=(args,))[0]

@@ -3,7 +3,7 @@
 What is measured: wall time of one full PPO step (generate, inference forwards, advantages,
 one optimizer step of policy and value model), on CPU, in two processes alive at once:
 
-- aligner: :class:`aligner.trainer.PPOTrainer` driven in-process (benchmarks/common.py
+- aligner: :class:`aligner.trainers.ppo.PPOTrainer` driven in-process (benchmarks/common.py
   ``InProcessGroup``: the real ActorWorker / PolicyWorker / CriticWorker / RewardWorker, no
   Ray), so the phases are the trainer's own; its per-phase times are reported.
 - TRL: ``trl.experimental.ppo.PPOTrainer`` in benchmarks/.venv-trl112 (created with
@@ -112,7 +112,7 @@ def trl_child(args: argparse.Namespace) -> None:
 
 # ---- aligner side ------------------------------------------------------------------------------
 def build_aligner(args: argparse.Namespace, paths: dict, mc):
-    from aligner.model.tokenizer import load_tokenizer
+    from aligner.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(paths["tokenizer"])
     cfg = C.ppo_config(prompts=args.prompts, new_tokens=args.new_tokens, prompt_len=args.prompt_len,

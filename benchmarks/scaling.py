@@ -1,6 +1,6 @@
 """Benchmark: how aligner's PPO step time grows with rollout_batch_size and response length (CPU), with a PNG.
 
-What is measured: wall time of one :class:`aligner.trainer.PPOTrainer` step and its phases
+What is measured: wall time of one :class:`aligner.trainers.ppo.PPOTrainer` step and its phases
 (refit, generate, inference, advantages, train), driven in-process through
 benchmarks/common.py ``InProcessGroup`` (the real workers, no Ray), on the tiny Llama of
 benchmarks/ppo_step.py (hidden 256, 4 layers, 8 heads, vocab 32000; critic, reward and
@@ -94,7 +94,7 @@ def main() -> None:
     batches, lengths, fixed_len, fixed_batch = (8, 16, 32, 64), (32, 64, 128), 64, 16
     if args.quick:
         batches, lengths, fixed_len, fixed_batch, args.repeats = (8, 16, 32), (16, 32, 64), 16, 8, 1
-    from aligner.model.tokenizer import load_tokenizer
+    from aligner.data.tokenizer import load_tokenizer
 
     mc = C.tiny_model_cfg(max_seq_len=max(256, 32 + max(lengths)))
     paths = C.make_checkpoints(args.fixtures, mc)

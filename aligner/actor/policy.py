@@ -1,7 +1,7 @@
 """Policy: the Ray-free actor (and reference, and SFT model) on its parallel layout.
 
 Owns the policy-side computations of SFT and PPO, each written once per micro-batch and
-run on any tp/pp/dp layout through :class:`aligner.parallel.runner.ModelRunner`:
+run on any tp/pp/dp layout through :class:`aligner.runtime.runner.ModelRunner`:
 
 - ``log_probs``: per-response-token log-probs under softmax(logits / temperature),
   vocab-parallel (no rank holds full-vocabulary logits).
@@ -20,11 +20,11 @@ import torch
 
 from aligner import algorithms as alg
 from aligner.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
+from aligner.nn.vocab import vocab_parallel_log_probs, vocab_parallel_log_probs_entropy
 from aligner.parallel.dims import ParallelDims
-from aligner.parallel.role import RoleModel
-from aligner.parallel.runner import from_last_stage
-from aligner.parallel.vocab import vocab_parallel_log_probs, vocab_parallel_log_probs_entropy
 from aligner.protocol import response_index
+from aligner.runtime.role import RoleModel
+from aligner.runtime.runner import from_last_stage
 
 
 class Policy(RoleModel):

@@ -13,9 +13,9 @@ import torch
 from aligner import algorithms as alg
 from aligner.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
 from aligner.parallel.dims import ParallelDims
-from aligner.parallel.role import RoleModel
-from aligner.parallel.runner import from_last_stage
 from aligner.protocol import values_to_response
+from aligner.runtime.role import RoleModel
+from aligner.runtime.runner import from_last_stage
 
 
 class Critic(RoleModel):

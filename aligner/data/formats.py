@@ -67,6 +67,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
+from aligner.errors import RowError
+
 log = logging.getLogger("aligner.data")
 
 # format name -> required fields (see the module docstring for their types). Extra fields are kept as metadata.
@@ -97,10 +99,6 @@ ROLES = ("system", "user", "assistant")
 _HH_ASSISTANT = "\n\nAssistant:"
 _HH_HUMAN = "\n\nHuman:"
 _MAX_REASONS = 5
-
-
-class RowError(ValueError):
-    """One invalid row; the message is "<file>:<line>: <what>: <fix>"."""
 
 
 @dataclass

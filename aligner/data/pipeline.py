@@ -20,7 +20,7 @@ from aligner.config import DataConfig, TaskConfig, TokenizerConfig
 from aligner.data.encode import EncodeResult, encode_records
 from aligner.data.formats import load_records
 from aligner.data.task import build_task_tokenizer, write_task_files
-from aligner.model.tokenizer import load_tokenizer
+from aligner.data.tokenizer import load_tokenizer
 
 log = logging.getLogger("aligner.data")
 

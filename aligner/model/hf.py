@@ -24,15 +24,12 @@ from typing import Optional
 import torch
 
 from aligner.config import ModelConfig, RopeScalingConfig
+from aligner.errors import CheckpointError
 
 ARCH = {"lm": "ForCausalLM", "score": "ForSequenceClassification"}
 FAMILY = {"llama": "Llama", "qwen2": "Qwen2"}
 SAFE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, truncated, corrupted or does not match the model. The message says which file."""
 
 
 def model_config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:

@@ -27,8 +27,15 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from aligner.config import ModelConfig
-from aligner.parallel import comm
-from aligner.parallel.layers import ColumnParallelLinear, ParallelLayer, RMSNorm, RowParallelLinear, VocabParallelEmbedding, column_parallel_linears
+from aligner.nn import comm
+from aligner.nn.layers import (
+    ColumnParallelLinear,
+    ParallelLayer,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    column_parallel_linears,
+)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from aligner.parallel import comm
-from aligner.parallel.layers import ParallelLayer
+from aligner.nn import comm
+from aligner.nn.layers import ParallelLayer
 
 DP_BACKENDS = ("fsdp2", "ddp", "deepspeed")
 MIXED_PRECISION = ("fp32", "bf16")
@@ -262,7 +262,7 @@ def sync_tp_grads_local(model: nn.Module, tp_group, dp_rank: int = 0, dp_size: i
     full rows this dp shard covers (``row_index.chunk(dp_size)[dp_rank]``). Reductions commute
     with FSDP's dp reduce-scatter, so the result equals the unsharded sync.
     """
-    from aligner.parallel.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
+    from aligner.nn.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 
     if comm.group_size(tp_group) == 1:
         return

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from aligner.model.llama import build_model, prune_to_stage, rope_inv_freq
-from aligner.parallel import comm
+from aligner.nn import comm
 from aligner.parallel.sharding import load_full_state_dict
 from aligner.parallel.tensor_parallel import apply_tensor_parallel, sync_tp_grads
 

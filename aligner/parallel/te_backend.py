@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from aligner.parallel import comm
+from aligner.nn import comm
 
 INSTALL_HINT = "model.backend=te needs Transformer Engine on an NVIDIA GPU: pip install 'aligner[te]' (transformer-engine[pytorch])"
 RECIPES = ("delayed", "current", "mxfp8", "nvfp4")

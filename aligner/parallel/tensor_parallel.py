@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from aligner.parallel import comm
-from aligner.parallel.layers import ColumnParallelLinear, ParallelLayer, RMSNorm, RowParallelLinear
+from aligner.nn import comm
+from aligner.nn.layers import ColumnParallelLinear, ParallelLayer, RMSNorm, RowParallelLinear
 
 
 def check_tp_compatible(cfg, tp_size: int) -> None:

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from aligner.config import ModelConfig, OptimConfig, ParallelConfig
 from aligner.model.llama import last_token_scores
 from aligner.parallel.dims import ParallelDims
-from aligner.parallel.role import RoleModel
-from aligner.parallel.runner import from_last_stage
+from aligner.runtime.role import RoleModel
+from aligner.runtime.runner import from_last_stage
 
 
 def interleave_pairs(batch: dict[str, torch.Tensor], pad_id: int = 0) -> dict[str, torch.Tensor]:

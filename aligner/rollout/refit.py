@@ -32,10 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from aligner.parallel import comm
-from aligner.parallel.layers import ParallelLayer
+from aligner.nn import comm
+from aligner.nn.layers import ParallelLayer
 from aligner.rollout.base import RolloutEngine
-
 
 
 @dataclass

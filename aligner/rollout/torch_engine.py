@@ -51,8 +51,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from aligner.model.llama import KVCache, build_model, rope_cos_sin
-from aligner.parallel import comm
-from aligner.parallel.layers import ColumnParallelLinear, ParallelLayer, RMSNorm, RowParallelLinear
+from aligner.nn import comm
+from aligner.nn.layers import ColumnParallelLinear, ParallelLayer, RMSNorm, RowParallelLinear
 from aligner.rollout.base import Generation, RolloutEngine, check_prompts, check_sampling
 
 
@@ -106,7 +106,7 @@ class TorchEngine(RolloutEngine):
         self._calls = 0
         self._graphs: dict[tuple[int, int], "_DecodeGraph"] = {}
         if self.device.type == "cpu":
-            from aligner.parallel.host import keep_freed_host_memory
+            from aligner.runtime.host import keep_freed_host_memory
 
             keep_freed_host_memory()
         if fused_decode is None:

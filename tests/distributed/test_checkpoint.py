@@ -7,13 +7,12 @@ import os
 
 import pytest
 import torch
-
 from _spawn import run_distributed
 from test_data_parallel import OPTIM, batches, engine_run, make_engine, model_cfg
 
 from aligner.config import OptimConfig, ParallelConfig
 from aligner.parallel.dims import ParallelDims
-from aligner.parallel.engine import TrainEngine
+from aligner.runtime.train_runtime import TrainEngine
 
 
 def full_logits(engine: TrainEngine, ids: torch.Tensor) -> torch.Tensor:
@@ -67,7 +66,7 @@ def load_pp2_dp2_battery(rank: int, world: int, root: str) -> dict:
             "losses": engine_run(eng, data[2:4], num_microbatches=2 if par.pp_size > 1 else 1)[0],
         }
         if name == "pp2_dp2_fsdp2":
-            from aligner.parallel.checkpoint import export_hf
+            from aligner.runtime.checkpoint import export_hf
 
             path = export_hf(eng, f"{root}/hf")
             if rank == 0:

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _spawn import run_distributed
 
 from aligner.config import ModelConfig, OptimConfig, ParallelConfig
+from aligner.nn.vocab import shifted_log_probs
 from aligner.parallel.dims import ParallelDims
-from aligner.parallel.engine import TrainEngine, adamw_kwargs, build_lr_scheduler, lr_lambda
-from aligner.parallel.vocab import shifted_log_probs
+from aligner.runtime.train_runtime import TrainEngine, adamw_kwargs, build_lr_scheduler, lr_lambda
 
 STEPS = 3
 CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32)

@@ -15,7 +15,6 @@ import time
 
 import pytest
 import torch
-
 from _spawn import run_distributed
 from test_tensor_parallel import TOL, make_batch, make_dims, run_layout, tiny_cfg
 
@@ -34,10 +33,10 @@ PP_LAYOUTS = {
 def _mean_reduction_check(dims) -> float:
     """loss_reduction="mean" with a plain per-micro-batch mean equals the whole-batch mean."""
     from aligner.model.llama import build_model
+    from aligner.nn.vocab import vocab_parallel_log_probs
     from aligner.parallel.pipeline import build_stage_model, pipeline_train_step, split_microbatches
     from aligner.parallel.sharding import gather_full_state_dict
     from aligner.parallel.tensor_parallel import vocab_start
-    from aligner.parallel.vocab import vocab_parallel_log_probs
 
     cfg = tiny_cfg(num_layers=3)
     ref = build_model(cfg, seed=3)

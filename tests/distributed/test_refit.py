@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _spawn import run_distributed
 
 TOL = 1e-5
@@ -46,7 +45,7 @@ def trained_state_dict(cfg) -> dict:
 def reference(cfg, sd, sampling_gens):
     """Greedy tokens (no cache, full forward) and full-forward log-probs of given responses."""
     from aligner.model.llama import build_model
-    from aligner.parallel.vocab import vocab_parallel_log_probs
+    from aligner.nn.vocab import vocab_parallel_log_probs
 
     model = build_model(cfg, seed=0)
     model.load_state_dict(sd)

@@ -26,7 +26,7 @@ STAGES = {"sft": (SFTStage, "actor", ("loss", "eval_loss")), "rm": (RMStage, "re
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    from aligner.parallel.ray_runtime import init_ray, shutdown_ray
+    from aligner.workers.ray_runtime import init_ray, shutdown_ray
 
     init_ray(num_cpus=6)
     yield

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _spawn import run_distributed
 
 TOL = 1e-5
@@ -44,7 +43,7 @@ def make_batch(cfg, seed: int = 7) -> dict:
 def make_loss_fn(kind: str, tp_group, vocab_start: int):
     """PPO-style policy loss with entropy bonus (lm) or squared value error (score), token-summed
     and divided by the whole-batch token count, so micro-batch losses add up to the batch loss."""
-    from aligner.parallel.vocab import vocab_parallel_entropy, vocab_parallel_log_probs
+    from aligner.nn.vocab import vocab_parallel_entropy, vocab_parallel_log_probs
 
     def lm_loss(logits, mb):
         lp = vocab_parallel_log_probs(logits[:, :-1], mb["input_ids"][:, 1:], tp_group, vocab_start)
@@ -76,12 +75,13 @@ def worst_key(full: dict, ref: dict) -> str:
 def run_layout(dims, cfg, kind: str = "lm", *, sp: bool = False, recompute: str = "none", layer_split=None,
                num_microbatches: int = 1, steps: int = 3) -> dict[str, float]:
     """Run one TP x PP layout against the single-process reference; return {check: max abs error}."""
+    import torch.distributed as dist
+
     from aligner.model.llama import build_model
+    from aligner.nn.vocab import vocab_parallel_entropy, vocab_parallel_log_probs
     from aligner.parallel.pipeline import build_stage_model, pipeline_forward, pipeline_train_step, split_microbatches
     from aligner.parallel.sharding import gather_full_state_dict
     from aligner.parallel.tensor_parallel import vocab_start
-    from aligner.parallel.vocab import vocab_parallel_entropy, vocab_parallel_log_probs
-    import torch.distributed as dist
 
     ref = build_model(cfg, kind, seed=11)
     stage = build_stage_model(cfg, kind, dims, layer_split=layer_split, sequence_parallel=sp, recompute=recompute, seed=11)
@@ -147,6 +147,7 @@ def run_layout(dims, cfg, kind: str = "lm", *, sp: bool = False, recompute: str 
 
 def make_dims(tp: int, pp: int, dp: int = 1):
     import torch.distributed as dist
+
     from aligner.parallel.dims import ParallelDims
 
     return ParallelDims(tp_size=tp, pp_size=pp, dp_size=dp, world_size=dist.get_world_size(), rank=dist.get_rank()).build()
@@ -188,7 +189,7 @@ def tp_battery(rank: int, world_size: int) -> dict:
 
     # collectives per layer forward: 2 all-reduces of B*T*H (no SP), or all-gather +
     # reduce-scatter of the same volume (SP); and saved bytes vs the adjusted formula
-    from aligner.parallel.accounting import LayerDims, layer_comm, layer_saved_bytes, llama_layer_activation_elements
+    from aligner.parallel.memory import LayerDims, layer_comm, layer_saved_bytes, llama_layer_activation_elements
 
     out["memory"] = {}
     for sp in (False, True):
@@ -240,7 +241,7 @@ def test_tp_layer_collectives(tp_results):
 @pytest.mark.distributed
 def test_tp_sp_activation_memory_matches_formula(tp_results):
     """Saved bytes per layer with tp=2 (SP off/on, each recompute mode, kv split/replicated) equal
-    the Llama-adjusted Korthikanti et al. formula (aligner.parallel.accounting)."""
+    the Llama-adjusted Korthikanti et al. formula (aligner.parallel.memory)."""
     for rank, res in enumerate(tp_results):
         bad = {k: v for k, v in res["memory"].items() if v[0] != v[1]}
         assert not bad, f"rank {rank}: (measured, formula) differ: {bad}"

@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from aligner.config import AlignerConfig, ClusterConfig, ParallelConfig, ResourceConfig, RoleConfig
-from aligner.parallel.placement import PlacementError, RoleRequest, create_placement, plan_from_config, plan_node_groups
-from aligner.parallel.worker_group import (
+from aligner.workers.group import (
     WorkerDiedError,
     WorkerError,
     WorkerGroup,
@@ -28,6 +27,7 @@ from aligner.parallel.worker_group import (
     get_all,
     split_batch,
 )
+from aligner.workers.placement import PlacementError, RoleRequest, create_placement, plan_from_config, plan_node_groups
 
 NUM_CPUS = 8
 
@@ -103,7 +103,7 @@ def ray_local():
     import ray
     import ray.cloudpickle
 
-    from aligner.parallel.ray_runtime import init_ray, shutdown_ray
+    from aligner.workers.ray_runtime import init_ray, shutdown_ray
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     info = init_ray(num_cpus=NUM_CPUS)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from aligner.checkpointing import verify_checkpoint
 from aligner.tracking import read_metrics
+from aligner.trainers.checkpointing import verify_checkpoint
 from tests.conftest import REPO
 
 SMALL = ["conf=tiny", "task.num_sft=200", "task.num_pairs=200", "task.num_rl=200", "task.num_eval=16",

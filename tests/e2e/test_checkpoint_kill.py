@@ -3,7 +3,7 @@
 One harness subprocess (this file run as a script) imports torch once and forks a saver child
 per trial, so each trial costs a fork, not a torch import. The saver child loops: set every
 parameter of a tiny TrainEngine to a value that encodes the step, ``CheckpointManager.begin``,
-``TrainEngine.save`` (dcp, aligner.parallel.checkpoint) into ``<tmp>/actor``, ``commit``. The
+``TrainEngine.save`` (dcp, aligner.runtime.checkpoint) into ``<tmp>/actor``, ``commit``. The
 harness SIGKILLs it
 
 - at deterministic points: the child's hooks (monkeypatches of dcp.save, checkpoint._commit,
@@ -53,7 +53,7 @@ def _value(step: int, index: int) -> float:
 def _engine():
     from aligner.config import ModelConfig, OptimConfig, ParallelConfig
     from aligner.parallel.dims import ParallelDims
-    from aligner.parallel.engine import TrainEngine
+    from aligner.runtime.train_runtime import TrainEngine
 
     return TrainEngine(ModelConfig(**TINY), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=100)
 
@@ -76,11 +76,11 @@ def _step_of(module) -> int | None:
 
 def _install_hooks(phase: str, pipe_w: int, min_step: int) -> dict:
     """Monkeypatch the save path in this (child) process: report `phase` on the pipe and sleep there."""
+    import safetensors.torch as st
     import torch.distributed.checkpoint as dcp
 
-    import aligner.parallel.checkpoint as pc
-    import safetensors.torch as st
-    from aligner.checkpointing import CheckpointManager
+    import aligner.runtime.checkpoint as pc
+    from aligner.trainers.checkpointing import CheckpointManager
 
     state = {"step": 0}
 
@@ -124,8 +124,8 @@ def _install_hooks(phase: str, pipe_w: int, min_step: int) -> dict:
 
 def _saver(root: str, phase: str, pipe_w: int, min_step: int) -> None:
     """Child: save checkpoints (or HF exports) forever, one step after the other."""
-    from aligner.checkpointing import CheckpointManager
     from aligner.model.hf import save_hf
+    from aligner.trainers.checkpointing import CheckpointManager
 
     state = _install_hooks(phase, pipe_w, min_step)
     eng = _engine()
@@ -190,7 +190,7 @@ def _run_child(root: str, phase: str, min_step: int, delay: float | None, timeou
 
 def _check_ckpt(root: str) -> dict:
     """A fresh manager's view after a kill: stale entries, latest, and whether it loads exactly."""
-    from aligner.checkpointing import CheckpointManager
+    from aligner.trainers.checkpointing import CheckpointManager
 
     ptr = Path(root) / "checkpoints" / "latest"
     ptr_ok = (not ptr.exists()) or (ptr.parent / ptr.read_text().strip() / "COMPLETE").exists()

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from aligner.checkpointing import CheckpointManager
 from aligner.tracking import read_metrics
+from aligner.trainers.checkpointing import CheckpointManager
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

@@ -34,7 +34,7 @@ FAST = ["trainer.progress=false", "task.num_eval=32", "trainer.eval_batch_size=3
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    from aligner.parallel.ray_runtime import init_ray, shutdown_ray
+    from aligner.workers.ray_runtime import init_ray, shutdown_ray
 
     init_ray(num_cpus=4)
     yield

@@ -43,7 +43,7 @@ def test_policy_on_cuda_matches_cpu():
 
 def test_actor_worker_bf16_engine_on_cuda():
     """The actor's rollout engine lands on the GPU in rollout.dtype; its log-probs stay near the trainer's."""
-    from aligner.actor.worker import ActorWorker
+    from aligner.workers.actor import ActorWorker
 
     cfg = AlignerConfig(model=CFG, data=DataConfig(max_prompt_len=16, max_seq_len=CFG.max_seq_len), rollout=RolloutConfig(dtype="bfloat16", max_batch_size=8,
                                                         sampling=SamplingConfig(temperature=1.0, max_new_tokens=8)))

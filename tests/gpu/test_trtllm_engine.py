@@ -16,7 +16,7 @@ import torch
 
 from aligner.config import ModelConfig, RolloutConfig, SamplingConfig
 from aligner.model.llama import build_model
-from aligner.parallel.vocab import vocab_parallel_log_probs
+from aligner.nn.vocab import vocab_parallel_log_probs
 from aligner.rollout.refit import refit
 from aligner.rollout.torch_engine import TorchEngine
 

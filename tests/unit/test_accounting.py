@@ -1,5 +1,5 @@
 """Activation-memory accounting of one decoder layer (single process): measured saved bytes
-equal the Llama-adjusted Korthikanti et al. 2022 formula (aligner.parallel.accounting),
+equal the Llama-adjusted Korthikanti et al. 2022 formula (aligner.parallel.memory),
 for each recomputation mode, MHA and GQA. TP / SP cases run in
 tests/distributed/test_tensor_parallel.py (same formula with t = 2)."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from aligner.config import ModelConfig
 from aligner.model.llama import build_model
-from aligner.parallel.accounting import LayerDims, korthikanti_bytes, layer_comm, layer_saved_bytes, llama_layer_activation_elements
+from aligner.parallel.memory import LayerDims, korthikanti_bytes, layer_comm, layer_saved_bytes, llama_layer_activation_elements
 
 S, BATCH, H, A, I = 32, 2, 64, 4, 160
 

@@ -102,7 +102,7 @@ def task_tokenizer(tmp_path_factory):
 
 def test_over_long_prompt_names_row_and_fix(tmp_path, task_tokenizer):
     from aligner.data.pipeline import load_data
-    from aligner.model.tokenizer import load_tokenizer
+    from aligner.data.tokenizer import load_tokenizer
 
     path = _write(tmp_path / "long.jsonl", [{"prompt": "1+1=", "response": "2"}, {"prompt": "12+34=" * 20, "response": "46"}])
     work = tmp_path / "work"
@@ -116,7 +116,7 @@ def test_over_long_prompt_names_row_and_fix(tmp_path, task_tokenizer):
 
 # ---- tokenizers ------------------------------------------------------------------------
 def test_tokenizer_missing_path(tmp_path):
-    from aligner.model.tokenizer import load_tokenizer
+    from aligner.data.tokenizer import load_tokenizer
 
     with pytest.raises(FileNotFoundError, match=r"tokenizer.path='.*nope' does not exist: give an HF tokenizer dir"):
         load_tokenizer(str(tmp_path / "nope"))
@@ -125,7 +125,7 @@ def test_tokenizer_missing_path(tmp_path):
 @pytest.mark.parametrize("name,content", [("tokenizer.json", '{"not": "a tokenizer"}'), ("tokenizer.model", "{json pretending}"),
                                           ("weights.bin", "binary")])
 def test_not_a_tokenizer(tmp_path, name, content):
-    from aligner.model.tokenizer import load_tokenizer
+    from aligner.data.tokenizer import load_tokenizer
 
     (tmp_path / name).write_text(content)
     with pytest.raises(ValueError) as e:
@@ -135,7 +135,7 @@ def test_not_a_tokenizer(tmp_path, name, content):
 
 
 def test_tokenizer_dir_without_files(tmp_path):
-    from aligner.model.tokenizer import load_tokenizer
+    from aligner.data.tokenizer import load_tokenizer
 
     (tmp_path / "readme.txt").write_text("x")
     with pytest.raises(ValueError, match=r"no tokenizer.json, tokenizer_config.json or tokenizer.model"):
@@ -233,7 +233,7 @@ def test_bad_hf_checkpoint(hf_dir, kind):
 def test_bad_hf_checkpoint_as_role_init(hf_dir):
     """The same errors reach a role's init (RoleModel resolves and loads the dir)."""
     from aligner.model.hf import CheckpointError
-    from aligner.parallel.role import load_initial_model, resolve_init
+    from aligner.runtime.role import load_initial_model, resolve_init
 
     _corrupt("truncated_safetensors", hf_dir)
     with pytest.raises(CheckpointError, match="model.safetensors: cannot read safetensors"):
@@ -257,7 +257,7 @@ def test_save_hf_refuses_nan_and_leaves_nothing(tmp_path):
 
 def _engine(**model_kw):
     from aligner.parallel.dims import ParallelDims
-    from aligner.parallel.engine import TrainEngine
+    from aligner.runtime.train_runtime import TrainEngine
 
     return TrainEngine(ModelConfig(**{**TINY, **model_kw}), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=10)
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import aligner.checkpointing as ckpting
-from aligner.checkpointing import MANIFEST, CheckpointManager, load_trainer_state, verify_checkpoint
+import aligner.trainers.checkpointing as ckpting
 from aligner.cli import UserError
+from aligner.trainers.checkpointing import MANIFEST, CheckpointManager, load_trainer_state, verify_checkpoint
 
 TINY = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=2, max_seq_len=16)
 
@@ -29,7 +29,7 @@ TINY = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, n
 def engine():
     from aligner.config import ModelConfig, OptimConfig, ParallelConfig
     from aligner.parallel.dims import ParallelDims
-    from aligner.parallel.engine import TrainEngine
+    from aligner.runtime.train_runtime import TrainEngine
 
     return TrainEngine(ModelConfig(**TINY), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=100)
 

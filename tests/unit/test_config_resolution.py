@@ -40,7 +40,7 @@ def test_kl_placement_and_the_roles_it_starts(overrides, in_reward, roles):
 
 
 def test_trainer_puts_the_kl_in_the_reward_only_where_configured():
-    from aligner.trainer import PPOTrainer
+    from aligner.trainers.ppo import PPOTrainer
 
     prompts = [{"prompt_ids": [1, 2], "prompt": "p", "metadata": {}}]
     grpo = load_config("ppo", RULE + ["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=2",
@@ -67,7 +67,7 @@ def test_critic_falls_back_to_reward_init_and_says_so():
 
 
 def test_ppo_data_order_follows_data_shuffle_seed_as_sft_and_rm_do():
-    from aligner.trainer import PPOTrainer
+    from aligner.trainers.ppo import PPOTrainer
 
     prompts = [{"prompt_ids": [i], "prompt": str(i), "metadata": {}} for i in range(64)]
 

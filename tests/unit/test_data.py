@@ -21,8 +21,8 @@ from aligner.data import (
     resolve_tokenizer,
 )
 from aligner.data.task import build_task_tokenizer
+from aligner.data.tokenizer import load_tokenizer
 from aligner.model.llama import default_position_ids
-from aligner.model.tokenizer import load_tokenizer
 from tests.conftest import shared_path
 
 

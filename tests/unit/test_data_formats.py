@@ -16,7 +16,7 @@ import pytest
 from aligner.config import DataConfig, TaskConfig
 from aligner.data import encode_records, load_data, load_records
 from aligner.data.task import build_task_tokenizer
-from aligner.model.tokenizer import load_tokenizer
+from aligner.data.tokenizer import load_tokenizer
 
 
 def user(text: str) -> dict:

@@ -8,9 +8,15 @@ import pytest
 import torch
 from transformers import (
     LlamaConfig,
-    LlamaForCausalLM as HFLlama,
-    LlamaForSequenceClassification as HFLlamaScore,
     Qwen2Config,
+)
+from transformers import (
+    LlamaForCausalLM as HFLlama,
+)
+from transformers import (
+    LlamaForSequenceClassification as HFLlamaScore,
+)
+from transformers import (
     Qwen2ForCausalLM as HFQwen2,
 )
 

@@ -10,7 +10,7 @@ from aligner.cli import UserError, load_config
 from aligner.config import ModelConfig, OptimConfig, ParallelConfig
 from aligner.parallel.dims import ParallelDims
 from aligner.protocol import build_sequences
-from aligner.trainer import PhaseTimer, PPOTrainer
+from aligner.trainers.ppo import PhaseTimer, PPOTrainer
 
 CFG = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32)
 

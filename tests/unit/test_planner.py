@@ -21,6 +21,7 @@ from aligner.config import (
     TrainerConfig,
 )
 from aligner.model.llama import build_model
+from aligner.plan import main_from_config
 from aligner.planner import (
     GB,
     Layout,
@@ -39,7 +40,6 @@ from aligner.planner import (
     role_num_parameters,
     smallest_cluster,
 )
-from aligner.plan import main_from_config
 
 LLAMA2 = {
     "7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32),

@@ -17,8 +17,8 @@ from aligner import algorithms as alg
 from aligner.actor.policy import Policy
 from aligner.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
 from aligner.model.llama import build_model, select_positions
+from aligner.nn.vocab import vocab_parallel_entropy, vocab_parallel_log_probs
 from aligner.parallel.dims import ParallelDims
-from aligner.parallel.vocab import vocab_parallel_entropy, vocab_parallel_log_probs
 from aligner.protocol import build_sequences, response_index
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

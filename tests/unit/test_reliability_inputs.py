@@ -19,9 +19,9 @@ import pytest
 from aligner.config import DataConfig, ModelConfig, TaskConfig
 from aligner.data import load_data, load_records
 from aligner.data.task import build_task_tokenizer
+from aligner.data.tokenizer import load_tokenizer
 from aligner.model.hf import save_hf
 from aligner.model.llama import build_model
-from aligner.model.tokenizer import load_tokenizer
 
 
 def _jsonl(path, rows) -> str:
@@ -91,7 +91,7 @@ def test_a_full_disk_is_one_line_naming_the_path_for_the_driver_and_for_a_worker
     import errno
 
     from aligner.cli import run
-    from aligner.parallel.worker_group import WorkerError, disk_full_path
+    from aligner.errors import WorkerError, disk_full_path
 
     def driver_write(cfg):
         raise OSError(errno.ENOSPC, "No space left on device", "/data/run/metrics.jsonl")

@@ -11,8 +11,8 @@ import torch
 from aligner.actor.policy import Policy
 from aligner.config import ModelConfig, OptimConfig, ParallelConfig
 from aligner.model.llama import build_model, select_positions
+from aligner.nn.vocab import shifted_log_probs, vocab_parallel_entropy, vocab_parallel_log_probs, vocab_parallel_log_probs_entropy
 from aligner.parallel.dims import ParallelDims
-from aligner.parallel.vocab import shifted_log_probs, vocab_parallel_entropy, vocab_parallel_log_probs, vocab_parallel_log_probs_entropy
 from aligner.protocol import build_sequences, response_index, to_response
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

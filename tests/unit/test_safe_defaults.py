@@ -146,7 +146,7 @@ def test_pickled_code_in_pytorch_model_bin_is_not_run(tmp_path):
 
 
 def test_pickled_code_in_rng_state_is_not_run(tmp_path):
-    from aligner.checkpointing import load_trainer_state
+    from aligner.trainers.checkpointing import load_trainer_state
 
     marker = tmp_path / "pwned"
     (tmp_path / "trainer_state.json").write_text('{"step": 1}')
@@ -160,7 +160,7 @@ def test_local_ray_has_no_dashboard_and_joins_no_stray_cluster(monkeypatch):
     import ray
 
     from aligner.config import ClusterConfig
-    from aligner.parallel import ray_runtime
+    from aligner.workers import ray_runtime
 
     seen = []
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

@@ -21,7 +21,7 @@ from aligner.data.task import (
     sft_records,
     write_task_files,
 )
-from aligner.model.tokenizer import load_tokenizer
+from aligner.data.tokenizer import load_tokenizer
 from aligner.reward.rules import extract_final_number, score
 
 

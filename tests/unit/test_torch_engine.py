@@ -11,7 +11,7 @@ import torch
 
 from aligner.config import ModelConfig, SamplingConfig
 from aligner.model.llama import build_model
-from aligner.parallel.vocab import vocab_parallel_log_probs
+from aligner.nn.vocab import vocab_parallel_log_probs
 from aligner.rollout import build_engine, engine_class
 from aligner.rollout.base import Generation, generations_to_padded, mismatch_metrics
 from aligner.rollout.refit import iter_buckets, refit

@@ -12,7 +12,7 @@ import torch
 from aligner import algorithms as alg
 from aligner.cli import load_config
 from aligner.protocol import RolloutBatch
-from aligner.trainer import PPOTrainer
+from aligner.trainers.ppo import PPOTrainer
 
 RULE = ["reward.type=rule", "reward.rule=digit_fraction", "actor.init=", "critic.init=", "reward.init=", "ref.init=",
         "trainer.n_samples_per_prompt=4", "trainer.rollout_batch_size=2", "trainer.mini_batch_size=8"]

@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from aligner.parallel import comm
-from aligner.parallel.layers import ParallelLayer
+from aligner.nn import comm
+from aligner.nn.layers import ParallelLayer
 
 META_FILE = "meta.json"
 _TIED = {"lm_head.weight": "model.embed_tokens.weight"}

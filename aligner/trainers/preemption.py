@@ -26,13 +26,11 @@ import threading
 import time
 from typing import Callable, Optional
 
+from aligner.errors import Preempted
+
 log = logging.getLogger("aligner")
 
 EXIT_CODE = 128 + signal.SIGTERM  # 143: the shell's code for "ended by SIGTERM"
-
-
-class Preempted(Exception):
-    """The run stopped at a step boundary after SIGTERM; the message says what was saved."""
 
 
 class _State:

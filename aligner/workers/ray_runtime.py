@@ -12,7 +12,7 @@ Owns: :func:`init_ray` / :func:`shutdown_ray` and the choice between them.
   a token under ~/.ray.
 
 Thread counts inside workers are set by the worker group (see
-:func:`aligner.parallel.placement.threads_per_worker`); Ray itself gives actors
+:func:`aligner.workers.placement.threads_per_worker`); Ray itself gives actors
 OMP_NUM_THREADS=1 unless told otherwise.
 """
 

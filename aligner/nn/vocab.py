@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from aligner.parallel import comm
+from aligner.nn import comm
 
 
 def _stats(logits: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -28,12 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from aligner.config import ParallelConfig, ResourceConfig, RoleConfig
+from aligner.errors import PlacementError
 
 PLACEMENTS = ("split", "colocated")
-
-
-class PlacementError(ValueError):
-    """The cluster cannot hold what the roles ask; the message says what was asked and what exists."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -413,7 +410,7 @@ def local_shortfall(cfg, roles: Sequence[str]) -> Optional[str]:
 
     if cfg.cluster.address or os.environ.get("RAY_ADDRESS"):
         return None
-    from aligner.parallel.ray_runtime import local_num_cpus
+    from aligner.workers.ray_runtime import local_num_cpus
 
     try:
         import torch

@@ -8,8 +8,8 @@ import torch
 
 from aligner.config import AlignerConfig
 from aligner.parallel.dims import ParallelDims
-from aligner.parallel.worker_group import dispatch
 from aligner.reward.reward_model import RewardModel
+from aligner.workers.dispatch import dispatch
 
 
 class RewardWorker:

@@ -2,7 +2,7 @@
 
 Owns the loop both stages run on the parallel runtime, as named phases:
 
-    check paths -> (plan_only: print the plan) -> claim output_dir (aligner.run_dir: fresh,
+    check paths -> (plan_only: print the plan) -> claim output_dir (aligner.trainers.run_dir: fresh,
     resume or overwrite, and the lock, held to the end) -> prepare output_dir (config.yaml)
     -> tokenizer + data -> Ray + the role's worker group -> resume
     -> per step: next global batch -> one dp_split train call -> eval / log / checkpoint
@@ -16,7 +16,7 @@ trainer.micro_batch_size and normalizes the loss over the global batch (gradient
 accumulation).
 
 Checkpoints (every trainer.save_every steps and at the end) go through
-:class:`aligner.checkpointing.CheckpointManager`: the role's workers write model +
+:class:`aligner.trainers.checkpointing.CheckpointManager`: the role's workers write model +
 optimizer + schedule into ``<tmp>/<role>``, the driver adds its step, data position and
 RNG states, and the directory is renamed into place. ``resume=true`` restores all of it,
 so a resumed run repeats the uninterrupted run's losses exactly (fp32 on CPU).
@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from aligner import preemption
 from aligner.cli import UserError, config_yaml
 from aligner.config import AlignerConfig
+from aligner.trainers import preemption
 
 log = logging.getLogger("aligner")
 
@@ -126,12 +126,12 @@ class Stage:
 
             return main_from_config(cfg)
         self.check_machine()
-        from aligner.run_dir import claim_output_dir
+        from aligner.trainers.run_dir import claim_output_dir
 
         with claim_output_dir(cfg, {f"{self.role}.init": self.init_path()}):  # checked and locked until the end
             self.prepare_output()
             self.load_inputs()
-            from aligner.parallel.ray_runtime import init_ray, shutdown_ray
+            from aligner.workers.ray_runtime import init_ray, shutdown_ray
 
             info = init_ray(cfg.cluster)
             preemption.install(self.name, cfg.trainer.preempt_grace_s)  # after Ray: its handler would crash on SIGTERM
@@ -146,7 +146,7 @@ class Stage:
 
     def check_machine(self) -> None:
         """UserError (before Ray starts) when this machine cannot hold the role's workers."""
-        from aligner.parallel.placement import local_shortfall
+        from aligner.workers.placement import local_shortfall
 
         why = local_shortfall(self.cfg, (self.role,))
         if why:
@@ -161,7 +161,7 @@ class Stage:
 
     def check_init(self) -> None:
         """UserError naming <role>.init when it is neither an HF model dir nor a run dir with hf/ inside."""
-        from aligner.parallel.role import resolve_init
+        from aligner.runtime.role import resolve_init
 
         try:
             resolve_init(self.init_path())
@@ -175,7 +175,7 @@ class Stage:
     def load_inputs(self) -> None:
         """Tokenizer (checked against model.vocab_size) and the encoded train/eval splits."""
         from aligner.data.pipeline import load_data
-        from aligner.model.tokenizer import load_tokenizer
+        from aligner.data.tokenizer import load_tokenizer
 
         cfg = self.cfg
         try:
@@ -183,7 +183,7 @@ class Stage:
             self.tokenizer = load_tokenizer(self.tok_path, cfg.tokenizer.chat_template)
         except (OSError, ValueError) as e:
             raise UserError(f"tokenizer.path={cfg.tokenizer.path!r}: {e}") from None
-        from aligner.parallel.role import check_tokenizer_fits
+        from aligner.runtime.role import check_tokenizer_fits
 
         check_tokenizer_fits(len(self.tokenizer), self.init_path(), cfg.model, self.role)
         try:
@@ -194,8 +194,8 @@ class Stage:
             raise UserError(f"no {self.data_kind} training examples left after loading (see the data: log line above): check data.*")
 
     def start_group(self) -> None:
-        from aligner.parallel.placement import placement_from_config
-        from aligner.parallel.worker_group import role_worker_group
+        from aligner.workers.group import role_worker_group
+        from aligner.workers.placement import placement_from_config
 
         self.placement = placement_from_config(self.cfg, (self.role,))
         t0 = time.perf_counter()
@@ -213,7 +213,7 @@ class Stage:
     # ---- the loop ------------------------------------------------------------------------
     def resume(self, ckpts, it) -> int:
         """Restore the latest checkpoint when resume=true; returns the step it ends at (0 = fresh start)."""
-        from aligner.checkpointing import load_trainer_state
+        from aligner.trainers.checkpointing import load_trainer_state
 
         if not self.cfg.resume:
             return 0
@@ -237,9 +237,9 @@ class Stage:
         ckpts.commit(tmp, step, {"step": step, "stage": self.name, "data": it.state_dict()})
 
     def train(self) -> int:
-        from aligner.checkpointing import CheckpointManager
         from aligner.data.sampler import DataIterator
         from aligner.tracking import MetricsLogger
+        from aligner.trainers.checkpointing import CheckpointManager
 
         tr = self.cfg.trainer
         ckpts = CheckpointManager(self.out, stage=self.name)

@@ -2,7 +2,7 @@
 
 Owns :func:`evaluate_task_accuracy`, used at the end of SFT (and by the PPO trainer): the
 actor group's current policy weights are refit into its rollout engine
-(:meth:`aligner.actor.worker.ActorWorker.refit`), every eval prompt gets one greedy
+(:meth:`aligner.workers.actor.ActorWorker.refit`), every eval prompt gets one greedy
 response (temperature 0), and each decoded response is scored by a rule reward
 (:mod:`aligner.reward.rules`; ``"task_accuracy"`` is the built-in task's
 :func:`aligner.data.task.check_answer`).
@@ -44,7 +44,7 @@ def evaluate_task_accuracy(actor_group, eval_examples: list[dict], tokenizer, cf
                            rule: str = "task_accuracy", groups: Optional[Sequence[str]] = None) -> dict[str, float]:
     """Greedy accuracy of the actor group's current policy on held-out prompts.
 
-    actor_group: a WorkerGroup of :class:`aligner.actor.worker.ActorWorker` (refit + generate).
+    actor_group: a WorkerGroup of :class:`aligner.workers.actor.ActorWorker` (refit + generate).
     eval_examples: prompt examples from ``aligner.data.load_data("prompt", ...)``: each has
         "prompt_ids" (list[int]), "prompt" (str) and "metadata" (dict, e.g. the gsm8k answer).
     tokenizer: decodes response ids (special tokens dropped).

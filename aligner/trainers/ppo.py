@@ -83,11 +83,11 @@ class PPOTrainer:
     # ---- set-up ------------------------------------------------------------------
     def start(self) -> None:
         """Create node groups and worker groups (actor, critic, reward, ref as configured)."""
-        from aligner.actor.worker import ActorWorker, PolicyWorker
-        from aligner.critic.worker import CriticWorker
-        from aligner.parallel.placement import placement_from_config
-        from aligner.parallel.worker_group import role_worker_group
-        from aligner.reward.worker import RewardWorker
+        from aligner.workers.actor import ActorWorker, PolicyWorker
+        from aligner.workers.critic import CriticWorker
+        from aligner.workers.group import role_worker_group
+        from aligner.workers.placement import placement_from_config
+        from aligner.workers.reward import RewardWorker
 
         cfg = self.cfg
         roles = cfg.roles_used()
@@ -186,7 +186,7 @@ class PPOTrainer:
 
     def infer(self, batch: RolloutBatch) -> None:
         """Values, scores, reference and old log-probs, as concurrent futures on their groups."""
-        from aligner.parallel.worker_group import get_all
+        from aligner.workers.group import get_all
 
         inputs, temp = batch.model_inputs(), self._temperature()
         futures = {"old": self.groups["actor"].log_probs(inputs, temp)}
@@ -238,7 +238,7 @@ class PPOTrainer:
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """ppo_epochs passes of mini-batches: critic and actor updates run concurrently."""
-        from aligner.parallel.worker_group import get_all
+        from aligner.workers.group import get_all
 
         a, t = self.cfg.algorithm, self.cfg.trainer
         train_actor = self.step >= a.critic_warmup_steps
@@ -292,7 +292,7 @@ class PPOTrainer:
 
     def evaluate(self, num_prompts: Optional[int] = None) -> dict[str, float]:
         """Greedy responses to held-out prompts: rule-checked accuracy, mean RM score, KL to the reference."""
-        from aligner.parallel.worker_group import get_all
+        from aligner.workers.group import get_all
 
         prompts = self.eval_prompts[: num_prompts or self.cfg.task.num_eval]
         self.groups["actor"].refit().get()
@@ -334,15 +334,15 @@ class PPOTrainer:
 
     def save(self, manager) -> Path:
         """Every role's model + optimizer and the trainer state, atomically (CheckpointManager)."""
-        from aligner.parallel.worker_group import get_all
+        from aligner.workers.group import get_all
 
         tmp = manager.begin(self.step)
         get_all([self.groups[r].save(str(tmp / r)) for r in ("actor", "critic") if r in self.groups])
         return manager.commit(tmp, self.step, self.state())
 
     def load(self, ckpt: Path) -> None:
-        from aligner.checkpointing import load_trainer_state
-        from aligner.parallel.worker_group import get_all
+        from aligner.trainers.checkpointing import load_trainer_state
+        from aligner.workers.group import get_all
 
         get_all([self.groups[r].load(str(ckpt / r)) for r in ("actor", "critic") if r in self.groups])
         self.load_state(load_trainer_state(ckpt))
@@ -355,7 +355,7 @@ def first_replica(result: dict) -> dict[str, float]:
 
 def load_reward_stats(cfg: AlignerConfig) -> dict[str, float]:
     """mean/std of RM scores saved by the RM stage (reward_stats.json beside the RM's HF export)."""
-    from aligner.parallel.role import resolve_init
+    from aligner.runtime.role import resolve_init
 
     if cfg.reward.type != "model" or not cfg.reward.init:
         return {"mean": 0.0, "std": 1.0}

@@ -223,7 +223,7 @@ def _check_inputs_outside(out: Path, inputs: dict[str, str]) -> None:
 def previous_stage(out: Path) -> Optional[tuple[str, str]]:
     """(stage, where it is recorded) of the run in `out`: the latest complete checkpoint's
     trainer_state.json, else config.yaml; None when neither records one."""
-    from aligner.checkpointing import latest_checkpoint
+    from aligner.trainers.checkpointing import latest_checkpoint
 
     ckpt = latest_checkpoint(out / "checkpoints")
     if ckpt is not None:

@@ -9,7 +9,7 @@ import torch
 from aligner.config import AlignerConfig
 from aligner.critic.critic import Critic
 from aligner.parallel.dims import ParallelDims
-from aligner.parallel.worker_group import dispatch
+from aligner.workers.dispatch import dispatch
 
 
 class CriticWorker:

@@ -1,7 +1,7 @@
 """Per-layer communication and activation-memory accounting for TP / SP / recomputation.
 
 Owns: measuring what one decoder layer communicates (:func:`layer_comm`, via
-``aligner.parallel.comm.CommCounter``) and what it saves for backward
+``aligner.nn.comm.CommCounter``) and what it saves for backward
 (:func:`layer_saved_bytes`, via ``torch.autograd.graph.saved_tensors_hooks``, deduped by
 storage, parameters and layer-shared inputs excluded), and the closed forms they are
 compared with: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
@@ -45,7 +45,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from aligner.model.llama import build_attention_mask, rope_cos_sin
-from aligner.parallel import comm
+from aligner.nn import comm
 
 
 @dataclass(frozen=True)

@@ -26,193 +26,24 @@ be blocked in a collective with it), and the group cannot be used afterwards. On
 actor sees one GPU (Ray sets CUDA_VISIBLE_DEVICES), so LOCAL_RANK is 0 there; on CPU it is
 the worker's position among the group's workers on its node.
 
-This module imports Ray lazily so worker classes can use :func:`dispatch` without Ray.
+The dispatch decorator and batch splitting live in the Ray-free :mod:`aligner.workers.dispatch`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import inspect
 import os
 import socket
 import time
 import traceback
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 from aligner.config import ParallelConfig, ResourceConfig
+from aligner.errors import WorkerDiedError, WorkerError, disk_full_path
 from aligner.parallel.dims import ParallelDims
-from aligner.parallel.host import HOST_MALLOC_ENV
-from aligner.parallel.placement import Placement, RolePlacement, RoleRequest, create_placement, threads_per_worker
-
-DISPATCH_MODES = ("broadcast", "dp_split", "rank0")
-_ATTR = "_aligner_dispatch"
-
-
-# ---- declaring methods -------------------------------------------------------------
-def dispatch(mode: str) -> Callable[[Callable], Callable]:
-    """Mark a worker method as callable from the driver with dispatch `mode`.
-
-    mode: one of broadcast, dp_split, rank0 (see the module docstring).
-    The method itself is unchanged (tests call it directly). Raises ValueError for an
-    unknown mode.
-    """
-    if mode not in DISPATCH_MODES:
-        raise ValueError(f"dispatch mode {mode!r} is invalid: valid modes are {', '.join(DISPATCH_MODES)}")
-
-    def mark(fn: Callable) -> Callable:
-        setattr(fn, _ATTR, mode)
-        return fn
-
-    return mark
-
-
-def dispatched_methods(worker_cls: type) -> dict[str, str]:
-    """Method name -> dispatch mode for every method of `worker_cls` marked with :func:`dispatch`."""
-    out = {}
-    for name, fn in inspect.getmembers(worker_cls, predicate=callable):
-        mode = getattr(fn, _ATTR, None)
-        if mode is not None:
-            out[name] = mode
-    return out
-
-
-# ---- errors ----------------------------------------------------------------------
-class WorkerError(RuntimeError):
-    """A worker of a group failed: its role, rank, the method and the worker's traceback.
-
-    ``disk_full`` is the path whose write failed with "No space left on device" when that
-    is what ended the call ("" otherwise), so the driver can say so in one line.
-    """
-
-    def __init__(self, role: str, rank: int, traceback_text: str, method: str = "", disk_full: str = "") -> None:
-        self.role, self.rank, self.traceback_text, self.method = role, rank, traceback_text, method
-        self.disk_full = disk_full
-        where = f" in {method}()" if method else ""
-        super().__init__(f"{role} rank {rank} failed{where}:\n{traceback_text}")
-
-    def __reduce__(self):
-        return (type(self), (self.role, self.rank, self.traceback_text, self.method, self.disk_full))
-
-
-def disk_full_path(exc: BaseException) -> Optional[str]:
-    """The path of a "No space left on device" (ENOSPC) error in `exc` or its causes; None when
-    there is none ("?" when the error names no path)."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, WorkerError) and exc.disk_full:
-            return exc.disk_full
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            return str(exc.filename) if exc.filename else "?"
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
-class WorkerDiedError(WorkerError):
-    """A worker process of a group died (killed, crashed, out of memory)."""
-
-
-# ---- batches -----------------------------------------------------------------------
-def _is_tensor(x: Any) -> bool:
-    import torch
-
-    return isinstance(x, torch.Tensor)
-
-
-def _batch_axis_len(x: Any) -> Optional[int]:
-    """Length along the batch axis of a splittable value, None for values copied whole."""
-    if _is_tensor(x):
-        return x.shape[0] if x.dim() > 0 else None
-    if isinstance(x, (list, tuple)):
-        return len(x)
-    return None
-
-
-def _bounds(length: int, n: int) -> list[tuple[int, int]]:
-    if length < n:
-        raise ValueError(f"a batch of {length} sample(s) cannot be split over dp_size={n}: give at least dp_size samples")
-    base, extra = divmod(length, n)
-    out, start = [], 0
-    for i in range(n):
-        stop = start + base + (1 if i < extra else 0)
-        out.append((start, stop))
-        start = stop
-    return out
-
-
-def _fields(batch: Any) -> dict[str, Any]:
-    if isinstance(batch, Mapping):
-        return dict(batch)
-    return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-
-
-def _rebuild(batch: Any, values: dict[str, Any]) -> Any:
-    if isinstance(batch, Mapping):
-        return type(batch)(values) if type(batch) is not dict else values
-    return dataclasses.replace(batch, **values)
-
-
-def split_batch(batch: Any, n: int) -> list[Any]:
-    """Split `batch` into `n` contiguous chunks along the batch axis (dim 0).
-
-    batch: a tensor [B, ...], a list/tuple of B items, or a dict / dataclass whose tensor
-        and list values all have length B along dim 0 (other values, e.g. scalars, are
-        copied into every chunk).
-    Raises ValueError when values disagree on B (naming the key), when B < n, or when
-    nothing in the batch has a batch axis.
-    """
-    if n < 1:
-        raise ValueError(f"n={n} is invalid: must be >= 1")
-    if _is_tensor(batch) or isinstance(batch, (list, tuple)):
-        length = _batch_axis_len(batch)
-        if length is None:
-            raise ValueError("a 0-dim tensor has no batch axis to split: give a [B, ...] tensor")
-        return [batch[a:b] for a, b in _bounds(length, n)]
-    if not (isinstance(batch, Mapping) or dataclasses.is_dataclass(batch)):
-        raise ValueError(f"cannot split a {type(batch).__name__}: give a dict of tensors/lists, a list, a tensor or a dataclass")
-    values = _fields(batch)
-    lengths = {k: _batch_axis_len(v) for k, v in values.items()}
-    sized = {k: v for k, v in lengths.items() if v is not None}
-    if not sized:
-        raise ValueError(f"nothing to split in the batch (keys {list(values)}): give tensors or lists with a batch axis")
-    first_key, length = next(iter(sized.items()))
-    for k, v in sized.items():
-        if v != length:
-            raise ValueError(f"batch[{k!r}] has {v} samples but batch[{first_key!r}] has {length}: every tensor/list must share dim 0")
-    chunks = []
-    for a, b in _bounds(length, n):
-        chunks.append(_rebuild(batch, {k: (v[a:b] if lengths[k] is not None else v) for k, v in values.items()}))
-    return chunks
-
-
-def concat_results(results: Sequence[Any]) -> Any:
-    """Concatenate per-replica results in order (the inverse of :func:`split_batch`).
-
-    Tensors with a batch axis are concatenated along dim 0, lists and tuples joined,
-    dicts and dataclasses concatenated value by value; values without a batch axis
-    (scalars, 0-dim tensors, strings) come back as a list with one entry per replica;
-    all-None gives None. Raises ValueError when dict results have different keys.
-    """
-    first = results[0]
-    if all(r is None for r in results):
-        return None
-    if _is_tensor(first) and first.dim() > 0:
-        import torch
-
-        return torch.cat(list(results), dim=0)
-    if isinstance(first, list):
-        return [x for r in results for x in r]
-    if isinstance(first, tuple):
-        return tuple(x for r in results for x in r)
-    if isinstance(first, Mapping) or (dataclasses.is_dataclass(first) and not isinstance(first, type)):
-        keys = list(_fields(first))
-        for r in results[1:]:
-            if list(_fields(r)) != keys:
-                raise ValueError(f"dp replicas returned different keys: {keys} vs {list(_fields(r))}")
-        merged = {k: concat_results([_fields(r)[k] for r in results]) for k in keys}
-        return _rebuild(first, merged)
-    return list(results)
+from aligner.runtime.host import HOST_MALLOC_ENV
+from aligner.workers.dispatch import DISPATCH_MODES, concat_results, dispatched_methods, split_batch
+from aligner.workers.placement import Placement, RolePlacement, RoleRequest, create_placement, threads_per_worker
 
 
 # ---- the actor shell ---------------------------------------------------------------
@@ -368,7 +199,7 @@ class WorkerGroup:
     role: name used in errors (actor, critic, ...).
     worker_cls: a plain Python class; built in each actor after the process groups exist,
         with ``dims=`` when its constructor takes it, plus `args` / `kwargs`.
-    placement: where the workers go (from :func:`aligner.parallel.placement.create_placement`).
+    placement: where the workers go (from :func:`aligner.workers.placement.create_placement`).
     parallel: the role's tp/pp/dp sizes; its world size must equal the placement's.
     num_threads: torch threads per CPU worker; 0 = the role's resources.cpus_per_worker.
     env: extra environment variables set in every worker before it is built.

@@ -4,7 +4,7 @@ Owns the order of the parallel wrappers (build the full model from a seed, prune
 stage, shard over tp, wrap for dp), the optimizer (AdamW), the learning-rate schedule
 (linear warmup then cosine to ``min_lr_ratio * lr``, or constant), and one optimizer step:
 finish TP/SP gradients, global-norm clipping over tp/pp/dp, AdamW, schedule. Checkpoints
-go through :mod:`aligner.parallel.checkpoint` (torch.distributed.checkpoint, resharding).
+go through :mod:`aligner.runtime.checkpoint` (torch.distributed.checkpoint, resharding).
 
 Simplifications (stated, not hidden):
 - The model is built at full size on every rank from the same seed and then sharded; a
@@ -25,7 +25,8 @@ import torch
 import torch.nn as nn
 
 from aligner.config import ModelConfig, OptimConfig, ParallelConfig
-from aligner.parallel import comm, data_parallel as dpmod
+from aligner.nn import comm
+from aligner.parallel import data_parallel as dpmod
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.pipeline import model_kwargs
 
@@ -157,9 +158,9 @@ class TrainEngine:
         self.device = next(self.module.parameters()).device  # where batches must be (ModelRunner moves them)
         self.device_type = self.device.type
         if self.device_type == "cpu":
-            from aligner.parallel.host import keep_freed_host_memory
+            from aligner.runtime.host import keep_freed_host_memory
 
-            keep_freed_host_memory()  # logits-sized temporaries reuse freed heap (see aligner.parallel.host)
+            keep_freed_host_memory()  # logits-sized temporaries reuse freed heap (see aligner.runtime.host)
         self._wrap_dp()
 
     # ---- construction ----------------------------------------------------------------
@@ -325,19 +326,19 @@ class TrainEngine:
         Collective over the whole role (dp all-gather for FSDP2 / ZeRO-3, tp all-gather,
         pp broadcast). Tied embeddings appear under both names, as ``state_dict()`` does.
         """
-        from aligner.parallel.checkpoint import gather_full_state_dict_any
+        from aligner.runtime.checkpoint import gather_full_state_dict_any
 
         return gather_full_state_dict_any(self)
 
     def save(self, ckpt_dir: str, extra: Optional[dict] = None) -> str:
         """Sharded checkpoint of model + optimizer + step into `ckpt_dir` (atomic). Returns the path."""
-        from aligner.parallel.checkpoint import save_checkpoint
+        from aligner.runtime.checkpoint import save_checkpoint
 
         return save_checkpoint(self, ckpt_dir, extra=extra)
 
     def load(self, ckpt_dir: str) -> dict:
         """Load a checkpoint saved under any tp/pp/dp layout; returns its metadata."""
-        from aligner.parallel.checkpoint import load_checkpoint
+        from aligner.runtime.checkpoint import load_checkpoint
 
         return load_checkpoint(self, ckpt_dir)
 

@@ -59,7 +59,7 @@ class ModelRunner:
     """Runs a TrainEngine (or any module on `dims`) over micro-batches.
 
     Args:
-        engine: a :class:`aligner.parallel.engine.TrainEngine` (needs forward/backward/step/zero_grad,
+        engine: a :class:`aligner.runtime.train_runtime.TrainEngine` (needs forward/backward/step/zero_grad,
             ``module`` and ``parallel``).
         dims: the role's ParallelDims.
     """

@@ -21,7 +21,7 @@ import torch
 
 from aligner.config import ModelConfig, OptimConfig, ParallelConfig
 from aligner.parallel.dims import ParallelDims
-from aligner.parallel.runner import ModelRunner, dp_sum, global_normalizer
+from aligner.runtime.runner import ModelRunner, dp_sum, global_normalizer
 
 log = logging.getLogger("aligner")
 
@@ -78,8 +78,8 @@ class RoleModel:
 
     def __init__(self, model_cfg: ModelConfig, kind: str, parallel: ParallelConfig, optim: OptimConfig,
                  dims: ParallelDims, total_steps: int = 1, init: str = "", seed: int = 0):
-        from aligner.parallel.engine import TrainEngine
         from aligner.parallel.tensor_parallel import vocab_start
+        from aligner.runtime.train_runtime import TrainEngine
 
         full, self.model_cfg = load_initial_model(init, model_cfg, kind, seed)
         self.kind, self.dims, self.parallel = kind, dims, parallel
@@ -92,7 +92,7 @@ class RoleModel:
         return self.dims.tp_group
 
     def normalizer(self, local_count: float | torch.Tensor) -> float:
-        """Per-rank loss divisor: global count over dp / dp_size (see aligner.parallel.runner)."""
+        """Per-rank loss divisor: global count over dp / dp_size (see aligner.runtime.runner)."""
         return global_normalizer(local_count, self.dims)
 
     def dp_mean(self, local_sum: float, local_count: float) -> float:
@@ -114,7 +114,7 @@ class RoleModel:
             return None
         tok = None
         if tokenizer_path:
-            from aligner.model.tokenizer import load_tokenizer
+            from aligner.data.tokenizer import load_tokenizer
 
             tok = load_tokenizer(tokenizer_path)
         path = save_hf(sd, self.model_cfg, out_dir, kind=self.kind, tokenizer=tok)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from aligner.parallel import comm
+from aligner.nn import comm
 
 
 class ParallelLayer(nn.Module):

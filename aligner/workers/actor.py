@@ -2,7 +2,7 @@
 
 Thin (STYLE 3): every computation is a method of :class:`aligner.actor.policy.Policy` or of
 the rollout engine; this module only declares how the driver calls them (dispatch modes of
-:mod:`aligner.parallel.worker_group`) and owns the engine's layout and refit.
+:mod:`aligner.workers.group`) and owns the engine's layout and refit.
 
 The rollout engine lives in the actor's own processes. Its layout (rollout.parallel tp/pp)
 is built over the actor's ranks: dp_infer = world / (tp_infer * pp_infer) replicas, so
@@ -21,7 +21,7 @@ import torch
 from aligner.actor.policy import Policy
 from aligner.config import AlignerConfig, SamplingConfig
 from aligner.parallel.dims import ParallelDims
-from aligner.parallel.worker_group import dispatch, split_batch
+from aligner.workers.dispatch import dispatch, split_batch
 
 
 class PolicyWorker:
