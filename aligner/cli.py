@@ -36,7 +36,7 @@ def _preset_of(overrides: Sequence[str]) -> str:
     return preset
 
 
-def compose(stage: str, overrides: Sequence[str] = ()) -> "omegaconf.DictConfig":  # noqa: F821
+def compose(stage: str, overrides: Sequence[str] = ()) -> omegaconf.DictConfig:  # noqa: F821
     """Compose the raw Hydra config for `stage` with `overrides` (``key=value`` strings).
 
     Raises ConfigError for an unknown preset, an unknown key or a value of the wrong type.
@@ -116,7 +116,7 @@ def primary_role(stage: str) -> str:
     return "reward" if stage == "rm" else "actor"
 
 
-def checkpoint_model_config(init: str, field_name: str) -> Optional["ModelConfig"]:  # noqa: F821
+def checkpoint_model_config(init: str, field_name: str) -> Optional[ModelConfig]:  # noqa: F821
     """The ModelConfig of the HF checkpoint that `init` (an HF dir or a run dir) names; None when `init`
     is empty or does not name one (the path checks report that later). Raises ConfigError naming
     `field_name` for a config.json aligner cannot build (another architecture, an unsupported field)."""

@@ -79,7 +79,7 @@ class RolloutBatch:
         """input_ids, attention_mask, prompt_lens, response_mask: what every role's forward needs."""
         return self.tensors("input_ids", "attention_mask", "prompt_lens", "response_mask")
 
-    def select(self, index: torch.Tensor) -> "RolloutBatch":
+    def select(self, index: torch.Tensor) -> RolloutBatch:
         """Rows `index` ([n] int64) of every tensor field (meta too)."""
         kw: dict[str, Any] = {}
         for f in dataclasses.fields(self):

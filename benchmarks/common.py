@@ -138,7 +138,7 @@ class InProcessGroup:
     """
 
     def __init__(self, worker: Any):
-        from aligner.workers.group import dispatched_methods
+        from aligner.workers.dispatch import dispatched_methods
 
         self.worker = worker
         self.modes = dispatched_methods(type(worker))
@@ -349,7 +349,7 @@ def command_line() -> str:
 class Clock:
     """perf_counter stopwatch: ``with Clock() as c: ...; c.seconds``."""
 
-    def __enter__(self) -> "Clock":
+    def __enter__(self) -> Clock:
         self.t0 = time.perf_counter()
         return self
 

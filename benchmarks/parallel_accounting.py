@@ -31,6 +31,7 @@ def _measure(args, tp_group, sp: bool) -> dict:
     from aligner.config import ModelConfig
     from aligner.model.llama import build_model
     from aligner.parallel.memory import layer_comm, layer_saved_bytes
+    from aligner.parallel.parallelize import apply_recompute
     from aligner.parallel.tensor_parallel import apply_tensor_parallel
 
     cfg = ModelConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=args.ffn, num_layers=1,
@@ -38,9 +39,9 @@ def _measure(args, tp_group, sp: bool) -> dict:
     model = apply_tensor_parallel(build_model(cfg, seed=0), tp_group, sequence_parallel=sp)
     out = {}
     for mode in MODES:
-        model.model.set_recompute(mode)
+        apply_recompute(model, mode)
         out[mode] = layer_saved_bytes(model, args.batch, args.seq)
-    model.model.set_recompute("none")
+    apply_recompute(model, "none")
     fwd = layer_comm(model, args.batch, args.seq)
     both = layer_comm(model, args.batch, args.seq, backward=True)
     out["comm"] = (dict(fwd.calls), dict(fwd.elements), dict(both.calls), dict(both.elements))

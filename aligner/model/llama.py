@@ -1,19 +1,19 @@
-"""Llama-family decoder (Llama 2/3, Qwen2-style QKV bias) built from aligner.parallel layers.
+"""Llama-family decoder (Llama 2/3, Qwen2-style QKV bias) built from aligner.nn building blocks.
 
 Owns: RoPE (with Llama 3 frequency scaling), grouped-query attention, SwiGLU MLP,
 the decoder trunk, the causal LM (policy) and the scalar-head model (critic and
 reward model, exported as HF ``LlamaForSequenceClassification``).
 
-No rank logic lives here (STYLE 1). Tensor/sequence parallelism comes from the layer
-classes once ``aligner.parallel.tensor_parallel`` shards them; attention reshapes with
--1 heads so a sharded layer needs no branch. Pipeline stages are the same classes with
-layers removed and ``embed_tokens`` / ``norm`` / head set to None
-(:func:`aligner.model.llama.prune_to_stage`). Parameter names equal HF's
-(``model.layers.0.self_attn.q_proj.weight`` ...), so HF import/export is a rename-free copy.
+No rank, recomputation or pipeline logic lives here (STYLE 1): all of it is applied from
+outside by :func:`aligner.parallel.parallelize.parallelize`. Tensor/sequence parallelism comes
+from the building-block layers once they are sharded; attention reshapes with -1 heads so a
+sharded layer needs no branch. A pipeline stage is the same class with layers removed and
+``embed_tokens`` / ``norm`` / head set to None; selective recomputation wraps
+:meth:`Attention.core`, full recomputation each :class:`DecoderLayer`. Parameter names equal
+HF's (``model.layers.0.self_attn.q_proj.weight`` ...), so HF import/export is a rename-free copy.
 
-Recomputation (Korthikanti et al. 2022) is a per-model switch set from outside:
-``recompute = "selective"`` recomputes the attention core (softmax(QK^T)V) in backward,
-``"full"`` recomputes each decoder layer.
+The rollout engine runs these same modules with a :class:`KVCache` (one forward for training,
+prefill and decode).
 """
 
 from __future__ import annotations
@@ -24,15 +24,13 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from aligner.config import ModelConfig
-from aligner.nn import comm
 from aligner.nn.layers import (
     ColumnParallelLinear,
-    ParallelLayer,
     RMSNorm,
     RowParallelLinear,
+    ScalarHead,
     VocabParallelEmbedding,
     column_parallel_linears,
 )
@@ -107,7 +105,6 @@ class Attention(nn.Module):
         self.k_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
         self.v_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_kv_heads * hd, bias=cfg.attention_bias)
         self.o_proj = RowParallelLinear(cfg.num_heads * hd, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.recompute_core = False
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         """softmax(q k^T / sqrt(hd)) v with GQA: q [B, h, Tq, hd], k/v [B, kvh, Tk, hd], mask [B, 1, Tq, Tk]
@@ -138,10 +135,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, cache_positions)
-        if self.recompute_core and torch.is_grad_enabled():
-            out = checkpoint(self.core, q, k, v, mask, use_reentrant=False)
-        else:
-            out = self.core(q, k, v, mask)
+        out = self.core(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -205,16 +199,6 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_layers)})
         self.norm: Optional[RMSNorm] = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.recompute = "none"  # none | selective | full; set by aligner.parallel
-        self.seq_shards = 1  # hidden states hold T / seq_shards positions (tp_size with sequence parallelism)
-
-    def set_recompute(self, mode: str) -> None:
-        """Activation recomputation: none | selective (attention core) | full (whole layer)."""
-        if mode not in ("none", "selective", "full"):
-            raise ValueError(f"recompute={mode!r}: valid choices are none, selective, full")
-        self.recompute = mode
-        for layer in self.layers.values():
-            layer.self_attn.recompute_core = mode == "selective"
 
     def forward(
         self,
@@ -228,14 +212,15 @@ class LlamaModel(nn.Module):
         """x: input_ids [B, T] or hidden [B, T(/tp), H]; position_ids [B, T] (default 0..T-1, or
         restarting per segment when segment_ids is given); attn_mask [B, 1, T, Tk] bool overrides
         the causal/segment mask (the engine passes its own with a KV cache); without either,
-        attention is plain causal with no mask tensor."""
+        attention is plain causal with no mask tensor. A later pipeline stage under sequence
+        parallelism gets hidden states holding T / tp positions and needs `position_ids`."""
         if self.embed_tokens is not None:
             b, t = x.shape
             h = self.embed_tokens(x)
         else:
             h = x
             b = h.shape[0]
-            t = position_ids.shape[1] if position_ids is not None else h.shape[1] * self.seq_shards
+            t = position_ids.shape[1] if position_ids is not None else h.shape[1]
         device = h.device
         if position_ids is None:
             position_ids = default_position_ids(b, t, device, segment_ids)
@@ -243,10 +228,7 @@ class LlamaModel(nn.Module):
             attn_mask = build_attention_mask(b, t, device, segment_ids)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, h.dtype)
         for layer in self.layers.values():
-            if self.recompute == "full" and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, attn_mask, kv_cache, cache_positions, use_reentrant=False)
-            else:
-                h = layer(h, cos, sin, attn_mask, kv_cache, cache_positions)
+            h = layer(h, cos, sin, attn_mask, kv_cache, cache_positions)
         return self.norm(h) if self.norm is not None else h
 
 
@@ -294,23 +276,6 @@ class LlamaForCausalLM(nn.Module):
 def select_positions(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x: [B, T, D], index: [B, R] int64 in [0, T) -> [B, R, D] with out[b, r] = x[b, index[b, r]]."""
     return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
-
-
-class ScalarHead(ParallelLayer):
-    """Replicated Linear(H, 1) head (HF ``score``) for values and rewards.
-
-    Forward: h [B, T(/tp), H] -> [B, T] fp32. With sequence parallelism the sequence is
-    gathered first (backward keeps this rank's slice: every rank computes the same loss).
-    """
-
-    def __init__(self, hidden_size: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(1, hidden_size))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            h = comm.gather_from_sp_replicated(h, self.tp_group)
-        return F.linear(h, self.weight).squeeze(-1).float()
 
 
 class LlamaForScore(nn.Module):
@@ -367,21 +332,4 @@ def build_model(cfg: ModelConfig, kind: str = "lm", seed: Optional[int] = None, 
     if device != "meta":
         g = torch.Generator().manual_seed(seed if seed is not None else 0)
         init_weights(model, cfg.init_std, g)
-    return model
-
-
-def prune_to_stage(model: nn.Module, layer_ids: list[int], first: bool, last: bool) -> nn.Module:
-    """Keep only decoder layers `layer_ids` (global indices) and the ends this PP stage owns."""
-    trunk = model.model
-    keep = {str(i) for i in layer_ids}
-    for key in list(trunk.layers.keys()):
-        if key not in keep:
-            del trunk.layers[key]
-    if not first:
-        trunk.embed_tokens = None
-    if not last:
-        trunk.norm = None
-        for head in ("lm_head", "score"):
-            if hasattr(model, head):
-                setattr(model, head, None)
     return model

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 SEQ_DIM = 1
-_COUNTERS: list["CommCounter"] = []
+_COUNTERS: list[CommCounter] = []
 
 
 class CommCounter:
@@ -41,7 +41,7 @@ class CommCounter:
         self.calls: Counter = Counter()
         self.elements: Counter = Counter()
 
-    def __enter__(self) -> "CommCounter":
+    def __enter__(self) -> CommCounter:
         _COUNTERS.append(self)
         return self
 

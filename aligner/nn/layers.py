@@ -1,6 +1,6 @@
 """Layer classes the Llama model is built from, tensor/sequence parallel when given a group.
 
-Owns: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, RMSNorm and
+Owns: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, RMSNorm, ScalarHead and
 the ParallelLayer protocol they share (Shoeybi et al. 2019, "Megatron-LM";
 Korthikanti et al. 2022 for sequence parallelism).
 
@@ -246,3 +246,20 @@ class RMSNorm(ParallelLayer):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+
+class ScalarHead(ParallelLayer):
+    """Replicated Linear(H, 1) head (HF ``score``) for values and rewards.
+
+    Forward: h [B, T(/tp), H] -> [B, T] fp32. With sequence parallelism the sequence is
+    gathered first (backward keeps this rank's slice: every rank computes the same loss).
+    """
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            h = comm.gather_from_sp_replicated(h, self.tp_group)
+        return F.linear(h, self.weight).squeeze(-1).float()

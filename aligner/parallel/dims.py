@@ -30,7 +30,7 @@ class DistEnv:
     master_port: int
 
     @classmethod
-    def from_environ(cls) -> "DistEnv":
+    def from_environ(cls) -> DistEnv:
         """Read RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (defaults: single process)."""
         env = os.environ
         return cls(
@@ -137,7 +137,7 @@ class ParallelDims:
         return torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
 
     # ---- groups ------------------------------------------------------------------
-    def build(self) -> "ParallelDims":
+    def build(self) -> ParallelDims:
         """Create the device mesh and tp/pp/dp groups (collective: every rank must call it)."""
         if self.world_size == 1:
             return self
@@ -151,7 +151,7 @@ class ParallelDims:
         return self
 
     @classmethod
-    def from_env(cls, tp_size: int = 1, pp_size: int = 1, dp_size: Optional[int] = None, backend: Optional[str] = None) -> "ParallelDims":
+    def from_env(cls, tp_size: int = 1, pp_size: int = 1, dp_size: Optional[int] = None, backend: Optional[str] = None) -> ParallelDims:
         """Initialize the default group from the environment and build the groups.
 
         dp_size None: world_size // (tp_size * pp_size).

@@ -42,10 +42,10 @@ from typing import Iterable
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from aligner.model.llama import build_attention_mask, rope_cos_sin
 from aligner.nn import comm
+from aligner.parallel.tensor_parallel import seq_shards
 
 
 @dataclass(frozen=True)
@@ -127,10 +127,11 @@ def saved_bytes(fn, *args, exclude: Iterable[torch.Tensor] = ()) -> int:
 
 def _layer_inputs(model: nn.Module, batch_size: int, seq_len: int, requires_grad: bool):
     trunk = model.model
-    if seq_len % trunk.seq_shards:
-        raise ValueError(f"seq_len={seq_len} must be divisible by tp_size={trunk.seq_shards} with sequence parallelism")
+    shards = seq_shards(model)
+    if seq_len % shards:
+        raise ValueError(f"seq_len={seq_len} must be divisible by tp_size={shards} with sequence parallelism")
     p = next(model.parameters())
-    h = torch.randn(batch_size, seq_len // trunk.seq_shards, model.cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=requires_grad)
+    h = torch.randn(batch_size, seq_len // shards, model.cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=requires_grad)
     cos, sin = rope_cos_sin(trunk.inv_freq, torch.arange(seq_len, device=p.device).expand(batch_size, seq_len), p.dtype)
     return h, cos, sin, build_attention_mask(batch_size, seq_len, p.device)
 
@@ -145,9 +146,7 @@ def layer_saved_bytes(model: nn.Module, batch_size: int, seq_len: int, layer: st
     block = trunk.layers[layer or next(iter(trunk.layers))]
     h, cos, sin, mask = _layer_inputs(model, batch_size, seq_len, requires_grad=True)
 
-    def run(x):
-        if trunk.recompute == "full":
-            return checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+    def run(x):  # recomputation, if any, is on the block itself (aligner.parallel.parallelize.apply_recompute)
         return block(x, cos, sin, mask)
 
     return saved_bytes(run, h, exclude=[*model.parameters(), cos, sin, *([] if mask is None else [mask])])

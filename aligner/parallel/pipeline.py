@@ -1,8 +1,7 @@
-"""Pipeline parallelism: stage construction and a 1F1B schedule with explicit P2P.
+"""Pipeline parallelism: a 1F1B schedule with explicit P2P between stage models.
 
-Owns: the layer split over pp stages (:func:`stage_layer_ids`), per-rank stage models
-(:func:`build_stage_model`: prune, then TP/SP shard), the one-forward-one-backward
-schedule of PipeDream-Flush / Megatron (Narayanan et al. 2021) for training
+Owns, for the stage models :func:`aligner.parallel.parallelize.build_parallel_model` builds,
+the one-forward-one-backward schedule of PipeDream-Flush / Megatron (Narayanan et al. 2021) for training
 (:func:`pipeline_train_step`), a forward-only schedule returning per-token outputs
 (:func:`pipeline_forward`), and the gradient finalization TP/PP leave to the caller
 (:func:`finalize_grads`: SP norm / replicated kv grads, tied embeddings across stages).
@@ -35,69 +34,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from aligner.model.llama import build_model, prune_to_stage, rope_inv_freq
+from aligner.model.llama import default_position_ids
 from aligner.nn import comm
-from aligner.parallel.sharding import load_full_state_dict
-from aligner.parallel.tensor_parallel import apply_tensor_parallel, sync_tp_grads
+from aligner.parallel.tensor_parallel import seq_shards, sync_tp_grads
 
 MODEL_INPUT_KEYS = ("position_ids", "segment_ids", "head_index")
-
-
-def stage_layer_ids(num_layers: int, pp_size: int, pp_rank: int, layer_split: Optional[Sequence[int]] = None) -> list[int]:
-    """Global decoder-layer indices of stage `pp_rank`.
-
-    layer_split: layers per stage (ParallelConfig.pp_layer_split); None splits evenly with
-    the first num_layers % pp_size stages taking one extra layer.
-    Raises ValueError: the split does not have pp_size positive entries summing to num_layers.
-    """
-    if layer_split is None:
-        if pp_size > num_layers:
-            raise ValueError(f"pp_size={pp_size} exceeds num_layers={num_layers}: use at most {num_layers} stages")
-        base, extra = divmod(num_layers, pp_size)
-        layer_split = [base + (1 if s < extra else 0) for s in range(pp_size)]
-    split = list(layer_split)
-    if len(split) != pp_size or sum(split) != num_layers or min(split) < 1:
-        raise ValueError(f"pp_layer_split={split} needs {pp_size} positive entries summing to num_layers={num_layers}")
-    start = sum(split[:pp_rank])
-    return list(range(start, start + split[pp_rank]))
-
-
-def build_stage_model(
-    cfg,
-    kind: str,
-    dims,
-    *,
-    layer_split: Optional[Sequence[int]] = None,
-    sequence_parallel: bool = False,
-    recompute: str = "none",
-    seed: int = 0,
-    full_state_dict: Optional[dict[str, torch.Tensor]] = None,
-    device="cpu",
-) -> nn.Module:
-    """This rank's stage of a TP x PP model: the layers of dims.pp_rank, sharded over dims.tp_group.
-
-    Args:
-        cfg: ModelConfig. kind: "lm" | "score" (see ``build_model``).
-        dims: ParallelDims (tp_size, pp_size, pp_rank, is_first_stage, is_last_stage, tp_group).
-        layer_split: layers per stage; None = even.
-        sequence_parallel / recompute: SP on the tp group; none | selective | full.
-        seed: without `full_state_dict`, weights equal ``build_model(cfg, kind, seed)``'s
-            (the full model is built, then pruned and sliced: fine for tests and small models).
-        full_state_dict: HF-named full weights; the stage is built on meta, sharded, then
-            materialized on `device` and loaded (no full model in memory).
-    Returns: the stage model (LlamaForCausalLM / LlamaForScore with pruned parts set to None).
-    """
-    ids = stage_layer_ids(cfg.num_layers, dims.pp_size, dims.pp_rank, layer_split)
-    on_meta = full_state_dict is not None
-    model = build_model(cfg, kind, seed=seed, device="meta" if on_meta else device)
-    prune_to_stage(model, ids, dims.is_first_stage, dims.is_last_stage)
-    apply_tensor_parallel(model, dims.tp_group, sequence_parallel)
-    if on_meta:
-        model.to_empty(device=device)
-        model.model.inv_freq = rope_inv_freq(cfg).to(device)
-        load_full_state_dict(model, full_state_dict)
-    model.model.set_recompute(recompute)
-    return model
 
 
 def split_microbatches(batch: dict[str, torch.Tensor], num_microbatches: int) -> list[dict[str, torch.Tensor]]:
@@ -141,13 +82,22 @@ class _P2P:
 
 
 def model_kwargs(mb: dict) -> dict:
-    """The model-input tensors of micro-batch `mb` (MODEL_INPUT_KEYS present and not None)."""
-    return {k: mb[k] for k in MODEL_INPUT_KEYS if k in mb and mb[k] is not None}
+    """The model-input tensors of micro-batch `mb` (MODEL_INPUT_KEYS present and not None).
+
+    position_ids [b, T] are always included (the model's default from ``input_ids`` and
+    ``segment_ids`` when the batch has none): a later pipeline stage receives hidden states,
+    which under sequence parallelism hold T / tp positions, so it cannot infer T itself.
+    """
+    kw = {k: mb[k] for k in MODEL_INPUT_KEYS if k in mb and mb[k] is not None}
+    if "position_ids" not in kw:
+        ids = mb["input_ids"]
+        kw["position_ids"] = default_position_ids(ids.shape[0], ids.shape[1], ids.device, kw.get("segment_ids"))
+    return kw
 
 
 def _hidden_buffer(model: nn.Module, mb: dict, requires_grad: bool) -> torch.Tensor:
     b, t = mb["input_ids"].shape
-    shards = model.model.seq_shards
+    shards = seq_shards(model)
     if t % shards:
         raise ValueError(f"sequence length T={t} must be divisible by tp_size={shards} with sequence parallelism: pad it")
     p = next(model.parameters())
@@ -166,7 +116,7 @@ def pipeline_train_step(
     """Forward and backward over all micro-batches in the 1F1B order; gradients accumulate in .grad.
 
     Args:
-        model: this rank's stage (``build_stage_model``).
+        model: this rank's stage (``build_parallel_model``).
         dims: ParallelDims (pp_group, pp_rank, pp_size, tp_group, is_first/last_stage).
         microbatches: num_microbatches dicts, the same on every pp rank: ``input_ids`` [b, T]
             int64 (shapes on every stage, tokens on the first), optional ``position_ids`` /

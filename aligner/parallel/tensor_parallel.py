@@ -88,8 +88,15 @@ def apply_tensor_parallel(model: nn.Module, tp_group: Optional[dist.ProcessGroup
         else:
             module.shard_(tp_group, sequence_parallel)
     retie_embeddings(model)
-    model.model.seq_shards = tp if (sequence_parallel and tp > 1) else 1
     return model
+
+
+def seq_shards(model: nn.Module) -> int:
+    """Positions between layers are split this many ways: tp_size with sequence parallelism, else 1."""
+    for module in model.modules():
+        if isinstance(module, ParallelLayer):
+            return comm.group_size(module.tp_group) if module.sequence_parallel else 1
+    return 1
 
 
 def retie_embeddings(model: nn.Module) -> None:

@@ -104,7 +104,7 @@ class TorchEngine(RolloutEngine):
         self.cuda_graphs = cuda_graphs
         self._rng_seed = seed
         self._calls = 0
-        self._graphs: dict[tuple[int, int], "_DecodeGraph"] = {}
+        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         if self.device.type == "cpu":
             from aligner.runtime.host import keep_freed_host_memory
 
@@ -340,7 +340,7 @@ class TorchEngine(RolloutEngine):
         y = comm.reduce_from_tp(F.linear(x, lin.weight), lin.tp_group)
         return h + (y if lin.bias is None else y + lin.bias)
 
-    def _sample(self, logits: Optional[torch.Tensor], sampler: "_Sampler", step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: Optional[torch.Tensor], sampler: _Sampler, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Local logits [B, V/tp] on the last stage -> (tokens [B] int64, log_probs [B] fp32) on every rank."""
         if self.is_last:
             full = logits if self.tp_size == 1 else _gather_vocab(logits, self.tp_group)
@@ -358,7 +358,7 @@ class TorchEngine(RolloutEngine):
     def _use_graphs(self) -> bool:
         return self.cuda_graphs and self.device.type == "cuda" and self.pp_size == 1
 
-    def _graph_for(self, batch: int, total: int) -> "_DecodeGraph":
+    def _graph_for(self, batch: int, total: int) -> _DecodeGraph:
         key = (batch, total)
         if key not in self._graphs:
             self._graphs[key] = _DecodeGraph(self, batch, total)

@@ -25,9 +25,11 @@ import torch
 import torch.nn as nn
 
 from aligner.config import ModelConfig, OptimConfig, ParallelConfig
+from aligner.model.llama import build_model
 from aligner.nn import comm
 from aligner.parallel import data_parallel as dpmod
 from aligner.parallel.dims import ParallelDims
+from aligner.parallel.parallelize import apply_data_parallel, apply_recompute, build_parallel_model
 from aligner.parallel.pipeline import model_kwargs
 
 
@@ -165,16 +167,13 @@ class TrainEngine:
 
     # ---- construction ----------------------------------------------------------------
     def _build_module(self, model: Optional[nn.Module], seed: int) -> nn.Module:
-        from aligner.model.llama import build_model
-
+        """This rank's part of the model: :func:`aligner.parallel.parallelize.build_parallel_model`
+        (pipeline split, TP/SP, recomputation) from a seed or from `model`'s weights."""
         d, par = self.dims, self.parallel
         if d.pp_size == 1 and d.tp_size == 1:
             model = model if model is not None else build_model(self.model_cfg, self.kind, seed=seed)
-            model.model.set_recompute(par.recompute)
-            return model.to(d.device)
-        from aligner.parallel.pipeline import build_stage_model
-
-        return build_stage_model(
+            return apply_recompute(model, par.recompute).to(d.device)
+        return build_parallel_model(
             self.model_cfg, self.kind, d, layer_split=par.pp_layer_split, sequence_parallel=par.sequence_parallel,
             recompute=par.recompute, seed=seed, full_state_dict=None if model is None else model.state_dict(),
             device=d.device,
@@ -191,13 +190,7 @@ class TrainEngine:
             cfg = dpmod.deepspeed_config(self.parallel.zero_stage, self.parallel.mixed_precision, self.optim_cfg.grad_clip, self.parallel.offload_optimizer)
             self.model, self.optimizer = dpmod.init_deepspeed(self.module, kw, cfg)
         else:
-            if self.fsdp:
-                dpmod.apply_fsdp2(self.module, self.dims.mesh["dp"], self.parallel.mixed_precision)
-                self.model = self.module
-            elif self.backend == "ddp" and self.dims.pp_size == 1:
-                self.model = dpmod.apply_ddp(self.module, self.dims.dp_group)
-            else:
-                self.model = self.module
+            self.model = apply_data_parallel(self.module, self.dims, self.parallel)
             params = [p for p in self.module.parameters() if p.requires_grad]
             # one fused multi-tensor kernel per step (CPU and CUDA), about 4x faster than the default
             # foreach path on CPU; the same AdamW update (Loshchilov & Hutter 2019) up to rounding
@@ -312,11 +305,11 @@ class TrainEngine:
         else:
             self.optimizer.zero_grad(set_to_none=True)
 
-    def train(self, mode: bool = True) -> "TrainEngine":
+    def train(self, mode: bool = True) -> TrainEngine:
         self.model.train(mode)
         return self
 
-    def eval(self) -> "TrainEngine":
+    def eval(self) -> TrainEngine:
         return self.train(False)
 
     # ---- state -----------------------------------------------------------------------

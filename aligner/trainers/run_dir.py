@@ -96,7 +96,7 @@ class RunLock:
         self.fd = fd
 
     @classmethod
-    def acquire(cls, out: Path, stage: str = "") -> "RunLock":
+    def acquire(cls, out: Path, stage: str = "") -> RunLock:
         """Take the lock of `out` (an existing directory) without waiting.
 
         Raises UserError naming the holder's pid, host and start time when another live run

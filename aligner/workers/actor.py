@@ -21,6 +21,7 @@ import torch
 from aligner.actor.policy import Policy
 from aligner.config import AlignerConfig, SamplingConfig
 from aligner.parallel.dims import ParallelDims
+from aligner.parallel.parallelize import build_parallel_model
 from aligner.workers.dispatch import dispatch, split_batch
 
 
@@ -79,7 +80,6 @@ class ActorWorker(PolicyWorker):
 
         Its weights start as the seeded init and are replaced by the first refit.
         """
-        from aligner.parallel.pipeline import build_stage_model
         from aligner.rollout import build_engine
         from aligner.rollout.refit import rollout_dims
 
@@ -92,7 +92,7 @@ class ActorWorker(PolicyWorker):
         else:
             self.infer_dims = rollout_dims(self.dims.world_size, self.dims.rank, rp.tp_size, rp.pp_size)
         d = self.infer_dims
-        model = build_stage_model(self.policy.model_cfg, "lm", d, seed=self.cfg.trainer.seed)
+        model = build_parallel_model(self.policy.model_cfg, "lm", d, seed=self.cfg.trainer.seed)
         model = model.to(device=d.device, dtype=getattr(torch, self.cfg.rollout.dtype))
         self.engine = build_engine("torch", model, eos_token_id=self.eos_token_id, tp_group=d.tp_group, pp_group=d.pp_group,
                                    max_batch_size=self.cfg.rollout.max_batch_size, cuda_graphs=self.cfg.rollout.cuda_graphs,

@@ -155,7 +155,7 @@ class GroupFuture:
     and returns the call's collected result.
     """
 
-    def __init__(self, group: "WorkerGroup", method: str, refs: dict[int, Any], collect: Callable[[dict[int, Any]], Any]) -> None:
+    def __init__(self, group: WorkerGroup, method: str, refs: dict[int, Any], collect: Callable[[dict[int, Any]], Any]) -> None:
         self.group, self.method, self._collect = group, method, collect
         self.refs_by_rank = refs
 
@@ -241,7 +241,7 @@ class WorkerGroup:
             raise
 
     @classmethod
-    def create(cls, role: str, worker_cls: type, parallel: ParallelConfig, resources: ResourceConfig, *, placement_timeout_s: float = 60.0, **kw: Any) -> "WorkerGroup":
+    def create(cls, role: str, worker_cls: type, parallel: ParallelConfig, resources: ResourceConfig, *, placement_timeout_s: float = 60.0, **kw: Any) -> WorkerGroup:
         """A group on its own new placement group (split placement of one role).
 
         Raises PlacementError before any actor starts when the cluster lacks the resources.
@@ -399,7 +399,7 @@ class WorkerGroup:
         self.actors = []
         self.placement.release()
 
-    def __enter__(self) -> "WorkerGroup":
+    def __enter__(self) -> WorkerGroup:
         return self
 
     def __exit__(self, *exc: Any) -> None:

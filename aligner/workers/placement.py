@@ -66,12 +66,12 @@ class RoleRequest:
             )
 
     @classmethod
-    def from_role(cls, role: str, cfg: RoleConfig) -> "RoleRequest":
+    def from_role(cls, role: str, cfg: RoleConfig) -> RoleRequest:
         """The request of a RoleConfig (its parallel world size and resources)."""
         return cls.from_parts(role, cfg.parallel, cfg.resources)
 
     @classmethod
-    def from_parts(cls, role: str, parallel: ParallelConfig, resources: ResourceConfig) -> "RoleRequest":
+    def from_parts(cls, role: str, parallel: ParallelConfig, resources: ResourceConfig) -> RoleRequest:
         """The request of a ParallelConfig and a ResourceConfig."""
         return cls(
             role=role,

@@ -34,13 +34,14 @@ def _mean_reduction_check(dims) -> float:
     """loss_reduction="mean" with a plain per-micro-batch mean equals the whole-batch mean."""
     from aligner.model.llama import build_model
     from aligner.nn.vocab import vocab_parallel_log_probs
-    from aligner.parallel.pipeline import build_stage_model, pipeline_train_step, split_microbatches
+    from aligner.parallel.parallelize import build_parallel_model
+    from aligner.parallel.pipeline import pipeline_train_step, split_microbatches
     from aligner.parallel.sharding import gather_full_state_dict
     from aligner.parallel.tensor_parallel import vocab_start
 
     cfg = tiny_cfg(num_layers=3)
     ref = build_model(cfg, seed=3)
-    stage = build_stage_model(cfg, "lm", dims, seed=3, sequence_parallel=True)
+    stage = build_parallel_model(cfg, "lm", dims, seed=3, sequence_parallel=True)
     batch = make_batch(cfg)
 
     def loss_fn(logits, mb, group=dims.tp_group, start=vocab_start(stage)):
@@ -61,13 +62,13 @@ def _mean_reduction_check(dims) -> float:
 def _meta_build_and_dst_gather(dims) -> dict:
     """A stage built on meta from a full state dict equals the seeded one; gather onto pp rank 0 only."""
     from aligner.model.llama import build_model
-    from aligner.parallel.pipeline import build_stage_model
+    from aligner.parallel.parallelize import build_parallel_model
     from aligner.parallel.sharding import gather_full_state_dict
 
     cfg = tiny_cfg(num_layers=3, num_kv_heads=1, tie_word_embeddings=True)
     full = build_model(cfg, seed=5).state_dict()
-    stage = build_stage_model(cfg, "lm", dims, full_state_dict=full)
-    seeded = build_stage_model(cfg, "lm", dims, seed=5)
+    stage = build_parallel_model(cfg, "lm", dims, full_state_dict=full)
+    seeded = build_parallel_model(cfg, "lm", dims, seed=5)
     out = {"meta vs seeded": max(float((a - b).abs().max()) for a, b in zip(stage.state_dict().values(), seeded.state_dict().values()))}
     out["inv_freq"] = float((stage.model.inv_freq - seeded.model.inv_freq).abs().max())
     got = gather_full_state_dict(stage, dims.tp_group, dims.pp_group, dst_pp_rank=0)
@@ -80,7 +81,8 @@ def _meta_build_and_dst_gather(dims) -> dict:
 
 
 def pp_battery(rank: int, world_size: int) -> dict:
-    from aligner.parallel.pipeline import split_microbatches, stage_layer_ids
+    from aligner.parallel.parallelize import stage_layer_ids
+    from aligner.parallel.pipeline import split_microbatches
 
     torch.manual_seed(0)
     out = {"layouts": {}, "extra": {}, "errors": {}}

@@ -65,7 +65,7 @@ def reference(cfg, sd, sampling_gens):
 def battery(rank: int, world_size: int) -> dict:
     from aligner.config import SamplingConfig
     from aligner.parallel.dims import ParallelDims
-    from aligner.parallel.pipeline import build_stage_model
+    from aligner.parallel.parallelize import build_parallel_model
     from aligner.parallel.sharding import load_full_state_dict
     from aligner.rollout.refit import refit, rollout_dims
     from aligner.rollout.torch_engine import TorchEngine
@@ -75,10 +75,10 @@ def battery(rank: int, world_size: int) -> dict:
     out = {}
     for name, (tp_t, pp_t, tp_i, pp_i) in LAYOUTS.items():
         train = ParallelDims(tp_size=tp_t, pp_size=pp_t, dp_size=world_size // (tp_t * pp_t), world_size=world_size, rank=rank).build()
-        trainer = build_stage_model(cfg, "lm", train, seed=3)
+        trainer = build_parallel_model(cfg, "lm", train, seed=3)
         load_full_state_dict(trainer, {k: v for k, v in sd.items() if k in dict(trainer.named_parameters())})
         infer = rollout_dims(world_size, rank, tp_i, pp_i)
-        engine = TorchEngine(build_stage_model(cfg, "lm", infer, seed=99), tp_group=infer.tp_group, pp_group=infer.pp_group)
+        engine = TorchEngine(build_parallel_model(cfg, "lm", infer, seed=99), tp_group=infer.tp_group, pp_group=infer.pp_group)
         stats = refit(trainer, engine, bucket_mb=0.005, tp_group=train.tp_group, pp_group=train.pp_group)
         greedy = engine.generate(PROMPTS, SamplingConfig(temperature=0.0, max_new_tokens=6))
         sampled = engine.generate(PROMPTS, SamplingConfig(temperature=0.8, top_k=10, max_new_tokens=6), seeds=[1, 2, 3, 4])

@@ -79,12 +79,13 @@ def run_layout(dims, cfg, kind: str = "lm", *, sp: bool = False, recompute: str 
 
     from aligner.model.llama import build_model
     from aligner.nn.vocab import vocab_parallel_entropy, vocab_parallel_log_probs
-    from aligner.parallel.pipeline import build_stage_model, pipeline_forward, pipeline_train_step, split_microbatches
+    from aligner.parallel.parallelize import build_parallel_model
+    from aligner.parallel.pipeline import pipeline_forward, pipeline_train_step, split_microbatches
     from aligner.parallel.sharding import gather_full_state_dict
     from aligner.parallel.tensor_parallel import vocab_start
 
     ref = build_model(cfg, kind, seed=11)
-    stage = build_stage_model(cfg, kind, dims, layer_split=layer_split, sequence_parallel=sp, recompute=recompute, seed=11)
+    stage = build_parallel_model(cfg, kind, dims, layer_split=layer_split, sequence_parallel=sp, recompute=recompute, seed=11)
     tp_group, vstart = dims.tp_group, vocab_start(stage)
     batch = make_batch(cfg)
     mbs = split_microbatches(batch, num_microbatches)
@@ -190,6 +191,7 @@ def tp_battery(rank: int, world_size: int) -> dict:
     # collectives per layer forward: 2 all-reduces of B*T*H (no SP), or all-gather +
     # reduce-scatter of the same volume (SP); and saved bytes vs the adjusted formula
     from aligner.parallel.memory import LayerDims, layer_comm, layer_saved_bytes, llama_layer_activation_elements
+    from aligner.parallel.parallelize import apply_recompute
 
     out["memory"] = {}
     for sp in (False, True):
@@ -200,7 +202,7 @@ def tp_battery(rank: int, world_size: int) -> dict:
             cfg = tiny_cfg(hidden_size=64, intermediate_size=160, num_kv_heads=kv, num_layers=1, max_seq_len=32)
             m = apply_tensor_parallel(build_model(cfg, seed=0), dims.tp_group, sequence_parallel=sp)
             for mode in ("none", "selective", "full"):
-                m.model.set_recompute(mode)
+                apply_recompute(m, mode)
                 formula = 4 * llama_layer_activation_elements(LayerDims(s=32, b=2, h=64, a=4, i=160, t=2, kv=kv), sp, mode)
                 out["memory"][(kv, sp, mode)] = (layer_saved_bytes(m, 2, 32), formula)
     return out

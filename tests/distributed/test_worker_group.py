@@ -17,16 +17,9 @@ import pytest
 import torch
 
 from aligner.config import AlignerConfig, ClusterConfig, ParallelConfig, ResourceConfig, RoleConfig
-from aligner.workers.group import (
-    WorkerDiedError,
-    WorkerError,
-    WorkerGroup,
-    concat_results,
-    dispatch,
-    dispatched_methods,
-    get_all,
-    split_batch,
-)
+from aligner.errors import WorkerDiedError, WorkerError
+from aligner.workers.dispatch import concat_results, dispatch, dispatched_methods, split_batch
+from aligner.workers.group import WorkerGroup, get_all
 from aligner.workers.placement import PlacementError, RoleRequest, create_placement, plan_from_config, plan_node_groups
 
 NUM_CPUS = 8

@@ -10,6 +10,7 @@ import pytest
 from aligner.config import ModelConfig
 from aligner.model.llama import build_model
 from aligner.parallel.memory import LayerDims, korthikanti_bytes, layer_comm, layer_saved_bytes, llama_layer_activation_elements
+from aligner.parallel.parallelize import apply_recompute
 
 S, BATCH, H, A, I = 32, 2, 64, 4, 160
 
@@ -19,7 +20,7 @@ S, BATCH, H, A, I = 32, 2, 64, 4, 160
 def test_layer_saved_bytes_match_adjusted_formula(kv, recompute):
     cfg = ModelConfig(vocab_size=64, hidden_size=H, intermediate_size=I, num_layers=1, num_heads=A, num_kv_heads=kv, max_seq_len=S)
     model = build_model(cfg, seed=0)
-    model.model.set_recompute(recompute)
+    apply_recompute(model, recompute)
     measured = layer_saved_bytes(model, BATCH, S)
     adjusted = 4 * llama_layer_activation_elements(LayerDims(s=S, b=BATCH, h=H, a=A, i=I, kv=kv), recompute=recompute)
     assert measured == adjusted, (measured, adjusted)
@@ -30,7 +31,7 @@ def test_recomputation_orders_memory():
     model = build_model(cfg, seed=0)
     got = {}
     for mode in ("none", "selective", "full"):
-        model.model.set_recompute(mode)
+        apply_recompute(model, mode)
         got[mode] = layer_saved_bytes(model, BATCH, S)
     assert got["full"] < got["selective"] < got["none"]
     assert got["full"] == S * BATCH * H * 4  # only the layer input, fp32

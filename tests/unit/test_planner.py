@@ -21,6 +21,7 @@ from aligner.config import (
     TrainerConfig,
 )
 from aligner.model.llama import build_model
+from aligner.parallel.parallelize import apply_recompute
 from aligner.plan import main_from_config
 from aligner.planner import (
     GB,
@@ -100,7 +101,7 @@ def test_parameter_grad_optimizer_bytes_exact(kind):
 def measured_activation_bytes(recompute: str, batch: int, seq: int) -> int:
     """Bytes of the distinct non-parameter storages autograd saves for backward (fwd + loss)."""
     model = build_model(TINY)
-    model.model.set_recompute(recompute)
+    apply_recompute(model, recompute)
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
 

@@ -1,0 +1,188 @@
+"""parallelize(): every parallelism applied to a built model from the outside, in one order.
+
+The model (:mod:`aligner.model.llama`) knows nothing of ranks, recomputation or pipeline
+stages; this module turns a full single-process model into this rank's part of a
+TP x PP x DP layout, the way torchtitan's ``parallelize_llama`` does:
+
+    1. pipeline split   keep the decoder layers of dims.pp_rank, and the embedding / final
+                        norm / head only on the first / last stage (:func:`prune_to_stage`)
+    2. TP / SP          shard every building-block layer over dims.tp_group
+                        (:func:`aligner.parallel.tensor_parallel.apply_tensor_parallel`)
+    3. recomputation    none | selective (the attention core, softmax(QK^T)V) | full (each
+                        decoder layer), Korthikanti et al. 2022 (:func:`apply_recompute`)
+    4. data parallel    FSDP2 (``fully_shard`` per decoder layer, then the root) or DDP over
+                        dims.dp_group (:mod:`aligner.parallel.data_parallel`); DeepSpeed owns the
+                        optimizer too, so :class:`aligner.runtime.train_runtime.TrainRuntime`
+                        wraps it there
+
+:func:`build_parallel_model` builds the model (seeded, or on the meta device and then
+loaded from a full state dict) and applies steps 1-3; the runtime applies step 4 with
+:func:`apply_data_parallel` after the optional Transformer Engine swap. The rollout engine
+builds its own layout with the same function and no data parallelism.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from aligner.config import ModelConfig, ParallelConfig
+from aligner.model.llama import build_model, rope_inv_freq
+from aligner.parallel import data_parallel as dpmod
+from aligner.parallel.dims import ParallelDims
+from aligner.parallel.sharding import load_full_state_dict
+from aligner.parallel.tensor_parallel import apply_tensor_parallel
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def stage_layer_ids(num_layers: int, pp_size: int, pp_rank: int, layer_split: Optional[Sequence[int]] = None) -> list[int]:
+    """Global decoder-layer indices of pipeline stage `pp_rank`.
+
+    layer_split: layers per stage (ParallelConfig.pp_layer_split); None splits evenly with
+    the first num_layers % pp_size stages taking one extra layer.
+    Raises ValueError: the split does not have pp_size positive entries summing to num_layers.
+    """
+    if layer_split is None:
+        if pp_size > num_layers:
+            raise ValueError(f"pp_size={pp_size} exceeds num_layers={num_layers}: use at most {num_layers} stages")
+        base, extra = divmod(num_layers, pp_size)
+        layer_split = [base + (1 if s < extra else 0) for s in range(pp_size)]
+    split = list(layer_split)
+    if len(split) != pp_size or sum(split) != num_layers or min(split) < 1:
+        raise ValueError(f"pp_layer_split={split} needs {pp_size} positive entries summing to num_layers={num_layers}")
+    start = sum(split[:pp_rank])
+    return list(range(start, start + split[pp_rank]))
+
+
+def prune_to_stage(model: nn.Module, layer_ids: list[int], first: bool, last: bool) -> nn.Module:
+    """Keep only decoder layers `layer_ids` (global indices) and the ends this pipeline stage owns.
+
+    The stage is the same class with the other layers deleted and ``embed_tokens`` (not first),
+    ``norm`` and the head (not last) set to None; parameter names stay HF's.
+    """
+    trunk = model.model
+    keep = {str(i) for i in layer_ids}
+    for key in list(trunk.layers.keys()):
+        if key not in keep:
+            del trunk.layers[key]
+    if not first:
+        trunk.embed_tokens = None
+    if not last:
+        trunk.norm = None
+        for head in ("lm_head", "score"):
+            if hasattr(model, head):
+                setattr(model, head, None)
+    return model
+
+
+def _checkpointed(fn: Callable) -> Callable:
+    """`fn` recomputed in backward (non-reentrant activation checkpointing) while grad is enabled."""
+
+    @functools.wraps(fn)
+    def run(*args: Any) -> Any:
+        if torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+    run.__aligner_recompute__ = fn  # the original, so the mode can be changed again
+    return run
+
+
+def _set_checkpointed(module: nn.Module, attr: str, on: bool) -> None:
+    current = module.__dict__.get(attr)
+    if current is not None:  # undo an earlier apply_recompute
+        del module.__dict__[attr]
+    if on:
+        module.__dict__[attr] = _checkpointed(getattr(module, attr))
+
+
+def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
+    """Activation recomputation (Korthikanti et al. 2022), set on the model from outside.
+
+    mode: "none"; "selective" recomputes each attention core (softmax(QK^T)V, the O(T^2) part)
+    in backward; "full" recomputes each decoder layer and saves only its input. Parameter names
+    do not change (the bound method is wrapped on the instance, not the module replaced).
+    Calling it again replaces the previous mode. Raises ValueError for another mode.
+    """
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={mode!r}: valid choices are {', '.join(RECOMPUTE_MODES)}")
+    for layer in model.model.layers.values():
+        _set_checkpointed(layer, "forward", mode == "full")
+        _set_checkpointed(layer.self_attn, "core", mode == "selective")
+    model.recompute = mode
+    return model
+
+
+def recompute_mode(model: nn.Module) -> str:
+    """The mode :func:`apply_recompute` last set on `model` ("none" if never)."""
+    return getattr(model, "recompute", "none")
+
+
+def build_parallel_model(
+    cfg: ModelConfig,
+    kind: str,
+    dims: ParallelDims,
+    *,
+    layer_split: Optional[Sequence[int]] = None,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    seed: int = 0,
+    full_state_dict: Optional[dict[str, torch.Tensor]] = None,
+    device: Any = "cpu",
+) -> nn.Module:
+    """This rank's part of a TP x PP model: pipeline split, TP/SP sharding and recomputation applied.
+
+    Args:
+        cfg: ModelConfig. kind: "lm" (policy) | "score" (critic / reward model), see ``build_model``.
+        dims: ParallelDims (tp_size, pp_size, pp_rank, is_first_stage, is_last_stage, tp_group).
+        layer_split: decoder layers per stage; None = even.
+        sequence_parallel / recompute: SP on the tp group; none | selective | full.
+        seed: without `full_state_dict`, weights equal ``build_model(cfg, kind, seed)``'s
+            (the full model is built, then pruned and sliced: fine for tests and small models).
+        full_state_dict: HF-named full weights; the model is built on the meta device, split and
+            sharded, then materialized on `device` and loaded (no full model in memory).
+    Returns: LlamaForCausalLM / LlamaForScore with this stage's layers and this rank's shards.
+    Raises ValueError: a layer split or tp size the model cannot take, an unknown recompute mode.
+    """
+    ids = stage_layer_ids(cfg.num_layers, dims.pp_size, dims.pp_rank, layer_split)
+    on_meta = full_state_dict is not None
+    model = build_model(cfg, kind, seed=seed, device="meta" if on_meta else device)
+    prune_to_stage(model, ids, dims.is_first_stage, dims.is_last_stage)
+    apply_tensor_parallel(model, dims.tp_group, sequence_parallel)
+    if on_meta:
+        model.to_empty(device=device)
+        model.model.inv_freq = rope_inv_freq(cfg).to(device)
+        load_full_state_dict(model, full_state_dict)
+    apply_recompute(model, recompute)
+    return model
+
+
+def apply_data_parallel(model: nn.Module, dims: ParallelDims, parallel_cfg: ParallelConfig) -> nn.Module:
+    """Step 4: FSDP2 (dp_backend fsdp2, dp_size > 1: in place, returns `model`) or DDP (dp_backend ddp,
+    pp_size 1: returns the DDP wrapper); otherwise `model` unchanged (DDP with pp > 1 averages
+    gradients in the runtime's finalize step, DeepSpeed is wrapped with its optimizer)."""
+    if parallel_cfg.dp_backend == "fsdp2" and dims.dp_size > 1:
+        dpmod.apply_fsdp2(model, dims.mesh["dp"], parallel_cfg.mixed_precision)
+        return model
+    if parallel_cfg.dp_backend == "ddp" and dims.pp_size == 1:
+        return dpmod.apply_ddp(model, dims.dp_group)
+    return model
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, parallel_cfg: ParallelConfig, *, data_parallel: bool = True) -> nn.Module:
+    """Apply pipeline split, TP/SP, recomputation and (optionally) data parallelism to a full `model`.
+
+    model: a full single-process LlamaForCausalLM / LlamaForScore (``build_model``).
+    dims: the built ParallelDims; parallel_cfg: its ParallelConfig (sizes must agree).
+    Returns what forward runs: `model` itself, or its DDP wrapper.
+    """
+    ids = stage_layer_ids(model.cfg.num_layers, dims.pp_size, dims.pp_rank, parallel_cfg.pp_layer_split)
+    prune_to_stage(model, ids, dims.is_first_stage, dims.is_last_stage)
+    apply_tensor_parallel(model, dims.tp_group, parallel_cfg.sequence_parallel)
+    apply_recompute(model, parallel_cfg.recompute)
+    return apply_data_parallel(model, dims, parallel_cfg) if data_parallel else model
