@@ -87,7 +87,7 @@ def cpu_floor(engine: TorchEngine, batch: int, context: int, steps: int, repeats
     sampling or Python bookkeeping: the GEMM-and-memory floor of this machine for this model."""
     model, cfg = engine.model, engine.cfg
     dtype, hd = engine.dtype, cfg.resolved_head_dim
-    weights = [(l.self_attn.fused_qkv[0], l.self_attn.o_proj.weight, l.mlp.fused_gate_up[0], l.mlp.down_proj.weight) for l in model.model.layers.values()]
+    weights = [(l.self_attn.q_proj.packed[0], l.self_attn.o_proj.weight, l.mlp.gate_proj.packed[0], l.mlp.down_proj.weight) for l in model.model.layers.values()]
     kv = [torch.randn(batch, cfg.num_kv_heads, context, hd).to(dtype) for _ in range(2 * len(weights))]
     x = torch.randn(batch, cfg.hidden_size).to(dtype)
 

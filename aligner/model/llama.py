@@ -108,16 +108,19 @@ class Attention(nn.Module):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
         """softmax(q k^T / sqrt(hd)) v with GQA: q [B, h, Tq, hd], k/v [B, kvh, Tk, hd], mask [B, 1, Tq, Tk]
-        bool, or None for plain causal attention (Tq == Tk): SDPA's causal kernels (flash
-        attention on GPU), with no [B, 1, T, T] mask built or saved."""
+        bool (True = attend) or None. None means plain causal attention when Tq == Tk (SDPA's causal
+        kernels, flash attention on GPU, with no [B, 1, T, T] mask built or saved), and attention to
+        every key for a one-token query (decode with a KV cache whose every slot is a real token)."""
         b, h, tq, hd = q.shape
         kvh = k.shape[1]
         rep = h // kvh
-        if rep > 1 and tq == 1 and mask is not None:
-            # one-token decode: each kv head's query group becomes the query axis ([B, kvh, rep, hd]),
-            # so the cached k/v are read once instead of copied rep times (q head j uses kv head j // rep)
-            out = F.scaled_dot_product_attention(q.reshape(b, kvh, rep, hd), k, v, attn_mask=mask)
-            return out.reshape(b, h, 1, hd)
+        if tq == 1:
+            if rep > 1:
+                # one-token decode: each kv head's query group becomes the query axis ([B, kvh, rep, hd]),
+                # so the cached k/v are read once instead of copied rep times (q head j uses kv head j // rep)
+                out = F.scaled_dot_product_attention(q.reshape(b, kvh, rep, hd), k, v, attn_mask=mask)
+                return out.reshape(b, h, 1, hd)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
@@ -125,8 +128,8 @@ class Attention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    def forward(self, x, cos, sin, mask, kv_cache: Optional[KVCache] = None, cache_positions=None):
-        """x: [B, T(/tp with SP), H] -> [B, T(/tp), H]."""
+    def forward(self, x, cos, sin, mask, kv_cache: Optional[KVCache] = None, cache_positions=None, residual=None):
+        """x: [B, T(/tp with SP), H] -> [B, T(/tp), H] (plus `residual`, same shape, when given)."""
         q, k, v = column_parallel_linears(x, (self.q_proj, self.k_proj, self.v_proj))
         b, t = q.shape[0], q.shape[1]
         q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
@@ -136,7 +139,7 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, cache_positions)
         out = self.core(q, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1), residual)
 
 
 class MLP(nn.Module):
@@ -148,9 +151,10 @@ class MLP(nn.Module):
         self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: [B, T(/tp), H] -> [B, T(/tp), H] (plus `residual` when given)."""
         gate, up = column_parallel_linears(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -164,8 +168,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, h, cos, sin, mask, kv_cache=None, cache_positions=None):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, kv_cache, cache_positions)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.self_attn(self.input_layernorm(h), cos, sin, mask, kv_cache, cache_positions, residual=h)
+        return self.mlp(self.post_attention_layernorm(h), residual=h)
 
 
 def build_attention_mask(

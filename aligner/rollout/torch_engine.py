@@ -15,9 +15,12 @@ How a batch runs:
   themselves only, so no softmax row is empty (no NaN leaks through 0 * NaN into real rows).
 - decode reads the cache sliced to the slots written so far (CPU) or the whole cache with a
   key mask (CUDA graphs, static shapes).
-- decode steps on the CPU run :meth:`TorchEngine._decode_trunk` over packed weights (fused
-  q/k/v and gate/up GEMMs, linear weights in [in, out] storage; see :func:`_pack_weights`);
-  prefill runs the model's own modules. The packed parameters are views, so refit is unchanged.
+- prefill and decode run the model's own modules (:mod:`aligner.model.llama` with a KVCache):
+  there is one decoder forward in aligner. Its inference fast paths live in the building
+  blocks: packed q/k/v and gate/up GEMMs (:func:`aligner.nn.layers.pack_linears`), the residual
+  add inside the o / down GEMM, fp32 RMSNorm in one kernel, GQA decode without repeated k/v. On
+  the CPU linear weights are stored [in, out] (see :func:`_pack_weights`). The packed
+  parameters are views, so refit is unchanged.
 
 Sampling choices (documented simplifications):
 - Under TP the last position's logits [B, V/tp] are all-gathered to [B, V] on every tp rank
@@ -48,11 +51,10 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
-from aligner.model.llama import KVCache, build_model, rope_cos_sin
+from aligner.model.llama import KVCache, build_model
 from aligner.nn import comm
-from aligner.nn.layers import ColumnParallelLinear, ParallelLayer, RMSNorm, RowParallelLinear
+from aligner.nn.layers import ColumnParallelLinear, ParallelLayer, RMSNorm, RowParallelLinear, pack_linears, unpack_linears
 from aligner.rollout.base import Generation, RolloutEngine, check_prompts, check_sampling
 
 
@@ -68,13 +70,11 @@ class TorchEngine(RolloutEngine):
         max_batch_size: prompts per engine batch; larger requests are split.
         cuda_graphs: capture the decode step in CUDA graphs (only when on cuda, pp = 1).
         seed: seed of the engine RNG used when generate() gets no seeds.
-        fused_decode: run one-token decode steps through :meth:`_decode_trunk` (fused q/k/v and
-            gate/up GEMMs, one RoPE pass, residual adds fused into the row-parallel GEMM) instead
-            of the modules' forward; prefill always runs the modules. None (default): on for
-            CPU engines, off on CUDA, where this path (and CUDA graphs of it) has not run yet
-            (tests/gpu/test_trtllm_engine.py checks it there). Ignored (module path) for models
-            whose layers are not aligner's own (e.g. Transformer Engine modules) or that use
-            sequence parallelism.
+        fused_decode: pack each layer's q/k/v and gate/up weights so each group runs as one GEMM
+            (:func:`aligner.nn.layers.pack_linears`). None (default): on for CPU engines, off on
+            CUDA, where packing (and CUDA graphs of it) has not run yet
+            (tests/gpu/test_trtllm_engine.py checks it there). Ignored for models whose layers
+            are not aligner's own (e.g. Transformer Engine modules) or that use sequence parallelism.
     The engine owns `model`: it re-lays its linear weights out in place (see :func:`_pack_weights`).
     """
 
@@ -240,9 +240,8 @@ class TorchEngine(RolloutEngine):
         cache = graph.cache if graph is not None else self.new_cache(b, total)
         if graph is not None:
             graph.set_valid(valid)
-        # a one-token query may attend to every cached slot unless a row is left-padded (fused decode only:
-        # the module path reads a missing mask as causal)
-        no_padding = graph is None and self.fused_decode and all(len(x) == p for x in prompts)
+        # a one-token query may attend to every cached slot unless a row is left-padded
+        no_padding = graph is None and all(len(x) == p for x in prompts)
         # asking whether every row has stopped syncs with the device: on a GPU only every 8 steps
         check_every = 1 if dev.type == "cpu" else 8
 
@@ -288,57 +287,11 @@ class TorchEngine(RolloutEngine):
             b, t = position_ids.shape
             x = torch.empty(b, t, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
             dist.recv(x, src=dist.get_global_rank(self.pp_group, self.pp_rank - 1), group=self.pp_group)
-        if self.fused_decode and position_ids.shape[1] == 1:
-            h = self._decode_trunk(x, position_ids, mask, cache, cache_positions)
-        else:
-            h = self.model.model(x, position_ids=position_ids, attn_mask=mask, kv_cache=cache, cache_positions=cache_positions)
+        h = self.model.model(x, position_ids=position_ids, attn_mask=mask, kv_cache=cache, cache_positions=cache_positions)
         if not self.is_last:
             dist.send(h.contiguous(), dst=dist.get_global_rank(self.pp_group, self.pp_rank + 1), group=self.pp_group)
             return None
         return self.model.lm_head(h[:, -1]).float()
-
-    def _decode_trunk(self, x, position_ids, mask, cache: KVCache, cache_positions) -> torch.Tensor:
-        """One decode step through this stage's layers with the packed weights (see _pack_weights).
-
-        x: input_ids [B, 1] int64 (first stage) or hidden [B, 1, H]; position_ids [B, 1];
-        mask: [B, 1, 1, S] bool key mask (True = attend), or None when every cached slot is a
-        real token; cache_positions: [1] slot written -> hidden [B, 1, H] (normed on the last
-        stage). The math of LlamaModel.forward on one query position, in fewer kernels: one
-        GEMM for q/k/v and one for gate/up, RoPE over q and k at once, each kv head's query
-        group as SDPA's query axis (GQA without repeated k/v), and with tp = 1 the residual
-        add inside the o / down GEMM (``addmm``).
-        """
-        m = self.model.model
-        h = m.embed_tokens(x) if m.embed_tokens is not None else x
-        b, hidden = h.shape[0], h.shape[-1]
-        h = h.reshape(b, hidden)
-        cos, sin = rope_cos_sin(m.inv_freq, position_ids, h.dtype)  # [B, 1, hd]: broadcast over heads
-        for layer in m.layers.values():
-            a, mlp = layer.self_attn, layer.mlp
-            hd = a.head_dim
-            w, bias = a.fused_qkv
-            qkv = F.linear(_rms_norm(layer.input_layernorm, h), w, bias).view(b, -1, hd)  # [B, h + 2 kvh, hd]
-            kvh = a.k_proj.weight.shape[0] // hd
-            nq = qkv.shape[1] - 2 * kvh
-            x1, x2 = qkv[:, : nq + kvh].chunk(2, dim=-1)
-            qk = qkv[:, : nq + kvh] * cos + torch.cat([-x2, x1], dim=-1) * sin  # HF rotate-half RoPE
-            keys, values = cache.update(a.layer_idx, qk[:, nq:].unsqueeze(2), qkv[:, nq + kvh :].unsqueeze(2), cache_positions)
-            out = F.scaled_dot_product_attention(qk[:, :nq].reshape(b, kvh, nq // kvh, hd), keys, values, attn_mask=mask)
-            h = self._row_parallel_residual(a.o_proj, h, out.reshape(b, nq * hd))
-            w, bias = mlp.fused_gate_up
-            gate_up = F.linear(_rms_norm(layer.post_attention_layernorm, h), w, bias)
-            f = gate_up.shape[-1] // 2
-            h = self._row_parallel_residual(mlp.down_proj, h, F.silu(gate_up[:, :f]) * gate_up[:, f:])
-        if m.norm is not None:
-            h = m.norm(h)
-        return h.view(b, 1, hidden)
-
-    def _row_parallel_residual(self, lin: RowParallelLinear, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """h + lin(x) for h [B, H], x [B, in/tp]; one addmm when nothing has to happen between the GEMM and the add."""
-        if self.tp_size == 1 and lin.bias is None:
-            return torch.addmm(h, x, lin.weight.t())
-        y = comm.reduce_from_tp(F.linear(x, lin.weight), lin.tp_group)
-        return h + (y if lin.bias is None else y + lin.bias)
 
     def _sample(self, logits: Optional[torch.Tensor], sampler: _Sampler, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Local logits [B, V/tp] on the last stage -> (tokens [B] int64, log_probs [B] fp32) on every rank."""
@@ -483,7 +436,7 @@ def _gather_vocab(local: torch.Tensor, group) -> torch.Tensor:
 
 def _fusable(model: nn.Module) -> bool:
     """True when every decoder layer is aligner's own (q/k/v, o, gate/up, down as Column/Row
-    ParallelLinear, RMSNorm norms) without sequence parallelism: what :meth:`TorchEngine._decode_trunk` runs."""
+    ParallelLinear, RMSNorm norms) without sequence parallelism: the layers :func:`_pack_weights` can pack."""
     for layer in model.model.layers.values():
         a, m = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         cols = [getattr(a, n, None) for n in ("q_proj", "k_proj", "v_proj")] + [getattr(m, n, None) for n in ("gate_proj", "up_proj")]
@@ -504,8 +457,8 @@ def _pack_weights(model: nn.Module, device: torch.device, *, transposed: bool, f
       [(h + 2 kvh) * hd / tp, H], and gate/up those of one [2 I / tp, H] (the local shards under
       TP); the parameters are views into it, so refit's ``copy_`` into ``q_proj.weight`` writes
       the fused tensor that decode multiplies by (one GEMM instead of three, vLLM's
-      QKVParallelLinear idea). The fused (weight, bias) pairs are kept on the modules as
-      ``self_attn.fused_qkv`` and ``mlp.fused_gate_up``, so engines sharing a model agree.
+      QKVParallelLinear idea; :func:`aligner.nn.layers.pack_linears`). The grouping is kept on
+      the modules, so engines sharing a model agree.
     - transposed (the CPU): every linear weight [out, in] is the transposed view of contiguous
       [in, out] storage, so ``F.linear(x, W)`` runs the GEMM x @ W^T in MKL's no-transpose form,
       up to 2x faster at decode batch sizes (development CPU, lm_head 32000 x 256 at batch 8:
@@ -518,13 +471,12 @@ def _pack_weights(model: nn.Module, device: torch.device, *, transposed: bool, f
     shared = {id(p) for m in model.modules() if not isinstance(m, linear) for p in m._parameters.values() if p is not None}
     done: set[int] = set()
     with torch.no_grad():
+        unpack_linears(model)
         if fuse:
             for layer in model.model.layers.values():
                 a, m = layer.self_attn, layer.mlp
-                for owner, attr, group in ((a, "fused_qkv", (a.q_proj, a.k_proj, a.v_proj)), (m, "fused_gate_up", (m.gate_proj, m.up_proj))):
-                    w = _pack_rows([l.weight for l in group], device, transposed)
-                    b = None if group[0].bias is None else _pack_rows([l.bias for l in group], device, False)
-                    setattr(owner, attr, (w, b))
+                for group in ((a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)):
+                    pack_linears(group, device, transposed)
                     done |= {id(l.weight) for l in group} | {id(l.bias) for l in group if l.bias is not None}
         for module in model.modules():
             for name, p in module._parameters.items():
@@ -538,26 +490,6 @@ def _pack_weights(model: nn.Module, device: torch.device, *, transposed: bool, f
             for name, buf in module._buffers.items():
                 if buf is not None:
                     module._buffers[name] = buf.to(device)
-
-
-def _pack_rows(tensors: list[torch.Tensor], device: torch.device, transposed: bool) -> torch.Tensor:
-    """Concatenate [out_i, ...] tensors along dim 0 into one new tensor on `device` (stored as
-    [in, sum out_i] when `transposed`) and rebind each tensor's .data to its row block; returns the whole."""
-    rows = [t.shape[0] for t in tensors]
-    if transposed:
-        whole = torch.cat([t.to(device).t() for t in tensors], dim=1).t()
-    else:
-        whole = torch.cat([t.to(device) for t in tensors], dim=0)
-    for t, part in zip(tensors, whole.split(rows, 0)):
-        t.data = part
-    return whole
-
-
-def _rms_norm(norm: RMSNorm, h: torch.Tensor) -> torch.Tensor:
-    """RMSNorm module math; fp32 through ``F.rms_norm`` (one kernel, the same values), other dtypes the module."""
-    if h.dtype == torch.float32 and norm.weight.dtype == torch.float32:
-        return F.rms_norm(h, (h.shape[-1],), norm.weight, norm.eps)
-    return norm(h)
 
 
 def _param_slots(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:

@@ -243,14 +243,15 @@ FUSED_CFGS = {
 @pytest.mark.parametrize("name", sorted(FUSED_CFGS))
 @pytest.mark.parametrize("prompts", [PROMPTS, [[1, 2, 3], [4, 5, 6]]], ids=["left_padded", "no_padding"])
 def test_fused_decode_equals_the_module_path(name, prompts):
-    """The packed-weight decode step (fused GEMMs, addmm residuals, no key mask without padding)
-    gives the module path's tokens and log-probs, greedy and seeded sampling, MHA with biases and GQA."""
+    """Packed q/k/v and gate/up weights (one GEMM per group, aligner.nn.layers.pack_linears) give
+    the unpacked modules' tokens and log-probs, greedy and seeded sampling, MHA with biases and GQA."""
     cfg = FUSED_CFGS[name]
     fused = TorchEngine(build_model(cfg, seed=3).eval(), fused_decode=True)
     plain = TorchEngine(build_model(cfg, seed=3).eval(), fused_decode=False)
     assert fused.fused_decode and not plain.fused_decode
     attn = fused.model.model.layers["0"].self_attn
-    w, b = attn.fused_qkv
+    w, b, group = attn.q_proj.packed
+    assert group == (attn.q_proj, attn.k_proj, attn.v_proj)
     assert attn.q_proj.weight.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() and (b is not None) == cfg.attention_bias
     for s in (SamplingConfig(temperature=0.0, max_new_tokens=12), SamplingConfig(temperature=0.9, top_k=20, top_p=0.9, max_new_tokens=12)):
         seeds = list(range(len(prompts)))
