@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from aligner.cli import UserError, setup_logging
+from aligner.cli import setup_logging
+from aligner.errors import UserError
 
 USAGE = "usage: python -m aligner.convert MODEL.gguf OUT_DIR"
 log = logging.getLogger("aligner")

@@ -30,8 +30,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
-from aligner.cli import UserError
 from aligner.config import AlignerConfig, ConfigError
+from aligner.errors import UserError
 
 log = logging.getLogger("aligner")
 

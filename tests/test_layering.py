@@ -1,0 +1,147 @@
+"""The package's import graph points only downward (issue 17, "One layering").
+
+Every ``import aligner...`` / ``from aligner... import`` in aligner/, at module level or inside
+a function, is an edge from the importing module's layer to the imported one's. A module may
+import its own package (the same row below) or a row above it in LAYERS, never a row below,
+and the packages may not import each other in a cycle. The README's layout section is the
+same table in words.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "aligner"
+
+# lowest first; each row: the packages / top-level modules of one layer
+LAYERS = [
+    ("errors", "algorithms"),  # exception types; RL math on tensors
+    ("config",),  # the config schema
+    ("protocol", "tracking", "data"),  # batches between roles; metrics; datasets and tokenizers
+    ("nn",),  # building blocks: comm, tensor-parallel layers, vocab-parallel log-probs (no Llama)
+    ("model",),  # Llama and HF import/export, built from the building blocks
+    ("parallel",),  # parallelize(): TP/SP, pipeline, recomputation, data parallelism; memory model
+    ("planner",),  # layouts and memory plans from the config and the memory model
+    ("runtime",),  # the training runtime of one role's ranks: model + optimizer + checkpoints
+    ("actor", "critic", "reward", "rollout"),  # role classes, and the rollout engines beside them
+    ("workers",),  # all Ray code: worker groups, placement, dispatch, the role workers
+    ("trainers",),  # the training loop, the SFT / RM / PPO trainers, checkpoints of a run
+    ("cli", "plan", "sft", "rm", "ppo", "dpo", "demo", "convert", "__main__"),  # entry points
+]
+LAYER_OF = {name: i for i, row in enumerate(LAYERS) for name in row}
+BUILDING_BLOCKS = ("aligner.nn.comm", "aligner.nn.layers", "aligner.nn.vocab")
+
+
+def _unit(module: str) -> str:
+    """aligner.parallel.pipeline -> parallel; aligner.cli -> cli."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, imported aligner module) for every aligner import in `path`, at any depth."""
+    tree = ast.parse(path.read_text(), str(path))
+    pkg = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("aligner")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative import: resolve against this module's package
+                base = pkg.split(".")[: -node.level]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod == "aligner":  # from aligner import x: x is the unit
+                out += [(node.lineno, f"aligner.{a.name}") for a in node.names]
+            elif mod.startswith("aligner."):
+                out.append((node.lineno, mod))
+    return out
+
+
+def _edges() -> list[tuple[str, int, str, str]]:
+    """(file, line, importing unit, imported unit) for every cross-unit aligner import."""
+    edges = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent)
+        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        src = _unit(module)
+        for line, target in _imports(path):
+            dst = _unit(target)
+            if dst and dst != src:
+                edges.append((str(rel), line, src, dst))
+    return edges
+
+
+def test_every_unit_has_a_layer():
+    units = {p.stem if p.is_file() else p.name for p in ROOT.iterdir() if (p.suffix == ".py" or (p / "__init__.py").exists())}
+    units.discard("__init__")
+    missing = sorted(units - set(LAYER_OF))
+    assert not missing, f"packages/modules with no row in LAYERS (add them where they belong): {missing}"
+
+
+def test_imports_point_only_downward():
+    upward = [f"{f}:{line}: {src} (layer {LAYER_OF[src]}) imports {dst} (layer {LAYER_OF[dst]})"
+              for f, line, src, dst in _edges() if LAYER_OF[dst] > LAYER_OF[src]]
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_no_imports_within_a_layer_across_packages():
+    """Packages of one row are independent (a sideways import would hide a cycle waiting to happen)."""
+    sideways = [f"{f}:{line}: {src} imports {dst} (both layer {LAYER_OF[src]})"
+                for f, line, src, dst in _edges() if LAYER_OF[dst] == LAYER_OF[src] and LAYER_OF[src] != len(LAYERS) - 1]
+    assert not sideways, "sideways imports:\n" + "\n".join(sideways)
+
+
+def test_no_cycle_between_packages():
+    graph: dict[str, set[str]] = {}
+    for _, _, src, dst in _edges():
+        graph.setdefault(src, set()).add(dst)
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path + [node, nxt]
+            if nxt not in state and (cycle := visit(nxt, path + [node])):
+                return cycle
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node, [])):
+            pytest.fail("import cycle between packages: " + " -> ".join(cycle))
+
+
+def test_the_checker_sees_upward_and_function_level_imports(tmp_path):
+    """A mutation check of the walker: an import inside a function is found, and resolved to its unit."""
+    f = tmp_path / "m.py"
+    f.write_text("def g():\n    from aligner.workers.group import WorkerGroup\n    import aligner.model.llama\n")
+    found = [(line, _unit(m)) for line, m in _imports_of(f)]
+    assert found == [(2, "workers"), (3, "model")]
+
+
+def _imports_of(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text())
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("aligner")]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("aligner"):
+            out.append((node.lineno, node.module))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("module", BUILDING_BLOCKS)
+def test_building_blocks_import_no_model(module):
+    """`python -c "import aligner.nn.layers"` loads no aligner.model (nor anything above nn)."""
+    code = (f"import sys, {module}; bad = sorted(m for m in sys.modules if m.startswith(('aligner.model', 'aligner.parallel', "
+            "'aligner.runtime', 'aligner.workers', 'aligner.trainers'))); print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"{module} imports {r.stdout.strip()} {r.stderr[-500:]}"
