@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from aligner.config import PRESETS, AlignerConfig, ConfigError
+from aligner.config import MODEL_ROLES, PRESETS, AlignerConfig, ConfigError, roles_with_field
 from aligner.errors import UserError
 from aligner.trainers.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from aligner.trainers.preemption import Preempted
@@ -82,8 +83,21 @@ def _explain(e: BaseException) -> str:
         parts.append(str(cause).strip().splitlines()[0])
     msg = ": ".join(parts)
     if "Could not override" in msg:
-        msg += " (no such config field; run with --cfg to list the fields)"
+        msg += f" (no such config field{_role_field_hint(msg)}; run with --cfg to list the fields)"
     return f"bad configuration: {msg}"
+
+
+def _role_field_hint(msg: str) -> str:
+    """For an override ``ROLE.FIELD...`` whose FIELD is a field of other roles only (``actor.type``,
+    ``ref.optim.lr``): ": type is a field of reward only", else ""."""
+    m = re.search(r"Could not override '([^']+)'", msg)
+    parts = m.group(1).split(".") if m else []
+    if len(parts) < 2 or parts[0] not in MODEL_ROLES:
+        return ""
+    owners = roles_with_field(parts[1])
+    if not owners or parts[0] in owners:
+        return ""
+    return f": {parts[1]} is a field of {', '.join(owners)} only"
 
 
 def load_config(stage: str, overrides: Sequence[str] = ()) -> AlignerConfig:

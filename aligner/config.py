@@ -13,8 +13,8 @@ points turn it into a one-line message and exit code 2, with no traceback.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional, get_type_hints
 
 from aligner import algorithms as alg
 from aligner.errors import ConfigError
@@ -22,6 +22,10 @@ from aligner.errors import ConfigError
 PRESETS = ("tiny", "llama2_7b", "llama2_13b", "llama2_70b")
 STAGES = ("sft", "rm", "ppo", "plan")
 ROLES = ("actor", "critic", "reward", "ref", "rollout")
+MODEL_ROLES = ("actor", "critic", "reward", "ref")  # the roles with a RoleConfig (init, parallel, resources)
+# the keys of aligner.data.formats.FORMATS, in order (config imports nothing from aligner.data, which imports
+# config; tests/unit/test_config_validation.py asserts the two agree)
+DATA_FORMATS = ("prompt", "sft", "chat", "pairs", "hh", "gsm8k", "text", "prompt_completion", "unpaired")
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")  # advantage estimators with a per-prompt group baseline
 
 
@@ -131,7 +135,7 @@ class DataConfig:
 
     train_path: str = ""  # jsonl/json/parquet file or saved HF dataset dir; "" = the built-in task
     eval_path: str = ""  # held-out split; "" = built-in task's or a slice of train
-    format: str = "auto"  # auto or a key of aligner.data.formats.FORMATS
+    format: str = "auto"  # auto or one of DATA_FORMATS (the keys of aligner.data.formats.FORMATS)
     max_prompt_len: int = 64  # tokens; longer prompts follow `truncation`
     max_seq_len: int = 128  # tokens, prompt + response
     truncation: str = "error"  # error | left | right | skip: what to do with over-long rows
@@ -141,9 +145,7 @@ class DataConfig:
     shuffle_seed: int = 0  # order of samples per epoch
 
     def validate(self, prefix: str = "data") -> None:
-        from aligner.data.formats import FORMATS  # here, not at import: aligner.data imports this module
-
-        _choice(f"{prefix}.format", self.format, ("auto", *FORMATS))
+        _choice(f"{prefix}.format", self.format, ("auto", *DATA_FORMATS))
         _choice(f"{prefix}.truncation", self.truncation, ("error", "left", "right", "skip"))
         _check(self.max_prompt_len > 0, f"{prefix}.max_prompt_len", self.max_prompt_len, "must be positive")
         _check(
@@ -284,23 +286,51 @@ class ResourceConfig:
 
 @dataclass(kw_only=True)
 class RoleConfig:
-    """A model-hosting role: actor, critic, reward or reference."""
+    """The fields of every model-hosting role (actor, critic, reward, ref): its weights and its place.
+
+    A field appears only under the roles that use it: ``optim`` under the trained roles
+    (:class:`TrainableRoleConfig`), ``type`` and ``rule`` under reward (:class:`RewardRoleConfig`);
+    the schema refuses them elsewhere as unknown keys.
+    """
 
     init: str = ""  # aligner checkpoint dir or HF model dir; "" = the stage's default
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # layout of this role
-    optim: OptimConfig = field(default_factory=OptimConfig)  # trainable roles only
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # TP x PP x DP layout of this role
     resources: ResourceConfig = field(default_factory=ResourceConfig)  # node group
-    type: str = "model"  # reward only: model | rule
-    rule: str = "task_accuracy"  # reward only, type=rule: the rule function's name
     colocate_with: str = ""  # name of a role whose bundles this one shares ("" = own node group)
 
     def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
         self.parallel.validate(f"{prefix}.parallel", model)
-        self.optim.validate(f"{prefix}.optim")
-        _choice(f"{prefix}.type", self.type, ("model", "rule"))
         _check(self.resources.num_nodes >= 1, f"{prefix}.resources.num_nodes", self.resources.num_nodes, "must be >= 1")
         _check(self.resources.gpus_per_node >= 0, f"{prefix}.resources.gpus_per_node", self.resources.gpus_per_node, "must be >= 0")
         _check(self.resources.cpus_per_worker >= 1, f"{prefix}.resources.cpus_per_worker", self.resources.cpus_per_worker, "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class TrainableRoleConfig(RoleConfig):
+    """A role some stage trains: actor (SFT and PPO) and critic (PPO); the base of the reward role."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)  # AdamW and the LR schedule of this role's training
+
+    def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
+        super().validate(prefix, model)
+        self.optim.validate(f"{prefix}.optim")
+
+
+@dataclass(kw_only=True)
+class RewardRoleConfig(TrainableRoleConfig):
+    """The reward role: a reward model (trained by the RM stage with ``optim``, frozen in PPO) or a rule."""
+
+    type: str = "model"  # PPO's reward: model (the reward model at init) | rule (a function on the driver)
+    rule: str = "task_accuracy"  # type=rule: the rule's name in aligner.reward.rules.RULES
+
+    def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
+        super().validate(prefix, model)
+        _choice(f"{prefix}.type", self.type, ("model", "rule"))
+
+
+@dataclass(kw_only=True)
+class RefRoleConfig(RoleConfig):
+    """The frozen reference policy (KL terms): no optimizer, only the fields of :class:`RoleConfig`."""
 
 
 @dataclass(kw_only=True)
@@ -504,10 +534,10 @@ class AlignerConfig:
     data: DataConfig = field(default_factory=DataConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    actor: RoleConfig = field(default_factory=RoleConfig)  # policy (also the SFT model)
-    critic: RoleConfig = field(default_factory=RoleConfig)  # value model
-    reward: RoleConfig = field(default_factory=RoleConfig)  # reward model (also the RM stage's model)
-    ref: RoleConfig = field(default_factory=RoleConfig)  # frozen reference policy
+    actor: TrainableRoleConfig = field(default_factory=TrainableRoleConfig)  # policy (also the SFT model)
+    critic: TrainableRoleConfig = field(default_factory=TrainableRoleConfig)  # value model
+    reward: RewardRoleConfig = field(default_factory=RewardRoleConfig)  # reward model or rule (also the RM stage's model)
+    ref: RefRoleConfig = field(default_factory=RefRoleConfig)  # frozen reference policy
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation engine
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -639,8 +669,15 @@ class AlignerConfig:
                 )
 
     def role(self, name: str) -> RoleConfig:
-        """The RoleConfig of `name` (actor, critic, reward, ref); ValueError for other names."""
+        """The config of role `name` (actor, critic, reward, ref): a :class:`RoleConfig`, whose subclass
+        depends on the role (:func:`roles_with_field`); ValueError for other names."""
         if name not in ("actor", "critic", "reward", "ref"):
             raise ValueError(f"unknown role {name!r}: valid roles are actor, critic, reward, ref")
         return getattr(self, name)
 
+
+def roles_with_field(name: str) -> tuple[str, ...]:
+    """The model-hosting roles whose schema has the field `name`: ``"type"`` -> ``("reward",)``,
+    ``"optim"`` -> ``("actor", "critic", "reward")``, ``"init"`` -> all four; ``()`` for no role's field."""
+    schemas = get_type_hints(AlignerConfig)
+    return tuple(r for r in MODEL_ROLES if name in {f.name for f in fields(schemas[r])})

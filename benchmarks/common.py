@@ -168,9 +168,11 @@ def ppo_config(*, advantage: str = "gae", prompts: int = 16, n_samples: int = 1,
         AlignerConfig,
         DataConfig,
         OptimConfig,
-        RoleConfig,
+        RefRoleConfig,
+        RewardRoleConfig,
         RolloutConfig,
         SamplingConfig,
+        TrainableRoleConfig,
         TrainerConfig,
     )
 
@@ -178,7 +180,7 @@ def ppo_config(*, advantage: str = "gae", prompts: int = 16, n_samples: int = 1,
     paths = paths or {}
     samples = prompts * n_samples
     optim = OptimConfig(lr=lr, warmup_steps=0, schedule="constant")
-    role = lambda init="": RoleConfig(init=init, optim=optim)  # noqa: E731
+    role = lambda init="": TrainableRoleConfig(init=init, optim=optim)  # noqa: E731
     return AlignerConfig(
         stage="ppo", model=model_cfg,
         # a non-empty train_path marks the prompts as not the built-in task (no task-accuracy metric);
@@ -187,8 +189,8 @@ def ppo_config(*, advantage: str = "gae", prompts: int = 16, n_samples: int = 1,
         trainer=TrainerConfig(max_steps=1000, rollout_batch_size=prompts, n_samples_per_prompt=n_samples,
                               mini_batch_size=samples, micro_batch_size=samples, global_batch_size=samples,
                               progress=False),
-        actor=role(paths.get("policy", "")), ref=role(paths.get("policy", "")),
-        critic=role(paths.get("reward", "")), reward=role(paths.get("reward", "")),
+        actor=role(paths.get("policy", "")), ref=RefRoleConfig(init=paths.get("policy", "")),
+        critic=role(paths.get("reward", "")), reward=RewardRoleConfig(init=paths.get("reward", ""), optim=optim),
         rollout=RolloutConfig(sampling=SamplingConfig(temperature=temperature, max_new_tokens=new_tokens),
                               max_batch_size=samples, cuda_graphs=True),
         algorithm=AlgorithmConfig(advantage=advantage, kl_coef=kl_coef, ppo_epochs=1, normalize_rewards=False),

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from aligner.actor.policy import Policy
-from aligner.config import AlignerConfig, SamplingConfig
+from aligner.config import AlignerConfig, OptimConfig, SamplingConfig, TrainableRoleConfig
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.parallelize import build_parallel_model
 from aligner.workers.dispatch import dispatch, split_batch
@@ -32,8 +32,10 @@ class PolicyWorker:
         self.cfg, self.role_name = cfg, role
         self.dims = dims or ParallelDims()
         role_cfg = cfg.role(role)
+        # the reference has no optim (it never steps); its engine still builds an optimizer, left unused
+        optim = role_cfg.optim if isinstance(role_cfg, TrainableRoleConfig) else OptimConfig()
         torch.manual_seed(cfg.trainer.seed)
-        self.policy = Policy(cfg.model, role_cfg.parallel, role_cfg.optim, self.dims, total_steps,
+        self.policy = Policy(cfg.model, role_cfg.parallel, optim, self.dims, total_steps,
                              init=init if init else role_cfg.init, seed=cfg.trainer.seed)
 
     @dispatch("dp_split")

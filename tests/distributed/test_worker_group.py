@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from aligner.config import AlignerConfig, ClusterConfig, ParallelConfig, ResourceConfig, RoleConfig
+from aligner.config import AlignerConfig, ClusterConfig, ParallelConfig, RefRoleConfig, ResourceConfig, TrainableRoleConfig
 from aligner.errors import WorkerDiedError, WorkerError
 from aligner.workers.dispatch import concat_results, dispatch, dispatched_methods, split_batch
 from aligner.workers.group import WorkerGroup, get_all
@@ -172,13 +172,13 @@ def test_dispatch_declarations_and_node_group_plans():
 
 def test_plan_from_aligner_config():
     cfg = AlignerConfig(
-        actor=RoleConfig(parallel=ParallelConfig(tp_size=2, dp_size=2), resources=ResourceConfig(cpus_per_worker=2)),
-        ref=RoleConfig(colocate_with="actor", parallel=ParallelConfig(tp_size=2, dp_size=2)),
+        actor=TrainableRoleConfig(parallel=ParallelConfig(tp_size=2, dp_size=2), resources=ResourceConfig(cpus_per_worker=2)),
+        ref=RefRoleConfig(colocate_with="actor", parallel=ParallelConfig(tp_size=2, dp_size=2)),
     )
     specs = plan_from_config(cfg, ["actor", "critic", "ref"])
     assert [[r.role for r in s.requests] for s in specs] == [["actor", "ref"], ["critic"]]
     assert specs[0].bundles == [{"CPU": 8.0}] and specs[1].bundles == [{"CPU": 1.0}]
-    colo = AlignerConfig(cluster=ClusterConfig(placement="colocated"), critic=RoleConfig(parallel=ParallelConfig(dp_size=2), resources=ResourceConfig(num_nodes=2)))
+    colo = AlignerConfig(cluster=ClusterConfig(placement="colocated"), critic=TrainableRoleConfig(parallel=ParallelConfig(dp_size=2), resources=ResourceConfig(num_nodes=2)))
     with pytest.raises(ValueError, match=r"critic.resources \(num_nodes=2"):
         plan_from_config(colo, ["actor", "critic"])
 

@@ -7,13 +7,22 @@ command-line contract: exit 2, exactly one line on stderr, no traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 
 from aligner.cli import load_config
-from aligner.config import AlignerConfig, ConfigError, ModelConfig, RopeScalingConfig
+from aligner.config import (
+    DATA_FORMATS,
+    AlignerConfig,
+    ConfigError,
+    ModelConfig,
+    RoleConfig,
+    RopeScalingConfig,
+    roles_with_field,
+)
 
 # (overrides, dotted field, bad value as printed, words of the fix / valid choices)
 CASES = [
@@ -196,9 +205,10 @@ def test_check_paths_names_field_and_path(field, value, words):
         assert w in str(e.value)
 
 
-@pytest.mark.parametrize("arg,field", [("conf=nope", "conf='nope'"), ("actor.optim.lr=-1", "actor.optim.lr=-1.0")])
+@pytest.mark.parametrize("arg,field", [("conf=nope", "conf='nope'"), ("actor.optim.lr=-1", "actor.optim.lr=-1.0"),
+                                       ("actor.type=rule", "'actor.type'")])
 def test_cli_config_error_is_one_line_exit_2(arg, field, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "aligner.ppo", arg, f"output_dir={tmp_path}/out"],
+    proc = subprocess.run([sys.executable, "-m", "aligner.ppo", "conf=tiny", arg, f"output_dir={tmp_path}/out"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -206,3 +216,86 @@ def test_cli_config_error_is_one_line_exit_2(arg, field, tmp_path):
     assert "Traceback" not in proc.stderr + proc.stdout
     assert lines[0].startswith("aligner ppo: error: ") and field in lines[0], lines[0]
     assert not (tmp_path / "out").exists(), "a config error must not create the output dir"
+
+
+# ---- the schema per role: a field appears only under the roles that use it ----------------------
+ROLE_FIELDS = {
+    "actor": {"init", "parallel", "resources", "colocate_with", "optim"},
+    "critic": {"init", "parallel", "resources", "colocate_with", "optim"},
+    "reward": {"init", "parallel", "resources", "colocate_with", "optim", "type", "rule"},  # optim: the RM stage
+    "ref": {"init", "parallel", "resources", "colocate_with"},  # frozen: no optim
+}
+
+
+@pytest.mark.parametrize("role", sorted(ROLE_FIELDS))
+def test_role_schema_has_only_the_fields_its_role_uses(role):
+    cfg = load_config("ppo", ["actor.init=", "critic.init=", "reward.init="])
+    assert {f.name for f in dataclasses.fields(cfg.role(role))} == ROLE_FIELDS[role]
+    assert isinstance(cfg.role(role), RoleConfig)
+
+
+@pytest.mark.parametrize("override,owners", [
+    (f"{role}.{name}={value}", "reward only")
+    for role in ("actor", "critic", "ref") for name, value in (("type", "rule"), ("rule", "digit_fraction"))
+] + [("ref.optim.lr=1e-5", "actor, critic, reward only")])
+def test_field_of_another_role_is_an_unknown_key(override, owners):
+    key = override.split("=")[0]
+    name = key.split(".")[1]
+    with pytest.raises(ConfigError) as e:
+        load_config("ppo", [override])
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    assert f"'{key}'" in msg and "no such config field" in msg and f"{name} is a field of {owners}" in msg, msg
+
+
+def test_unknown_role_field_has_no_owner_hint():
+    with pytest.raises(ConfigError) as e:
+        load_config("ppo", ["ref.nope=1"])
+    assert "'ref.nope'" in str(e.value) and "no such config field;" in str(e.value), str(e.value)
+
+
+def test_reward_type_and_rule_still_set_the_reward():
+    cfg = load_config("ppo", ["reward.type=rule", "reward.rule=digit_fraction", "actor.init=", "critic.init=", "reward.init="])
+    assert (cfg.reward.type, cfg.reward.rule) == ("rule", "digit_fraction")
+    assert "reward" not in cfg.roles_used()
+    rm = load_config("rm", ["reward.optim.lr=2e-4"])
+    assert rm.reward.optim.lr == 2e-4
+
+
+def test_reference_worker_builds_without_optim():
+    """The frozen reference has no optim: its PolicyWorker builds (its engine's optimizer, unused, from defaults)."""
+    from aligner.config import OptimConfig
+    from aligner.workers.actor import PolicyWorker
+
+    cfg = load_config("ppo", ["actor.init=", "critic.init=", "reward.init=", "actor.optim.lr=5e-5"])
+    assert PolicyWorker(cfg, "ref").policy.engine.optim_cfg == OptimConfig()
+    assert PolicyWorker(cfg, "actor").policy.engine.optim_cfg.lr == 5e-5
+
+
+def test_roles_with_field():
+    assert roles_with_field("type") == roles_with_field("rule") == ("reward",)
+    assert roles_with_field("optim") == ("actor", "critic", "reward")
+    assert roles_with_field("init") == ("actor", "critic", "reward", "ref")
+    assert roles_with_field("nope") == ()
+
+
+# ---- layering: config.py imports nothing of aligner but aligner.errors and aligner.algorithms ---------
+def test_data_formats_match_aligner_data_formats():
+    from aligner.data.formats import FORMATS
+
+    assert DATA_FORMATS == tuple(FORMATS)
+
+
+def test_config_imports_only_errors_and_algorithms():
+    import ast
+    import inspect
+
+    import aligner.config as config
+
+    imported = set()
+    for node in ast.walk(ast.parse(inspect.getsource(config))):  # module level and inside functions
+        if isinstance(node, ast.ImportFrom) and node.module:
+            imported |= {f"{node.module}.{a.name}" if node.module == "aligner" else node.module for a in node.names}
+        elif isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+    assert {m for m in imported if m.split(".")[0] == "aligner"} == {"aligner.errors", "aligner.algorithms"}, imported

@@ -15,9 +15,11 @@ from aligner.config import (
     DataConfig,
     ModelConfig,
     ParallelConfig,
-    RoleConfig,
+    RefRoleConfig,
+    RewardRoleConfig,
     RolloutConfig,
     SamplingConfig,
+    TrainableRoleConfig,
     TrainerConfig,
 )
 from aligner.model.llama import build_model
@@ -50,7 +52,7 @@ LLAMA2 = {
 
 
 def llama2_cfg(size: str, nodes: int, gpus: int = 8, mem: float = 80.0, stage: str = "plan", **kw) -> AlignerConfig:
-    bf16 = lambda: RoleConfig(parallel=ParallelConfig(mixed_precision="bf16"))  # noqa: E731
+    bf16 = lambda schema=TrainableRoleConfig: schema(parallel=ParallelConfig(mixed_precision="bf16"))  # noqa: E731
     return AlignerConfig(
         stage=stage,
         preset=f"llama2_{size}",
@@ -58,8 +60,8 @@ def llama2_cfg(size: str, nodes: int, gpus: int = 8, mem: float = 80.0, stage: s
         data=DataConfig(max_prompt_len=1024, max_seq_len=2048),
         actor=bf16(),
         critic=bf16(),
-        reward=bf16(),
-        ref=bf16(),
+        reward=bf16(RewardRoleConfig),
+        ref=bf16(RefRoleConfig),
         rollout=RolloutConfig(parallel=ParallelConfig(mixed_precision="bf16"), sampling=SamplingConfig(max_new_tokens=1024)),
         trainer=TrainerConfig(rollout_batch_size=128, mini_batch_size=128, micro_batch_size=1, global_batch_size=128),
         cluster=ClusterConfig(num_nodes=nodes, gpus_per_node=gpus, gpu_mem_gb=mem),
@@ -217,7 +219,7 @@ def test_check_fits_names_the_role_and_what_it_lacks():
         check_fits(cfg)  # tp = pp = dp = 1 with 13B under fp32-master Adam: about 210 GB
     assert "actor: tp=1 pp=1 dp=1" in str(err.value) and "GB/GPU > 80 GB" in str(err.value)
     assert "the planner suggests" in str(err.value)
-    good = dataclasses.replace(cfg, actor=RoleConfig(parallel=ParallelConfig(tp_size=8, pp_size=2, sequence_parallel=True, recompute="selective", mixed_precision="bf16")))
+    good = dataclasses.replace(cfg, actor=TrainableRoleConfig(parallel=ParallelConfig(tp_size=8, pp_size=2, sequence_parallel=True, recompute="selective", mixed_precision="bf16")))
     fits = check_fits(good)
     assert isinstance(fits["actor"], LayoutEstimate) and fits["actor"].memory.total < 80 * GB
 
