@@ -55,6 +55,7 @@ from typing import Iterable, Optional
 
 from aligner.config import AlignerConfig, ClusterConfig, ModelConfig, ParallelConfig
 from aligner.errors import PlanError
+from aligner.parallel.memory import LayerDims, layer_activation_bytes
 
 GB = 1e9  # bytes per GB (decimal, as GPU vendors quote memory)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -305,27 +306,23 @@ def rmsnorm_bytes_per_token(hidden: int, e: int) -> int:
     return 4 * hidden + 2 * e * hidden + 4
 
 
-def layer_activation_bytes_per_token(model: ModelConfig, e: int, tp: int, sp: bool, recompute: str, seq_len: int) -> float:
-    """Bytes saved for backward per token by one decoder layer (Korthikanti et al. 2022, Table 2, for Llama).
+def training_precision(model: ModelConfig, pc: ParallelConfig, dp: int) -> str:
+    """How a training layout computes (aligner.parallel.memory.PRECISIONS): fp32; bf16 parameters
+    (FSDP2 with dp > 1, DeepSpeed, or a bf16 model dtype); or fp32 parameters under torch.autocast
+    (bf16 mixed precision with DDP or a single dp rank, as aligner.runtime.train_runtime runs it)."""
+    if pc.mixed_precision != "bf16":
+        return "fp32" if DTYPE_BYTES[model.dtype] == 4 else "bf16"
+    if pc.dp_backend == "deepspeed" or (pc.dp_backend == "fsdp2" and dp > 1):
+        return "bf16"
+    return "autocast"
 
-    none: norms 2*(4h + 2eh + 4) [/t with SP] + e*(4q + 4I)/t (q, repeated k and v, output; gate,
-    up, silu, product) + 4a/t (fp32 log-sum-exp). RL and RM batches are unpacked and attention is
-    plain causal (SDPA ``is_causal``), so no [B,1,T,T] mask is saved.
-    selective: the attention core is recomputed, so e*(2q + 2kv) replaces e*4q and the
-    log-sum-exp goes. full: only the layer input, e*h [/t with SP] (the paper's 2sbh).
-    """
-    h, hd = model.hidden_size, model.resolved_head_dim
-    q, kv = model.num_heads * hd, model.num_kv_heads * hd
-    seq_split = tp if sp else 1
-    if recompute == "full":
-        return e * h / seq_split
-    norms = 2 * rmsnorm_bytes_per_token(h, e) / seq_split
-    mlp = 4 * e * model.intermediate_size / tp
-    if recompute == "selective":
-        return norms + e * (2 * q + 2 * kv) / tp + mlp
-    if recompute != "none":
-        raise ValueError(f"recompute={recompute!r}: valid choices are {', '.join(RECOMPUTE_MODES)}")
-    return norms + 4 * e * q / tp + 4 * model.num_heads / tp + mlp
+
+def layer_activation_bytes_per_token(model: ModelConfig, precision: str, tp: int, sp: bool, recompute: str, seq_len: int) -> float:
+    """Bytes saved for backward per token by one decoder layer: :func:`aligner.parallel.memory.layer_activation_bytes`
+    (the one activation-memory model, measured in tests/unit/test_accounting.py) over a [1, seq_len]
+    micro-batch, divided by seq_len. Under autocast it includes the layer's bf16 weight casts spread
+    over the tokens. RL and RM batches are unpacked (plain causal attention, no mask)."""
+    return layer_activation_bytes(LayerDims.of(model, seq_len, 1, tp), precision, sp, recompute) / seq_len
 
 
 def shared_activation_bytes(model: ModelConfig, e: int, batch: int, seq_len: int, recompute: str, first: bool) -> float:
@@ -343,14 +340,17 @@ def head_activation_bytes_per_token(model: ModelConfig, e: int, tp: int, sp: boo
     return norm + (4 * model.vocab_size / tp if kind == "lm" else 4)
 
 
-def train_activation_bytes(model: ModelConfig, kind: str, layout: Layout, e: int, seq_len: int, num_microbatches: int, stage: int) -> float:
-    """Activation bytes on pipeline stage `stage` under 1F1B: min(pp - stage, m) micro-batches in flight."""
+def train_activation_bytes(model: ModelConfig, kind: str, layout: Layout, e: int, seq_len: int, num_microbatches: int, stage: int,
+                           precision: str = "") -> float:
+    """Activation bytes on pipeline stage `stage` under 1F1B: min(pp - stage, m) micro-batches in flight.
+
+    precision: see :func:`training_precision` ("" = fp32 for e = 4, else bf16 parameters).
+    """
     b, pp = layout.micro_batch_size, layout.pp
+    precision = precision or ("fp32" if e == 4 else "bf16")
     in_flight = min(pp - stage, num_microbatches)
-    per_token = layers_on_stage(model.num_layers, pp, stage) * layer_activation_bytes_per_token(
-        model, e, layout.tp, layout.sp, layout.recompute, seq_len
-    )
-    per_mb = per_token * b * seq_len + shared_activation_bytes(model, e, b, seq_len, layout.recompute, stage == 0)
+    layer = layer_activation_bytes(LayerDims.of(model, seq_len, b, layout.tp), precision, layout.sp, layout.recompute)
+    per_mb = layers_on_stage(model.num_layers, pp, stage) * layer + shared_activation_bytes(model, e, b, seq_len, layout.recompute, stage == 0)
     head = head_activation_bytes_per_token(model, e, layout.tp, layout.sp, kind) * b * seq_len if stage == pp - 1 else 0
     return in_flight * per_mb + head
 
@@ -522,7 +522,8 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
             tensors = stage_num_tensors(model, work.kind, layout.pp, stage)
             w, g, o = train_state_bytes(params, tensors, layer_local, work.parallel, model, layout.dp)
             m = work.batch // (layout.dp * layout.micro_batch_size)
-            act = train_activation_bytes(model, work.kind, layout, e, work.seq_len, m, stage)
+            act = train_activation_bytes(model, work.kind, layout, e, work.seq_len, m, stage,
+                                         training_precision(model, work.parallel, layout.dp))
             kv = 0.0
             grad_bytes = max(grad_bytes, params * (4 if work.parallel.mixed_precision == "bf16" else e))
         else:

@@ -68,7 +68,7 @@ def main() -> None:
     args = p.parse_args()
     from _spawn import run_distributed
 
-    from aligner.parallel.memory import LayerDims, korthikanti_bytes, llama_layer_activation_elements
+    from aligner.parallel.memory import LayerDims, korthikanti_bytes, layer_activation_bytes
 
     single = _measure(args, None, False)
     tp = run_distributed(_tp_worker, world_size=2, args=(args,))[0]
@@ -78,7 +78,7 @@ def main() -> None:
     for name, t, sp, res in (("t=1", 1, False, single), ("t=2", 2, False, tp[False]), ("t=2 + SP", 2, True, tp[True])):
         d = LayerDims(s=s, b=b, h=h, a=a, i=i, t=t, kv=args.kv_heads)
         for mode in MODES:
-            adj = 4 * llama_layer_activation_elements(d, sp, mode)
+            adj = layer_activation_bytes(d, "fp32", sp, mode)
             paper = korthikanti_bytes(d, sp, mode)
             print(f"{name:<12}{mode:<11}{res[mode]:>11,}{adj:>11,.0f}{res[mode] / adj:>9.2f}{paper:>11,.0f}{res[mode] / paper:>11.2f}")
     bth = b * s * h

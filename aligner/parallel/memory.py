@@ -6,7 +6,7 @@ Owns: measuring what one decoder layer communicates (:func:`layer_comm`, via
 storage, parameters and layer-shared inputs excluded), and the closed forms they are
 compared with: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", Table 2; :func:`korthikanti_bytes`) and the same derivation redone
-for this model (:func:`llama_layer_activation_elements`).
+for this model (:func:`layer_activation_bytes`, the one activation-memory model: the planner\nuses it, and tests/unit/test_accounting.py checks it against measured saved bytes).
 
 Derivation for our Llama layer (elements saved per layer; s seq, b micro-batch, h hidden,
 a query heads, i SwiGLU width, t tp_size), term by term against the paper's GPT layer:
@@ -51,7 +51,7 @@ from aligner.parallel.tensor_parallel import seq_shards
 @dataclass(frozen=True)
 class LayerDims:
     """Sizes in the formulas: s seq len (tokens), b micro-batch, h hidden, a heads, i SwiGLU width,
-    t tp_size, kv key/value heads (None: a)."""
+    t tp_size, kv key/value heads (None: a), hd head dim (None: h // a)."""
 
     s: int
     b: int
@@ -60,6 +60,13 @@ class LayerDims:
     i: int
     t: int = 1
     kv: int | None = None
+    hd: int | None = None
+
+    @classmethod
+    def of(cls, model, seq_len: int, batch: int = 1, tp: int = 1) -> LayerDims:
+        """The dims of a ModelConfig `model` for a [batch, seq_len] micro-batch on tp ranks."""
+        return cls(s=seq_len, b=batch, h=model.hidden_size, a=model.num_heads, i=model.intermediate_size, t=tp,
+                   kv=model.num_kv_heads, hd=model.resolved_head_dim)
 
 
 def korthikanti_bytes(d: LayerDims, sequence_parallel: bool = False, recompute: str = "none") -> float:
@@ -78,25 +85,71 @@ def korthikanti_bytes(d: LayerDims, sequence_parallel: bool = False, recompute: 
     return sbh * (10 + 24 / t + attn / t)
 
 
-def llama_layer_activation_elements(d: LayerDims, sequence_parallel: bool = False, recompute: str = "none", mask: bool = False) -> float:
-    """Elements one decoder layer of this model saves for backward (derivation in the module docstring).
+PRECISIONS = ("fp32", "bf16", "autocast")
 
-    mask: include the additive float attention mask b*s^2 that SDPA builds from a boolean mask;
-    only packed batches (segment_ids) have one: plain causal attention passes no mask.
+
+def layer_activation_bytes(
+    d: LayerDims, precision: str = "fp32", sequence_parallel: bool = False, recompute: str = "none", mask: bool = False
+) -> float:
+    """Bytes one decoder layer saves for backward on one [b, s] micro-batch: the activation-memory
+    model of aligner (the planner's, and the one the accounting tests measure).
+
+    precision: how the layer computes.
+        fp32      fp32 parameters and activations (element size e = 4).
+        bf16      bf16 parameters and activations (e = 2): FSDP2's and DeepSpeed's bf16 mixed
+                  precision. RMSNorm still keeps its statistics and normalized input in fp32.
+        autocast  fp32 parameters under ``torch.autocast(bfloat16)`` (DDP, or one dp rank): the
+                  residual stream and the norms stay fp32; each linear saves its own bf16 cast of
+                  its input (three casts of the shared q/k/v input, two of the gate/up input) and
+                  of its weight (autocast's weight-cast cache: 2 bytes per layer parameter, per
+                  micro-batch in flight); post-RoPE q and k are fp32 (fp32 cos/sin).
+    sequence_parallel, recompute (none | selective | full), mask (a packed batch's additive
+    b*s^2 mask, "none" only): as in the module docstring; t = d.t.
+    Raises ValueError: an unknown precision or recompute mode.
+
+    Per token (elements x bytes), t-sharded terms / t, replicated terms / t only with SP:
+        norms      2 (4h + 2eh + 4) [fp32, bf16]; 2 (8h + 4) + 10 * 2h casts [autocast]
+        attention  q, k, v (k, v repeated to a heads) 3 e q + output e q + fp32 log-sum-exp 4a;
+                   selective keeps the core's inputs instead (e q + 2 e kv; autocast 4q + 6kv)
+                   and the output, and drops the log-sum-exp and the mask
+        SwiGLU     gate, up, silu(gate), product: 4 e i
+        full       only the layer input: e h (4h under autocast)
     """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: valid choices are {', '.join(PRECISIONS)}")
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r}: valid choices are none, selective, full")
     s, b, h, a, i, t = d.s, d.b, d.h, d.a, d.i, d.t
-    sbh = s * b * h
+    hd = d.hd or h // a
+    tokens = s * b
+    split = t if sequence_parallel else 1
+    auto = precision == "autocast"
+    e = 4 if precision == "fp32" else 2
     if recompute == "full":
-        return sbh / (t if sequence_parallel else 1)
-    core = 0 if recompute == "selective" else a * s * b  # logsumexp
-    mask_elems = b * s * s if (mask and recompute != "selective") else 0
-    kv = max(d.kv or a, t)  # kv heads replicated when fewer than t: each rank holds one
-    qkv = sbh * (1 + 2 * kv / a) if recompute == "selective" else 3 * sbh  # k, v repeated to a heads outside a checkpoint
-    sharded = qkv + sbh * (1 + 4 * i / h) + core  # q, k, v, attention output; SwiGLU
-    replicated = sbh * 6 + 2 * s * b  # 2 norms (input + normalized, rsqrt), QKV and MLP inputs
-    if sequence_parallel:
-        return (sharded + replicated) / t + mask_elems
-    return replicated + sharded / t + mask_elems
+        return tokens * (4 if auto else e) * h / split
+    q = a * hd
+    kv = max(d.kv or a, t) * hd  # kv heads replicated when fewer than t: each rank holds one
+    if auto:
+        # fp32 input + fp32 normalized + rsqrt per norm; bf16 input casts: one per linear without SP,
+        # with SP the local fp32 shard once per linear group (re-gathered in backward)
+        replicated = 2 * (8 * h + 4) + (2 * 4 * h if sequence_parallel else 5 * 2 * h)
+        if recompute == "selective":
+            attn = 4 * q + 4 * kv + 2 * kv + 2 * q  # fp32 post-RoPE q, k; bf16 v; bf16 output
+        else:
+            attn = 3 * 2 * q + 2 * q + 4 * a
+        sharded = attn + 4 * 2 * i
+        weights = 2 * ((2 * q + 2 * (max(d.kv or a, t) * hd)) * h + 3 * h * i) / t  # bf16 casts of q, k, v, o, gate, up, down
+        body = tokens * ((replicated / split) + sharded / t) + weights
+    else:
+        replicated = 2 * (4 * h + 2 * e * h + 4)
+        if recompute == "selective":
+            attn = e * (q + 2 * kv) + e * q
+        else:
+            attn = 3 * e * q + e * q + 4 * a
+        sharded = attn + 4 * e * i
+        body = tokens * (replicated / split + sharded / t)
+    mask_bytes = e * b * s * s if (mask and recompute == "none") else 0
+    return body + mask_bytes
 
 
 def _storage_key(t: torch.Tensor) -> int:

@@ -190,7 +190,7 @@ def tp_battery(rank: int, world_size: int) -> dict:
 
     # collectives per layer forward: 2 all-reduces of B*T*H (no SP), or all-gather +
     # reduce-scatter of the same volume (SP); and saved bytes vs the adjusted formula
-    from aligner.parallel.memory import LayerDims, layer_comm, layer_saved_bytes, llama_layer_activation_elements
+    from aligner.parallel.memory import LayerDims, layer_activation_bytes, layer_comm, layer_saved_bytes
     from aligner.parallel.parallelize import apply_recompute
 
     out["memory"] = {}
@@ -203,7 +203,7 @@ def tp_battery(rank: int, world_size: int) -> dict:
             m = apply_tensor_parallel(build_model(cfg, seed=0), dims.tp_group, sequence_parallel=sp)
             for mode in ("none", "selective", "full"):
                 apply_recompute(m, mode)
-                formula = 4 * llama_layer_activation_elements(LayerDims(s=32, b=2, h=64, a=4, i=160, t=2, kv=kv), sp, mode)
+                formula = layer_activation_bytes(LayerDims(s=32, b=2, h=64, a=4, i=160, t=2, kv=kv), "fp32", sp, mode)
                 out["memory"][(kv, sp, mode)] = (layer_saved_bytes(m, 2, 32), formula)
     return out
 

@@ -1,29 +1,48 @@
 """Activation-memory accounting of one decoder layer (single process): measured saved bytes
-equal the Llama-adjusted Korthikanti et al. 2022 formula (aligner.parallel.memory),
-for each recomputation mode, MHA and GQA. TP / SP cases run in
-tests/distributed/test_tensor_parallel.py (same formula with t = 2)."""
+equal aligner's one activation-memory model (aligner.parallel.memory.layer_activation_bytes, the
+formula the planner uses) for each recomputation mode, MHA, GQA and MQA, and each way a layer
+computes (fp32; bf16 parameters as under FSDP2; fp32 parameters under torch.autocast as under DDP).
+TP / SP cases run in tests/distributed/test_tensor_parallel.py (same formula with t = 2)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from aligner.config import ModelConfig
 from aligner.model.llama import build_model
-from aligner.parallel.memory import LayerDims, korthikanti_bytes, layer_comm, layer_saved_bytes, llama_layer_activation_elements
+from aligner.parallel.memory import LayerDims, korthikanti_bytes, layer_activation_bytes, layer_comm, layer_saved_bytes
 from aligner.parallel.parallelize import apply_recompute
+from aligner.planner import layer_activation_bytes_per_token, training_precision
 
 S, BATCH, H, A, I = 32, 2, 64, 4, 160
 
 
-@pytest.mark.parametrize("kv", [4, 2])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "autocast"])
+@pytest.mark.parametrize("kv", [4, 2, 1])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-def test_layer_saved_bytes_match_adjusted_formula(kv, recompute):
+def test_layer_saved_bytes_equal_the_memory_model(kv, recompute, precision):
     cfg = ModelConfig(vocab_size=64, hidden_size=H, intermediate_size=I, num_layers=1, num_heads=A, num_kv_heads=kv, max_seq_len=S)
     model = build_model(cfg, seed=0)
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
     apply_recompute(model, recompute)
-    measured = layer_saved_bytes(model, BATCH, S)
-    adjusted = 4 * llama_layer_activation_elements(LayerDims(s=S, b=BATCH, h=H, a=A, i=I, kv=kv), recompute=recompute)
-    assert measured == adjusted, (measured, adjusted)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+        measured = layer_saved_bytes(model, BATCH, S)
+    assert measured == layer_activation_bytes(LayerDims.of(cfg, S, BATCH), precision, recompute=recompute)
+    # the planner's per-token figure is the same model
+    per_token = layer_activation_bytes_per_token(cfg, precision, 1, False, recompute, S)
+    assert per_token * S == pytest.approx(layer_activation_bytes(LayerDims.of(cfg, S, 1), precision, recompute=recompute))
+
+
+def test_the_planner_picks_the_precision_the_runtime_computes_in():
+    from aligner.config import ParallelConfig
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=H, intermediate_size=I, num_layers=1, num_heads=A, max_seq_len=S)
+    assert training_precision(cfg, ParallelConfig(), 2) == "fp32"
+    assert training_precision(cfg, ParallelConfig(mixed_precision="bf16", dp_backend="fsdp2"), 2) == "bf16"
+    assert training_precision(cfg, ParallelConfig(mixed_precision="bf16", dp_backend="fsdp2"), 1) == "autocast"
+    assert training_precision(cfg, ParallelConfig(mixed_precision="bf16", dp_backend="ddp"), 4) == "autocast"
 
 
 def test_recomputation_orders_memory():

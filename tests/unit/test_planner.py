@@ -130,7 +130,7 @@ def test_activation_estimate_within_20_percent_of_saved_tensors(recompute):
 
 def test_activation_formula_orders_and_splits():
     m, e, s = ModelConfig(**LLAMA2["70b"], max_seq_len=4096), 2, 2048
-    f = lambda tp, sp, rc: layer_activation_bytes_per_token(m, e, tp, sp, rc, s)  # noqa: E731
+    f = lambda tp, sp, rc: layer_activation_bytes_per_token(m, "bf16", tp, sp, rc, s)  # noqa: E731
     assert f(1, False, "none") > f(1, False, "selective") > f(1, False, "full")
     # SP divides everything TP leaves replicated, so TP+SP is exactly the unsharded layer over t
     # for the selective mode (no replicated mask term): Korthikanti Table 2, rows 3 vs 1.
