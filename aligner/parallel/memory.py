@@ -6,7 +6,8 @@ Owns: measuring what one decoder layer communicates (:func:`layer_comm`, via
 storage, parameters and layer-shared inputs excluded), and the closed forms they are
 compared with: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", Table 2; :func:`korthikanti_bytes`) and the same derivation redone
-for this model (:func:`layer_activation_bytes`, the one activation-memory model: the planner\nuses it, and tests/unit/test_accounting.py checks it against measured saved bytes).
+for this model (:func:`layer_activation_bytes`, the one activation-memory model: the planner
+uses it, and tests/unit/test_accounting.py checks it against measured saved bytes).
 
 Derivation for our Llama layer (elements saved per layer; s seq, b micro-batch, h hidden,
 a query heads, i SwiGLU width, t tp_size), term by term against the paper's GPT layer:
