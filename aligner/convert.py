@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 from aligner.cli import setup_logging
 from aligner.errors import UserError
+from aligner.model.hf import FAMILY, atomic_dir
 
 USAGE = "usage: python -m aligner.convert MODEL.gguf OUT_DIR"
 log = logging.getLogger("aligner")
@@ -58,7 +59,6 @@ def convert_gguf(path: str | Path, out_dir: str | Path) -> Path:
     file, an architecture outside the Llama family aligner implements (aligner.model.hf
     FAMILY), or a quantization the loader cannot dequantize; nothing is written then.
     """
-    from aligner.model.hf import FAMILY, atomic_dir
 
     path = Path(path)
     arch = gguf_architecture(path)

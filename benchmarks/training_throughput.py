@@ -3,7 +3,7 @@
 What is measured: wall time of one training step (forward, next-token NLL, backward, AdamW
 step) on the same config, same weights (aligner's parameter names equal HF's, so HF gets our
 state dict with a strict load), same batch of random tokens. aligner runs through its real
-training path: :class:`aligner.actor.policy.Policy` ``sft_step`` (TrainEngine + ModelRunner +
+training path: :class:`aligner.actor.policy.Policy` ``sft_step`` (TrainRuntime + ModelRunner +
 vocab-parallel log-probs, single process, fp32 on CPU); HF runs ``model(input_ids,
 labels=...)`` + ``loss.backward()`` + ``torch.optim.AdamW.step()`` in a child process (each side
 has its own heap, as in the TRL benchmarks; both with the environment of aligner's CPU workers,
@@ -125,7 +125,7 @@ def gpu_mfu(args) -> None:
     mc = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=32,
                      num_kv_heads=4, max_seq_len=args.seq, dtype="float32")
     pol = policy(mc, ParallelConfig(mixed_precision="bf16"))
-    assert pol.engine.device.type == "cuda", pol.engine.device
+    assert pol.runtime.device.type == "cuda", pol.runtime.device
     ids = torch.randint(4, mc.vocab_size, (args.batch, args.seq))
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
     for _ in range(2):

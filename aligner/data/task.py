@@ -99,7 +99,7 @@ def mistake_breakdown(prompts: list[str], responses: list[str]) -> dict[str, flo
         c[1] += response.strip() == str(a + b)
         c[2] += has_carry(a, b) and response.strip() == forget_carry(a, b)
     out = {}
-    for group, (n, ok, dropped) in (("carry", carry[True]), ("no_carry", carry[False])):
+    for group, (n, ok, _dropped) in (("carry", carry[True]), ("no_carry", carry[False])):
         if n:
             out[f"accuracy_{group}"] = ok / n
     if carry[True][0]:

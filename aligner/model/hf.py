@@ -25,6 +25,7 @@ import torch
 
 from aligner.config import ModelConfig, RopeScalingConfig
 from aligner.errors import CheckpointError
+from aligner.model.llama import build_model
 
 ARCH = {"lm": "ForCausalLM", "score": "ForSequenceClassification"}
 FAMILY = {"llama": "Llama", "qwen2": "Qwen2"}
@@ -200,7 +201,6 @@ def load_hf_model(model_dir: str | os.PathLike, kind: str = "lm", dtype: Optiona
     A causal-LM checkpoint loaded as kind="score" keeps the trunk and starts the score head at zero
     (a critic or RM initialized from a policy, as in Ouyang et al. 2022).
     """
-    from aligner.model.llama import build_model
 
     cfg = model_config_from_hf(read_hf_config(model_dir), source=str(Path(model_dir) / "config.json"))
     model = build_model(cfg, kind=kind, seed=0)

@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from aligner.nn import comm
-from aligner.nn.layers import ParallelLayer
+from aligner.nn.layers import ColumnParallelLinear, ParallelLayer, RMSNorm, RowParallelLinear
+from aligner.parallel.tensor_parallel import all_reduce_grad_pieces
 
 DP_BACKENDS = ("fsdp2", "ddp", "deepspeed")
 MIXED_PRECISION = ("fp32", "bf16")
@@ -262,11 +263,9 @@ def sync_tp_grads_local(model: nn.Module, tp_group, dp_rank: int = 0, dp_size: i
     full rows this dp shard covers (``row_index.chunk(dp_size)[dp_rank]``). Reductions commute
     with FSDP's dp reduce-scatter, so the result equals the unsharded sync.
     """
-    from aligner.nn.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 
     if comm.group_size(tp_group) == 1:
         return
-    from aligner.parallel.tensor_parallel import all_reduce_grad_pieces
 
     items: list[tuple] = []
     for m in model.modules():

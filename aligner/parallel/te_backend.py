@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from aligner.model.llama import apply_rope
 from aligner.nn import comm
 
 INSTALL_HINT = "model.backend=te needs Transformer Engine on an NVIDIA GPU: pip install 'aligner[te]' (transformer-engine[pytorch])"
@@ -112,7 +113,6 @@ class TEDecoderLayer(nn.Module):
         self.down_proj = te.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, parallel_mode="row", **common)
 
     def forward(self, h, cos, sin, mask, kv_cache=None, cache_positions=None):
-        from aligner.model.llama import apply_rope
 
         if kv_cache is not None:
             raise ValueError("the te backend is for training; generate with the torch backend (rollout engines)")

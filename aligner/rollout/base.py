@@ -21,6 +21,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from aligner.algorithms import rollout_mismatch_metrics
+
 
 @dataclass
 class Generation:
@@ -132,6 +134,5 @@ def mismatch_metrics(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tenso
     keyed "log_probs_abs_diff_mean", "log_probs_abs_diff_max", "ratio_out_of_range_frac"
     (computed by :func:`aligner.algorithms.rollout_mismatch_metrics`).
     """
-    from aligner.algorithms import rollout_mismatch_metrics
 
     return {k: float(v) for k, v in rollout_mismatch_metrics(rollout_log_probs, old_log_probs, response_mask).items()}

@@ -32,8 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from aligner.model.llama import build_model
 from aligner.nn import comm
 from aligner.nn.layers import ParallelLayer
+from aligner.parallel.dims import ParallelDims
 from aligner.rollout.base import RolloutEngine
 
 
@@ -83,7 +85,6 @@ def _gather_tp(module: nn.Module, pname: str, local: torch.Tensor, tp_group) -> 
 
 def _full_shapes(model: nn.Module) -> dict[str, torch.Size]:
     """HF name -> full (unsharded, unpruned) shape, from a meta-device copy of the whole model."""
-    from aligner.model.llama import build_model
 
     meta = build_model(model.cfg, device="meta")
     return {n: p.shape for n, p in meta.named_parameters(remove_duplicate=False)}
@@ -187,7 +188,6 @@ def rollout_dims(world_size: int, rank: int, tp_infer: int, pp_infer: int):
     Collective (creates process groups): every rank must call it. With pp_train = 2,
     pp_infer = 1 and tp_infer = tp_train the freed stage groups become extra replicas.
     """
-    from aligner.parallel.dims import ParallelDims
 
     dp = dp_infer_size(world_size, tp_infer, pp_infer)
     return ParallelDims(tp_size=tp_infer, pp_size=pp_infer, dp_size=dp, world_size=world_size, rank=rank).build()

@@ -56,6 +56,7 @@ from aligner.model.llama import KVCache, build_model
 from aligner.nn import comm
 from aligner.nn.layers import ColumnParallelLinear, ParallelLayer, RMSNorm, RowParallelLinear, pack_linears, unpack_linears
 from aligner.rollout.base import Generation, RolloutEngine, check_prompts, check_sampling
+from aligner.runtime.host import keep_freed_host_memory
 
 
 class TorchEngine(RolloutEngine):
@@ -106,7 +107,6 @@ class TorchEngine(RolloutEngine):
         self._calls = 0
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         if self.device.type == "cpu":
-            from aligner.runtime.host import keep_freed_host_memory
 
             keep_freed_host_memory()
         if fused_decode is None:

@@ -1,4 +1,4 @@
-"""Resharding checkpoints of a TrainEngine (torch.distributed.checkpoint) and gather-to-HF export.
+"""Resharding checkpoints of a TrainRuntime (torch.distributed.checkpoint) and gather-to-HF export.
 
 Owns:
 
@@ -25,7 +25,7 @@ Owns:
   DTensors, TP shards, PP stages, ZeRO-3 partitions); :func:`export_hf` writes it with
   :func:`aligner.model.hf.save_hf` (safetensors + config.json) from global rank 0.
 
-Simplification: DeepSpeed engines checkpoint with DeepSpeed's own ``save_checkpoint`` (ZeRO
+Simplification: DeepSpeed runtimes checkpoint with DeepSpeed's own ``save_checkpoint`` (ZeRO
 partitions, reloadable at the same dp size only); export to HF works for them from any stage.
 """
 
@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from aligner.model.hf import save_hf
 from aligner.nn import comm
 from aligner.nn.layers import ParallelLayer
 
@@ -115,12 +116,12 @@ def _dp_rows(n: int, dp_size: int, dp_rank: int) -> slice:
 
 
 class _Layout:
-    """How one engine's tensors map to global tensors (built per save/load)."""
+    """How one runtime's tensors map to global tensors (built per save/load)."""
 
-    def __init__(self, engine):
-        self.engine = engine
-        self.dims = engine.dims
-        self.fsdp = engine.fsdp
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.dims = runtime.dims
+        self.fsdp = runtime.fsdp
         self.mesh = _stage_mesh(self.dims) if _distributed() else None
 
     def placements(self, dim: Optional[int]):
@@ -184,38 +185,38 @@ class _Layout:
 
 
 # ---- state dicts ------------------------------------------------------------------------
-def _adam_state(engine, p: torch.Tensor) -> dict:
-    return engine.optimizer.state.get(p, {})
+def _adam_state(runtime, p: torch.Tensor) -> dict:
+    return runtime.optimizer.state.get(p, {})
 
 
-def sharded_state_dict(engine) -> dict[str, Any]:
+def sharded_state_dict(runtime) -> dict[str, Any]:
     """{"model": {hf_name: global-view tensor}, "optim": {hf_name: {exp_avg, exp_avg_sq, step}}, "step"}.
 
     Collective when GQA-replicated rows exist (they are gathered). Parameters without Adam
     state yet (no step taken) save zero moments and step 0.
     """
-    lay = _Layout(engine)
+    lay = _Layout(runtime)
     model, optim = {}, {}
-    for name, owner, pname, p in _unique_params(engine.module):
+    for name, owner, pname, p in _unique_params(runtime.module):
         model[name] = lay.to_global(p, p, owner, pname)
-        st = _adam_state(engine, p)
+        st = _adam_state(runtime, p)
         zeros = torch.zeros_like(p) if not st else None
         optim[name] = {
             "exp_avg": lay.to_global(st.get("exp_avg", zeros), p, owner, pname),
             "exp_avg_sq": lay.to_global(st.get("exp_avg_sq", zeros), p, owner, pname),
             "step": torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).detach().clone().cpu(),
         }
-    return {"model": model, "optim": optim, "step": torch.tensor(engine.step_count, dtype=torch.int64)}
+    return {"model": model, "optim": optim, "step": torch.tensor(runtime.step_count, dtype=torch.int64)}
 
 
-def _meta(engine, extra: Optional[dict]) -> dict:
-    d = engine.dims
+def _meta(runtime, extra: Optional[dict]) -> dict:
+    d = runtime.dims
     return {
         "format": "aligner-dcp-v1",
-        "step": engine.step_count,
-        "kind": engine.kind,
-        "layout": {"tp_size": d.tp_size, "pp_size": d.pp_size, "dp_size": d.dp_size, "dp_backend": engine.backend},
-        "model": dataclasses.asdict(engine.model_cfg),
+        "step": runtime.step_count,
+        "kind": runtime.kind,
+        "layout": {"tp_size": d.tp_size, "pp_size": d.pp_size, "dp_size": d.dp_size, "dp_backend": runtime.backend},
+        "model": dataclasses.asdict(runtime.model_cfg),
         "extra": extra or {},
     }
 
@@ -233,43 +234,43 @@ def _commit(tmp: str, final: str) -> None:
     _barrier()
 
 
-def save_checkpoint(engine, ckpt_dir: str, extra: Optional[dict] = None) -> str:
-    """Save `engine`'s model, optimizer and step to `ckpt_dir` (atomically). Collective; returns ckpt_dir.
+def save_checkpoint(runtime, ckpt_dir: str, extra: Optional[dict] = None) -> str:
+    """Save `runtime`'s model, optimizer and step to `ckpt_dir` (atomically). Collective; returns ckpt_dir.
 
-    DeepSpeed engines use DeepSpeed's ``save_checkpoint`` under the same atomic rename.
+    DeepSpeed runtimes use DeepSpeed's ``save_checkpoint`` under the same atomic rename.
     """
     import torch.distributed.checkpoint as dcp
 
-    if engine.model_cfg.backend == "te":
+    if runtime.model_cfg.backend == "te":
         raise ValueError(
             "model.backend=te: resharding checkpoints of TE layers are not implemented; "
             "export weights with te_backend.te_layer_to_hf or checkpoint with model.backend=torch"
         )
-    _check_finite(engine)
+    _check_finite(runtime)
     ckpt_dir = os.path.abspath(ckpt_dir)
     tmp = ckpt_dir.rstrip("/") + ".tmp"
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    if engine.backend == "deepspeed":
-        engine.model.save_checkpoint(tmp, tag="ds", client_state={"step": engine.step_count})
+    if runtime.backend == "deepspeed":
+        runtime.model.save_checkpoint(tmp, tag="ds", client_state={"step": runtime.step_count})
     else:
-        dcp.save(sharded_state_dict(engine), checkpoint_id=tmp, no_dist=not _distributed())
+        dcp.save(sharded_state_dict(runtime), checkpoint_id=tmp, no_dist=not _distributed())
     if _rank() == 0:
         with open(os.path.join(tmp, META_FILE), "w") as f:
-            json.dump(_meta(engine, extra), f, indent=2)
+            json.dump(_meta(runtime, extra), f, indent=2)
     _commit(tmp, ckpt_dir)
     return ckpt_dir
 
 
-def _check_finite(engine) -> None:
+def _check_finite(runtime) -> None:
     """Refuse to checkpoint non-finite weights (collective: every rank learns if any rank has them)."""
     import torch
     import torch.distributed as dist
 
     bad = torch.tensor(0.0)
-    for name, p in engine.module.named_parameters():
+    for p in runtime.module.parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
         if local.is_floating_point() and not torch.isfinite(local.detach()).all():
             bad += 1
@@ -289,25 +290,25 @@ def read_meta(ckpt_dir: str) -> dict:
         return json.load(f)
 
 
-def _check_compatible(engine, meta: dict, ckpt_dir: str) -> None:
+def _check_compatible(runtime, meta: dict, ckpt_dir: str) -> None:
     saved = meta.get("model", {})
-    mine = dataclasses.asdict(engine.model_cfg)
+    mine = dataclasses.asdict(runtime.model_cfg)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "tie_word_embeddings"):
         if key in saved and saved[key] != mine[key]:
             raise ValueError(f"checkpoint {ckpt_dir!r} has model.{key}={saved[key]} but this model has {mine[key]}: load it with the same model config")
-    if meta.get("kind", engine.kind) != engine.kind:
-        raise ValueError(f"checkpoint {ckpt_dir!r} holds a kind={meta['kind']!r} model, not {engine.kind!r}")
+    if meta.get("kind", runtime.kind) != runtime.kind:
+        raise ValueError(f"checkpoint {ckpt_dir!r} holds a kind={meta['kind']!r} model, not {runtime.kind!r}")
     saved_ds = meta["layout"]["dp_backend"] == "deepspeed"
-    if saved_ds != (engine.backend == "deepspeed"):
+    if saved_ds != (runtime.backend == "deepspeed"):
         raise ValueError(
             f"checkpoint {ckpt_dir!r} was saved with dp_backend={meta['layout']['dp_backend']} and cannot load into "
-            f"dp_backend={engine.backend}: DeepSpeed checkpoints load only into DeepSpeed engines (export to HF instead)"
+            f"dp_backend={runtime.backend}: DeepSpeed checkpoints load only into DeepSpeed runtimes (export to HF instead)"
         )
 
 
 @torch.no_grad()
-def load_checkpoint(engine, ckpt_dir: str) -> dict:
-    """Load a checkpoint saved under any tp/pp/dp layout into `engine` (collective); returns meta.
+def load_checkpoint(runtime, ckpt_dir: str) -> dict:
+    """Load a checkpoint saved under any tp/pp/dp layout into `runtime` (collective); returns meta.
 
     Parameters and Adam moments are copied into this rank's shards; the step counter and LR
     schedule resume from the saved step. Raises ValueError for a missing/incomplete
@@ -316,16 +317,16 @@ def load_checkpoint(engine, ckpt_dir: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
     meta = read_meta(ckpt_dir)
-    _check_compatible(engine, meta, ckpt_dir)
-    if engine.backend == "deepspeed":
-        engine.model.load_checkpoint(ckpt_dir, tag="ds")
-        engine.set_step(int(meta["step"]))
+    _check_compatible(runtime, meta, ckpt_dir)
+    if runtime.backend == "deepspeed":
+        runtime.model.load_checkpoint(ckpt_dir, tag="ds")
+        runtime.set_step(int(meta["step"]))
         return meta
-    lay = _Layout(engine)
+    lay = _Layout(runtime)
     saved = set(dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata)
     sd: dict[str, Any] = {"model": {}, "optim": {}, "step": torch.zeros((), dtype=torch.int64)}
     finish = []
-    for name, owner, pname, p in _unique_params(engine.module):
+    for name, owner, pname, p in _unique_params(runtime.module):
         key = name if f"model.{name}" in saved else _TIED.get(name, name)  # tied lm_head saved once at pp=1
         if f"model.{key}" not in saved:
             raise ValueError(f"checkpoint {ckpt_dir!r} has no tensor for parameter {name!r}: it was saved from a different model")
@@ -342,13 +343,13 @@ def load_checkpoint(engine, ckpt_dir: str) -> dict:
         _local(p).copy_(bufs["param"][1]())
         step = sd["optim"][name]["step"]
         if float(step) > 0:
-            st = engine.optimizer.state[p]
+            st = runtime.optimizer.state[p]
             st["step"] = step.clone()
             for key in ("exp_avg", "exp_avg_sq"):
                 t = torch.zeros_like(p)
                 _local(t).copy_(bufs[key][1]())
                 st[key] = t
-    engine.set_step(int(sd["step"]))
+    runtime.set_step(int(sd["step"]))
     return meta
 
 
@@ -370,7 +371,7 @@ def _pp_walk(stage: dict[str, torch.Tensor], pp_group) -> dict[str, torch.Tensor
 
 
 @torch.no_grad()
-def gather_full_state_dict_any(engine) -> dict[str, torch.Tensor]:
+def gather_full_state_dict_any(runtime) -> dict[str, torch.Tensor]:
     """Every HF-named full parameter on every rank, from any layout (collective over the role).
 
     FSDP2 / TP shards are gathered through their DTensor global view, PP stages broadcast in
@@ -378,27 +379,27 @@ def gather_full_state_dict_any(engine) -> dict[str, torch.Tensor]:
     the parameters' own (fp32 master weights for FSDP2/DDP; DeepSpeed bf16 keeps bf16 module
     weights). Tied embeddings appear under both names.
     """
-    if engine.backend == "deepspeed":
-        return _gather_deepspeed(engine)
-    lay = _Layout(engine)
+    if runtime.backend == "deepspeed":
+        return _gather_deepspeed(runtime)
+    lay = _Layout(runtime)
     stage = {}
-    for name, owner, pname, p in _unique_params(engine.module):
+    for name, owner, pname, p in _unique_params(runtime.module):
         g = lay.to_global(p, p, owner, pname)
         stage[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
-    out = _pp_walk(stage, engine.dims.pp_group)
-    for name, t in engine.module.state_dict(keep_vars=True).items():
+    out = _pp_walk(stage, runtime.dims.pp_group)
+    for name in runtime.module.state_dict(keep_vars=True):
         if name not in out and name.endswith("weight"):
             tied = {"lm_head.weight": "model.embed_tokens.weight"}.get(name)
             if tied in out:
                 out[name] = out[tied]
-    if engine.model_cfg.tie_word_embeddings and "model.embed_tokens.weight" in out:
+    if runtime.model_cfg.tie_word_embeddings and "model.embed_tokens.weight" in out:
         out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
     return out
 
 
-def _gather_deepspeed(engine) -> dict[str, torch.Tensor]:
-    params = dict(engine.module.named_parameters())
-    if engine.parallel.zero_stage == 3:
+def _gather_deepspeed(runtime) -> dict[str, torch.Tensor]:
+    params = dict(runtime.module.named_parameters())
+    if runtime.parallel.zero_stage == 3:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
@@ -406,17 +407,16 @@ def _gather_deepspeed(engine) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in params.items()}
 
 
-def export_hf(engine, out_dir: str, tokenizer=None) -> Optional[str]:
+def export_hf(runtime, out_dir: str, tokenizer=None) -> Optional[str]:
     """Write an HF model dir (config.json + safetensors) from any layout; returns the path on rank 0.
 
     Collective (every rank gathers); global rank 0 writes through ``aligner.model.hf.save_hf``
     (atomic). Other ranks return None.
     """
-    from aligner.model.hf import save_hf
 
-    full = gather_full_state_dict_any(engine)
+    full = gather_full_state_dict_any(runtime)
     path = None
     if _rank() == 0:
-        path = str(save_hf(full, engine.model_cfg, out_dir, kind=engine.kind, tokenizer=tokenizer))
+        path = str(save_hf(full, runtime.model_cfg, out_dir, kind=runtime.kind, tokenizer=tokenizer))
     _barrier()
     return path

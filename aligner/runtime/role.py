@@ -1,9 +1,9 @@
 """RoleModel: the Ray-free base of every model-hosting role (policy, reference, critic, reward).
 
 Owns: resolving a role's initial weights (an HF model dir, or an aligner run dir whose
-``hf/`` export is used), building its TrainEngine on the role's layout, the ModelRunner
+``hf/`` export is used), building its TrainRuntime on the role's layout, the ModelRunner
 over it, the global loss normalizer across dp, HF export of the gathered weights, and
-checkpoint save/load of model + optimizer (resharding, via the engine).
+checkpoint save/load of model + optimizer (resharding, via the runtime).
 
 The model dimensions come from the init checkpoint's config.json when there is one
 (a critic or RM may differ from the policy), else from ``cfg.model``.
@@ -19,9 +19,14 @@ from typing import Optional
 
 import torch
 
-from aligner.config import ModelConfig, OptimConfig, ParallelConfig
+from aligner.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
+from aligner.data.tokenizer import load_tokenizer
+from aligner.model.hf import load_hf_model, read_hf_config, save_hf
+from aligner.model.llama import build_model
 from aligner.parallel.dims import ParallelDims
+from aligner.parallel.tensor_parallel import vocab_start
 from aligner.runtime.runner import ModelRunner, dp_sum, global_normalizer
+from aligner.runtime.train_runtime import TrainRuntime
 
 log = logging.getLogger("aligner")
 
@@ -43,8 +48,6 @@ def resolve_init(path: str) -> Optional[Path]:
 def check_tokenizer_fits(n_tokens: int, init: str, model_cfg: ModelConfig, role: str) -> None:
     """The tokenizer's `n_tokens` must fit the role's vocabulary: the init checkpoint's config.json
     vocab_size when `init` is given, else model.vocab_size. Raises ConfigError naming the field and the fix."""
-    from aligner.config import ConfigError
-    from aligner.model.hf import read_hf_config
 
     hf_dir = resolve_init(init)
     vocab = int(read_hf_config(hf_dir)["vocab_size"]) if hf_dir else model_cfg.vocab_size
@@ -56,8 +59,6 @@ def check_tokenizer_fits(n_tokens: int, init: str, model_cfg: ModelConfig, role:
 
 def load_initial_model(init: str, model_cfg: ModelConfig, kind: str, seed: int):
     """(full unsharded model, ModelConfig) from `init`, or a seeded random model of `model_cfg`."""
-    from aligner.model.hf import load_hf_model
-    from aligner.model.llama import build_model
 
     hf_dir = resolve_init(init)
     if hf_dir is None:
@@ -78,14 +79,12 @@ class RoleModel:
 
     def __init__(self, model_cfg: ModelConfig, kind: str, parallel: ParallelConfig, optim: OptimConfig,
                  dims: ParallelDims, total_steps: int = 1, init: str = "", seed: int = 0):
-        from aligner.parallel.tensor_parallel import vocab_start
-        from aligner.runtime.train_runtime import TrainEngine
 
         full, self.model_cfg = load_initial_model(init, model_cfg, kind, seed)
         self.kind, self.dims, self.parallel = kind, dims, parallel
-        self.engine = TrainEngine(self.model_cfg, kind, parallel, optim, dims, max(1, total_steps), seed=seed, model=full)
-        self.runner = ModelRunner(self.engine, dims)
-        self.vocab_start = vocab_start(self.engine.module) if kind == "lm" else 0
+        self.runtime = TrainRuntime(self.model_cfg, kind, parallel, optim, dims, max(1, total_steps), seed=seed, model=full)
+        self.runner = ModelRunner(self.runtime, dims)
+        self.vocab_start = vocab_start(self.runtime.module) if kind == "lm" else 0
 
     @property
     def tp_group(self):
@@ -102,19 +101,17 @@ class RoleModel:
     # ---- weights ------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every HF-named full tensor (collective over the role; same result on every rank)."""
-        return self.engine.full_state_dict()
+        return self.runtime.full_state_dict()
 
     def export_hf(self, out_dir: str, tokenizer_path: str = "", extra_files: Optional[dict[str, dict]] = None) -> Optional[str]:
         """Write the gathered weights as an HF dir (rank 0 writes; collective), with the tokenizer at
         `tokenizer_path` saved beside them when given. Returns the path on rank 0, None elsewhere."""
-        from aligner.model.hf import save_hf
 
         sd = self.full_state_dict()
         if self.dims.rank != 0:
             return None
         tok = None
         if tokenizer_path:
-            from aligner.data.tokenizer import load_tokenizer
 
             tok = load_tokenizer(tokenizer_path)
         path = save_hf(sd, self.model_cfg, out_dir, kind=self.kind, tokenizer=tok)
@@ -126,8 +123,8 @@ class RoleModel:
 
     def save(self, ckpt_dir: str) -> None:
         """Model + optimizer + schedule of this role into `ckpt_dir` (collective)."""
-        self.engine.save(ckpt_dir)
+        self.runtime.save(ckpt_dir)
 
     def load(self, ckpt_dir: str) -> None:
         """Restore what :meth:`save` wrote (any source layout)."""
-        self.engine.load(ckpt_dir)
+        self.runtime.load(ckpt_dir)

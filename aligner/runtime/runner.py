@@ -1,7 +1,7 @@
 """ModelRunner: forward-only and training passes of one role over micro-batches, on any layout.
 
 Owns the one code path every role (policy, critic, reward model, reference) uses to run
-its TrainEngine: split a rank's local batch into micro-batches, pad the sequence to a
+its TrainRuntime: split a rank's local batch into micro-batches, pad the sequence to a
 multiple of tp_size under sequence parallelism, and run either a plain loop (pp_size = 1)
 or the 1F1B pipeline schedule (:mod:`aligner.parallel.pipeline`). Loss functions are
 written once, per micro-batch, against the last stage's output.
@@ -56,28 +56,28 @@ def pad_sequence_dim(batch: dict[str, torch.Tensor], multiple: int, pad_id: int 
 
 
 class ModelRunner:
-    """Runs a TrainEngine (or any module on `dims`) over micro-batches.
+    """Runs a TrainRuntime (or any module on `dims`) over micro-batches.
 
     Args:
-        engine: a :class:`aligner.runtime.train_runtime.TrainEngine` (needs forward/backward/step/zero_grad,
+        runtime: a :class:`aligner.runtime.train_runtime.TrainRuntime` (needs forward/backward/step/zero_grad,
             ``module`` and ``parallel``).
         dims: the role's ParallelDims.
     """
 
-    def __init__(self, engine, dims: ParallelDims):
-        self.engine, self.dims = engine, dims
-        sp = getattr(engine.parallel, "sequence_parallel", False) and dims.tp_size > 1
+    def __init__(self, runtime, dims: ParallelDims):
+        self.runtime, self.dims = runtime, dims
+        sp = getattr(runtime.parallel, "sequence_parallel", False) and dims.tp_size > 1
         self.seq_multiple = dims.tp_size if sp else 1
 
     @property
     def module(self):
-        return self.engine.module
+        return self.runtime.module
 
     def _prepare(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
-        dev = self.engine.device
+        dev = self.runtime.device
         batch = {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         batch = pad_sequence_dim(batch, self.seq_multiple)
-        if getattr(self.engine, "backend", None) == "deepspeed":
+        if getattr(self.runtime, "backend", None) == "deepspeed":
             micro_batch_size = next(iter(batch.values())).shape[0]  # one backward per DeepSpeed step
         return split_micro(batch, micro_batch_size)
 
@@ -85,17 +85,17 @@ class ModelRunner:
     def forward(self, batch: dict[str, torch.Tensor], output_fn: OutputFn, micro_batch_size: int) -> torch.Tensor:
         """Forward-only pass; `output_fn(output, mb)` -> [b, ...] on the last stage; returns [B, ...] on every rank.
 
-        Batch tensors may live anywhere: micro-batches are moved to the engine's device, and the
+        Batch tensors may live anywhere: micro-batches are moved to the runtime's device, and the
         result comes back on the CPU (where the driver's batch lives)."""
         mbs = self._prepare(batch, micro_batch_size)
-        was_training = self.engine.module.training
-        self.engine.train(False)
+        was_training = self.runtime.module.training
+        self.runtime.train(False)
         try:
             if self.dims.pp_size > 1:
-                return pipeline_forward(self.engine.model, self.dims, mbs, output_fn, broadcast=True).cpu()
-            return torch.cat([output_fn(self.engine(mb["input_ids"], **model_kwargs(mb)), mb) for mb in mbs]).cpu()
+                return pipeline_forward(self.runtime.model, self.dims, mbs, output_fn, broadcast=True).cpu()
+            return torch.cat([output_fn(self.runtime(mb["input_ids"], **model_kwargs(mb)), mb) for mb in mbs]).cpu()
         finally:
-            self.engine.train(was_training)
+            self.runtime.train(was_training)
 
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
         """zero_grad, forward + backward over all micro-batches, one optimizer step.
@@ -103,11 +103,11 @@ class ModelRunner:
         loss_fn(output, mb) -> scalar: the micro-batch's share of the global loss (see module docstring).
         Returns {"loss": sum of loss_fn values over micro-batches (this rank), "grad_norm", "lr"}.
         """
-        self.engine.train(True)
-        self.engine.zero_grad()
+        self.runtime.train(True)
+        self.runtime.zero_grad()
         mbs = self._prepare(batch, micro_batch_size)
-        total = float(self.engine.forward_backward(mbs, loss_fn, loss_reduction="sum").sum())
-        stats = self.engine.step()
+        total = float(self.runtime.forward_backward(mbs, loss_fn, loss_reduction="sum").sum())
+        stats = self.runtime.step()
         return {"loss": total, **stats}
 
 

@@ -1,4 +1,4 @@
-"""TrainEngine: one role's model + optimizer + LR schedule on a TP x PP x DP layout.
+"""TrainRuntime: one role's model + optimizer + LR schedule on a TP x PP x DP layout.
 
 Owns the order of the parallel wrappers (build the full model from a seed, prune to the PP
 stage, shard over tp, wrap for dp), the optimizer (AdamW), the learning-rate schedule
@@ -30,7 +30,11 @@ from aligner.nn import comm
 from aligner.parallel import data_parallel as dpmod
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.parallelize import apply_data_parallel, apply_recompute, build_parallel_model
-from aligner.parallel.pipeline import model_kwargs
+from aligner.parallel.pipeline import model_kwargs, pipeline_train_step
+from aligner.parallel.te_backend import apply_te_backend
+from aligner.parallel.tensor_parallel import sync_tp_grads
+from aligner.runtime.checkpoint import gather_full_state_dict_any, load_checkpoint, save_checkpoint
+from aligner.runtime.host import keep_freed_host_memory
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:
@@ -110,7 +114,7 @@ def _all_reduce_mean_grads(model: nn.Module, dp_group) -> None:
             offset += g.numel()
 
 
-class TrainEngine:
+class TrainRuntime:
     """A role's trainable model on `dims`, wrapped for `parallel.dp_backend`.
 
     Args:
@@ -154,13 +158,11 @@ class TrainEngine:
         self.bf16 = parallel_cfg.mixed_precision == "bf16"
         self.module = self._build_module(model, seed)
         if model_cfg.backend == "te":
-            from aligner.parallel.te_backend import apply_te_backend
 
             apply_te_backend(self.module, dims.tp_group, parallel_cfg.sequence_parallel)
         self.device = next(self.module.parameters()).device  # where batches must be (ModelRunner moves them)
         self.device_type = self.device.type
         if self.device_type == "cpu":
-            from aligner.runtime.host import keep_freed_host_memory
 
             keep_freed_host_memory()  # logits-sized temporaries reuse freed heap (see aligner.runtime.host)
         self._wrap_dp()
@@ -232,7 +234,6 @@ class TrainEngine:
         Returns: [num_microbatches] fp32 unscaled losses (on every pp rank).
         """
         if self.dims.pp_size > 1:
-            from aligner.parallel.pipeline import pipeline_train_step
 
             with dpmod.autocast_context(self.uses_autocast, self.device_type):
                 return pipeline_train_step(self.model, self.dims, microbatches, loss_fn, loss_reduction=loss_reduction, finalize=False)
@@ -255,7 +256,6 @@ class TrainEngine:
         if self.fsdp:
             dpmod.sync_tp_grads_local(self.module, d.tp_group, d.dp_rank, d.dp_size)
         elif d.tp_size > 1:
-            from aligner.parallel.tensor_parallel import sync_tp_grads
 
             sync_tp_grads(self.module, d.tp_group)
         if d.pp_size > 1:
@@ -305,11 +305,11 @@ class TrainEngine:
         else:
             self.optimizer.zero_grad(set_to_none=True)
 
-    def train(self, mode: bool = True) -> TrainEngine:
+    def train(self, mode: bool = True) -> TrainRuntime:
         self.model.train(mode)
         return self
 
-    def eval(self) -> TrainEngine:
+    def eval(self) -> TrainRuntime:
         return self.train(False)
 
     # ---- state -----------------------------------------------------------------------
@@ -319,19 +319,16 @@ class TrainEngine:
         Collective over the whole role (dp all-gather for FSDP2 / ZeRO-3, tp all-gather,
         pp broadcast). Tied embeddings appear under both names, as ``state_dict()`` does.
         """
-        from aligner.runtime.checkpoint import gather_full_state_dict_any
 
         return gather_full_state_dict_any(self)
 
     def save(self, ckpt_dir: str, extra: Optional[dict] = None) -> str:
         """Sharded checkpoint of model + optimizer + step into `ckpt_dir` (atomic). Returns the path."""
-        from aligner.runtime.checkpoint import save_checkpoint
 
         return save_checkpoint(self, ckpt_dir, extra=extra)
 
     def load(self, ckpt_dir: str) -> dict:
         """Load a checkpoint saved under any tp/pp/dp layout; returns its metadata."""
-        from aligner.runtime.checkpoint import load_checkpoint
 
         return load_checkpoint(self, ckpt_dir)
 

@@ -43,6 +43,8 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from aligner.errors import UserError
+
 COMPLETE = "COMPLETE"
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = "aligner-manifest-v1"
@@ -138,7 +140,6 @@ class CheckpointManager:
                 log.warning("using checkpoint %s instead of the damaged %s", cand, first_bad[0])
             return cand
         if first_bad is not None:
-            from aligner.errors import UserError
 
             ckpt, damage = first_bad
             raise UserError(f"checkpoint {ckpt} is damaged ({damage.file}: {damage.reason}) and no older intact "
@@ -347,7 +348,6 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
         if not isinstance(state, dict):
             raise ValueError(f"not a JSON object but {type(state).__name__}")
     except (OSError, ValueError) as e:
-        from aligner.errors import UserError
 
         raise UserError(f"{path}: unreadable trainer state ({e}); delete this checkpoint or resume from another") from None
     rng = Path(ckpt) / "rng.pt"

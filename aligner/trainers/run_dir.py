@@ -32,6 +32,8 @@ from typing import Iterator, Optional
 
 from aligner.config import AlignerConfig, ConfigError
 from aligner.errors import UserError
+from aligner.tracking import repair_metrics
+from aligner.trainers.checkpointing import latest_checkpoint
 
 log = logging.getLogger("aligner")
 
@@ -223,7 +225,6 @@ def _check_inputs_outside(out: Path, inputs: dict[str, str]) -> None:
 def previous_stage(out: Path) -> Optional[tuple[str, str]]:
     """(stage, where it is recorded) of the run in `out`: the latest complete checkpoint's
     trainer_state.json, else config.yaml; None when neither records one."""
-    from aligner.trainers.checkpointing import latest_checkpoint
 
     ckpt = latest_checkpoint(out / "checkpoints")
     if ckpt is not None:
@@ -301,7 +302,6 @@ def delete_previous_run(out: Path) -> None:
 
 
 def _prepare_resume(out: Path) -> None:
-    from aligner.tracking import repair_metrics
 
     try:
         repair_metrics(out / "metrics.jsonl")

@@ -22,6 +22,8 @@ from aligner.actor.policy import Policy
 from aligner.config import AlignerConfig, OptimConfig, SamplingConfig, TrainableRoleConfig
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.parallelize import build_parallel_model
+from aligner.rollout import build_engine
+from aligner.rollout.refit import refit, rollout_dims
 from aligner.workers.dispatch import dispatch, split_batch
 
 
@@ -82,8 +84,6 @@ class ActorWorker(PolicyWorker):
 
         Its weights start as the seeded init and are replaced by the first refit.
         """
-        from aligner.rollout import build_engine
-        from aligner.rollout.refit import rollout_dims
 
         if self.cfg.rollout.backend != "torch":
             raise ValueError(f"rollout.backend={self.cfg.rollout.backend!r} runs through TrtllmEngine on GPU nodes; "
@@ -106,10 +106,9 @@ class ActorWorker(PolicyWorker):
         if self.engine is None:
             self._build_engine()
         t0 = time.perf_counter()
-        eng = self.policy.engine
+        eng = self.policy.runtime
         sharded = eng.fsdp or eng.backend == "deepspeed"
         if not sharded:
-            from aligner.rollout.refit import refit
 
             stats = refit(eng.module, self.engine, bucket_mb=self.cfg.rollout.refit_bucket_mb,
                           tp_group=self.dims.tp_group, pp_group=self.dims.pp_group)

@@ -29,6 +29,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from aligner.config import ParallelConfig, ResourceConfig, RoleConfig
 from aligner.errors import PlacementError
+from aligner.workers.ray_runtime import local_num_cpus
 
 PLACEMENTS = ("split", "colocated")
 
@@ -410,7 +411,6 @@ def local_shortfall(cfg, roles: Sequence[str]) -> Optional[str]:
 
     if cfg.cluster.address or os.environ.get("RAY_ADDRESS"):
         return None
-    from aligner.workers.ray_runtime import local_num_cpus
 
     try:
         import torch

@@ -12,10 +12,10 @@ from test_data_parallel import OPTIM, batches, engine_run, make_engine, model_cf
 
 from aligner.config import OptimConfig, ParallelConfig
 from aligner.parallel.dims import ParallelDims
-from aligner.runtime.train_runtime import TrainEngine
+from aligner.runtime.train_runtime import TrainRuntime
 
 
-def full_logits(engine: TrainEngine, ids: torch.Tensor) -> torch.Tensor:
+def full_logits(engine: TrainRuntime, ids: torch.Tensor) -> torch.Tensor:
     """Logits [B, T, V] of `ids` on every rank, from any tp/pp layout (dp replicas agree)."""
     from aligner.parallel.pipeline import pipeline_forward
 
@@ -101,10 +101,10 @@ def test_checkpoint_tp2_loads_at_pp2_dp2(tmp_path):
 def test_single_process_roundtrip_and_errors(tmp_path):
     """No process group: save, reload into a fresh engine, continue identically; bad dirs raise."""
     cfg, optim, data = model_cfg(), OptimConfig(**OPTIM), batches(4)
-    a = TrainEngine(cfg, "lm", ParallelConfig(), optim, ParallelDims(), total_steps=10)
+    a = TrainRuntime(cfg, "lm", ParallelConfig(), optim, ParallelDims(), total_steps=10)
     engine_run(a, data[:2])
     a.save(str(tmp_path / "c"))
-    b = TrainEngine(cfg, "lm", ParallelConfig(), optim, ParallelDims(), total_steps=10, seed=1)
+    b = TrainRuntime(cfg, "lm", ParallelConfig(), optim, ParallelDims(), total_steps=10, seed=1)
     b.load(str(tmp_path / "c"))
     assert b.step_count == 2 and b.optimizer.param_groups[0]["lr"] == a.optimizer.param_groups[0]["lr"]
     assert engine_run(b, data[2:])[0] == pytest.approx(engine_run(a, data[2:])[0], abs=1e-7)
@@ -112,6 +112,6 @@ def test_single_process_roundtrip_and_errors(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["c"]
     with pytest.raises(ValueError, match="no meta.json"):
         b.load(str(tmp_path / "missing"))
-    other = TrainEngine(model_cfg(hidden_size=64), "lm", ParallelConfig(), optim, ParallelDims(), total_steps=10)
+    other = TrainRuntime(model_cfg(hidden_size=64), "lm", ParallelConfig(), optim, ParallelDims(), total_steps=10)
     with pytest.raises(ValueError, match="model.hidden_size=32"):
         other.load(str(tmp_path / "c"))

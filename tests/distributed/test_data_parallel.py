@@ -14,7 +14,7 @@ from _spawn import run_distributed
 from aligner.config import ModelConfig, OptimConfig, ParallelConfig
 from aligner.nn.vocab import shifted_log_probs
 from aligner.parallel.dims import ParallelDims
-from aligner.runtime.train_runtime import TrainEngine, adamw_kwargs, build_lr_scheduler, lr_lambda
+from aligner.runtime.train_runtime import TrainRuntime, adamw_kwargs, build_lr_scheduler, lr_lambda
 
 STEPS = 3
 CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32)
@@ -54,7 +54,7 @@ def reference_run(cfg: ModelConfig, optim: OptimConfig, data: list[torch.Tensor]
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def engine_run(engine: TrainEngine, data: list[torch.Tensor], num_microbatches: int = 1):
+def engine_run(engine: TrainRuntime, data: list[torch.Tensor], num_microbatches: int = 1):
     """Train `engine` on this dp rank's slice of each batch; (dp-mean losses, grad norms)."""
     from aligner.parallel.tensor_parallel import vocab_start
 
@@ -81,9 +81,9 @@ def max_param_diff(full: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) 
     return max(float((full[k].float() - ref[k].float()).abs().max()) for k in ref)
 
 
-def make_engine(cfg, parallel: ParallelConfig, optim: OptimConfig, world: int) -> TrainEngine:
+def make_engine(cfg, parallel: ParallelConfig, optim: OptimConfig, world: int) -> TrainRuntime:
     dims = ParallelDims(tp_size=parallel.tp_size, pp_size=parallel.pp_size, dp_size=parallel.dp_size, world_size=world, rank=torch.distributed.get_rank()).build()
-    return TrainEngine(cfg, "lm", parallel, optim, dims, total_steps=10)
+    return TrainRuntime(cfg, "lm", parallel, optim, dims, total_steps=10)
 
 
 def dp2_battery(rank: int, world: int, ckpt_root: str) -> dict:
@@ -191,15 +191,15 @@ def test_lr_schedule_warmup_cosine():
 
 def test_engine_rejects_mismatched_dims():
     with pytest.raises(ValueError, match="parallel.dp_size=2 but ParallelDims.dp_size=1"):
-        TrainEngine(model_cfg(), "lm", ParallelConfig(dp_size=2), OptimConfig(), ParallelDims(), total_steps=10)
+        TrainRuntime(model_cfg(), "lm", ParallelConfig(dp_size=2), OptimConfig(), ParallelDims(), total_steps=10)
     with pytest.raises(ValueError, match="total_steps=0"):
-        TrainEngine(model_cfg(), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=0)
+        TrainRuntime(model_cfg(), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=0)
 
 
 def test_single_process_engine_matches_reference():
     cfg, optim, data = model_cfg(), OptimConfig(**OPTIM), batches()
     ref_losses, ref_norms, ref_sd = reference_run(cfg, optim, data)
-    eng = TrainEngine(cfg, "lm", ParallelConfig(), optim, ParallelDims(), total_steps=10)
+    eng = TrainRuntime(cfg, "lm", ParallelConfig(), optim, ParallelDims(), total_steps=10)
     losses, norms = engine_run(eng, data)
     assert losses == pytest.approx(ref_losses, abs=1e-6)
     assert norms == pytest.approx(ref_norms, rel=1e-6)

@@ -2,8 +2,8 @@
 
 One harness subprocess (this file run as a script) imports torch once and forks a saver child
 per trial, so each trial costs a fork, not a torch import. The saver child loops: set every
-parameter of a tiny TrainEngine to a value that encodes the step, ``CheckpointManager.begin``,
-``TrainEngine.save`` (dcp, aligner.runtime.checkpoint) into ``<tmp>/actor``, ``commit``. The
+parameter of a tiny TrainRuntime to a value that encodes the step, ``CheckpointManager.begin``,
+``TrainRuntime.save`` (dcp, aligner.runtime.checkpoint) into ``<tmp>/actor``, ``commit``. The
 harness SIGKILLs it
 
 - at deterministic points: the child's hooks (monkeypatches of dcp.save, checkpoint._commit,
@@ -53,9 +53,9 @@ def _value(step: int, index: int) -> float:
 def _engine():
     from aligner.config import ModelConfig, OptimConfig, ParallelConfig
     from aligner.parallel.dims import ParallelDims
-    from aligner.runtime.train_runtime import TrainEngine
+    from aligner.runtime.train_runtime import TrainRuntime
 
-    return TrainEngine(ModelConfig(**TINY), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=100)
+    return TrainRuntime(ModelConfig(**TINY), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=100)
 
 
 def _set_step(module, step: int) -> None:

@@ -28,7 +28,7 @@ def _policy(device_type: str):
 def test_policy_on_cuda_matches_cpu():
     torch.backends.cuda.matmul.allow_tf32 = False
     gpu, cpu = _policy("cuda"), _policy("cpu")
-    assert gpu.engine.device.type == "cuda" and cpu.engine.device.type == "cpu"
+    assert gpu.runtime.device.type == "cuda" and cpu.runtime.device.type == "cpu"
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, CFG.vocab_size, (4, 24), generator=g)
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}

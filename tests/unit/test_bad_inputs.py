@@ -257,9 +257,9 @@ def test_save_hf_refuses_nan_and_leaves_nothing(tmp_path):
 
 def _engine(**model_kw):
     from aligner.parallel.dims import ParallelDims
-    from aligner.runtime.train_runtime import TrainEngine
+    from aligner.runtime.train_runtime import TrainRuntime
 
-    return TrainEngine(ModelConfig(**{**TINY, **model_kw}), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=10)
+    return TrainRuntime(ModelConfig(**{**TINY, **model_kw}), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=10)
 
 
 @pytest.mark.parametrize("kind,words", [

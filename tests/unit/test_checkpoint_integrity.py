@@ -3,7 +3,7 @@ checkpoint is recorded (size + CRC-32) in MANIFEST.json at commit, and Checkpoin
 verifies the candidate, falls back to the previous complete checkpoint with a warning naming the
 first bad file, and raises UserError (one line, naming the file) when no intact one is left.
 
-Checkpoints are real: a tiny TrainEngine saves its dcp files into the role dir as
+Checkpoints are real: a tiny TrainRuntime saves its dcp files into the role dir as
 tests/e2e/test_checkpoint_kill.py does, then CheckpointManager.commit writes the rest.
 """
 
@@ -29,9 +29,9 @@ TINY = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, n
 def engine():
     from aligner.config import ModelConfig, OptimConfig, ParallelConfig
     from aligner.parallel.dims import ParallelDims
-    from aligner.runtime.train_runtime import TrainEngine
+    from aligner.runtime.train_runtime import TrainRuntime
 
-    return TrainEngine(ModelConfig(**TINY), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=100)
+    return TrainRuntime(ModelConfig(**TINY), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=100)
 
 
 def _set_step(module, step: int) -> None:

@@ -268,8 +268,8 @@ def test_reference_worker_builds_without_optim():
     from aligner.workers.actor import PolicyWorker
 
     cfg = load_config("ppo", ["actor.init=", "critic.init=", "reward.init=", "actor.optim.lr=5e-5"])
-    assert PolicyWorker(cfg, "ref").policy.engine.optim_cfg == OptimConfig()
-    assert PolicyWorker(cfg, "actor").policy.engine.optim_cfg.lr == 5e-5
+    assert PolicyWorker(cfg, "ref").policy.runtime.optim_cfg == OptimConfig()
+    assert PolicyWorker(cfg, "actor").policy.runtime.optim_cfg.lr == 5e-5
 
 
 def test_roles_with_field():

@@ -29,20 +29,20 @@ def test_nonfinite_gradient_skips_the_update_and_a_finite_one_applies(tmp_path):
     from aligner.config import AlgorithmConfig
 
     pol = _policy()
-    before = {k: v.clone() for k, v in pol.engine.module.state_dict().items()}
+    before = {k: v.clone() for k, v in pol.runtime.module.state_dict().items()}
     out = pol.ppo_step(_batch(float("inf")), AlgorithmConfig(), micro_batch_size=2)
-    assert out["skipped"] == 1.0 and pol.engine.skipped_steps == 1 and pol.engine.step_count == 0
-    assert all(torch.equal(before[k], v) for k, v in pol.engine.module.state_dict().items())
+    assert out["skipped"] == 1.0 and pol.runtime.skipped_steps == 1 and pol.runtime.step_count == 0
+    assert all(torch.equal(before[k], v) for k, v in pol.runtime.module.state_dict().items())
     out = pol.ppo_step(_batch(1.0), AlgorithmConfig(), micro_batch_size=2)
-    assert out["skipped"] == 0.0 and pol.engine.step_count == 1
-    assert any(not torch.equal(before[k], v) for k, v in pol.engine.module.state_dict().items())
+    assert out["skipped"] == 0.0 and pol.runtime.step_count == 1
+    assert any(not torch.equal(before[k], v) for k, v in pol.runtime.module.state_dict().items())
 
 
 def test_nan_weights_are_never_checkpointed(tmp_path):
     pol = _policy()
     pol.save(str(tmp_path / "ok"))
     with torch.no_grad():
-        pol.engine.module.model.norm.weight[0] = float("nan")
+        pol.runtime.module.model.norm.weight[0] = float("nan")
     with pytest.raises(ValueError, match="NaN/Inf"):
         pol.save(str(tmp_path / "bad"))
     assert not (tmp_path / "bad").exists() and not (tmp_path / "bad.tmp").exists()

@@ -73,7 +73,7 @@ def test_ppo_step_gradient_equals_the_whole_batch_formula(loss_agg):
     batch["ref_log_probs"] = (current - batch.pop("ref_offset")) * mask
     want = _reference_grads(batch, algo)
     metrics = pol.ppo_step(batch, algo, micro_batch_size=1, temperature=TEMPERATURE)
-    got = {n: p.grad for n, p in pol.engine.module.named_parameters()}
+    got = {n: p.grad for n, p in pol.runtime.module.named_parameters()}
     assert set(got) == set(want)
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-4, msg=name)
@@ -93,5 +93,5 @@ def test_kl_loss_coef_changes_the_update():
         b["ref_log_probs"] = (current - b.pop("ref_offset")) * b["response_mask"]
         b.pop("old_offset")
         pol.ppo_step(b, AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_loss_coef=coef), micro_batch_size=3)
-        grads.append(torch.cat([p.grad.flatten() for p in pol.engine.module.parameters()]))
+        grads.append(torch.cat([p.grad.flatten() for p in pol.runtime.module.parameters()]))
     assert (grads[1] - grads[0]).abs().max() > 1e-4

@@ -42,7 +42,7 @@ def test_policy_log_probs_equal_full_sequence_reference():
     seq = _seq()
     got = pol.log_probs(seq, micro_batch_size=2, temperature=0.8)
     with torch.no_grad():
-        logits = pol.engine.module(seq["input_ids"])
+        logits = pol.runtime.module(seq["input_ids"])
     want = to_response(shifted_log_probs(logits, seq["input_ids"], temperature=0.8), seq["prompt_lens"], seq["response_mask"])
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     assert (got[seq["response_mask"] == 0] == 0).all()

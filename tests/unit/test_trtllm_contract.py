@@ -86,7 +86,7 @@ def test_llm_call_site_keywords_are_accepted(api):
     for kws in calls:
         assert kws <= accepted, kws - accepted
         assert {"tensor_parallel_size", "pipeline_parallel_size", "orchestrator_type", "ray_worker_extension_cls"} <= kws
-    for cls, sym in (("KvCacheConfig", "KvCacheConfig"), ("CudaGraphConfig", "CudaGraphConfig")):
+    for cls, _sym in (("KvCacheConfig", "KvCacheConfig"), ("CudaGraphConfig", "CudaGraphConfig")):
         assert call_keywords(cls) == [set()]  # built from the dict of build_llm_kwargs (**kw), checked above
 
 
