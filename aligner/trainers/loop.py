@@ -14,8 +14,8 @@ order) and :func:`train` (the step loop, written once):
               whose own handler would turn SIGTERM into a crash dump), then the worker groups
     resume    when resume=true: the latest complete checkpoint (:class:`Checkpoints`), or a log
               line saying there is none and the run starts from step 0
-    steps     (:func:`train`) optional eval before the first step (``Trainer.eval_before_training``,
-              PPO), then per step: train_step -> eval every trainer.eval_every steps and at the last
+    steps     (:func:`train`) a stop if SIGTERM arrived already (nothing to save), an optional eval
+              before the first step (``Trainer.eval_before_training``, PPO), then per step: train_step -> eval every trainer.eval_every steps and at the last
               step (plus ``Trainer.final_metrics`` at the last step) -> metrics -> checkpoint every
               trainer.save_every steps and at the last step -> stop here if SIGTERM arrived
               (checkpoint first unless this step's exists)
