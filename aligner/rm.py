@@ -1,11 +1,12 @@
 """`python -m aligner.rm`: a Bradley-Terry reward model on preference pairs (the reward role).
 
-Owns the RM stage on top of :mod:`aligner.trainers.supervised`: loss -log sigmoid(r(chosen) - r(rejected))
-with the scalar head on the last token of each sequence (:mod:`aligner.reward.reward_model`),
-metrics loss, pairwise accuracy and mean margin (train and held out), and at the end the
-reward normalization statistics (mean and std of the RM's scores over the training pairs'
-responses, chosen and rejected) written as ``reward_stats.json`` in the HF export, so PPO
-can standardize scores.
+Owns the RM stage on top of :mod:`aligner.trainers.supervised` (and its loop, :mod:`aligner.trainers.loop`):
+loss -log sigmoid(r(chosen) - r(rejected)) with the scalar head on the last token of each
+sequence (:mod:`aligner.reward.reward_model`), metrics loss, pairwise accuracy and mean margin
+(train and held out), and at the end the reward normalization statistics (mean and std of the
+RM's scores over the training pairs' responses, chosen and rejected), logged in the last
+step's row as ``reward_mean`` / ``reward_std`` and written as ``reward_stats.json`` in the HF
+export, so PPO can standardize scores.
 
 Initialization: ``reward.init`` (an SFT run dir, an RM dir or an HF model dir). With
 conf=tiny on the built-in task and reward.init empty, the RM starts from the tiny SFT run
@@ -24,7 +25,7 @@ from typing import Optional, Sequence
 
 from aligner import cli
 from aligner.config import AlignerConfig
-from aligner.trainers.supervised import Stage
+from aligner.trainers.supervised import SupervisedTrainer
 
 log = logging.getLogger("aligner")
 
@@ -42,7 +43,7 @@ def default_init(cfg: AlignerConfig) -> str:
     return ""
 
 
-class RMStage(Stage):
+class RMTrainer(SupervisedTrainer):
     """Bradley-Terry training of the reward role; see the module docstring."""
 
     name, role, data_kind = "rm", "reward", "pairs"
@@ -95,7 +96,8 @@ class RMStage(Stage):
         std = math.sqrt(max(sq / n - mean * mean, 0.0))
         return {"mean": mean, "std": std, "num_scores": n}
 
-    def finish(self) -> tuple[dict, dict]:
+    def final_results(self) -> tuple[dict, dict]:
+        """Reward stats of the trained RM: logged as reward_mean / reward_std, exported as reward_stats.json."""
         stats = self.reward_stats()
         log.info("rm: reward stats over %d training responses: mean %.4f std %.4f", stats["num_scores"], stats["mean"], stats["std"])
         return {"reward_mean": stats["mean"], "reward_std": stats["std"]}, {"stats": stats}
@@ -103,7 +105,7 @@ class RMStage(Stage):
 
 def run_rm(cfg: AlignerConfig) -> int:
     """Run the RM stage for a validated config; returns the exit code."""
-    return RMStage(cfg).run()
+    return RMTrainer(cfg).run()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,11 +1,14 @@
 """`python -m aligner.sft`: supervised fine-tuning of the policy (the actor role).
 
-Owns the SFT stage on top of :mod:`aligner.trainers.supervised`: the loss is next-token NLL on response
+Owns the SFT stage on top of :mod:`aligner.trainers.supervised` (and its loop, :mod:`aligner.trainers.loop`):
+the loss is next-token NLL on response
 tokens only (prompt + response rows, or chat rows with loss on assistant turns), optional
 sequence packing (``data.packing``), the actor's tp/pp/dp layout (``actor.parallel``),
 gradient accumulation to trainer.global_batch_size, warmup + cosine LR (``actor.optim``),
 periodic validation loss, and at the end the held-out greedy accuracy on the built-in task
-(:func:`aligner.trainers.evaluation.evaluate_task_accuracy`), an aligner checkpoint and an HF export
+(:func:`aligner.trainers.evaluation.evaluate_greedy`, the evaluator PPO uses too; logged in the
+last step's row as ``task_accuracy``, ``task_n``, ``task_mean_response_len``,
+``task_accuracy_carry`` and ``task_accuracy_no_carry``), an aligner checkpoint and an HF export
 (with the tokenizer) in ``output_dir/hf``.
 
 Only the actor role's worker group is placed (ActorWorker: training and, for the accuracy,
@@ -19,12 +22,12 @@ from typing import Optional, Sequence
 
 from aligner import cli
 from aligner.config import AlignerConfig
-from aligner.trainers.supervised import Stage
+from aligner.trainers.supervised import SupervisedTrainer
 
 log = logging.getLogger("aligner")
 
 
-class SFTStage(Stage):
+class SFTTrainer(SupervisedTrainer):
     """Response-only NLL on the actor role; see the module docstring."""
 
     name, role, data_kind = "sft", "actor", "sft"
@@ -49,27 +52,26 @@ class SFTStage(Stage):
             return pack_sft(examples, self.cfg.data.max_seq_len, self.pad_id)
         return collate_sft(examples, self.pad_id)
 
-    def finish(self) -> tuple[dict, dict]:
-        """Held-out greedy accuracy on the built-in task (logged as task_accuracy); no export extras."""
+    def final_results(self) -> tuple[dict, dict]:
+        """Held-out greedy accuracy on the built-in task (logged as task_*); no export extras."""
         if self.cfg.data.train_path:
             log.info("sft: data.train_path is set: skipping the built-in task's greedy accuracy")
             return {}, {}
         from aligner.data.pipeline import load_data
-        from aligner.data.task import has_carry, parse_prompt
-        from aligner.trainers.evaluation import evaluate_task_accuracy
+        from aligner.trainers.evaluation import evaluate_greedy
 
         prompts = load_data("prompt", self.cfg.data, self.cfg.task, self.tokenizer, str(self.out)).eval
-        groups = ["carry" if has_carry(*parse_prompt(e["prompt"])) else "no_carry" for e in prompts]
-        res = evaluate_task_accuracy(self.group, prompts, self.tokenizer, self.cfg, groups=groups)
+        res = evaluate_greedy(self.group, prompts, self.tokenizer, self.cfg).metrics
         log.info("sft: held-out greedy accuracy %.3f on %d problems (%.3f without a carry, %.3f with one; "
                  "mean response %.1f tokens)", res["accuracy"], int(res["n"]), res.get("accuracy_no_carry", float("nan")),
                  res.get("accuracy_carry", float("nan")), res["mean_response_len"])
-        return {f"task_{k}": v for k, v in res.items()}, {}
+        keys = ("accuracy", "n", "mean_response_len", "accuracy_carry", "accuracy_no_carry")
+        return {f"task_{k}": res[k] for k in keys if k in res}, {}
 
 
 def run_sft(cfg: AlignerConfig) -> int:
     """Run the SFT stage for a validated config; returns the exit code."""
-    return SFTStage(cfg).run()
+    return SFTTrainer(cfg).run()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,24 +1,60 @@
-"""Greedy held-out task accuracy of the actor: refit, generate, decode, check.
+"""The one evaluator of the actor's policy: greedy responses to held-out prompts, rule-checked.
 
-Owns :func:`evaluate_task_accuracy`, used at the end of SFT (and by the PPO trainer): the
-actor group's current policy weights are refit into its rollout engine
-(:meth:`aligner.workers.actor.ActorWorker.refit`), every eval prompt gets one greedy
-response (temperature 0), and each decoded response is scored by a rule reward
-(:mod:`aligner.reward.rules`; ``"task_accuracy"`` is the built-in task's
-:func:`aligner.data.task.check_answer`).
+Owns :func:`evaluate_greedy`, used by SFT (at its last step, logged as ``task_*``:
+:class:`aligner.sft.SFTTrainer`) and by PPO (before the first step, every
+``trainer.eval_every`` steps and at the last one, logged as ``eval_*`` together with the RM
+score and the KL to the reference of the same responses: :meth:`aligner.trainers.ppo.PPOTrainer.evaluate`):
 
-Simplification: the response budget is ``rollout.sampling.max_new_tokens``, clipped so
-that the longest prompt plus its response fits ``data.max_seq_len``; a response cut by
-that budget counts as whatever its text scores (usually wrong).
+    refit     the actor group's current policy weights -> its rollout engine
+              (:meth:`aligner.workers.actor.ActorWorker.refit`)
+    generate  one greedy response (temperature 0) per prompt, replicas' shares in replica order
+    score     each decoded response (special tokens dropped) by a rule reward (:mod:`aligner.reward.rules`):
+              ``"task_accuracy"`` (:func:`aligner.data.task.check_answer`) on the built-in task,
+              ``reward.rule`` on other data (:func:`accuracy_rule`)
+    breakdown on the built-in task, accuracy with and without a carry and the dropped-carry
+              rate (:func:`aligner.data.task.mistake_breakdown`)
+
+Simplification: the response budget is ``rollout.sampling.max_new_tokens``, clipped so that
+the longest prompt plus its response fits ``data.max_seq_len``; a response cut by that budget
+counts as whatever its text scores (usually wrong).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
+
+import torch
 
 from aligner.config import AlignerConfig, SamplingConfig
 from aligner.reward.rules import score
+
+
+@dataclasses.dataclass
+class GreedyEval:
+    """What :func:`evaluate_greedy` saw and measured, in eval-prompt order.
+
+    prompt_ids: each prompt's token ids; generations: the engine's Generation per prompt
+    (``token_ids``, ``finish_reason``, ...); responses: decoded response texts; scores: [N] float
+    rule scores; metrics: {"accuracy", "n", "mean_response_len"} plus, on the built-in task,
+    "accuracy_carry", "accuracy_no_carry" and "dropped_carry" (a group without problems is left out).
+    """
+
+    prompt_ids: list[list[int]]
+    generations: list
+    responses: list[str]
+    scores: torch.Tensor
+    metrics: dict[str, float]
+
+
+def on_builtin_task(cfg: AlignerConfig) -> bool:
+    """True when the run's data is the built-in addition task (no data.train_path)."""
+    return not cfg.data.train_path
+
+
+def accuracy_rule(cfg: AlignerConfig) -> str:
+    """The rule that decides whether a response is right: the built-in task's exact sum, else reward.rule."""
+    return "task_accuracy" if on_builtin_task(cfg) else cfg.reward.rule
 
 
 def greedy_sampling(cfg: AlignerConfig, longest_prompt: int) -> SamplingConfig:
@@ -40,35 +76,34 @@ def gather_generations(results: Sequence[Any]) -> list:
     return [g for _, gens in shares for g in gens]
 
 
-def evaluate_task_accuracy(actor_group, eval_examples: list[dict], tokenizer, cfg: AlignerConfig,
-                           rule: str = "task_accuracy", groups: Optional[Sequence[str]] = None) -> dict[str, float]:
+def evaluate_greedy(actor_group, eval_examples: list[dict], tokenizer, cfg: AlignerConfig) -> GreedyEval:
     """Greedy accuracy of the actor group's current policy on held-out prompts.
 
     actor_group: a WorkerGroup of :class:`aligner.workers.actor.ActorWorker` (refit + generate).
     eval_examples: prompt examples from ``aligner.data.load_data("prompt", ...)``: each has
         "prompt_ids" (list[int]), "prompt" (str) and "metadata" (dict, e.g. the gsm8k answer).
     tokenizer: decodes response ids (special tokens dropped).
-    rule: a name in :data:`aligner.reward.rules.RULES` that scores (prompt, response, metadata).
-    groups: optional label per example (e.g. "carry" / "no_carry"); adds "accuracy_<label>" per label.
-    Returns {"accuracy": fraction of responses the rule scores 1 (in [0, 1]), "n": prompts,
-    "mean_response_len": mean response length, tokens (stop token included)}.
-    Raises ValueError for an empty eval set, an unknown rule or groups of the wrong length.
+    cfg: the run's config: the response budget (:func:`greedy_sampling`) and the rule (:func:`accuracy_rule`).
+    Returns a :class:`GreedyEval`; its metrics' "accuracy" is the fraction of responses the rule
+    scores 1 (in [0, 1]), "n" the number of prompts, "mean_response_len" the mean response length
+    in tokens (stop token included).
+    Raises ValueError for an empty eval set or an unknown rule.
     """
     if not eval_examples:
-        raise ValueError("evaluate_task_accuracy: no eval prompts (the eval split is empty): set data.eval_path or task.num_eval")
-    if groups is not None and len(groups) != len(eval_examples):
-        raise ValueError(f"groups has {len(groups)} labels for {len(eval_examples)} eval examples: give one label per example")
+        raise ValueError("evaluate_greedy: no eval prompts (the eval split is empty): set data.eval_path or task.num_eval")
     prompts = [list(e["prompt_ids"]) for e in eval_examples]
     sampling = greedy_sampling(cfg, max(len(p) for p in prompts))
     actor_group.refit().get()
     gens = gather_generations(actor_group.generate(prompts, sampling, list(range(len(prompts)))).get())
     if len(gens) != len(prompts):
         raise RuntimeError(f"the actor returned {len(gens)} generations for {len(prompts)} prompts")
+    texts = [e["prompt"] for e in eval_examples]
     responses = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in gens]
-    scores = score(rule, [e["prompt"] for e in eval_examples], responses, [dict(e.get("metadata") or {}) for e in eval_examples])
-    out = {"accuracy": float(scores.mean()), "n": float(len(prompts)),
-           "mean_response_len": sum(len(g.token_ids) for g in gens) / len(gens)}
-    for label in sorted(set(groups or ())):
-        picked = [float(x) for x, g in zip(scores, groups) if g == label]
-        out[f"accuracy_{label}"] = sum(picked) / len(picked)
-    return out
+    scores = score(accuracy_rule(cfg), texts, responses, [dict(e.get("metadata") or {}) for e in eval_examples])
+    metrics = {"accuracy": float(scores.mean()), "n": float(len(prompts)),
+               "mean_response_len": sum(len(g.token_ids) for g in gens) / len(gens)}
+    if on_builtin_task(cfg):  # which mistakes the policy makes: carries dropped (what PPO must fix) or not
+        from aligner.data.task import mistake_breakdown
+
+        metrics.update(mistake_breakdown(texts, responses))
+    return GreedyEval(prompts, gens, responses, scores, metrics)

@@ -1,15 +1,20 @@
-"""The shared driver of the standalone training stages (SFT, reward model).
+"""SupervisedTrainer: the shared trainer of the standalone supervised stages (SFT, reward model).
 
-Owns the loop both stages run on the parallel runtime, as named phases:
+Implements :class:`aligner.trainers.loop.Trainer` on one role's worker group; the phases and the
+step loop are the loop's (:mod:`aligner.trainers.loop`):
 
-    check paths -> (plan_only: print the plan) -> claim output_dir (aligner.trainers.run_dir: fresh,
-    resume or overwrite, and the lock, held to the end) -> prepare output_dir (config.yaml)
-    -> tokenizer + data -> Ray + the role's worker group -> resume
-    -> per step: next global batch -> one dp_split train call -> eval / log / checkpoint
-    -> final eval + stage extras -> HF export (+ tokenizer) -> curves PNG
+    check     paths, <role>.init, plan_only (print the plan), this machine can hold the role's workers
+    claim     output_dir (fresh, resume or overwrite, and the lock, held to the end)
+    config    output_dir/config.yaml
+    inputs    tokenizer (checked against model.vocab_size) + the encoded train/eval splits
+    start     Ray + the role's worker group
+    resume    role weights, optimizer and schedule, data position, RNG states
+    steps     next global batch -> one dp_split train call -> eval (eval_every, last step; at the last
+              step also the stage's final metrics) -> metrics -> checkpoint (save_every, last step)
+    finish    HF export (+ tokenizer, + stage extras) -> curves PNG -> summary.json
 
-A stage (``aligner.sft``, ``aligner.rm``) subclasses :class:`Stage` and says which role
-and worker class it uses, how a global batch is collated and which worker methods train
+A stage (``aligner.sft``, ``aligner.rm``) subclasses :class:`SupervisedTrainer` and says which
+role and worker class it uses, how a global batch is collated and which worker methods train
 and evaluate. The driver sends each step's whole global batch (trainer.global_batch_size
 samples) in one dp_split call; the worker splits its share into micro-batches of
 trainer.micro_batch_size and normalizes the loss over the global batch (gradient
@@ -32,11 +37,11 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-from aligner.cli import UserError, config_yaml
 from aligner.config import AlignerConfig
-from aligner.trainers import preemption
+from aligner.errors import UserError
+from aligner.trainers.loop import Trainer
 
 log = logging.getLogger("aligner")
 
@@ -61,16 +66,15 @@ def tokenizer_path(cfg: AlignerConfig, work_dir: str) -> str:
     return cfg.tokenizer.path or build_task_tokenizer(cfg.task, os.path.join(work_dir, "task"))
 
 
-class Stage:
-    """One standalone training stage on one role's worker group.
+class SupervisedTrainer(Trainer):
+    """One standalone supervised stage on one role's worker group.
 
     Subclasses set ``name`` (sft | rm), ``role`` (a RoleConfig name), ``data_kind`` (sft | pairs),
     ``train_method`` / ``eval_method`` (dp_split worker methods returning metric dicts),
-    ``bar_keys`` / ``plot_keys``, and implement :meth:`worker_cls`, :meth:`worker_kwargs`,
-    :meth:`collate`; :meth:`finish` adds end-of-run metrics and export extras.
+    ``eval_keys``, ``bar_keys`` / ``plot_keys``, and implement :meth:`worker_cls`, :meth:`worker_kwargs`,
+    :meth:`collate`; :meth:`final_results` adds end-of-run metrics and export extras.
     """
 
-    name = ""
     role = ""
     data_kind = ""
     train_method = ""
@@ -80,19 +84,22 @@ class Stage:
     plot_keys: tuple[str, ...] = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s")
 
     def __init__(self, cfg: AlignerConfig):
-        self.cfg = cfg
-        self.out = Path(cfg.output_dir)
+        super().__init__(cfg)
         self.group = None
         self.placement = None
         self.tokenizer = None
         self.tok_path = ""
         self.data = None
+        self.it = None  # DataIterator over the train split
+        self._final: Optional[tuple[dict, dict]] = None
 
-    # ---- hooks -------------------------------------------------------------------------
+    # ---- stage hooks -------------------------------------------------------------------
     def worker_cls(self) -> type:
+        """The role's Ray worker class."""
         raise NotImplementedError
 
     def worker_kwargs(self) -> dict:
+        """Constructor arguments of :meth:`worker_cls` (besides the group's own)."""
         raise NotImplementedError
 
     def collate(self, examples: list[dict]) -> dict:
@@ -103,12 +110,13 @@ class Stage:
         """Real (non-padding) tokens the step processed, for tokens/s."""
         return int(sum(int(v.sum()) for k, v in batch.items() if k.endswith("attention_mask")))
 
-    def finish(self) -> tuple[dict, dict]:
-        """End-of-run (metrics to log, extra export arguments). Called after the final eval."""
+    def final_results(self) -> tuple[dict, dict]:
+        """End-of-run (metrics to log, extra export arguments). Called once, after the final eval."""
         return {}, {}
 
     @property
     def pad_id(self) -> int:
+        """The tokenizer's pad id, else its EOS id, else 0."""
         tok = self.tokenizer
         for cand in (tok.pad_token_id, tok.eos_token_id, 0):
             if cand is not None:
@@ -116,8 +124,8 @@ class Stage:
         return 0
 
     # ---- phases ------------------------------------------------------------------------
-    def run(self) -> int:
-        """The whole stage; returns the exit code."""
+    def check(self) -> Optional[int]:
+        """Paths, <role>.init, then plan_only (the plan's exit code), then the machine (UserErrors)."""
         cfg = self.cfg
         cfg.check_paths((self.role,))
         self.check_init()
@@ -126,23 +134,7 @@ class Stage:
 
             return main_from_config(cfg)
         self.check_machine()
-        from aligner.trainers.run_dir import claim_output_dir
-
-        with claim_output_dir(cfg, {f"{self.role}.init": self.init_path()}):  # checked and locked until the end
-            self.prepare_output()
-            self.load_inputs()
-            from aligner.workers.ray_runtime import init_ray, shutdown_ray
-
-            info = init_ray(cfg.cluster)
-            preemption.install(self.name, cfg.trainer.preempt_grace_s)  # after Ray: its handler would crash on SIGTERM
-            try:
-                self.start_group()
-                return self.train()
-            finally:
-                preemption.uninstall()
-                self.stop_group()
-                if info.started and info.local:
-                    shutdown_ray()
+        return None
 
     def check_machine(self) -> None:
         """UserError (before Ray starts) when this machine cannot hold the role's workers."""
@@ -168,13 +160,14 @@ class Stage:
         except ValueError as e:
             raise UserError(f"{self.role}.{e}") from None
 
-    def prepare_output(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.yaml").write_text(config_yaml(self.cfg))
+    def claim_inputs(self) -> dict[str, str]:
+        """The role's init (overwrite=true must not delete it)."""
+        return {f"{self.role}.init": self.init_path()}
 
     def load_inputs(self) -> None:
-        """Tokenizer (checked against model.vocab_size) and the encoded train/eval splits."""
+        """Tokenizer (checked against model.vocab_size), the encoded train/eval splits and the train iterator."""
         from aligner.data.pipeline import load_data
+        from aligner.data.sampler import DataIterator
         from aligner.data.tokenizer import load_tokenizer
 
         cfg = self.cfg
@@ -192,8 +185,10 @@ class Stage:
             raise UserError(str(e)) from None
         if not self.data.train:
             raise UserError(f"no {self.data_kind} training examples left after loading (see the data: log line above): check data.*")
+        self.it = DataIterator(self.data.train, seed=cfg.data.shuffle_seed)
 
-    def start_group(self) -> None:
+    def start(self) -> None:
+        """Place and start the role's worker group."""
         from aligner.workers.group import role_worker_group
         from aligner.workers.placement import placement_from_config
 
@@ -204,72 +199,35 @@ class Stage:
         log.info("%s: %d %s worker(s) (tp=%d pp=%d dp=%d) ready in %.1f s", self.name, p.world_size, self.role,
                  p.tp_size, p.pp_size, p.dp_size, time.perf_counter() - t0)
 
-    def stop_group(self) -> None:
+    def stop(self) -> None:
+        """Shut the worker group down and remove its placement."""
         if self.group is not None:
             self.group.shutdown()
         if self.placement is not None:
             self.placement.remove()
 
-    # ---- the loop ------------------------------------------------------------------------
-    def resume(self, ckpts, it) -> int:
-        """Restore the latest checkpoint when resume=true; returns the step it ends at (0 = fresh start)."""
-        from aligner.trainers.checkpointing import load_trainer_state
-
-        if not self.cfg.resume:
-            return 0
-        latest = ckpts.latest()
-        if latest is None:
-            log.info("%s: resume=true but %s holds no complete checkpoint: starting from step 0", self.name, ckpts.root)
-            return 0
-        self.group.load(str(latest / self.role)).get()
-        ckpts.adopt(latest)  # this run continues that one: its checkpoints are ours to prune
-        state = load_trainer_state(latest)
-        try:
-            it.load_state_dict(state["data"])
-        except ValueError as e:
-            raise UserError(f"resume from {latest}: {e}") from None
-        log.info("%s: resumed from %s (step %d)", self.name, latest, state["step"])
-        return int(state["step"])
-
-    def save(self, ckpts, step: int, it) -> None:
-        tmp = ckpts.begin(step)
+    # ---- checkpoints -------------------------------------------------------------------
+    def save_roles(self, tmp: Path) -> None:
+        """The role's workers write model + optimizer + schedule into tmp/<role>."""
         self.group.save(str(tmp / self.role)).get()
-        ckpts.commit(tmp, step, {"step": step, "stage": self.name, "data": it.state_dict()})
 
-    def train(self) -> int:
-        from aligner.data.sampler import DataIterator
-        from aligner.tracking import MetricsLogger
-        from aligner.trainers.checkpointing import CheckpointManager
+    def load_roles(self, ckpt: Path) -> None:
+        """The role's workers load ckpt/<role>."""
+        self.group.load(str(ckpt / self.role)).get()
 
-        tr = self.cfg.trainer
-        ckpts = CheckpointManager(self.out, stage=self.name)
-        it = DataIterator(self.data.train, seed=self.cfg.data.shuffle_seed)
-        start = self.resume(ckpts, it)
-        last_saved = start if start > 0 else -1
-        logger = MetricsLogger(self.out, self.name, tr.max_steps, start_step=start, progress=tr.progress, bar_keys=self.bar_keys)
-        try:
-            preemption.stop_at_step_boundary(start, last_saved, lambda: None, str(ckpts.root))
-            for step in range(start + 1, tr.max_steps + 1):
-                metrics = self.train_step(it)
-                last = step == tr.max_steps
-                if last or (tr.eval_every and step % tr.eval_every == 0):
-                    metrics.update(self.evaluate())
-                if last:
-                    extra_metrics, _ = self._finish_once()
-                    metrics.update(extra_metrics)
-                logger.log(step, metrics)
-                if last or (tr.save_every and step % tr.save_every == 0):
-                    self.save(ckpts, step, it)
-                    last_saved = step
-                preemption.stop_at_step_boundary(step, last_saved, lambda: self.save(ckpts, step, it), str(ckpts.root))
-            self.export()
-        finally:
-            logger.close()
-        self.plot()
-        return 0
+    def state_dict(self) -> dict[str, Any]:
+        """{"step", "data": the train iterator's position}."""
+        return {"step": self.step, "data": self.it.state_dict()}
 
-    def train_step(self, it) -> dict:
-        batch = self.collate(it.next_batch(self.cfg.trainer.global_batch_size))
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the step and the data position (ValueError when the train split differs)."""
+        self.it.load_state_dict(state["data"])
+        self.step = int(state["step"])
+
+    # ---- one step ----------------------------------------------------------------------
+    def train_step(self) -> dict:
+        """One optimizer step on the next global batch: the worker's metrics, tokens/s, step time, tokens."""
+        batch = self.collate(self.it.next_batch(self.cfg.trainer.global_batch_size))
         t0 = time.perf_counter()
         stats = getattr(self.group, self.train_method)(batch).get()
         dt = time.perf_counter() - t0
@@ -293,19 +251,30 @@ class Stage:
             total += weight
         return {f"eval_{k}": v / max(total, 1e-12) for k, v in sums.items()}
 
-    def _finish_once(self) -> tuple[dict, dict]:
-        if not hasattr(self, "_finished"):
-            self._finished = self.finish()
-        return self._finished
+    def final_metrics(self) -> dict:
+        """The stage's end-of-run metrics (:meth:`final_results`)."""
+        return self._final_results_once()[0]
+
+    def _final_results_once(self) -> tuple[dict, dict]:
+        if self._final is None:
+            self._final = self.final_results()
+        return self._final
+
+    # ---- finish ------------------------------------------------------------------------
+    def finish(self) -> None:
+        """HF export, curves PNG and summary.json."""
+        self.export()
+        self.plot()
 
     def export(self) -> None:
-        """HF export (weights, config, tokenizer, stage extras) to output_dir/hf, and summary.json."""
-        _, extras = self._finish_once()
+        """HF export (weights, config, tokenizer, stage extras) to output_dir/hf."""
+        _, extras = self._final_results_once()
         t0 = time.perf_counter()
         path = first([p for p in self.group.export_hf(str(self.out / "hf"), self.tok_path, **extras).get() if p])
         log.info("%s: HF export at %s (%.1f s)", self.name, path, time.perf_counter() - t0)
 
     def plot(self) -> None:
+        """output_dir/curves.png of plot_keys, and summary.json: {"stage", "steps", **the last metrics row}."""
         from aligner.tracking import plot_curves, read_metrics
 
         png = plot_curves(self.out / "metrics.jsonl", self.out / "curves.png", self.plot_keys, title=f"{self.name} ({self.cfg.preset})")

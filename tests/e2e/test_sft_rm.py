@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from aligner.cli import load_config
-from aligner.rm import MAX_STATS_PAIRS, RMStage, default_init
-from aligner.sft import SFTStage
+from aligner.rm import MAX_STATS_PAIRS, RMTrainer, default_init
+from aligner.sft import SFTTrainer
 from aligner.tracking import read_metrics
 from tests.conftest import REPO, shared_path
 
@@ -41,8 +41,8 @@ def ray_cluster():
     shutdown_ray()
 
 
-def _run(stage_cls, stage: str, overrides: list[str]) -> int:
-    return stage_cls(load_config(stage, overrides)).run()
+def _run(trainer_cls, stage: str, overrides: list[str]) -> int:
+    return trainer_cls(load_config(stage, overrides)).run()
 
 
 def _cli(module: str, *args: str, cwd: Path = REPO, timeout: int = 600) -> tuple[subprocess.CompletedProcess, float]:
@@ -102,35 +102,36 @@ class Interrupted(Exception):
     pass
 
 
-def _interrupting(stage_cls, at_step: int):
-    class Stopper(stage_cls):
-        def save(self, ckpts, step, it):
-            super().save(ckpts, step, it)
-            if step == at_step:
-                raise Interrupted(step)
+def _interrupting(trainer_cls, at_step: int):
+    class Stopper(trainer_cls):
+        def save(self, manager):
+            path = super().save(manager)
+            if self.step == at_step:
+                raise Interrupted(self.step)
+            return path
 
     return Stopper
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "stage_cls,stage,extra,keys",
+    "trainer_cls,stage,extra,keys",
     [
-        (SFTStage, "sft", ["data.packing=true", "task.num_sft=400"], ("loss", "grad_norm", "eval_loss")),
-        (RMStage, "rm", ["task.num_pairs=300"], ("loss", "accuracy", "margin", "grad_norm", "eval_loss")),
+        (SFTTrainer, "sft", ["data.packing=true", "task.num_sft=400"], ("loss", "grad_norm", "eval_loss")),
+        (RMTrainer, "rm", ["task.num_pairs=300"], ("loss", "accuracy", "margin", "grad_norm", "eval_loss")),
     ],
 )
-def test_resume_reproduces_uninterrupted_losses(ray_cluster, tmp_path, monkeypatch, stage_cls, stage, extra, keys):
+def test_resume_reproduces_uninterrupted_losses(ray_cluster, tmp_path, monkeypatch, trainer_cls, stage, extra, keys):
     monkeypatch.chdir(tmp_path)
     common = FAST + extra + ["trainer.max_steps=6", "trainer.save_every=3", "trainer.eval_every=3",
                              "trainer.global_batch_size=32", "trainer.micro_batch_size=16"]
     full, cut = tmp_path / "full", tmp_path / "cut"
-    assert _run(stage_cls, stage, common + [f"output_dir={full}"]) == 0
+    assert _run(trainer_cls, stage, common + [f"output_dir={full}"]) == 0
     with pytest.raises(Interrupted):
-        _run(_interrupting(stage_cls, 3), stage, common + [f"output_dir={cut}"])
+        _run(_interrupting(trainer_cls, 3), stage, common + [f"output_dir={cut}"])
     assert max(_metric(cut)) == 3
     assert (cut / "checkpoints" / "latest").read_text().strip() == "step_00000003"
-    assert _run(stage_cls, stage, common + [f"output_dir={cut}", "resume=true"]) == 0
+    assert _run(trainer_cls, stage, common + [f"output_dir={cut}", "resume=true"]) == 0
     for key in keys:
         a, b = _metric(full, key), _metric(cut, key)
         assert sorted(a) == sorted(b) and len(a) >= 2, (key, a, b)
@@ -208,7 +209,7 @@ def _llama2_tiny(out: Path) -> list[str]:
 def test_sft_on_gsm8k_with_llama2_tokenizer(ray_cluster, tmp_path):
     data = shared_path("data", "gsm8k", "train.jsonl")
     out = tmp_path / "sft"
-    assert _run(SFTStage, "sft", _llama2_tiny(out) + [f"data.train_path={data}", "data.format=gsm8k", "data.packing=true"]) == 0
+    assert _run(SFTTrainer, "sft", _llama2_tiny(out) + [f"data.train_path={data}", "data.format=gsm8k", "data.packing=true"]) == 0
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     # a random 32000-way model starts near ln(32000) = 10.37 nats per response token
@@ -226,7 +227,7 @@ def test_rm_on_hh_rlhf_with_llama2_tokenizer(ray_cluster, tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     data = shared_path("data", "hh-rlhf", "harmless-base-test.jsonl")
     out = tmp_path / "rm"
-    assert _run(RMStage, "rm", _llama2_tiny(out) + [f"data.train_path={data}", "data.format=hh", "data.skip_invalid=true"]) == 0
+    assert _run(RMTrainer, "rm", _llama2_tiny(out) + [f"data.train_path={data}", "data.format=hh", "data.skip_invalid=true"]) == 0
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     # near-zero random scores: the Bradley-Terry loss starts at ln 2

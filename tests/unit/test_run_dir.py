@@ -318,21 +318,22 @@ def test_resume_with_another_max_steps_says_the_schedule_is_reshaped(tmp_path, c
 
 def test_ppo_resume_without_a_checkpoint_says_it_starts_from_step_0(tmp_path, caplog):
     """As SFT/RM do: resume=true into a dir with no complete checkpoint is logged, not silent."""
-    from aligner.ppo import train_loop
+    from aligner.trainers.loop import train
+    from aligner.trainers.ppo import PPOTrainer
 
-    class FakeTrainer:  # the loop's contract with PPOTrainer, no Ray
-        step, history = 0, []
-
-        def evaluate(self):
+    class FakePPO(PPOTrainer):  # PPOTrainer on the loop, its worker calls faked (no Ray)
+        def evaluate(self, num_prompts=None):
             return {"eval_accuracy": 0.5}
 
         def train_step(self):
             return {"score_mean": 1.0}
 
-        def save(self, manager):
+        def save_roles(self, tmp):
             pass
 
     cfg = _cfg("ppo", tmp_path / "run", "resume=true", "trainer.max_steps=1", "trainer.progress=false")
+    prompts = [{"prompt_ids": [1, 2], "prompt": "1+1="}]
     with caplog.at_level(logging.INFO, logger="aligner"):
-        train_loop(cfg, FakeTrainer())
-    assert "resume=true but" in caplog.text and "holds no complete checkpoint: starting from step 0" in caplog.text
+        train(FakePPO(cfg, None, prompts, prompts))
+    assert "ppo: resume=true but" in caplog.text and "holds no complete checkpoint: starting from step 0" in caplog.text
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1]

@@ -1,0 +1,289 @@
+"""The one training loop of every stage (SFT, RM, PPO; DPO next), as named phases.
+
+Owns :class:`Trainer` (the interface a stage implements), :func:`run` (the phases, in this
+order) and :func:`train` (the step loop, written once):
+
+    check     paths, init weights, the plan: plan_only=true prints it and returns its exit code
+              before anything is written; a layout or machine that cannot hold the run is a
+              UserError here, before Ray or any weights
+    claim     output_dir (:func:`aligner.trainers.run_dir.claim_output_dir`: fresh, resume or
+              overwrite, and the dir's lock, held to the end of the run)
+    config    output_dir/config.yaml
+    inputs    tokenizer + data (bad inputs are UserErrors)
+    start     Ray, then the SIGTERM handler (:func:`aligner.trainers.preemption.install`: after Ray,
+              whose own handler would turn SIGTERM into a crash dump), then the worker groups
+    resume    when resume=true: the latest complete checkpoint (:class:`Checkpoints`), or a log
+              line saying there is none and the run starts from step 0
+    steps     (:func:`train`) a stop if SIGTERM arrived already (nothing to save), an optional eval
+              before the first step (``Trainer.eval_before_training``, PPO), then per step: train_step -> eval every trainer.eval_every steps and at the last
+              step (plus ``Trainer.final_metrics`` at the last step) -> metrics -> checkpoint every
+              trainer.save_every steps and at the last step -> stop here if SIGTERM arrived
+              (checkpoint first unless this step's exists)
+    finish    export, plots, summary (the final eval ran with the last step: its metrics are in
+              the last step's row of metrics.jsonl)
+
+and whatever happens, in this order: the SIGTERM handler removed, the worker groups stopped,
+Ray shut down (when this run started or joined it), the output_dir lock released.
+
+The loop has one set of hooks: :class:`Checkpoints` (resume, periodic and last saves and the
+preemption save, through one :class:`aligner.trainers.checkpointing.CheckpointManager` that
+records the stage name and run id), and :class:`aligner.tracking.MetricsLogger` (metrics.jsonl,
+TensorBoard and the progress bar). A trainer only says how to take one step, evaluate, save and
+load its roles and state, and finish.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Optional
+
+from aligner.config import AlignerConfig
+from aligner.errors import UserError
+from aligner.trainers import preemption
+
+log = logging.getLogger("aligner")
+
+
+class Trainer(abc.ABC):
+    """What a stage implements to run on the loop (see the module docstring for the phases).
+
+    Attributes:
+        name: the stage (sft | rm | ppo, equal to ``cfg.stage``): log prefix, progress bar,
+            the ``stage`` recorded in checkpoints, the SIGTERM message.
+        bar_keys: metrics shown on the progress bar.
+        eval_before_training: evaluate once before the first step of a fresh run (logged as step 0).
+        step: steps finished so far (train_step runs step ``step + 1``; the loop advances it).
+        history: ``{"step", **eval metrics}`` of every evaluation this run made (PPO keeps it in
+            its checkpoints for the summary's initial/final columns).
+    """
+
+    name: str = ""
+    bar_keys: tuple[str, ...] = ("loss", "tokens_per_s")
+    eval_before_training: bool = False
+
+    def __init__(self, cfg: AlignerConfig):
+        self.cfg = cfg
+        self.out = Path(cfg.output_dir)
+        self.step = 0
+        self.history: list[dict] = []
+        self._ray = None
+
+    def run(self) -> int:
+        """The whole stage (:func:`run`); returns the exit code."""
+        return run(self)
+
+    # ---- phases ------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def check(self) -> Optional[int]:
+        """Validate before anything is written: None to go on, or the exit code to stop with (plan_only).
+
+        Raises UserError / ConfigError for a run that cannot start."""
+
+    def claim_inputs(self) -> Optional[dict[str, str]]:
+        """field -> path of what the run reads, which overwrite=true must not delete (None: every
+        configured input, :func:`aligner.trainers.run_dir.input_paths`)."""
+        return None
+
+    def claim_output_dir(self) -> AbstractContextManager:
+        """Check and lock output_dir until the block ends (:func:`aligner.trainers.run_dir.claim_output_dir`)."""
+        from aligner.trainers.run_dir import claim_output_dir
+
+        return claim_output_dir(self.cfg, self.claim_inputs())
+
+    def write_config(self) -> None:
+        """output_dir/config.yaml: the resolved config of this run."""
+        from aligner.cli import config_yaml
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.yaml").write_text(config_yaml(self.cfg))
+
+    @abc.abstractmethod
+    def load_inputs(self) -> None:
+        """Tokenizer and data (UserError for bad inputs)."""
+
+    def init_ray(self) -> None:
+        """Start or join Ray (:func:`aligner.workers.ray_runtime.init_ray` with ``cfg.cluster``)."""
+        from aligner.workers.ray_runtime import init_ray
+
+        self._ray = init_ray(self.cfg.cluster)
+
+    def shutdown_ray(self) -> None:
+        """Shut Ray down when :meth:`init_ray` started or joined it (a caller's Ray instance is left running)."""
+        from aligner.workers.ray_runtime import shutdown_ray
+
+        if self._ray is not None and self._ray.started:
+            shutdown_ray()
+        self._ray = None
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Place and start the worker groups (Ray is up)."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Shut the worker groups down and free their placement (also after a failed start)."""
+
+    @abc.abstractmethod
+    def finish(self) -> None:
+        """After the last step: export, plots, summary."""
+
+    # ---- one step ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def train_step(self) -> dict[str, float]:
+        """Run step ``self.step + 1`` (do not advance ``self.step``); return its metrics."""
+
+    @abc.abstractmethod
+    def evaluate(self) -> dict[str, float]:
+        """Held-out metrics of the current weights ({} when there is nothing to evaluate on)."""
+
+    def final_metrics(self) -> dict[str, float]:
+        """End-of-run metrics, computed once after the last step's eval and logged in its row."""
+        return {}
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def save_roles(self, tmp: Path) -> None:
+        """Each trained role's workers write model + optimizer + schedule into ``tmp/<role>``."""
+
+    @abc.abstractmethod
+    def load_roles(self, ckpt: Path) -> None:
+        """Each trained role's workers load ``ckpt/<role>``."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """The driver's state (JSON-safe): at least {"step"}, and the data position."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (ValueError when it does not fit this run's data)."""
+
+    def save(self, manager) -> Path:
+        """Checkpoint of step ``self.step``, atomically: roles, then the driver state and RNG (CheckpointManager)."""
+        tmp = manager.begin(self.step)
+        self.save_roles(tmp)
+        return manager.commit(tmp, self.step, self.state_dict())
+
+    def load(self, ckpt: Path) -> None:
+        """Restore a checkpoint written by :meth:`save`: roles, driver state, RNG states.
+
+        Raises UserError naming the checkpoint when its state does not fit this run (other data)."""
+        from aligner.trainers.checkpointing import load_trainer_state
+
+        self.load_roles(ckpt)
+        state = load_trainer_state(ckpt)
+        try:
+            self.load_state_dict(state)
+        except ValueError as e:
+            raise UserError(f"resume from {ckpt}: {e}") from None
+
+
+# ---- the hooks ---------------------------------------------------------------------------------
+class Checkpoints:
+    """The loop's checkpoint hook: resume, saves and the stop at a step boundary after SIGTERM.
+
+    One :class:`aligner.trainers.checkpointing.CheckpointManager` under output_dir/checkpoints,
+    recording ``trainer.name`` as the checkpoints' stage. ``last_saved`` is the step of the newest
+    checkpoint this run wrote or resumed from (-1: none).
+    """
+
+    def __init__(self, trainer: Trainer):
+        from aligner.trainers.checkpointing import CheckpointManager
+
+        self.trainer = trainer
+        self.manager = CheckpointManager(trainer.out, stage=trainer.name)  # records stage + run id; resume checks them
+        self.last_saved = -1
+
+    def resume(self) -> None:
+        """When resume=true: load the latest complete checkpoint and continue its run (its checkpoints
+        become this run's to prune); with none, log that the run starts from step 0."""
+        t = self.trainer
+        if not t.cfg.resume:
+            return
+        ckpt = self.manager.latest()
+        if ckpt is None:
+            log.info("%s: resume=true but %s holds no complete checkpoint: starting from step 0", t.name, self.manager.root)
+            return
+        t.load(ckpt)
+        self.manager.adopt(ckpt)
+        self.last_saved = t.step
+        log.info("%s: resumed from %s (step %d)", t.name, ckpt, t.step)
+
+    def save(self) -> None:
+        """Checkpoint the step just finished."""
+        self.trainer.save(self.manager)
+        self.last_saved = self.trainer.step
+
+    def stop_if_preempted(self) -> None:
+        """After SIGTERM: checkpoint the step just finished (unless saved) and raise Preempted."""
+        preemption.stop_at_step_boundary(self.trainer.step, self.last_saved, self.save, str(self.manager.root))
+
+
+def _every(n: int, step: int) -> bool:
+    return bool(n) and step % n == 0
+
+
+# ---- the loop ----------------------------------------------------------------------------------
+def run(trainer: Trainer) -> int:
+    """All phases of a stage, in order (module docstring); returns the exit code.
+
+    Raises UserError / ConfigError for a run that cannot start, Preempted after SIGTERM (with the
+    step's checkpoint written), and whatever a worker raised.
+    """
+    code = trainer.check()
+    if code is not None:
+        return code
+    cfg = trainer.cfg
+    with trainer.claim_output_dir():  # checked and locked until the end
+        trainer.write_config()
+        trainer.load_inputs()
+        trainer.init_ray()
+        preemption.install(trainer.name, cfg.trainer.preempt_grace_s)  # after Ray: its handler would crash on SIGTERM
+        try:
+            trainer.start()
+            train(trainer)
+            trainer.finish()
+        finally:
+            preemption.uninstall()
+            trainer.stop()
+            trainer.shutdown_ray()
+    return 0
+
+
+def train(trainer: Trainer) -> None:
+    """Resume, then step to trainer.max_steps: eval, metrics, checkpoints, SIGTERM stops (module docstring).
+
+    Metrics go to output_dir/metrics.jsonl one row per step (step 0: the eval before training);
+    a resumed run continues the file from its checkpoint's step.
+    """
+    from aligner.tracking import MetricsLogger
+
+    t = trainer.cfg.trainer
+    ckpts = Checkpoints(trainer)
+    ckpts.resume()
+    metrics = MetricsLogger(trainer.out, trainer.name, t.max_steps, start_step=trainer.step, progress=t.progress,
+                            bar_keys=trainer.bar_keys)
+    try:
+        ckpts.stop_if_preempted()
+        if trainer.eval_before_training and trainer.step == 0:
+            initial = trainer.evaluate()
+            trainer.history.append({"step": 0, **initial})
+            metrics.log(0, initial, advance=False)
+        while trainer.step < t.max_steps:
+            row = trainer.train_step()
+            trainer.step += 1
+            last = trainer.step == t.max_steps
+            if last or _every(t.eval_every, trainer.step):
+                ev = trainer.evaluate()
+                row.update(ev)
+                trainer.history.append({"step": trainer.step, **ev})
+            if last:
+                row.update(trainer.final_metrics())
+            metrics.log(trainer.step, row)
+            if last or _every(t.save_every, trainer.step):
+                ckpts.save()
+            ckpts.stop_if_preempted()
+    finally:
+        metrics.close()
