@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from aligner.config import MODEL_ROLES, PRESETS, AlignerConfig, ConfigError, roles_with_field
+from aligner.config import MODEL_ROLES, PRESETS, AlignerConfig, ConfigError, config_yaml, roles_with_field
 from aligner.errors import UserError
 from aligner.trainers.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from aligner.trainers.preemption import Preempted
@@ -161,7 +161,7 @@ def adopt_checkpoint_dims(merged, stage: str, overrides: Sequence[str]) -> None:
     role = primary_role(stage)
     init = merged[role].init
     if stage == "rm" and not init:
-        from aligner.rm import default_init
+        from aligner.trainers.rm import default_init
 
         init = default_init(merged)
     ckpt = checkpoint_model_config(init, f"{role}.init")
@@ -209,13 +209,6 @@ def check_role_checkpoints(cfg: AlignerConfig) -> None:
             raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} is invalid: must not exceed the {role} "
                               f"model's max_seq_len={ckpt.max_seq_len} ({cfg.init_field(role)}={init!r}, "
                               "config.json max_position_embeddings)")
-
-
-def config_yaml(cfg: AlignerConfig) -> str:
-    """The config as YAML text (saved beside checkpoints and printed by --cfg)."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
 def setup_logging() -> None:

@@ -681,3 +681,10 @@ def roles_with_field(name: str) -> tuple[str, ...]:
     ``"optim"`` -> ``("actor", "critic", "reward")``, ``"init"`` -> all four; ``()`` for no role's field."""
     schemas = get_type_hints(AlignerConfig)
     return tuple(r for r in MODEL_ROLES if name in {f.name for f in fields(schemas[r])})
+
+
+def config_yaml(cfg: AlignerConfig) -> str:
+    """The config as YAML text (saved beside checkpoints and printed by --cfg)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

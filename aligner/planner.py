@@ -50,6 +50,7 @@ device with gpu_mem_gb of memory.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
@@ -850,3 +851,15 @@ def check_fits(cfg: AlignerConfig) -> dict[str, LayoutEstimate]:
     except PlanError as err:
         hint = str(err)
     raise PlanError("the configured layouts do not fit the cluster:\n  " + "\n  ".join(problems) + "\n" + hint)
+
+
+def print_plan(cfg: AlignerConfig) -> int:
+    """Print the plan for cfg (stdout) and return 0, or print why nothing fits and the smallest
+    cluster that would (stderr) and return 1."""
+    try:
+        plan = make_plan(cfg)
+    except PlanError as err:
+        print(f"aligner.plan: {err}", file=sys.stderr)
+        return 1
+    print(format_plan(plan))
+    return 0

@@ -1,7 +1,7 @@
 """The one evaluator of the actor's policy: greedy responses to held-out prompts, rule-checked.
 
 Owns :func:`evaluate_greedy`, used by SFT (at its last step, logged as ``task_*``:
-:class:`aligner.sft.SFTTrainer`) and by PPO (before the first step, every
+:class:`aligner.trainers.sft.SFTTrainer`) and by PPO (before the first step, every
 ``trainer.eval_every`` steps and at the last one, logged as ``eval_*`` together with the RM
 score and the KL to the reference of the same responses: :meth:`aligner.trainers.ppo.PPOTrainer.evaluate`):
 

@@ -95,7 +95,7 @@ class Trainer(abc.ABC):
 
     def write_config(self) -> None:
         """output_dir/config.yaml: the resolved config of this run."""
-        from aligner.cli import config_yaml
+        from aligner.config import config_yaml
 
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(config_yaml(self.cfg))

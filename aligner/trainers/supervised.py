@@ -130,9 +130,9 @@ class SupervisedTrainer(Trainer):
         cfg.check_paths((self.role,))
         self.check_init()
         if cfg.plan_only:
-            from aligner.plan import main_from_config
+            from aligner.planner import print_plan
 
-            return main_from_config(cfg)
+            return print_plan(cfg)
         self.check_machine()
         return None
 

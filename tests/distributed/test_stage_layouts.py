@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 
 from aligner.cli import load_config
-from aligner.rm import RMTrainer
-from aligner.sft import SFTTrainer
 from aligner.tracking import read_metrics
+from aligner.trainers.rm import RMTrainer
+from aligner.trainers.sft import SFTTrainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

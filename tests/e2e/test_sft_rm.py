@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 from aligner.cli import load_config
-from aligner.rm import MAX_STATS_PAIRS, RMTrainer, default_init
-from aligner.sft import SFTTrainer
 from aligner.tracking import read_metrics
+from aligner.trainers.rm import MAX_STATS_PAIRS, RMTrainer, default_init
+from aligner.trainers.sft import SFTTrainer
 from tests.conftest import REPO, shared_path
 
 FAST = ["trainer.progress=false", "task.num_eval=32", "trainer.eval_batch_size=32"]

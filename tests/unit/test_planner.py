@@ -24,7 +24,6 @@ from aligner.config import (
 )
 from aligner.model.llama import build_model
 from aligner.parallel.parallelize import apply_recompute
-from aligner.plan import main_from_config
 from aligner.planner import (
     GB,
     Layout,
@@ -40,6 +39,7 @@ from aligner.planner import (
     layer_activation_bytes_per_token,
     make_plan,
     plan_role,
+    print_plan,
     role_num_parameters,
     smallest_cluster,
 )
@@ -160,7 +160,7 @@ def test_70b_on_one_node_is_rejected_with_smallest_cluster():
     assert f"{nodes} nodes x 8 GPUs" in str(err.value)
     assert "GB/GPU > 80 GB" in str(err.value)
     make_plan(dataclasses.replace(cfg, cluster=ClusterConfig(num_nodes=nodes, gpus_per_node=8, gpu_mem_gb=80)))
-    assert main_from_config(cfg) == 1
+    assert print_plan(cfg) == 1
 
 
 def test_tp_not_dividing_heads_is_rejected_with_reason():
@@ -206,7 +206,7 @@ def test_70b_plan_on_16_nodes_splits_nodes_and_prints_every_role(capsys):
         for est in rp.ranked:
             assert est.layout.devices == rp.devices and est.memory.total <= 80 * GB
     assert plan.roles["rollout"].best.memory.kv_cache > 0
-    assert main_from_config(cfg) == 0
+    assert print_plan(cfg) == 0
     out = capsys.readouterr().out
     for word in ("node split", "actor (training", "rollout (rollout engine", "critic (training", "reward (inference", "ref (inference", "rejected"):
         assert word in out

@@ -292,7 +292,7 @@ def test_a_bad_line_before_the_last_names_file_and_line(tmp_path):
 
 def _run_with_saved_config(out: Path, *overrides: str) -> Path:
     """A previous SFT run whose config.yaml is the real composed config of `overrides`."""
-    from aligner.cli import config_yaml
+    from aligner.config import config_yaml
 
     _previous_run(out)
     (out / "config.yaml").write_text(config_yaml(_cfg("sft", out, *overrides)))

@@ -1,0 +1,72 @@
+"""The SFT trainer behind `python -m aligner.sft`: supervised fine-tuning of the policy (the actor role).
+
+Owns the SFT stage on top of :mod:`aligner.trainers.supervised` (and its loop, :mod:`aligner.trainers.loop`):
+the loss is next-token NLL on response
+tokens only (prompt + response rows, or chat rows with loss on assistant turns), optional
+sequence packing (``data.packing``), the actor's tp/pp/dp layout (``actor.parallel``),
+gradient accumulation to trainer.global_batch_size, warmup + cosine LR (``actor.optim``),
+periodic validation loss, and at the end the held-out greedy accuracy on the built-in task
+(:func:`aligner.trainers.evaluation.evaluate_greedy`, the evaluator PPO uses too; logged in the
+last step's row as ``task_accuracy``, ``task_n``, ``task_mean_response_len``,
+``task_accuracy_carry`` and ``task_accuracy_no_carry``), an aligner checkpoint and an HF export
+(with the tokenizer) in ``output_dir/hf``.
+
+Only the actor role's worker group is placed (ActorWorker: training and, for the accuracy,
+its rollout engine).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aligner.config import AlignerConfig
+from aligner.trainers.supervised import SupervisedTrainer
+
+log = logging.getLogger("aligner")
+
+
+class SFTTrainer(SupervisedTrainer):
+    """Response-only NLL on the actor role; see the module docstring."""
+
+    name, role, data_kind = "sft", "actor", "sft"
+    train_method, eval_method = "sft_step", "sft_eval"
+    eval_keys = ("loss",)
+    plot_keys = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "task_accuracy")
+
+    def worker_cls(self) -> type:
+        from aligner.workers.actor import ActorWorker
+
+        return ActorWorker
+
+    def worker_kwargs(self) -> dict:
+        return {"cfg": self.cfg, "role": "actor", "total_steps": self.cfg.trainer.max_steps,
+                "eos_token_id": self.tokenizer.eos_token_id}
+
+    def collate(self, examples: list[dict]) -> dict:
+        """input_ids, attention_mask, loss_mask [B, T] (plus segment_ids, position_ids when packing)."""
+        from aligner.data.collate import collate_sft, pack_sft
+
+        if self.cfg.data.packing:
+            return pack_sft(examples, self.cfg.data.max_seq_len, self.pad_id)
+        return collate_sft(examples, self.pad_id)
+
+    def final_results(self) -> tuple[dict, dict]:
+        """Held-out greedy accuracy on the built-in task (logged as task_*); no export extras."""
+        if self.cfg.data.train_path:
+            log.info("sft: data.train_path is set: skipping the built-in task's greedy accuracy")
+            return {}, {}
+        from aligner.data.pipeline import load_data
+        from aligner.trainers.evaluation import evaluate_greedy
+
+        prompts = load_data("prompt", self.cfg.data, self.cfg.task, self.tokenizer, str(self.out)).eval
+        res = evaluate_greedy(self.group, prompts, self.tokenizer, self.cfg).metrics
+        log.info("sft: held-out greedy accuracy %.3f on %d problems (%.3f without a carry, %.3f with one; "
+                 "mean response %.1f tokens)", res["accuracy"], int(res["n"]), res.get("accuracy_no_carry", float("nan")),
+                 res.get("accuracy_carry", float("nan")), res["mean_response_len"])
+        keys = ("accuracy", "n", "mean_response_len", "accuracy_carry", "accuracy_no_carry")
+        return {f"task_{k}": res[k] for k in keys if k in res}, {}
+
+
+def run_sft(cfg: AlignerConfig) -> int:
+    """Run the SFT stage for a validated config; returns the exit code."""
+    return SFTTrainer(cfg).run()
