@@ -24,7 +24,7 @@ STAGES = ("sft", "rm", "ppo", "plan")
 ROLES = ("actor", "critic", "reward", "ref", "rollout")
 MODEL_ROLES = ("actor", "critic", "reward", "ref")  # the roles with a RoleConfig (init, parallel, resources)
 # the keys of aligner.data.formats.FORMATS, in order (config imports nothing from aligner.data, which imports
-# config; tests/unit/test_config_validation.py asserts the two agree)
+# config; tests/test_config.py asserts the two agree)
 DATA_FORMATS = ("prompt", "sft", "chat", "pairs", "hh", "gsm8k", "text", "prompt_completion", "unpaired")
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")  # advantage estimators with a per-prompt group baseline
 

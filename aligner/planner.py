@@ -320,7 +320,7 @@ def training_precision(model: ModelConfig, pc: ParallelConfig, dp: int) -> str:
 
 def layer_activation_bytes_per_token(model: ModelConfig, precision: str, tp: int, sp: bool, recompute: str, seq_len: int) -> float:
     """Bytes saved for backward per token by one decoder layer: :func:`aligner.parallel.memory.layer_activation_bytes`
-    (the one activation-memory model, measured in tests/unit/test_accounting.py) over a [1, seq_len]
+    (the one activation-memory model, measured in tests/parallel/test_memory.py) over a [1, seq_len]
     micro-batch, divided by seq_len. Under autocast it includes the layer's bf16 weight casts spread
     over the tokens. RL and RM batches are unpacked (plain causal attention, no mask)."""
     return layer_activation_bytes(LayerDims.of(model, seq_len, 1, tp), precision, sp, recompute) / seq_len

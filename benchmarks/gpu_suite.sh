@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU suite: one command for a single-GPU H100/H200 machine (PyTorch, Triton and transformers
 # preinstalled, no network, no Ray). Runs, each under its own time limit (about 9 minutes in all):
-#   1. the gpu-marked tests that need no Ray (tests/gpu; none of them imports ray);
+#   1. the gpu-marked tests that need no Ray (the gpu-marked tests; none of them imports ray);
 #   2. MFU of aligner's training step on a ~1.1B-parameter Llama in bf16 mixed precision
 #      (benchmarks/training_throughput.py --gpu: 6 * params * tokens / time / peak bf16);
 #   3. TorchEngine decode tokens/s on the same 1.1B model in bf16 against the memory-bandwidth
@@ -46,7 +46,7 @@ print(f"device: {dev}; torch {torch.__version__} (CUDA {torch.version.cuda}), tr
       f"transformers {transformers.__version__}, python {platform.python_version()}")
 EOF
   echo
-  step "gpu tests (no Ray)" 150 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider
+  step "gpu tests (no Ray)" 150 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider
   step "training MFU, ~1.1B Llama, bf16" 150 "$PY" benchmarks/training_throughput.py --gpu
   step "TorchEngine decode vs bandwidth bound and HF generate" 200 "$PY" benchmarks/generation.py --gpu
   step "single-process PPO step phases (Ray-free classes)" 90 "$PY" benchmarks/ppo_step.py --aligner-only --repeats 3

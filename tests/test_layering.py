@@ -145,3 +145,11 @@ def test_building_blocks_import_no_model(module):
             "'aligner.runtime', 'aligner.workers', 'aligner.trainers'))); print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"{module} imports {r.stdout.strip()} {r.stderr[-500:]}"
+
+
+def test_tests_mirror_the_packages():
+    """tests/<package>/test_<module>*.py: every test folder is an aligner package, so a module's test is found by its name."""
+    tests = Path(__file__).resolve().parent
+    folders = sorted(p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+    stray = [f for f in folders if not (ROOT / f / "__init__.py").exists()]
+    assert not stray, f"test folders that are not aligner packages: {stray}"

@@ -7,7 +7,7 @@ storage, parameters and layer-shared inputs excluded), and the closed forms they
 compared with: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", Table 2; :func:`korthikanti_bytes`) and the same derivation redone
 for this model (:func:`layer_activation_bytes`, the one activation-memory model: the planner
-uses it, and tests/unit/test_accounting.py checks it against measured saved bytes).
+uses it, and tests/parallel/test_memory.py checks it against measured saved bytes).
 
 Derivation for our Llama layer (elements saved per layer; s seq, b micro-batch, h hidden,
 a query heads, i SwiGLU width, t tp_size), term by term against the paper's GPT layer:

@@ -4,7 +4,7 @@ Owns: left-padded batched prefill + decode over :class:`aligner.model.llama.KVCa
 greedy / temperature / top-k / top-p sampling with per-request seeds, stop tokens,
 rollout log-probs, the HF-named weight update, tensor- and pipeline-parallel generation
 in the engine's own layout, and CUDA-graph decode on GPU (run on an H100, 2026-11-22:
-tests/gpu/test_trtllm_engine.py and benchmarks/generation.py --gpu; TP/PP engines on GPUs
+tests/rollout/test_trtllm_engine_gpu.py and benchmarks/generation.py --gpu; TP/PP engines on GPUs
 have not run, only on gloo).
 
 How a batch runs:
@@ -74,7 +74,7 @@ class TorchEngine(RolloutEngine):
         fused_decode: pack each layer's q/k/v and gate/up weights so each group runs as one GEMM
             (:func:`aligner.nn.layers.pack_linears`). None (default): on for CPU engines, off on
             CUDA, where packing (and CUDA graphs of it) has not run yet
-            (tests/gpu/test_trtllm_engine.py checks it there). Ignored for models whose layers
+            (tests/rollout/test_trtllm_engine_gpu.py checks it there). Ignored for models whose layers
             are not aligner's own (e.g. Transformer Engine modules) or that use sequence parallelism.
     The engine owns `model`: it re-lays its linear weights out in place (see :func:`_pack_weights`).
     """

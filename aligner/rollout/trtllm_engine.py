@@ -33,8 +33,8 @@ Status: NOTHING in this module has run on a GPU or against an installed tensorrt
 cannot be installed on the CPU development machine, and the H100 lent on 2026-11-22 had no
 tensorrt_llm and no network to fetch it from NVIDIA's index; its wheels exceed what can be
 carried there). build_llm_kwargs / build_sampling_kwargs
-and the call sites are checked statically by tests/unit/test_trtllm_contract.py; the end-to-end
-behaviour is exercised only by tests/gpu/test_trtllm_engine.py where the package imports.
+and the call sites are checked statically by tests/rollout/test_trtllm_engine.py; the end-to-end
+behaviour is exercised only by tests/rollout/test_trtllm_engine_gpu.py where the package imports.
 Simplification: one Python process owns the LLM; tensors handed to update_weights must live
 on that process's current CUDA device, and with tp/pp > 1 the caller must gather handles for
 every engine GPU (``update_weights_from_handles``).

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _spawn import run_distributed
+
+from tests._spawn import run_distributed
+
+pytestmark = pytest.mark.distributed
 
 TOL = 1e-5
 LAYOUTS = {  # name: (tp_train, pp_train, tp_infer, pp_infer)

@@ -2,7 +2,7 @@
 equal aligner's one activation-memory model (aligner.parallel.memory.layer_activation_bytes, the
 formula the planner uses) for each recomputation mode, MHA, GQA and MQA, and each way a layer
 computes (fp32; bf16 parameters as under FSDP2; fp32 parameters under torch.autocast as under DDP).
-TP / SP cases run in tests/distributed/test_tensor_parallel.py (same formula with t = 2)."""
+TP / SP cases run in tests/parallel/test_tensor_parallel.py (same formula with t = 2)."""
 
 from __future__ import annotations
 

@@ -15,8 +15,11 @@ import time
 
 import pytest
 import torch
-from _spawn import run_distributed
 from test_tensor_parallel import TOL, make_batch, make_dims, run_layout, tiny_cfg
+
+from tests._spawn import run_distributed
+
+pytestmark = pytest.mark.distributed
 
 PP_LAYOUTS = {
     # name: ((tp, pp, dp), model overrides, kind, run_layout keywords)

@@ -4,7 +4,7 @@ verifies the candidate, falls back to the previous complete checkpoint with a wa
 first bad file, and raises UserError (one line, naming the file) when no intact one is left.
 
 Checkpoints are real: a tiny TrainRuntime saves its dcp files into the role dir as
-tests/e2e/test_checkpoint_kill.py does, then CheckpointManager.commit writes the rest.
+tests/trainers/test_checkpointing_kill.py does, then CheckpointManager.commit writes the rest.
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 TINY = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=2, max_seq_len=16)
 CKPT_PHASES = {  # phase -> step latest() must name when killed there while saving step s (s - 1 = previous)
     "begun": -1,  # temp dir made, nothing written

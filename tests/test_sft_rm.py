@@ -29,6 +29,8 @@ from aligner.trainers.rm import MAX_STATS_PAIRS, RMTrainer, default_init
 from aligner.trainers.sft import SFTTrainer
 from tests.conftest import REPO, shared_path
 
+pytestmark = pytest.mark.e2e
+
 FAST = ["trainer.progress=false", "task.num_eval=32", "trainer.eval_batch_size=32"]
 
 

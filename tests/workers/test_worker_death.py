@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 DEADLINE_S = 30.0  # from the kill to the driver's exit
 ARGS = ["reward.type=rule", "reward.rule=digit_fraction", "actor.init=", "reward.init=", "critic.init=",

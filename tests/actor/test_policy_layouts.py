@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed._spawn import run_distributed
+from tests._spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
 

@@ -13,7 +13,7 @@ import pytest
 
 from aligner.ppo import main as ppo_main
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.e2e]
 
 BASE = [
     "actor.init=", "reward.init=", "critic.init=", "reward.type=rule", "reward.rule=digit_fraction",

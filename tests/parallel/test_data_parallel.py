@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _spawn import run_distributed
 
 from aligner.config import ModelConfig, OptimConfig, ParallelConfig
 from aligner.nn.vocab import shifted_log_probs
 from aligner.parallel.dims import ParallelDims
 from aligner.runtime.train_runtime import TrainRuntime, adamw_kwargs, build_lr_scheduler, lr_lambda
+from tests._spawn import run_distributed
+
+pytestmark = pytest.mark.distributed
 
 STEPS = 3
 CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32)

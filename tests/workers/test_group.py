@@ -22,6 +22,8 @@ from aligner.workers.dispatch import concat_results, dispatch, dispatched_method
 from aligner.workers.group import WorkerGroup, get_all
 from aligner.workers.placement import PlacementError, RoleRequest, create_placement, plan_from_config, plan_node_groups
 
+pytestmark = pytest.mark.distributed
+
 NUM_CPUS = 8
 
 

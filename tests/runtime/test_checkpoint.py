@@ -7,12 +7,14 @@ import os
 
 import pytest
 import torch
-from _spawn import run_distributed
 from test_data_parallel import OPTIM, batches, engine_run, make_engine, model_cfg
 
 from aligner.config import OptimConfig, ParallelConfig
 from aligner.parallel.dims import ParallelDims
 from aligner.runtime.train_runtime import TrainRuntime
+from tests._spawn import run_distributed
+
+pytestmark = pytest.mark.distributed
 
 
 def full_logits(engine: TrainRuntime, ids: torch.Tensor) -> torch.Tensor:
