@@ -51,9 +51,7 @@ _K3_CLAMP = 10.0  # k3 output clamp, as verl's "low_var_kl" (biases the estimate
 def _check_same_shape(ref_name: str, ref: Tensor, **others: Optional[Tensor]) -> None:
     for name, t in others.items():
         if t is not None and tuple(t.shape) != tuple(ref.shape):
-            raise ValueError(
-                f"{name} has shape {list(t.shape)}, expected {list(ref.shape)} (the shape of {ref_name})"
-            )
+            raise ValueError(f"{name} has shape {list(t.shape)}, expected {list(ref.shape)} (the shape of {ref_name})")
 
 
 def _check_ndim(name: str, t: Tensor, ndim: int, layout: str) -> None:
@@ -133,9 +131,7 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
         return var
     n = float(_float_mask(mask, x).sum())
     if n < 2:
-        raise ValueError(
-            f"mask keeps {n:g} entries: the unbiased variance needs at least 2 (or pass unbiased=False)"
-        )
+        raise ValueError(f"mask keeps {n:g} entries: the unbiased variance needs at least 2 (or pass unbiased=False)")
     return var * (n / (n - 1))
 
 
@@ -281,9 +277,7 @@ class AdaptiveKLController(FixedKLController):
 KL_CONTROLLERS = {"fixed": FixedKLController, "adaptive": AdaptiveKLController}
 
 
-def build_kl_controller(
-    kind: str, kl_coef: float, target: Optional[float] = None, horizon: Optional[float] = None
-) -> FixedKLController:
+def build_kl_controller(kind: str, kl_coef: float, target: Optional[float] = None, horizon: Optional[float] = None) -> FixedKLController:
     """Build a KL controller by name (a key of ``KL_CONTROLLERS``).
 
     Args:
@@ -353,9 +347,7 @@ def compute_token_rewards(scores: Tensor, kl: Tensor, response_mask: Tensor, kl_
     return token_rewards.detach()
 
 
-def compute_gae(
-    token_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, gae_lambda: float
-) -> tuple[Tensor, Tensor]:
+def compute_gae(token_rewards: Tensor, values: Tensor, response_mask: Tensor, gamma: float, gae_lambda: float) -> tuple[Tensor, Tensor]:
     """Generalized advantage estimation (Schulman et al. 2016, arXiv:1506.02438).
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t``; ``A_t = delta_t + gamma * lambda * A_{t+1}``,
@@ -437,9 +429,7 @@ def _group_index(batch_size: int, group_ids: Optional[Tensor], group_size: Optio
         )
     if group_size is not None:
         if group_size < 1 or batch_size % group_size:
-            raise ValueError(
-                f"group_size={group_size!r} is invalid: must be >= 1 and divide the batch size {batch_size}"
-            )
+            raise ValueError(f"group_size={group_size!r} is invalid: must be >= 1 and divide the batch size {batch_size}")
         return torch.arange(batch_size) // group_size
     if tuple(group_ids.shape) != (batch_size,) or group_ids.is_floating_point() or group_ids.dtype == torch.bool:
         raise ValueError(
@@ -616,8 +606,7 @@ def _gae_estimator(*, scores, response_mask, values=None, kl=None, kl_coef=0.0, 
     return compute_gae(token_rewards, values, response_mask, gamma, gae_lambda)
 
 
-def _grpo_estimator(*, scores, response_mask, kl=None, kl_coef=0.0, group_ids=None, group_size=None,
-                    norm_by_std=True, **_):
+def _grpo_estimator(*, scores, response_mask, kl=None, kl_coef=0.0, group_ids=None, group_size=None, norm_by_std=True, **_):
     scores = kl_shaped_scores(scores, kl, response_mask, kl_coef)
     adv = compute_grpo_advantages(scores, response_mask, group_ids, group_size, norm_by_std)
     return adv, adv
@@ -634,9 +623,7 @@ def _reinforce_pp_estimator(*, scores, response_mask, kl=None, kl_coef=0.0, gamm
     return compute_reinforce_pp_advantages(scores, kl, response_mask, kl_coef, gamma)
 
 
-def _reinforce_pp_baseline_estimator(
-    *, scores, response_mask, kl=None, kl_coef=0.0, gamma=1.0, group_ids=None, group_size=None, **_
-):
+def _reinforce_pp_baseline_estimator(*, scores, response_mask, kl=None, kl_coef=0.0, gamma=1.0, group_ids=None, group_size=None, **_):
     kl = _zeros_kl(kl, response_mask, scores.dtype)
     return compute_reinforce_pp_advantages(
         scores, kl, response_mask, kl_coef, gamma, baseline=True, group_ids=group_ids, group_size=group_size
@@ -744,7 +731,10 @@ def aggregate_loss(loss_mat: Tensor, response_mask: Tensor, loss_agg: str = "tok
 
 
 def kl_loss(
-    log_probs: Tensor, ref_log_probs: Tensor, response_mask: Tensor, estimator: str = "k3",
+    log_probs: Tensor,
+    ref_log_probs: Tensor,
+    response_mask: Tensor,
+    estimator: str = "k3",
     loss_agg: str = "token-mean",
 ) -> Tensor:
     """KL(pi || pi_ref) as a loss term, with gradient through ``log_probs``.
@@ -806,8 +796,12 @@ def policy_loss(
     """
     _check_ndim("log_probs", log_probs, 2, "[B, R]")
     _check_same_shape(
-        "log_probs", log_probs, old_log_probs=old_log_probs, advantages=advantages,
-        response_mask=response_mask, is_weights=is_weights,
+        "log_probs",
+        log_probs,
+        old_log_probs=old_log_probs,
+        advantages=advantages,
+        response_mask=response_mask,
+        is_weights=is_weights,
     )
     if not clip_eps > 0:
         raise ValueError(f"clip_eps={clip_eps!r} is invalid: must be > 0 (e.g. 0.2)")
@@ -898,9 +892,7 @@ def value_loss(
 # ----------------------------------------------------------------------------------------
 
 
-def truncated_is_weights(
-    old_log_probs: Tensor, rollout_log_probs: Tensor, response_mask: Tensor, cap: float
-) -> Tensor:
+def truncated_is_weights(old_log_probs: Tensor, rollout_log_probs: Tensor, response_mask: Tensor, cap: float) -> Tensor:
     """Truncated importance-sampling weights ``min(exp(old_log_probs - rollout_log_probs), cap)``.
 
     Corrects for the rollout engine sampling from a slightly different distribution
@@ -925,9 +917,7 @@ def truncated_is_weights(
         return weights * _float_mask(response_mask, weights)
 
 
-def rollout_mismatch_metrics(
-    rollout_log_probs: Tensor, old_log_probs: Tensor, response_mask: Tensor
-) -> dict[str, Tensor]:
+def rollout_mismatch_metrics(rollout_log_probs: Tensor, old_log_probs: Tensor, response_mask: Tensor) -> dict[str, Tensor]:
     """How far the rollout engine's log-probs are from the trainer's, over response tokens.
 
     Args:

@@ -50,8 +50,10 @@ def compose(stage: str, overrides: Sequence[str] = ()) -> omegaconf.DictConfig: 
 
     for o in overrides:
         if o.startswith(("+", "~")):
-            raise ConfigError(f"override {o!r}: adding or deleting config keys is not allowed; every field already exists "
-                              "(set it with key=value; --cfg lists the fields)")
+            raise ConfigError(
+                f"override {o!r}: adding or deleting config keys is not allowed; every field already exists "
+                "(set it with key=value; --cfg lists the fields)"
+            )
     preset = _preset_of(overrides)
     if preset not in PRESETS:
         raise ConfigError(f"conf={preset!r} is not a preset: valid choices are {', '.join(PRESETS)}")
@@ -69,8 +71,9 @@ def compose(stage: str, overrides: Sequence[str] = ()) -> omegaconf.DictConfig: 
     except (AttributeError, AssertionError) as e:  # OmegaConf merging into a None-valued Optional dataclass node
         keys = [o.split("=", 1)[0] for o in overrides if "=" in o]
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError(f"bad configuration: cannot apply {', '.join(keys)} ({type(e).__name__}: {first}); "
-                          "set model.rope_scaling in a preset YAML file") from None
+        raise ConfigError(
+            f"bad configuration: cannot apply {', '.join(keys)} ({type(e).__name__}: {first}); set model.rope_scaling in a preset YAML file"
+        ) from None
     return merged
 
 
@@ -120,9 +123,22 @@ def load_config(stage: str, overrides: Sequence[str] = ()) -> AlignerConfig:
 
 
 # ModelConfig fields a checkpoint's config.json defines (the rest: init_std, backend, dtype, are run choices)
-CHECKPOINT_DIMS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                   "head_dim", "max_seq_len", "rope_theta", "rope_scaling", "rms_norm_eps", "tie_word_embeddings",
-                   "attention_bias", "o_proj_bias")
+CHECKPOINT_DIMS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "max_seq_len",
+    "rope_theta",
+    "rope_scaling",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "attention_bias",
+    "o_proj_bias",
+)
 
 
 def primary_role(stage: str) -> str:
@@ -176,9 +192,11 @@ def adopt_checkpoint_dims(merged, stage: str, overrides: Sequence[str]) -> None:
         if _same_value(have, want):
             continue
         if f"model.{name}" in explicit:
-            raise ConfigError(f"model.{name}={have!r} conflicts with {role}.init={init!r}, whose config.json gives "
-                              f"{want!r}: the model is built from the checkpoint; drop the model.{name} override "
-                              f"or give another {role}.init")
+            raise ConfigError(
+                f"model.{name}={have!r} conflicts with {role}.init={init!r}, whose config.json gives "
+                f"{want!r}: the model is built from the checkpoint; drop the model.{name} override "
+                f"or give another {role}.init"
+            )
         merged.model[name] = getattr(ckpt, name)
 
 
@@ -206,9 +224,11 @@ def check_role_checkpoints(cfg: AlignerConfig) -> None:
             continue
         cfg.role(role).parallel.validate(f"{role}.parallel", ckpt)
         if cfg.data.max_seq_len > ckpt.max_seq_len:
-            raise ConfigError(f"data.max_seq_len={cfg.data.max_seq_len} is invalid: must not exceed the {role} "
-                              f"model's max_seq_len={ckpt.max_seq_len} ({cfg.init_field(role)}={init!r}, "
-                              "config.json max_position_embeddings)")
+            raise ConfigError(
+                f"data.max_seq_len={cfg.data.max_seq_len} is invalid: must not exceed the {role} "
+                f"model's max_seq_len={ckpt.max_seq_len} ({cfg.init_field(role)}={init!r}, "
+                "config.json max_position_embeddings)"
+            )
 
 
 def setup_logging() -> None:
@@ -227,8 +247,10 @@ def run(stage: str, main: Callable[[AlignerConfig], Optional[int]], argv: Option
     show_cfg = "--cfg" in argv
     argv = [a for a in argv if a != "--cfg"]
     if "-h" in argv or "--help" in argv:
-        print(f"usage: python -m aligner.{stage} [conf={'|'.join(PRESETS)}] [key=value ...] [--cfg]\n"
-              "Any field of the config (see --cfg) can be overridden, e.g. trainer.max_steps=10 output_dir=runs/x")
+        print(
+            f"usage: python -m aligner.{stage} [conf={'|'.join(PRESETS)}] [key=value ...] [--cfg]\n"
+            "Any field of the config (see --cfg) can be overridden, e.g. trainer.max_steps=10 output_dir=runs/x"
+        )
         return 0
     try:
         cfg = load_config(stage, argv)
@@ -249,14 +271,16 @@ def run(stage: str, main: Callable[[AlignerConfig], Optional[int]], argv: Option
         full = disk_full_path(e)
         if full is not None:  # the driver's or a worker's write: one line, no traceback
             who = f" ({e.role} rank {e.rank}, {e.method})" if isinstance(e, WorkerError) else ""
-            print(f"aligner {stage}: error: the disk is full: no space left on device writing {full}{who}; free space "
-                  "there or give another output_dir, then rerun with resume=true (the last complete checkpoint in "
-                  "output_dir is intact: saves are atomic)", file=sys.stderr)
+            print(
+                f"aligner {stage}: error: the disk is full: no space left on device writing {full}{who}; free space "
+                "there or give another output_dir, then rerun with resume=true (the last complete checkpoint in "
+                "output_dir is intact: saves are atomic)",
+                file=sys.stderr,
+            )
             return 1
         if not isinstance(e, WorkerError):
             raise
-        print(f"aligner {stage}: error: {e}\nthe last complete checkpoint in output_dir is intact: rerun with resume=true",
-              file=sys.stderr)
+        print(f"aligner {stage}: error: {e}\nthe last complete checkpoint in output_dir is intact: rerun with resume=true", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"aligner {stage}: interrupted", file=sys.stderr)

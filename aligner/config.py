@@ -174,11 +174,18 @@ class TaskConfig:
 
     def validate(self, prefix: str = "task") -> None:
         _choice(f"{prefix}.name", self.name, ("addition",))
-        _check(0 < self.min_digits <= self.max_digits <= 9, f"{prefix}.min_digits", self.min_digits, "need 0 < min_digits <= max_digits <= 9")
+        _check(
+            0 < self.min_digits <= self.max_digits <= 9, f"{prefix}.min_digits", self.min_digits, "need 0 < min_digits <= max_digits <= 9"
+        )
         _check(0.0 <= self.carry_error_rate <= 1.0, f"{prefix}.carry_error_rate", self.carry_error_rate, "must be in [0, 1]")
         for name in ("num_sft", "num_pairs", "num_rl", "num_eval"):
             _check(getattr(self, name) >= 1, f"{prefix}.{name}", getattr(self, name), "must be >= 1")
-        _check(self.tokenizer_vocab_size >= 20, f"{prefix}.tokenizer_vocab_size", self.tokenizer_vocab_size, "must be >= 20 (specials, digits and +-=)")
+        _check(
+            self.tokenizer_vocab_size >= 20,
+            f"{prefix}.tokenizer_vocab_size",
+            self.tokenizer_vocab_size,
+            "must be >= 20 (specials, digits and +-=)",
+        )
 
 
 @dataclass(kw_only=True)
@@ -363,9 +370,13 @@ class RolloutConfig:
     dtype: str = "float32"  # engine weights and KV cache: float32 | bfloat16 | float16 (refit casts)
 
     def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
-        _check(self.backend != "trtllm", f"{prefix}.backend", self.backend,
-               "TrtllmEngine is not wired into the PPO loop yet (refit into it and its weight layout are the scope of "
-               "the GPU-path issue); use rollout.backend=torch, which runs on CPU and CUDA")
+        _check(
+            self.backend != "trtllm",
+            f"{prefix}.backend",
+            self.backend,
+            "TrtllmEngine is not wired into the PPO loop yet (refit into it and its weight layout are the scope of "
+            "the GPU-path issue); use rollout.backend=torch, which runs on CPU and CUDA",
+        )
         _choice(f"{prefix}.backend", self.backend, ("torch",))
         _choice(f"{prefix}.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         self.parallel.validate(f"{prefix}.parallel", model)
@@ -442,13 +453,22 @@ class AlgorithmConfig:
             _check(self.dual_clip > 1, f"{prefix}.dual_clip", self.dual_clip, "must be > 1 (e.g. 3.0) or null")
         if self.tis_cap is not None:
             _check(self.tis_cap >= 1, f"{prefix}.tis_cap", self.tis_cap, "must be >= 1 (e.g. 2.0) or null")
-        _check(self.norm_by_std or self.advantage == "grpo", f"{prefix}.norm_by_std", self.norm_by_std,
-               f"applies to advantage=grpo only (advantage={self.advantage} has no group std): remove it")
+        _check(
+            self.norm_by_std or self.advantage == "grpo",
+            f"{prefix}.norm_by_std",
+            self.norm_by_std,
+            f"applies to advantage=grpo only (advantage={self.advantage} has no group std): remove it",
+        )
         if not self.resolved_kl_in_reward:
-            where = (f"{prefix}.kl_in_reward=false" if self.kl_in_reward is not None
-                     else f"{prefix}.kl_in_reward is false by default for advantage={self.advantage}")
-            fix = (f"the KL is not in the reward ({where}): set {prefix}.kl_coef=0 and put the KL in the loss with "
-                   f"{prefix}.kl_loss_coef (e.g. 0.04, DeepSeekMath), or set {prefix}.kl_in_reward=true")
+            where = (
+                f"{prefix}.kl_in_reward=false"
+                if self.kl_in_reward is not None
+                else f"{prefix}.kl_in_reward is false by default for advantage={self.advantage}"
+            )
+            fix = (
+                f"the KL is not in the reward ({where}): set {prefix}.kl_coef=0 and put the KL in the loss with "
+                f"{prefix}.kl_loss_coef (e.g. 0.04, DeepSeekMath), or set {prefix}.kl_in_reward=true"
+            )
             _check(self.kl_coef == 0, f"{prefix}.kl_coef", self.kl_coef, fix)
             _check(self.kl_controller == "fixed", f"{prefix}.kl_controller", self.kl_controller, fix)
 
@@ -474,12 +494,25 @@ class TrainerConfig:
     preempt_grace_s: float = 25.0  # after SIGTERM: seconds to finish the step and checkpoint (below the scheduler's grace, 30 s by default)
 
     def validate(self, prefix: str = "trainer") -> None:
-        for name in ("max_steps", "global_batch_size", "micro_batch_size", "rollout_batch_size", "n_samples_per_prompt", "mini_batch_size", "eval_batch_size", "max_nonfinite"):
+        for name in (
+            "max_steps",
+            "global_batch_size",
+            "micro_batch_size",
+            "rollout_batch_size",
+            "n_samples_per_prompt",
+            "mini_batch_size",
+            "eval_batch_size",
+            "max_nonfinite",
+        ):
             _check(getattr(self, name) >= 1, f"{prefix}.{name}", getattr(self, name), "must be >= 1")
         for name in ("save_every", "eval_every", "num_threads"):
             _check(getattr(self, name) >= 0, f"{prefix}.{name}", getattr(self, name), "must be >= 0")
-        _check(self.preempt_grace_s > 0, f"{prefix}.preempt_grace_s", self.preempt_grace_s,
-               "must be > 0 seconds (a few below the scheduler's grace period, e.g. 25)")
+        _check(
+            self.preempt_grace_s > 0,
+            f"{prefix}.preempt_grace_s",
+            self.preempt_grace_s,
+            "must be > 0 seconds (a few below the scheduler's grace period, e.g. 25)",
+        )
         _check(
             self.global_batch_size % self.micro_batch_size == 0,
             f"{prefix}.global_batch_size",
@@ -545,8 +578,12 @@ class AlignerConfig:
     def __post_init__(self) -> None:
         _choice("stage", self.stage, STAGES)
         _choice("conf", self.preset, PRESETS)
-        _check(bool(self.output_dir.strip()), "output_dir", self.output_dir,
-               "give a directory, e.g. output_dir=outputs/run1 (empty would write into the current directory)")
+        _check(
+            bool(self.output_dir.strip()),
+            "output_dir",
+            self.output_dir,
+            "give a directory, e.g. output_dir=outputs/run1 (empty would write into the current directory)",
+        )
         self.model.validate("model")
         self.data.validate("data")
         self.task.validate("task")
@@ -656,9 +693,13 @@ class AlignerConfig:
         for name in ("train_path", "eval_path"):
             path = getattr(self.data, name)
             if path and not os.path.exists(path):
-                raise ConfigError(f"data.{name}={path!r} does not exist: give an existing jsonl/json/parquet file or a saved HF dataset dir")
+                raise ConfigError(
+                    f"data.{name}={path!r} does not exist: give an existing jsonl/json/parquet file or a saved HF dataset dir"
+                )
         if self.tokenizer.path and not os.path.exists(self.tokenizer.path):
-            raise ConfigError(f"tokenizer.path={self.tokenizer.path!r} does not exist: give an HF tokenizer dir, tokenizer.json or tokenizer.model")
+            raise ConfigError(
+                f"tokenizer.path={self.tokenizer.path!r} does not exist: give an HF tokenizer dir, tokenizer.json or tokenizer.model"
+            )
         roles = self.roles_used() if roles is None else roles
         for role in sorted(roles, key=lambda r: not self.role(r).init):  # a role's own init before a fallback
             path = self.init_of(role)

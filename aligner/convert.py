@@ -48,8 +48,9 @@ def gguf_architecture(path: Path) -> str:
     except KeyError:
         raise UserError(f"{path}: GGUF metadata has no general.architecture: the file is not a model checkpoint") from None
     except (ValueError, OSError, IndexError) as e:
-        raise UserError(f"{path}: not a readable GGUF file ({type(e).__name__}: {str(e)[:120]}); it may be truncated: "
-                        "download it again") from None
+        raise UserError(
+            f"{path}: not a readable GGUF file ({type(e).__name__}: {str(e)[:120]}); it may be truncated: download it again"
+        ) from None
 
 
 def convert_gguf(path: str | Path, out_dir: str | Path) -> Path:
@@ -63,8 +64,10 @@ def convert_gguf(path: str | Path, out_dir: str | Path) -> Path:
     path = Path(path)
     arch = gguf_architecture(path)
     if arch not in FAMILY:
-        raise UserError(f"{path}: architecture {arch!r} is not supported: aligner trains the Llama family "
-                        f"({', '.join(FAMILY)}); convert a checkpoint of one of those")
+        raise UserError(
+            f"{path}: architecture {arch!r} is not supported: aligner trains the Llama family "
+            f"({', '.join(FAMILY)}); convert a checkpoint of one of those"
+        )
     model, tok = _load(path)
     with atomic_dir(out_dir) as tmp:
         _fresh_copy(model).save_pretrained(str(tmp), safe_serialization=True)
@@ -80,8 +83,10 @@ def _load(path: Path):
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     except (ValueError, NotImplementedError, KeyError, OSError) as e:
-        raise UserError(f"{path}: transformers' GGUF loader cannot read it ({type(e).__name__}: "
-                        f"{str(e).strip().splitlines()[0][:200]}): an unsupported quantization or a damaged file") from None
+        raise UserError(
+            f"{path}: transformers' GGUF loader cannot read it ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0][:200]}): an unsupported quantization or a damaged file"
+        ) from None
     if not getattr(tok, "chat_template", None):
         log.warning("%s has no chat template: chat-format data will use aligner's default template", path)
     return model, tok

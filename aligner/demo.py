@@ -52,8 +52,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     summary = json.loads((root / "ppo" / "summary.json").read_text())
     print("\n=== aligner demo: results (conf=tiny, built-in addition task) ===")
     print(ppo.summary_table(summary))
-    print("stage wall times: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in times.items())
-          + f"; total {sum(times.values()) / 60:.1f} min")
+    print(
+        "stage wall times: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in times.items()) + f"; total {sum(times.values()) / 60:.1f} min"
+    )
     print(f"reports: {root / 'ppo' / 'ppo_report.png'}, metrics: {root}/*/metrics.jsonl")
     return 0
 

@@ -271,7 +271,9 @@ def _dp_shards(pc: ParallelConfig) -> tuple[bool, bool, bool]:
     return pc.zero_stage >= 3, pc.zero_stage >= 2, pc.zero_stage >= 1
 
 
-def train_state_bytes(params: int, tensors: int, layer_params: int, pc: ParallelConfig, model: ModelConfig, dp: int) -> tuple[float, float, float]:
+def train_state_bytes(
+    params: int, tensors: int, layer_params: int, pc: ParallelConfig, model: ModelConfig, dp: int
+) -> tuple[float, float, float]:
     """(weights, grads, optimizer) bytes on one device holding `params` parameters before dp sharding.
 
     ZeRO accounting (Rajbhandari et al. 2020): mixed precision = bf16 copy 2 B + fp32 master 4 B,
@@ -341,8 +343,9 @@ def head_activation_bytes_per_token(model: ModelConfig, e: int, tp: int, sp: boo
     return norm + (4 * model.vocab_size / tp if kind == "lm" else 4)
 
 
-def train_activation_bytes(model: ModelConfig, kind: str, layout: Layout, e: int, seq_len: int, num_microbatches: int, stage: int,
-                           precision: str = "") -> float:
+def train_activation_bytes(
+    model: ModelConfig, kind: str, layout: Layout, e: int, seq_len: int, num_microbatches: int, stage: int, precision: str = ""
+) -> float:
     """Activation bytes on pipeline stage `stage` under 1F1B: min(pp - stage, m) micro-batches in flight.
 
     precision: see :func:`training_precision` ("" = fp32 for e = 4, else bf16 parameters).
@@ -351,7 +354,9 @@ def train_activation_bytes(model: ModelConfig, kind: str, layout: Layout, e: int
     precision = precision or ("fp32" if e == 4 else "bf16")
     in_flight = min(pp - stage, num_microbatches)
     layer = layer_activation_bytes(LayerDims.of(model, seq_len, b, layout.tp), precision, layout.sp, layout.recompute)
-    per_mb = layers_on_stage(model.num_layers, pp, stage) * layer + shared_activation_bytes(model, e, b, seq_len, layout.recompute, stage == 0)
+    per_mb = layers_on_stage(model.num_layers, pp, stage) * layer + shared_activation_bytes(
+        model, e, b, seq_len, layout.recompute, stage == 0
+    )
     head = head_activation_bytes_per_token(model, e, layout.tp, layout.sp, kind) * b * seq_len if stage == pp - 1 else 0
     return in_flight * per_mb + head
 
@@ -416,7 +421,9 @@ def _dp_gbps(layout: Layout, cluster: ClusterConfig) -> float:
     return cluster.intra_node_gbps if inside else cluster.inter_node_gbps
 
 
-def _pass_time(flops: float, mb: int, layers: int, colls: int, layout: Layout, model: ModelConfig, e: int, seq: int, cluster: ClusterConfig) -> tuple[float, float, float]:
+def _pass_time(
+    flops: float, mb: int, layers: int, colls: int, layout: Layout, model: ModelConfig, e: int, seq: int, cluster: ClusterConfig
+) -> tuple[float, float, float]:
     """(compute, tp comm, bubble) seconds of `mb` micro-batches through the pipeline."""
     compute = compute_seconds(flops, layout.devices, cluster)
     size = layout.micro_batch_size * seq * model.hidden_size * e
@@ -473,7 +480,9 @@ def generate_step_time(model: ModelConfig, work: RoleWork, layout: Layout, weigh
     b = layout.micro_batch_size
     kv = kv_cache_bytes(model, e, layout.tp, layout.pp, b, prompt + work.new_tokens) / 2
     hbm = getattr(cluster, "hbm_gbps", 3350.0) * GB
-    stage_s = max((weight_bytes + kv) / hbm, 2.0 * n * b / (layout.tp * layout.pp * cluster.gpu_peak_tflops * 1e12 * MODEL_FLOPS_EFFICIENCY))
+    stage_s = max(
+        (weight_bytes + kv) / hbm, 2.0 * n * b / (layout.tp * layout.pp * cluster.gpu_peak_tflops * 1e12 * MODEL_FLOPS_EFFICIENCY)
+    )
     comm = 0.0
     if layout.tp > 1:
         per = COLLECTIVE_LATENCY_S + ring_allreduce_seconds(b * model.hidden_size * e, layout.tp, cluster.intra_node_gbps)
@@ -523,14 +532,19 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
             tensors = stage_num_tensors(model, work.kind, layout.pp, stage)
             w, g, o = train_state_bytes(params, tensors, layer_local, work.parallel, model, layout.dp)
             m = work.batch // (layout.dp * layout.micro_batch_size)
-            act = train_activation_bytes(model, work.kind, layout, e, work.seq_len, m, stage,
-                                         training_precision(model, work.parallel, layout.dp))
+            act = train_activation_bytes(
+                model, work.kind, layout, e, work.seq_len, m, stage, training_precision(model, work.parallel, layout.dp)
+            )
             kv = 0.0
             grad_bytes = max(grad_bytes, params * (4 if work.parallel.mixed_precision == "bf16" else e))
         else:
             w, g, o = float(params * e), 0.0, 0.0
             act = inference_activation_bytes(model, work.kind, layout.tp, e, layout.micro_batch_size * work.seq_len, last)
-            kv = kv_cache_bytes(model, e, layout.tp, layout.pp, layout.micro_batch_size, work.seq_len + work.new_tokens) if work.mode == "generate" else 0.0
+            kv = (
+                kv_cache_bytes(model, e, layout.tp, layout.pp, layout.micro_batch_size, work.seq_len + work.new_tokens)
+                if work.mode == "generate"
+                else 0.0
+            )
         mem = MemoryBreakdown(weights=w, grads=g, optimizer=o, activations=act, kv_cache=kv, reserved=reserved)
         if best is None or mem.total > best.total:
             best = mem
@@ -544,7 +558,7 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
 
 
 def memory_problem(est: LayoutEstimate, cluster: ClusterConfig) -> Optional[str]:
-    """"needs X GB/GPU > Y GB" when the worst stage does not fit, else None."""
+    """ "needs X GB/GPU > Y GB" when the worst stage does not fit, else None."""
     if est.memory.total > cluster.gpu_mem_gb * GB:
         return f"needs {est.memory.total / GB:.1f} GB/GPU > {cluster.gpu_mem_gb:g} GB"
     return None
@@ -567,9 +581,29 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
     """What each role does per step of cfg.stage (sft: actor; rm: reward; ppo/plan: all PPO roles)."""
     t, d = cfg.trainer, cfg.data
     if cfg.stage == "sft":
-        return [RoleWork(role="actor", kind="lm", mode="train", parallel=cfg.actor.parallel, batch=t.global_batch_size, batch_field="trainer.global_batch_size", seq_len=d.max_seq_len)]
+        return [
+            RoleWork(
+                role="actor",
+                kind="lm",
+                mode="train",
+                parallel=cfg.actor.parallel,
+                batch=t.global_batch_size,
+                batch_field="trainer.global_batch_size",
+                seq_len=d.max_seq_len,
+            )
+        ]
     if cfg.stage == "rm":
-        return [RoleWork(role="reward", kind="score", mode="train", parallel=cfg.reward.parallel, batch=2 * t.global_batch_size, batch_field="2*trainer.global_batch_size", seq_len=d.max_seq_len)]
+        return [
+            RoleWork(
+                role="reward",
+                kind="score",
+                mode="train",
+                parallel=cfg.reward.parallel,
+                batch=2 * t.global_batch_size,
+                batch_field="2*trainer.global_batch_size",
+                seq_len=d.max_seq_len,
+            )
+        ]
     samples = t.rollout_batch_size * t.n_samples_per_prompt
     opt_steps = samples // t.mini_batch_size * cfg.algorithm.ppo_epochs
     new_tokens = min(cfg.rollout.sampling.max_new_tokens, d.max_seq_len - d.max_prompt_len)
@@ -578,18 +612,58 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
         c = cfg.role(name).colocate_with
         return "actor" if c in ("actor", "rollout") else ("critic" if c in ("critic", "reward") else default)
 
-    train = dict(mode="train", batch=t.mini_batch_size, batch_field="trainer.mini_batch_size", seq_len=d.max_seq_len, opt_steps=opt_steps, forward_seqs=samples)
+    train = dict(
+        mode="train",
+        batch=t.mini_batch_size,
+        batch_field="trainer.mini_batch_size",
+        seq_len=d.max_seq_len,
+        opt_steps=opt_steps,
+        forward_seqs=samples,
+    )
     works = [
         RoleWork(role="actor", kind="lm", parallel=cfg.actor.parallel, group="actor", **train),
-        RoleWork(role="rollout", kind="lm", mode="generate", parallel=cfg.rollout.parallel, batch=samples, batch_field="samples", seq_len=d.max_prompt_len, new_tokens=new_tokens, max_batch_size=cfg.rollout.max_batch_size, group="actor"),
+        RoleWork(
+            role="rollout",
+            kind="lm",
+            mode="generate",
+            parallel=cfg.rollout.parallel,
+            batch=samples,
+            batch_field="samples",
+            seq_len=d.max_prompt_len,
+            new_tokens=new_tokens,
+            max_batch_size=cfg.rollout.max_batch_size,
+            group="actor",
+        ),
     ]
     roles = cfg.roles_used()
     if "critic" in roles:
         works.append(RoleWork(role="critic", kind="score", parallel=cfg.critic.parallel, group="critic", **train))
     if "reward" in roles:
-        works.append(RoleWork(role="reward", kind="score", mode="forward", parallel=cfg.reward.parallel, batch=samples, batch_field="samples", seq_len=d.max_seq_len, group=group("reward", "critic")))
+        works.append(
+            RoleWork(
+                role="reward",
+                kind="score",
+                mode="forward",
+                parallel=cfg.reward.parallel,
+                batch=samples,
+                batch_field="samples",
+                seq_len=d.max_seq_len,
+                group=group("reward", "critic"),
+            )
+        )
     if "ref" in roles:
-        works.append(RoleWork(role="ref", kind="lm", mode="forward", parallel=cfg.ref.parallel, batch=samples, batch_field="samples", seq_len=d.max_seq_len, group=group("ref", "critic")))
+        works.append(
+            RoleWork(
+                role="ref",
+                kind="lm",
+                mode="forward",
+                parallel=cfg.ref.parallel,
+                batch=samples,
+                batch_field="samples",
+                seq_len=d.max_seq_len,
+                group=group("ref", "critic"),
+            )
+        )
     return works
 
 
@@ -648,7 +722,9 @@ def plan_role(model: ModelConfig, work: RoleWork, devices: int, cluster: Cluster
         if old is None or (r.estimate and old.estimate and r.estimate.memory.total < old.estimate.memory.total):
             closest[key] = r
     plan.ranked.sort(key=lambda x: (x.time.total_s, x.memory.total))
-    plan.rejected = sorted(closest.values(), key=lambda r: (r.estimate is None, r.estimate.time.total_s if r.estimate else 0.0, r.layout.tp, r.layout.pp))
+    plan.rejected = sorted(
+        closest.values(), key=lambda r: (r.estimate is None, r.estimate.time.total_s if r.estimate else 0.0, r.layout.tp, r.layout.pp)
+    )
     return plan
 
 
@@ -665,7 +741,9 @@ def ppo_step_seconds(roles: dict[str, RolePlan], split: bool) -> float:
     return rollout + max(_group_time(roles, "actor"), _group_time(roles, "critic"))
 
 
-def _plan_on(cfg: AlignerConfig, num_nodes: int, minimal: bool, cache: dict) -> tuple[Optional[dict[str, RolePlan]], Optional[NodeSplit], str]:
+def _plan_on(
+    cfg: AlignerConfig, num_nodes: int, minimal: bool, cache: dict
+) -> tuple[Optional[dict[str, RolePlan]], Optional[NodeSplit], str]:
     """Best role plans on `num_nodes` nodes (trying every node split), the split, or the reason none fits."""
     cluster = replace(cfg.cluster, num_nodes=num_nodes)
     g = _devices_per_node(cluster)
@@ -717,7 +795,9 @@ def smallest_cluster(cfg: AlignerConfig) -> tuple[int, int]:
         if roles is not None:
             return n, cfg.cluster.gpus_per_node
         n *= 2
-    raise PlanError(f"no cluster of up to {MAX_NODES} nodes x {cfg.cluster.gpus_per_node} GPUs x {cfg.cluster.gpu_mem_gb:g} GB fits this model")
+    raise PlanError(
+        f"no cluster of up to {MAX_NODES} nodes x {cfg.cluster.gpus_per_node} GPUs x {cfg.cluster.gpu_mem_gb:g} GB fits this model"
+    )
 
 
 def _cluster_text(nodes: int, gpus: int, mem: float) -> str:
@@ -743,7 +823,9 @@ def make_plan(cfg: AlignerConfig) -> Plan:
         step = ppo_step_seconds(roles, split)
     else:
         step = sum(p.best.time.total_s for p in roles.values())
-    return Plan(stage=cfg.stage, cluster=c, placement="split" if split else "colocated", roles=roles, node_split=node_split, step_time_s=step)
+    return Plan(
+        stage=cfg.stage, cluster=c, placement="split" if split else "colocated", roles=roles, node_split=node_split, step_time_s=step
+    )
 
 
 # --------------------------------------------------------------------------- output
@@ -823,7 +905,14 @@ def configured_layout(cfg: AlignerConfig, work: RoleWork) -> Layout:
         mbs = min(work.max_batch_size or work.batch, math.ceil(work.batch / pc.dp_size))
     else:
         mbs = min(cfg.trainer.micro_batch_size, math.ceil(work.batch / pc.dp_size))
-    return Layout(tp=pc.tp_size, pp=pc.pp_size, dp=pc.dp_size, micro_batch_size=max(1, mbs), sp=pc.sequence_parallel and pc.tp_size > 1, recompute=pc.recompute if work.mode == "train" else "none")
+    return Layout(
+        tp=pc.tp_size,
+        pp=pc.pp_size,
+        dp=pc.dp_size,
+        micro_batch_size=max(1, mbs),
+        sp=pc.sequence_parallel and pc.tp_size > 1,
+        recompute=pc.recompute if work.mode == "train" else "none",
+    )
 
 
 def check_fits(cfg: AlignerConfig) -> dict[str, LayoutEstimate]:

@@ -21,8 +21,7 @@ from typing import Any, Optional
 import torch
 
 # Per-token [B, R] float fields and per-sequence [B] fields, in the DESIGN.md vocabulary.
-TOKEN_FIELDS = ("response_mask", "rollout_log_probs", "old_log_probs", "ref_log_probs", "values", "advantages",
-                "returns", "kl")
+TOKEN_FIELDS = ("response_mask", "rollout_log_probs", "old_log_probs", "ref_log_probs", "values", "advantages", "returns", "kl")
 SEQ_FIELDS = ("scores", "rewards", "prompt_lens", "response_lens", "group_ids")
 
 

@@ -18,6 +18,7 @@ from typing import Iterable, Optional
 
 log = logging.getLogger("aligner")
 
+
 class MetricsLogger:
     """Write metrics for `stage` under `output_dir`; show a tqdm bar over `total_steps`.
 
@@ -29,8 +30,15 @@ class MetricsLogger:
         bar_keys: metric names shown on the bar.
     """
 
-    def __init__(self, output_dir: str | os.PathLike, stage: str, total_steps: int, start_step: int = 0,
-                 progress: bool = True, bar_keys: Iterable[str] = ("loss", "tokens_per_s")):
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        stage: str,
+        total_steps: int,
+        start_step: int = 0,
+        progress: bool = True,
+        bar_keys: Iterable[str] = ("loss", "tokens_per_s"),
+    ):
         from tqdm.auto import tqdm
 
         self.dir = Path(output_dir)
@@ -130,8 +138,9 @@ def _rewrite(p: Path, rows: list[dict]) -> None:
     os.replace(tmp, p)
 
 
-def plot_curves(metrics_path: str | os.PathLike, out_png: str | os.PathLike, keys: Iterable[str],
-                title: Optional[str] = None) -> Optional[Path]:
+def plot_curves(
+    metrics_path: str | os.PathLike, out_png: str | os.PathLike, keys: Iterable[str], title: Optional[str] = None
+) -> Optional[Path]:
     """PNG with one panel per metric in `keys` (those present) against step. Returns the path, or None."""
     import matplotlib
 
@@ -151,7 +160,7 @@ def plot_curves(metrics_path: str | os.PathLike, out_png: str | os.PathLike, key
         ax.set_title(k, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(keys):]:
+    for ax in list(axes.flat)[len(keys) :]:
         ax.axis("off")
     if title:
         fig.suptitle(title)

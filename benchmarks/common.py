@@ -41,8 +41,9 @@ def tiny_model_cfg(vocab_size: int = 32000, max_seq_len: int = 256, **kw):
     """The benchmark Llama: hidden 256, 4 layers, 8 heads (head_dim 32), SwiGLU 688, untied head."""
     from aligner.config import ModelConfig
 
-    base = dict(vocab_size=vocab_size, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8,
-                num_kv_heads=8, max_seq_len=max_seq_len)
+    base = dict(
+        vocab_size=vocab_size, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=8, max_seq_len=max_seq_len
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -54,10 +55,20 @@ def hf_llama(cfg, sd: dict, train: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_cfg = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_seq_len, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=False, attention_bias=False, bos_token_id=None, eos_token_id=None, pad_token_id=0,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_seq_len,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
     )
     first = next(iter(sd.values()))
     with torch.device(first.device):
@@ -80,8 +91,7 @@ def make_tokenizer(out_dir: str | Path, vocab_size: int) -> str:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                   unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>")
     fast.save_pretrained(str(out))
     return str(out)
 
@@ -159,9 +169,19 @@ class InProcessGroup:
         pass
 
 
-def ppo_config(*, advantage: str = "gae", prompts: int = 16, n_samples: int = 1, new_tokens: int = 64,
-               prompt_len: int = 32, model_cfg=None, paths: Optional[dict] = None, kl_coef: float = 0.05,
-               temperature: float = 1.0, lr: float = 1e-5):
+def ppo_config(
+    *,
+    advantage: str = "gae",
+    prompts: int = 16,
+    n_samples: int = 1,
+    new_tokens: int = 64,
+    prompt_len: int = 32,
+    model_cfg=None,
+    paths: Optional[dict] = None,
+    kl_coef: float = 0.05,
+    temperature: float = 1.0,
+    lr: float = 1e-5,
+):
     """AlignerConfig of one benchmark step: 1 epoch, one mini-batch (and one micro-batch) of every sample."""
     from aligner.config import (
         AlgorithmConfig,
@@ -182,17 +202,27 @@ def ppo_config(*, advantage: str = "gae", prompts: int = 16, n_samples: int = 1,
     optim = OptimConfig(lr=lr, warmup_steps=0, schedule="constant")
     role = lambda init="": TrainableRoleConfig(init=init, optim=optim)  # noqa: E731
     return AlignerConfig(
-        stage="ppo", model=model_cfg,
+        stage="ppo",
+        model=model_cfg,
         # a non-empty train_path marks the prompts as not the built-in task (no task-accuracy metric);
         # nothing reads it: the prompts are passed to the trainer directly
         data=DataConfig(train_path="<benchmark prompts>", max_prompt_len=prompt_len, max_seq_len=prompt_len + new_tokens),
-        trainer=TrainerConfig(max_steps=1000, rollout_batch_size=prompts, n_samples_per_prompt=n_samples,
-                              mini_batch_size=samples, micro_batch_size=samples, global_batch_size=samples,
-                              progress=False),
-        actor=role(paths.get("policy", "")), ref=RefRoleConfig(init=paths.get("policy", "")),
-        critic=role(paths.get("reward", "")), reward=RewardRoleConfig(init=paths.get("reward", ""), optim=optim),
-        rollout=RolloutConfig(sampling=SamplingConfig(temperature=temperature, max_new_tokens=new_tokens),
-                              max_batch_size=samples, cuda_graphs=True),
+        trainer=TrainerConfig(
+            max_steps=1000,
+            rollout_batch_size=prompts,
+            n_samples_per_prompt=n_samples,
+            mini_batch_size=samples,
+            micro_batch_size=samples,
+            global_batch_size=samples,
+            progress=False,
+        ),
+        actor=role(paths.get("policy", "")),
+        ref=RefRoleConfig(init=paths.get("policy", "")),
+        critic=role(paths.get("reward", "")),
+        reward=RewardRoleConfig(init=paths.get("reward", ""), optim=optim),
+        rollout=RolloutConfig(
+            sampling=SamplingConfig(temperature=temperature, max_new_tokens=new_tokens), max_batch_size=samples, cuda_graphs=True
+        ),
         algorithm=AlgorithmConfig(advantage=advantage, kl_coef=kl_coef, ppo_epochs=1, normalize_rewards=False),
     )
 
@@ -276,8 +306,9 @@ class PeerProcess:
         e = {**os.environ, **(env or {})}
         e = {k: v for k, v in e.items() if v is not None}  # None in `env`: unset for the peer
         e.pop("PYTHONPATH", None)
-        self.proc = subprocess.Popen([str(python), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, bufsize=1, env=e, cwd=str(ROOT))
+        self.proc = subprocess.Popen(
+            [str(python), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=e, cwd=str(ROOT)
+        )
         self.ready = self._read("@@READY")[1]
 
     def _read(self, tag: str) -> tuple[str, dict]:
@@ -286,7 +317,7 @@ class PeerProcess:
             if not line:
                 raise RuntimeError(f"peer exited (code {self.proc.wait()}) before {tag}")
             if line.startswith(tag):
-                rest = line[len(tag):].strip()
+                rest = line[len(tag) :].strip()
                 head, _, js = rest.partition(" ")
                 if tag == "@@READY":
                     return "", json.loads(rest or "{}")
@@ -318,8 +349,7 @@ class PeerProcess:
 
 def peer_report(tag: str, seconds: float, info: Optional[dict] = None) -> None:
     """Child side of :class:`PeerProcess`: report, then wait for "go" (exit on "stop" or EOF)."""
-    print(f"{tag} {seconds:.6f} {json.dumps(info or {})}" if tag == "@@STEP" else f"{tag} {json.dumps(info or {})}",
-          flush=True)
+    print(f"{tag} {seconds:.6f} {json.dumps(info or {})}" if tag == "@@STEP" else f"{tag} {json.dumps(info or {})}", flush=True)
     if tag == "@@STEP":
         line = sys.stdin.readline()
         if not line or line.strip() == "stop":
@@ -339,9 +369,11 @@ def env_line() -> str:
     load = os.getloadavg()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     gpu = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}), " if torch.cuda.is_available() else ""
-    return (f"{datetime.date.today().isoformat()}, {gpu}{platform.machine()} {os.cpu_count()}-core CPU, {mem:.0f} GiB, "
-            f"load {load[0]:.2f}/{load[1]:.2f}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-            f"transformers {transformers.__version__}, python {platform.python_version()}")
+    return (
+        f"{datetime.date.today().isoformat()}, {gpu}{platform.machine()} {os.cpu_count()}-core CPU, {mem:.0f} GiB, "
+        f"load {load[0]:.2f}/{load[1]:.2f}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"transformers {transformers.__version__}, python {platform.python_version()}"
+    )
 
 
 def command_line() -> str:
@@ -386,5 +418,7 @@ def alternate_and_compare(trainer, peer, repeats: int, name: str, peer_name: str
         t = median(theirs)
         print(f"TRL {peer_name} step: median {t:.2f} s")
         paired = median([o["time/step"] / x for o, x in zip(ours, theirs)])
-        print(f"ratio aligner / TRL: {a / t:.2f}x of medians, {paired:.2f}x median of per-repeat pairs "
-              f"(goal <= 0.5x: {'met' if max(a / t, paired) <= 0.5 else 'not met'})")
+        print(
+            f"ratio aligner / TRL: {a / t:.2f}x of medians, {paired:.2f}x median of per-repeat pairs "
+            f"(goal <= 0.5x: {'met' if max(a / t, paired) <= 0.5 else 'not met'})"
+        )

@@ -51,7 +51,9 @@ def time_hf(model, ids: torch.Tensor, new: int) -> float:
     _sync()
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0
+        )
     _sync()
     dt = time.perf_counter() - t0
     assert out.shape[1] == ids.shape[1] + new
@@ -87,7 +89,10 @@ def cpu_floor(engine: TorchEngine, batch: int, context: int, steps: int, repeats
     sampling or Python bookkeeping: the GEMM-and-memory floor of this machine for this model."""
     model, cfg = engine.model, engine.cfg
     dtype, hd = engine.dtype, cfg.resolved_head_dim
-    weights = [(l.self_attn.q_proj.packed[0], l.self_attn.o_proj.weight, l.mlp.gate_proj.packed[0], l.mlp.down_proj.weight) for l in model.model.layers.values()]
+    weights = [
+        (l.self_attn.q_proj.packed[0], l.self_attn.o_proj.weight, l.mlp.gate_proj.packed[0], l.mlp.down_proj.weight)
+        for l in model.model.layers.values()
+    ]
     kv = [torch.randn(batch, cfg.num_kv_heads, context, hd).to(dtype) for _ in range(2 * len(weights))]
     x = torch.randn(batch, cfg.hidden_size).to(dtype)
 
@@ -113,11 +118,16 @@ def cpu_main(args) -> None:
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1, 8] if args.quick else [1, 8, 32, 128])
     repeats = 2 if args.quick else args.repeats
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
-    cfg = ModelConfig(vocab_size=32000, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=8, max_seq_len=prompt_len + new)
+    cfg = ModelConfig(
+        vocab_size=32000, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=8, max_seq_len=prompt_len + new
+    )
     print(C.env_line())
     print(f"command: {C.command_line()}")
     print(f"prompt {prompt_len}, new {new}, greedy, repeats {repeats} (medians)")
-    print(f"{'dtype':>9} {'batch':>6} {'HF tok/s':>10} {'ours tok/s':>11} {'ratio':>6} {'floor tok/s':>12} {'ours/floor':>11} {'floor/HF':>9}", flush=True)
+    print(
+        f"{'dtype':>9} {'batch':>6} {'HF tok/s':>10} {'ours tok/s':>11} {'ratio':>6} {'floor tok/s':>12} {'ours/floor':>11} {'floor/HF':>9}",
+        flush=True,
+    )
     g = torch.Generator().manual_seed(0)
     for dtype in dtypes:
         ours = build_model(cfg, seed=0).eval().to(getattr(torch, dtype))
@@ -127,8 +137,11 @@ def cpu_main(args) -> None:
             ids = torch.randint(1, cfg.vocab_size, (b, prompt_len), generator=g)
             our_tps, hf_tps = compare(engine, hf, ids, new, repeats)
             floor = cpu_floor(engine, b, prompt_len + new // 2, new, repeats)
-            print(f"{dtype:>9} {b:>6} {hf_tps:>10.0f} {our_tps:>11.0f} {our_tps / hf_tps:>5.2f}x {floor:>12.0f} "
-                  f"{100 * our_tps / floor:>10.0f}% {floor / hf_tps:>8.2f}x", flush=True)
+            print(
+                f"{dtype:>9} {b:>6} {hf_tps:>10.0f} {our_tps:>11.0f} {our_tps / hf_tps:>5.2f}x {floor:>12.0f} "
+                f"{100 * our_tps / floor:>10.0f}% {floor / hf_tps:>8.2f}x",
+                flush=True,
+            )
         del hf
     # refit vs plain copy of the same bytes (fp32 trainer -> fp32 engine)
     engine = TorchEngine(build_model(cfg, seed=0).eval())
@@ -167,8 +180,15 @@ def gpu_main(args) -> None:
     torch.manual_seed(0)
     prompt_len, new = 128, 256
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 8, 32, 64]
-    cfg = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=32,
-                      num_kv_heads=4, max_seq_len=prompt_len + new)
+    cfg = ModelConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_layers=22,
+        num_heads=32,
+        num_kv_heads=4,
+        max_seq_len=prompt_len + new,
+    )
     model = build_model(cfg, seed=0, device="cuda").to(torch.bfloat16).eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw = copy_bandwidth()
@@ -176,8 +196,10 @@ def gpu_main(args) -> None:
     engine = TorchEngine(model, max_batch_size=max(batches), cuda_graphs=True)
     print(C.env_line())
     print(f"command: {C.command_line()}")
-    print(f"{cfg.num_parameters() / 1e9:.2f}B params, {weight_bytes / 1e9:.2f} GB of bf16 weights; copy bandwidth "
-          f"{bw / 1e9:.0f} GB/s (read + write); prompt {prompt_len}, {new} new tokens, greedy, {args.repeats} repeats")
+    print(
+        f"{cfg.num_parameters() / 1e9:.2f}B params, {weight_bytes / 1e9:.2f} GB of bf16 weights; copy bandwidth "
+        f"{bw / 1e9:.0f} GB/s (read + write); prompt {prompt_len}, {new} new tokens, greedy, {args.repeats} repeats"
+    )
     print(f"{'batch':>5} {'bound tok/s':>12} {'ours tok/s':>11} {'of bound':>9} {'HF tok/s':>9} {'ours/HF':>8}", flush=True)
     for b in batches:
         ids = torch.randint(4, cfg.vocab_size, (b, prompt_len), device="cuda")

@@ -57,8 +57,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--fixtures", default="/tmp/aligner_bench_fixtures")
     ap.add_argument("--aligner-only", action="store_true", help="no peer: aligner's phases only")
-    ap.add_argument("--peer-malloc", action="store_true",
-                    help="run the peer with the glibc malloc setting of aligner's CPU workers")
+    ap.add_argument("--peer-malloc", action="store_true", help="run the peer with the glibc malloc setting of aligner's CPU workers")
     ap.add_argument("--peer", default="", help=argparse.SUPPRESS)
     ap.add_argument("--paths", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -82,26 +81,49 @@ def trl_child(args: argparse.Namespace) -> None:
     ds = Dataset.from_dict({"prompt": [p["prompt"] for p in prompts]})
     n = args.prompts * args.samples
     cfg = GRPOConfig(
-        output_dir="/tmp/trl_grpo_bench", per_device_train_batch_size=n, gradient_accumulation_steps=1,
-        steps_per_generation=1, num_iterations=1, num_generations=args.samples, max_completion_length=args.new_tokens,
-        temperature=1.0, top_p=1.0, beta=0.0, learning_rate=1e-5, lr_scheduler_type="constant",
-        generation_kwargs={"min_new_tokens": args.new_tokens}, max_steps=10_000, report_to=[], use_cpu=True,
-        bf16=False, fp16=False, disable_tqdm=True, save_strategy="no", logging_steps=10_000, seed=0,
+        output_dir="/tmp/trl_grpo_bench",
+        per_device_train_batch_size=n,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        num_generations=args.samples,
+        max_completion_length=args.new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        beta=0.0,
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        generation_kwargs={"min_new_tokens": args.new_tokens},
+        max_steps=10_000,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=10_000,
+        seed=0,
         gradient_checkpointing=False,  # TRL defaults to True; aligner runs without recomputation here
     )
 
     class Pause(TrainerCallback):
         def on_train_begin(self, *a, **k):
-            C.peer_report("@@READY", 0.0, {"trl": __import__("trl").__version__,
-                                             "transformers": __import__("transformers").__version__})
+            C.peer_report("@@READY", 0.0, {"trl": __import__("trl").__version__, "transformers": __import__("transformers").__version__})
             self.t0 = time.perf_counter()
 
         def on_step_end(self, *a, **k):
             C.peer_report("@@STEP", time.perf_counter() - self.t0)
             self.t0 = time.perf_counter()
 
-    trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
-                          reward_processing_classes=tok, callbacks=[Pause()])
+    trainer = GRPOTrainer(
+        model=policy,
+        reward_funcs=reward,
+        args=cfg,
+        train_dataset=ds,
+        processing_class=tok,
+        reward_processing_classes=tok,
+        callbacks=[Pause()],
+    )
     trainer.train()
 
 
@@ -110,8 +132,16 @@ def build_aligner(args: argparse.Namespace, paths: dict, mc):
     from aligner.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(paths["tokenizer"])
-    cfg = C.ppo_config(advantage="grpo", prompts=args.prompts, n_samples=args.samples, new_tokens=args.new_tokens,
-                       prompt_len=args.prompt_len, model_cfg=mc, paths=paths, kl_coef=0.0)
+    cfg = C.ppo_config(
+        advantage="grpo",
+        prompts=args.prompts,
+        n_samples=args.samples,
+        new_tokens=args.new_tokens,
+        prompt_len=args.prompt_len,
+        model_cfg=mc,
+        paths=paths,
+        kl_coef=0.0,
+    )
     prompts = C.make_prompts(args.prompts * 64, args.prompt_len, mc.vocab_size)
     return C.inprocess_trainer(cfg, tok, prompts)
 
@@ -125,17 +155,35 @@ def main() -> None:
     paths = C.make_checkpoints(args.fixtures, mc)
     print(C.env_line())
     print(f"command: {C.command_line()}")
-    print(f"work: {args.prompts} prompts x {args.samples} samples, {args.prompt_len} prompt tokens, {args.new_tokens} new tokens, "
-          f"1 epoch, 1 mini-batch of {args.prompts * args.samples}, {args.repeats} repeats after 1 warm-up step each", flush=True)
+    print(
+        f"work: {args.prompts} prompts x {args.samples} samples, {args.prompt_len} prompt tokens, {args.new_tokens} new tokens, "
+        f"1 epoch, 1 mini-batch of {args.prompts * args.samples}, {args.repeats} repeats after 1 warm-up step each",
+        flush=True,
+    )
     trainer = build_aligner(args, paths, mc)
     C.timed_step(trainer)  # warm-up
     peer = None
     if not args.aligner_only:
         py = C.ensure_venv(TRL_VENV, TRL_PKGS, "from trl import GRPOTrainer")
-        peer = C.PeerProcess(py, [str(Path(__file__).resolve()), "--peer", "trl", "--paths", json.dumps(paths),
-                                  "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len),
-                                  "--new-tokens", str(args.new_tokens), "--samples", str(args.samples)],
-                              env=C.peer_env(args.peer_malloc))
+        peer = C.PeerProcess(
+            py,
+            [
+                str(Path(__file__).resolve()),
+                "--peer",
+                "trl",
+                "--paths",
+                json.dumps(paths),
+                "--prompts",
+                str(args.prompts),
+                "--prompt-len",
+                str(args.prompt_len),
+                "--new-tokens",
+                str(args.new_tokens),
+                "--samples",
+                str(args.samples),
+            ],
+            env=C.peer_env(args.peer_malloc),
+        )
         print(f"peer: trl {peer.ready.get('trl')}, transformers {peer.ready.get('transformers')}", flush=True)
         peer.first()  # warm-up
     C.alternate_and_compare(trainer, peer, args.repeats, "GRPO", "GRPOTrainer")

@@ -92,8 +92,10 @@ def main() -> None:
     unit = args.batch * args.seq * args.vocab * 4
     print(C.env_line())
     print(f"command: {C.command_line()}")
-    print(f"logits [B, T, V] = {list(shape)}; one fp32 [B, T, V] = {unit / 2**20:.0f} MiB; forward + backward; "
-          f"{args.repeats} repeats, alternating")
+    print(
+        f"logits [B, T, V] = {list(shape)}; one fp32 [B, T, V] = {unit / 2**20:.0f} MiB; forward + backward; "
+        f"{args.repeats} repeats, alternating"
+    )
     print(f"{'logits':>8} {'path':>8} {'peak MiB':>9} {'x [B,T,V] fp32':>15}")
     for dtype in ("float32", "bfloat16"):
         res: dict[str, list[int]] = {n: [] for n in PATHS}

@@ -34,8 +34,15 @@ def _measure(args, tp_group, sp: bool) -> dict:
     from aligner.parallel.parallelize import apply_recompute
     from aligner.parallel.tensor_parallel import apply_tensor_parallel
 
-    cfg = ModelConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=args.ffn, num_layers=1,
-                      num_heads=args.heads, num_kv_heads=args.kv_heads, max_seq_len=args.seq)
+    cfg = ModelConfig(
+        vocab_size=256,
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn,
+        num_layers=1,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        max_seq_len=args.seq,
+    )
     model = apply_tensor_parallel(build_model(cfg, seed=0), tp_group, sequence_parallel=sp)
     out = {}
     for mode in MODES:
@@ -86,8 +93,10 @@ def main() -> None:
         fc, fe, bc, be = tp[sp]["comm"]
         print(f"  {'SP ' if sp else 'TP '} forward: " + ", ".join(f"{k} x{fc[k]} ({fe[k] / bth:g})" for k in sorted(fc)))
         print("      fwd+bwd: " + ", ".join(f"{k} x{bc[k]} ({be[k] / bth:g})" for k in sorted(bc)))
-    print("(forward: 2 all-reduces, or all-gather + reduce-scatter of the same total volume; with SP the backward\n"
-          " re-gathers each linear input shard instead of saving the gathered input, Korthikanti et al. sec. 4.2.2)")
+    print(
+        "(forward: 2 all-reduces, or all-gather + reduce-scatter of the same total volume; with SP the backward\n"
+        " re-gathers each linear input shard instead of saving the gathered input, Korthikanti et al. sec. 4.2.2)"
+    )
 
 
 if __name__ == "__main__":

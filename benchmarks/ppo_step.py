@@ -58,8 +58,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--fixtures", default="/tmp/aligner_bench_fixtures")
     ap.add_argument("--aligner-only", action="store_true", help="no peer: aligner's phases only")
-    ap.add_argument("--peer-malloc", action="store_true",
-                    help="run the peer with the glibc malloc setting of aligner's CPU workers")
+    ap.add_argument("--peer-malloc", action="store_true", help="run the peer with the glibc malloc setting of aligner's CPU workers")
     ap.add_argument("--peer", default="", help=argparse.SUPPRESS)  # child mode: "trl"
     ap.add_argument("--paths", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -86,27 +85,51 @@ def trl_child(args: argparse.Namespace) -> None:
     prompts = C.make_prompts(args.prompts * 64, args.prompt_len, policy.config.vocab_size)
     ds = Dataset.from_dict({"input_ids": [p["prompt_ids"] for p in prompts]})
     cfg = PPOConfig(
-        output_dir="/tmp/trl_ppo_bench", per_device_train_batch_size=args.prompts, gradient_accumulation_steps=1,
-        num_mini_batches=1, num_ppo_epochs=1, local_rollout_forward_batch_size=args.prompts,
-        response_length=args.new_tokens, temperature=1.0, kl_coef=0.05, learning_rate=1e-5,
-        lr_scheduler_type="constant", total_episodes=args.prompts * 10_000, num_sample_generations=0,
-        stop_token=None, missing_eos_penalty=None, report_to=[], use_cpu=True, bf16=False, fp16=False,
-        disable_tqdm=True, save_strategy="no", logging_steps=10_000, seed=0,
+        output_dir="/tmp/trl_ppo_bench",
+        per_device_train_batch_size=args.prompts,
+        gradient_accumulation_steps=1,
+        num_mini_batches=1,
+        num_ppo_epochs=1,
+        local_rollout_forward_batch_size=args.prompts,
+        response_length=args.new_tokens,
+        temperature=1.0,
+        kl_coef=0.05,
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        total_episodes=args.prompts * 10_000,
+        num_sample_generations=0,
+        stop_token=None,
+        missing_eos_penalty=None,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=10_000,
+        seed=0,
         gradient_checkpointing=False,  # TRL defaults to True; aligner runs without recomputation here
     )
 
     class Pause(TrainerCallback):
         def on_train_begin(self, *a, **k):
-            C.peer_report("@@READY", 0.0, {"trl": __import__("trl").__version__,
-                                             "transformers": __import__("transformers").__version__})
+            C.peer_report("@@READY", 0.0, {"trl": __import__("trl").__version__, "transformers": __import__("transformers").__version__})
             self.t0 = time.perf_counter()
 
         def on_step_end(self, *a, **k):
             C.peer_report("@@STEP", time.perf_counter() - self.t0)
             self.t0 = time.perf_counter()
 
-    trainer = PPOTrainer(args=cfg, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
-                         value_model=value, train_dataset=ds, callbacks=[Pause()])
+    trainer = PPOTrainer(
+        args=cfg,
+        processing_class=tok,
+        model=policy,
+        ref_model=ref,
+        reward_model=reward,
+        value_model=value,
+        train_dataset=ds,
+        callbacks=[Pause()],
+    )
     trainer.train()
 
 
@@ -115,8 +138,7 @@ def build_aligner(args: argparse.Namespace, paths: dict, mc):
     from aligner.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(paths["tokenizer"])
-    cfg = C.ppo_config(prompts=args.prompts, new_tokens=args.new_tokens, prompt_len=args.prompt_len,
-                       model_cfg=mc, paths=paths)
+    cfg = C.ppo_config(prompts=args.prompts, new_tokens=args.new_tokens, prompt_len=args.prompt_len, model_cfg=mc, paths=paths)
     prompts = C.make_prompts(args.prompts * 64, args.prompt_len, mc.vocab_size)
     return C.inprocess_trainer(cfg, tok, prompts)
 
@@ -130,17 +152,33 @@ def main() -> None:
     paths = C.make_checkpoints(args.fixtures, mc)
     print(C.env_line())
     print(f"command: {C.command_line()}")
-    print(f"work: {args.prompts} prompts x {args.prompt_len} prompt tokens, {args.new_tokens} new tokens, "
-          f"1 epoch, 1 mini-batch of {args.prompts}, {args.repeats} repeats after 1 warm-up step each", flush=True)
+    print(
+        f"work: {args.prompts} prompts x {args.prompt_len} prompt tokens, {args.new_tokens} new tokens, "
+        f"1 epoch, 1 mini-batch of {args.prompts}, {args.repeats} repeats after 1 warm-up step each",
+        flush=True,
+    )
     trainer = build_aligner(args, paths, mc)
     C.timed_step(trainer)  # warm-up
     peer = None
     if not args.aligner_only:
         py = C.ensure_venv(TRL_VENV, TRL_PKGS, "import trl.experimental.ppo")
-        peer = C.PeerProcess(py, [str(Path(__file__).resolve()), "--peer", "trl", "--paths", json.dumps(paths),
-                                  "--prompts", str(args.prompts), "--prompt-len", str(args.prompt_len),
-                                  "--new-tokens", str(args.new_tokens)],
-                              env=C.peer_env(args.peer_malloc))
+        peer = C.PeerProcess(
+            py,
+            [
+                str(Path(__file__).resolve()),
+                "--peer",
+                "trl",
+                "--paths",
+                json.dumps(paths),
+                "--prompts",
+                str(args.prompts),
+                "--prompt-len",
+                str(args.prompt_len),
+                "--new-tokens",
+                str(args.new_tokens),
+            ],
+            env=C.peer_env(args.peer_malloc),
+        )
         print(f"peer: trl {peer.ready.get('trl')}, transformers {peer.ready.get('transformers')}", flush=True)
         peer.first()  # warm-up
     C.alternate_and_compare(trainer, peer, args.repeats, "PPO", "PPOTrainer")

@@ -54,8 +54,10 @@ def plot(by_batch: dict, by_len: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, data, idx, label in ((axes[0], by_batch, 0, "rollout_batch_size (prompts)"),
-                                 (axes[1], by_len, 1, "response length (new tokens)")):
+    for ax, data, idx, label in (
+        (axes[0], by_batch, 0, "rollout_batch_size (prompts)"),
+        (axes[1], by_len, 1, "response length (new tokens)"),
+    ):
         xs = sorted(data, key=lambda p: p[idx])
         x = [p[idx] for p in xs]
         for k in ("step", "generate", "inference", "train"):

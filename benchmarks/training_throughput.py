@@ -80,8 +80,20 @@ def cpu_compare(args) -> None:
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
     tmp = tempfile.TemporaryDirectory()
     save_file(sd, f"{tmp.name}/model.safetensors")
-    peer = C.PeerProcess(Path(sys.executable), [str(Path(__file__).resolve()), "--peer", "hf", "--sd", f"{tmp.name}/model.safetensors",
-                                                "--batch", str(args.batch), "--seq", str(args.seq)])
+    peer = C.PeerProcess(
+        Path(sys.executable),
+        [
+            str(Path(__file__).resolve()),
+            "--peer",
+            "hf",
+            "--sd",
+            f"{tmp.name}/model.safetensors",
+            "--batch",
+            str(args.batch),
+            "--seq",
+            str(args.seq),
+        ],
+    )
 
     def ours() -> float:
         t0 = time.perf_counter()
@@ -93,8 +105,11 @@ def cpu_compare(args) -> None:
 
     print(C.env_line())
     print(f"command: {C.command_line()}")
-    print(f"model: hidden 256, 4 layers, 8 heads, vocab {mc.vocab_size}, {mc.num_parameters() / 1e6:.1f}M params; "
-          f"batch {args.batch} x {args.seq} tokens, fp32, {args.repeats} repeats after 1 warm-up each", flush=True)
+    print(
+        f"model: hidden 256, 4 layers, 8 heads, vocab {mc.vocab_size}, {mc.num_parameters() / 1e6:.1f}M params; "
+        f"batch {args.batch} x {args.seq} tokens, fp32, {args.repeats} repeats after 1 warm-up each",
+        flush=True,
+    )
     ours(), peer.first()  # warm-up: the peer's first step runs as soon as it is ready
     a, b = [], []
     try:
@@ -122,8 +137,16 @@ def gpu_mfu(args) -> None:
 
     # ~1.1B parameters: Llama shape (TinyLlama-1.1B dims, GQA 32/4 heads), vocab 32000. The policy
     # places itself on the GPU (ParallelDims.device) and its runner moves the batch there.
-    mc = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=32,
-                     num_kv_heads=4, max_seq_len=args.seq, dtype="float32")
+    mc = ModelConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_layers=22,
+        num_heads=32,
+        num_kv_heads=4,
+        max_seq_len=args.seq,
+        dtype="float32",
+    )
     pol = policy(mc, ParallelConfig(mixed_precision="bf16"))
     assert pol.runtime.device.type == "cuda", pol.runtime.device
     ids = torch.randint(4, mc.vocab_size, (args.batch, args.seq))
@@ -143,10 +166,14 @@ def gpu_mfu(args) -> None:
     mfu = 6 * params * tokens / t / (args.peak_tflops * 1e12)
     print(C.env_line())
     print(f"command: {C.command_line()}")
-    print(f"model {params / 1e9:.2f}B params, batch {args.batch} x {args.seq}, micro {args.micro}, bf16 mixed precision "
-          f"(fp32 master weights), loss {stats['loss']:.3f}, peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-    print(f"training step median {t:.3f} s, {tokens / t:,.0f} tok/s, MFU {100 * mfu:.1f}% "
-          f"(6 * params * tokens / time / {args.peak_tflops} TFLOP/s; attention FLOPs not counted)")
+    print(
+        f"model {params / 1e9:.2f}B params, batch {args.batch} x {args.seq}, micro {args.micro}, bf16 mixed precision "
+        f"(fp32 master weights), loss {stats['loss']:.3f}, peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+    )
+    print(
+        f"training step median {t:.3f} s, {tokens / t:,.0f} tok/s, MFU {100 * mfu:.1f}% "
+        f"(6 * params * tokens / time / {args.peak_tflops} TFLOP/s; attention FLOPs not counted)"
+    )
 
 
 def main() -> None:

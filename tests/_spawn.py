@@ -34,8 +34,12 @@ def free_port() -> int:
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: Sequence, results) -> None:
     os.environ.update(
-        OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     import torch
     import torch.distributed as dist

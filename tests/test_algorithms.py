@@ -344,8 +344,14 @@ def test_advantage_registry_shared_contract():
     torch.manual_seed(6)
     mask = _ragged_mask([3, 2, 3, 1], 3)
     kwargs = dict(
-        scores=torch.randn(4), response_mask=mask, values=torch.randn(4, 3), kl=torch.rand(4, 3),
-        kl_coef=0.1, gamma=1.0, gae_lambda=0.95, group_size=2,
+        scores=torch.randn(4),
+        response_mask=mask,
+        values=torch.randn(4, 3),
+        kl=torch.rand(4, 3),
+        kl_coef=0.1,
+        gamma=1.0,
+        gae_lambda=0.95,
+        group_size=2,
     )
     for name in alg.ADVANTAGE_ESTIMATORS:
         adv, ret = alg.get_advantage_estimator(name)(**kwargs)
@@ -393,8 +399,15 @@ def test_kl_coef_changes_the_advantages_of_every_estimator(name):
     """Issue 16: GRPO and RLOO ignored the KL; every estimator must apply the KL in the reward."""
     torch.manual_seed(1)
     mask = _ragged_mask([4, 2, 3, 4, 1, 4], 4)
-    kwargs = dict(scores=torch.randn(6), response_mask=mask, values=torch.randn(6, 4), kl=torch.rand(6, 4) * mask,
-                  gamma=1.0, gae_lambda=0.95, group_size=3)
+    kwargs = dict(
+        scores=torch.randn(6),
+        response_mask=mask,
+        values=torch.randn(6, 4),
+        kl=torch.rand(6, 4) * mask,
+        gamma=1.0,
+        gae_lambda=0.95,
+        group_size=3,
+    )
     estimator = alg.get_advantage_estimator(name)
     without, _ = estimator(**kwargs, kl_coef=0.0)
     with_kl, _ = estimator(**kwargs, kl_coef=0.5)
@@ -508,8 +521,9 @@ def test_aggregate_loss_is_exact_over_parts(mode):
     loss_mat = torch.randn(6, 5)
     mask = _ragged_mask([5, 0, 2, 4, 1, 3], 5)
     whole = alg.aggregate_loss(loss_mat, mask, mode)
-    parts = sum(alg.aggregate_loss(loss_mat[i:i + 2], mask[i:i + 2], mode) * alg.loss_agg_count(mask[i:i + 2], mode)
-                for i in (0, 2, 4))
+    parts = sum(
+        alg.aggregate_loss(loss_mat[i : i + 2], mask[i : i + 2], mode) * alg.loss_agg_count(mask[i : i + 2], mode) for i in (0, 2, 4)
+    )
     torch.testing.assert_close(parts / alg.loss_agg_count(mask, mode), whole)
 
 
@@ -548,8 +562,6 @@ def test_value_loss_ignores_padding():
     values, old_values = _t([1.0, 100.0]), _t([1.0, -100.0])
     loss, _ = alg.value_loss(values, old_values, _t([3.0, 0.0]), _t([1.0, 0.0]), value_clip_eps=0.2)
     assert loss.item() == pytest.approx(0.5 * 4.0)
-
-
 
 
 # ---------------------------------------------------------------------------------------

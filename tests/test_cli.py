@@ -45,19 +45,47 @@ def _write(path: Path, lines: list) -> Path:
 # ---- data files ------------------------------------------------------------------------
 # (id, format, kind, rows, line of the error, words of the message)
 DATA_CASES = [
-    ("prompt_invalid_json", "prompt", "prompt", [{"prompt": "1+1="}, '{"prompt": "2+2=",'], 2, ["invalid JSON", "one JSON object per line"]),
+    (
+        "prompt_invalid_json",
+        "prompt",
+        "prompt",
+        [{"prompt": "1+1="}, '{"prompt": "2+2=",'],
+        2,
+        ["invalid JSON", "one JSON object per line"],
+    ),
     ("prompt_missing_field", "prompt", "prompt", [{"question": "1+1="}], 1, ["field 'prompt' is missing"]),
     ("prompt_not_object", "prompt", "prompt", [{"prompt": "a"}, ["a", "b"]], 2, ["row must be a JSON object", "list"]),
-    ("prompt_non_utf8", "prompt", "prompt", [{"prompt": "a"}, {"prompt": "b"}, b'{"prompt": "\xff\xfe"}'], 3, ["not valid UTF-8", "re-encode"]),
+    (
+        "prompt_non_utf8",
+        "prompt",
+        "prompt",
+        [{"prompt": "a"}, {"prompt": "b"}, b'{"prompt": "\xff\xfe"}'],
+        3,
+        ["not valid UTF-8", "re-encode"],
+    ),
     ("sft_wrong_type", "sft", "sft", [{"prompt": "1+1=", "response": 2}], 1, ["field 'response' must be a string", "int"]),
-    ("sft_empty_text", "sft", "sft", [{"prompt": "1+1=", "response": "2"}, {"prompt": "1+2=", "response": "   "}], 2, ["field 'response' is empty"]),
+    (
+        "sft_empty_text",
+        "sft",
+        "sft",
+        [{"prompt": "1+1=", "response": "2"}, {"prompt": "1+2=", "response": "   "}],
+        2,
+        ["field 'response' is empty"],
+    ),
     ("sft_missing_response", "sft", "sft", [{"prompt": "1+1=", "answer": "2"}], 1, ["field 'response' is missing"]),
     ("chat_bad_role", "chat", "sft", [{"messages": [{"role": "bot", "content": "x"}]}], 1, ["messages[0].role", "system, user, assistant"]),
     ("chat_missing_content", "chat", "sft", [{"messages": [{"role": "user"}]}], 1, ["messages[0]", "field 'content' is missing"]),
     ("chat_not_list", "chat", "sft", [{"messages": "hello"}], 1, ["field 'messages' must be a non-empty list"]),
     ("chat_no_assistant_for_sft", "chat", "sft", [{"messages": [{"role": "user", "content": "hi"}]}], 1, ["no response", "assistant"]),
     ("pairs_missing_rejected", "pairs", "pairs", [{"prompt": "p", "chosen": "a"}], 1, ["field 'rejected' is missing"]),
-    ("pairs_wrong_type", "pairs", "pairs", [{"prompt": "p", "chosen": ["a"], "rejected": "b"}], 1, ["field 'chosen' must be a string", "list"]),
+    (
+        "pairs_wrong_type",
+        "pairs",
+        "pairs",
+        [{"prompt": "p", "chosen": ["a"], "rejected": "b"}],
+        1,
+        ["field 'chosen' must be a string", "list"],
+    ),
     ("hh_not_dialogue", "hh", "pairs", [{"chosen": "just text", "rejected": "other"}], 1, ["field 'chosen'", "not an Anthropic HH row"]),
     ("hh_prompts_differ", "hh", "pairs", [{"chosen": HH + "a", "rejected": "\n\nHuman: yo\n\nAssistant: b"}], 1, ["do not share"]),
     ("hh_empty_answer", "hh", "pairs", [{"chosen": HH + "ok", "rejected": HH + "  "}], 1, ["'rejected'", "empty final assistant turn"]),
@@ -122,8 +150,9 @@ def test_tokenizer_missing_path(tmp_path):
         load_tokenizer(str(tmp_path / "nope"))
 
 
-@pytest.mark.parametrize("name,content", [("tokenizer.json", '{"not": "a tokenizer"}'), ("tokenizer.model", "{json pretending}"),
-                                          ("weights.bin", "binary")])
+@pytest.mark.parametrize(
+    "name,content", [("tokenizer.json", '{"not": "a tokenizer"}'), ("tokenizer.model", "{json pretending}"), ("weights.bin", "binary")]
+)
 def test_not_a_tokenizer(tmp_path, name, content):
     from aligner.data.tokenizer import load_tokenizer
 
@@ -212,8 +241,18 @@ def _corrupt(kind: str, d: Path) -> tuple[Path, list[str]]:
     raise AssertionError(kind)
 
 
-CKPT_CASES = ["missing_config", "config_not_json", "config_missing_field", "missing_weights", "truncated_safetensors",
-              "corrupted_header", "wrong_shape", "other_model_size", "bad_index_json", "index_missing_shard"]
+CKPT_CASES = [
+    "missing_config",
+    "config_not_json",
+    "config_missing_field",
+    "missing_weights",
+    "truncated_safetensors",
+    "corrupted_header",
+    "wrong_shape",
+    "other_model_size",
+    "bad_index_json",
+    "index_missing_shard",
+]
 
 
 @pytest.mark.parametrize("kind", CKPT_CASES)
@@ -262,11 +301,14 @@ def _engine(**model_kw):
     return TrainRuntime(ModelConfig(**{**TINY, **model_kw}), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=10)
 
 
-@pytest.mark.parametrize("kind,words", [
-    ("other_size", ["has model.hidden_size=16 but this model has 32", "same model config"]),
-    ("no_meta", ["has no meta.json", "not a complete aligner checkpoint"]),
-    ("missing_dir", ["has no meta.json"]),
-])
+@pytest.mark.parametrize(
+    "kind,words",
+    [
+        ("other_size", ["has model.hidden_size=16 but this model has 32", "same model config"]),
+        ("no_meta", ["has no meta.json", "not a complete aligner checkpoint"]),
+        ("missing_dir", ["has no meta.json"]),
+    ],
+)
 def test_bad_aligner_checkpoint(tmp_path, kind, words):
     eng = _engine()
     ckpt = tmp_path / "ckpt"
@@ -284,14 +326,17 @@ def test_bad_aligner_checkpoint(tmp_path, kind, words):
 
 
 # ---- configs (library) -----------------------------------------------------------------
-@pytest.mark.parametrize("overrides,words", [
-    (["conf=llama5"], ["conf='llama5' is not a preset", "tiny, llama2_7b, llama2_13b, llama2_70b"]),
-    (["actor.parallel.tp_size=3"], ["actor.parallel.tp_size=3", "must divide model.num_heads=4"]),
-    (["actor.optim.lr=-0.001"], ["actor.optim.lr=-0.001", "must be positive"]),
-    (["algorithm.advantage=dpo"], ["algorithm.advantage='dpo'", "gae, grpo, rloo, reinforce_pp"]),
-    (["rollout.backend=vllm"], ["rollout.backend='vllm'", "valid choices are torch"]),
-    (["model.backend=jax"], ["model.backend='jax'", "torch, te"]),
-])
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["conf=llama5"], ["conf='llama5' is not a preset", "tiny, llama2_7b, llama2_13b, llama2_70b"]),
+        (["actor.parallel.tp_size=3"], ["actor.parallel.tp_size=3", "must divide model.num_heads=4"]),
+        (["actor.optim.lr=-0.001"], ["actor.optim.lr=-0.001", "must be positive"]),
+        (["algorithm.advantage=dpo"], ["algorithm.advantage='dpo'", "gae, grpo, rloo, reinforce_pp"]),
+        (["rollout.backend=vllm"], ["rollout.backend='vllm'", "valid choices are torch"]),
+        (["model.backend=jax"], ["model.backend='jax'", "torch, te"]),
+    ],
+)
 def test_bad_config(overrides, words):
     from aligner.cli import load_config
 
@@ -303,8 +348,18 @@ def test_bad_config(overrides, words):
 
 # ---- through the command line (each ~5-10 s) ---------------------------------------------
 def _ppo(tmp_path: Path, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    base = ["reward.type=rule", "reward.rule=digit_fraction", "actor.init=", "reward.init=", "critic.init=",
-            "task.num_sft=50", "task.num_pairs=50", "task.num_rl=50", "task.num_eval=8", f"output_dir={tmp_path / 'out'}"]
+    base = [
+        "reward.type=rule",
+        "reward.rule=digit_fraction",
+        "actor.init=",
+        "reward.init=",
+        "critic.init=",
+        "task.num_sft=50",
+        "task.num_pairs=50",
+        "task.num_rl=50",
+        "task.num_eval=8",
+        f"output_dir={tmp_path / 'out'}",
+    ]
     return subprocess.run([sys.executable, "-m", "aligner.ppo", *base, *args], capture_output=True, text=True, timeout=timeout)
 
 
@@ -340,7 +395,15 @@ def test_cli_not_a_tokenizer(tmp_path):
 
 @pytest.mark.slow
 def test_cli_tokenizer_larger_than_model_vocab(tmp_path):
-    proc = _ppo(tmp_path, "model.vocab_size=16", "task.tokenizer_vocab_size=64", "trainer.max_steps=1",
-                "trainer.rollout_batch_size=8", "trainer.mini_batch_size=8", "trainer.micro_batch_size=8", timeout=120)
+    proc = _ppo(
+        tmp_path,
+        "model.vocab_size=16",
+        "task.tokenizer_vocab_size=64",
+        "trainer.max_steps=1",
+        "trainer.rollout_batch_size=8",
+        "trainer.mini_batch_size=8",
+        "trainer.micro_batch_size=8",
+        timeout=120,
+    )
     line = _one_line_exit_2(proc)
     assert "model.vocab_size=16 is smaller than the tokenizer's" in line, line

@@ -61,15 +61,27 @@ CASES = [
     (["actor.parallel.dp_backend=horovod"], "actor.parallel.dp_backend", "'horovod'", "fsdp2, ddp, deepspeed"),
     (["actor.parallel.mixed_precision=fp8"], "actor.parallel.mixed_precision", "'fp8'", "fp32, bf16"),
     (["actor.parallel.zero_stage=5"], "actor.parallel.zero_stage", "5", "0, 1, 2, 3"),
-    (["actor.parallel.dp_backend=deepspeed", "actor.parallel.tp_size=2"], "actor.parallel.dp_backend", "'deepspeed'",
-     "tp_size = pp_size = 1"),
+    (
+        ["actor.parallel.dp_backend=deepspeed", "actor.parallel.tp_size=2"],
+        "actor.parallel.dp_backend",
+        "'deepspeed'",
+        "tp_size = pp_size = 1",
+    ),
     (["actor.parallel.tp_size=3"], "actor.parallel.tp_size", "3", "must divide model.num_heads=4; valid: 1, 2, 4"),
-    (["model.num_heads=6", "model.num_kv_heads=3", "model.head_dim=32", "critic.parallel.tp_size=2"],
-     "critic.parallel.tp_size", "2", "must divide or be a multiple of model.num_kv_heads=3"),
+    (
+        ["model.num_heads=6", "model.num_kv_heads=3", "model.head_dim=32", "critic.parallel.tp_size=2"],
+        "critic.parallel.tp_size",
+        "2",
+        "must divide or be a multiple of model.num_kv_heads=3",
+    ),
     (["model.intermediate_size=351", "actor.parallel.tp_size=2"], "actor.parallel.tp_size", "2", "model.intermediate_size=351"),
     (["actor.parallel.pp_size=5"], "actor.parallel.pp_size", "5", "cannot exceed model.num_layers=4"),
-    (["actor.parallel.pp_size=2", "actor.parallel.pp_layer_split=[1,1]"], "actor.parallel.pp_layer_split", "[1, 1]",
-     "summing to model.num_layers=4"),
+    (
+        ["actor.parallel.pp_size=2", "actor.parallel.pp_layer_split=[1,1]"],
+        "actor.parallel.pp_layer_split",
+        "[1, 1]",
+        "summing to model.num_layers=4",
+    ),
     (["reward.type=magic"], "reward.type", "'magic'", "model, rule"),
     (["actor.resources.num_nodes=0"], "actor.resources.num_nodes", "0", ">= 1"),
     (["actor.resources.gpus_per_node=-1"], "actor.resources.gpus_per_node", "-1", ">= 0"),
@@ -89,11 +101,19 @@ CASES = [
     (["algorithm.kl_loss_coef=-0.1"], "algorithm.kl_loss_coef", "-0.1", ">= 0"),
     (["algorithm.norm_by_std=false"], "algorithm.norm_by_std", "False", "applies to advantage=grpo only"),
     # a KL coefficient that nothing applies is refused (issue 16: GRPO/RLOO silently dropped it)
-    (["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=4"], "algorithm.kl_coef", "0.2",
-     "false by default for advantage=grpo): set algorithm.kl_coef=0 and put the KL in the loss with algorithm.kl_loss_coef"),
+    (
+        ["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=4"],
+        "algorithm.kl_coef",
+        "0.2",
+        "false by default for advantage=grpo): set algorithm.kl_coef=0 and put the KL in the loss with algorithm.kl_loss_coef",
+    ),
     (["algorithm.kl_in_reward=false"], "algorithm.kl_coef", "0.2", "algorithm.kl_in_reward=false"),
-    (["algorithm.kl_in_reward=false", "algorithm.kl_coef=0", "algorithm.kl_controller=adaptive"],
-     "algorithm.kl_controller", "'adaptive'", "the KL is not in the reward"),
+    (
+        ["algorithm.kl_in_reward=false", "algorithm.kl_coef=0", "algorithm.kl_controller=adaptive"],
+        "algorithm.kl_controller",
+        "'adaptive'",
+        "the KL is not in the reward",
+    ),
     (["algorithm.kl_estimator=k2"], "algorithm.kl_estimator", "'k2'", "k1, k3, abs, mse"),
     (["algorithm.kl_controller=pid"], "algorithm.kl_controller", "'pid'", "fixed, adaptive"),
     (["algorithm.gamma=2"], "algorithm.gamma", "2.0", "[0, 1]"),
@@ -104,15 +124,26 @@ CASES = [
     (["algorithm.dual_clip=0.5"], "algorithm.dual_clip", "0.5", "> 1 (e.g. 3.0) or null"),
     (["algorithm.tis_cap=0.5"], "algorithm.tis_cap", "0.5", ">= 1 (e.g. 2.0) or null"),
     (["algorithm.advantage=grpo", "algorithm.kl_coef=0"], "trainer.n_samples_per_prompt", "1", "grpo needs >= 2 samples"),
-    (["algorithm.advantage=reinforce_pp_baseline"], "trainer.n_samples_per_prompt", "1",
-     "reinforce_pp_baseline needs >= 2 samples"),
+    (["algorithm.advantage=reinforce_pp_baseline"], "trainer.n_samples_per_prompt", "1", "reinforce_pp_baseline needs >= 2 samples"),
     # checks that used to fail late, in a worker (issue 21)
-    (["algorithm.advantage=rloo", "trainer.n_samples_per_prompt=4", "rollout.sampling.temperature=0"],
-     "rollout.sampling.temperature", "0.0", "zero advantages and trains nothing"),
-    (["rollout.sampling.max_new_tokens=100"], "rollout.sampling.max_new_tokens", "100",
-     "data.max_prompt_len=16 + max_new_tokens must not exceed model.max_seq_len=64: lower it to 48"),
-    (["conf=llama2_7b", "cluster.gpus_per_node=0"], "cluster.gpus_per_node", "0",
-     "conf=llama2_7b runs its roles on GPUs (actor.resources.gpus_per_node=8)"),
+    (
+        ["algorithm.advantage=rloo", "trainer.n_samples_per_prompt=4", "rollout.sampling.temperature=0"],
+        "rollout.sampling.temperature",
+        "0.0",
+        "zero advantages and trains nothing",
+    ),
+    (
+        ["rollout.sampling.max_new_tokens=100"],
+        "rollout.sampling.max_new_tokens",
+        "100",
+        "data.max_prompt_len=16 + max_new_tokens must not exceed model.max_seq_len=64: lower it to 48",
+    ),
+    (
+        ["conf=llama2_7b", "cluster.gpus_per_node=0"],
+        "cluster.gpus_per_node",
+        "0",
+        "conf=llama2_7b runs its roles on GPUs (actor.resources.gpus_per_node=8)",
+    ),
     (["output_dir="], "output_dir", "''", "empty would write into the current directory"),
     (["trainer.preempt_grace_s=0"], "trainer.preempt_grace_s", "0.0", "must be > 0 seconds"),
     (["trainer.max_steps=0"], "trainer.max_steps", "0", ">= 1"),
@@ -176,10 +207,13 @@ def test_rope_scaling_override_is_a_config_error(override):
         load_config("ppo", [override])
 
 
-@pytest.mark.parametrize("overrides,words", [
-    (["actor.optim.lrr=1"], ["actor.optim.lrr", "no such config field"]),
-    (["trainer.max_steps=abc"], ["trainer.max_steps", "abc"]),
-])
+@pytest.mark.parametrize(
+    "overrides,words",
+    [
+        (["actor.optim.lrr=1"], ["actor.optim.lrr", "no such config field"]),
+        (["trainer.max_steps=abc"], ["trainer.max_steps", "abc"]),
+    ],
+)
 def test_unknown_key_and_wrong_type_are_config_errors(overrides, words):
     with pytest.raises(ConfigError) as e:
         load_config("ppo", overrides)
@@ -187,15 +221,18 @@ def test_unknown_key_and_wrong_type_are_config_errors(overrides, words):
         assert w in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("field,value,words", [
-    ("data.train_path", "/nonexistent/train.jsonl", ["jsonl/json/parquet"]),
-    ("data.eval_path", "/nonexistent/eval.jsonl", ["jsonl/json/parquet"]),
-    ("tokenizer.path", "/nonexistent/tok", ["HF tokenizer dir"]),
-    ("actor.init", "/nonexistent/sft", ["aligner checkpoint dir or an HF model dir", "python -m aligner.sft"]),
-    ("critic.init", "/nonexistent/rm", ["HF model dir"]),
-    ("reward.init", "/nonexistent/rm", ["HF model dir"]),
-    ("ref.init", "/nonexistent/ref", ["HF model dir"]),
-])
+@pytest.mark.parametrize(
+    "field,value,words",
+    [
+        ("data.train_path", "/nonexistent/train.jsonl", ["jsonl/json/parquet"]),
+        ("data.eval_path", "/nonexistent/eval.jsonl", ["jsonl/json/parquet"]),
+        ("tokenizer.path", "/nonexistent/tok", ["HF tokenizer dir"]),
+        ("actor.init", "/nonexistent/sft", ["aligner checkpoint dir or an HF model dir", "python -m aligner.sft"]),
+        ("critic.init", "/nonexistent/rm", ["HF model dir"]),
+        ("reward.init", "/nonexistent/rm", ["HF model dir"]),
+        ("ref.init", "/nonexistent/ref", ["HF model dir"]),
+    ],
+)
 def test_check_paths_names_field_and_path(field, value, words):
     cfg = load_config("ppo", ["actor.init=", "critic.init=", "reward.init=", f"{field}={value}"])
     with pytest.raises(ConfigError) as e:
@@ -205,11 +242,13 @@ def test_check_paths_names_field_and_path(field, value, words):
         assert w in str(e.value)
 
 
-@pytest.mark.parametrize("arg,field", [("conf=nope", "conf='nope'"), ("actor.optim.lr=-1", "actor.optim.lr=-1.0"),
-                                       ("actor.type=rule", "'actor.type'")])
+@pytest.mark.parametrize(
+    "arg,field", [("conf=nope", "conf='nope'"), ("actor.optim.lr=-1", "actor.optim.lr=-1.0"), ("actor.type=rule", "'actor.type'")]
+)
 def test_cli_config_error_is_one_line_exit_2(arg, field, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "aligner.ppo", "conf=tiny", arg, f"output_dir={tmp_path}/out"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "aligner.ppo", "conf=tiny", arg, f"output_dir={tmp_path}/out"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -234,10 +273,15 @@ def test_role_schema_has_only_the_fields_its_role_uses(role):
     assert isinstance(cfg.role(role), RoleConfig)
 
 
-@pytest.mark.parametrize("override,owners", [
-    (f"{role}.{name}={value}", "reward only")
-    for role in ("actor", "critic", "ref") for name, value in (("type", "rule"), ("rule", "digit_fraction"))
-] + [("ref.optim.lr=1e-5", "actor, critic, reward only")])
+@pytest.mark.parametrize(
+    "override,owners",
+    [
+        (f"{role}.{name}={value}", "reward only")
+        for role in ("actor", "critic", "ref")
+        for name, value in (("type", "rule"), ("rule", "digit_fraction"))
+    ]
+    + [("ref.optim.lr=1e-5", "actor, critic, reward only")],
+)
 def test_field_of_another_role_is_an_unknown_key(override, owners):
     key = override.split("=")[0]
     name = key.split(".")[1]

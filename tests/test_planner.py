@@ -124,7 +124,9 @@ def measured_activation_bytes(recompute: str, batch: int, seq: int) -> int:
 def test_activation_estimate_within_20_percent_of_saved_tensors(recompute):
     batch, seq = 2, 48
     measured = measured_activation_bytes(recompute, batch, seq)
-    est = estimate_layout(TINY, tiny_work(seq, batch), Layout(tp=1, pp=1, dp=1, micro_batch_size=batch, recompute=recompute), ClusterConfig())
+    est = estimate_layout(
+        TINY, tiny_work(seq, batch), Layout(tp=1, pp=1, dp=1, micro_batch_size=batch, recompute=recompute), ClusterConfig()
+    )
     assert abs(est.memory.activations - measured) <= 0.2 * measured, (est.memory.activations, measured)
 
 
@@ -208,7 +210,15 @@ def test_70b_plan_on_16_nodes_splits_nodes_and_prints_every_role(capsys):
     assert plan.roles["rollout"].best.memory.kv_cache > 0
     assert print_plan(cfg) == 0
     out = capsys.readouterr().out
-    for word in ("node split", "actor (training", "rollout (rollout engine", "critic (training", "reward (inference", "ref (inference", "rejected"):
+    for word in (
+        "node split",
+        "actor (training",
+        "rollout (rollout engine",
+        "critic (training",
+        "reward (inference",
+        "ref (inference",
+        "rejected",
+    ):
         assert word in out
     assert out.strip() == format_plan(plan).strip()
 
@@ -219,7 +229,12 @@ def test_check_fits_names_the_role_and_what_it_lacks():
         check_fits(cfg)  # tp = pp = dp = 1 with 13B under fp32-master Adam: about 210 GB
     assert "actor: tp=1 pp=1 dp=1" in str(err.value) and "GB/GPU > 80 GB" in str(err.value)
     assert "the planner suggests" in str(err.value)
-    good = dataclasses.replace(cfg, actor=TrainableRoleConfig(parallel=ParallelConfig(tp_size=8, pp_size=2, sequence_parallel=True, recompute="selective", mixed_precision="bf16")))
+    good = dataclasses.replace(
+        cfg,
+        actor=TrainableRoleConfig(
+            parallel=ParallelConfig(tp_size=8, pp_size=2, sequence_parallel=True, recompute="selective", mixed_precision="bf16")
+        ),
+    )
     fits = check_fits(good)
     assert isinstance(fits["actor"], LayoutEstimate) and fits["actor"].memory.total < 80 * GB
 

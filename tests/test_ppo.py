@@ -16,9 +16,19 @@ from aligner.ppo import main as ppo_main
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.e2e]
 
 BASE = [
-    "actor.init=", "reward.init=", "critic.init=", "reward.type=rule", "reward.rule=digit_fraction",
-    "trainer.rollout_batch_size=16", "trainer.mini_batch_size=16", "trainer.micro_batch_size=8",
-    "trainer.eval_every=0", "trainer.progress=false", "task.num_eval=32", "task.num_sft=200", "task.num_pairs=200",
+    "actor.init=",
+    "reward.init=",
+    "critic.init=",
+    "reward.type=rule",
+    "reward.rule=digit_fraction",
+    "trainer.rollout_batch_size=16",
+    "trainer.mini_batch_size=16",
+    "trainer.micro_batch_size=8",
+    "trainer.eval_every=0",
+    "trainer.progress=false",
+    "task.num_eval=32",
+    "task.num_sft=200",
+    "task.num_pairs=200",
 ]
 TIMING = ("time/", "weight_version")  # wall times, and the engine's refit counter (restarts with the process)
 
@@ -61,13 +71,22 @@ def test_split_placement_tp2_actor_two_steps_and_resume(tmp_path):
     assert comparable(resumed[-1]) == comparable(full[-1])
 
 
-@pytest.mark.parametrize("advantage,kl", [
-    ("grpo", ["algorithm.kl_coef=0", "algorithm.kl_loss_coef=0.05"]),  # KL as a loss term (DeepSeekMath)
-    ("rloo", ["algorithm.kl_coef=0.2"]),  # KL in the reward (TRL RLOO, OpenRLHF)
-])
+@pytest.mark.parametrize(
+    "advantage,kl",
+    [
+        ("grpo", ["algorithm.kl_coef=0", "algorithm.kl_loss_coef=0.05"]),  # KL as a loss term (DeepSeekMath)
+        ("rloo", ["algorithm.kl_coef=0.2"]),  # KL in the reward (TRL RLOO, OpenRLHF)
+    ],
+)
 def test_critic_free_estimators_two_steps(tmp_path, advantage, kl):
-    ms = run(tmp_path, f"algorithm.advantage={advantage}", "trainer.n_samples_per_prompt=4", "trainer.rollout_batch_size=4",
-             "trainer.max_steps=2", *kl)
+    ms = run(
+        tmp_path,
+        f"algorithm.advantage={advantage}",
+        "trainer.n_samples_per_prompt=4",
+        "trainer.rollout_batch_size=4",
+        "trainer.max_steps=2",
+        *kl,
+    )
     steps = [m for m in ms if m["step"] > 0]
     assert len(steps) == 2
     assert all("value_loss" not in m for m in steps)  # no critic group
@@ -81,8 +100,16 @@ def test_critic_free_estimators_two_steps(tmp_path, advantage, kl):
 
 def test_reward_rises(tmp_path):
     """A seeded run: the dense digit_fraction reward rises by at least 0.15 within 15 steps."""
-    ms = run(tmp_path, "trainer.max_steps=15", "actor.optim.lr=3e-3", "critic.optim.lr=3e-3", "trainer.rollout_batch_size=32",
-             "trainer.mini_batch_size=16", "algorithm.kl_coef=0.0", "algorithm.entropy_coef=0.0")
+    ms = run(
+        tmp_path,
+        "trainer.max_steps=15",
+        "actor.optim.lr=3e-3",
+        "critic.optim.lr=3e-3",
+        "trainer.rollout_batch_size=32",
+        "trainer.mini_batch_size=16",
+        "algorithm.kl_coef=0.0",
+        "algorithm.entropy_coef=0.0",
+    )
     scores = [m["score_mean"] for m in ms if "score_mean" in m]
     first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
     assert last - first >= 0.15, scores

@@ -30,8 +30,11 @@ def _jsonl(path, rows) -> str:
 
 
 def test_pairs_with_chosen_equal_to_rejected_are_skipped_and_counted(tmp_path, caplog):
-    rows = [{"prompt": "1+2=", "chosen": "3", "rejected": "4"}, {"prompt": "1+1=", "chosen": "2", "rejected": "2"},
-            {"prompt": "2+2=", "chosen": "4", "rejected": "5"}]
+    rows = [
+        {"prompt": "1+2=", "chosen": "3", "rejected": "4"},
+        {"prompt": "1+1=", "chosen": "2", "rejected": "2"},
+        {"prompt": "2+2=", "chosen": "4", "rejected": "5"},
+    ]
     path = _jsonl(tmp_path / "pairs.jsonl", rows)
     with caplog.at_level(logging.WARNING, logger="aligner.data"):
         res = load_records(path, "auto", "pairs")
@@ -49,9 +52,9 @@ def test_hub_repository_layout_loads_its_train_parquet_files(tmp_path):
     (repo / "data").mkdir(parents=True)
     (repo / "README.md").write_text("# a dataset card")
     datasets.Dataset.from_list([{"prompt": f"{i}+1=", "response": str(i + 1)} for i in range(3)]).to_parquet(
-        str(repo / "data" / "train-00000-of-00001.parquet"))
-    datasets.Dataset.from_list([{"prompt": "9+9=", "response": "18"}]).to_parquet(
-        str(repo / "data" / "test-00000-of-00001.parquet"))
+        str(repo / "data" / "train-00000-of-00001.parquet")
+    )
+    datasets.Dataset.from_list([{"prompt": "9+9=", "response": "18"}]).to_parquet(str(repo / "data" / "test-00000-of-00001.parquet"))
     res = load_records(str(repo), "auto", "sft")
     assert [r["prompt"] for r in res.records] == ["0+1=", "1+1=", "2+1="]
     assert res.records[0]["source"].endswith("train-00000-of-00001.parquet:1")
@@ -67,16 +70,14 @@ def test_a_dataset_too_small_to_hold_out_says_there_is_no_held_out_split(tmp_pat
     tok = load_tokenizer(build_task_tokenizer(TaskConfig(tokenizer_vocab_size=128), str(tmp_path / "tok")))
     path = _jsonl(tmp_path / "one.jsonl", [{"prompt": "1+2=", "response": "3"}])
     with caplog.at_level(logging.WARNING, logger="aligner.data"):
-        splits = load_data("sft", DataConfig(train_path=path, max_prompt_len=8, max_seq_len=16), TaskConfig(), tok,
-                           str(tmp_path))
+        splits = load_data("sft", DataConfig(train_path=path, max_prompt_len=8, max_seq_len=16), TaskConfig(), tok, str(tmp_path))
     assert len(splits.train) == 1 and splits.eval == []
     assert "no held-out split" in caplog.text
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_exported_weights_follow_the_umask(tmp_path, umask):
-    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
-                      max_seq_len=16)
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2, max_seq_len=16)
     old = os.umask(umask)
     try:
         out = save_hf(build_model(cfg, seed=0).state_dict(), cfg, tmp_path / "hf")
@@ -125,8 +126,12 @@ def test_sft_on_a_machine_too_small_for_its_workers_stops_before_ray(tmp_path):
     import sys
 
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "aligner.sft", "conf=tiny", "actor.resources.cpus_per_worker=512",
-                           f"output_dir={out}"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "aligner.sft", "conf=tiny", "actor.resources.cpus_per_worker=512", f"output_dir={out}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("aligner sft")]
     assert len(lines) == 1 and "this machine cannot hold the run (512 CPU" in lines[0], proc.stderr[-2000:]

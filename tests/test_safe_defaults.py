@@ -60,15 +60,24 @@ def test_no_pickle_or_unsafe_loaders():
                 names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
                 if any(n.split(".")[0] in ("pickle", "dill", "cloudpickle", "marshal", "shelve") for n in names):
                     bad.append(f"{path.name}:{node.lineno}")
-    bad += [w for w, c in _calls("load") if isinstance(c.func, ast.Attribute) and getattr(c.func.value, "id", "") in ("yaml", "np", "numpy")
-            and _kw(c, "allow_pickle") is not False and getattr(c.func.value, "id", "") != "yaml"]
+    bad += [
+        w
+        for w, c in _calls("load")
+        if isinstance(c.func, ast.Attribute)
+        and getattr(c.func.value, "id", "") in ("yaml", "np", "numpy")
+        and _kw(c, "allow_pickle") is not False
+        and getattr(c.func.value, "id", "") != "yaml"
+    ]
     bad += [w for name in ("eval", "exec") for w, c in _calls(name) if isinstance(c.func, ast.Name)]
     assert not bad, f"unsafe deserialization or eval at {bad}"
 
 
 def test_trust_remote_code_is_never_true():
-    sites = [(w, _kw(c, "trust_remote_code")) for name in ("from_pretrained", "load_tokenizer", "AutoTokenizer", "AutoConfig")
-             for w, c in _calls(name)]
+    sites = [
+        (w, _kw(c, "trust_remote_code"))
+        for name in ("from_pretrained", "load_tokenizer", "AutoTokenizer", "AutoConfig")
+        for w, c in _calls(name)
+    ]
     bad = [w for w, v in sites if v is not None and not (isinstance(v, ast.Constant) and v.value is False)]
     assert not bad, f"trust_remote_code not literally False at {bad}"
     for path in SOURCES:  # any other spelling (kwargs dicts, attribute sets)
@@ -139,7 +148,9 @@ def test_pickled_code_in_pytorch_model_bin_is_not_run(tmp_path):
 
     marker = tmp_path / "pwned"
     (tmp_path / "m").mkdir()
-    torch.save({"w": torch.zeros(2), "x": _Payload(str(marker))}, tmp_path / "m" / "pytorch_model.bin", pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    torch.save(
+        {"w": torch.zeros(2), "x": _Payload(str(marker))}, tmp_path / "m" / "pytorch_model.bin", pickle_protocol=pickle.HIGHEST_PROTOCOL
+    )
     with pytest.raises(CheckpointError, match=r"pytorch_model.bin: cannot load with weights_only=True"):
         load_hf_state_dict(tmp_path / "m")
     assert not marker.exists(), "unpickling ran code from the checkpoint"

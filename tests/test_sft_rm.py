@@ -125,8 +125,17 @@ def _interrupting(trainer_cls, at_step: int):
 )
 def test_resume_reproduces_uninterrupted_losses(ray_cluster, tmp_path, monkeypatch, trainer_cls, stage, extra, keys):
     monkeypatch.chdir(tmp_path)
-    common = FAST + extra + ["trainer.max_steps=6", "trainer.save_every=3", "trainer.eval_every=3",
-                             "trainer.global_batch_size=32", "trainer.micro_batch_size=16"]
+    common = (
+        FAST
+        + extra
+        + [
+            "trainer.max_steps=6",
+            "trainer.save_every=3",
+            "trainer.eval_every=3",
+            "trainer.global_batch_size=32",
+            "trainer.micro_batch_size=16",
+        ]
+    )
     full, cut = tmp_path / "full", tmp_path / "cut"
     assert _run(trainer_cls, stage, common + [f"output_dir={full}"]) == 0
     with pytest.raises(Interrupted):
@@ -200,11 +209,23 @@ def test_tiny_demo_acceptance(tmp_path):
 # ---- real data ---------------------------------------------------------------------------------
 def _llama2_tiny(out: Path) -> list[str]:
     tok = shared_path("data", "tokenizers", "llama2", "tokenizer.model")
-    return FAST + [f"output_dir={out}", f"tokenizer.path={tok}", "model.vocab_size=32000", "model.hidden_size=64",
-                   "model.intermediate_size=128", "model.num_layers=2", "model.max_seq_len=256",
-                   "data.max_prompt_len=128", "data.max_seq_len=192", "data.truncation=left",
-                   "trainer.max_steps=3", "trainer.global_batch_size=8", "trainer.micro_batch_size=4",
-                   "trainer.eval_batch_size=64", "data.eval_fraction=0.01"]
+    return FAST + [
+        f"output_dir={out}",
+        f"tokenizer.path={tok}",
+        "model.vocab_size=32000",
+        "model.hidden_size=64",
+        "model.intermediate_size=128",
+        "model.num_layers=2",
+        "model.max_seq_len=256",
+        "data.max_prompt_len=128",
+        "data.max_seq_len=192",
+        "data.truncation=left",
+        "trainer.max_steps=3",
+        "trainer.global_batch_size=8",
+        "trainer.micro_batch_size=4",
+        "trainer.eval_batch_size=64",
+        "data.eval_fraction=0.01",
+    ]
 
 
 @pytest.mark.slow

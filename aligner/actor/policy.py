@@ -30,8 +30,16 @@ from aligner.runtime.runner import from_last_stage
 class Policy(RoleModel):
     """A causal LM role. See RoleModel for the constructor arguments (kind is "lm")."""
 
-    def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, optim: OptimConfig, dims: ParallelDims,
-                 total_steps: int = 1, init: str = "", seed: int = 0):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        parallel: ParallelConfig,
+        optim: OptimConfig,
+        dims: ParallelDims,
+        total_steps: int = 1,
+        init: str = "",
+        seed: int = 0,
+    ):
         super().__init__(model_cfg, "lm", parallel, optim, dims, total_steps, init, seed)
 
     def _token_log_probs(self, logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -55,6 +63,7 @@ class Policy(RoleModel):
     # ---- inference ------------------------------------------------------------------
     def log_probs(self, batch: dict[str, torch.Tensor], micro_batch_size: int, temperature: float = 1.0) -> torch.Tensor:
         """batch: input_ids [B, T], prompt_lens [B], response_mask [B, R] -> log_probs [B, R] fp32 (0 where masked)."""
+
         def out(logits, mb):  # logits [b, R, V/tp] at the response positions
             lp = vocab_parallel_log_probs(logits, mb["labels"], self.tp_group, self.vocab_start, temperature)
             return lp * mb["response_mask"]
@@ -64,9 +73,9 @@ class Policy(RoleModel):
 
     def sequence_log_probs(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
         """batch: input_ids [B, T] -> next-token log_probs [B, T-1] fp32 (all positions)."""
-        return self.runner.forward({"input_ids": batch["input_ids"]},
-                                   lambda logits, mb: self._token_log_probs(logits, mb["input_ids"], 1.0),
-                                   micro_batch_size)
+        return self.runner.forward(
+            {"input_ids": batch["input_ids"]}, lambda logits, mb: self._token_log_probs(logits, mb["input_ids"], 1.0), micro_batch_size
+        )
 
     # ---- SFT ----------------------------------------------------------------------
     def sft_step(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> dict[str, float]:
@@ -85,8 +94,13 @@ class Policy(RoleModel):
 
         stats = self.runner.train_step(batch, loss_fn, micro_batch_size)
         tokens = norm * self.dims.dp_size
-        return {"loss": self.dp_mean(stats["loss"] * norm, float(target.sum())), "tokens": tokens,
-                "grad_norm": stats["grad_norm"], "lr": stats["lr"], "skipped": stats.get("skipped", 0.0)}
+        return {
+            "loss": self.dp_mean(stats["loss"] * norm, float(target.sum())),
+            "tokens": tokens,
+            "grad_norm": stats["grad_norm"],
+            "lr": stats["lr"],
+            "skipped": stats.get("skipped", 0.0),
+        }
 
     @torch.no_grad()
     def sft_eval(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> dict[str, float]:
@@ -97,8 +111,9 @@ class Policy(RoleModel):
         return {"loss": self.dp_mean(local, count), "tokens": self.normalizer(count) * self.dims.dp_size}
 
     # ---- PPO ----------------------------------------------------------------------
-    def ppo_step(self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig, micro_batch_size: int,
-                 temperature: float = 1.0) -> dict[str, float]:
+    def ppo_step(
+        self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig, micro_batch_size: int, temperature: float = 1.0
+    ) -> dict[str, float]:
         """One optimizer step of the clipped policy loss over this rank's share of a mini-batch.
 
         batch: input_ids [B, T], prompt_lens [B], response_mask [B, R], old_log_probs [B, R],
@@ -122,15 +137,24 @@ class Policy(RoleModel):
 
         def loss_fn(logits, mb):  # logits [b, R, V/tp] at the response positions
             mask = mb["response_mask"]
-            lp, ent_tok = vocab_parallel_log_probs_entropy(logits, mb["labels"], self.tp_group, self.vocab_start,
-                                                           temperature, entropy_grad=algo.entropy_coef > 0)
+            lp, ent_tok = vocab_parallel_log_probs_entropy(
+                logits, mb["labels"], self.tp_group, self.vocab_start, temperature, entropy_grad=algo.entropy_coef > 0
+            )
             lp = lp * mask
             weights = None
             if algo.tis_cap is not None:
                 weights = alg.truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"], mask, algo.tis_cap)
-            loss, m = alg.policy_loss(lp, mb["old_log_probs"], mb["advantages"], mask, algo.clip_eps,
-                                      clip_eps_high=algo.clip_eps_high, dual_clip=algo.dual_clip, loss_agg=mode,
-                                      is_weights=weights)
+            loss, m = alg.policy_loss(
+                lp,
+                mb["old_log_probs"],
+                mb["advantages"],
+                mask,
+                algo.clip_eps,
+                clip_eps_high=algo.clip_eps_high,
+                dual_clip=algo.dual_clip,
+                loss_agg=mode,
+                is_weights=weights,
+            )
             count, tokens = alg.loss_agg_count(mask, mode), mask.sum()
             entropy = alg.aggregate_loss(ent_tok, mask, mode)
             total = loss * count

@@ -21,16 +21,24 @@ from aligner.runtime.runner import from_last_stage
 class Critic(RoleModel):
     """A scalar-head role (kind "score") used as the value function."""
 
-    def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, optim: OptimConfig, dims: ParallelDims,
-                 total_steps: int = 1, init: str = "", seed: int = 0):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        parallel: ParallelConfig,
+        optim: OptimConfig,
+        dims: ParallelDims,
+        total_steps: int = 1,
+        init: str = "",
+        seed: int = 0,
+    ):
         super().__init__(model_cfg, "score", parallel, optim, dims, total_steps, init, seed)
 
     def values(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
         """batch: input_ids [B, T], prompt_lens [B], response_mask [B, R] -> values [B, R] fp32."""
         keys = ("input_ids", "prompt_lens", "response_mask")
-        return self.runner.forward({k: batch[k] for k in keys},
-                                   lambda v, mb: values_to_response(v, mb["prompt_lens"], mb["response_mask"]),
-                                   micro_batch_size)
+        return self.runner.forward(
+            {k: batch[k] for k in keys}, lambda v, mb: values_to_response(v, mb["prompt_lens"], mb["response_mask"]), micro_batch_size
+        )
 
     def value_step(self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig, micro_batch_size: int) -> dict[str, float]:
         """One optimizer step of the clipped value loss.
@@ -53,4 +61,9 @@ class Critic(RoleModel):
         stats = self.runner.train_step(batch, loss_fn, micro_batch_size)
         sums = from_last_stage(sums, self.dims)
         count = float(batch["response_mask"].sum())
-        return {**{k: self.dp_mean(v, count) for k, v in sorted(sums.items())}, "grad_norm": stats["grad_norm"], "lr": stats["lr"], "skipped": stats.get("skipped", 0.0)}
+        return {
+            **{k: self.dp_mean(v, count) for k, v in sorted(sums.items())},
+            "grad_norm": stats["grad_norm"],
+            "lr": stats["lr"],
+            "skipped": stats.get("skipped", 0.0),
+        }

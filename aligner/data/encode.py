@@ -257,7 +257,10 @@ def encode_records(records: list[dict], tok, cfg: DataConfig, kind: str) -> Enco
     if stats.num_skipped or stats.num_truncated or stats.num_invalid:
         log.info(
             "data: %d rows skipped, %d truncated (data.truncation=%s), %d invalid skipped (data.skip_invalid)",
-            stats.num_skipped, stats.num_truncated, cfg.truncation, stats.num_invalid,
+            stats.num_skipped,
+            stats.num_truncated,
+            cfg.truncation,
+            stats.num_invalid,
         )
     if not stats.examples:
         raise ValueError(

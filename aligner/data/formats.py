@@ -219,9 +219,11 @@ def _hub_data_files(path: str) -> list[str]:
         if files:
             log.info("data: %s is a dataset repository: reading %d %s file(s)", path, len(train or files), ext)
             return train or files
-    raise ValueError(f"{path}: a directory that is neither a saved HF dataset (save_to_disk: dataset_info.json or "
-                     "dataset_dict.json) nor a dataset repository with .parquet or .jsonl files: point data.*_path "
-                     "at a data file or at such a directory")
+    raise ValueError(
+        f"{path}: a directory that is neither a saved HF dataset (save_to_disk: dataset_info.json or "
+        "dataset_dict.json) nor a dataset repository with .parquet or .jsonl files: point data.*_path "
+        "at a data file or at such a directory"
+    )
 
 
 def _field(row: dict, name: str, where: str) -> Any:
@@ -528,11 +530,17 @@ def load_records(path: str, fmt: str = "auto", kind: Optional[str] = None, skip_
     if skipped:
         log.warning("data: skipped %d invalid rows of %s (data.skip_invalid=true); first: %s", skipped, path, " | ".join(reasons))
     if tied:
-        log.warning("data: skipped %d pairs of %s whose chosen equals rejected (no preference to learn); first: %s",
-                    len(tied), path, ", ".join(tied[:_MAX_REASONS]))
+        log.warning(
+            "data: skipped %d pairs of %s whose chosen equals rejected (no preference to learn); first: %s",
+            len(tied),
+            path,
+            ", ".join(tied[:_MAX_REASONS]),
+        )
     if not records:
-        raise ValueError(f"{path}: no valid rows ({skipped} skipped, {len(tied)} pairs with chosen == rejected; "
-                         f"first reasons: {' | '.join(reasons)}): fix the file")
+        raise ValueError(
+            f"{path}: no valid rows ({skipped} skipped, {len(tied)} pairs with chosen == rejected; "
+            f"first reasons: {' | '.join(reasons)}): fix the file"
+        )
     return LoadResult(records=records, format=fmt, path=path, num_skipped=skipped, reasons=reasons, num_tied=len(tied))
 
 

@@ -73,16 +73,34 @@ def load_data(kind: str, data_cfg: DataConfig, task_cfg: TaskConfig, tokenizer, 
     else:
         train_recs, eval_recs = _hold_out(train.records, data_cfg.eval_fraction, data_cfg.shuffle_seed)
     if not eval_recs:
-        log.warning("data: no held-out split: %d %s rows of %s and data.eval_fraction=%g hold out none; set data.eval_path "
-                    "or a larger data.eval_fraction to evaluate on rows the model does not train on", len(train_recs), kind,
-                    train_path, data_cfg.eval_fraction)
+        log.warning(
+            "data: no held-out split: %d %s rows of %s and data.eval_fraction=%g hold out none; set data.eval_path "
+            "or a larger data.eval_fraction to evaluate on rows the model does not train on",
+            len(train_recs),
+            kind,
+            train_path,
+            data_cfg.eval_fraction,
+        )
     enc_train = encode_records(train_recs, tokenizer, data_cfg, kind)
     enc_eval = encode_records(eval_recs, tokenizer, data_cfg, kind) if eval_recs else EncodeResult(examples=[])
-    for name, attr in (("skipped_long", "num_skipped"), ("truncated", "num_truncated"), ("boundary_mismatch", "num_boundary_mismatch"), ("unk", "num_unk")):
+    for name, attr in (
+        ("skipped_long", "num_skipped"),
+        ("truncated", "num_truncated"),
+        ("boundary_mismatch", "num_boundary_mismatch"),
+        ("unk", "num_unk"),
+    ):
         stats[name] = getattr(enc_train, attr) + getattr(enc_eval, attr)
     stats["skipped_invalid"] += enc_train.num_invalid + enc_eval.num_invalid  # rows the chat template cannot split
     stats["reasons"] += enc_train.reasons + enc_eval.reasons
-    log.info("data: %s %d train / %d eval examples from %s (format %s); %s", kind, len(enc_train.examples), len(enc_eval.examples), train_path, train.format, {k: v for k, v in stats.items() if k != "reasons"})
+    log.info(
+        "data: %s %d train / %d eval examples from %s (format %s); %s",
+        kind,
+        len(enc_train.examples),
+        len(enc_eval.examples),
+        train_path,
+        train.format,
+        {k: v for k, v in stats.items() if k != "reasons"},
+    )
     return DataSplits(train=enc_train.examples, eval=enc_eval.examples, format=train.format, stats=stats)
 
 

@@ -59,7 +59,13 @@ class DataIterator:
 
     def state_dict(self) -> dict:
         """{"epoch", "position", "seed", "shuffle", "num_examples"}: plain ints/bools, JSON-safe."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "shuffle": self.shuffle, "num_examples": len(self.examples)}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_examples": len(self.examples),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`; ValueError when the dataset size differs (different data)."""

@@ -138,7 +138,9 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{path}: cannot read safetensors ({e}); the file is truncated or corrupted — re-export or re-download it") from None
+        raise CheckpointError(
+            f"{path}: cannot read safetensors ({e}); the file is truncated or corrupted — re-export or re-download it"
+        ) from None
 
 
 def load_hf_state_dict(model_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -278,8 +280,14 @@ def _apply_umask(root: Path) -> None:
             os.chmod(os.path.join(dirpath, f), 0o666 & ~mask)
 
 
-def save_hf(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | os.PathLike, kind: str = "lm",
-            max_shard_bytes: int = 5 * 2**30, tokenizer=None) -> Path:
+def save_hf(
+    state_dict: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    out_dir: str | os.PathLike,
+    kind: str = "lm",
+    max_shard_bytes: int = 5 * 2**30,
+    tokenizer=None,
+) -> Path:
     """Write an HF dir (config.json + safetensors, sharded above `max_shard_bytes`) atomically.
 
     state_dict: full (gathered) tensors with HF names. Non-finite weights raise CheckpointError and nothing is written.

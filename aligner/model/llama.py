@@ -172,9 +172,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(h), residual=h)
 
 
-def build_attention_mask(
-    batch: int, t: int, device, segment_ids: Optional[torch.Tensor] = None
-) -> Optional[torch.Tensor]:
+def build_attention_mask(batch: int, t: int, device, segment_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """Boolean mask [B, 1, T, T]: causal and block-diagonal over `segment_ids` [B, T]; None without them.
 
     segment_ids: packed-sequence document ids (0 for padding); tokens attend only to earlier

@@ -89,7 +89,9 @@ def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     if n == 1:
         return x
     if x.shape[dim] % n:
-        raise ValueError(f"sequence parallelism: dim {dim} of size {x.shape[dim]} is not divisible by tp_size={n}; pad the sequence length T to a multiple of tp_size")
+        raise ValueError(
+            f"sequence parallelism: dim {dim} of size {x.shape[dim]} is not divisible by tp_size={n}; pad the sequence length T to a multiple of tp_size"
+        )
     parts = [p.contiguous() for p in x.chunk(n, dim=dim)]
     out = torch.empty_like(parts[0])
     record("reduce_scatter", x.numel())
@@ -102,7 +104,9 @@ def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     if n == 1:
         return x
     if x.shape[dim] % n:
-        raise ValueError(f"sequence parallelism: dim {dim} of size {x.shape[dim]} is not divisible by tp_size={n}; pad the sequence length T to a multiple of tp_size")
+        raise ValueError(
+            f"sequence parallelism: dim {dim} of size {x.shape[dim]} is not divisible by tp_size={n}; pad the sequence length T to a multiple of tp_size"
+        )
     return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
 
 

@@ -86,9 +86,19 @@ class ColumnParallelLinear(ParallelLayer):
             raise ValueError(f"ColumnParallelLinear: out_features={self.out_features} not divisible by tp_size={n}")
         self.row_index = row_index
         rows = self._rows()
-        _replace_param(self, "weight", self.weight[rows] if self.weight.device.type != "meta" else torch.empty(len(rows), self.in_features, device="meta", dtype=self.weight.dtype))
+        _replace_param(
+            self,
+            "weight",
+            self.weight[rows]
+            if self.weight.device.type != "meta"
+            else torch.empty(len(rows), self.in_features, device="meta", dtype=self.weight.dtype),
+        )
         if self.bias is not None:
-            _replace_param(self, "bias", self.bias[rows] if self.bias.device.type != "meta" else torch.empty(len(rows), device="meta", dtype=self.bias.dtype))
+            _replace_param(
+                self,
+                "bias",
+                self.bias[rows] if self.bias.device.type != "meta" else torch.empty(len(rows), device="meta", dtype=self.bias.dtype),
+            )
 
     def full_to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         return full[self._rows()] if comm.group_size(self.tp_group) > 1 or self.row_index is not None else full
@@ -208,7 +218,13 @@ class RowParallelLinear(ParallelLayer):
         n = comm.group_size(tp_group)
         if self.in_features % n:
             raise ValueError(f"RowParallelLinear: in_features={self.in_features} not divisible by tp_size={n}")
-        _replace_param(self, "weight", self.full_to_local("weight", self.weight) if self.weight.device.type != "meta" else torch.empty(self.out_features, self.in_features // n, device="meta", dtype=self.weight.dtype))
+        _replace_param(
+            self,
+            "weight",
+            self.full_to_local("weight", self.weight)
+            if self.weight.device.type != "meta"
+            else torch.empty(self.out_features, self.in_features // n, device="meta", dtype=self.weight.dtype),
+        )
 
     def full_to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         if name == "bias":
@@ -252,7 +268,13 @@ class VocabParallelEmbedding(ParallelLayer):
             raise ValueError(f"VocabParallelEmbedding: vocab_size={self.num_embeddings} not divisible by tp_size={n}")
         per = self.num_embeddings // n
         self.vocab_start = comm.group_rank(tp_group) * per
-        _replace_param(self, "weight", self.full_to_local("weight", self.weight) if self.weight.device.type != "meta" else torch.empty(per, self.embedding_dim, device="meta", dtype=self.weight.dtype))
+        _replace_param(
+            self,
+            "weight",
+            self.full_to_local("weight", self.weight)
+            if self.weight.device.type != "meta"
+            else torch.empty(per, self.embedding_dim, device="meta", dtype=self.weight.dtype),
+        )
 
     def full_to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
         n, r = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)

@@ -79,9 +79,7 @@ def vocab_parallel_log_probs(
     return _label_logit(shifted, labels, vocab_start, tp_group) - z.squeeze(-1).log()
 
 
-def vocab_parallel_entropy(
-    logits: torch.Tensor, tp_group: Optional[dist.ProcessGroup] = None, temperature: float = 1.0
-) -> torch.Tensor:
+def vocab_parallel_entropy(logits: torch.Tensor, tp_group: Optional[dist.ProcessGroup] = None, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) per position.
 
     Args:

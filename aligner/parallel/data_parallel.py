@@ -73,7 +73,11 @@ def apply_fsdp2(model: nn.Module, dp_mesh, mixed_precision: str = "fp32", reshar
     _check_choice("parallel.mixed_precision", mixed_precision, MIXED_PRECISION)
     if dp_mesh is None or dp_mesh.ndim != 1:
         raise ValueError(f"apply_fsdp2: dp_mesh={dp_mesh!r} must be a 1-D DeviceMesh (dims.mesh['dp'])")
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision == "bf16" else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

@@ -66,8 +66,16 @@ class LayerDims:
     @classmethod
     def of(cls, model, seq_len: int, batch: int = 1, tp: int = 1) -> LayerDims:
         """The dims of a ModelConfig `model` for a [batch, seq_len] micro-batch on tp ranks."""
-        return cls(s=seq_len, b=batch, h=model.hidden_size, a=model.num_heads, i=model.intermediate_size, t=tp,
-                   kv=model.num_kv_heads, hd=model.resolved_head_dim)
+        return cls(
+            s=seq_len,
+            b=batch,
+            h=model.hidden_size,
+            a=model.num_heads,
+            i=model.intermediate_size,
+            t=tp,
+            kv=model.num_kv_heads,
+            hd=model.resolved_head_dim,
+        )
 
 
 def korthikanti_bytes(d: LayerDims, sequence_parallel: bool = False, recompute: str = "none") -> float:

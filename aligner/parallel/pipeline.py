@@ -70,8 +70,12 @@ class _P2P:
 
     def run(self, send_prev=None, send_next=None, recv_prev=None, recv_next=None) -> None:
         ops = []
-        for t, peer, op in ((send_prev, self.rank - 1, dist.isend), (send_next, self.rank + 1, dist.isend),
-                            (recv_prev, self.rank - 1, dist.irecv), (recv_next, self.rank + 1, dist.irecv)):
+        for t, peer, op in (
+            (send_prev, self.rank - 1, dist.isend),
+            (send_next, self.rank + 1, dist.isend),
+            (recv_prev, self.rank - 1, dist.irecv),
+            (recv_next, self.rank + 1, dist.irecv),
+        ):
             if t is not None:
                 if op is dist.isend:
                     comm.record("send", t.numel())
@@ -258,8 +262,10 @@ def sync_tied_embedding_grads(model: nn.Module, dims) -> None:
         p.grad = torch.zeros_like(p)
     other = torch.empty_like(p.grad)
     peer = dims.pp_size - 1 if dims.is_first_stage else 0
-    ops = [dist.P2POp(dist.isend, p.grad.contiguous(), group=dims.pp_group, group_peer=peer),
-           dist.P2POp(dist.irecv, other, group=dims.pp_group, group_peer=peer)]
+    ops = [
+        dist.P2POp(dist.isend, p.grad.contiguous(), group=dims.pp_group, group_peer=peer),
+        dist.P2POp(dist.irecv, other, group=dims.pp_group, group_peer=peer),
+    ]
     comm.record("send", p.grad.numel())
     for req in dist.batch_isend_irecv(ops):
         req.wait()

@@ -57,7 +57,9 @@ def fp8_recipe(name: str, capability: Optional[tuple[int, int]] = None, amax_his
     if capability is None:
         capability = torch.cuda.get_device_capability()
     if tuple(capability) < (9, 0):
-        raise ValueError(f"fp8 recipe={name!r} needs an sm_90+ GPU (H100/H200); this GPU is sm_{capability[0]}{capability[1]}: train in bf16")
+        raise ValueError(
+            f"fp8 recipe={name!r} needs an sm_90+ GPU (H100/H200); this GPU is sm_{capability[0]}{capability[1]}: train in bf16"
+        )
     if name in _BLACKWELL_ONLY and tuple(capability) < (10, 0):
         raise ValueError(
             f"fp8 recipe={name!r} needs a Blackwell GPU (sm_100+); this GPU is sm_{capability[0]}{capability[1]}: "
@@ -102,13 +104,23 @@ class TEDecoderLayer(nn.Module):
         self.sequence_parallel = sequence_parallel and tp > 1
         common = dict(tp_group=tp_group, tp_size=tp, sequence_parallel=self.sequence_parallel, params_dtype=params_dtype, device=device)
         self.qkv = te.LayerNormLinear(
-            cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd, eps=cfg.rms_norm_eps, normalization="RMSNorm",
-            bias=cfg.attention_bias, parallel_mode="column", **common,
+            cfg.hidden_size,
+            (cfg.num_heads + 2 * cfg.num_kv_heads) * hd,
+            eps=cfg.rms_norm_eps,
+            normalization="RMSNorm",
+            bias=cfg.attention_bias,
+            parallel_mode="column",
+            **common,
         )
         self.o_proj = te.Linear(cfg.num_heads * hd, cfg.hidden_size, bias=False, parallel_mode="row", **common)
         self.gate_up = te.LayerNormLinear(
-            cfg.hidden_size, 2 * cfg.intermediate_size, eps=cfg.rms_norm_eps, normalization="RMSNorm",
-            bias=False, parallel_mode="column", **common,
+            cfg.hidden_size,
+            2 * cfg.intermediate_size,
+            eps=cfg.rms_norm_eps,
+            normalization="RMSNorm",
+            bias=False,
+            parallel_mode="column",
+            **common,
         )
         self.down_proj = te.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, parallel_mode="row", **common)
 
@@ -155,10 +167,14 @@ def te_layer_to_hf(layer: TEDecoderLayer, prefix: str) -> dict[str, torch.Tensor
     gate, up = layer.gate_up.weight.detach().split([layer.inter_local, layer.inter_local])
     out = {
         "input_layernorm.weight": layer.qkv.layer_norm_weight.detach(),
-        "self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k, "self_attn.v_proj.weight": v,
+        "self_attn.q_proj.weight": q,
+        "self_attn.k_proj.weight": k,
+        "self_attn.v_proj.weight": v,
         "self_attn.o_proj.weight": layer.o_proj.weight.detach(),
         "post_attention_layernorm.weight": layer.gate_up.layer_norm_weight.detach(),
-        "mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up, "mlp.down_proj.weight": layer.down_proj.weight.detach(),
+        "mlp.gate_proj.weight": gate,
+        "mlp.up_proj.weight": up,
+        "mlp.down_proj.weight": layer.down_proj.weight.detach(),
     }
     if getattr(layer.qkv, "bias", None) is not None and layer.qkv.bias.numel():
         qb, kb, vb = layer.qkv.bias.detach().split([layer.q_local, layer.kv_local, layer.kv_local])
@@ -166,7 +182,9 @@ def te_layer_to_hf(layer: TEDecoderLayer, prefix: str) -> dict[str, torch.Tensor
     return {prefix + k: v for k, v in out.items()}
 
 
-def apply_te_backend(model: nn.Module, tp_group=None, sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32) -> nn.Module:
+def apply_te_backend(
+    model: nn.Module, tp_group=None, sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32
+) -> nn.Module:
     """Replace every decoder layer of `model` (already TP-sharded over `tp_group`, on CUDA) with a
     :class:`TEDecoderLayer` holding the same weights. In place; returns `model`.
 

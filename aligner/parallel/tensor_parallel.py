@@ -135,7 +135,9 @@ def _partial_replicated_params(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _replicated_kv_layers(model: nn.Module) -> list[ColumnParallelLinear]:
-    return [m for m in model.modules() if isinstance(m, ColumnParallelLinear) and m.row_index is not None and comm.group_size(m.tp_group) > 1]
+    return [
+        m for m in model.modules() if isinstance(m, ColumnParallelLinear) and m.row_index is not None and comm.group_size(m.tp_group) > 1
+    ]
 
 
 def sync_tp_grads(model: nn.Module, tp_group: Optional[dist.ProcessGroup]) -> None:

@@ -36,15 +36,22 @@ def interleave_pairs(batch: dict[str, torch.Tensor], pad_id: int = 0) -> dict[st
 class RewardModel(RoleModel):
     """A scalar-head role (kind "score") trained as a Bradley-Terry reward model."""
 
-    def __init__(self, model_cfg: ModelConfig, parallel: ParallelConfig, optim: OptimConfig, dims: ParallelDims,
-                 total_steps: int = 1, init: str = "", seed: int = 0):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        parallel: ParallelConfig,
+        optim: OptimConfig,
+        dims: ParallelDims,
+        total_steps: int = 1,
+        init: str = "",
+        seed: int = 0,
+    ):
         super().__init__(model_cfg, "score", parallel, optim, dims, total_steps, init, seed)
 
     def scores(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
         """batch: input_ids [B, T], attention_mask [B, T] (right padded) -> scores [B] fp32."""
         keys = ("input_ids", "attention_mask")
-        return self.runner.forward({k: batch[k] for k in keys},
-                                   lambda v, mb: last_token_scores(v, mb["attention_mask"]), micro_batch_size)
+        return self.runner.forward({k: batch[k] for k in keys}, lambda v, mb: last_token_scores(v, mb["attention_mask"]), micro_batch_size)
 
     def bt_step(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> dict[str, float]:
         """One optimizer step of the Bradley-Terry loss.
@@ -68,7 +75,12 @@ class RewardModel(RoleModel):
 
         stats = self.runner.train_step(flat, loss_fn, 2 * micro_batch_size)
         sums = from_last_stage(sums, self.dims)
-        return {**{k: self.dp_mean(v, pairs) for k, v in sorted(sums.items())}, "grad_norm": stats["grad_norm"], "lr": stats["lr"], "skipped": stats.get("skipped", 0.0)}
+        return {
+            **{k: self.dp_mean(v, pairs) for k, v in sorted(sums.items())},
+            "grad_norm": stats["grad_norm"],
+            "lr": stats["lr"],
+            "skipped": stats.get("skipped", 0.0),
+        }
 
     @torch.no_grad()
     def bt_eval(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> dict[str, float]:
@@ -77,6 +89,8 @@ class RewardModel(RoleModel):
         s = self.scores(flat, 2 * micro_batch_size).view(-1, 2)
         margin = s[:, 0] - s[:, 1]
         n = float(margin.shape[0])
-        return {"loss": self.dp_mean(float(-F.logsigmoid(margin).sum()), n),
-                "accuracy": self.dp_mean(float((margin > 0).float().sum()), n),
-                "margin": self.dp_mean(float(margin.sum()), n)}
+        return {
+            "loss": self.dp_mean(float(-F.logsigmoid(margin).sum()), n),
+            "accuracy": self.dp_mean(float((margin > 0).float().sum()), n),
+            "margin": self.dp_mean(float(margin.sum()), n),
+        }

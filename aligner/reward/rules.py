@@ -81,5 +81,7 @@ def score(name: str, prompts: list[str], responses: list[str], metadata: Optiona
     fn = get_rule(name)
     metadata = metadata if metadata is not None else [{} for _ in prompts]
     if not len(prompts) == len(responses) == len(metadata):
-        raise ValueError(f"score: {len(prompts)} prompts, {len(responses)} responses, {len(metadata)} metadata rows: give one of each per sample")
+        raise ValueError(
+            f"score: {len(prompts)} prompts, {len(responses)} responses, {len(metadata)} metadata rows: give one of each per sample"
+        )
     return torch.tensor([fn(p, r, m) for p, r, m in zip(prompts, responses, metadata)], dtype=torch.float32)

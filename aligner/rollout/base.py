@@ -108,7 +108,9 @@ def check_prompts(prompt_ids: Sequence[Sequence[int]], seeds: Optional[Sequence[
             raise ValueError(f"prompt_ids[{i}]=[] is empty: every prompt needs at least one token (e.g. BOS)")
         lo, hi = min(p), max(p)
         if lo < 0 or hi >= vocab_size:
-            raise ValueError(f"prompt_ids[{i}] has token id {lo if lo < 0 else hi} outside [0, {vocab_size}): check the tokenizer matches the model")
+            raise ValueError(
+                f"prompt_ids[{i}] has token id {lo if lo < 0 else hi} outside [0, {vocab_size}): check the tokenizer matches the model"
+            )
     if seeds is not None and len(seeds) != len(prompt_ids):
         raise ValueError(f"seeds has {len(seeds)} entries for {len(prompt_ids)} prompts: pass one seed per prompt or None")
 

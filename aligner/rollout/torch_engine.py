@@ -107,7 +107,6 @@ class TorchEngine(RolloutEngine):
         self._calls = 0
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
         if self.device.type == "cpu":
-
             keep_freed_host_memory()
         if fused_decode is None:
             fused_decode = self.device.type == "cpu"
@@ -153,7 +152,9 @@ class TorchEngine(RolloutEngine):
         with torch.no_grad():
             for name, tensor in named_tensors:
                 if name not in self._full_names:
-                    raise ValueError(f"update_weights: unknown parameter name {name!r}; expected HF Llama names such as 'model.layers.0.self_attn.q_proj.weight'")
+                    raise ValueError(
+                        f"update_weights: unknown parameter name {name!r}; expected HF Llama names such as 'model.layers.0.self_attn.q_proj.weight'"
+                    )
                 slot = self._params.get(name)
                 if slot is None:
                     continue  # another pipeline stage owns it
@@ -161,7 +162,9 @@ class TorchEngine(RolloutEngine):
                 param = getattr(module, pname)
                 local = tensor if tensor.shape == param.shape else _to_local(module, pname, tensor)
                 if local.shape != param.shape:
-                    raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}; expected the full shape or this rank's shard {tuple(param.shape)}")
+                    raise ValueError(
+                        f"update_weights: {name} has shape {tuple(tensor.shape)}; expected the full shape or this rank's shard {tuple(param.shape)}"
+                    )
                 param.copy_(local)
                 self._received.add(name)
 
@@ -442,8 +445,11 @@ def _fusable(model: nn.Module) -> bool:
         cols = [getattr(a, n, None) for n in ("q_proj", "k_proj", "v_proj")] + [getattr(m, n, None) for n in ("gate_proj", "up_proj")]
         rows = [getattr(a, "o_proj", None), getattr(m, "down_proj", None)]
         norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
-        if not (all(type(c) is ColumnParallelLinear for c in cols) and all(type(r) is RowParallelLinear for r in rows)
-                and all(isinstance(n, RMSNorm) for n in norms)):
+        if not (
+            all(type(c) is ColumnParallelLinear for c in cols)
+            and all(type(r) is RowParallelLinear for r in rows)
+            and all(isinstance(n, RMSNorm) for n in norms)
+        ):
             return False
         if any(l.sequence_parallel for l in cols + rows):
             return False

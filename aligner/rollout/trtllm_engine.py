@@ -161,7 +161,16 @@ class TrtllmEngine(RolloutEngine):
         ImportError: tensorrt_llm missing (message says what to install).
     """
 
-    def __init__(self, model_dir: str, cfg: Any, *, max_seq_len: int = 4096, eos_token_id: Optional[int] = None, dtype: str = "bfloat16", enable_sleep: bool = True):
+    def __init__(
+        self,
+        model_dir: str,
+        cfg: Any,
+        *,
+        max_seq_len: int = 4096,
+        eos_token_id: Optional[int] = None,
+        dtype: str = "bfloat16",
+        enable_sleep: bool = True,
+    ):
         LLM, self._SamplingParams, KvCacheConfig, CudaGraphConfig = _import_trtllm()
         kw = build_llm_kwargs(cfg, model_dir, max_seq_len=max_seq_len, dtype=dtype, enable_sleep=enable_sleep)
         kv, graphs = kw.pop("kv_cache_config"), kw.pop("cuda_graph_config")
@@ -192,9 +201,13 @@ class TrtllmEngine(RolloutEngine):
         check_prompts(prompt_ids, seeds, 2**62)
         longest = max(len(p) for p in prompt_ids)
         if longest + sampling.max_new_tokens > self.max_seq_len:
-            raise ValueError(f"sampling.max_new_tokens={sampling.max_new_tokens} with a {longest}-token prompt exceeds max_seq_len={self.max_seq_len}")
+            raise ValueError(
+                f"sampling.max_new_tokens={sampling.max_new_tokens} with a {longest}-token prompt exceeds max_seq_len={self.max_seq_len}"
+            )
         params = [
-            self._SamplingParams(**build_sampling_kwargs(sampling, eos_token_id=self.eos_token_id, seed=None if seeds is None else int(seeds[i])))
+            self._SamplingParams(
+                **build_sampling_kwargs(sampling, eos_token_id=self.eos_token_id, seed=None if seeds is None else int(seeds[i]))
+            )
             for i in range(len(prompt_ids))
         ]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], sampling_params=params, use_tqdm=False)
@@ -203,7 +216,9 @@ class TrtllmEngine(RolloutEngine):
             c = out.outputs[0]
             ids = list(c.token_ids)
             reason = "stop" if c.finish_reason == "stop" else "length"
-            gens.append(Generation(ids, sampled_log_probs(ids, c.logprobs), reason, self.weight_version, {"trtllm_finish_reason": c.finish_reason}))
+            gens.append(
+                Generation(ids, sampled_log_probs(ids, c.logprobs), reason, self.weight_version, {"trtllm_finish_reason": c.finish_reason})
+            )
         return gens
 
     @staticmethod

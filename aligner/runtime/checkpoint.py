@@ -277,8 +277,10 @@ def _check_finite(runtime) -> None:
     if _distributed():
         dist.all_reduce(bad)
     if bad > 0:
-        raise ValueError("refusing to write a checkpoint: the model has NaN/Inf weights "
-                         "(the previous checkpoint is kept; lower the learning rate and resume from it)")
+        raise ValueError(
+            "refusing to write a checkpoint: the model has NaN/Inf weights "
+            "(the previous checkpoint is kept; lower the learning rate and resume from it)"
+        )
 
 
 def read_meta(ckpt_dir: str) -> dict:
@@ -295,7 +297,9 @@ def _check_compatible(runtime, meta: dict, ckpt_dir: str) -> None:
     mine = dataclasses.asdict(runtime.model_cfg)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "tie_word_embeddings"):
         if key in saved and saved[key] != mine[key]:
-            raise ValueError(f"checkpoint {ckpt_dir!r} has model.{key}={saved[key]} but this model has {mine[key]}: load it with the same model config")
+            raise ValueError(
+                f"checkpoint {ckpt_dir!r} has model.{key}={saved[key]} but this model has {mine[key]}: load it with the same model config"
+            )
     if meta.get("kind", runtime.kind) != runtime.kind:
         raise ValueError(f"checkpoint {ckpt_dir!r} holds a kind={meta['kind']!r} model, not {runtime.kind!r}")
     saved_ds = meta["layout"]["dp_backend"] == "deepspeed"
@@ -336,7 +340,11 @@ def load_checkpoint(runtime, ckpt_dir: str) -> dict:
         if key in sd["model"]:  # both tied names on one stage cannot happen (deduplicated), guard anyway
             raise ValueError(f"checkpoint load: {name!r} and another parameter map to the same tensor {key!r}")
         sd["model"][key] = bufs["param"][0]
-        sd["optim"][key] = {"exp_avg": bufs["exp_avg"][0], "exp_avg_sq": bufs["exp_avg_sq"][0], "step": torch.zeros((), dtype=torch.float32)}
+        sd["optim"][key] = {
+            "exp_avg": bufs["exp_avg"][0],
+            "exp_avg_sq": bufs["exp_avg_sq"][0],
+            "step": torch.zeros((), dtype=torch.float32),
+        }
         finish.append((key, p, bufs))
     dcp.load(sd, checkpoint_id=ckpt_dir, no_dist=not _distributed())
     for name, p, bufs in finish:

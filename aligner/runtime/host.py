@@ -50,8 +50,11 @@ def keep_freed_host_memory(mmap_threshold: int = 1 << 30) -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    ok = (mallopt(M_MMAP_THRESHOLD, min(mmap_threshold, 2**31 - 1)) == 1 and mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
-          and mallopt(M_ARENA_MAX, 1) == 1)
+    ok = (
+        mallopt(M_MMAP_THRESHOLD, min(mmap_threshold, 2**31 - 1)) == 1
+        and mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
+        and mallopt(M_ARENA_MAX, 1) == 1
+    )
     if not ok:
         log.debug("mallopt refused the host-memory setting; large CPU tensors stay mmap-backed")
     _applied = ok

@@ -53,8 +53,10 @@ def check_tokenizer_fits(n_tokens: int, init: str, model_cfg: ModelConfig, role:
     vocab = int(read_hf_config(hf_dir)["vocab_size"]) if hf_dir else model_cfg.vocab_size
     field = f"{role}.init={init!r} (config.json vocab_size)" if hf_dir else "model.vocab_size"
     if n_tokens > vocab:
-        raise ConfigError(f"{field}={vocab} is smaller than the tokenizer's {n_tokens} tokens: set model.vocab_size="
-                          f"{n_tokens} or more, or use the tokenizer the model was trained with")
+        raise ConfigError(
+            f"{field}={vocab} is smaller than the tokenizer's {n_tokens} tokens: set model.vocab_size="
+            f"{n_tokens} or more, or use the tokenizer the model was trained with"
+        )
 
 
 def load_initial_model(init: str, model_cfg: ModelConfig, kind: str, seed: int):
@@ -77,8 +79,17 @@ class RoleModel:
         seed: init seed for random weights.
     """
 
-    def __init__(self, model_cfg: ModelConfig, kind: str, parallel: ParallelConfig, optim: OptimConfig,
-                 dims: ParallelDims, total_steps: int = 1, init: str = "", seed: int = 0):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        kind: str,
+        parallel: ParallelConfig,
+        optim: OptimConfig,
+        dims: ParallelDims,
+        total_steps: int = 1,
+        init: str = "",
+        seed: int = 0,
+    ):
 
         full, self.model_cfg = load_initial_model(init, model_cfg, kind, seed)
         self.kind, self.dims, self.parallel = kind, dims, parallel
@@ -112,7 +123,6 @@ class RoleModel:
             return None
         tok = None
         if tokenizer_path:
-
             tok = load_tokenizer(tokenizer_path)
         path = save_hf(sd, self.model_cfg, out_dir, kind=self.kind, tokenizer=tok)
         for name, obj in (extra_files or {}).items():

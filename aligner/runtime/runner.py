@@ -133,5 +133,3 @@ def from_last_stage(obj, dims: ParallelDims):
     box = [obj if dims.is_last_stage else None]
     dist.broadcast_object_list(box, group_src=dims.pp_size - 1, group=dims.pp_group)
     return box[0]
-
-

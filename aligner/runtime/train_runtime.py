@@ -90,8 +90,10 @@ def _sync_tied_grads(model: nn.Module, dims) -> None:
     g = dpmod._local_grad(p)
     other = torch.empty_like(g)
     peer = dims.pp_size - 1 if dims.is_first_stage else 0
-    ops = [dist.P2POp(dist.isend, g.contiguous(), group=dims.pp_group, group_peer=peer),
-           dist.P2POp(dist.irecv, other, group=dims.pp_group, group_peer=peer)]
+    ops = [
+        dist.P2POp(dist.isend, g.contiguous(), group=dims.pp_group, group_peer=peer),
+        dist.P2POp(dist.irecv, other, group=dims.pp_group, group_peer=peer),
+    ]
     for req in dist.batch_isend_irecv(ops):
         req.wait()
     g.add_(other)
@@ -158,12 +160,10 @@ class TrainRuntime:
         self.bf16 = parallel_cfg.mixed_precision == "bf16"
         self.module = self._build_module(model, seed)
         if model_cfg.backend == "te":
-
             apply_te_backend(self.module, dims.tp_group, parallel_cfg.sequence_parallel)
         self.device = next(self.module.parameters()).device  # where batches must be (ModelRunner moves them)
         self.device_type = self.device.type
         if self.device_type == "cpu":
-
             keep_freed_host_memory()  # logits-sized temporaries reuse freed heap (see aligner.runtime.host)
         self._wrap_dp()
 
@@ -176,8 +176,14 @@ class TrainRuntime:
             model = model if model is not None else build_model(self.model_cfg, self.kind, seed=seed)
             return apply_recompute(model, par.recompute).to(d.device)
         return build_parallel_model(
-            self.model_cfg, self.kind, d, layer_split=par.pp_layer_split, sequence_parallel=par.sequence_parallel,
-            recompute=par.recompute, seed=seed, full_state_dict=None if model is None else model.state_dict(),
+            self.model_cfg,
+            self.kind,
+            d,
+            layer_split=par.pp_layer_split,
+            sequence_parallel=par.sequence_parallel,
+            recompute=par.recompute,
+            seed=seed,
+            full_state_dict=None if model is None else model.state_dict(),
             device=d.device,
         )
 
@@ -189,7 +195,9 @@ class TrainRuntime:
     def _wrap_dp(self) -> None:
         kw = adamw_kwargs(self.optim_cfg)
         if self.backend == "deepspeed":
-            cfg = dpmod.deepspeed_config(self.parallel.zero_stage, self.parallel.mixed_precision, self.optim_cfg.grad_clip, self.parallel.offload_optimizer)
+            cfg = dpmod.deepspeed_config(
+                self.parallel.zero_stage, self.parallel.mixed_precision, self.optim_cfg.grad_clip, self.parallel.offload_optimizer
+            )
             self.model, self.optimizer = dpmod.init_deepspeed(self.module, kw, cfg)
         else:
             self.model = apply_data_parallel(self.module, self.dims, self.parallel)
@@ -234,7 +242,6 @@ class TrainRuntime:
         Returns: [num_microbatches] fp32 unscaled losses (on every pp rank).
         """
         if self.dims.pp_size > 1:
-
             with dpmod.autocast_context(self.uses_autocast, self.device_type):
                 return pipeline_train_step(self.model, self.dims, microbatches, loss_fn, loss_reduction=loss_reduction, finalize=False)
         if loss_reduction not in ("mean", "sum"):
@@ -256,7 +263,6 @@ class TrainRuntime:
         if self.fsdp:
             dpmod.sync_tp_grads_local(self.module, d.tp_group, d.dp_rank, d.dp_size)
         elif d.tp_size > 1:
-
             sync_tp_grads(self.module, d.tp_group)
         if d.pp_size > 1:
             _sync_tied_grads(self.module, d)

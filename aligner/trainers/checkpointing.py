@@ -88,8 +88,12 @@ class CheckpointManager:
         wrote, trainer_state.json, rng.pt; see :func:`write_manifest`): it is written before COMPLETE,
         so no checkpoint is complete without it. Reads every byte of the checkpoint once (cost in
         RELIABILITY.md). OSError from reading or writing propagates; nothing is renamed then."""
-        state = {"run_id": self.run_id, **({"stage": self.stage} if self.stage else {}), **trainer_state,
-                 "manifest": MANIFEST}  # a complete checkpoint without its manifest is then damaged, not "old"
+        state = {
+            "run_id": self.run_id,
+            **({"stage": self.stage} if self.stage else {}),
+            **trainer_state,
+            "manifest": MANIFEST,
+        }  # a complete checkpoint without its manifest is then damaged, not "old"
         _write_json(tmp / "trainer_state.json", state)
         torch.save(rng_state(), tmp / "rng.pt")
         write_manifest(tmp, step)
@@ -128,23 +132,24 @@ class CheckpointManager:
         for cand in _candidates(self.root):
             damage = _verify_cached(cand)
             if damage is not None:
-                log.warning("checkpoint %s is damaged: %s: %s; trying the previous complete checkpoint",
-                            cand, damage.file, damage.reason)
+                log.warning("checkpoint %s is damaged: %s: %s; trying the previous complete checkpoint", cand, damage.file, damage.reason)
                 self.damaged.add(cand.name)
                 first_bad = first_bad or (cand, damage)
                 continue
             if not (cand / MANIFEST).exists():
-                log.warning("checkpoint %s has no %s (written before checkpoints were checksummed): "
-                            "its files cannot be verified", cand, MANIFEST)
+                log.warning(
+                    "checkpoint %s has no %s (written before checkpoints were checksummed): its files cannot be verified", cand, MANIFEST
+                )
             if first_bad is not None:
                 log.warning("using checkpoint %s instead of the damaged %s", cand, first_bad[0])
             return cand
         if first_bad is not None:
-
             ckpt, damage = first_bad
-            raise UserError(f"checkpoint {ckpt} is damaged ({damage.file}: {damage.reason}) and no older intact "
-                            f"checkpoint is left in {self.root}: restore that file, or rerun with overwrite=true "
-                            "instead of resume=true to start over from step 0")
+            raise UserError(
+                f"checkpoint {ckpt} is damaged ({damage.file}: {damage.reason}) and no older intact "
+                f"checkpoint is left in {self.root}: restore that file, or rerun with overwrite=true "
+                "instead of resume=true to start over from step 0"
+            )
         return None
 
     def adopt(self, ckpt: Path) -> None:
@@ -348,7 +353,6 @@ def load_trainer_state(ckpt: Path) -> dict[str, Any]:
         if not isinstance(state, dict):
             raise ValueError(f"not a JSON object but {type(state).__name__}")
     except (OSError, ValueError) as e:
-
         raise UserError(f"{path}: unreadable trainer state ({e}); delete this checkpoint or resume from another") from None
     rng = Path(ckpt) / "rng.pt"
     if rng.exists():

@@ -64,8 +64,10 @@ def greedy_sampling(cfg: AlignerConfig, longest_prompt: int) -> SamplingConfig:
     """
     room = cfg.data.max_seq_len - longest_prompt
     if room < 1:
-        raise ValueError(f"eval prompts of {longest_prompt} tokens leave no room for a response within "
-                         f"data.max_seq_len={cfg.data.max_seq_len}: raise data.max_seq_len")
+        raise ValueError(
+            f"eval prompts of {longest_prompt} tokens leave no room for a response within "
+            f"data.max_seq_len={cfg.data.max_seq_len}: raise data.max_seq_len"
+        )
     base = cfg.rollout.sampling
     return dataclasses.replace(base, temperature=0.0, top_k=0, top_p=1.0, max_new_tokens=min(base.max_new_tokens, room))
 
@@ -100,8 +102,11 @@ def evaluate_greedy(actor_group, eval_examples: list[dict], tokenizer, cfg: Alig
     texts = [e["prompt"] for e in eval_examples]
     responses = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in gens]
     scores = score(accuracy_rule(cfg), texts, responses, [dict(e.get("metadata") or {}) for e in eval_examples])
-    metrics = {"accuracy": float(scores.mean()), "n": float(len(prompts)),
-               "mean_response_len": sum(len(g.token_ids) for g in gens) / len(gens)}
+    metrics = {
+        "accuracy": float(scores.mean()),
+        "n": float(len(prompts)),
+        "mean_response_len": sum(len(g.token_ids) for g in gens) / len(gens),
+    }
     if on_builtin_task(cfg):  # which mistakes the policy makes: carries dropped (what PPO must fix) or not
         from aligner.data.task import mistake_breakdown
 

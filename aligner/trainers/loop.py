@@ -263,8 +263,7 @@ def train(trainer: Trainer) -> None:
     t = trainer.cfg.trainer
     ckpts = Checkpoints(trainer)
     ckpts.resume()
-    metrics = MetricsLogger(trainer.out, trainer.name, t.max_steps, start_step=trainer.step, progress=t.progress,
-                            bar_keys=trainer.bar_keys)
+    metrics = MetricsLogger(trainer.out, trainer.name, t.max_steps, start_step=trainer.step, progress=t.progress, bar_keys=trainer.bar_keys)
     try:
         ckpts.stop_if_preempted()
         if trainer.eval_before_training and trainer.step == 0:

@@ -57,8 +57,19 @@ from aligner.trainers.loop import Trainer
 
 log = logging.getLogger("aligner.ppo")
 
-REPORT_KEYS = ("score_mean", "kl_mean", "eval_accuracy", "train_accuracy", "policy_loss", "value_loss", "entropy",
-               "time/refit", "time/generate", "time/inference", "time/train")
+REPORT_KEYS = (
+    "score_mean",
+    "kl_mean",
+    "eval_accuracy",
+    "train_accuracy",
+    "policy_loss",
+    "value_loss",
+    "entropy",
+    "time/refit",
+    "time/generate",
+    "time/inference",
+    "time/train",
+)
 TRAINED_ROLES = ("actor", "critic")  # the roles whose weights and optimizers a checkpoint holds
 
 
@@ -95,8 +106,9 @@ class PPOTrainer(Trainer):
     bar_keys = ("score_mean", "kl_mean", "eval_accuracy")
     eval_before_training = True
 
-    def __init__(self, cfg: AlignerConfig, tokenizer=None, train_prompts: Optional[list[dict]] = None,
-                 eval_prompts: Optional[list[dict]] = None):
+    def __init__(
+        self, cfg: AlignerConfig, tokenizer=None, train_prompts: Optional[list[dict]] = None, eval_prompts: Optional[list[dict]] = None
+    ):
         super().__init__(cfg)
         a = cfg.algorithm
         self.kl_ctl = alg.build_kl_controller(a.kl_controller, a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)
@@ -210,8 +222,14 @@ class PPOTrainer(Trainer):
         self.nonfinite_total += 1 if skipped else 0
         self._check_nonfinite("loss or gradient norm")
         self.kl_ctl.update(float(alg.masked_sum(batch.kl, batch.response_mask) / len(batch)), len(batch))
-        metrics = {**self.rollout_metrics(batch), **adv_metrics, **train_metrics, "nonfinite_skips": float(self.nonfinite_total),
-                   "refit_bytes": refit["bytes"], "weight_version": refit["weight_version"]}
+        metrics = {
+            **self.rollout_metrics(batch),
+            **adv_metrics,
+            **train_metrics,
+            "nonfinite_skips": float(self.nonfinite_total),
+            "refit_bytes": refit["bytes"],
+            "weight_version": refit["weight_version"],
+        }
         metrics.update({f"time/{k}": v for k, v in timer.times.items()})
         metrics["time/step"] = sum(timer.times.values())
         return metrics
@@ -222,15 +240,20 @@ class PPOTrainer(Trainer):
         self.nonfinite_total += 1
         log.warning("step %d: non-finite %s: update skipped (%d in a row)", self.step + 1, what, self.nonfinite_in_a_row)
         self._check_nonfinite(what)
-        return {"skipped_nonfinite": 1.0, "nonfinite_skips": float(self.nonfinite_total),
-                **{f"time/{k}": v for k, v in timer.times.items()}}
+        return {
+            "skipped_nonfinite": 1.0,
+            "nonfinite_skips": float(self.nonfinite_total),
+            **{f"time/{k}": v for k, v in timer.times.items()},
+        }
 
     def _check_nonfinite(self, what: str) -> None:
         limit = self.cfg.trainer.max_nonfinite
         if self.nonfinite_in_a_row >= limit:
-            raise UserError(f"{self.nonfinite_in_a_row} PPO steps in a row had a non-finite {what} "
-                            f"(trainer.max_nonfinite={limit}): stopping; lower actor.optim.lr / critic.optim.lr or check "
-                            "the reward, then resume=true from the last checkpoint (non-finite weights are never saved)")
+            raise UserError(
+                f"{self.nonfinite_in_a_row} PPO steps in a row had a non-finite {what} "
+                f"(trainer.max_nonfinite={limit}): stopping; lower actor.optim.lr / critic.optim.lr or check "
+                "the reward, then resume=true from the last checkpoint (non-finite weights are never saved)"
+            )
 
     def next_prompts(self) -> list[dict]:
         return self.data.next_batch(self.cfg.trainer.rollout_batch_size)
@@ -253,11 +276,14 @@ class PPOTrainer(Trainer):
         _, rollout_lp, _ = generations_to_padded(gens)  # [B, R], the same R as seq["response_mask"]
         if responses is None:
             responses = [self.tok.decode(g.token_ids, skip_special_tokens=True) for g in gens]
-        meta = [{"prompt": row["prompt"], "response": text, "metadata": row.get("metadata", {}), "finish_reason": g.finish_reason}
-                for row, g, text in zip(rows, gens, responses)]
+        meta = [
+            {"prompt": row["prompt"], "response": text, "metadata": row.get("metadata", {}), "finish_reason": g.finish_reason}
+            for row, g, text in zip(rows, gens, responses)
+        ]
         group_ids = torch.arange(len(rows) // n).repeat_interleave(n)
-        return RolloutBatch(**seq, group_ids=group_ids, rollout_log_probs=rollout_lp,
-                            weight_version=gens[0].weight_version if gens else 0, meta=meta)
+        return RolloutBatch(
+            **seq, group_ids=group_ids, rollout_log_probs=rollout_lp, weight_version=gens[0].weight_version if gens else 0, meta=meta
+        )
 
     def _temperature(self) -> float:
         t = self.cfg.rollout.sampling.temperature
@@ -286,8 +312,12 @@ class PPOTrainer(Trainer):
     def rule_scores(self, batch: RolloutBatch) -> torch.Tensor:
         from aligner.reward.rules import score
 
-        return score(self.cfg.reward.rule, [m["prompt"] for m in batch.meta], [m["response"] for m in batch.meta],
-                     [m["metadata"] for m in batch.meta])
+        return score(
+            self.cfg.reward.rule,
+            [m["prompt"] for m in batch.meta],
+            [m["response"] for m in batch.meta],
+            [m["metadata"] for m in batch.meta],
+        )
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
         """Rewards (standardized RM scores), per-token KL, advantages and returns.
@@ -299,17 +329,31 @@ class PPOTrainer(Trainer):
         a = self.cfg.algorithm
         mask = batch.response_mask
         standardize = a.normalize_rewards and self.cfg.reward.type == "model"
-        batch.rewards = alg.standardize_scores(batch.scores, self.reward_stats["mean"], self.reward_stats["std"]) if standardize else batch.scores.float()
+        batch.rewards = (
+            alg.standardize_scores(batch.scores, self.reward_stats["mean"], self.reward_stats["std"])
+            if standardize
+            else batch.scores.float()
+        )
         batch.kl = alg.kl_penalty(batch.old_log_probs, batch.ref_log_probs, a.kl_estimator) * mask
         estimator = alg.get_advantage_estimator(a.advantage)
-        adv, ret = estimator(scores=batch.rewards, response_mask=mask, values=batch.values, kl=batch.kl,
-                             kl_coef=self.reward_kl_coef(), gamma=a.gamma, gae_lambda=a.gae_lambda,
-                             group_ids=batch.group_ids, norm_by_std=a.norm_by_std)
+        adv, ret = estimator(
+            scores=batch.rewards,
+            response_mask=mask,
+            values=batch.values,
+            kl=batch.kl,
+            kl_coef=self.reward_kl_coef(),
+            gamma=a.gamma,
+            gae_lambda=a.gae_lambda,
+            group_ids=batch.group_ids,
+            norm_by_std=a.norm_by_std,
+        )
         if a.advantage == "gae" and a.whiten_advantages:
             adv = alg.masked_whiten(adv, mask)
         batch.advantages, batch.returns = adv * mask, ret * mask
-        return {"advantages_mean": float(alg.masked_mean(batch.advantages, mask)),
-                "returns_mean": float(alg.masked_mean(batch.returns, mask))}
+        return {
+            "advantages_mean": float(alg.masked_mean(batch.advantages, mask)),
+            "returns_mean": float(alg.masked_mean(batch.returns, mask)),
+        }
 
     def reward_kl_coef(self) -> float:
         """The coefficient of the KL in the reward this step: the controller's, or 0 when the KL is not in the reward."""
@@ -350,10 +394,14 @@ class PPOTrainer(Trainer):
     def rollout_metrics(self, batch: RolloutBatch) -> dict[str, float]:
         mask = batch.response_mask
         kl_seq = (batch.kl * mask).sum(-1)
-        out = {"score_mean": float(batch.scores.mean()), "reward_mean": float(batch.rewards.mean()),
-               "kl_mean": float(kl_seq.mean()), "kl_coef": float(self.reward_kl_coef()),
-               "response_len": float(mask.sum(-1).mean()),
-               "stop_frac": sum(m["finish_reason"] == "stop" for m in batch.meta) / max(1, len(batch))}
+        out = {
+            "score_mean": float(batch.scores.mean()),
+            "reward_mean": float(batch.rewards.mean()),
+            "kl_mean": float(kl_seq.mean()),
+            "kl_coef": float(self.reward_kl_coef()),
+            "response_len": float(mask.sum(-1).mean()),
+            "stop_frac": sum(m["finish_reason"] == "stop" for m in batch.meta) / max(1, len(batch)),
+        }
         if self.cfg.reward.type == "model" and on_builtin_task(self.cfg):
             out["train_accuracy"] = float(self._accuracy(batch.meta))
         out.update(alg.rollout_mismatch_metrics(batch.rollout_log_probs, batch.old_log_probs, mask))
@@ -363,8 +411,9 @@ class PPOTrainer(Trainer):
     def _accuracy(self, meta: list[dict]) -> float:
         from aligner.reward.rules import score
 
-        return float(score(accuracy_rule(self.cfg), [m["prompt"] for m in meta], [m["response"] for m in meta],
-                           [m["metadata"] for m in meta]).mean())
+        return float(
+            score(accuracy_rule(self.cfg), [m["prompt"] for m in meta], [m["response"] for m in meta], [m["metadata"] for m in meta]).mean()
+        )
 
     def evaluate(self, num_prompts: Optional[int] = None) -> dict[str, float]:
         """Greedy responses to held-out prompts (:func:`aligner.trainers.evaluation.evaluate_greedy`):
@@ -406,8 +455,14 @@ class PPOTrainer(Trainer):
 
     def state_dict(self) -> dict[str, Any]:
         """step, data position, KL controller, evaluations so far, non-finite step counters."""
-        return {"step": self.step, "data": self.data.state_dict(), "kl_ctl": self.kl_ctl.state_dict(), "history": self.history,
-                "nonfinite_total": self.nonfinite_total, "nonfinite_in_a_row": self.nonfinite_in_a_row}
+        return {
+            "step": self.step,
+            "data": self.data.state_dict(),
+            "kl_ctl": self.kl_ctl.state_dict(),
+            "history": self.history,
+            "nonfinite_total": self.nonfinite_total,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (ValueError when the prompts differ from the checkpoint's)."""
@@ -477,8 +532,10 @@ def load_prompts(cfg: AlignerConfig):
     check_tokenizer_fits(len(tok), cfg.actor.init, cfg.model, "actor")
     splits = load_data("prompt", cfg.data, cfg.task, tok, cfg.output_dir)
     if not splits.eval:  # no held-out prompts (warned by load_data): evaluation runs on training prompts
-        log.warning("ppo: evaluating on the first %d training prompts: the eval_* metrics are not held-out figures",
-                    min(cfg.task.num_eval, len(splits.train)))
+        log.warning(
+            "ppo: evaluating on the first %d training prompts: the eval_* metrics are not held-out figures",
+            min(cfg.task.num_eval, len(splits.train)),
+        )
         splits.eval = splits.train[: cfg.task.num_eval]
     return tok, splits
 
@@ -490,9 +547,11 @@ def summary_table(summary: dict) -> str:
     def fmt(d, k, pct=False):
         return "-" if k not in d else (f"{100 * d[k]:.1f}%" if pct else f"{d[k]:.3f}")
 
-    rows = [("held-out accuracy (greedy, rule-checked)", fmt(i, "eval_accuracy", True), fmt(f, "eval_accuracy", True)),
-            ("mean RM score (greedy responses)", fmt(i, "eval_rm_score"), fmt(f, "eval_rm_score")),
-            ("KL to reference (nats/sequence)", fmt(i, "eval_kl_to_ref"), fmt(f, "eval_kl_to_ref"))]
+    rows = [
+        ("held-out accuracy (greedy, rule-checked)", fmt(i, "eval_accuracy", True), fmt(f, "eval_accuracy", True)),
+        ("mean RM score (greedy responses)", fmt(i, "eval_rm_score"), fmt(f, "eval_rm_score")),
+        ("KL to reference (nats/sequence)", fmt(i, "eval_kl_to_ref"), fmt(f, "eval_kl_to_ref")),
+    ]
     w = max(len(r[0]) for r in rows)
     lines = [f"{'':{w}}  {'SFT policy':>12}  {'PPO policy':>12}"] + [f"{a:{w}}  {b:>12}  {c:>12}" for a, b, c in rows]
     return "\n".join(lines)

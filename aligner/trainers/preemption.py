@@ -91,8 +91,7 @@ def stop_at_step_boundary(step: int, last_saved: int, save: Callable[[], object]
         what = f"the checkpoint of step {last_saved} in {where} is current"
     _STATE.done.set()
     secs = time.monotonic() - _STATE.requested_at
-    raise Preempted(f"stopped by SIGTERM after step {step} ({secs:.1f} s after the signal): {what}; "
-                    "rerun with resume=true to continue")
+    raise Preempted(f"stopped by SIGTERM after step {step} ({secs:.1f} s after the signal): {what}; rerun with resume=true to continue")
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -100,16 +99,18 @@ def _on_sigterm(signum, frame) -> None:
     if state is None or state.requested_at is not None:
         return
     state.requested_at = time.monotonic()
-    log.warning("SIGTERM: finishing the current step and writing a checkpoint (within trainer.preempt_grace_s=%g s)",
-                state.grace_s)
+    log.warning("SIGTERM: finishing the current step and writing a checkpoint (within trainer.preempt_grace_s=%g s)", state.grace_s)
     threading.Thread(target=_watchdog, args=(state,), name="aligner-preempt-watchdog", daemon=True).start()
 
 
 def _watchdog(state: _State) -> None:
     if state.done.wait(state.grace_s):
         return
-    print(f"aligner {state.stage}: error: stopped by SIGTERM: the current step and its checkpoint did not finish within "
-          f"trainer.preempt_grace_s={state.grace_s:g} s, so both were abandoned; the last complete checkpoint in "
-          "output_dir is intact: rerun with resume=true (raise trainer.preempt_grace_s if the scheduler allows)",
-          file=sys.stderr, flush=True)
+    print(
+        f"aligner {state.stage}: error: stopped by SIGTERM: the current step and its checkpoint did not finish within "
+        f"trainer.preempt_grace_s={state.grace_s:g} s, so both were abandoned; the last complete checkpoint in "
+        "output_dir is intact: rerun with resume=true (raise trainer.preempt_grace_s if the scheduler allows)",
+        file=sys.stderr,
+        flush=True,
+    )
     os._exit(EXIT_CODE)

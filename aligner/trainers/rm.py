@@ -66,8 +66,10 @@ class RMTrainer(SupervisedTrainer):
         if self.init:
             log.info("rm: initializing the reward model from %s", self.init)
         else:
-            log.info("rm: initializing the reward model from random weights (reward.init is empty%s)",
-                     f" and {TINY_SFT_DIR} has no HF export" if self.cfg.preset == "tiny" else "")
+            log.info(
+                "rm: initializing the reward model from random weights (reward.init is empty%s)",
+                f" and {TINY_SFT_DIR} has no HF export" if self.cfg.preset == "tiny" else "",
+            )
         return {"cfg": self.cfg, "total_steps": self.cfg.trainer.max_steps, "init": self.init}
 
     def collate(self, examples: list[dict]) -> dict:

@@ -39,8 +39,19 @@ log = logging.getLogger("aligner")
 
 LOCK_NAME = ".aligner.lock"
 # What a run writes into its output_dir (checkpoints/ counts only when it holds something).
-RUN_ENTRIES = ("config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "checkpoints", "hf", "tensorboard", "summary.json",
-               "curves.png", "ppo_report.png", "tokenizer", "task")
+RUN_ENTRIES = (
+    "config.yaml",
+    "metrics.jsonl",
+    "metrics.jsonl.tmp",
+    "checkpoints",
+    "hf",
+    "tensorboard",
+    "summary.json",
+    "curves.png",
+    "ppo_report.png",
+    "tokenizer",
+    "task",
+)
 RUN_ENTRY_PATTERNS = (".hf.tmp-*", ".hf.old-*")  # an HF export killed half-way
 
 
@@ -121,8 +132,7 @@ class RunLock:
         raise UserError(f"output_dir={str(out)!r}: could not take {LOCK_NAME} (it keeps being replaced): retry")
 
     def _write_holder(self, stage: str) -> None:
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "stage": stage}
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "stage": stage}
         data = json.dumps(info).encode()
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, data, 0)
@@ -166,8 +176,10 @@ def _read_holder(fd: int, wait_s: float = 2.0) -> str:
             break
         time.sleep(0.05)
     info = info if isinstance(info, dict) else {}
-    return (f"pid {info.get('pid', '?')} on host {info.get('host', '?')} "
-            f"(started {info.get('started', '?')}{', ' + info['stage'] if info.get('stage') else ''})")
+    return (
+        f"pid {info.get('pid', '?')} on host {info.get('host', '?')} "
+        f"(started {info.get('started', '?')}{', ' + info['stage'] if info.get('stage') else ''})"
+    )
 
 
 # ---- fresh / resume / overwrite -----------------------------------------------------------
@@ -194,22 +206,25 @@ def decide(cfg: AlignerConfig, out: Path, inputs: Optional[dict[str, str]] = Non
         _check_same_run_settings(cfg, out)
         return "resume"
     shown = ", ".join(e + ("/" if (out / e).is_dir() else "") for e in entries)
-    raise UserError(f"output_dir={str(out)!r} holds a previous run ({shown}): give another output_dir, "
-                    "or resume=true to continue that run, or overwrite=true to delete it and start fresh")
+    raise UserError(
+        f"output_dir={str(out)!r} holds a previous run ({shown}): give another output_dir, "
+        "or resume=true to continue that run, or overwrite=true to delete it and start fresh"
+    )
 
 
 def check_flags(cfg: AlignerConfig) -> None:
     """Raises ConfigError when resume=true and overwrite=true are both given."""
     if cfg.resume and cfg.overwrite:
-        raise ConfigError("resume=true and overwrite=true contradict each other: resume=true continues the run "
-                          "in output_dir, overwrite=true deletes it; give one")
+        raise ConfigError(
+            "resume=true and overwrite=true contradict each other: resume=true continues the run "
+            "in output_dir, overwrite=true deletes it; give one"
+        )
 
 
 def input_paths(cfg: AlignerConfig) -> dict[str, str]:
     """field -> path of every file or dir the run reads (non-empty ones)."""
     paths = {cfg.init_field(r): cfg.init_of(r) for r in cfg.roles_used()}
-    paths.update({"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path,
-                  "tokenizer.path": cfg.tokenizer.path})
+    paths.update({"data.train_path": cfg.data.train_path, "data.eval_path": cfg.data.eval_path, "tokenizer.path": cfg.tokenizer.path})
     return {k: v for k, v in paths.items() if v}
 
 
@@ -218,8 +233,9 @@ def _check_inputs_outside(out: Path, inputs: dict[str, str]) -> None:
     for field_name, path in inputs.items():
         p = Path(path).resolve()
         if p == root or root in p.parents:
-            raise UserError(f"overwrite=true would delete {field_name}={path!r}, which lies in output_dir={str(out)!r}: "
-                            "give another output_dir")
+            raise UserError(
+                f"overwrite=true would delete {field_name}={path!r}, which lies in output_dir={str(out)!r}: give another output_dir"
+            )
 
 
 def previous_stage(out: Path) -> Optional[tuple[str, str]]:
@@ -246,8 +262,10 @@ def previous_stage(out: Path) -> Optional[tuple[str, str]]:
 def _check_same_stage(stage: str, out: Path) -> None:
     found = previous_stage(out)
     if found is not None and found[0] != stage:
-        raise UserError(f"resume=true: output_dir={str(out)!r} holds a run of stage {found[0]} ({found[1]}), not {stage}: "
-                        f"give the {stage} run's output_dir, or another output_dir to start fresh")
+        raise UserError(
+            f"resume=true: output_dir={str(out)!r} holds a run of stage {found[0]} ({found[1]}), not {stage}: "
+            f"give the {stage} run's output_dir, or another output_dir to start fresh"
+        )
 
 
 def _saved_config(out: Path) -> dict:
@@ -274,13 +292,19 @@ def _check_same_run_settings(cfg: AlignerConfig, out: Path) -> None:
     now = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     for name, value in (saved.get("model") or {}).items():
         if name in now["model"] and now["model"][name] != value:
-            raise UserError(f"resume=true: model.{name}={now['model'][name]!r} differs from the run in output_dir="
-                            f"{str(out)!r} (config.yaml: {value!r}); its checkpoints load only into the model they were "
-                            f"saved from: drop the model.{name} override, or give another output_dir to start fresh")
+            raise UserError(
+                f"resume=true: model.{name}={now['model'][name]!r} differs from the run in output_dir="
+                f"{str(out)!r} (config.yaml: {value!r}); its checkpoints load only into the model they were "
+                f"saved from: drop the model.{name} override, or give another output_dir to start fresh"
+            )
     old_steps = (saved.get("trainer") or {}).get("max_steps")
     if old_steps is not None and old_steps != cfg.trainer.max_steps:
-        log.warning("resume=true: trainer.max_steps changed from %s to %d: the learning-rate schedule (warmup and "
-                    "decay over max_steps) is reshaped from the resumed step on", old_steps, cfg.trainer.max_steps)
+        log.warning(
+            "resume=true: trainer.max_steps changed from %s to %d: the learning-rate schedule (warmup and "
+            "decay over max_steps) is reshaped from the resumed step on",
+            old_steps,
+            cfg.trainer.max_steps,
+        )
 
 
 def delete_previous_run(out: Path) -> None:

@@ -39,8 +39,7 @@ class SFTTrainer(SupervisedTrainer):
         return ActorWorker
 
     def worker_kwargs(self) -> dict:
-        return {"cfg": self.cfg, "role": "actor", "total_steps": self.cfg.trainer.max_steps,
-                "eos_token_id": self.tokenizer.eos_token_id}
+        return {"cfg": self.cfg, "role": "actor", "total_steps": self.cfg.trainer.max_steps, "eos_token_id": self.tokenizer.eos_token_id}
 
     def collate(self, examples: list[dict]) -> dict:
         """input_ids, attention_mask, loss_mask [B, T] (plus segment_ids, position_ids when packing)."""
@@ -60,9 +59,14 @@ class SFTTrainer(SupervisedTrainer):
 
         prompts = load_data("prompt", self.cfg.data, self.cfg.task, self.tokenizer, str(self.out)).eval
         res = evaluate_greedy(self.group, prompts, self.tokenizer, self.cfg).metrics
-        log.info("sft: held-out greedy accuracy %.3f on %d problems (%.3f without a carry, %.3f with one; "
-                 "mean response %.1f tokens)", res["accuracy"], int(res["n"]), res.get("accuracy_no_carry", float("nan")),
-                 res.get("accuracy_carry", float("nan")), res["mean_response_len"])
+        log.info(
+            "sft: held-out greedy accuracy %.3f on %d problems (%.3f without a carry, %.3f with one; mean response %.1f tokens)",
+            res["accuracy"],
+            int(res["n"]),
+            res.get("accuracy_no_carry", float("nan")),
+            res.get("accuracy_carry", float("nan")),
+            res["mean_response_len"],
+        )
         keys = ("accuracy", "n", "mean_response_len", "accuracy_carry", "accuracy_no_carry")
         return {f"task_{k}": res[k] for k in keys if k in res}, {}
 

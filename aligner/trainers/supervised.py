@@ -143,9 +143,11 @@ class SupervisedTrainer(Trainer):
         why = local_shortfall(self.cfg, (self.role,))
         if why:
             r = self.role
-            raise UserError(f"this machine cannot hold the run ({why}): lower {r}.resources.cpus_per_worker, "
-                            f"{r}.resources.gpus_per_node or {r}.parallel sizes, or submit to a Ray cluster that has "
-                            "them (ray job submit ... / cluster.address=auto)")
+            raise UserError(
+                f"this machine cannot hold the run ({why}): lower {r}.resources.cpus_per_worker, "
+                f"{r}.resources.gpus_per_node or {r}.parallel sizes, or submit to a Ray cluster that has "
+                "them (ray job submit ... / cluster.address=auto)"
+            )
 
     def init_path(self) -> str:
         """Where the role's weights start from ("" = random init)."""
@@ -196,8 +198,16 @@ class SupervisedTrainer(Trainer):
         t0 = time.perf_counter()
         self.group = role_worker_group(self.cfg, self.role, self.worker_cls(), self.placement, kwargs=self.worker_kwargs())
         p = self.cfg.role(self.role).parallel
-        log.info("%s: %d %s worker(s) (tp=%d pp=%d dp=%d) ready in %.1f s", self.name, p.world_size, self.role,
-                 p.tp_size, p.pp_size, p.dp_size, time.perf_counter() - t0)
+        log.info(
+            "%s: %d %s worker(s) (tp=%d pp=%d dp=%d) ready in %.1f s",
+            self.name,
+            p.world_size,
+            self.role,
+            p.tp_size,
+            p.pp_size,
+            p.dp_size,
+            time.perf_counter() - t0,
+        )
 
     def stop(self) -> None:
         """Shut the worker group down and remove its placement."""

@@ -37,8 +37,9 @@ class PolicyWorker:
         # the reference has no optim (it never steps); its engine still builds an optimizer, left unused
         optim = role_cfg.optim if isinstance(role_cfg, TrainableRoleConfig) else OptimConfig()
         torch.manual_seed(cfg.trainer.seed)
-        self.policy = Policy(cfg.model, role_cfg.parallel, optim, self.dims, total_steps,
-                             init=init if init else role_cfg.init, seed=cfg.trainer.seed)
+        self.policy = Policy(
+            cfg.model, role_cfg.parallel, optim, self.dims, total_steps, init=init if init else role_cfg.init, seed=cfg.trainer.seed
+        )
 
     @dispatch("dp_split")
     def log_probs(self, batch: dict, temperature: float = 1.0) -> torch.Tensor:
@@ -72,8 +73,15 @@ class PolicyWorker:
 class ActorWorker(PolicyWorker):
     """The actor: a trainable PolicyWorker that also owns the rollout engine and its refit."""
 
-    def __init__(self, cfg: AlignerConfig, role: str = "actor", total_steps: int = 1, init: str = "",
-                 eos_token_id: Optional[int] = None, dims: Optional[ParallelDims] = None):
+    def __init__(
+        self,
+        cfg: AlignerConfig,
+        role: str = "actor",
+        total_steps: int = 1,
+        init: str = "",
+        eos_token_id: Optional[int] = None,
+        dims: Optional[ParallelDims] = None,
+    ):
         super().__init__(cfg, role, total_steps, init, dims)
         self.eos_token_id = eos_token_id
         self.engine = None
@@ -86,8 +94,10 @@ class ActorWorker(PolicyWorker):
         """
 
         if self.cfg.rollout.backend != "torch":
-            raise ValueError(f"rollout.backend={self.cfg.rollout.backend!r} runs through TrtllmEngine on GPU nodes; "
-                             "this worker builds the torch engine only (use rollout.backend=torch on CPU)")
+            raise ValueError(
+                f"rollout.backend={self.cfg.rollout.backend!r} runs through TrtllmEngine on GPU nodes; "
+                "this worker builds the torch engine only (use rollout.backend=torch on CPU)"
+            )
         rp = self.cfg.rollout.parallel
         if self.dims.world_size == 1:
             self.infer_dims = ParallelDims()
@@ -96,9 +106,16 @@ class ActorWorker(PolicyWorker):
         d = self.infer_dims
         model = build_parallel_model(self.policy.model_cfg, "lm", d, seed=self.cfg.trainer.seed)
         model = model.to(device=d.device, dtype=getattr(torch, self.cfg.rollout.dtype))
-        self.engine = build_engine("torch", model, eos_token_id=self.eos_token_id, tp_group=d.tp_group, pp_group=d.pp_group,
-                                   max_batch_size=self.cfg.rollout.max_batch_size, cuda_graphs=self.cfg.rollout.cuda_graphs,
-                                   seed=self.cfg.trainer.seed)
+        self.engine = build_engine(
+            "torch",
+            model,
+            eos_token_id=self.eos_token_id,
+            tp_group=d.tp_group,
+            pp_group=d.pp_group,
+            max_batch_size=self.cfg.rollout.max_batch_size,
+            cuda_graphs=self.cfg.rollout.cuda_graphs,
+            seed=self.cfg.trainer.seed,
+        )
 
     @dispatch("broadcast")
     def refit(self) -> dict:
@@ -109,9 +126,13 @@ class ActorWorker(PolicyWorker):
         eng = self.policy.runtime
         sharded = eng.fsdp or eng.backend == "deepspeed"
         if not sharded:
-
-            stats = refit(eng.module, self.engine, bucket_mb=self.cfg.rollout.refit_bucket_mb,
-                          tp_group=self.dims.tp_group, pp_group=self.dims.pp_group)
+            stats = refit(
+                eng.module,
+                self.engine,
+                bucket_mb=self.cfg.rollout.refit_bucket_mb,
+                tp_group=self.dims.tp_group,
+                pp_group=self.dims.pp_group,
+            )
             nbytes = stats.bytes
         else:
             sd = self.policy.full_state_dict()

@@ -84,7 +84,9 @@ class WorkerShell:
             s.bind((ip, 0))
             return ip, s.getsockname()[1]
 
-    def setup(self, env: dict[str, str], sizes: tuple[int, int, int], backend: str, num_threads: int, worker_cls: type, packed: tuple[tuple, dict]) -> None:
+    def setup(
+        self, env: dict[str, str], sizes: tuple[int, int, int], backend: str, num_threads: int, worker_cls: type, packed: tuple[tuple, dict]
+    ) -> None:
         """Set the env, torch threads and process groups, then build the worker.
 
         The worker class gets ``dims=`` (this rank's ParallelDims) when its constructor
@@ -105,7 +107,9 @@ class WorkerShell:
                 kwargs = {**kwargs, "dims": self.dims}
             self.worker = worker_cls(*args, **kwargs)
         except Exception:
-            raise WorkerError(self.role, self.rank, traceback.format_exc(), f"{getattr(worker_cls, '__name__', worker_cls)}.__init__") from None
+            raise WorkerError(
+                self.role, self.rank, traceback.format_exc(), f"{getattr(worker_cls, '__name__', worker_cls)}.__init__"
+            ) from None
 
     def call(self, method: str, packed: tuple[tuple, dict]) -> Any:
         """Run ``worker.method(*args, **kwargs)``; an exception comes back as WorkerError."""
@@ -227,7 +231,9 @@ class WorkerGroup:
                 f"{parallel.world_size}, but the placement of {placement.role!r} holds {placement.world_size} workers: make them equal"
             )
         self.role, self.worker_cls, self.placement, self.poll_s = role, worker_cls, placement, poll_s
-        self.dims = ParallelDims(tp_size=parallel.tp_size, pp_size=parallel.pp_size, dp_size=parallel.dp_size, world_size=parallel.world_size)
+        self.dims = ParallelDims(
+            tp_size=parallel.tp_size, pp_size=parallel.pp_size, dp_size=parallel.dp_size, world_size=parallel.world_size
+        )
         self.world_size = parallel.world_size
         self.actors: list[Any] = []
         self.failure: Optional[WorkerError] = None
@@ -241,7 +247,16 @@ class WorkerGroup:
             raise
 
     @classmethod
-    def create(cls, role: str, worker_cls: type, parallel: ParallelConfig, resources: ResourceConfig, *, placement_timeout_s: float = 60.0, **kw: Any) -> WorkerGroup:
+    def create(
+        cls,
+        role: str,
+        worker_cls: type,
+        parallel: ParallelConfig,
+        resources: ResourceConfig,
+        *,
+        placement_timeout_s: float = 60.0,
+        **kw: Any,
+    ) -> WorkerGroup:
         """A group on its own new placement group (split placement of one role).
 
         Raises PlacementError before any actor starts when the cluster lacks the resources.

@@ -141,13 +141,17 @@ def _owner(name: str, roles: Mapping[str, RoleRequest], colocate_with: Mapping[s
         if nxt not in roles:
             raise ValueError(f"{cur}.colocate_with={nxt!r} is invalid: valid roles here are {', '.join(roles)}")
         if nxt in seen:
-            raise ValueError(f"{cur}.colocate_with={nxt!r} forms a cycle ({' -> '.join(seen + [nxt])}): point it at a role with its own node group")
+            raise ValueError(
+                f"{cur}.colocate_with={nxt!r} forms a cycle ({' -> '.join(seen + [nxt])}): point it at a role with its own node group"
+            )
         seen.append(nxt)
         cur = nxt
     return cur
 
 
-def plan_node_groups(roles: Mapping[str, RoleRequest], placement: str = "split", colocate_with: Optional[Mapping[str, str]] = None) -> list[NodeGroupSpec]:
+def plan_node_groups(
+    roles: Mapping[str, RoleRequest], placement: str = "split", colocate_with: Optional[Mapping[str, str]] = None
+) -> list[NodeGroupSpec]:
     """Group role requests into node groups.
 
     roles: role name -> request, in the order groups are created.
@@ -187,7 +191,9 @@ def _alive_nodes() -> list[dict[str, float]]:
 
 
 def _fmt(res: Mapping[str, float]) -> str:
-    keys = ["CPU", "GPU"] + sorted(k for k in res if k not in ("CPU", "GPU") and not k.startswith(("node:", "accelerator_type")) and "memory" not in k)
+    keys = ["CPU", "GPU"] + sorted(
+        k for k in res if k not in ("CPU", "GPU") and not k.startswith(("node:", "accelerator_type")) and "memory" not in k
+    )
     return ", ".join(f"{k}={res.get(k, 0):g}" for k in keys if k in res or k in ("CPU", "GPU"))
 
 

@@ -21,8 +21,9 @@ from aligner.nn.vocab import vocab_parallel_entropy, vocab_parallel_log_probs
 from aligner.parallel.dims import ParallelDims
 from aligner.protocol import build_sequences, response_index
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                  max_seq_len=32, init_std=0.2)
+CFG = ModelConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32, init_std=0.2
+)
 OPTIM = OptimConfig(lr=1e-3, warmup_steps=0, schedule="constant", grad_clip=0.0)
 TEMPERATURE = 0.9
 
@@ -34,10 +35,14 @@ def _batch() -> dict[str, torch.Tensor]:
     seq = build_sequences(prompts, responses, pad_id=0)
     mask = seq["response_mask"]
     shape = mask.shape
-    return {"input_ids": seq["input_ids"], "prompt_lens": seq["prompt_lens"], "response_mask": mask,
-            "advantages": torch.randn(shape, generator=g) * mask,
-            "old_offset": torch.randn(shape, generator=g) * 0.3,  # old = current - offset: ratios around 1, some clipped
-            "ref_offset": torch.randn(shape, generator=g) * 0.5}
+    return {
+        "input_ids": seq["input_ids"],
+        "prompt_lens": seq["prompt_lens"],
+        "response_mask": mask,
+        "advantages": torch.randn(shape, generator=g) * mask,
+        "old_offset": torch.randn(shape, generator=g) * 0.3,  # old = current - offset: ratios around 1, some clipped
+        "ref_offset": torch.randn(shape, generator=g) * 0.5,
+    }
 
 
 def _response_logits(model, batch):
@@ -52,8 +57,9 @@ def _reference_grads(batch, algo: AlgorithmConfig) -> dict[str, torch.Tensor]:
     mask = batch["response_mask"]
     lp = vocab_parallel_log_probs(logits, labels, temperature=TEMPERATURE) * mask
     ent = vocab_parallel_entropy(logits, temperature=TEMPERATURE)
-    loss, _ = alg.policy_loss(lp, batch["old_log_probs"], batch["advantages"], mask, algo.clip_eps,
-                              clip_eps_high=algo.clip_eps_high, loss_agg=algo.loss_agg)
+    loss, _ = alg.policy_loss(
+        lp, batch["old_log_probs"], batch["advantages"], mask, algo.clip_eps, clip_eps_high=algo.clip_eps_high, loss_agg=algo.loss_agg
+    )
     loss = loss - algo.entropy_coef * alg.aggregate_loss(ent, mask, algo.loss_agg)
     loss = loss + algo.kl_loss_coef * alg.kl_loss(lp, batch["ref_log_probs"], mask, algo.kl_loss_estimator, algo.loss_agg)
     loss.backward()
@@ -62,8 +68,9 @@ def _reference_grads(batch, algo: AlgorithmConfig) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("loss_agg", alg.LOSS_AGG_MODES)
 def test_ppo_step_gradient_equals_the_whole_batch_formula(loss_agg):
-    algo = AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_loss_coef=0.3, entropy_coef=0.05, clip_eps=0.1,
-                           clip_eps_high=0.3, loss_agg=loss_agg)
+    algo = AlgorithmConfig(
+        advantage="grpo", kl_coef=0.0, kl_loss_coef=0.3, entropy_coef=0.05, clip_eps=0.1, clip_eps_high=0.3, loss_agg=loss_agg
+    )
     pol = Policy(CFG, ParallelConfig(), OPTIM, ParallelDims(device_type="cpu"), seed=0)
     batch = _batch()
     with torch.no_grad():

@@ -124,7 +124,13 @@ def test_bad_chat_and_hh_rows(tmp_path):
 
 
 def test_skip_invalid_counts_and_reports(tmp_path, caplog):
-    rows = [{"prompt": "1+2=", "response": "3"}, "{bad", {"prompt": "x"}, {"prompt": "2+2=", "response": "4"}, {"prompt": 5, "response": "5"}]
+    rows = [
+        {"prompt": "1+2=", "response": "3"},
+        "{bad",
+        {"prompt": "x"},
+        {"prompt": "2+2=", "response": "4"},
+        {"prompt": 5, "response": "5"},
+    ]
     path = write_jsonl(tmp_path / "s.jsonl", rows)
     with caplog.at_level(logging.WARNING, logger="aligner.data"):
         res = load_records(path, skip_invalid=True)
@@ -136,7 +142,12 @@ def test_skip_invalid_counts_and_reports(tmp_path, caplog):
 def test_sft_response_only_loss_mask(tok):
     recs = [{"prompt": "12+39=", "response": "51", "source": "f:1", "metadata": {}}]
     ex = encode_records(recs, tok, DataConfig(), "sft").examples[0]
-    expect = [tok.bos_token_id] + tok.encode("12+39=", add_special_tokens=False) + tok.encode("51", add_special_tokens=False) + [tok.eos_token_id]
+    expect = (
+        [tok.bos_token_id]
+        + tok.encode("12+39=", add_special_tokens=False)
+        + tok.encode("51", add_special_tokens=False)
+        + [tok.eos_token_id]
+    )
     assert ex["input_ids"] == expect
     assert ex["loss_mask"] == [0] * 7 + [1, 1, 1]  # bos + 6 prompt tokens masked; "5", "1", eos trained
 
@@ -198,7 +209,9 @@ def test_collators(tok):
 
 def test_packing_preserves_tokens_and_segments():
     lens = [5, 9, 3, 7, 2, 8, 6]
-    exs = [{"input_ids": [100 * (i + 1) + j for j in range(n)], "loss_mask": [int(j >= n // 2) for j in range(n)]} for i, n in enumerate(lens)]
+    exs = [
+        {"input_ids": [100 * (i + 1) + j for j in range(n)], "loss_mask": [int(j >= n // 2) for j in range(n)]} for i, n in enumerate(lens)
+    ]
     b = pack_sft(exs, max_seq_len=12, pad_id=0)
     ids, seg, pos, lm = b["input_ids"], b["segment_ids"], b["position_ids"], b["loss_mask"]
     assert ids.shape[1] <= 12 and ids.shape[0] < len(exs)
@@ -271,12 +284,20 @@ def test_shared_gsm8k_file():
     assert r["prompt"].startswith("Natalia sold clips") and r["metadata"]["answer"] == "72"
     from aligner.reward.rules import score
 
-    s = score("gsm8k", [x["prompt"] for x in res.records[:100]], [x["response"] for x in res.records[:100]], [x["metadata"] for x in res.records[:100]])
+    s = score(
+        "gsm8k",
+        [x["prompt"] for x in res.records[:100]],
+        [x["response"] for x in res.records[:100]],
+        [x["metadata"] for x in res.records[:100]],
+    )
     assert s.sum().item() == 100  # the reference solutions score 1 against their own answers
 
 
 def test_unknown_characters_are_counted(tok, caplog):
-    recs = [{"prompt": "1+2=", "response": "3", "source": "u:1", "metadata": {}}, {"prompt": "1+2=", "response": "€", "source": "u:2", "metadata": {}}]
+    recs = [
+        {"prompt": "1+2=", "response": "3", "source": "u:1", "metadata": {}},
+        {"prompt": "1+2=", "response": "€", "source": "u:2", "metadata": {}},
+    ]
     with caplog.at_level(logging.WARNING, logger="aligner.data"):
         res = encode_records(recs, tok, DataConfig(), "sft")
     assert res.num_unk == 1 and "u:2: text maps to the unknown token" in caplog.text

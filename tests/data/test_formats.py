@@ -232,11 +232,19 @@ BAD = [
     ("prompt_completion", {"prompt": [user("1+2="), bot("3")], "completion": [bot("4")]}, "field 'prompt' ends with an assistant turn"),
     ("prompt_completion", {"prompt": [user("1+2=")], "completion": "3"}, "field 'prompt' must be a string like 'completion'"),
     ("prompt_completion", {"prompt": [user("1+2=")]}, "field 'completion' is missing"),
-    ("pairs", {"prompt": [user("1+2=")], "chosen": [bot("3")], "rejected": [{"role": "bot", "content": "4"}]}, r"'rejected\[0\]\.role' must be one of"),
+    (
+        "pairs",
+        {"prompt": [user("1+2=")], "chosen": [bot("3")], "rejected": [{"role": "bot", "content": "4"}]},
+        r"'rejected\[0\]\.role' must be one of",
+    ),
     ("pairs", {"prompt": [user("1+2=")], "chosen": "3", "rejected": "4"}, "field 'chosen' must be a list of messages like 'prompt'"),
     ("pairs", {**ULTRA, "prompt": "1+5="}, "field 'prompt' is not the last user turn"),
     ("hh", {"chosen": [user("1+2="), bot("3")], "rejected": [user("1+3="), bot("4")]}, "do not start with the same prompt messages"),
-    ("hh", {"chosen": [user("1+2="), bot("3"), user("x")], "rejected": [user("1+2="), bot("3"), user("z")]}, "share their first 2 messages, which end"),
+    (
+        "hh",
+        {"chosen": [user("1+2="), bot("3"), user("x")], "rejected": [user("1+2="), bot("3"), user("z")]},
+        "share their first 2 messages, which end",
+    ),
     ("hh", {"chosen": [user("1+2="), bot("3")], "rejected": [user("1+2="), bot("3")]}, "share their first 2 messages"),  # equal
     ("hh", {"chosen": "Yes", "rejected": "No"}, "shares no leading words with 'rejected'"),
     ("unpaired", {"prompt": "1+2=", "completion": "3", "label": "yes"}, "field 'label' must be true or false, got str"),
@@ -263,10 +271,13 @@ def test_bad_row_names_file_and_line(tmp_path, fmt, bad, msg):
 
 def test_template_that_cannot_split_the_answer(tmp_path, tok_path):
     """A template whose generation prompt is not a prefix of the answered conversation: file:line, or skipped."""
-    odd = load_tokenizer(tok_path, chat_template=(
-        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ 'assistant says: ' }}{% endif %}"
-    ))
+    odd = load_tokenizer(
+        tok_path,
+        chat_template=(
+            "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ 'assistant says: ' }}{% endif %}"
+        ),
+    )
     path = write_jsonl(tmp_path / "p.jsonl", [CASES["pairs_conv"][0][0], {"prompt": "1+2=", "chosen": "3", "rejected": "4"}])
     recs = load_records(path, kind="pairs").records
     with pytest.raises(ValueError, match=rf"{path}:1: the chat template does not render the prompt .*tokenizer\.chat_template"):

@@ -23,7 +23,11 @@ def test_llama2_from_sentencepiece_model(llama2):
     # Known Llama 2 ids: "▁Hello" = 15043, digits are split individually ("1" = 29896).
     assert tok.encode("Hello", add_special_tokens=False) == [15043]
     assert tok.convert_tokens_to_ids("1") == 29896
-    for text in ["Hello world, 12+39=51", "Ünïcödé — 你好\nnew line", "two  spaces  inside"]:  # a leading space is dropped on decode, as in Llama 2
+    for text in [
+        "Hello world, 12+39=51",
+        "Ünïcödé — 你好\nnew line",
+        "two  spaces  inside",
+    ]:  # a leading space is dropped on decode, as in Llama 2
         ids = tok.encode(text, add_special_tokens=False)
         assert tok.decode(ids, skip_special_tokens=True) == text
     assert tok.chat_template == DEFAULT_CHAT_TEMPLATE

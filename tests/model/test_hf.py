@@ -30,9 +30,16 @@ CASES = {
     "gqa": dict(num_attention_heads=4, num_key_value_heads=2),
     "mqa_tied": dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
     "llama3_rope": dict(
-        num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 16},
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
     ),
     "attention_bias": dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True),
 }

@@ -15,8 +15,9 @@ from aligner.nn.vocab import shifted_log_probs, vocab_parallel_entropy, vocab_pa
 from aligner.parallel.dims import ParallelDims
 from aligner.protocol import build_sequences, response_index, to_response
 
-CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                  max_seq_len=32, init_std=0.2)
+CFG = ModelConfig(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32, init_std=0.2
+)
 
 
 def _seq():

@@ -84,7 +84,9 @@ def max_param_diff(full: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) 
 
 
 def make_engine(cfg, parallel: ParallelConfig, optim: OptimConfig, world: int) -> TrainRuntime:
-    dims = ParallelDims(tp_size=parallel.tp_size, pp_size=parallel.pp_size, dp_size=parallel.dp_size, world_size=world, rank=torch.distributed.get_rank()).build()
+    dims = ParallelDims(
+        tp_size=parallel.tp_size, pp_size=parallel.pp_size, dp_size=parallel.dp_size, world_size=world, rank=torch.distributed.get_rank()
+    ).build()
     return TrainRuntime(cfg, "lm", parallel, optim, dims, total_steps=10)
 
 
@@ -165,7 +167,13 @@ def tp_pp_battery(rank: int, world: int) -> dict:
     ref1 = reference_run(cfg1, optim, data)
     eng = make_engine(cfg1, ParallelConfig(tp_size=2, dp_size=2), optim, world)
     losses, norms = engine_run(eng, data)
-    out["tp2_kv1"] = {"losses": losses, "norms": norms, "ref_losses": ref1[0], "ref_norms": ref1[1], "param_diff": max_param_diff(eng.full_state_dict(), ref1[2])}
+    out["tp2_kv1"] = {
+        "losses": losses,
+        "norms": norms,
+        "ref_losses": ref1[0],
+        "ref_norms": ref1[1],
+        "param_diff": max_param_diff(eng.full_state_dict(), ref1[2]),
+    }
     return out
 
 

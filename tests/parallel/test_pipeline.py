@@ -23,13 +23,38 @@ pytestmark = pytest.mark.distributed
 
 PP_LAYOUTS = {
     # name: ((tp, pp, dp), model overrides, kind, run_layout keywords)
-    "tp2 x pp2, kv sharded, bias, 3 layers (2+1), 4 mb": ((2, 2, 1), dict(num_layers=3, attention_bias=True), "lm", dict(num_microbatches=4)),
-    "tp2 x pp2, kv replicated, SP, full, tied, 4 mb": ((2, 2, 1), dict(num_kv_heads=1, tie_word_embeddings=True), "lm", dict(sp=True, recompute="full", num_microbatches=4)),
-    "tp2 x pp2, SP, selective, split 1+2, 2 mb": ((2, 2, 1), dict(num_layers=3), "lm", dict(sp=True, recompute="selective", layer_split=[1, 2], num_microbatches=2)),
+    "tp2 x pp2, kv sharded, bias, 3 layers (2+1), 4 mb": (
+        (2, 2, 1),
+        dict(num_layers=3, attention_bias=True),
+        "lm",
+        dict(num_microbatches=4),
+    ),
+    "tp2 x pp2, kv replicated, SP, full, tied, 4 mb": (
+        (2, 2, 1),
+        dict(num_kv_heads=1, tie_word_embeddings=True),
+        "lm",
+        dict(sp=True, recompute="full", num_microbatches=4),
+    ),
+    "tp2 x pp2, SP, selective, split 1+2, 2 mb": (
+        (2, 2, 1),
+        dict(num_layers=3),
+        "lm",
+        dict(sp=True, recompute="selective", layer_split=[1, 2], num_microbatches=2),
+    ),
     "tp2 x pp2, score model, SP, 4 mb": ((2, 2, 1), dict(num_kv_heads=1), "score", dict(sp=True, num_microbatches=4)),
-    "pp2 x dp2, tied, split 1+2, 4 mb": ((1, 2, 2), dict(num_layers=3, tie_word_embeddings=True), "lm", dict(layer_split=[1, 2], num_microbatches=4)),
+    "pp2 x dp2, tied, split 1+2, 4 mb": (
+        (1, 2, 2),
+        dict(num_layers=3, tie_word_embeddings=True),
+        "lm",
+        dict(layer_split=[1, 2], num_microbatches=4),
+    ),
     "pp4, 4 layers, 4 mb": ((1, 4, 1), dict(num_layers=4), "lm", dict(num_microbatches=4)),
-    "pp4, 4 layers, 2 mb (fewer than stages), selective": ((1, 4, 1), dict(num_layers=4), "lm", dict(num_microbatches=2, recompute="selective")),
+    "pp4, 4 layers, 2 mb (fewer than stages), selective": (
+        (1, 4, 1),
+        dict(num_layers=4),
+        "lm",
+        dict(num_microbatches=2, recompute="selective"),
+    ),
 }
 
 

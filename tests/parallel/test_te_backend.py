@@ -65,7 +65,11 @@ def _accepted(api: dict, name: str) -> set[str]:
 
 def test_scan_finds_the_te_calls():
     names = {c[0] for c in te_calls()}
-    assert {"transformer_engine.pytorch.Linear", "transformer_engine.pytorch.LayerNormLinear", "transformer_engine.pytorch.autocast"} <= names
+    assert {
+        "transformer_engine.pytorch.Linear",
+        "transformer_engine.pytorch.LayerNormLinear",
+        "transformer_engine.pytorch.autocast",
+    } <= names
     assert {"transformer_engine.common.recipe.DelayedScaling", "transformer_engine.common.recipe.Float8CurrentScaling"} <= names
 
 

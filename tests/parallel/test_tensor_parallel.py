@@ -67,7 +67,7 @@ def _swap_grads(model):
 
 
 def _max_err(full: dict, ref: dict) -> float:
-    assert set(full) == set(ref), (sorted(set(full) ^ set(ref)))
+    assert set(full) == set(ref), sorted(set(full) ^ set(ref))
     return max(float((full[k] - ref[k]).abs().max()) for k in ref)
 
 
@@ -75,8 +75,9 @@ def worst_key(full: dict, ref: dict) -> str:
     return max(ref, key=lambda k: float((full[k] - ref[k]).abs().max()))
 
 
-def run_layout(dims, cfg, kind: str = "lm", *, sp: bool = False, recompute: str = "none", layer_split=None,
-               num_microbatches: int = 1, steps: int = 3) -> dict[str, float]:
+def run_layout(
+    dims, cfg, kind: str = "lm", *, sp: bool = False, recompute: str = "none", layer_split=None, num_microbatches: int = 1, steps: int = 3
+) -> dict[str, float]:
     """Run one TP x PP layout against the single-process reference; return {check: max abs error}."""
     import torch.distributed as dist
 
@@ -100,6 +101,7 @@ def run_layout(dims, cfg, kind: str = "lm", *, sp: bool = False, recompute: str 
     with torch.no_grad():
         ref_out = ref(batch["input_ids"])
     if kind == "lm":
+
         def outputs(logits, mb):
             parts = [torch.empty_like(logits) for _ in range(dims.tp_size)]
             if dims.tp_size > 1:
@@ -139,13 +141,16 @@ def run_layout(dims, cfg, kind: str = "lm", *, sp: bool = False, recompute: str 
             _swap_grads(stage)
             grads = gather_full_state_dict(stage, tp_group, dims.pp_group)
             _swap_grads(stage)
-            ref_grads = {k: ref.get_parameter(k).grad if k != "lm_head.weight" or not cfg.tie_word_embeddings
-                         else ref.model.embed_tokens.weight.grad for k in ref_sd}
+            ref_grads = {
+                k: ref.get_parameter(k).grad if k != "lm_head.weight" or not cfg.tie_word_embeddings else ref.model.embed_tokens.weight.grad
+                for k in ref_sd
+            }
             errs["grads (every parameter)"] = _max_err(grads, ref_grads)
         ref_opt.step()
         opt.step()
-    errs[f"params after {steps} AdamW steps"] = _max_err(gather_full_state_dict(stage, tp_group, dims.pp_group),
-                                                         {k: v.detach() for k, v in ref.state_dict().items()})
+    errs[f"params after {steps} AdamW steps"] = _max_err(
+        gather_full_state_dict(stage, tp_group, dims.pp_group), {k: v.detach() for k, v in ref.state_dict().items()}
+    )
     return errs
 
 
@@ -161,7 +166,11 @@ TP_LAYOUTS = {
     # name: (model config overrides, kind, run_layout keywords)
     "kv sharded, qkv bias, no SP": (dict(num_kv_heads=2, attention_bias=True), "lm", dict()),
     "kv replicated (kv=1), SP, selective": (dict(num_kv_heads=1), "lm", dict(sp=True, recompute="selective")),
-    "kv replicated, SP, full, 2 micro-batches": (dict(num_kv_heads=1, attention_bias=True), "lm", dict(sp=True, recompute="full", num_microbatches=2)),
+    "kv replicated, SP, full, 2 micro-batches": (
+        dict(num_kv_heads=1, attention_bias=True),
+        "lm",
+        dict(sp=True, recompute="full", num_microbatches=2),
+    ),
     "tied embeddings, SP, none": (dict(tie_word_embeddings=True), "lm", dict(sp=True)),
     "MHA, no SP, full": (dict(num_kv_heads=4), "lm", dict(recompute="full")),
     "score model, kv replicated, SP": (dict(num_kv_heads=1), "score", dict(sp=True)),

@@ -33,7 +33,9 @@ PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11], [3, 3]]
 def tiny_cfg():
     from aligner.config import ModelConfig
 
-    return ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32, init_std=0.1)
+    return ModelConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32, init_std=0.1
+    )
 
 
 def trained_state_dict(cfg) -> dict:

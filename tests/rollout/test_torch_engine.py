@@ -235,8 +235,18 @@ def test_sampler_draws_the_filtered_softmax_distribution(temperature, top_k, top
 
 FUSED_CFGS = {
     "gqa": CFG,
-    "mha_biases": ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=4,
-                              max_seq_len=48, init_std=0.1, attention_bias=True, o_proj_bias=True),
+    "mha_biases": ModelConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=4,
+        max_seq_len=48,
+        init_std=0.1,
+        attention_bias=True,
+        o_proj_bias=True,
+    ),
 }
 
 

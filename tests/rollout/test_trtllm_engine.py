@@ -95,7 +95,9 @@ def test_sampling_kwargs_are_accepted(api):
     for s in (SamplingConfig(), SamplingConfig(temperature=0.0, top_k=5, top_p=0.9, stop_token_ids=[7])):
         kw = build_sampling_kwargs(s, eos_token_id=2, seed=11)
         assert set(kw) <= accepted, set(kw) - accepted
-    kw = build_sampling_kwargs(SamplingConfig(temperature=0.7, top_k=0, top_p=0.9, max_new_tokens=33, stop_token_ids=[9, 7]), eos_token_id=2, seed=5)
+    kw = build_sampling_kwargs(
+        SamplingConfig(temperature=0.7, top_k=0, top_p=0.9, max_new_tokens=33, stop_token_ids=[9, 7]), eos_token_id=2, seed=5
+    )
     assert kw["max_tokens"] == 33 and kw["top_k"] is None and kw["stop_token_ids"] == [7, 9] and kw["seed"] == 5
     assert kw["logprobs"] == 0 and kw["temperature"] == 0.7 and kw["end_id"] == 2
     assert "logprobs_mode" not in accepted  # 1.2.1 has no raw/processed switch (see the module docstring)
@@ -125,7 +127,10 @@ def test_methods_and_rpcs_exist(api):
     rpcs = rpc_method_names()
     assert "update_weights" in set(ext["public_methods"]) & rpcs
     # sleep / wakeup are the worker RPCs AsyncLLM.release / resume call in 1.2.1
-    assert "'sleep'" in api["tensorrt_llm.llmapi.AsyncLLM.release"]["note"] and "'wakeup'" in api["tensorrt_llm.llmapi.AsyncLLM.resume"]["note"]
+    assert (
+        "'sleep'" in api["tensorrt_llm.llmapi.AsyncLLM.release"]["note"]
+        and "'wakeup'" in api["tensorrt_llm.llmapi.AsyncLLM.resume"]["note"]
+    )
     assert rpcs == {"update_weights", "sleep", "wakeup"}
     assert "enable_sleep" in api["tensorrt_llm.LLM.accepted_kwargs"]["all"]
 
@@ -137,7 +142,9 @@ def test_output_fields_read_exist(api):
     assert "logprob" in {f["name"] for f in api["tensorrt_llm.executor.result.Logprob"]["fields"]}
     finish = next(f for f in api["tensorrt_llm.llmapi.CompletionOutput"]["fields"] if f["name"] == "finish_reason")
     assert "'stop'" in finish["annotation"] and "'length'" in finish["annotation"]
-    import_paths = set(api["tensorrt_llm.llmapi.llm_args.KvCacheConfig"]["import_paths"]) | set(api["tensorrt_llm.llmapi.llm_args.CudaGraphConfig"]["import_paths"])
+    import_paths = set(api["tensorrt_llm.llmapi.llm_args.KvCacheConfig"]["import_paths"]) | set(
+        api["tensorrt_llm.llmapi.llm_args.CudaGraphConfig"]["import_paths"]
+    )
     assert {"tensorrt_llm.llmapi.KvCacheConfig", "tensorrt_llm.llmapi.CudaGraphConfig"} <= import_paths
     assert "tensorrt_llm.SamplingParams" in api["tensorrt_llm.SamplingParams"]["import_paths"]
 

@@ -26,7 +26,9 @@ needs_trtllm = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("tensorrt_llm") is None,
     reason="needs CUDA and tensorrt_llm (pip install aligner[trtllm])",
 )
-CFG = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64, init_std=0.1)
+CFG = ModelConfig(
+    vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64, init_std=0.1
+)
 PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12, 13], [3, 3]]
 
 
@@ -74,10 +76,17 @@ def test_trtllm_engine_refit_generate_sleep(tmp_path):
     from aligner.rollout import build_engine
 
     hf_cfg = LlamaConfig(
-        vocab_size=CFG.vocab_size, hidden_size=CFG.hidden_size, intermediate_size=CFG.intermediate_size,
-        num_hidden_layers=CFG.num_layers, num_attention_heads=CFG.num_heads, num_key_value_heads=CFG.num_kv_heads,
-        max_position_embeddings=CFG.max_seq_len, rope_theta=CFG.rope_theta, rms_norm_eps=CFG.rms_norm_eps,
-        tie_word_embeddings=False, torch_dtype="float32",
+        vocab_size=CFG.vocab_size,
+        hidden_size=CFG.hidden_size,
+        intermediate_size=CFG.intermediate_size,
+        num_hidden_layers=CFG.num_layers,
+        num_attention_heads=CFG.num_heads,
+        num_key_value_heads=CFG.num_kv_heads,
+        max_position_embeddings=CFG.max_seq_len,
+        rope_theta=CFG.rope_theta,
+        rms_norm_eps=CFG.rms_norm_eps,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
     )
     hf = LlamaForCausalLM(hf_cfg)
     hf.load_state_dict(build_model(CFG, seed=1).state_dict())

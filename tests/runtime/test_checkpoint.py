@@ -56,7 +56,10 @@ def load_pp2_dp2_battery(rank: int, world: int, root: str) -> dict:
     expected = torch.load(f"{root}/expected.pt")
     cfg, optim, data = model_cfg(), OptimConfig(**OPTIM), batches(6)
     out = {}
-    for name, par in {"pp2_dp2_fsdp2": ParallelConfig(pp_size=2, dp_size=2), "tp2_dp2_ddp": ParallelConfig(tp_size=2, dp_size=2, dp_backend="ddp")}.items():
+    for name, par in {
+        "pp2_dp2_fsdp2": ParallelConfig(pp_size=2, dp_size=2),
+        "tp2_dp2_ddp": ParallelConfig(tp_size=2, dp_size=2, dp_backend="ddp"),
+    }.items():
         eng = make_engine(cfg, par, optim, world)
         meta = eng.load(f"{root}/ckpt")
         full = eng.full_state_dict()

@@ -14,8 +14,9 @@ from aligner.parallel.dims import ParallelDims
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-CFG = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,
-                  max_seq_len=64, init_std=0.1)
+CFG = ModelConfig(
+    vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64, init_std=0.1
+)
 
 
 def _policy(device_type: str):
@@ -45,8 +46,11 @@ def test_actor_worker_bf16_engine_on_cuda():
     """The actor's rollout engine lands on the GPU in rollout.dtype; its log-probs stay near the trainer's."""
     from aligner.workers.actor import ActorWorker
 
-    cfg = AlignerConfig(model=CFG, data=DataConfig(max_prompt_len=16, max_seq_len=CFG.max_seq_len), rollout=RolloutConfig(dtype="bfloat16", max_batch_size=8,
-                                                        sampling=SamplingConfig(temperature=1.0, max_new_tokens=8)))
+    cfg = AlignerConfig(
+        model=CFG,
+        data=DataConfig(max_prompt_len=16, max_seq_len=CFG.max_seq_len),
+        rollout=RolloutConfig(dtype="bfloat16", max_batch_size=8, sampling=SamplingConfig(temperature=1.0, max_new_tokens=8)),
+    )
     worker = ActorWorker(cfg, "actor", total_steps=10)
     worker.refit()
     p = next(worker.engine.model.parameters())

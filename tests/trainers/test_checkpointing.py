@@ -115,7 +115,9 @@ def test_manifest_records_size_and_crc32_of_every_file(two, caplog):
     manifest = json.loads((ckpt / MANIFEST).read_text())
     on_disk = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file() and p.name not in ("COMPLETE", MANIFEST))
     assert sorted(manifest["files"]) == on_disk
-    assert {"trainer_state.json", "rng.pt", "actor/meta.json", "actor/.metadata", _distcp(ckpt).relative_to(ckpt).as_posix()} <= set(on_disk)
+    assert {"trainer_state.json", "rng.pt", "actor/meta.json", "actor/.metadata", _distcp(ckpt).relative_to(ckpt).as_posix()} <= set(
+        on_disk
+    )
     for rel, rec in manifest["files"].items():
         data = (ckpt / rel).read_bytes()
         assert rec == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}, rel

@@ -22,14 +22,24 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
 
-SMALL = ["conf=tiny", "task.num_sft=200", "task.num_pairs=200", "task.num_rl=200", "task.num_eval=16",
-         "trainer.global_batch_size=8", "trainer.micro_batch_size=8", "trainer.eval_every=0", "trainer.progress=false"]
+SMALL = [
+    "conf=tiny",
+    "task.num_sft=200",
+    "task.num_pairs=200",
+    "task.num_rl=200",
+    "task.num_eval=16",
+    "trainer.global_batch_size=8",
+    "trainer.micro_batch_size=8",
+    "trainer.eval_every=0",
+    "trainer.progress=false",
+]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
 def _sft(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "aligner.sft", *SMALL, *args], cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "aligner.sft", *SMALL, *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _damage(ckpt: Path) -> Path:

@@ -133,8 +133,9 @@ def test_phases_run_in_order_with_the_lock_held_to_the_end(tmp_path):
     toy = Toy(_cfg(out, "trainer.max_steps=2", "trainer.eval_every=0", "trainer.save_every=0"))
     assert toy.run() == 0
     names = [e if isinstance(e, str) else e[0] for e in toy.events]
-    assert names == ["check", "config", "inputs", "ray", "start", "step", "step", "eval", "final", "save", "finish", "stop",
-                     "ray_down"], names
+    assert names == ["check", "config", "inputs", "ray", "start", "step", "step", "eval", "final", "save", "finish", "stop", "ray_down"], (
+        names
+    )
     ev = dict((e[0], e[1:]) for e in toy.events if isinstance(e, tuple) and e[0] in ("config", "ray", "start", "finish", "stop"))
     assert ev["config"] == (True,), "output_dir is claimed (locked) before config.yaml is written"
     assert ev["ray"] == (False,) and ev["start"] == (True,), "the SIGTERM handler comes after Ray, before the worker groups"

@@ -14,8 +14,17 @@ from aligner.cli import load_config
 from aligner.protocol import RolloutBatch
 from aligner.trainers.ppo import PPOTrainer
 
-RULE = ["reward.type=rule", "reward.rule=digit_fraction", "actor.init=", "critic.init=", "reward.init=", "ref.init=",
-        "trainer.n_samples_per_prompt=4", "trainer.rollout_batch_size=2", "trainer.mini_batch_size=8"]
+RULE = [
+    "reward.type=rule",
+    "reward.rule=digit_fraction",
+    "actor.init=",
+    "critic.init=",
+    "reward.init=",
+    "ref.init=",
+    "trainer.n_samples_per_prompt=4",
+    "trainer.rollout_batch_size=2",
+    "trainer.mini_batch_size=8",
+]
 PROMPTS = [{"prompt_ids": [1, 2], "prompt": "p", "metadata": {}}]
 
 
@@ -25,11 +34,18 @@ def _batch() -> RolloutBatch:
     lens = torch.tensor([5, 3, 4, 1, 5, 2, 5, 4])
     mask = (torch.arange(R)[None] < lens[:, None]).float()
     old = -torch.rand(B, R, generator=g) * mask
-    return RolloutBatch(input_ids=torch.zeros(B, 7, dtype=torch.long), attention_mask=torch.ones(B, 7, dtype=torch.long),
-                        prompt_lens=torch.full((B,), 2), response_lens=lens, response_mask=mask,
-                        group_ids=torch.arange(2).repeat_interleave(4), old_log_probs=old,
-                        ref_log_probs=(old - torch.rand(B, R, generator=g)) * mask,
-                        values=torch.randn(B, R, generator=g) * mask, scores=torch.randn(B, generator=g))
+    return RolloutBatch(
+        input_ids=torch.zeros(B, 7, dtype=torch.long),
+        attention_mask=torch.ones(B, 7, dtype=torch.long),
+        prompt_lens=torch.full((B,), 2),
+        response_lens=lens,
+        response_mask=mask,
+        group_ids=torch.arange(2).repeat_interleave(4),
+        old_log_probs=old,
+        ref_log_probs=(old - torch.rand(B, R, generator=g)) * mask,
+        values=torch.randn(B, R, generator=g) * mask,
+        scores=torch.randn(B, generator=g),
+    )
 
 
 def _advantages(*overrides: str) -> torch.Tensor:

@@ -27,19 +27,42 @@ from tests.conftest import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.e2e]
 
-SMALL = ["conf=tiny", "task.num_sft=200", "task.num_pairs=200", "task.num_rl=200", "task.num_eval=16",
-         "trainer.global_batch_size=8", "trainer.micro_batch_size=8", "trainer.eval_every=0", "trainer.progress=false"]
-PPO = ["actor.init=", "reward.init=", "critic.init=", "reward.type=rule", "reward.rule=digit_fraction",
-       "trainer.rollout_batch_size=8", "trainer.mini_batch_size=8", "trainer.eval_every=0"]
+SMALL = [
+    "conf=tiny",
+    "task.num_sft=200",
+    "task.num_pairs=200",
+    "task.num_rl=200",
+    "task.num_eval=16",
+    "trainer.global_batch_size=8",
+    "trainer.micro_batch_size=8",
+    "trainer.eval_every=0",
+    "trainer.progress=false",
+]
+PPO = [
+    "actor.init=",
+    "reward.init=",
+    "critic.init=",
+    "reward.type=rule",
+    "reward.rule=digit_fraction",
+    "trainer.rollout_batch_size=8",
+    "trainer.mini_batch_size=8",
+    "trainer.eval_every=0",
+]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 GRACE_S = 20
 
 
 def _start(module: str, out: Path, *args: str) -> subprocess.Popen:
     """The run in its own session (so the test can signal all of its processes, and only them)."""
-    return subprocess.Popen([sys.executable, "-m", module, *SMALL, f"output_dir={out}",
-                             f"trainer.preempt_grace_s={GRACE_S}", *args], cwd=REPO, env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *SMALL, f"output_dir={out}", f"trainer.preempt_grace_s={GRACE_S}", *args],
+        cwd=REPO,
+        env=ENV,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 def _wait_for_steps(proc: subprocess.Popen, out: Path, n: int, timeout: float = 240) -> None:
@@ -86,16 +109,24 @@ def test_sigterm_to_the_driver_saves_the_current_step_and_exits_143(tmp_path, mo
     steps = [r["step"] for r in read_metrics(out / "metrics.jsonl")]
     last = steps[-1]
     stage = module.split(".")[1]
-    assert line.startswith(f"aligner {stage}: stopped by SIGTERM after step {last} ") and \
-        f"saved the checkpoint of step {last}" in line and "resume=true" in line, line
+    assert (
+        line.startswith(f"aligner {stage}: stopped by SIGTERM after step {last} ")
+        and f"saved the checkpoint of step {last}" in line
+        and "resume=true" in line
+    ), line
     assert "Traceback" not in err
     latest = CheckpointManager(out).latest()
     assert latest is not None and latest.name == CheckpointManager.name(last)
     assert not (out / ".aligner.lock").exists()
     if module == "aligner.sft":  # resume continues from exactly the saved step
-        done = subprocess.run([sys.executable, "-m", module, *SMALL, f"output_dir={out}", "resume=true",
-                               f"trainer.max_steps={last + 2}", *extra], cwd=REPO, env=ENV, capture_output=True,
-                              text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-m", module, *SMALL, f"output_dir={out}", "resume=true", f"trainer.max_steps={last + 2}", *extra],
+            cwd=REPO,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == steps + [last + 1, last + 2]
 

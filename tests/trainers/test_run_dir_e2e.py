@@ -28,15 +28,23 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
 
-SMALL = ["conf=tiny", "task.num_sft=200", "task.num_pairs=200", "task.num_rl=200", "task.num_eval=16",
-         "trainer.global_batch_size=8", "trainer.micro_batch_size=8", "trainer.eval_every=0", "trainer.progress=false"]
+SMALL = [
+    "conf=tiny",
+    "task.num_sft=200",
+    "task.num_pairs=200",
+    "task.num_rl=200",
+    "task.num_eval=16",
+    "trainer.global_batch_size=8",
+    "trainer.micro_batch_size=8",
+    "trainer.eval_every=0",
+    "trainer.progress=false",
+]
 PPO_RULE = ["actor.init=", "reward.init=", "critic.init=", "reward.type=rule", "reward.rule=digit_fraction"]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
 def _cli(module: str, *args: str, cwd: Path = REPO, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *SMALL, *args], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", module, *SMALL, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
 def _one_error_line(proc: subprocess.CompletedProcess, stage: str) -> str:
@@ -98,8 +106,14 @@ def test_overwrite_deletes_the_previous_run_and_runs_fresh(sft_run, tmp_path):
 @pytest.mark.slow
 def test_second_run_while_the_first_trains_is_refused(tmp_path):
     out = tmp_path / "sft"
-    first = subprocess.Popen([sys.executable, "-m", "aligner.sft", *SMALL, "trainer.max_steps=100000", f"output_dir={out}"],
-                             cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "aligner.sft", *SMALL, "trainer.max_steps=100000", f"output_dir={out}"],
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip():
@@ -109,8 +123,9 @@ def test_second_run_while_the_first_trains_is_refused(tmp_path):
         n_before = len(read_metrics(out / "metrics.jsonl"))
         assert first.poll() is None, "the first run ended before the second was refused"
         line = _one_error_line(second, "sft")
-        assert (f"output_dir='{out}' is in use by pid {first.pid} on host {socket.gethostname()} (started " in line
-                and line.endswith("wait for it or use another output_dir")), line
+        assert f"output_dir='{out}' is in use by pid {first.pid} on host {socket.gethostname()} (started " in line and line.endswith(
+            "wait for it or use another output_dir"
+        ), line
         time.sleep(1.0)
         assert len(read_metrics(out / "metrics.jsonl")) >= n_before, "the refused run truncated the first's metrics"
     finally:

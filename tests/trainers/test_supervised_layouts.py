@@ -19,8 +19,16 @@ from aligner.trainers.sft import SFTTrainer
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 LAYOUTS = {"tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}
-COMMON = ["trainer.progress=false", "trainer.max_steps=3", "trainer.global_batch_size=16", "trainer.micro_batch_size=4",
-          "trainer.eval_batch_size=32", "task.num_eval=32", "task.num_sft=200", "task.num_pairs=64"]
+COMMON = [
+    "trainer.progress=false",
+    "trainer.max_steps=3",
+    "trainer.global_batch_size=16",
+    "trainer.micro_batch_size=4",
+    "trainer.eval_batch_size=32",
+    "task.num_eval=32",
+    "task.num_sft=200",
+    "task.num_pairs=64",
+]
 STAGES = {"sft": (SFTTrainer, "actor", ("loss", "eval_loss")), "rm": (RMTrainer, "reward", ("loss", "accuracy", "margin", "eval_loss"))}
 
 
@@ -36,8 +44,12 @@ def ray_cluster():
 def _run(stage: str, out, layout=(1, 1, 1)) -> list[dict]:
     trainer_cls, role, _ = STAGES[stage]
     tp, pp, dp = layout
-    overrides = COMMON + [f"output_dir={out}", f"{role}.parallel.tp_size={tp}", f"{role}.parallel.pp_size={pp}",
-                          f"{role}.parallel.dp_size={dp}"]
+    overrides = COMMON + [
+        f"output_dir={out}",
+        f"{role}.parallel.tp_size={tp}",
+        f"{role}.parallel.pp_size={pp}",
+        f"{role}.parallel.dp_size={dp}",
+    ]
     assert trainer_cls(load_config(stage, overrides)).run() == 0
     return read_metrics(out / "metrics.jsonl")
 

@@ -180,7 +180,10 @@ def test_plan_from_aligner_config():
     specs = plan_from_config(cfg, ["actor", "critic", "ref"])
     assert [[r.role for r in s.requests] for s in specs] == [["actor", "ref"], ["critic"]]
     assert specs[0].bundles == [{"CPU": 8.0}] and specs[1].bundles == [{"CPU": 1.0}]
-    colo = AlignerConfig(cluster=ClusterConfig(placement="colocated"), critic=TrainableRoleConfig(parallel=ParallelConfig(dp_size=2), resources=ResourceConfig(num_nodes=2)))
+    colo = AlignerConfig(
+        cluster=ClusterConfig(placement="colocated"),
+        critic=TrainableRoleConfig(parallel=ParallelConfig(dp_size=2), resources=ResourceConfig(num_nodes=2)),
+    )
     with pytest.raises(ValueError, match=r"critic.resources \(num_nodes=2"):
         plan_from_config(colo, ["actor", "critic"])
 
@@ -201,7 +204,9 @@ def test_tp2_dp2_group_collectives_dispatch_and_shutdown(ray_local):
         assert [o["dp_sum"] for o in out] == [4.0, 6.0, 4.0, 6.0]
         assert [o["env"]["RANK"] for o in out] == ["0", "1", "2", "3"]
         assert {o["env"]["WORLD_SIZE"] for o in out} == {"4"} and [o["env"]["LOCAL_RANK"] for o in out] == ["0", "1", "2", "3"]
-        assert {(o["env"]["MASTER_ADDR"], o["env"]["MASTER_PORT"]) for o in out} == {(out[0]["env"]["MASTER_ADDR"], out[0]["env"]["MASTER_PORT"])}
+        assert {(o["env"]["MASTER_ADDR"], o["env"]["MASTER_PORT"]) for o in out} == {
+            (out[0]["env"]["MASTER_ADDR"], out[0]["env"]["MASTER_PORT"])
+        }
         assert out[0]["env"]["MASTER_ADDR"] == "127.0.0.1"
         assert {o["threads"] for o in out} == {2} and {o["tag"] for o in out} == {"t"}
 

@@ -40,7 +40,6 @@ PPO_OVERRIDES = (
 EXPECTED = "held-out accuracy (greedy, rule-checked)"
 
 
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

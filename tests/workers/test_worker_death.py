@@ -24,10 +24,23 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 DEADLINE_S = 30.0  # from the kill to the driver's exit
-ARGS = ["reward.type=rule", "reward.rule=digit_fraction", "actor.init=", "reward.init=", "critic.init=",
-        "trainer.save_every=1", "trainer.eval_every=0", "trainer.rollout_batch_size=8", "trainer.mini_batch_size=8",
-        "trainer.micro_batch_size=8", "task.num_eval=8", "task.num_sft=100", "task.num_pairs=100", "task.num_rl=100",
-        "trainer.progress=false"]
+ARGS = [
+    "reward.type=rule",
+    "reward.rule=digit_fraction",
+    "actor.init=",
+    "reward.init=",
+    "critic.init=",
+    "trainer.save_every=1",
+    "trainer.eval_every=0",
+    "trainer.rollout_batch_size=8",
+    "trainer.mini_batch_size=8",
+    "trainer.micro_batch_size=8",
+    "task.num_eval=8",
+    "task.num_sft=100",
+    "task.num_pairs=100",
+    "task.num_rl=100",
+    "trainer.progress=false",
+]
 
 
 def _children() -> dict[int, list[int]]:
@@ -67,8 +80,13 @@ def alive(pid: int) -> bool:
 
 
 def start_ppo(out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "aligner.ppo", *ARGS, f"output_dir={out}", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "aligner.ppo", *ARGS, f"output_dir={out}", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def latest_step(out: Path) -> int:
@@ -124,5 +142,7 @@ def test_worker_killed_mid_step_fails_fast_then_resumes(tmp_path):
     assert f"(step {last})" in err2, "the rerun did not resume from the last checkpoint"
     assert latest_step(out) == last + 1
     report = Path(os.environ.get("ALIGNER_RELIABILITY_OUT", tmp_path)) / "worker_death.txt"
-    report.write_text(f"victim={victim} workers={len(workers)} named={named[-1]} exit_s={took:.2f} rc={proc.returncode} "
-                      f"ckpt_at_kill={step_at_kill} resumed_from={last}\n--- driver stderr tail ---\n{err[-2500:]}\n")
+    report.write_text(
+        f"victim={victim} workers={len(workers)} named={named[-1]} exit_s={took:.2f} rc={proc.returncode} "
+        f"ckpt_at_kill={step_at_kill} resumed_from={last}\n--- driver stderr tail ---\n{err[-2500:]}\n"
+    )
