@@ -19,9 +19,8 @@ from __future__ import annotations
 import torch
 
 from aligner import algorithms as alg
-from aligner.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
+from aligner.config import AlgorithmConfig
 from aligner.nn.vocab import vocab_parallel_log_probs, vocab_parallel_log_probs_entropy
-from aligner.parallel.dims import ParallelDims
 from aligner.protocol import response_index
 from aligner.runtime.role import RoleModel
 from aligner.runtime.runner import from_last_stage
@@ -30,17 +29,7 @@ from aligner.runtime.runner import from_last_stage
 class Policy(RoleModel):
     """A causal LM role. See RoleModel for the constructor arguments (kind is "lm")."""
 
-    def __init__(
-        self,
-        model_cfg: ModelConfig,
-        parallel: ParallelConfig,
-        optim: OptimConfig,
-        dims: ParallelDims,
-        total_steps: int = 1,
-        init: str = "",
-        seed: int = 0,
-    ):
-        super().__init__(model_cfg, "lm", parallel, optim, dims, total_steps, init, seed)
+    kind = "lm"
 
     def _token_log_probs(self, logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
         """[b, T, V/tp] logits -> [b, T-1] next-token log-probs.

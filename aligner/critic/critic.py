@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from aligner import algorithms as alg
-from aligner.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
-from aligner.parallel.dims import ParallelDims
+from aligner.config import AlgorithmConfig
 from aligner.protocol import values_to_response
 from aligner.runtime.role import RoleModel
 from aligner.runtime.runner import from_last_stage
@@ -21,17 +20,7 @@ from aligner.runtime.runner import from_last_stage
 class Critic(RoleModel):
     """A scalar-head role (kind "score") used as the value function."""
 
-    def __init__(
-        self,
-        model_cfg: ModelConfig,
-        parallel: ParallelConfig,
-        optim: OptimConfig,
-        dims: ParallelDims,
-        total_steps: int = 1,
-        init: str = "",
-        seed: int = 0,
-    ):
-        super().__init__(model_cfg, "score", parallel, optim, dims, total_steps, init, seed)
+    kind = "score"
 
     def values(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
         """batch: input_ids [B, T], prompt_lens [B], response_mask [B, R] -> values [B, R] fp32."""

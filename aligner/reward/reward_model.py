@@ -12,9 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from aligner.config import ModelConfig, OptimConfig, ParallelConfig
 from aligner.model.llama import last_token_scores
-from aligner.parallel.dims import ParallelDims
 from aligner.runtime.role import RoleModel
 from aligner.runtime.runner import from_last_stage
 
@@ -36,17 +34,7 @@ def interleave_pairs(batch: dict[str, torch.Tensor], pad_id: int = 0) -> dict[st
 class RewardModel(RoleModel):
     """A scalar-head role (kind "score") trained as a Bradley-Terry reward model."""
 
-    def __init__(
-        self,
-        model_cfg: ModelConfig,
-        parallel: ParallelConfig,
-        optim: OptimConfig,
-        dims: ParallelDims,
-        total_steps: int = 1,
-        init: str = "",
-        seed: int = 0,
-    ):
-        super().__init__(model_cfg, "score", parallel, optim, dims, total_steps, init, seed)
+    kind = "score"
 
     def scores(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
         """batch: input_ids [B, T], attention_mask [B, T] (right padded) -> scores [B] fp32."""

@@ -72,17 +72,20 @@ def load_initial_model(init: str, model_cfg: ModelConfig, kind: str, seed: int):
 class RoleModel:
     """A role's model on its TP x PP x DP layout with an optimizer (unused by frozen roles).
 
+    Subclasses set ``kind``: "lm" (Policy) or "score" (Critic, RewardModel).
+
     Args:
-        model_cfg: dimensions used when `init` is empty. kind: "lm" or "score".
+        model_cfg: dimensions used when `init` is empty.
         parallel: the role's layout. optim: AdamW + schedule. dims: built ParallelDims.
         total_steps: optimizer steps of the run (LR schedule length). init: HF/run dir or "".
         seed: init seed for random weights.
     """
 
+    kind: str = ""
+
     def __init__(
         self,
         model_cfg: ModelConfig,
-        kind: str,
         parallel: ParallelConfig,
         optim: OptimConfig,
         dims: ParallelDims,
@@ -90,9 +93,11 @@ class RoleModel:
         init: str = "",
         seed: int = 0,
     ):
-
+        kind = self.kind
+        if kind not in ("lm", "score"):
+            raise TypeError(f"{type(self).__name__}.kind={kind!r}: a RoleModel subclass sets kind to 'lm' or 'score'")
         full, self.model_cfg = load_initial_model(init, model_cfg, kind, seed)
-        self.kind, self.dims, self.parallel = kind, dims, parallel
+        self.dims, self.parallel = dims, parallel
         self.runtime = TrainRuntime(self.model_cfg, kind, parallel, optim, dims, max(1, total_steps), seed=seed, model=full)
         self.runner = ModelRunner(self.runtime, dims)
         self.vocab_start = vocab_start(self.runtime.module) if kind == "lm" else 0
