@@ -1,24 +1,26 @@
 """parallelize(): every parallelism applied to a built model from the outside, in one order.
 
 The model (:mod:`aligner.model.llama`) knows nothing of ranks, recomputation or pipeline
-stages; this module turns a full single-process model into this rank's part of a
+stages; :func:`parallelize` turns a full single-process model into this rank's part of a
 TP x PP x DP layout, the way torchtitan's ``parallelize_llama`` does:
 
     1. pipeline split   keep the decoder layers of dims.pp_rank, and the embedding / final
                         norm / head only on the first / last stage (:func:`prune_to_stage`)
     2. TP / SP          shard every building-block layer over dims.tp_group
                         (:func:`aligner.parallel.tensor_parallel.apply_tensor_parallel`)
-    3. recomputation    none | selective (the attention core, softmax(QK^T)V) | full (each
+    3. weights          a model built on the meta device is materialized on `device` and
+                        loaded from a full state dict (:func:`aligner.parallel.sharding.load_full_state_dict`);
+                        otherwise the sharded model moves to `device`
+    4. recomputation    none | selective (the attention core, softmax(QK^T)V) | full (each
                         decoder layer), Korthikanti et al. 2022 (:func:`apply_recompute`)
-    4. data parallel    FSDP2 (``fully_shard`` per decoder layer, then the root) or DDP over
-                        dims.dp_group (:mod:`aligner.parallel.data_parallel`); DeepSpeed owns the
-                        optimizer too, so :class:`aligner.runtime.train_runtime.TrainRuntime`
-                        wraps it there
+    5. Transformer Engine  model.backend=te swaps the decoder layers for TE layers (GPU only)
+    6. data parallel    FSDP2 (``fully_shard`` per decoder layer, then the root) or DDP over
+                        dims.dp_group (:func:`apply_data_parallel`); DeepSpeed owns the optimizer
+                        too, so :class:`aligner.runtime.train_runtime.TrainRuntime` wraps it there
 
-:func:`build_parallel_model` builds the model (seeded, or on the meta device and then
-loaded from a full state dict) and applies steps 1-3; the runtime applies step 4 with
-:func:`apply_data_parallel` after the optional Transformer Engine swap. The rollout engine
-builds its own layout with the same function and no data parallelism.
+The training runtime and the rollout engine's layout (no step 6) both go through it;
+:func:`build_parallel_model` builds a model (seeded, or on the meta device from a full state
+dict) and parallelizes it without data parallelism.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from aligner.model.llama import build_model, rope_inv_freq
 from aligner.parallel import data_parallel as dpmod
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.sharding import load_full_state_dict
+from aligner.parallel.te_backend import apply_te_backend
 from aligner.parallel.tensor_parallel import apply_tensor_parallel
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -149,21 +152,20 @@ def build_parallel_model(
     Returns: LlamaForCausalLM / LlamaForScore with this stage's layers and this rank's shards.
     Raises ValueError: a layer split or tp size the model cannot take, an unknown recompute mode.
     """
-    ids = stage_layer_ids(cfg.num_layers, dims.pp_size, dims.pp_rank, layer_split)
-    on_meta = full_state_dict is not None
-    model = build_model(cfg, kind, seed=seed, device="meta" if on_meta else device)
-    prune_to_stage(model, ids, dims.is_first_stage, dims.is_last_stage)
-    apply_tensor_parallel(model, dims.tp_group, sequence_parallel)
-    if on_meta:
-        model.to_empty(device=device)
-        model.model.inv_freq = rope_inv_freq(cfg).to(device)
-        load_full_state_dict(model, full_state_dict)
-    apply_recompute(model, recompute)
-    return model
+    model = build_model(cfg, kind, seed=seed, device="meta" if full_state_dict is not None else device)
+    layout = ParallelConfig(
+        tp_size=dims.tp_size,
+        pp_size=dims.pp_size,
+        dp_size=dims.dp_size,
+        pp_layer_split=list(layer_split) if layer_split else None,
+        sequence_parallel=sequence_parallel,
+        recompute=recompute,
+    )
+    return parallelize(model, dims, layout, full_state_dict=full_state_dict, device=device, data_parallel=False)
 
 
 def apply_data_parallel(model: nn.Module, dims: ParallelDims, parallel_cfg: ParallelConfig) -> nn.Module:
-    """Step 4: FSDP2 (dp_backend fsdp2, dp_size > 1: in place, returns `model`) or DDP (dp_backend ddp,
+    """Step 6: FSDP2 (dp_backend fsdp2, dp_size > 1: in place, returns `model`) or DDP (dp_backend ddp,
     pp_size 1: returns the DDP wrapper); otherwise `model` unchanged (DDP with pp > 1 averages
     gradients in the runtime's finalize step, DeepSpeed is wrapped with its optimizer)."""
     if parallel_cfg.dp_backend == "fsdp2" and dims.dp_size > 1:
@@ -174,15 +176,38 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, parallel_cfg: Para
     return model
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, parallel_cfg: ParallelConfig, *, data_parallel: bool = True) -> nn.Module:
-    """Apply pipeline split, TP/SP, recomputation and (optionally) data parallelism to a full `model`.
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    parallel_cfg: ParallelConfig,
+    *,
+    full_state_dict: Optional[dict[str, torch.Tensor]] = None,
+    device: Any = None,
+    data_parallel: bool = True,
+) -> nn.Module:
+    """Apply steps 1-6 of the module docstring to a full `model`, in place.
 
-    model: a full single-process LlamaForCausalLM / LlamaForScore (``build_model``).
-    dims: the built ParallelDims; parallel_cfg: its ParallelConfig (sizes must agree).
+    model: a full single-process LlamaForCausalLM / LlamaForScore (``build_model``), with weights,
+        or on the meta device when `full_state_dict` is given.
+    dims: the built ParallelDims; parallel_cfg: its ParallelConfig (pp_layer_split, sequence_parallel,
+        recompute, dp_backend, mixed_precision are read; the sizes come from `dims`).
+    full_state_dict: HF-named full weights for a meta-device model. device: where the parameters end
+        up (default: dims.device).
+    data_parallel: False skips step 6 (the rollout engine's layout, or a caller that wraps itself).
     Returns what forward runs: `model` itself, or its DDP wrapper.
+    Raises ValueError: a layout the model cannot take (layer split, tp size, recompute mode, TE off GPU).
     """
+    device = device if device is not None else dims.device
     ids = stage_layer_ids(model.cfg.num_layers, dims.pp_size, dims.pp_rank, parallel_cfg.pp_layer_split)
     prune_to_stage(model, ids, dims.is_first_stage, dims.is_last_stage)
     apply_tensor_parallel(model, dims.tp_group, parallel_cfg.sequence_parallel)
+    if full_state_dict is not None:
+        model.to_empty(device=device)
+        model.model.inv_freq = rope_inv_freq(model.cfg).to(device)
+        load_full_state_dict(model, full_state_dict)
+    else:
+        model.to(device)
     apply_recompute(model, parallel_cfg.recompute)
+    if model.cfg.backend == "te":
+        apply_te_backend(model, dims.tp_group, parallel_cfg.sequence_parallel)
     return apply_data_parallel(model, dims, parallel_cfg) if data_parallel else model

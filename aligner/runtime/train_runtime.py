@@ -1,15 +1,16 @@
 """TrainRuntime: one role's model + optimizer + LR schedule on a TP x PP x DP layout.
 
-Owns the order of the parallel wrappers (build the full model from a seed, prune to the PP
-stage, shard over tp, wrap for dp), the optimizer (AdamW), the learning-rate schedule
+Owns building the role's model (from a seed, or the caller's full model) and handing it to
+:func:`aligner.parallel.parallelize.parallelize` (pipeline split, TP/SP, recomputation, Transformer
+Engine, data parallelism: the one place their order is written), the optimizer (AdamW), the learning-rate schedule
 (linear warmup then cosine to ``min_lr_ratio * lr``, or constant), and one optimizer step:
 finish TP/SP gradients, global-norm clipping over tp/pp/dp, AdamW, schedule. Checkpoints
 go through :mod:`aligner.runtime.checkpoint` (torch.distributed.checkpoint, resharding).
 
 Simplifications (stated, not hidden):
-- The model is built at full size on every rank from the same seed and then sharded; a
-  meta-device build + :func:`aligner.parallel.sharding.load_full_state_dict` is the path
-  for large models (``model=`` lets the caller pass one already built).
+- The model is built at full size on every rank (on the CPU) from the same seed, or passed in
+  full (``model=``), and then split and sharded in place; ``parallelize(full_state_dict=...)`` on a
+  meta-device build is the path for large models.
 - DeepSpeed: one ``backward`` per ``step`` (gradient_accumulation_steps = 1); clipping is
   DeepSpeed's own global-norm clipping; tp = pp = 1.
 - Loss scaling is the caller's: each dp rank passes the mean loss of its local batch, and
@@ -29,9 +30,8 @@ from aligner.model.llama import build_model
 from aligner.nn import comm
 from aligner.parallel import data_parallel as dpmod
 from aligner.parallel.dims import ParallelDims
-from aligner.parallel.parallelize import apply_data_parallel, apply_recompute, build_parallel_model
+from aligner.parallel.parallelize import parallelize
 from aligner.parallel.pipeline import model_kwargs, pipeline_train_step
-from aligner.parallel.te_backend import apply_te_backend
 from aligner.parallel.tensor_parallel import sync_tp_grads
 from aligner.runtime.checkpoint import gather_full_state_dict_any, load_checkpoint, save_checkpoint
 from aligner.runtime.host import keep_freed_host_memory
@@ -158,41 +158,22 @@ class TrainRuntime:
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient norm
         self.backend = parallel_cfg.dp_backend
         self.bf16 = parallel_cfg.mixed_precision == "bf16"
-        self.module = self._build_module(model, seed)
-        if model_cfg.backend == "te":
-            apply_te_backend(self.module, dims.tp_group, parallel_cfg.sequence_parallel)
+        full = model if model is not None else build_model(model_cfg, kind, seed=seed)
+        self.module = full  # parallelized in place below: this rank's stage and shards (HF parameter names)
+        wrapped = parallelize(full, dims, parallel_cfg, data_parallel=self.backend != "deepspeed")
         self.device = next(self.module.parameters()).device  # where batches must be (ModelRunner moves them)
         self.device_type = self.device.type
         if self.device_type == "cpu":
             keep_freed_host_memory()  # logits-sized temporaries reuse freed heap (see aligner.runtime.host)
-        self._wrap_dp()
-
-    # ---- construction ----------------------------------------------------------------
-    def _build_module(self, model: Optional[nn.Module], seed: int) -> nn.Module:
-        """This rank's part of the model: :func:`aligner.parallel.parallelize.build_parallel_model`
-        (pipeline split, TP/SP, recomputation) from a seed or from `model`'s weights."""
-        d, par = self.dims, self.parallel
-        if d.pp_size == 1 and d.tp_size == 1:
-            model = model if model is not None else build_model(self.model_cfg, self.kind, seed=seed)
-            return apply_recompute(model, par.recompute).to(d.device)
-        return build_parallel_model(
-            self.model_cfg,
-            self.kind,
-            d,
-            layer_split=par.pp_layer_split,
-            sequence_parallel=par.sequence_parallel,
-            recompute=par.recompute,
-            seed=seed,
-            full_state_dict=None if model is None else model.state_dict(),
-            device=d.device,
-        )
+        self._build_optimizer(wrapped)
 
     @property
     def fsdp(self) -> bool:
         """True when parameters are FSDP2 DTensors sharded over dp."""
         return self.backend == "fsdp2" and self.dims.dp_size > 1
 
-    def _wrap_dp(self) -> None:
+    def _build_optimizer(self, wrapped: nn.Module) -> None:
+        """AdamW + schedule over the parallelized model; DeepSpeed wraps model and optimizer together."""
         kw = adamw_kwargs(self.optim_cfg)
         if self.backend == "deepspeed":
             cfg = dpmod.deepspeed_config(
@@ -200,7 +181,7 @@ class TrainRuntime:
             )
             self.model, self.optimizer = dpmod.init_deepspeed(self.module, kw, cfg)
         else:
-            self.model = apply_data_parallel(self.module, self.dims, self.parallel)
+            self.model = wrapped
             params = [p for p in self.module.parameters() if p.requires_grad]
             # one fused multi-tensor kernel per step (CPU and CUDA), about 4x faster than the default
             # foreach path on CPU; the same AdamW update (Loshchilov & Hutter 2019) up to rounding
