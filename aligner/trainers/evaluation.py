@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from aligner.config import AlignerConfig, SamplingConfig
+from aligner.data.task import mistake_breakdown
 from aligner.reward.rules import score
 
 
@@ -108,7 +109,5 @@ def evaluate_greedy(actor_group, eval_examples: list[dict], tokenizer, cfg: Alig
         "mean_response_len": sum(len(g.token_ids) for g in gens) / len(gens),
     }
     if on_builtin_task(cfg):  # which mistakes the policy makes: carries dropped (what PPO must fix) or not
-        from aligner.data.task import mistake_breakdown
-
         metrics.update(mistake_breakdown(texts, responses))
     return GreedyEval(prompts, gens, responses, scores, metrics)

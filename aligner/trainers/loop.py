@@ -40,9 +40,13 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Optional
 
-from aligner.config import AlignerConfig
+from aligner.config import AlignerConfig, config_yaml
 from aligner.errors import UserError
+from aligner.tracking import MetricsLogger
 from aligner.trainers import preemption
+from aligner.trainers.checkpointing import CheckpointManager, load_trainer_state
+from aligner.trainers.run_dir import claim_output_dir
+from aligner.workers.ray_runtime import init_ray, shutdown_ray
 
 log = logging.getLogger("aligner")
 
@@ -89,13 +93,11 @@ class Trainer(abc.ABC):
 
     def claim_output_dir(self) -> AbstractContextManager:
         """Check and lock output_dir until the block ends (:func:`aligner.trainers.run_dir.claim_output_dir`)."""
-        from aligner.trainers.run_dir import claim_output_dir
 
         return claim_output_dir(self.cfg, self.claim_inputs())
 
     def write_config(self) -> None:
         """output_dir/config.yaml: the resolved config of this run."""
-        from aligner.config import config_yaml
 
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(config_yaml(self.cfg))
@@ -106,13 +108,11 @@ class Trainer(abc.ABC):
 
     def init_ray(self) -> None:
         """Start or join Ray (:func:`aligner.workers.ray_runtime.init_ray` with ``cfg.cluster``)."""
-        from aligner.workers.ray_runtime import init_ray
 
         self._ray = init_ray(self.cfg.cluster)
 
     def shutdown_ray(self) -> None:
         """Shut Ray down when :meth:`init_ray` started or joined it (a caller's Ray instance is left running)."""
-        from aligner.workers.ray_runtime import shutdown_ray
 
         if self._ray is not None and self._ray.started:
             shutdown_ray()
@@ -170,7 +170,6 @@ class Trainer(abc.ABC):
         """Restore a checkpoint written by :meth:`save`: roles, driver state, RNG states.
 
         Raises UserError naming the checkpoint when its state does not fit this run (other data)."""
-        from aligner.trainers.checkpointing import load_trainer_state
 
         self.load_roles(ckpt)
         state = load_trainer_state(ckpt)
@@ -190,7 +189,6 @@ class Checkpoints:
     """
 
     def __init__(self, trainer: Trainer):
-        from aligner.trainers.checkpointing import CheckpointManager
 
         self.trainer = trainer
         self.manager = CheckpointManager(trainer.out, stage=trainer.name)  # records stage + run id; resume checks them
@@ -258,7 +256,6 @@ def train(trainer: Trainer) -> None:
     Metrics go to output_dir/metrics.jsonl one row per step (step 0: the eval before training);
     a resumed run continues the file from its checkpoint's step.
     """
-    from aligner.tracking import MetricsLogger
 
     t = trainer.cfg.trainer
     ckpts = Checkpoints(trainer)

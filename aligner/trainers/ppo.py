@@ -49,11 +49,22 @@ import torch
 
 from aligner import algorithms as alg
 from aligner.config import AlignerConfig, ConfigError, SamplingConfig
+from aligner.data.pipeline import load_data, resolve_tokenizer
+from aligner.data.sampler import DataIterator
 from aligner.errors import UserError
+from aligner.planner import PlanError, check_fits, format_plan, make_plan
 from aligner.protocol import RolloutBatch, build_sequences
+from aligner.reward.rules import score
 from aligner.rollout.base import generations_to_padded
+from aligner.runtime.role import check_tokenizer_fits, resolve_init
+from aligner.tracking import plot_curves
 from aligner.trainers.evaluation import accuracy_rule, evaluate_greedy, gather_generations, on_builtin_task
 from aligner.trainers.loop import Trainer
+from aligner.workers.actor import ActorWorker, PolicyWorker
+from aligner.workers.critic import CriticWorker
+from aligner.workers.group import get_all, role_worker_group
+from aligner.workers.placement import describe_request, local_shortfall, placement_from_config, plan_from_config
+from aligner.workers.reward import RewardWorker
 
 log = logging.getLogger("aligner.ppo")
 
@@ -70,6 +81,7 @@ REPORT_KEYS = (
     "time/inference",
     "time/train",
 )
+
 TRAINED_ROLES = ("actor", "critic")  # the roles whose weights and optimizers a checkpoint holds
 
 
@@ -123,7 +135,6 @@ class PPOTrainer(Trainer):
 
     def set_inputs(self, tokenizer, train_prompts: list[dict], eval_prompts: list[dict]) -> None:
         """The tokenizer and prompts; the training prompts' seeded, resumable iterator."""
-        from aligner.data.sampler import DataIterator
 
         self.tok = tokenizer
         self.train_prompts, self.eval_prompts = train_prompts, eval_prompts
@@ -150,11 +161,6 @@ class PPOTrainer(Trainer):
 
     def start(self) -> None:
         """Create node groups and worker groups (actor, critic, reward, ref as configured)."""
-        from aligner.workers.actor import ActorWorker, PolicyWorker
-        from aligner.workers.critic import CriticWorker
-        from aligner.workers.group import role_worker_group
-        from aligner.workers.placement import placement_from_config
-        from aligner.workers.reward import RewardWorker
 
         cfg = self.cfg
         roles = cfg.roles_used()
@@ -186,7 +192,6 @@ class PPOTrainer(Trainer):
 
     def finish(self) -> None:
         """HF export of the policy (with the tokenizer), the PNG report, the summary table (stdout) and summary.json."""
-        from aligner.tracking import plot_curves
 
         out = self.out
         tok_dir = out / "tokenizer"
@@ -291,7 +296,6 @@ class PPOTrainer(Trainer):
 
     def infer(self, batch: RolloutBatch) -> None:
         """Values, scores, reference and old log-probs, as concurrent futures on their groups."""
-        from aligner.workers.group import get_all
 
         inputs, temp = batch.model_inputs(), self._temperature()
         futures = {"old": self.groups["actor"].log_probs(inputs, temp)}
@@ -310,7 +314,6 @@ class PPOTrainer(Trainer):
         batch.scores = results["scores"] if "scores" in results else self.rule_scores(batch)
 
     def rule_scores(self, batch: RolloutBatch) -> torch.Tensor:
-        from aligner.reward.rules import score
 
         return score(
             self.cfg.reward.rule,
@@ -361,7 +364,6 @@ class PPOTrainer(Trainer):
 
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """ppo_epochs passes of mini-batches: critic and actor updates run concurrently."""
-        from aligner.workers.group import get_all
 
         a, t = self.cfg.algorithm, self.cfg.trainer
         train_actor = self.step >= a.critic_warmup_steps
@@ -409,7 +411,6 @@ class PPOTrainer(Trainer):
 
     # ---- evaluation -----------------------------------------------------------------
     def _accuracy(self, meta: list[dict]) -> float:
-        from aligner.reward.rules import score
 
         return float(
             score(accuracy_rule(self.cfg), [m["prompt"] for m in meta], [m["response"] for m in meta], [m["metadata"] for m in meta]).mean()
@@ -419,7 +420,6 @@ class PPOTrainer(Trainer):
         """Greedy responses to held-out prompts (:func:`aligner.trainers.evaluation.evaluate_greedy`):
         rule-checked accuracy, mean response length, on the built-in task the carry breakdown; mean RM
         score and KL to the reference of those responses."""
-        from aligner.workers.group import get_all
 
         prompts = self.eval_prompts[: num_prompts or self.cfg.task.num_eval]
         res = evaluate_greedy(self.groups["actor"], prompts, self.tok, self.cfg)
@@ -443,13 +443,11 @@ class PPOTrainer(Trainer):
     # ---- checkpoints ----------------------------------------------------------------
     def save_roles(self, tmp: Path) -> None:
         """The actor's and critic's model + optimizer into tmp/<role>, concurrently."""
-        from aligner.workers.group import get_all
 
         get_all([self.groups[r].save(str(tmp / r)) for r in TRAINED_ROLES if r in self.groups])
 
     def load_roles(self, ckpt: Path) -> None:
         """The actor's and critic's ckpt/<role>, concurrently."""
-        from aligner.workers.group import get_all
 
         get_all([self.groups[r].load(str(ckpt / r)) for r in TRAINED_ROLES if r in self.groups])
 
@@ -481,7 +479,6 @@ def first_replica(result: dict) -> dict[str, float]:
 
 def load_reward_stats(cfg: AlignerConfig) -> dict[str, float]:
     """mean/std of RM scores saved by the RM stage (reward_stats.json beside the RM's HF export)."""
-    from aligner.runtime.role import resolve_init
 
     if cfg.reward.type != "model" or not cfg.reward.init:
         return {"mean": 0.0, "std": 1.0}
@@ -495,8 +492,6 @@ def load_reward_stats(cfg: AlignerConfig) -> dict[str, float]:
 
 def plan_phase(cfg: AlignerConfig) -> Optional[int]:
     """Print the plan; return 0 for plan_only, raise UserError when the layout or machine cannot hold the run."""
-    from aligner.planner import PlanError, check_fits, format_plan, make_plan
-    from aligner.workers.placement import describe_request, local_shortfall, plan_from_config
 
     try:
         if cfg.plan_only:
@@ -525,8 +520,6 @@ def plan_phase(cfg: AlignerConfig) -> Optional[int]:
 def load_prompts(cfg: AlignerConfig):
     """(tokenizer, prompt splits): the tokenizer checked against the actor's vocabulary; with no held-out
     prompts, evaluation runs on the first task.num_eval training prompts (warned)."""
-    from aligner.data.pipeline import load_data, resolve_tokenizer
-    from aligner.runtime.role import check_tokenizer_fits
 
     tok = resolve_tokenizer(cfg.tokenizer, cfg.task, cfg.output_dir)
     check_tokenizer_fits(len(tok), cfg.actor.init, cfg.model, "actor")

@@ -23,7 +23,10 @@ import math
 from pathlib import Path
 
 from aligner.config import AlignerConfig
-from aligner.trainers.supervised import SupervisedTrainer
+from aligner.data.collate import collate_pairs
+from aligner.reward.reward_model import interleave_pairs
+from aligner.trainers.supervised import SupervisedTrainer, eval_chunks
+from aligner.workers.reward import RewardWorker
 
 log = logging.getLogger("aligner")
 
@@ -58,7 +61,6 @@ class RMTrainer(SupervisedTrainer):
         return self.init
 
     def worker_cls(self) -> type:
-        from aligner.workers.reward import RewardWorker
 
         return RewardWorker
 
@@ -74,15 +76,12 @@ class RMTrainer(SupervisedTrainer):
 
     def collate(self, examples: list[dict]) -> dict:
         """chosen_/rejected_ input_ids and attention_mask [B, T]."""
-        from aligner.data.collate import collate_pairs
 
         return collate_pairs(examples, self.pad_id)
 
     def reward_stats(self) -> dict:
         """Mean and std of the RM's scores over the responses (chosen and rejected) of the first
         MAX_STATS_PAIRS training pairs: {"mean", "std", "num_scores"}."""
-        from aligner.reward.reward_model import interleave_pairs
-        from aligner.trainers.supervised import eval_chunks
 
         dp = self.cfg.reward.parallel.dp_size
         pairs = self.data.train[:MAX_STATS_PAIRS]

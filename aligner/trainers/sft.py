@@ -20,7 +20,11 @@ from __future__ import annotations
 import logging
 
 from aligner.config import AlignerConfig
+from aligner.data.collate import collate_sft, pack_sft
+from aligner.data.pipeline import load_data
+from aligner.trainers.evaluation import evaluate_greedy
 from aligner.trainers.supervised import SupervisedTrainer
+from aligner.workers.actor import ActorWorker
 
 log = logging.getLogger("aligner")
 
@@ -34,7 +38,6 @@ class SFTTrainer(SupervisedTrainer):
     plot_keys = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "task_accuracy")
 
     def worker_cls(self) -> type:
-        from aligner.workers.actor import ActorWorker
 
         return ActorWorker
 
@@ -43,7 +46,6 @@ class SFTTrainer(SupervisedTrainer):
 
     def collate(self, examples: list[dict]) -> dict:
         """input_ids, attention_mask, loss_mask [B, T] (plus segment_ids, position_ids when packing)."""
-        from aligner.data.collate import collate_sft, pack_sft
 
         if self.cfg.data.packing:
             return pack_sft(examples, self.cfg.data.max_seq_len, self.pad_id)
@@ -54,8 +56,6 @@ class SFTTrainer(SupervisedTrainer):
         if self.cfg.data.train_path:
             log.info("sft: data.train_path is set: skipping the built-in task's greedy accuracy")
             return {}, {}
-        from aligner.data.pipeline import load_data
-        from aligner.trainers.evaluation import evaluate_greedy
 
         prompts = load_data("prompt", self.cfg.data, self.cfg.task, self.tokenizer, str(self.out)).eval
         res = evaluate_greedy(self.group, prompts, self.tokenizer, self.cfg).metrics

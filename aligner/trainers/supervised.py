@@ -40,8 +40,17 @@ from pathlib import Path
 from typing import Any, Optional
 
 from aligner.config import AlignerConfig
+from aligner.data.pipeline import load_data
+from aligner.data.sampler import DataIterator
+from aligner.data.task import build_task_tokenizer
+from aligner.data.tokenizer import load_tokenizer
 from aligner.errors import UserError
+from aligner.planner import print_plan
+from aligner.runtime.role import check_tokenizer_fits, resolve_init
+from aligner.tracking import plot_curves, read_metrics
 from aligner.trainers.loop import Trainer
+from aligner.workers.group import role_worker_group
+from aligner.workers.placement import local_shortfall, placement_from_config
 
 log = logging.getLogger("aligner")
 
@@ -61,7 +70,6 @@ def eval_chunks(examples: list, batch_size: int, min_size: int) -> list[list]:
 
 def tokenizer_path(cfg: AlignerConfig, work_dir: str) -> str:
     """tokenizer.path, or the built-in task's tokenizer.json (trained on first use under work_dir/task)."""
-    from aligner.data.task import build_task_tokenizer
 
     return cfg.tokenizer.path or build_task_tokenizer(cfg.task, os.path.join(work_dir, "task"))
 
@@ -130,15 +138,12 @@ class SupervisedTrainer(Trainer):
         cfg.check_paths((self.role,))
         self.check_init()
         if cfg.plan_only:
-            from aligner.planner import print_plan
-
             return print_plan(cfg)
         self.check_machine()
         return None
 
     def check_machine(self) -> None:
         """UserError (before Ray starts) when this machine cannot hold the role's workers."""
-        from aligner.workers.placement import local_shortfall
 
         why = local_shortfall(self.cfg, (self.role,))
         if why:
@@ -155,7 +160,6 @@ class SupervisedTrainer(Trainer):
 
     def check_init(self) -> None:
         """UserError naming <role>.init when it is neither an HF model dir nor a run dir with hf/ inside."""
-        from aligner.runtime.role import resolve_init
 
         try:
             resolve_init(self.init_path())
@@ -168,9 +172,6 @@ class SupervisedTrainer(Trainer):
 
     def load_inputs(self) -> None:
         """Tokenizer (checked against model.vocab_size), the encoded train/eval splits and the train iterator."""
-        from aligner.data.pipeline import load_data
-        from aligner.data.sampler import DataIterator
-        from aligner.data.tokenizer import load_tokenizer
 
         cfg = self.cfg
         try:
@@ -178,7 +179,6 @@ class SupervisedTrainer(Trainer):
             self.tokenizer = load_tokenizer(self.tok_path, cfg.tokenizer.chat_template)
         except (OSError, ValueError) as e:
             raise UserError(f"tokenizer.path={cfg.tokenizer.path!r}: {e}") from None
-        from aligner.runtime.role import check_tokenizer_fits
 
         check_tokenizer_fits(len(self.tokenizer), self.init_path(), cfg.model, self.role)
         try:
@@ -191,8 +191,6 @@ class SupervisedTrainer(Trainer):
 
     def start(self) -> None:
         """Place and start the role's worker group."""
-        from aligner.workers.group import role_worker_group
-        from aligner.workers.placement import placement_from_config
 
         self.placement = placement_from_config(self.cfg, (self.role,))
         t0 = time.perf_counter()
@@ -285,7 +283,6 @@ class SupervisedTrainer(Trainer):
 
     def plot(self) -> None:
         """output_dir/curves.png of plot_keys, and summary.json: {"stage", "steps", **the last metrics row}."""
-        from aligner.tracking import plot_curves, read_metrics
 
         png = plot_curves(self.out / "metrics.jsonl", self.out / "curves.png", self.plot_keys, title=f"{self.name} ({self.cfg.preset})")
         rows = read_metrics(self.out / "metrics.jsonl")
