@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -264,6 +265,17 @@ def run(stage: str, main: Callable[[AlignerConfig], Optional[int]], argv: Option
         return 2
     except Preempted as e:
         print(f"aligner {stage}: {e}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
+    except SystemExit as e:
+        if e.code != signal.SIGTERM:
+            raise
+        # Ray's driver handler (installed by ray.init) turns a SIGTERM that aligner's handler did not take
+        # (before it is installed, after it is removed at teardown) into sys.exit(15): same contract as Preempted
+        print(
+            f"aligner {stage}: stopped by SIGTERM outside a training step (Ray's handler took it); the last complete "
+            "checkpoint in output_dir is intact: rerun with resume=true",
+            file=sys.stderr,
+        )
         return PREEMPTED_EXIT_CODE
     except Exception as e:  # noqa: BLE001 - a worker failure ends the run with its role, rank and traceback
         from aligner.errors import WorkerError, disk_full_path

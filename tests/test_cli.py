@@ -407,3 +407,22 @@ def test_cli_tokenizer_larger_than_model_vocab(tmp_path):
     )
     line = _one_line_exit_2(proc)
     assert "model.vocab_size=16 is smaller than the tokenizer's" in line, line
+
+
+def test_a_sigterm_taken_by_rays_handler_is_the_preemption_exit(capsys):
+    """Ray's driver handler turns a SIGTERM outside aligner's own handler into sys.exit(15); the entry point
+    reports it as a preemption (143, one line saying the last checkpoint is intact), other exits pass through."""
+    from aligner.cli import run
+
+    def raises(code):
+        def main(cfg):
+            raise SystemExit(code)
+
+        return main
+
+    assert run("sft", raises(15), ["conf=tiny"]) == 143
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("aligner sft: stopped by SIGTERM") and "resume=true" in line
+    with pytest.raises(SystemExit) as info:
+        run("sft", raises(3), ["conf=tiny"])
+    assert info.value.code == 3
