@@ -344,14 +344,13 @@ def head_activation_bytes_per_token(model: ModelConfig, e: int, tp: int, sp: boo
 
 
 def train_activation_bytes(
-    model: ModelConfig, kind: str, layout: Layout, e: int, seq_len: int, num_microbatches: int, stage: int, precision: str = ""
+    model: ModelConfig, kind: str, layout: Layout, e: int, seq_len: int, num_microbatches: int, stage: int, precision: str
 ) -> float:
     """Activation bytes on pipeline stage `stage` under 1F1B: min(pp - stage, m) micro-batches in flight.
 
-    precision: see :func:`training_precision` ("" = fp32 for e = 4, else bf16 parameters).
+    e: activation element bytes (shared inputs, head); precision: how the layers compute (:func:`training_precision`).
     """
     b, pp = layout.micro_batch_size, layout.pp
-    precision = precision or ("fp32" if e == 4 else "bf16")
     in_flight = min(pp - stage, num_microbatches)
     layer = layer_activation_bytes(LayerDims.of(model, seq_len, b, layout.tp), precision, layout.sp, layout.recompute)
     per_mb = layers_on_stage(model.num_layers, pp, stage) * layer + shared_activation_bytes(

@@ -147,7 +147,7 @@ def layer_activation_bytes(
         else:
             attn = 3 * 2 * q + 2 * q + 4 * a
         sharded = attn + 4 * 2 * i
-        weights = 2 * ((2 * q + 2 * (max(d.kv or a, t) * hd)) * h + 3 * h * i) / t  # bf16 casts of q, k, v, o, gate, up, down
+        weights = 2 * ((2 * q + 2 * kv) * h + 3 * h * i) / t  # bf16 casts of q, k, v, o, gate, up, down
         body = tokens * ((replicated / split) + sharded / t) + weights
     else:
         replicated = 2 * (4 * h + 2 * e * h + 4)

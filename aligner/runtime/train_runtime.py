@@ -8,7 +8,7 @@ finish TP/SP gradients, global-norm clipping over tp/pp/dp, AdamW, schedule. Che
 go through :mod:`aligner.runtime.checkpoint` (torch.distributed.checkpoint, resharding).
 
 Simplifications (stated, not hidden):
-- The model is built at full size on every rank (on the CPU) from the same seed, or passed in
+- The model is built at full size on every rank (on its device) from the same seed, or passed in
   full (``model=``), and then split and sharded in place; ``parallelize(full_state_dict=...)`` on a
   meta-device build is the path for large models.
 - DeepSpeed: one ``backward`` per ``step`` (gradient_accumulation_steps = 1); clipping is
@@ -158,7 +158,7 @@ class TrainRuntime:
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient norm
         self.backend = parallel_cfg.dp_backend
         self.bf16 = parallel_cfg.mixed_precision == "bf16"
-        full = model if model is not None else build_model(model_cfg, kind, seed=seed)
+        full = model if model is not None else build_model(model_cfg, kind, seed=seed, device=dims.device)
         self.module = full  # parallelized in place below: this rank's stage and shards (HF parameter names)
         wrapped = parallelize(full, dims, parallel_cfg, data_parallel=self.backend != "deepspeed")
         self.device = next(self.module.parameters()).device  # where batches must be (ModelRunner moves them)
