@@ -115,6 +115,32 @@ def check_prompts(prompt_ids: Sequence[Sequence[int]], seeds: Optional[Sequence[
         raise ValueError(f"seeds has {len(seeds)} entries for {len(prompt_ids)} prompts: pass one seed per prompt or None")
 
 
+def check_budgets(
+    prompt_ids: Sequence[Sequence[int]], sampling: Any, max_new_tokens: Optional[Sequence[int]], max_seq_len: int
+) -> list[int]:
+    """Each request's max_new_tokens (sampling.max_new_tokens when None): a list of B ints.
+
+    Raises ValueError naming the request when a budget is < 1 or its prompt + budget exceeds
+    `max_seq_len`, or when the list's length is not B.
+    """
+    if max_new_tokens is None:
+        budgets = [int(sampling.max_new_tokens)] * len(prompt_ids)
+    else:
+        if len(max_new_tokens) != len(prompt_ids):
+            raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {len(prompt_ids)} prompts: pass one per prompt or None")
+        budgets = [int(n) for n in max_new_tokens]
+    for i, (p, n) in enumerate(zip(prompt_ids, budgets)):
+        what = "sampling.max_new_tokens" if max_new_tokens is None else f"max_new_tokens[{i}]"
+        if n < 1:
+            raise ValueError(f"{what}={n} is invalid: must be >= 1")
+        if len(p) + n > max_seq_len:
+            raise ValueError(
+                f"{what}={n} with the {len(p)}-token prompt {i} exceeds model.max_seq_len={max_seq_len}: "
+                "shorten prompts or lower max_new_tokens"
+            )
+    return budgets
+
+
 def generations_to_padded(gens: Sequence[Generation], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-pad responses: token_ids [B, R] int64, rollout_log_probs [B, R] fp32, response_mask [B, R] bool."""
     r = max(1, max(len(g.token_ids) for g in gens))

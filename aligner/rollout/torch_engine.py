@@ -46,17 +46,26 @@ log-probs to every stage, so all ranks return the same Generations.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from aligner.model.llama import KVCache, build_model
 from aligner.nn import comm
 from aligner.nn.layers import ColumnParallelLinear, ParallelLayer, RMSNorm, RowParallelLinear, pack_linears, unpack_linears
-from aligner.rollout.base import Generation, RolloutEngine, check_prompts, check_sampling
+from aligner.rollout.base import Generation, RolloutEngine, check_budgets, check_prompts, check_sampling
+from aligner.rollout.scheduler import SlotScheduler, StepPlan
 from aligner.runtime.host import keep_freed_host_memory
+
+SCHEDULERS = ("continuous", "static")
+CPU_LAYOUTS = ("auto", "in_out", "out_in")
 
 
 class TorchEngine(RolloutEngine):
@@ -68,14 +77,28 @@ class TorchEngine(RolloutEngine):
         eos_token_id: stop token besides sampling.stop_token_ids (None: none).
         tp_group: the engine's tensor-parallel group (None: no TP).
         pp_group: the engine's pipeline group; stage index = rank in it (None: no PP).
-        max_batch_size: prompts per engine batch; larger requests are split.
-        cuda_graphs: capture the decode step in CUDA graphs (only when on cuda, pp = 1).
+        max_batch_size: KV-cache slots (continuous) / prompts per batch (static).
+        cuda_graphs: capture the decode step in CUDA graphs (static scheduler, on cuda, pp = 1).
         seed: seed of the engine RNG used when generate() gets no seeds.
         fused_decode: pack each layer's q/k/v and gate/up weights so each group runs as one GEMM
-            (:func:`aligner.nn.layers.pack_linears`). None (default): on for CPU engines, off on
-            CUDA, where packing (and CUDA graphs of it) has not run yet
-            (tests/rollout/test_trtllm_engine_gpu.py checks it there). Ignored for models whose layers
-            are not aligner's own (e.g. Transformer Engine modules) or that use sequence parallelism.
+            (:func:`aligner.nn.layers.pack_linears`). None (default): on CUDA off (packing and
+            CUDA graphs of it have not run there: tests/rollout/test_trtllm_engine_gpu.py checks
+            it); on the CPU chosen with the weight layout by measurement (``cpu_layout``).
+            Ignored for models whose layers are not aligner's own (e.g. Transformer Engine
+            modules) or that use sequence parallelism.
+        scheduler: "continuous" (default): a pool of max_batch_size KV-cache slots refilled as
+            responses stop, shared prompt prefixes, pipelined PP decode
+            (:mod:`aligner.rollout.scheduler`); "static": batches of max_batch_size prompts
+            left-padded and decoded until their longest response ends (the first engine, kept
+            for comparison and for CUDA-graph decode).
+        micro_batches: continuous scheduler only: blocks the slot pool is split into; with
+            pp > 1 every stage works on one block while the next stage works on another
+            (None: pp_size; 1 with pp > 1 runs the stages one after the other).
+        cpu_layout: on the CPU, how linear weights are stored for decode: "auto" (default)
+            times a decoder layer's decode step in every (layout, fused) combination on this
+            machine at build and keeps the fastest (``self.layout`` holds the timings);
+            "in_out" stores every weight [in, out] (transposed view, MKL's no-transpose GEMM),
+            "out_in" keeps PyTorch's [out, in].
     The engine owns `model`: it re-lays its linear weights out in place (see :func:`_pack_weights`).
     """
 
@@ -90,9 +113,16 @@ class TorchEngine(RolloutEngine):
         cuda_graphs: bool = True,
         seed: int = 0,
         fused_decode: Optional[bool] = None,
+        scheduler: str = "continuous",
+        micro_batches: Optional[int] = None,
+        cpu_layout: str = "auto",
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} is invalid: must be >= 1")
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler={scheduler!r} is invalid: valid are {', '.join(SCHEDULERS)}")
+        if cpu_layout not in CPU_LAYOUTS:
+            raise ValueError(f"cpu_layout={cpu_layout!r} is invalid: valid are {', '.join(CPU_LAYOUTS)}")
         self.model = model.eval()
         self.cfg = model.cfg
         self.eos_token_id = eos_token_id
@@ -101,17 +131,32 @@ class TorchEngine(RolloutEngine):
         self.pp_size, self.pp_rank = comm.group_size(pp_group), comm.group_rank(pp_group)
         self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
         self.max_batch_size = max_batch_size
+        self.scheduler = scheduler
+        self.micro_batches = self.pp_size if micro_batches is None else micro_batches
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches={micro_batches} is invalid: must be >= 1")
         self.weight_version = 0
         self.cuda_graphs = cuda_graphs
         self._rng_seed = seed
         self._calls = 0
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self._pool: Optional[SlotKVCache] = None
+        self.last_stats: dict[str, float] = {}
         if self.device.type == "cpu":
             keep_freed_host_memory()
+        fusable = _fusable(model)
+        on_cpu = self.device.type == "cpu"
+        transposed = on_cpu and cpu_layout == "in_out"
+        self.layout: dict[str, Any] = {}
+        if on_cpu and cpu_layout == "auto":
+            transposed, fused, self.layout = choose_cpu_layout(model, max(1, max_batch_size // self.micro_batches), fusable)
+            fused_decode = fused if fused_decode is None else fused_decode
         if fused_decode is None:
-            fused_decode = self.device.type == "cpu"
-        self.fused_decode = fused_decode and _fusable(model)
-        _pack_weights(model, self.device, transposed=self.device.type == "cpu", fuse=self.fused_decode)  # before the slots
+            fused_decode = on_cpu
+        self.fused_decode = fused_decode and fusable
+        self.transposed = transposed
+        self.layout.update(transposed=transposed, fused=self.fused_decode)
+        _pack_weights(model, self.device, transposed=transposed, fuse=self.fused_decode)  # before the slots
         self._params = _param_slots(model)
         self._full_names = {n for n, _ in build_model(self.cfg, device="meta").named_parameters(remove_duplicate=False)}
         self._received: set[str] = set()
@@ -192,7 +237,13 @@ class TorchEngine(RolloutEngine):
         self._offloaded_device = None
 
     # ---- generation ---------------------------------------------------------------------
-    def generate(self, prompt_ids: list[list[int]], sampling: Any, seeds: Optional[list[int]] = None) -> list[Generation]:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        sampling: Any,
+        seeds: Optional[list[int]] = None,
+        max_new_tokens: Optional[Sequence[int]] = None,
+    ) -> list[Generation]:
         """Sample one response per prompt (see the module docstring for the sampling semantics).
 
         Args:
@@ -200,33 +251,43 @@ class TorchEngine(RolloutEngine):
             sampling: SamplingConfig-like (temperature >= 0, top_k >= 0, top_p in (0, 1],
                 max_new_tokens >= 1, stop_token_ids).
             seeds: list[int] of length B (per-request generators) or None (engine RNG).
+            max_new_tokens: list[int] of length B, each request's own budget (None: every
+                request gets sampling.max_new_tokens).
         Returns:
-            list[Generation] of length B; rollout_log_probs fp32 per response token.
+            list[Generation] of length B, in prompt order; rollout_log_probs fp32 per response
+            token. ``self.last_stats`` then holds the call's counters (prompt tokens, tokens
+            prefilled, shared-prefix tokens, decode steps and rows, generated tokens).
         Raises:
             ValueError: bad sampling parameters, empty prompt, token id outside the vocabulary,
-                or longest prompt + max_new_tokens > model.max_seq_len.
+                a budget < 1, or a prompt + its budget > model.max_seq_len.
         """
         check_sampling(sampling)
         check_prompts(prompt_ids, seeds, self.cfg.vocab_size)
-        longest = max(len(p) for p in prompt_ids)
-        if longest + sampling.max_new_tokens > self.cfg.max_seq_len:
-            raise ValueError(
-                f"sampling.max_new_tokens={sampling.max_new_tokens} with the longest prompt of {longest} tokens "
-                f"exceeds model.max_seq_len={self.cfg.max_seq_len}: shorten prompts or lower max_new_tokens"
-            )
+        budgets = check_budgets(prompt_ids, sampling, max_new_tokens, self.cfg.max_seq_len)
         self._calls += 1
-        out: list[Generation] = []
-        for s in range(0, len(prompt_ids), self.max_batch_size):
-            chunk = prompt_ids[s : s + self.max_batch_size]
-            chunk_seeds = None if seeds is None else seeds[s : s + self.max_batch_size]
-            with torch.inference_mode():
-                out.extend(self._generate_batch(chunk, sampling, chunk_seeds, s))
-        return out
+        fallback = self._rng_seed * 1_000_003 + self._calls * 7919
+        sampler = _Sampler(sampling, seeds, budgets, self.device, fallback)
+        stop = sorted({*sampling.stop_token_ids, *([] if self.eos_token_id is None else [self.eos_token_id])})
+        with torch.inference_mode():
+            if self.scheduler == "continuous":
+                return self._generate_continuous(prompt_ids, budgets, sampler, stop)
+            out: list[Generation] = []
+            for s in range(0, len(prompt_ids), self.max_batch_size):
+                chunk = range(s, min(len(prompt_ids), s + self.max_batch_size))
+                out.extend(self._generate_batch([prompt_ids[i] for i in chunk], [budgets[i] for i in chunk], sampler, chunk, stop))
+            n_prompt = sum(len(p) for p in prompt_ids)
+            self.last_stats = {
+                "prompt_tokens": n_prompt,
+                "prefilled_tokens": n_prompt,
+                "generated_tokens": sum(len(g.token_ids) for g in out),
+            }
+            return out
 
-    def _generate_batch(self, prompts, sampling, seeds, offset: int) -> list[Generation]:
+    # ---- the static scheduler -----------------------------------------------------------
+    def _generate_batch(self, prompts, budgets: list[int], sampler: _Sampler, requests: range, stop: list[int]) -> list[Generation]:
         dev = self.device
         b, p = len(prompts), max(len(x) for x in prompts)
-        n_new = sampling.max_new_tokens
+        n_new = max(budgets)
         total = p + n_new
         ids = torch.zeros(b, p, dtype=torch.long)
         valid = torch.zeros(b, total, dtype=torch.bool)
@@ -236,9 +297,9 @@ class TorchEngine(RolloutEngine):
         valid[:, p:] = True
         ids, valid = ids.to(dev), valid.to(dev)
         lens = torch.tensor([len(x) for x in prompts], device=dev)
-        sampler = _Sampler(sampling, seeds, b, n_new, dev, self._rng_seed * 1_000_003 + self._calls * 7919 + offset)
-        stop = sorted({*sampling.stop_token_ids, *([] if self.eos_token_id is None else [self.eos_token_id])})
+        req = torch.tensor(list(requests), device=dev)
         stop_t = torch.tensor(stop, dtype=torch.long, device=dev)
+        budget_t = torch.tensor(budgets, device=dev)
         graph = self._graph_for(b, total) if self._use_graphs() else None
         cache = graph.cache if graph is not None else self.new_cache(b, total)
         if graph is not None:
@@ -254,9 +315,10 @@ class TorchEngine(RolloutEngine):
         mask = ((torch.ones(p, p, dtype=torch.bool, device=dev).tril() & valid[:, None, :p]) | eye).unsqueeze(1)
         cache.length = p
         logits = self._forward(ids, pos, mask, cache, torch.arange(p, device=dev))
-        tok, lp = self._sample(logits, sampler, 0)
+        step_t = torch.zeros(b, dtype=torch.long, device=dev)
+        tok, lp = self._sample(logits, sampler, req, step_t)
         tokens, log_probs = [tok], [lp]
-        finished = torch.isin(tok, stop_t)
+        finished = torch.isin(tok, stop_t) | (budget_t <= 1)
         for step in range(1, n_new):
             if step % check_every == 0 and bool(finished.all()):
                 break
@@ -268,11 +330,127 @@ class TorchEngine(RolloutEngine):
                 cache.length = slot + 1
                 key_mask = None if no_padding else valid[:, None, None, : slot + 1]
                 logits = self._forward(tok.unsqueeze(1), pos, key_mask, cache, torch.tensor([slot], device=dev))
-            tok, lp = self._sample(logits, sampler, step)
+            tok, lp = self._sample(logits, sampler, req, (step_t + step).clamp_(max=budget_t - 1))
             tokens.append(tok)
             log_probs.append(lp)
-            finished = finished | torch.isin(tok, stop_t)
-        return self._to_generations(torch.stack(tokens, 1).cpu(), torch.stack(log_probs, 1).float().cpu(), stop)
+            finished = finished | torch.isin(tok, stop_t) | (budget_t <= step + 1)
+        gens = self._to_generations(torch.stack(tokens, 1).cpu(), torch.stack(log_probs, 1).float().cpu(), stop)
+        for g, n in zip(gens, budgets):
+            if len(g.token_ids) > n:
+                g.token_ids, g.rollout_log_probs, g.finish_reason = g.token_ids[:n], g.rollout_log_probs[:n], "length"
+        return gens
+
+    # ---- the continuous scheduler -------------------------------------------------------
+    def _generate_continuous(self, prompts: list[list[int]], budgets: list[int], sampler: _Sampler, stop: list[int]) -> list[Generation]:
+        """Iteration-level scheduling over a slot pool (:class:`SlotScheduler`); with pp > 1 the
+        first stage schedules and sends each step down the pipeline with its hidden states, the
+        last stage samples and sends the tokens back, and ``micro_batches`` steps are in flight."""
+        m = self.micro_batches
+        capacity = max(1, self.max_batch_size // m)
+        max_len = max(len(p) + n for p, n in zip(prompts, budgets))
+        pool = self._slot_pool(capacity * m, max_len)
+        if not self.is_first:
+            self._serve_stage(pool, sampler)
+            return self._broadcast_generations(None)
+        sched = SlotScheduler(prompts, budgets, capacity, m, stop)
+        link = _StageLink(self) if self.pp_size > 1 else None
+        in_flight: deque[tuple[int, int]] = deque()  # (micro-batch, rows) sent down the pipeline
+        mb = 0
+        while True:
+            if in_flight and in_flight[0][0] == mb:
+                _, n = in_flight.popleft()
+                sched.apply(mb, *link.recv_tokens(n))
+            if sched.done():
+                break
+            plan = sched.plan(mb)
+            if plan is not None:
+                if link is None:
+                    tok, lp = self._run_plan(plan, pool, sampler, None)
+                    sched.apply(mb, tok.tolist(), lp.tolist())
+                else:
+                    self._run_plan(plan, pool, sampler, link)
+                    in_flight.append((mb, plan.n))
+            mb = (mb + 1) % m
+        if link is not None:
+            link.send_stop()
+            link.wait()
+        stop_set = set(stop)
+        gens = [Generation(t, lp, "stop" if t and t[-1] in stop_set else "length", self.weight_version) for t, lp in sched.outputs]
+        self.last_stats = {**sched.stats(), "generated_tokens": sum(len(g.token_ids) for g in gens)}
+        return self._broadcast_generations(gens) if self.pp_size > 1 else gens
+
+    def _slot_pool(self, slots: int, max_len: int) -> SlotKVCache:
+        """This stage's slot pool, reused across calls while it is large enough."""
+        pool = self._pool
+        if pool is None or pool.slots < slots or pool.max_len < max_len:
+            self._pool = None
+            pool = self._pool = SlotKVCache(
+                self._local_layers(), slots, self._kv_heads_local(), max_len, self.cfg.resolved_head_dim, self.dtype, self.device
+            )
+        return pool
+
+    def _run_plan(self, plan: StepPlan, pool: SlotKVCache, sampler: _Sampler, link: Optional[_StageLink]):
+        """Stage 0: run one StepPlan on this stage and send it on (pp > 1), or sample (pp = 1):
+        (tokens [n], log_probs [n]) when this stage is also the last."""
+        dev = self.device
+        prefill_x = None
+        if plan.prefill_rows:
+            t = max(len(x) for x in plan.prefill_ids)
+            prefill_x = torch.zeros(len(plan.prefill_ids), t, dtype=torch.long)
+            for i, x in enumerate(plan.prefill_ids):
+                prefill_x[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+            prefill_x = prefill_x.to(dev)
+        decode_x = torch.tensor(plan.tokens, dtype=torch.long, device=dev).unsqueeze(1)
+        meta = _plan_meta(plan, prefill_x.shape[1] if prefill_x is not None else 0)
+        return self._stage_step(meta, prefill_x, decode_x, pool, sampler, link)
+
+    def _serve_stage(self, pool: SlotKVCache, sampler: _Sampler) -> None:
+        """Stages after the first: run every plan the previous stage sends until it sends stop."""
+        link = _StageLink(self)
+        while True:
+            got = link.recv_plan()
+            if got is None:
+                break
+            self._stage_step(*got, pool, sampler, link)
+        link.send_stop()
+        link.wait()
+
+    def _stage_step(self, meta: _PlanMeta, prefill_x, decode_x, pool: SlotKVCache, sampler: _Sampler, link: Optional[_StageLink]):
+        """Execute a plan on this stage: prefill, copies, moves, decode (scheduler.py's order)."""
+        dev = self.device
+        trunk = self.model.model
+        prefill_h = None
+        if meta.prefill_rows.numel():
+            pool.plan_prefill(meta.prefill_rows.to(dev))
+            t = meta.prefill_len
+            pos = torch.arange(t, device=dev).expand(meta.prefill_rows.numel(), t)
+            prefill_h = trunk(prefill_x, position_ids=pos, kv_cache=pool)
+        for src, dst, n in meta.copies.tolist():
+            pool.copy(src, dst, n)
+        for src, dst, n in meta.moves.tolist():
+            pool.copy(src, dst, n)
+        positions = meta.positions.to(dev)
+        length = int(meta.positions.max()) + 1
+        same = bool((meta.positions == length - 1).all())
+        mask = None if same else (torch.arange(length, device=dev) <= positions.unsqueeze(1))[:, None, None, :]
+        pool.plan_decode(meta.start, positions, length)
+        h = trunk(decode_x, position_ids=positions.unsqueeze(1), attn_mask=mask, kv_cache=pool)
+        if not self.is_last:
+            link.send_plan(meta, prefill_h, h)
+            return None
+        logits = self.model.lm_head(h[:, -1]).float()
+        full = logits if self.tp_size == 1 else _gather_vocab(logits, self.tp_group)
+        tok, lp = sampler.sample(full, sampler.draws(meta.requests.to(dev), meta.steps.to(dev)))
+        if link is not None:
+            link.send_tokens(tok, lp)
+            return None
+        return tok.cpu(), lp.float().cpu()
+
+    def _broadcast_generations(self, gens: Optional[list[Generation]]) -> list[Generation]:
+        """Stage 0's Generations on every pipeline stage (one object broadcast over the pp group)."""
+        box = [gens]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.pp_group, 0), group=self.pp_group)
+        return box[0]
 
     def _to_generations(self, tokens: torch.Tensor, log_probs: torch.Tensor, stop: list[int]) -> list[Generation]:
         """tokens, log_probs: [B, n] -> Generations cut after the first stop token."""
@@ -296,14 +474,14 @@ class TorchEngine(RolloutEngine):
             return None
         return self.model.lm_head(h[:, -1]).float()
 
-    def _sample(self, logits: Optional[torch.Tensor], sampler: _Sampler, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: Optional[torch.Tensor], sampler: _Sampler, requests: torch.Tensor, steps: torch.Tensor):
         """Local logits [B, V/tp] on the last stage -> (tokens [B] int64, log_probs [B] fp32) on every rank."""
         if self.is_last:
             full = logits if self.tp_size == 1 else _gather_vocab(logits, self.tp_group)
-            tok, lp = sampler.sample(full, step)
+            tok, lp = sampler.sample(full, sampler.draws(requests, steps))
         else:
-            tok = sampler.skip()
-            lp = torch.empty(tok.shape[0], dtype=torch.float32, device=self.device)
+            tok = torch.empty(requests.shape[0], dtype=torch.long, device=self.device)
+            lp = torch.empty(requests.shape[0], dtype=torch.float32, device=self.device)
         if self.pp_size > 1:
             src = dist.get_global_rank(self.pp_group, self.pp_size - 1)
             dist.broadcast(tok, src=src, group=self.pp_group)
@@ -319,6 +497,161 @@ class TorchEngine(RolloutEngine):
         if key not in self._graphs:
             self._graphs[key] = _DecodeGraph(self, batch, total)
         return self._graphs[key]
+
+
+class SlotKVCache:
+    """The continuous scheduler's KV cache: per local layer k, v [slots, kv_heads_local, max_len, hd].
+
+    Row r holds one request at cache positions [0, its length) (no padding, position = slot).
+    The engine sets what the next forward writes, then the model's attention calls
+    :meth:`update` once per layer (the ``cache_positions`` it passes are ignored):
+    - :meth:`plan_prefill` (rows [U]): write the new prompts' k/v [U, kvh, T, hd] at positions
+      [0, T) of those rows; attention uses the prompts' own k/v (causal, right padding).
+    - :meth:`plan_decode` (start, positions [n], length): write each row's one new k/v at its own
+      position in rows [start, start + n); attention reads those rows' positions [0, length).
+    Unwritten slots are zeros (finite), so masked keys never turn into NaN.
+    """
+
+    def __init__(self, layers: list[int], slots: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.slots, self.max_len = slots, max_len
+        self._decode = False
+        self._rows = self._idx = self._positions = None
+        self._start = self._end = self._length = 0
+
+    def plan_prefill(self, rows: torch.Tensor) -> None:
+        self._decode, self._rows = False, rows
+
+    def plan_decode(self, start: int, positions: torch.Tensor, length: int) -> None:
+        n = positions.shape[0]
+        self._decode, self._start, self._end, self._length = True, start, start + n, length
+        self._idx = torch.arange(start, start + n, device=positions.device)
+        self._positions = positions
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, _positions=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v: [rows, kvh, T, hd] -> the keys and values attention reads (see the class docstring)."""
+        ck, cv = self.k[layer], self.v[layer]
+        if not self._decode:
+            t = k.shape[2]
+            ck[self._rows, :, :t] = k
+            cv[self._rows, :, :t] = v
+            return k, v
+        ck[self._idx, :, self._positions] = k[:, :, 0]
+        cv[self._idx, :, self._positions] = v[:, :, 0]
+        return ck[self._start : self._end, :, : self._length], cv[self._start : self._end, :, : self._length]
+
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Row dst's positions [0, length) := row src's, in every local layer."""
+        for ck, cv in zip(self.k.values(), self.v.values()):
+            ck[dst, :, :length] = ck[src, :, :length]
+            cv[dst, :, :length] = cv[src, :, :length]
+
+
+@dataclass
+class _PlanMeta:
+    """A StepPlan as tensors (what later pipeline stages need): int64 prefill_rows [U], copies and
+    moves [k, 3] (src, dst, length), positions / requests / steps [n]; prefill_len T."""
+
+    start: int
+    prefill_len: int
+    prefill_rows: torch.Tensor
+    copies: torch.Tensor
+    moves: torch.Tensor
+    positions: torch.Tensor
+    requests: torch.Tensor
+    steps: torch.Tensor
+
+    def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(header int64 [8], body int64 [...]) for the wire."""
+        u, c, m, n = self.prefill_rows.numel(), self.copies.shape[0], self.moves.shape[0], self.positions.numel()
+        header = torch.tensor([1, self.start, self.prefill_len, u, c, m, n, 0], dtype=torch.long)
+        body = torch.cat([self.prefill_rows, self.copies.flatten(), self.moves.flatten(), self.positions, self.requests, self.steps])
+        return header, body
+
+    @staticmethod
+    def decode(header: torch.Tensor, body: torch.Tensor) -> _PlanMeta:
+        _, start, t, u, c, m, n, _ = header.tolist()
+        parts = body.split([u, 3 * c, 3 * m, n, n, n])
+        return _PlanMeta(start, t, parts[0], parts[1].view(c, 3), parts[2].view(m, 3), parts[3], parts[4], parts[5])
+
+
+def _plan_meta(plan: StepPlan, prefill_len: int) -> _PlanMeta:
+    def triples(x):
+        return torch.tensor(x, dtype=torch.long).view(-1, 3)
+
+    return _PlanMeta(
+        plan.start,
+        prefill_len,
+        torch.tensor(plan.prefill_rows, dtype=torch.long),
+        triples(plan.copies),
+        triples(plan.moves),
+        torch.tensor(plan.positions, dtype=torch.long),
+        torch.tensor(plan.requests, dtype=torch.long),
+        torch.tensor(plan.steps, dtype=torch.long),
+    )
+
+
+class _StageLink:
+    """Point-to-point messages of the pipelined continuous engine over the pp group.
+
+    Plans flow stage s -> s + 1 as (header [8], body, prefill hidden [U, T, H] when U > 0,
+    decode hidden [n, 1, H]); the last stage sends (tokens [n] int64, log_probs [n] fp32) back
+    to stage 0. Sends are non-blocking; a stage waits for its previous message before sending
+    the next (so at most one message per link is unreceived, and no send cycle can deadlock).
+    A header of zeros ends the call.
+    """
+
+    def __init__(self, engine: TorchEngine):
+        self.group, self.dev = engine.pp_group, engine.device
+        self.dtype, self.hidden = engine.dtype, engine.cfg.hidden_size
+        rank, size = engine.pp_rank, engine.pp_size
+        self.prev = dist.get_global_rank(self.group, rank - 1) if rank > 0 else None
+        self.next = dist.get_global_rank(self.group, rank + 1) if rank < size - 1 else None
+        self.first, self.last = dist.get_global_rank(self.group, 0), dist.get_global_rank(self.group, size - 1)
+        self._sent: list = []
+
+    def wait(self) -> None:
+        for work, _ in self._sent:
+            work.wait()
+        self._sent = []
+
+    def _send(self, tensors: list[torch.Tensor], dst: int) -> None:
+        self.wait()
+        self._sent = [(dist.isend(t.contiguous(), dst=dst, group=self.group), t) for t in tensors]
+
+    def _recv(self, shape, dtype, src: int) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device=self.dev)
+        dist.recv(t, src=src, group=self.group)
+        return t
+
+    def send_plan(self, meta: _PlanMeta, prefill_h: Optional[torch.Tensor], decode_h: torch.Tensor) -> None:
+        header, body = meta.encode()
+        self._send([header.to(self.dev), body.to(self.dev)] + ([prefill_h] if prefill_h is not None else []) + [decode_h], self.next)
+
+    def recv_plan(self):
+        """(meta, prefill hidden or None, decode hidden) from the previous stage, or None at the end."""
+        header = self._recv((8,), torch.long, self.prev).cpu()
+        if int(header[0]) == 0:
+            return None
+        u, c, m, n = (int(x) for x in header[3:7])
+        body = self._recv((u + 3 * c + 3 * m + 3 * n,), torch.long, self.prev).cpu()
+        meta = _PlanMeta.decode(header, body)
+        prefill_h = self._recv((u, meta.prefill_len, self.hidden), self.dtype, self.prev) if u else None
+        return meta, prefill_h, self._recv((n, 1, self.hidden), self.dtype, self.prev)
+
+    def send_tokens(self, tok: torch.Tensor, lp: torch.Tensor) -> None:
+        self._send([tok, lp.float()], self.first)
+
+    def recv_tokens(self, n: int) -> tuple[list[int], list[float]]:
+        tok = self._recv((n,), torch.long, self.last)
+        lp = self._recv((n,), torch.float32, self.last)
+        return tok.tolist(), lp.tolist()
+
+    def send_stop(self) -> None:
+        if self.next is not None:
+            self._send([torch.zeros(8, dtype=torch.long, device=self.dev)], self.next)
 
 
 class _DecodeGraph:
@@ -370,32 +703,36 @@ class _Sampler:
     """Per-step token choice: greedy (max), or inverse-CDF sampling under temperature / top-k / top-p.
 
     Args:
-        sampling: SamplingConfig-like. seeds: one seed per row, or None (one engine generator).
-        batch, n_new: rows and decode steps. fallback_seed: the engine generator's seed.
-    Seeded rows draw their n_new uniforms [n_new] from their own torch.Generator up front, so a
-    row's draws do not depend on the batch it is in.
+        sampling: SamplingConfig-like. seeds: one seed per request, or None (one engine generator).
+        lengths: draws per request (its max_new_tokens). fallback_seed: the engine generator's seed.
+    Seeded request i draws its lengths[i] uniforms from its own torch.Generator up front, so its
+    draws do not depend on the batch, slot or step at which it runs; unseeded requests take rows
+    of one [B, max(lengths)] draw from the engine generator seeded per call.
     """
 
-    def __init__(self, sampling, seeds: Optional[list[int]], batch: int, n_new: int, device, fallback_seed: int):
+    def __init__(self, sampling, seeds: Optional[list[int]], lengths: list[int], device, fallback_seed: int):
         self.temperature = float(sampling.temperature)
         self.top_k, self.top_p = int(sampling.top_k), float(sampling.top_p)
-        self.batch, self.device = batch, device
+        self.device = device
         self.greedy = self.temperature == 0
-        self.uniforms: Optional[torch.Tensor] = None  # [B, n_new] fp32 in [0, 1)
+        self.uniforms: Optional[torch.Tensor] = None  # [B, max(lengths)] fp32 in [0, 1)
         if not self.greedy:
+            width = max(lengths)
             if seeds is None:
-                g = torch.Generator().manual_seed(fallback_seed % (2**63))
-                u = torch.rand(batch, n_new, generator=g)
+                u = torch.rand(len(lengths), width, generator=torch.Generator().manual_seed(fallback_seed % (2**63)))
             else:
-                u = torch.stack([torch.rand(n_new, generator=torch.Generator().manual_seed(int(s) % (2**63))) for s in seeds])
+                u = torch.zeros(len(lengths), width)
+                for i, (s, n) in enumerate(zip(seeds, lengths)):
+                    u[i, :n] = torch.rand(n, generator=torch.Generator().manual_seed(int(s) % (2**63)))
             self.uniforms = u.to(device)
 
-    def skip(self) -> torch.Tensor:
-        """Off the last stage: no token yet (filled by the broadcast)."""
-        return torch.empty(self.batch, dtype=torch.long, device=self.device)
+    def draws(self, requests: torch.Tensor, steps: torch.Tensor) -> Optional[torch.Tensor]:
+        """requests, steps: [n] int64 -> each row's uniform [n] (None when greedy)."""
+        return None if self.greedy else self.uniforms[requests, steps]
 
-    def sample(self, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits: [B, V] fp32 (full vocabulary) -> (tokens [B] int64, log_probs [B] fp32).
+    def sample(self, logits: torch.Tensor, u: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [B, V] fp32 (full vocabulary), u: [B] uniforms (ignored when greedy) ->
+        (tokens [B] int64, log_probs [B] fp32).
 
         log_probs are log softmax(logits / T) of the chosen tokens over the full vocabulary
         (T = 1 when greedy), whatever top-k / top-p kept.
@@ -410,8 +747,7 @@ class _Sampler:
         if 0 < self.top_k < logits.shape[-1] or self.top_p < 1.0:
             weights.masked_fill_(~torch.isfinite(_filter_top_k_top_p(scaled, self.top_k, self.top_p)), 0.0)
         cdf = weights.cumsum_(-1)
-        u = self.uniforms[:, step : step + 1] * cdf[:, -1:]
-        tok = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+        tok = torch.searchsorted(cdf, u.unsqueeze(-1) * cdf[:, -1:], right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
         lp = scaled.gather(-1, tok.unsqueeze(-1)).squeeze(-1) - top.squeeze(-1) - log_z
         return tok, lp
 
@@ -454,6 +790,61 @@ def _fusable(model: nn.Module) -> bool:
         if any(l.sequence_parallel for l in cols + rows):
             return False
     return True
+
+
+def choose_cpu_layout(model: nn.Module, batch: int, fusable: bool, rounds: int = 5) -> tuple[bool, bool, dict[str, Any]]:
+    """Time a decode step's GEMMs on this CPU in every weight layout and keep the fastest.
+
+    Candidates: linear weights stored [out, in] (PyTorch's) or [in, out] (``transposed``), each
+    with q/k/v and gate/up packed into one GEMM (``fused``, only when `fusable`) or not. Each
+    candidate runs the GEMMs of up to 4 of the model's own local layers (their weight shapes,
+    so each reads fresh weights from memory as decode does) on a [batch, in] input, scaled to
+    every local layer, plus the lm_head when it is not tied (a tied head keeps the embedding's
+    layout). Candidates alternate over `rounds` rounds; the median decides. Collective-free, so
+    tensor-parallel ranks may time (and choose) independently.
+
+    Returns (transposed, fused, info) with info["timings_ms"] {candidate: ms per decode step}.
+    """
+    layers = list(model.model.layers.values())
+    sample = layers[: min(4, len(layers))]
+    head = model.lm_head
+    if head is not None and model.model.embed_tokens is not None and head.weight is model.model.embed_tokens.weight:
+        head = None  # tied: the embedding's layout is kept
+    dtype = next(model.parameters()).dtype
+    candidates = [(t, f) for t in (False, True) for f in ((False, True) if fusable else (False,))]
+
+    def gemms(transposed: bool, fused: bool) -> list[torch.Tensor]:
+        out = []
+        for layer in sample:
+            a, m = layer.self_attn, layer.mlp
+            for group in ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,)):
+                ws = [l.weight.detach() for l in group]
+                for w in [torch.cat(ws)] if fused and len(ws) > 1 else ws:
+                    out.append(w.t().contiguous().t() if transposed else w.contiguous())
+        return out
+
+    with torch.inference_mode():
+        weights = {c: gemms(*c) for c in candidates}
+        heads = {
+            t: None if head is None else (head.weight.detach().t().contiguous().t() if t else head.weight.detach()) for t in (False, True)
+        }
+        inputs = {w.shape[1]: torch.randn(batch, w.shape[1]).to(dtype) for ws in weights.values() for w in ws}
+        times: dict[tuple[bool, bool], list[float]] = {c: [] for c in candidates}
+        for r in range(rounds + 1):
+            for c in candidates:
+                t0 = time.perf_counter()
+                for w in weights[c]:
+                    F.linear(inputs[w.shape[1]], w)
+                t_layers = (time.perf_counter() - t0) * len(layers) / len(sample)
+                t0 = time.perf_counter()
+                if head is not None:
+                    F.linear(inputs.setdefault(head.weight.shape[1], torch.randn(batch, head.weight.shape[1]).to(dtype)), heads[c[0]])
+                if r:  # round 0 warms up
+                    times[c].append(t_layers + time.perf_counter() - t0)
+    med = {c: statistics.median(v) for c, v in times.items()}
+    best = min(candidates, key=lambda c: med[c])
+    name = {c: f"{'in_out' if c[0] else 'out_in'}{'+fused' if c[1] else ''}" for c in candidates}
+    return best[0], best[1], {"batch": batch, "timings_ms": {name[c]: round(1e3 * med[c], 3) for c in candidates}}
 
 
 def _pack_weights(model: nn.Module, device: torch.device, *, transposed: bool, fuse: bool) -> None:

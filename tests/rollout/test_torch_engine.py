@@ -221,7 +221,8 @@ def test_sampler_draws_the_filtered_softmax_distribution(temperature, top_k, top
     logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
     n = 20_000
     s = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1)
-    tok, lp = _Sampler(s, None, n, 1, torch.device("cpu"), fallback_seed=5).sample(logits.expand(n, -1).clone(), 0)
+    sampler = _Sampler(s, None, [1] * n, torch.device("cpu"), fallback_seed=5)
+    tok, lp = sampler.sample(logits.expand(n, -1).clone(), sampler.uniforms[:, 0])
     full = torch.log_softmax(logits / temperature, -1)
     torch.testing.assert_close(lp, full[tok], atol=1e-6, rtol=0)
     keep = torch.isfinite(_filter_top_k_top_p((logits / temperature)[None], top_k, top_p))[0]

@@ -1,0 +1,210 @@
+"""Continuous batching: which request runs in which KV-cache slot at each decode step.
+
+Owns the scheduling half of :class:`aligner.rollout.torch_engine.TorchEngine`'s continuous
+mode (Orca's iteration-level scheduling, Yu et al. OSDI 2022; vLLM and TensorRT-LLM's
+in-flight batching): a queue of requests, a fixed pool of KV-cache slots split into
+micro-batches, and per step a :class:`StepPlan` that the engine executes on every pipeline
+stage. Pure Python (no torch): every rank of an engine runs the same scheduler on the same
+requests and sampled tokens, so they agree on every plan without exchanging it (pipeline
+stages after the first receive the plan's numbers with the hidden states).
+
+Slots. The pool has ``micro_batches * capacity`` rows; micro-batch m owns rows
+``[m * capacity, (m + 1) * capacity)``, and its live rows are always the first n of them, so
+a decode step reads the contiguous block ``[start, start + n)``. A row holds one request:
+cache positions ``[0, pos)`` are its prompt and response so far, ``token`` is the input of
+the next decode forward, written at position ``pos``.
+
+Admission (between decode steps). A stopped row's slot is refilled by the next pending
+request; when no request is pending, the last live rows move into the holes (``moves``) so
+the block stays contiguous. A request with a P-token prompt enters with its first P-1 tokens
+in the cache and its last prompt token as the input of its first decode step, so its first
+response token comes out of the same decode forward as everybody else's. The P-1 tokens are
+either prefilled (``prefill_rows``: one batched forward of the new prompts, right-padded),
+or, when a live row already holds the same prompt, copied from it (``copies``: a shared
+prompt prefix, e.g. the n samples of a GRPO group prefill their prompt once).
+
+Execution order of a plan on every stage: prefill, copies, moves, decode. Copies read their
+sources before moves write; a move's destination is a hole no copy reads.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+
+@dataclass
+class Request:
+    """One generate() request: its index in the call, prompt token ids and token budget."""
+
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        return tuple(self.prompt)
+
+
+@dataclass
+class Row:
+    """A live slot: ``token`` is written at cache position ``pos`` by the next decode step;
+    ``step`` response tokens have been sampled so far."""
+
+    request: Request
+    token: int
+    pos: int
+    step: int = 0
+
+
+@dataclass
+class StepPlan:
+    """One step of one micro-batch, as the engine executes it on every stage.
+
+    prefill_rows [U] with prefill_ids [U][<= T]: rows whose prompt (minus its last token) is
+    prefilled, right-padded to T = the longest. copies / moves: (src_row, dst_row, length)
+    copies of cache positions [0, length). Decode: rows ``start .. start + n - 1`` with input
+    ``tokens`` [n] at ``positions`` [n]; ``requests`` [n] (request index) and ``steps`` [n]
+    (response token index) pick each row's random draw.
+    """
+
+    micro_batch: int
+    start: int
+    prefill_rows: list[int] = field(default_factory=list)
+    prefill_ids: list[list[int]] = field(default_factory=list)
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
+    moves: list[tuple[int, int, int]] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    requests: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+
+class SlotScheduler:
+    """Iteration-level scheduler over ``micro_batches`` blocks of ``capacity`` slots.
+
+    Args:
+        prompts: B prompts (non-empty token-id lists). max_new_tokens: B budgets (>= 1).
+        capacity: slots per micro-batch (>= 1). micro_batches: blocks (>= 1).
+        stop_ids: token ids that end a response (included in it).
+    Use: ``plan(m)`` -> a StepPlan or None (nothing to run in m), then ``apply(m, tokens,
+    log_probs)`` with the step's sampled tokens [n] and log-probs [n], until ``done()``;
+    ``outputs`` holds each request's (token_ids, log_probs).
+    Counters: ``prompt_tokens`` (sum of P), ``prefilled_tokens`` (tokens run through a
+    prefill forward), ``shared_tokens`` (copied from a live row instead), ``decode_steps``
+    (decode forwards), ``decode_rows`` (rows in them), ``moved_rows``.
+    """
+
+    def __init__(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], capacity: int, micro_batches: int, stop_ids):
+        if capacity < 1 or micro_batches < 1:
+            raise ValueError(f"capacity={capacity}, micro_batches={micro_batches}: both must be >= 1")
+        self.capacity, self.micro_batches = capacity, micro_batches
+        self.stop = frozenset(int(t) for t in stop_ids)
+        self.pending = deque(Request(i, list(p), int(n)) for i, (p, n) in enumerate(zip(prompts, max_new_tokens)))
+        self.rows: list[list[Optional[Row]]] = [[] for _ in range(micro_batches)]
+        self.holders: dict[tuple[int, ...], set[int]] = {}  # prompt -> live rows whose [0, P-1) hold it
+        self.outputs: list[tuple[list[int], list[float]]] = [([], []) for _ in range(len(self.pending))]
+        self.live = 0
+        self.prompt_tokens = sum(len(r.prompt) for r in self.pending)
+        self.prefilled_tokens = self.shared_tokens = self.decode_steps = self.decode_rows = self.moved_rows = 0
+
+    def done(self) -> bool:
+        return not self.pending and self.live == 0
+
+    def _hold(self, key, row: int) -> None:
+        self.holders.setdefault(key, set()).add(row)
+
+    def _release(self, key, row: int) -> None:
+        rows = self.holders.get(key)
+        if rows is not None:
+            rows.discard(row)
+            if not rows:
+                del self.holders[key]
+
+    def plan(self, m: int) -> Optional[StepPlan]:
+        """Refill micro-batch m's holes from the queue, compact it, and describe its next step."""
+        rows, base = self.rows[m], m * self.capacity
+        plan = StepPlan(m, base)
+        prefilled: dict[tuple[int, ...], int] = {}  # prompt -> the row prefilling it in this plan
+
+        def admit(i: int) -> None:
+            req = self.pending.popleft()
+            row, key, p = base + i, req.key, len(req.prompt)
+            if p > 1:
+                src = prefilled.get(key)
+                if src is None and key in self.holders:
+                    src = min(self.holders[key])
+                if src is None:
+                    prefilled[key] = row
+                    plan.prefill_rows.append(row)
+                    plan.prefill_ids.append(req.prompt[:-1])
+                    self.prefilled_tokens += p - 1
+                else:
+                    plan.copies.append((src, row, p - 1))
+                    self.shared_tokens += p - 1
+            rows[i] = Row(req, req.prompt[-1], p - 1)
+            self._hold(key, row)
+            self.live += 1
+
+        for i in range(len(rows)):
+            if rows[i] is None and self.pending:
+                admit(i)
+        while self.pending and len(rows) < self.capacity:
+            rows.append(None)
+            admit(len(rows) - 1)
+        while rows and rows[-1] is None:
+            rows.pop()
+        for i in range(len(rows)):  # no request left to fill the holes: move the last rows down
+            if i >= len(rows):
+                break
+            if rows[i] is None:
+                last = rows.pop()
+                src, dst = base + len(rows), base + i
+                plan.moves.append((src, dst, last.pos))
+                self._release(last.request.key, src)
+                self._hold(last.request.key, dst)
+                rows[i] = last
+                self.moved_rows += 1
+                while rows and rows[-1] is None:
+                    rows.pop()
+        if not rows:
+            return None
+        for r in rows:
+            plan.tokens.append(r.token)
+            plan.positions.append(r.pos)
+            plan.requests.append(r.request.index)
+            plan.steps.append(r.step)
+        self.decode_steps += 1
+        self.decode_rows += len(rows)
+        return plan
+
+    def apply(self, m: int, tokens: Sequence[int], log_probs: Sequence[float]) -> None:
+        """Record micro-batch m's sampled tokens [n] and log-probs [n] (its last plan's row order);
+        rows that sampled a stop token or reached their budget free their slot."""
+        rows, base = self.rows[m], m * self.capacity
+        for i, (t, lp) in enumerate(zip(tokens, log_probs)):
+            r = rows[i]
+            out_t, out_lp = self.outputs[r.request.index]
+            out_t.append(int(t))
+            out_lp.append(float(lp))
+            r.step += 1
+            r.token, r.pos = int(t), r.pos + 1
+            if int(t) in self.stop or r.step >= r.request.max_new_tokens:
+                self._release(r.request.key, base + i)
+                rows[i] = None
+                self.live -= 1
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
+            "shared_prefix_tokens": self.shared_tokens,
+            "decode_steps": self.decode_steps,
+            "decode_rows": self.decode_rows,
+            "moved_rows": self.moved_rows,
+        }
