@@ -284,3 +284,242 @@ def test_refit_writes_through_the_fused_weights_of_every_engine_on_a_model():
     want = [greedy_reference(target, p, 10) for p in PROMPTS]
     assert [g.token_ids for g in second.generate(PROMPTS, s)] == want
     assert [g.token_ids for g in first.generate(PROMPTS, s)] == want
+
+
+# ---- the continuous scheduler (aligner/rollout/scheduler.py) ------------------------------------------
+# ragged prompts and per-request budgets; more requests than slots in most tests below, so slots are
+# refilled as rows stop and the last live rows move into the holes once the queue is empty
+MIXED = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12, 13], [3, 3], [4, 4, 4, 4, 4], [9, 1], [2], [6, 5, 4, 3]]
+BUDGETS = [10, 3, 7, 12, 1, 9, 6, 11]
+SAMPLED = SamplingConfig(temperature=0.9, top_k=20, top_p=0.9, max_new_tokens=12)
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=12)
+
+
+def cut(tokens: list[int], budget: int, eos) -> list[int]:
+    """A no-stop response cut to its budget and after its first eos."""
+    tokens = tokens[:budget]
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+def pick_eos(refs: list[list[int]], budgets: list[int]) -> int:
+    """The token that, as eos, stops the most responses before their budget while leaving at least one
+    response that never samples it (smallest id on ties)."""
+
+    def early(t):
+        return sum(t in r[: n - 1] for r, n in zip(refs, budgets))
+
+    cands = sorted({t for r, n in zip(refs, budgets) for t in r[:n]})
+    cands = [t for t in cands if any(t not in r[:n] for r, n in zip(refs, budgets))]
+    return max(cands, key=lambda t: (early(t), -t))
+
+
+def outputs(gens) -> tuple[list[list[int]], list[torch.Tensor]]:
+    return [g.token_ids for g in gens], [torch.tensor(g.rollout_log_probs) for g in gens]
+
+
+def assert_same_generations(got, want) -> None:
+    """Token ids equal; log-probs within 1e-5 (different batch shapes take different GEMM blockings)."""
+    (gt, gl), (wt, wl) = outputs(got), outputs(want)
+    assert gt == wt
+    for a, b in zip(gl, wl):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def mixed_refs(model):
+    """Greedy no-cache references of MIXED to the longest budget, and the eos that stops some early."""
+    refs = [greedy_reference(model, p, max(BUDGETS)) for p in MIXED]
+    eos = pick_eos(refs, BUDGETS)
+    return refs, eos
+
+
+def test_continuous_greedy_matches_the_reference_with_refills_stops_and_budgets(model, mixed_refs):
+    refs, eos = mixed_refs
+    want = [cut(r, n, eos) for r, n in zip(refs, BUDGETS)]
+    # the test's premise: some responses stop early on eos, others run to their own budgets
+    assert sum(w[-1] == eos and len(w) < n for w, n in zip(want, BUDGETS)) >= 2
+    assert any(len(w) == n and eos not in w for w, n in zip(want, BUDGETS))
+    eng = TorchEngine(model, eos_token_id=eos, max_batch_size=3)
+    assert eng.scheduler == "continuous"
+    gens = eng.generate(MIXED, GREEDY, max_new_tokens=BUDGETS)
+    for i, (p, g, w) in enumerate(zip(MIXED, gens, want)):
+        assert g.token_ids == w, f"request {i}"
+        assert g.finish_reason == ("stop" if w[-1] == eos else "length"), f"request {i}"
+        torch.testing.assert_close(torch.tensor(g.rollout_log_probs), reference_log_probs(model, p, w, 1.0), atol=1e-5, rtol=0)
+    st = eng.last_stats
+    generated = sum(len(w) for w in want)
+    assert st["generated_tokens"] == st["decode_rows"] == generated
+    assert st["prompt_tokens"] == sum(len(p) for p in MIXED) and st["prefilled_tokens"] == sum(len(p) - 1 for p in MIXED)
+    assert st["shared_prefix_tokens"] == 0 and st["moved_rows"] > 0
+    assert generated / 3 <= st["decode_steps"] < generated  # never more than 3 rows a step, but batched
+
+
+def _permuted(items, order):
+    return [items[i] for i in order]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_continuous_tokens_do_not_depend_on_the_schedule(model, sampling):
+    """Order, pool size (1, 2, 3, 16 slots), micro-batches and other requests in the batch leave every
+    request's tokens unchanged and its log-probs within 1e-5."""
+    seeds = [100 + i for i in range(len(MIXED))]
+    kw = dict(cpu_layout="in_out", fused_decode=True)
+    base = TorchEngine(model, max_batch_size=16, **kw)
+    want = base.generate(MIXED, sampling, seeds=seeds, max_new_tokens=BUDGETS)
+    if sampling.temperature > 0:  # the seeds matter: another seed changes some response
+        other = base.generate(MIXED, sampling, seeds=[s + 1 for s in seeds], max_new_tokens=BUDGETS)
+        assert outputs(other)[0] != outputs(want)[0]
+    order = [5, 2, 7, 0, 3, 6, 1, 4]
+    got = base.generate(_permuted(MIXED, order), sampling, seeds=_permuted(seeds, order), max_new_tokens=_permuted(BUDGETS, order))
+    assert_same_generations([got[order.index(i)] for i in range(len(MIXED))], want)
+    for size, micro in ((1, 1), (2, 1), (3, 1), (6, 2), (6, 3), (3, 3)):
+        eng = TorchEngine(model, max_batch_size=size, micro_batches=micro, **kw)
+        assert_same_generations(eng.generate(MIXED, sampling, seeds=seeds, max_new_tokens=BUDGETS), want)
+        assert eng.last_stats["decode_rows"] == sum(len(g.token_ids) for g in want)
+    # mixed in among other requests (one with the prompt of request 0 and another seed, so it shares its prefix)
+    others = [[8, 8, 1], [1, 2, 3], [2, 2, 2, 2], [11]]
+    prompts, s2, b2, where = [], [], [], []
+    for i, (p, s, n) in enumerate(zip(MIXED, seeds, BUDGETS)):
+        if i % 2 == 0:
+            prompts.append(others[i // 2])
+            s2.append(900 + i)
+            b2.append(2 + i)
+        where.append(len(prompts))
+        prompts.append(p)
+        s2.append(s)
+        b2.append(n)
+    mixed = TorchEngine(model, max_batch_size=4, **kw).generate(prompts, sampling, seeds=s2, max_new_tokens=b2)
+    assert_same_generations([mixed[j] for j in where], want)
+
+
+def test_samples_of_one_prompt_share_its_prefill_and_equal_independent_requests(model):
+    """3 prompts x 4 samples (4 seeds each): the same tokens and log-probs as each request alone,
+    with each prompt prefilled once instead of 4 times."""
+    prompts = [[1, 2, 3, 4], [7, 8, 9], [5, 6, 7, 8, 9, 10]]
+    batch = [p for p in prompts for _ in range(4)]
+    seeds = [31 * i + 7 for i in range(len(batch))]
+    eng = TorchEngine(model, max_batch_size=16)
+    for sampling in (SAMPLED, GREEDY):
+        gens = eng.generate(batch, sampling, seeds=seeds)
+        st = dict(eng.last_stats)
+        alone, prefilled_alone = [], 0
+        for p, s in zip(batch, seeds):
+            alone += eng.generate([p], sampling, seeds=[s])
+            prefilled_alone += eng.last_stats["prefilled_tokens"]
+        assert_same_generations(gens, alone)
+        distinct = sum(len(p) - 1 for p in prompts)
+        assert st["prefilled_tokens"] == distinct and prefilled_alone == 4 * distinct
+        assert st["shared_prefix_tokens"] == 3 * distinct and st["prompt_tokens"] == 4 * sum(len(p) for p in prompts)
+    # the samples differ from each other (the shared prefix did not make the seeds collide)
+    sampled = [g.token_ids for g in eng.generate(batch, SAMPLED, seeds=seeds)]
+    assert all(len({str(t) for t in sampled[4 * k : 4 * k + 4]}) > 1 for k in range(3))
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_static_and_continuous_schedulers_agree(model, mixed_refs, sampling):
+    _, eos = mixed_refs
+    seeds = [7 * i + 1 for i in range(len(MIXED))]
+    static = TorchEngine(model, scheduler="static", max_batch_size=3, eos_token_id=eos)
+    cont = TorchEngine(model, scheduler="continuous", max_batch_size=3, eos_token_id=eos)
+    want = static.generate(MIXED, sampling, seeds=seeds, max_new_tokens=BUDGETS)
+    got = cont.generate(MIXED, sampling, seeds=seeds, max_new_tokens=BUDGETS)
+    assert_same_generations(got, want)
+    assert [g.finish_reason for g in got] == [g.finish_reason for g in want]
+    assert [len(g.token_ids) for g in want] != BUDGETS  # eos cut some responses
+    assert all(len(g.token_ids) <= n for g, n in zip(want, BUDGETS))
+
+
+@pytest.mark.parametrize("scheduler", ["continuous", "static"])
+def test_bad_per_request_budgets_are_refused_naming_the_request(model, scheduler):
+    eng = TorchEngine(model, scheduler=scheduler, cpu_layout="out_in")
+    s = SamplingConfig(max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"max_new_tokens\[1\]=0"):
+        eng.generate(PROMPTS, s, max_new_tokens=[4, 0, 4, 4])
+    with pytest.raises(ValueError, match=r"max_new_tokens\[3\]=-2"):
+        eng.generate(PROMPTS, s, max_new_tokens=[4, 4, 4, -2])
+    with pytest.raises(ValueError, match=r"max_new_tokens\[2\]=42 .*prompt 2 .*max_seq_len"):
+        eng.generate(PROMPTS, s, max_new_tokens=[4, 4, 42, 4])  # 7 + 42 > 48
+    with pytest.raises(ValueError, match="max_new_tokens has 2 entries for 4 prompts"):
+        eng.generate(PROMPTS, s, max_new_tokens=[4, 4])
+    assert [len(g.token_ids) for g in eng.generate(PROMPTS, s, max_new_tokens=[4, 1, 41, 2])] == [4, 1, 41, 2]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(scheduler="dynamic"), "scheduler='dynamic'.*continuous, static"),
+        (dict(cpu_layout="rows"), "cpu_layout='rows'.*auto, in_out, out_in"),
+        (dict(micro_batches=0), "micro_batches=0"),
+        (dict(micro_batches=-1), "micro_batches=-1"),
+        (dict(max_batch_size=0), "max_batch_size=0"),
+    ],
+)
+def test_bad_engine_options_are_refused(model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TorchEngine(model, **kwargs)
+
+
+def test_cpu_layouts_give_the_same_tokens_and_auto_reports_its_timings():
+    gens, engines = {}, {}
+    for layout in ("in_out", "out_in", "auto"):
+        eng = engines[layout] = TorchEngine(build_model(CFG, seed=1).eval(), cpu_layout=layout, max_batch_size=3)
+        gens[layout] = eng.generate(MIXED, GREEDY, max_new_tokens=BUDGETS)
+    down = {k: e.model.model.layers["0"].mlp.down_proj.weight for k, e in engines.items()}
+    assert engines["in_out"].transposed and down["in_out"].t().is_contiguous() and not down["in_out"].is_contiguous()
+    assert not engines["out_in"].transposed and down["out_in"].is_contiguous()
+    auto = engines["auto"]
+    assert set(auto.layout["timings_ms"]) == {"out_in", "out_in+fused", "in_out", "in_out+fused"}
+    assert all(isinstance(v, float) and v >= 0 for v in auto.layout["timings_ms"].values())
+    assert (auto.layout["transposed"], auto.layout["fused"]) == (auto.transposed, auto.fused_decode)
+    assert_same_generations(gens["out_in"], gens["in_out"])
+    assert_same_generations(gens["auto"], gens["in_out"])
+
+
+def test_refit_between_calls_changes_the_continuous_engines_output():
+    old, target = build_model(CFG, seed=4).eval(), build_model(CFG, seed=5).eval()
+    old_ref = [cut(greedy_reference(old, p, 12), n, None) for p, n in zip(MIXED, BUDGETS)]
+    eng = TorchEngine(build_model(CFG, seed=4).eval(), max_batch_size=3)
+    assert [g.token_ids for g in eng.generate(MIXED, GREEDY, max_new_tokens=BUDGETS)] == old_ref
+    pool = eng._pool
+    eng.update_weights((n, t.clone()) for n, t in target.state_dict().items())
+    eng.finish_weight_update()
+    gens = eng.generate(MIXED, GREEDY, max_new_tokens=BUDGETS)
+    assert eng._pool is pool  # the slot pool (holding the old weights' k/v) is reused
+    want = [cut(greedy_reference(target, p, 12), n, None) for p, n in zip(MIXED, BUDGETS)]
+    assert want != old_ref and [g.token_ids for g in gens] == want
+    assert all(g.weight_version == 1 for g in gens)
+    for p, g in zip(MIXED, gens):
+        torch.testing.assert_close(torch.tensor(g.rollout_log_probs), reference_log_probs(target, p, g.token_ids, 1.0), atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def sampled_reference(model, prompt: list[int], n: int, seed: int, s: SamplingConfig) -> list[int]:
+    """No-cache inverse-CDF sampling: step j takes uniform j of torch.Generator(seed) and the first token
+    whose cumulative top-k / top-p filtered probability exceeds it (the engine's documented method)."""
+    u = torch.rand(n, generator=torch.Generator().manual_seed(seed))
+    ids = list(prompt)
+    for j in range(n):
+        logits = model(torch.tensor([ids]))[0, -1:] / s.temperature
+        probs = _filter_top_k_top_p(logits, s.top_k, s.top_p).softmax(-1)[0]
+        cdf = probs.cumsum(-1)
+        ids.append(min(int(torch.searchsorted(cdf, u[j] * cdf[-1], right=True)), len(cdf) - 1))
+    return ids[len(prompt) :]
+
+
+def test_continuous_sampling_matches_the_reference_draw_for_draw(model):
+    """Seeded sampling with refills: each request's tokens are those of the no-cache reference drawing
+    the request's own uniforms in step order, and its log-probs the full-forward ones at temperature T."""
+    seeds = [50 + i for i in range(len(MIXED))]
+    gens = TorchEngine(model, max_batch_size=3).generate(MIXED, SAMPLED, seeds=seeds, max_new_tokens=BUDGETS)
+    for i, (p, g, n, s) in enumerate(zip(MIXED, gens, BUDGETS, seeds)):
+        assert g.token_ids == sampled_reference(model, p, n, s, SAMPLED), f"request {i}"
+        ref = reference_log_probs(model, p, g.token_ids, SAMPLED.temperature)
+        torch.testing.assert_close(torch.tensor(g.rollout_log_probs), ref, atol=1e-5, rtol=0)
+
+
+def test_the_slot_pool_grows_for_a_longer_call(model):
+    eng = TorchEngine(model, max_batch_size=3)
+    short = eng.generate(MIXED, GREEDY, max_new_tokens=[1] * len(MIXED))
+    assert [g.token_ids for g in short] == [greedy_reference(model, p, 1) for p in MIXED]
+    long = eng.generate(MIXED, GREEDY, max_new_tokens=BUDGETS)
+    assert [g.token_ids for g in long] == [greedy_reference(model, p, n) for p, n in zip(MIXED, BUDGETS)]
