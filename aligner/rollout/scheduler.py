@@ -159,15 +159,14 @@ class SlotScheduler:
             admit(len(rows) - 1)
         while rows and rows[-1] is None:
             rows.pop()
-        for i in range(len(rows)):  # no request left to fill the holes: move the last rows down
+        # no request left to fill the holes: move the last rows down (no admission follows, so the
+        # prefix holders need no update)
+        for i in range(len(rows)):
             if i >= len(rows):
                 break
             if rows[i] is None:
                 last = rows.pop()
-                src, dst = base + len(rows), base + i
-                plan.moves.append((src, dst, last.pos))
-                self._release(last.request.key, src)
-                self._hold(last.request.key, dst)
+                plan.moves.append((base + len(rows), base + i, last.pos))
                 rows[i] = last
                 self.moved_rows += 1
                 while rows and rows[-1] is None:

@@ -77,7 +77,8 @@ class TorchEngine(RolloutEngine):
         eos_token_id: stop token besides sampling.stop_token_ids (None: none).
         tp_group: the engine's tensor-parallel group (None: no TP).
         pp_group: the engine's pipeline group; stage index = rank in it (None: no PP).
-        max_batch_size: KV-cache slots (continuous) / prompts per batch (static).
+        max_batch_size: prompts per batch (static); KV-cache slots (continuous): each of the
+            ``micro_batches`` blocks gets max_batch_size // micro_batches of them (at least 1).
         cuda_graphs: capture the decode step in CUDA graphs (static scheduler, on cuda, pp = 1).
         seed: seed of the engine RNG used when generate() gets no seeds.
         fused_decode: pack each layer's q/k/v and gate/up weights so each group runs as one GEMM
@@ -351,7 +352,7 @@ class TorchEngine(RolloutEngine):
         pool = self._slot_pool(capacity * m, max_len)
         if not self.is_first:
             self._serve_stage(pool, sampler)
-            return self._broadcast_generations(None)
+            return self._broadcast_generations(None)  # sets last_stats too
         sched = SlotScheduler(prompts, budgets, capacity, m, stop)
         link = _StageLink(self) if self.pp_size > 1 else None
         in_flight: deque[tuple[int, int]] = deque()  # (micro-batch, rows) sent down the pipeline
@@ -447,10 +448,11 @@ class TorchEngine(RolloutEngine):
         return tok.cpu(), lp.float().cpu()
 
     def _broadcast_generations(self, gens: Optional[list[Generation]]) -> list[Generation]:
-        """Stage 0's Generations on every pipeline stage (one object broadcast over the pp group)."""
-        box = [gens]
+        """Stage 0's Generations and last_stats on every pipeline stage (one object broadcast over the pp group)."""
+        box = [(gens, self.last_stats)]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.pp_group, 0), group=self.pp_group)
-        return box[0]
+        gens, self.last_stats = box[0]
+        return gens
 
     def _to_generations(self, tokens: torch.Tensor, log_probs: torch.Tensor, stop: list[int]) -> list[Generation]:
         """tokens, log_probs: [B, n] -> Generations cut after the first stop token."""
