@@ -365,8 +365,10 @@ class RolloutConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # engine tp/pp layout (dp = replicas)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how responses are sampled
     refit_bucket_mb: int = 256  # refit sends weights in buckets of this size, MiB
-    max_batch_size: int = 256  # sequences per engine batch
-    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (GPU only)
+    max_batch_size: int = 256  # continuous: KV-cache slots (requests decoding at once); static: sequences per batch
+    scheduler: str = "continuous"  # continuous (slots refilled as responses stop, shared prompt prefixes) | static
+    micro_batches: int = 0  # continuous: slot-pool blocks in flight through the engine's pipeline (0 = its pp_size)
+    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (GPU, static scheduler only)
     dtype: str = "float32"  # engine weights and KV cache: float32 | bfloat16 | float16 (refit casts)
 
     def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
@@ -379,6 +381,9 @@ class RolloutConfig:
         )
         _choice(f"{prefix}.backend", self.backend, ("torch",))
         _choice(f"{prefix}.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        _choice(f"{prefix}.scheduler", self.scheduler, ("continuous", "static"))
+        _check(self.max_batch_size >= 1, f"{prefix}.max_batch_size", self.max_batch_size, "must be >= 1")
+        _check(self.micro_batches >= 0, f"{prefix}.micro_batches", self.micro_batches, f"must be >= 0 (0 = {prefix}.parallel.pp_size)")
         self.parallel.validate(f"{prefix}.parallel", model)
         self.sampling.validate(f"{prefix}.sampling")
         _check(self.refit_bucket_mb > 0, f"{prefix}.refit_bucket_mb", self.refit_bucket_mb, "must be positive")

@@ -181,6 +181,7 @@ def ppo_config(
     kl_coef: float = 0.05,
     temperature: float = 1.0,
     lr: float = 1e-5,
+    scheduler: str = "continuous",
 ):
     """AlignerConfig of one benchmark step: 1 epoch, one mini-batch (and one micro-batch) of every sample."""
     from aligner.config import (
@@ -221,7 +222,10 @@ def ppo_config(
         critic=role(paths.get("reward", "")),
         reward=RewardRoleConfig(init=paths.get("reward", ""), optim=optim),
         rollout=RolloutConfig(
-            sampling=SamplingConfig(temperature=temperature, max_new_tokens=new_tokens), max_batch_size=samples, cuda_graphs=True
+            sampling=SamplingConfig(temperature=temperature, max_new_tokens=new_tokens),
+            max_batch_size=samples,
+            cuda_graphs=True,
+            scheduler=scheduler,
         ),
         algorithm=AlgorithmConfig(advantage=advantage, kl_coef=kl_coef, ppo_epochs=1, normalize_rewards=False),
     )
@@ -361,8 +365,26 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def cpu_line() -> str:
+    """The CPU model and the SIMD extensions GEMM kernels pick from (from /proc/cpuinfo), e.g.
+    "AMD EPYC (avx2 fma)" or "Intel(R) Xeon(R) ... (avx2 fma avx512f avx512_bf16 amx_tile)"."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, val = line.partition(":")
+            if key.strip() == "model name":
+                model = val.strip()
+            elif key.strip() == "flags":
+                flags = set(val.split())
+                break
+    except OSError:
+        pass
+    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16") if f in flags]
+    return f"{model} ({' '.join(isa) or 'no AVX2'})"
+
+
 def env_line() -> str:
-    """date, machine, load and versions: the header every RESULTS.md table records."""
+    """date, machine (CPU model and ISA), load and versions: the header every RESULTS.md table records."""
     import torch
     import transformers
 
@@ -370,7 +392,7 @@ def env_line() -> str:
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     gpu = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}), " if torch.cuda.is_available() else ""
     return (
-        f"{datetime.date.today().isoformat()}, {gpu}{platform.machine()} {os.cpu_count()}-core CPU, {mem:.0f} GiB, "
+        f"{datetime.date.today().isoformat()}, {gpu}{cpu_line()}, {os.cpu_count()} cores, {mem:.0f} GiB, "
         f"load {load[0]:.2f}/{load[1]:.2f}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
         f"transformers {transformers.__version__}, python {platform.python_version()}"
     )

@@ -57,6 +57,11 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--fixtures", default="/tmp/aligner_bench_fixtures")
     ap.add_argument("--aligner-only", action="store_true", help="no peer: aligner's phases only")
+    ap.add_argument(
+        "--schedulers",
+        action="store_true",
+        help="no peer: aligner's step with the static and the continuous rollout scheduler, alternating",
+    )
     ap.add_argument("--peer-malloc", action="store_true", help="run the peer with the glibc malloc setting of aligner's CPU workers")
     ap.add_argument("--peer", default="", help=argparse.SUPPRESS)
     ap.add_argument("--paths", default="", help=argparse.SUPPRESS)
@@ -128,7 +133,7 @@ def trl_child(args: argparse.Namespace) -> None:
 
 
 # ---- aligner side ------------------------------------------------------------------------------
-def build_aligner(args: argparse.Namespace, paths: dict, mc):
+def build_aligner(args: argparse.Namespace, paths: dict, mc, scheduler: str = "continuous"):
     from aligner.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(paths["tokenizer"])
@@ -141,6 +146,7 @@ def build_aligner(args: argparse.Namespace, paths: dict, mc):
         model_cfg=mc,
         paths=paths,
         kl_coef=0.0,
+        scheduler=scheduler,
     )
     prompts = C.make_prompts(args.prompts * 64, args.prompt_len, mc.vocab_size)
     return C.inprocess_trainer(cfg, tok, prompts)
@@ -160,6 +166,8 @@ def main() -> None:
         f"1 epoch, 1 mini-batch of {args.prompts * args.samples}, {args.repeats} repeats after 1 warm-up step each",
         flush=True,
     )
+    if args.schedulers:
+        return compare_schedulers(args, paths, mc)
     trainer = build_aligner(args, paths, mc)
     C.timed_step(trainer)  # warm-up
     peer = None
@@ -187,6 +195,24 @@ def main() -> None:
         print(f"peer: trl {peer.ready.get('trl')}, transformers {peer.ready.get('transformers')}", flush=True)
         peer.first()  # warm-up
     C.alternate_and_compare(trainer, peer, args.repeats, "GRPO", "GRPOTrainer")
+
+
+def compare_schedulers(args: argparse.Namespace, paths: dict, mc) -> None:
+    """The same GRPO step with rollout.scheduler=static and =continuous, alternating: generate-phase
+    and step medians, and the prompt tokens each engine prefilled in its last step."""
+    trainers = {s: build_aligner(args, paths, mc, s) for s in ("static", "continuous")}
+    rows: dict[str, list[dict]] = {s: [] for s in trainers}
+    for i in range(args.repeats + 1):  # step 0 warms up
+        for s, t in trainers.items():
+            m = C.timed_step(t)
+            if i:
+                rows[s].append(m)
+    for s, t in trainers.items():
+        stats = t.groups["actor"].worker.engine.last_stats
+        gen, step = C.median([r["time/generate"] for r in rows[s]]), C.median([r["time/step"] for r in rows[s]])
+        print(f"{s:>10}: generate {gen:.3f} s, step {step:.3f} s (medians); prompt tokens prefilled {stats['prefilled_tokens']}")
+    a, b = (C.median([r["time/generate"] for r in rows[s]]) for s in ("static", "continuous"))
+    print(f"generate phase, continuous / static: {b / a:.2f}x")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@ the benchmark stops with a message where it is absent). fp32 on the CPU.
 
 Rows, from one alternating run (every repeat runs each side once, in turn; medians):
 - ``sample``: 32 prompts x 4 samples, temperature 1.0, stop at EOS, max_new_tokens 256:
-  HF ``generate`` (do_sample, the 128 rows left-padded in one batch), the static engine
-  (``scheduler="static"``), the continuous engine. tok/s counts response tokens up to and
-  including EOS (what a trainer uses), not padding.
+  HF ``generate`` (do_sample, batches of 32 rows, each left-padded: at 128 rows in one call its
+  DynamicCache, re-concatenated every step, ran over 10 minutes), the static engine
+  (``scheduler="static"``, batches of 32 rows), the continuous engine (64 slots). tok/s counts
+  response tokens up to and including EOS (what a trainer uses), not padding.
 - ``prefill``: prompt tokens run through a prefill forward by each engine for that workload.
 - ``greedy``: 16 prompts, 64 new tokens, greedy: rows whose tokens equal HF's / rows.
 - ``--pp``: the continuous engine split over 2 gloo processes (pp=2, one thread each), 16
@@ -81,16 +82,17 @@ def left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
-def hf_generate(hf, prompts: list[list[int]], eos: int, pad: int, new: int, sample: bool, seed: int) -> list[list[int]]:
-    """HF generate on the rows left-padded in one batch -> responses cut after EOS."""
-    ids, mask = left_pad(prompts, pad)
+def hf_generate(hf, prompts: list[list[int]], eos: int, pad: int, new: int, sample: bool, seed: int, batch: int = 32) -> list[list[int]]:
+    """HF generate on batches of `batch` rows, each left-padded -> responses cut after EOS."""
     torch.manual_seed(seed)
     kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sample else dict(do_sample=False)
-    with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=eos, pad_token_id=pad, **kw)
     res = []
-    for row in out[:, ids.shape[1] :].tolist():
-        res.append(row[: row.index(eos) + 1] if eos in row else row)
+    for s in range(0, len(prompts), batch):
+        ids, mask = left_pad(prompts[s : s + batch], pad)
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=eos, pad_token_id=pad, **kw)
+        for row in out[:, ids.shape[1] :].tolist():
+            res.append(row[: row.index(eos) + 1] if eos in row else row)
     return res
 
 
@@ -112,7 +114,7 @@ def main_rows(args) -> None:
     rows = [p for p in prompts for _ in range(args.samples)]
     seeds = list(range(len(rows)))
     s = SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.new)
-    static = TorchEngine(model, eos_token_id=eos, scheduler="static", max_batch_size=len(rows))
+    static = TorchEngine(model, eos_token_id=eos, scheduler="static", max_batch_size=args.hf_batch)
     cont = TorchEngine(model, eos_token_id=eos, max_batch_size=args.slots)
     print(C.env_line())
     print(f"command: {C.command_line()}")
@@ -121,18 +123,19 @@ def main_rows(args) -> None:
     print(f"{len(prompts)} GSM8K prompts ({min(lens)}-{max(lens)} tokens) x {args.samples} samples, T=1.0, max_new_tokens {args.new}")
 
     sides = {
-        "HF generate": lambda r: [len(x) for x in hf_generate(hf, rows, eos, pad, args.new, True, r)],
-        "static engine": lambda r: [len(g.token_ids) for g in static.generate(rows, s, seeds=[x + 1000 * r for x in seeds])],
-        "continuous engine": lambda r: [len(g.token_ids) for g in cont.generate(rows, s, seeds=[x + 1000 * r for x in seeds])],
+        "HF generate": lambda rows, s, r: [len(x) for x in hf_generate(hf, rows, eos, pad, s.max_new_tokens, True, r, args.hf_batch)],
+        "static engine": lambda rows, s, r: [len(g.token_ids) for g in static.generate(rows, s, seeds=[x + 1000 * r for x in seeds])],
+        "continuous engine": lambda rows, s, r: [len(g.token_ids) for g in cont.generate(rows, s, seeds=[x + 1000 * r for x in seeds])],
     }
+    for fn in sides.values():  # warm-up: a short call each
+        fn(rows[:8], SamplingConfig(temperature=1.0, max_new_tokens=8), 0)
     tps: dict[str, list[float]] = {k: [] for k in sides}
     resp: dict[str, list[int]] = {k: [] for k in sides}
-    for r in range(args.repeats + 1):  # repeat 0 warms up
+    for r in range(1, args.repeats + 1):
         for name, fn in sides.items():
-            dt, n = timed(fn, r)
-            if r:
-                tps[name].append(sum(n) / dt)
-                resp[name] += n
+            dt, n = timed(fn, rows, s, r)
+            tps[name].append(sum(n) / dt)
+            resp[name] += n
             print(f"  repeat {r} {name}: {sum(n)} tokens in {dt:.1f} s", flush=True)
     hf_tps = statistics.median(tps["HF generate"])
     print(f"{'side':>18} {'tok/s':>8} {'vs HF':>6} {'mean len':>9} {'max len':>8}")
@@ -213,6 +216,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--slots", type=int, default=64, help="continuous engine's KV-cache slots (max_batch_size)")
+    ap.add_argument("--hf-batch", type=int, default=32, help="rows per HF generate call (and the static engine's batch)")
     ap.add_argument("--pp", action="store_true", help="pipelined vs unpipelined pp=2 on 2 gloo processes")
     args = ap.parse_args()
     C.as_cpu_worker()

@@ -1,12 +1,33 @@
-"""TorchEngine: batched generation with aligner's own Llama and a static KV cache.
+"""TorchEngine: generation with aligner's own Llama, continuous batching over a slot pool.
 
-Owns: left-padded batched prefill + decode over :class:`aligner.model.llama.KVCache`,
-greedy / temperature / top-k / top-p sampling with per-request seeds, stop tokens,
-rollout log-probs, the HF-named weight update, tensor- and pipeline-parallel generation
-in the engine's own layout, and CUDA-graph decode on GPU (run on an H100, 2026-11-22:
-tests/rollout/test_trtllm_engine_gpu.py and benchmarks/generation.py --gpu; TP/PP engines on GPUs
-have not run, only on gloo).
+Owns: the two schedulers' execution, greedy / temperature / top-k / top-p sampling with
+per-request seeds, stop tokens, rollout log-probs, the HF-named weight update, tensor- and
+pipeline-parallel generation in the engine's own layout, the CPU weight layout chosen by
+measurement (:func:`choose_cpu_layout`), and CUDA-graph decode on GPU for the static scheduler
+(run on an H100, 2026-11-22: tests/rollout/test_trtllm_engine_gpu.py and benchmarks/generation.py
+--gpu; TP/PP engines and the continuous scheduler have not run on a GPU, only on the CPU / gloo).
 
+The continuous scheduler (default; Orca-style iteration-level scheduling, scheduling in
+:mod:`aligner.rollout.scheduler`): every request of a generate() call waits in one queue; a
+pool of ``max_batch_size`` KV-cache rows (:class:`SlotKVCache`, no padding: a row's position
+is its cache slot) decodes the live requests one token per step; a row that stops (stop token
+or its own max_new_tokens) is refilled with the next request between two decode steps: its
+prompt minus the last token is prefilled (batched with the other new prompts, right-padded)
+or, when a live row already holds the same prompt, copied from it; the last prompt token
+then runs in the next decode step with everybody else's. With pp > 1 the pool is split into
+``micro_batches`` blocks and stage 0 keeps one block's step in flight per stage
+(:class:`_StageLink`): while stage 1 runs block 0, stage 0 runs block 1.
+
+Determinism: a request's uniforms come from its own seed (:class:`_Sampler`), so its tokens
+depend on its prompt, seed and the weights only: not on the other requests, their order, its
+slot or when it was admitted, up to GEMM rounding. The GEMMs of a decode step see a batch
+whose size and composition depend on the schedule, and CPU BLAS kernels may round the last
+bits differently with M: log-probs agree within 1e-5 (fp32) across schedules (tests), and a
+token could differ only where two candidates' probabilities are within that rounding (never
+seen in the tests nor on the real-model benchmark). Batch-invariant kernels were not built.
+
+The static scheduler (``scheduler="static"``, the first engine) runs batches of
+max_batch_size prompts:
 How a batch runs:
 - prompts are left-padded to the longest P; one cache of P + max_new_tokens slots is
   preallocated; slot j holds the same column j for every row.
@@ -15,12 +36,14 @@ How a batch runs:
   themselves only, so no softmax row is empty (no NaN leaks through 0 * NaN into real rows).
 - decode reads the cache sliced to the slots written so far (CPU) or the whole cache with a
   key mask (CUDA graphs, static shapes).
-- prefill and decode run the model's own modules (:mod:`aligner.model.llama` with a KVCache):
-  there is one decoder forward in aligner. Its inference fast paths live in the building
-  blocks: packed q/k/v and gate/up GEMMs (:func:`aligner.nn.layers.pack_linears`), the residual
-  add inside the o / down GEMM, fp32 RMSNorm in one kernel, GQA decode without repeated k/v. On
-  the CPU linear weights are stored [in, out] (see :func:`_pack_weights`). The packed
-  parameters are views, so refit is unchanged.
+
+Both schedulers run the model's own modules (:mod:`aligner.model.llama` with a KVCache or a
+SlotKVCache): there is one decoder forward in aligner. Its inference fast paths live in the
+building blocks: packed q/k/v and gate/up GEMMs (:func:`aligner.nn.layers.pack_linears`), the
+residual add inside the o / down GEMM, fp32 RMSNorm in one kernel, GQA decode without repeated
+k/v. On the CPU, whether weights are stored [in, out] and whether q/k/v and gate/up are packed
+is timed on the machine at engine build (``cpu_layout="auto"``; see :func:`_pack_weights`). The
+packed parameters are views, so refit is unchanged.
 
 Sampling choices (documented simplifications):
 - Under TP the last position's logits [B, V/tp] are all-gathered to [B, V] on every tp rank
@@ -39,9 +62,10 @@ Sampling choices (documented simplifications):
   truncated distribution actually sampled differs by -log(kept mass) per token, which the
   engine does not report.
 
-PP: stage s receives hidden states [B, T, H] from stage s-1 (``dist.recv`` on the pp group),
-runs its layers and sends to s+1; the last stage samples and broadcasts the tokens and
-log-probs to every stage, so all ranks return the same Generations.
+PP (static): stage s receives hidden states [B, T, H] from stage s-1 (``dist.recv`` on the pp
+group), runs its layers and sends to s+1; the last stage samples and broadcasts the tokens and
+log-probs to every stage, so all ranks return the same Generations. PP (continuous): see
+:class:`_StageLink`; stage 0 broadcasts the finished Generations at the end of the call.
 """
 
 from __future__ import annotations

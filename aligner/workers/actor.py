@@ -113,6 +113,8 @@ class ActorWorker(PolicyWorker):
             tp_group=d.tp_group,
             pp_group=d.pp_group,
             max_batch_size=self.cfg.rollout.max_batch_size,
+            scheduler=self.cfg.rollout.scheduler,
+            micro_batches=self.cfg.rollout.micro_batches or None,
             cuda_graphs=self.cfg.rollout.cuda_graphs,
             seed=self.cfg.trainer.seed,
         )
