@@ -112,7 +112,6 @@ def main_rows(args) -> None:
     model, cfg = load_hf_model(model_dir)
     prompts = gsm8k_prompts(tok, args.prompts)
     rows = [p for p in prompts for _ in range(args.samples)]
-    seeds = list(range(len(rows)))
     s = SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.new)
     static = TorchEngine(model, eos_token_id=eos, scheduler="static", max_batch_size=args.hf_batch)
     cont = TorchEngine(model, eos_token_id=eos, max_batch_size=args.slots)
@@ -124,8 +123,12 @@ def main_rows(args) -> None:
 
     sides = {
         "HF generate": lambda rows, s, r: [len(x) for x in hf_generate(hf, rows, eos, pad, s.max_new_tokens, True, r, args.hf_batch)],
-        "static engine": lambda rows, s, r: [len(g.token_ids) for g in static.generate(rows, s, seeds=[x + 1000 * r for x in seeds])],
-        "continuous engine": lambda rows, s, r: [len(g.token_ids) for g in cont.generate(rows, s, seeds=[x + 1000 * r for x in seeds])],
+        "static engine": lambda rows, s, r: [
+            len(g.token_ids) for g in static.generate(rows, s, seeds=[x + 1000 * r for x in range(len(rows))])
+        ],
+        "continuous engine": lambda rows, s, r: [
+            len(g.token_ids) for g in cont.generate(rows, s, seeds=[x + 1000 * r for x in range(len(rows))])
+        ],
     }
     for fn in sides.values():  # warm-up: a short call each
         fn(rows[:8], SamplingConfig(temperature=1.0, max_new_tokens=8), 0)
@@ -173,13 +176,14 @@ def _pp_worker(rank: int, world: int, model_dir: str, eos: int, prompts, mbs: li
     s = SamplingConfig(temperature=1.0, max_new_tokens=new)
     times: dict[int, list[float]] = {m: [] for m in mbs}
     tokens: dict[int, int] = {m: 0 for m in mbs}
-    for r in range(repeats + 1):
+    for eng in engines.values():  # warm-up: a short call each
+        eng.generate(prompts[:4], SamplingConfig(temperature=1.0, max_new_tokens=8), seeds=[0, 1, 2, 3])
+    for _ in range(repeats):
         for m, eng in engines.items():
             dist.barrier()
             dt, gens = timed(eng.generate, prompts, s, seeds=list(range(len(prompts))))
-            if r:
-                times[m].append(dt)
-                tokens[m] = sum(len(g.token_ids) for g in gens)
+            times[m].append(dt)
+            tokens[m] = sum(len(g.token_ids) for g in gens)
     if rank == 0:
         q.put({m: tokens[m] / statistics.median(times[m]) for m in mbs})
     dist.destroy_process_group()
