@@ -165,7 +165,6 @@ class TorchEngine(RolloutEngine):
         self._rng_seed = seed
         self._calls = 0
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
-        self._pool: Optional[SlotKVCache] = None
         self.last_stats: dict[str, float] = {}
         if self.device.type == "cpu":
             keep_freed_host_memory()
@@ -371,9 +370,12 @@ class TorchEngine(RolloutEngine):
         first stage schedules and sends each step down the pipeline with its hidden states, the
         last stage samples and sends the tokens back, and ``micro_batches`` steps are in flight."""
         m = self.micro_batches
-        capacity = max(1, self.max_batch_size // m)
+        capacity = max(1, min(self.max_batch_size // m, -(-len(prompts) // m)))  # no more slots than requests
         max_len = max(len(p) + n for p, n in zip(prompts, budgets))
-        pool = self._slot_pool(capacity * m, max_len)
+        # allocated per call and freed at its end: the actor trains in the same process between calls
+        pool = SlotKVCache(
+            self._local_layers(), capacity * m, self._kv_heads_local(), max_len, self.cfg.resolved_head_dim, self.dtype, self.device
+        )
         if not self.is_first:
             self._serve_stage(pool, sampler)
             return self._broadcast_generations(None)  # sets last_stats too
@@ -403,16 +405,6 @@ class TorchEngine(RolloutEngine):
         gens = [Generation(t, lp, "stop" if t and t[-1] in stop_set else "length", self.weight_version) for t, lp in sched.outputs]
         self.last_stats = {**sched.stats(), "generated_tokens": sum(len(g.token_ids) for g in gens)}
         return self._broadcast_generations(gens) if self.pp_size > 1 else gens
-
-    def _slot_pool(self, slots: int, max_len: int) -> SlotKVCache:
-        """This stage's slot pool, reused across calls while it is large enough."""
-        pool = self._pool
-        if pool is None or pool.slots < slots or pool.max_len < max_len:
-            self._pool = None
-            pool = self._pool = SlotKVCache(
-                self._local_layers(), slots, self._kv_heads_local(), max_len, self.cfg.resolved_head_dim, self.dtype, self.device
-            )
-        return pool
 
     def _run_plan(self, plan: StepPlan, pool: SlotKVCache, sampler: _Sampler, link: Optional[_StageLink]):
         """Stage 0: run one StepPlan on this stage and send it on (pp > 1), or sample (pp = 1):
