@@ -158,10 +158,10 @@ def main_rows(args) -> None:
     print(f"greedy, {len(few)} prompts x 64 new tokens: {same}/{len(few)} rows identical to HF generate")
 
 
-def _pp_worker(rank: int, world: int, model_dir: str, eos: int, prompts, mbs: list[int], repeats: int, new: int, q) -> None:
+def _pp_worker(rank: int, world: int, model_dir: str, eos: int, prompts, mbs: list[int], repeats: int, new: int, balanced: bool, q) -> None:
     import torch.distributed as dist
 
-    from aligner.parallel.parallelize import build_parallel_model
+    from aligner.parallel.parallelize import build_parallel_model, decode_layer_split
     from aligner.parallel.sharding import load_full_state_dict
     from aligner.rollout.refit import rollout_dims
 
@@ -170,7 +170,8 @@ def _pp_worker(rank: int, world: int, model_dir: str, eos: int, prompts, mbs: li
     dist.init_process_group("gloo", rank=rank, world_size=world)
     full, cfg = load_hf_model(model_dir)
     d = rollout_dims(world, rank, 1, 2)
-    model = build_parallel_model(cfg, "lm", d, seed=0)
+    split = decode_layer_split(cfg, 2) if balanced else None
+    model = build_parallel_model(cfg, "lm", d, layer_split=split, seed=0)
     load_full_state_dict(model, full.state_dict(), strict=False)
     engines = {m: TorchEngine(model, eos_token_id=eos, pp_group=d.pp_group, micro_batches=m, max_batch_size=32) for m in mbs}
     s = SamplingConfig(temperature=1.0, max_new_tokens=new)
@@ -201,7 +202,9 @@ def main_pp(args) -> None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [
-        ctx.Process(target=_pp_worker, args=(r, 2, str(model_dir), tok.eos_token_id, prompts, [1, 2], args.repeats, 128, q))
+        ctx.Process(
+            target=_pp_worker, args=(r, 2, str(model_dir), tok.eos_token_id, prompts, [1, 2], args.repeats, 128, not args.even_split, q)
+        )
         for r in range(2)
     ]
     for p in procs:
@@ -209,7 +212,8 @@ def main_pp(args) -> None:
     res = q.get(timeout=3600)
     for p in procs:
         p.join()
-    print("pp=2 on 2 gloo processes (1 thread each), 16 GSM8K prompts x 4 samples, T=1.0, max_new_tokens 128, 32 slots")
+    split = "even split (15 + 15 layers)" if args.even_split else "decode_layer_split (19 + 11 layers + head)"
+    print(f"pp=2 on 2 gloo processes (1 thread each), {split}, 16 GSM8K prompts x 4 samples, T=1.0, max_new_tokens 128, 32 slots")
     print(f"unpipelined (micro_batches 1): {res[1]:.1f} tok/s; pipelined (micro_batches 2): {res[2]:.1f} tok/s; {res[2] / res[1]:.2f}x")
 
 
@@ -222,6 +226,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=64, help="continuous engine's KV-cache slots (max_batch_size)")
     ap.add_argument("--hf-batch", type=int, default=32, help="rows per HF generate call (and the static engine's batch)")
     ap.add_argument("--pp", action="store_true", help="pipelined vs unpipelined pp=2 on 2 gloo processes")
+    ap.add_argument("--even-split", action="store_true", help="--pp: split the layers evenly instead of decode_layer_split")
     args = ap.parse_args()
     C.as_cpu_worker()
     main_pp(args) if args.pp else main_rows(args)

@@ -62,6 +62,32 @@ def stage_layer_ids(num_layers: int, pp_size: int, pp_rank: int, layer_split: Op
     return list(range(start, start + split[pp_rank]))
 
 
+def decode_layer_split(cfg: ModelConfig, pp_size: int) -> list[int]:
+    """Layers per stage that balance a pipeline-parallel *decode* step's GEMM work.
+
+    In decode every stage's time is its weight GEMMs; the last stage also runs the
+    [hidden, vocab] head (SmolLM2-135M: as much as 8 of its 30 layers). Per-token cost is
+    counted as weight elements: a layer h(h_q + 2 kv_dim) + h_q h + 3 h I, the head V h (the
+    embedding lookup is no GEMM). The last stage gets the layers that bring it to the mean
+    stage cost (at least 1), the others split the rest evenly, extra layers to the first.
+    Returns pp_size positive ints summing to cfg.num_layers (the even split when pp_size is 1).
+    Raises ValueError: pp_size > num_layers.
+    """
+    n = cfg.num_layers
+    if pp_size > n:
+        raise ValueError(f"pp_size={pp_size} exceeds num_layers={n}: use at most {n} stages")
+    if pp_size == 1:
+        return [n]
+    h, hd = cfg.hidden_size, cfg.resolved_head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size
+    head = cfg.vocab_size * h
+    target = (n * layer + head) / pp_size
+    last = min(n - (pp_size - 1), max(1, round((target - head) / layer)))
+    base, extra = divmod(n - last, pp_size - 1)
+    return [base + (1 if s < extra else 0) for s in range(pp_size - 1)] + [last]
+
+
 def prune_to_stage(model: nn.Module, layer_ids: list[int], first: bool, last: bool) -> nn.Module:
     """Keep only decoder layers `layer_ids` (global indices) and the ends this pipeline stage owns.
 

@@ -21,7 +21,7 @@ import torch
 from aligner.actor.policy import Policy
 from aligner.config import AlignerConfig, OptimConfig, SamplingConfig, TrainableRoleConfig
 from aligner.parallel.dims import ParallelDims
-from aligner.parallel.parallelize import build_parallel_model
+from aligner.parallel.parallelize import build_parallel_model, decode_layer_split
 from aligner.rollout import build_engine
 from aligner.rollout.refit import refit, rollout_dims
 from aligner.workers.dispatch import dispatch, split_batch
@@ -104,7 +104,10 @@ class ActorWorker(PolicyWorker):
         else:
             self.infer_dims = rollout_dims(self.dims.world_size, self.dims.rank, rp.tp_size, rp.pp_size)
         d = self.infer_dims
-        model = build_parallel_model(self.policy.model_cfg, "lm", d, seed=self.cfg.trainer.seed)
+        cfg = self.policy.model_cfg
+        # decode's pipeline stages balanced with the head counted (unless the config gives a split)
+        split = rp.pp_layer_split or (decode_layer_split(cfg, d.pp_size) if d.pp_size > 1 else None)
+        model = build_parallel_model(cfg, "lm", d, layer_split=split, seed=self.cfg.trainer.seed)
         model = model.to(device=d.device, dtype=getattr(torch, self.cfg.rollout.dtype))
         self.engine = build_engine(
             "torch",

@@ -10,7 +10,7 @@ from aligner.config import ModelConfig, ParallelConfig
 from aligner.model.llama import LlamaModel, build_model
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.memory import layer_saved_bytes
-from aligner.parallel.parallelize import apply_recompute, parallelize, recompute_mode, stage_layer_ids
+from aligner.parallel.parallelize import apply_recompute, decode_layer_split, parallelize, recompute_mode, stage_layer_ids
 
 CFG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32)
 
@@ -56,3 +56,37 @@ def test_stage_layer_ids_split():
     assert [stage_layer_ids(4, 2, s, [1, 3]) for s in range(2)] == [[0], [1, 2, 3]]
     with pytest.raises(ValueError, match="pp_layer_split"):
         stage_layer_ids(4, 2, 0, [2, 1])
+
+
+SMOLLM2_DIMS = ModelConfig(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, max_seq_len=2048
+)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_decode_layer_split_balances_the_head_against_layers(pp):
+    """Stage costs in weight elements (a layer's GEMM weights; the head V x h on the last stage): the
+    split is valid, and no other choice of the last stage's layer count brings the stages closer."""
+    cfg = SMOLLM2_DIMS
+    h, q, kv = cfg.hidden_size, cfg.num_heads * 64, cfg.num_kv_heads * 64
+    layer, head = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size, cfg.vocab_size * h
+
+    def worst(split):
+        return max([n * layer for n in split[:-1]] + [split[-1] * layer + head])
+
+    split = decode_layer_split(cfg, pp)
+    assert len(split) == pp and sum(split) == cfg.num_layers and min(split) >= 1
+    assert split[-1] < split[0]  # the head takes the place of layers
+    for last in range(1, cfg.num_layers - pp + 2):
+        rest = cfg.num_layers - last
+        other = [rest // (pp - 1) + (1 if s < rest % (pp - 1) else 0) for s in range(pp - 1)] + [last]
+        assert worst(split) <= worst(other), (split, other)
+    stage_layer_ids(cfg.num_layers, pp, pp - 1, split)  # accepted by the pipeline split
+
+
+def test_decode_layer_split_edge_cases():
+    tiny = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32)
+    assert decode_layer_split(tiny, 1) == [2] and decode_layer_split(tiny, 2) == [1, 1]
+    with pytest.raises(ValueError, match="exceeds num_layers"):
+        decode_layer_split(tiny, 3)
+    assert decode_layer_split(SMOLLM2_DIMS, 2) == [19, 11]
