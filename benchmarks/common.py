@@ -366,21 +366,10 @@ def median(xs: list[float]) -> float:
 
 
 def cpu_line() -> str:
-    """The CPU model and the SIMD extensions GEMM kernels pick from (from /proc/cpuinfo), e.g.
-    "AMD EPYC (avx2 fma)" or "Intel(R) Xeon(R) ... (avx2 fma avx512f avx512_bf16 amx_tile)"."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, val = line.partition(":")
-            if key.strip() == "model name":
-                model = val.strip()
-            elif key.strip() == "flags":
-                flags = set(val.split())
-                break
-    except OSError:
-        pass
-    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16") if f in flags]
-    return f"{model} ({' '.join(isa) or 'no AVX2'})"
+    """The CPU model and its SIMD extensions (aligner.runtime.host.cpu_signature)."""
+    from aligner.runtime.host import cpu_signature
+
+    return cpu_signature()
 
 
 def env_line() -> str:

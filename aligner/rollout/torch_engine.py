@@ -70,10 +70,13 @@ log-probs to every stage, so all ranks return the same Generations. PP (continuo
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -120,8 +123,9 @@ class TorchEngine(RolloutEngine):
             pp > 1 every stage works on one block while the next stage works on another
             (None: pp_size; 1 with pp > 1 runs the stages one after the other).
         cpu_layout: on the CPU, how linear weights are stored for decode: "auto" (default)
-            times a decoder layer's decode step in every (layout, fused) combination on this
-            machine at build and keeps the fastest (``self.layout`` holds the timings);
+            times a decode step's GEMMs in every (layout, fused) combination on this machine
+            and keeps the fastest, once per machine and model shape (:func:`cached_cpu_layout`;
+            ``self.layout`` holds the timings);
             "in_out" stores every weight [in, out] (transposed view, MKL's no-transpose GEMM),
             "out_in" keeps PyTorch's [out, in].
     The engine owns `model`: it re-lays its linear weights out in place (see :func:`_pack_weights`).
@@ -173,7 +177,7 @@ class TorchEngine(RolloutEngine):
         transposed = on_cpu and cpu_layout == "in_out"
         self.layout: dict[str, Any] = {}
         if on_cpu and cpu_layout == "auto":
-            transposed, fused, self.layout = choose_cpu_layout(model, max(1, max_batch_size // self.micro_batches), fusable)
+            transposed, fused, self.layout = cached_cpu_layout(model, max(1, max_batch_size // self.micro_batches), fusable)
             fused_decode = fused if fused_decode is None else fused_decode
         if fused_decode is None:
             fused_decode = on_cpu
@@ -808,6 +812,39 @@ def _fusable(model: nn.Module) -> bool:
         if any(l.sequence_parallel for l in cols + rows):
             return False
     return True
+
+
+LAYOUT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "aligner" / "cpu_layout.json"
+
+
+def cached_cpu_layout(model: nn.Module, batch: int, fusable: bool, path: Path = LAYOUT_CACHE) -> tuple[bool, bool, dict[str, Any]]:
+    """:func:`choose_cpu_layout`, timed once per machine and kept in `path` (JSON, keyed by the CPU
+    model and ISA, torch version, dtype, decode batch and the GEMM shapes), so every run on a
+    machine multiplies with the same layout: a resumed run rounds exactly as the uninterrupted one.
+    An unreadable or unwritable cache only costs the timing (info["cached"] says which)."""
+    from aligner.runtime.host import cpu_signature
+
+    layer = next(iter(model.model.layers.values()))
+    shapes = [tuple(l.weight.shape) for l in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.gate_proj, layer.mlp.down_proj)]
+    head = None if model.lm_head is None else tuple(model.lm_head.weight.shape)
+    dtype = str(next(model.parameters()).dtype)
+    key = f"{cpu_signature()} | torch {torch.__version__} | {dtype} | batch {batch} | fusable {fusable} | {len(model.model.layers)} x {shapes} | head {head}"
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if key in table:
+        t, f, info = table[key]
+        return t, f, {**info, "cached": str(path)}
+    t, f, info = choose_cpu_layout(model, batch, fusable)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**table, key: [t, f, info]}, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return t, f, {**info, "cached": False}
 
 
 def choose_cpu_layout(model: nn.Module, batch: int, fusable: bool, rounds: int = 5) -> tuple[bool, bool, dict[str, Any]]:

@@ -59,3 +59,24 @@ def keep_freed_host_memory(mmap_threshold: int = 1 << 30) -> bool:
         log.debug("mallopt refused the host-memory setting; large CPU tensors stay mmap-backed")
     _applied = ok
     return ok
+
+
+def cpu_signature() -> str:
+    """The CPU model and the SIMD extensions CPU kernels choose from ("AMD EPYC avx2 fma avx512f"),
+    read from /proc/cpuinfo (the platform's processor name elsewhere): a key for per-machine choices."""
+    import platform
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                if key.strip() == "model name":
+                    model = val.strip()
+                elif key.strip() == "flags":
+                    flags = set(val.split())
+                    break
+    except OSError:
+        pass
+    isa = [x for x in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16") if x in flags]
+    return " ".join([model, *isa])

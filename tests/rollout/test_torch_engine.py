@@ -582,3 +582,19 @@ def test_pipelined_continuous_engine_matches_a_single_process_engine():
             assert stats0["decode_rows"] == stats0["generated_tokens"] == sum(len(g.token_ids) for g in want[name])
             assert stats0["shared_prefix_tokens"] > 0, (micro, name)  # the duplicates copied a live row's prompt
             assert stats0["moved_rows"] > 0 or micro == 3, (micro, name)  # one slot per micro-batch: nothing to move
+
+
+def test_the_measured_layout_is_kept_per_machine(model, tmp_path):
+    """cached_cpu_layout times once, then every engine on the machine gets the same choice from the
+    file (a resumed run rounds like the uninterrupted one); a corrupt file only costs the timing."""
+    from aligner.rollout.torch_engine import cached_cpu_layout
+
+    path = tmp_path / "cpu_layout.json"
+    t, f, info = cached_cpu_layout(model, 4, True, path)
+    assert info["cached"] is False and set(info["timings_ms"]) == {"out_in", "out_in+fused", "in_out", "in_out+fused"}
+    t2, f2, info2 = cached_cpu_layout(model, 4, True, path)
+    assert (t2, f2) == (t, f) and info2["cached"] == str(path) and info2["timings_ms"] == info["timings_ms"]
+    _, _, other = cached_cpu_layout(model, 8, True, path)  # another decode batch is another entry
+    assert other["cached"] is False and len(__import__("json").loads(path.read_text())) == 2
+    path.write_text("{not json")
+    assert cached_cpu_layout(model, 4, True, path)[2]["cached"] is False
