@@ -158,7 +158,9 @@ def main_rows(args) -> None:
     print(f"greedy, {len(few)} prompts x 64 new tokens: {same}/{len(few)} rows identical to HF generate")
 
 
-def _pp_worker(rank: int, world: int, model_dir: str, eos: int, prompts, mbs: list[int], repeats: int, new: int, balanced: bool, q) -> None:
+def _pp_worker(
+    rank: int, world: int, model_dir: str, eos: int, prompts, mbs: list[int], repeats: int, new: int, balanced: bool, slots: int, q
+) -> None:
     import torch.distributed as dist
 
     from aligner.parallel.parallelize import build_parallel_model, decode_layer_split
@@ -173,7 +175,7 @@ def _pp_worker(rank: int, world: int, model_dir: str, eos: int, prompts, mbs: li
     split = decode_layer_split(cfg, 2) if balanced else None
     model = build_parallel_model(cfg, "lm", d, layer_split=split, seed=0)
     load_full_state_dict(model, full.state_dict(), strict=False)
-    engines = {m: TorchEngine(model, eos_token_id=eos, pp_group=d.pp_group, micro_batches=m, max_batch_size=32) for m in mbs}
+    engines = {m: TorchEngine(model, eos_token_id=eos, pp_group=d.pp_group, micro_batches=m, max_batch_size=slots) for m in mbs}
     s = SamplingConfig(temperature=1.0, max_new_tokens=new)
     times: dict[int, list[float]] = {m: [] for m in mbs}
     tokens: dict[int, int] = {m: 0 for m in mbs}
@@ -203,7 +205,8 @@ def main_pp(args) -> None:
     q = ctx.Queue()
     procs = [
         ctx.Process(
-            target=_pp_worker, args=(r, 2, str(model_dir), tok.eos_token_id, prompts, [1, 2], args.repeats, 128, not args.even_split, q)
+            target=_pp_worker,
+            args=(r, 2, str(model_dir), tok.eos_token_id, prompts, [1, 2], args.repeats, 128, not args.even_split, args.pp_slots, q),
         )
         for r in range(2)
     ]
@@ -213,7 +216,9 @@ def main_pp(args) -> None:
     for p in procs:
         p.join()
     split = "even split (15 + 15 layers)" if args.even_split else "decode_layer_split (19 + 11 layers + head)"
-    print(f"pp=2 on 2 gloo processes (1 thread each), {split}, 16 GSM8K prompts x 4 samples, T=1.0, max_new_tokens 128, 32 slots")
+    print(
+        f"pp=2 on 2 gloo processes (1 thread each), {split}, 16 GSM8K prompts x 4 samples, T=1.0, max_new_tokens 128, {args.pp_slots} slots"
+    )
     print(f"unpipelined (micro_batches 1): {res[1]:.1f} tok/s; pipelined (micro_batches 2): {res[2]:.1f} tok/s; {res[2] / res[1]:.2f}x")
 
 
@@ -226,6 +231,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=64, help="continuous engine's KV-cache slots (max_batch_size)")
     ap.add_argument("--hf-batch", type=int, default=32, help="rows per HF generate call (and the static engine's batch)")
     ap.add_argument("--pp", action="store_true", help="pipelined vs unpipelined pp=2 on 2 gloo processes")
+    ap.add_argument("--pp-slots", type=int, default=32, help="--pp: KV-cache slots (split into the micro-batches)")
     ap.add_argument("--even-split", action="store_true", help="--pp: split the layers evenly instead of decode_layer_split")
     args = ap.parse_args()
     C.as_cpu_worker()
