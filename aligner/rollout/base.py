@@ -54,7 +54,13 @@ class RolloutEngine(abc.ABC):
     weight_version: int = 0
 
     @abc.abstractmethod
-    def generate(self, prompt_ids: list[list[int]], sampling: Any, seeds: Optional[list[int]] = None) -> list[Generation]:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        sampling: Any,
+        seeds: Optional[list[int]] = None,
+        max_new_tokens: Optional[Sequence[int]] = None,
+    ) -> list[Generation]:
         """Sample one response per prompt.
 
         Args:
@@ -62,6 +68,8 @@ class RolloutEngine(abc.ABC):
             sampling: a SamplingConfig-like object with temperature, top_k, top_p,
                 max_new_tokens, stop_token_ids.
             seeds: list[int] of length B, one RNG seed per request, or None (engine RNG).
+            max_new_tokens: list[int] of length B, each request's own budget (None:
+                sampling.max_new_tokens for all; checked by :func:`check_budgets`).
         Returns:
             list[Generation] of length B, in prompt order.
         Raises:

@@ -358,7 +358,7 @@ class TorchEngine(RolloutEngine):
                 cache.length = slot + 1
                 key_mask = None if no_padding else valid[:, None, None, : slot + 1]
                 logits = self._forward(tok.unsqueeze(1), pos, key_mask, cache, torch.tensor([slot], device=dev))
-            tok, lp = self._sample(logits, sampler, req, (step_t + step).clamp_(max=budget_t - 1))
+            tok, lp = self._sample(logits, sampler, req, step_t + step)  # draws past a budget are cut below
             tokens.append(tok)
             log_probs.append(lp)
             finished = finished | torch.isin(tok, stop_t) | (budget_t <= step + 1)
@@ -460,8 +460,7 @@ class TorchEngine(RolloutEngine):
             link.send_plan(meta, prefill_h, h)
             return None
         logits = self.model.lm_head(h[:, -1]).float()
-        full = logits if self.tp_size == 1 else _gather_vocab(logits, self.tp_group)
-        tok, lp = sampler.sample(full, sampler.draws(meta.requests.to(dev), meta.steps.to(dev)))
+        tok, lp = self._sample_last_stage(logits, sampler, meta.requests.to(dev), meta.steps.to(dev))
         if link is not None:
             link.send_tokens(tok, lp)
             return None
@@ -496,11 +495,16 @@ class TorchEngine(RolloutEngine):
             return None
         return self.model.lm_head(h[:, -1]).float()
 
+    def _sample_last_stage(self, logits: torch.Tensor, sampler: _Sampler, requests: torch.Tensor, steps: torch.Tensor):
+        """Local logits [n, V/tp] fp32 of requests [n] at response steps [n] -> (tokens [n] int64,
+        log_probs [n] fp32), the same on every tp rank (the vocabulary is gathered first)."""
+        full = logits if self.tp_size == 1 else _gather_vocab(logits, self.tp_group)
+        return sampler.sample(full, sampler.draws(requests, steps))
+
     def _sample(self, logits: Optional[torch.Tensor], sampler: _Sampler, requests: torch.Tensor, steps: torch.Tensor):
         """Local logits [B, V/tp] on the last stage -> (tokens [B] int64, log_probs [B] fp32) on every rank."""
         if self.is_last:
-            full = logits if self.tp_size == 1 else _gather_vocab(logits, self.tp_group)
-            tok, lp = sampler.sample(full, sampler.draws(requests, steps))
+            tok, lp = self._sample_last_stage(logits, sampler, requests, steps)
         else:
             tok = torch.empty(requests.shape[0], dtype=torch.long, device=self.device)
             lp = torch.empty(requests.shape[0], dtype=torch.float32, device=self.device)

@@ -46,7 +46,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from aligner.rollout.base import Generation, RolloutEngine, check_prompts, check_sampling
+from aligner.rollout.base import Generation, RolloutEngine, check_budgets, check_prompts, check_sampling
 
 INSTALL_HINT = (
     "TensorRT-LLM is not installed: `pip install aligner[trtllm]` (tensorrt-llm>=1.2,<2 from NVIDIA's index: "
@@ -101,8 +101,12 @@ def build_llm_kwargs(
     }
 
 
-def build_sampling_kwargs(sampling: Any, *, eos_token_id: Optional[int], seed: Optional[int] = None) -> dict:
+def build_sampling_kwargs(
+    sampling: Any, *, eos_token_id: Optional[int], seed: Optional[int] = None, max_new_tokens: Optional[int] = None
+) -> dict:
     """Keywords for ``tensorrt_llm.SamplingParams(**kw)`` from a SamplingConfig.
+
+    max_new_tokens: this request's own budget (``max_tokens``); None takes sampling.max_new_tokens.
 
     temperature 0 is greedy in TensorRT-LLM too; top_k 0 (off) maps to None; logprobs=0
     asks for the sampled token's log-prob only; detokenize off (token ids in, token ids out).
@@ -111,7 +115,7 @@ def build_sampling_kwargs(sampling: Any, *, eos_token_id: Optional[int], seed: O
     check_sampling(sampling)
     stop = sorted(set(sampling.stop_token_ids))
     return {
-        "max_tokens": sampling.max_new_tokens,
+        "max_tokens": sampling.max_new_tokens if max_new_tokens is None else int(max_new_tokens),
         "temperature": float(sampling.temperature),
         "top_k": sampling.top_k or None,
         "top_p": float(sampling.top_p),
@@ -195,18 +199,18 @@ class TrtllmEngine(RolloutEngine):
         self._pinned: list[torch.Tensor] = []
         self._asleep = False
 
-    def generate(self, prompt_ids: list[list[int]], sampling: Any, seeds: Optional[list[int]] = None) -> list[Generation]:
-        """See RolloutEngine.generate; one SamplingParams per request so each has its own seed."""
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: Any, seeds: Optional[list[int]] = None, max_new_tokens: Optional[list[int]] = None
+    ) -> list[Generation]:
+        """See RolloutEngine.generate; one SamplingParams per request so each has its own seed and budget."""
         check_sampling(sampling)
         check_prompts(prompt_ids, seeds, 2**62)
-        longest = max(len(p) for p in prompt_ids)
-        if longest + sampling.max_new_tokens > self.max_seq_len:
-            raise ValueError(
-                f"sampling.max_new_tokens={sampling.max_new_tokens} with a {longest}-token prompt exceeds max_seq_len={self.max_seq_len}"
-            )
+        budgets = check_budgets(prompt_ids, sampling, max_new_tokens, self.max_seq_len)
         params = [
             self._SamplingParams(
-                **build_sampling_kwargs(sampling, eos_token_id=self.eos_token_id, seed=None if seeds is None else int(seeds[i]))
+                **build_sampling_kwargs(
+                    sampling, eos_token_id=self.eos_token_id, seed=None if seeds is None else int(seeds[i]), max_new_tokens=budgets[i]
+                )
             )
             for i in range(len(prompt_ids))
         ]

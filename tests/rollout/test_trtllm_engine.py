@@ -100,6 +100,7 @@ def test_sampling_kwargs_are_accepted(api):
     )
     assert kw["max_tokens"] == 33 and kw["top_k"] is None and kw["stop_token_ids"] == [7, 9] and kw["seed"] == 5
     assert kw["logprobs"] == 0 and kw["temperature"] == 0.7 and kw["end_id"] == 2
+    assert build_sampling_kwargs(SamplingConfig(max_new_tokens=33), eos_token_id=2, max_new_tokens=5)["max_tokens"] == 5  # per request
     assert "logprobs_mode" not in accepted  # 1.2.1 has no raw/processed switch (see the module docstring)
     for call in call_keywords("_SamplingParams"):
         assert call <= accepted
