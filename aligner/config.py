@@ -494,7 +494,7 @@ class TrainerConfig:
     mini_batch_size: int = 32  # PPO: samples per optimizer step
     eval_batch_size: int = 64  # prompts per evaluation batch
     max_nonfinite: int = 3  # consecutive non-finite updates before the run stops
-    num_threads: int = 0  # torch threads per worker on CPU; 0 = resources.cpus_per_worker
+    num_threads: int = 0  # torch threads per CPU worker; 0 = follow the work: the workers busy in a phase share their node's cores (a role running alone gets them all)
     progress: bool = True  # show a progress bar
     preempt_grace_s: float = 25.0  # after SIGTERM: seconds to finish the step and checkpoint (below the scheduler's grace, 30 s by default)
 

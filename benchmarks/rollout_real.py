@@ -108,8 +108,10 @@ def main_rows(args) -> None:
     model_dir = smollm2_dir()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    dtype = getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
     model, cfg = load_hf_model(model_dir)
+    model.to(dtype)
     prompts = gsm8k_prompts(tok, args.prompts)
     rows = [p for p in prompts for _ in range(args.samples)]
     s = SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.new)
@@ -117,7 +119,7 @@ def main_rows(args) -> None:
     cont = TorchEngine(model, eos_token_id=eos, max_batch_size=args.slots)
     print(C.env_line())
     print(f"command: {C.command_line()}")
-    print(f"model {model_dir.name}: {cfg.num_parameters() / 1e6:.0f}M params, fp32; layout chosen {cont.layout}")
+    print(f"model {model_dir.name}: {cfg.num_parameters() / 1e6:.0f}M params, {args.dtype} (HF and ours); layout chosen {cont.layout}")
     lens = [len(p) for p in prompts]
     print(f"{len(prompts)} GSM8K prompts ({min(lens)}-{max(lens)} tokens) x {args.samples} samples, T=1.0, max_new_tokens {args.new}")
 
@@ -230,6 +232,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--slots", type=int, default=64, help="continuous engine's KV-cache slots (max_batch_size)")
     ap.add_argument("--hf-batch", type=int, default=32, help="rows per HF generate call (and the static engine's batch)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and KV cache of both sides")
     ap.add_argument("--pp", action="store_true", help="pipelined vs unpipelined pp=2 on 2 gloo processes")
     ap.add_argument("--pp-slots", type=int, default=32, help="--pp: KV-cache slots (split into the micro-batches)")
     ap.add_argument("--even-split", action="store_true", help="--pp: split the layers evenly instead of decode_layer_split")

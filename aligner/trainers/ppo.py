@@ -62,7 +62,7 @@ from aligner.trainers.evaluation import accuracy_rule, evaluate_greedy, gather_g
 from aligner.trainers.loop import Trainer
 from aligner.workers.actor import ActorWorker, PolicyWorker
 from aligner.workers.critic import CriticWorker
-from aligner.workers.group import get_all, role_worker_group
+from aligner.workers.group import CoreSharing, WorkerGroup, get_all, role_worker_group
 from aligner.workers.placement import describe_request, local_shortfall, placement_from_config, plan_from_config
 from aligner.workers.reward import RewardWorker
 
@@ -125,6 +125,7 @@ class PPOTrainer(Trainer):
         a = cfg.algorithm
         self.kl_ctl = alg.build_kl_controller(a.kl_controller, a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)
         self.groups: dict[str, Any] = {}
+        self.cores: Optional[CoreSharing] = None  # torch threads follow the work (trainer.num_threads=0, CPU workers)
         self.placement = None
         self.reward_stats = {"mean": 0.0, "std": 1.0}
         self.nonfinite_in_a_row = 0  # consecutive steps whose update was skipped (NaN/Inf reward or grad norm)
@@ -175,7 +176,14 @@ class PPOTrainer(Trainer):
         for role in roles:
             cls, kw = specs[role]
             self.groups[role] = role_worker_group(cfg, role, cls, self.placement, kwargs=kw)
+        if cfg.trainer.num_threads == 0 and all(isinstance(g, WorkerGroup) for g in self.groups.values()):
+            self.cores = CoreSharing(self.groups)
         self.reward_stats = load_reward_stats(cfg)
+
+    def busy(self, *roles: str) -> None:
+        """The next phase runs `roles` (those that have a group): their CPU workers share the node's cores."""
+        if self.cores is not None:
+            self.cores.phase(r for r in roles if r in self.groups)
 
     def minibatches_per_step(self) -> int:
         t = self.cfg.trainer
@@ -186,6 +194,7 @@ class PPOTrainer(Trainer):
         for g in self.groups.values():
             g.shutdown()
         self.groups.clear()
+        self.cores = None
         if self.placement is not None:
             self.placement.remove()
             self.placement = None
@@ -211,6 +220,7 @@ class PPOTrainer(Trainer):
         """One PPO step; returns its metrics (also the phase times, seconds)."""
         timer = PhaseTimer()
         with timer.phase("refit"):
+            self.busy("actor")
             refit = self.groups["actor"].refit().get()[0]
         with timer.phase("generate"):
             batch = self.rollout(self.next_prompts(), self.cfg.rollout.sampling, self.step)
@@ -298,6 +308,7 @@ class PPOTrainer(Trainer):
         """Values, scores, reference and old log-probs, as concurrent futures on their groups."""
 
         inputs, temp = batch.model_inputs(), self._temperature()
+        self.busy("actor", "critic", "reward", "ref")
         futures = {"old": self.groups["actor"].log_probs(inputs, temp)}
         if "critic" in self.groups:
             futures["values"] = self.groups["critic"].values(inputs)
@@ -375,6 +386,7 @@ class PPOTrainer(Trainer):
         critic_keys = ["input_ids", "prompt_lens", "response_mask", "values", "returns"]
         sums: dict[str, list[float]] = {}
         g = torch.Generator().manual_seed(sample_seed(t.seed, self.step, -1))
+        self.busy(*(["actor"] if train_actor else []), "critic")
         for _ in range(a.ppo_epochs):
             order = torch.randperm(len(batch), generator=g)
             for idx in order.split(t.mini_batch_size):
@@ -422,11 +434,13 @@ class PPOTrainer(Trainer):
         score and KL to the reference of those responses."""
 
         prompts = self.eval_prompts[: num_prompts or self.cfg.task.num_eval]
+        self.busy("actor")
         res = evaluate_greedy(self.groups["actor"], prompts, self.tok, self.cfg)
         out = {"eval_accuracy": res.metrics["accuracy"], "eval_response_len": res.metrics["mean_response_len"]}
         out.update({f"eval_{k}": res.metrics[k] for k in ("accuracy_carry", "accuracy_no_carry", "dropped_carry") if k in res.metrics})
         batch = self.assemble(prompts, res.generations, 1, res.responses)
         futs, names = [], []
+        self.busy("actor", "reward", "ref")
         if "reward" in self.groups:
             futs.append(self.groups["reward"].scores(batch.tensors("input_ids", "attention_mask")))
             names.append("scores")

@@ -49,7 +49,7 @@ from aligner.planner import print_plan
 from aligner.runtime.role import check_tokenizer_fits, resolve_init
 from aligner.tracking import plot_curves, read_metrics
 from aligner.trainers.loop import Trainer
-from aligner.workers.group import role_worker_group
+from aligner.workers.group import CoreSharing, role_worker_group
 from aligner.workers.placement import local_shortfall, placement_from_config
 
 log = logging.getLogger("aligner")
@@ -195,6 +195,8 @@ class SupervisedTrainer(Trainer):
         self.placement = placement_from_config(self.cfg, (self.role,))
         t0 = time.perf_counter()
         self.group = role_worker_group(self.cfg, self.role, self.worker_cls(), self.placement, kwargs=self.worker_kwargs())
+        if self.cfg.trainer.num_threads == 0:  # the role runs alone: its CPU workers share the node's cores
+            CoreSharing({self.role: self.group}).phase([self.role])
         p = self.cfg.role(self.role).parallel
         log.info(
             "%s: %d %s worker(s) (tp=%d pp=%d dp=%d) ready in %.1f s",

@@ -111,6 +111,20 @@ class WorkerShell:
                 self.role, self.rank, traceback.format_exc(), f"{getattr(worker_cls, '__name__', worker_cls)}.__init__"
             ) from None
 
+    def set_threads(self, num_threads: int) -> int:
+        """Set this CPU worker's torch intra-op threads (OpenMP) to `num_threads` (> 0); returns it.
+
+        A phase that runs one role alone gives its workers the node's cores, and gives them back
+        when other roles run beside it (:func:`share_node_cores`).
+        """
+        import torch
+
+        if num_threads < 1:
+            raise ValueError(f"num_threads={num_threads} is invalid: must be >= 1")
+        torch.set_num_threads(num_threads)
+        self.num_threads = num_threads
+        return num_threads
+
     def call(self, method: str, packed: tuple[tuple, dict]) -> Any:
         """Run ``worker.method(*args, **kwargs)``; an exception comes back as WorkerError."""
         args, kwargs = packed
@@ -135,6 +149,8 @@ class WorkerShell:
             "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
             "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
             "num_threads": self.num_threads,
+            "node_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
+            "on_gpu": bool(os.environ.get("CUDA_VISIBLE_DEVICES")) and _cuda_available(),
         }
 
 
@@ -191,6 +207,12 @@ def get_all(futures: Iterable[GroupFuture], timeout_s: Optional[float] = None) -
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         out.append(f.get(left))
     return out
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 # ---- the group -------------------------------------------------------------------------
@@ -362,6 +384,11 @@ class WorkerGroup:
         res = self._wait({r: a.info.remote() for r, a in enumerate(self.actors)}, "info", timeout_s)
         return [res[r] for r in range(self.world_size)]
 
+    def set_threads(self, threads: Mapping[int, int], timeout_s: Optional[float] = 60.0) -> None:
+        """Set the torch threads of the ranks in `threads` ({rank: threads >= 1}) and wait."""
+        self._check_open()
+        self._wait({r: self.actors[r].set_threads.remote(n) for r, n in threads.items()}, "set_threads", timeout_s)
+
     # ---- waiting and failure -----------------------------------------------------------
     def _wait(self, refs: dict[int, Any], method: str, timeout_s: Optional[float]) -> dict[int, Any]:
         import ray
@@ -430,3 +457,52 @@ def role_worker_group(cfg: Any, role: str, worker_cls: type, placement: Placemen
     """
     kw.setdefault("num_threads", cfg.trainer.num_threads)
     return WorkerGroup(role, worker_cls, placement.role(role), cfg.role(role).parallel, **kw)
+
+
+def core_shares(info: Mapping[str, list[dict[str, Any]]], busy: Iterable[str]) -> dict[tuple[str, int], int]:
+    """Torch threads per busy CPU worker: an equal share of its node's cores.
+
+    info: role -> per-rank :meth:`WorkerGroup.worker_info` dicts (``rank``, ``node_ip``,
+        ``node_cores``, ``on_gpu``). busy: the roles of the next phase (unknown roles ignored).
+    Returns {(role, rank): max(1, node_cores // busy CPU workers on that node)}; GPU workers
+    and idle roles are absent.
+    """
+    workers = [(role, i) for role in dict.fromkeys(busy) if role in info for i in info[role] if not i["on_gpu"]]
+    per_node: dict[str, int] = {}
+    for _, i in workers:
+        per_node[i["node_ip"]] = per_node.get(i["node_ip"], 0) + 1
+    return {(role, i["rank"]): max(1, i["node_cores"] // per_node[i["node_ip"]]) for role, i in workers}
+
+
+class CoreSharing:
+    """Torch threads that follow the work: the CPU workers busy in a phase share their node's cores.
+
+    On a CPU node every worker starts with ``resources.cpus_per_worker`` threads (1 by
+    default), so a phase that runs one role alone (generation, a GRPO actor update) would use
+    one core of the node and leave the others idle. Before each phase the trainer names the
+    groups it is about to call; each of their CPU workers gets ``node_cores // busy_on_node``
+    threads (at least 1), where ``busy_on_node`` counts the busy workers on that node. GPU
+    workers are left alone. Calls are made only for workers whose share changes.
+
+    groups: role -> WorkerGroup. Queries every worker's node and core count once.
+    """
+
+    def __init__(self, groups: Mapping[str, WorkerGroup]) -> None:
+        self.groups = dict(groups)
+        self.info = {role: g.worker_info() for role, g in self.groups.items()}
+        self.current = {(role, i["rank"]): i["num_threads"] for role, infos in self.info.items() for i in infos}
+
+    def shares(self, busy: Iterable[str]) -> dict[tuple[str, int], int]:
+        """{(role, rank): threads} for the CPU workers of the `busy` roles (:func:`core_shares`)."""
+        return core_shares(self.info, busy)
+
+    def phase(self, busy: Iterable[str]) -> dict[tuple[str, int], int]:
+        """Apply :meth:`shares` for the `busy` roles; returns the workers whose threads changed."""
+        changed = {k: n for k, n in self.shares(busy).items() if self.current.get(k) != n}
+        by_role: dict[str, dict[int, int]] = {}
+        for (role, rank), n in changed.items():
+            by_role.setdefault(role, {})[rank] = n
+        for role, threads in by_role.items():
+            self.groups[role].set_threads(threads)
+        self.current.update(changed)
+        return changed

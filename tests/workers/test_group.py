@@ -19,7 +19,7 @@ import torch
 from aligner.config import AlignerConfig, ClusterConfig, ParallelConfig, RefRoleConfig, ResourceConfig, TrainableRoleConfig
 from aligner.errors import WorkerDiedError, WorkerError
 from aligner.workers.dispatch import concat_results, dispatch, dispatched_methods, split_batch
-from aligner.workers.group import WorkerGroup, get_all
+from aligner.workers.group import CoreSharing, WorkerGroup, core_shares, get_all
 from aligner.workers.placement import PlacementError, RoleRequest, create_placement, plan_from_config, plan_node_groups
 
 pytestmark = pytest.mark.distributed
@@ -79,6 +79,10 @@ class SleepWorker:
         t0 = time.monotonic()
         time.sleep(seconds)
         return time.monotonic() - t0
+
+    @dispatch("broadcast")
+    def threads(self) -> int:
+        return torch.get_num_threads()
 
     @dispatch("broadcast")
     def fail_on(self, bad_rank: int) -> int:
@@ -172,6 +176,22 @@ def test_dispatch_declarations_and_node_group_plans():
         plan_node_groups({"actor": a, "ref": ref}, "split", {"ref": "nobody"})
 
 
+def test_core_shares_split_each_node_among_its_busy_cpu_workers():
+    def w(rank, node, cores=8, gpu=False):
+        return {"rank": rank, "node_ip": node, "node_cores": cores, "on_gpu": gpu}
+
+    info = {
+        "actor": [w(0, "a"), w(1, "a"), w(2, "b")],
+        "critic": [w(0, "a")],
+        "reward": [w(0, "b", gpu=True)],
+        "ref": [w(0, "b", cores=3)],
+    }
+    assert core_shares(info, ["actor"]) == {("actor", 0): 4, ("actor", 1): 4, ("actor", 2): 8}
+    assert core_shares(info, ["actor", "critic", "reward"]) == {("actor", 0): 2, ("actor", 1): 2, ("actor", 2): 8, ("critic", 0): 2}
+    assert core_shares(info, ["ref", "actor", "ref"]) == {("actor", 0): 4, ("actor", 1): 4, ("actor", 2): 4, ("ref", 0): 1}
+    assert core_shares(info, ["reward", "missing"]) == {}
+
+
 def test_plan_from_aligner_config():
     cfg = AlignerConfig(
         actor=TrainableRoleConfig(parallel=ParallelConfig(tp_size=2, dp_size=2), resources=ResourceConfig(cpus_per_worker=2)),
@@ -242,6 +262,15 @@ def test_split_roles_run_concurrently_and_colocated_share_bundles(ray_local):
         wall = time.monotonic() - t0
         assert all(r[0] >= 3.0 for r in results)
         assert wall < 4.5, f"two 3 s calls on separate node groups took {wall:.1f} s (sequential would be 6 s)"
+        # threads follow the work: a role alone gets the node's cores, two busy roles share them
+        cores = CoreSharing({"actor": actor, "critic": critic})
+        node = cores.info["actor"][0]["node_cores"]
+        assert cores.phase(["actor"]) == {("actor", 0): node} or node == 1
+        assert actor.threads().get(timeout_s=60) == [node] and critic.threads().get(timeout_s=60) == [1]
+        cores.phase(["actor", "critic"])
+        assert get_all([actor.threads(), critic.threads()], timeout_s=60) == [[max(1, node // 2)], [max(1, node // 2)]]
+        assert cores.phase(["critic", "actor"]) == {}  # unchanged shares make no calls
+        assert [i["num_threads"] for i in actor.worker_info()] == [max(1, node // 2)]
     finally:
         actor.shutdown()
         critic.shutdown()
