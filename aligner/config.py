@@ -12,7 +12,9 @@ points turn it into a one-line message and exit code 2, with no traceback.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, get_type_hints
 
@@ -361,7 +363,7 @@ class SamplingConfig:
 class RolloutConfig:
     """The actor's rollout engine and refit."""
 
-    backend: str = "torch"  # torch (trtllm is refused until it is wired into the PPO loop)
+    backend: str = "torch"  # torch (aligner's engine, CPU or CUDA) | trtllm (TensorRT-LLM 1.2 on the actor's GPUs; bf16/fp16)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # engine tp/pp layout (dp = replicas)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how responses are sampled
     refit_bucket_mb: int = 256  # refit sends weights in buckets of this size, MiB
@@ -372,14 +374,7 @@ class RolloutConfig:
     dtype: str = "float32"  # engine weights and KV cache: float32 | bfloat16 | float16 (refit casts)
 
     def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
-        _check(
-            self.backend != "trtllm",
-            f"{prefix}.backend",
-            self.backend,
-            "TrtllmEngine is not wired into the PPO loop yet (refit into it and its weight layout are the scope of "
-            "the GPU-path issue); use rollout.backend=torch, which runs on CPU and CUDA",
-        )
-        _choice(f"{prefix}.backend", self.backend, ("torch",))
+        _choice(f"{prefix}.backend", self.backend, ("torch", "trtllm"))
         _choice(f"{prefix}.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         _choice(f"{prefix}.scheduler", self.scheduler, ("continuous", "static"))
         _check(self.max_batch_size >= 1, f"{prefix}.max_batch_size", self.max_batch_size, "must be >= 1")
@@ -607,6 +602,8 @@ class AlignerConfig:
         if self.stage == "ppo":
             self._validate_rollout_lengths()
         self._validate_cluster_devices()
+        if self.stage == "ppo" and self.rollout.backend == "trtllm":
+            self._validate_trtllm()
         if self.stage == "ppo" and self.algorithm.advantage in GROUP_ESTIMATORS:
             _check(
                 self.trainer.n_samples_per_prompt >= 2,
@@ -647,6 +644,46 @@ class AlignerConfig:
                 f"conf={self.preset} runs its roles on GPUs ({role}.resources.gpus_per_node={gpus}): give the cluster's "
                 "GPUs per node (e.g. cluster.gpus_per_node=8), or use conf=tiny for a CPU run",
             )
+
+    def _validate_trtllm(self) -> None:
+        """What ``rollout.backend=trtllm`` needs, checked before Ray starts (ppo stage only).
+
+        In order: CUDA workers for the actor (the engine runs on the actor's GPUs), a 16-bit
+        rollout dtype (TensorRT-LLM's kernels do not dispatch float32, NVIDIA/TensorRT-LLM#5260),
+        engine replicas that fit one node (tp_size * pp_size divides actor.resources.gpus_per_node:
+        a replica's workers are placed in the node bundle of its owner rank and read the trainer's
+        weights through CUDA IPC, which is node-local), and last an importable ``tensorrt_llm``.
+        """
+        gpus, rp = self.actor.resources.gpus_per_node, self.rollout.parallel
+        _check(
+            gpus >= 1,
+            "actor.resources.gpus_per_node",
+            gpus,
+            "rollout.backend=trtllm runs TensorRT-LLM on the actor's CUDA GPUs: give the actor GPUs "
+            "(actor.resources.gpus_per_node >= 1 and cluster.gpus_per_node), or use rollout.backend=torch",
+        )
+        _check(
+            self.rollout.dtype in ("bfloat16", "float16"),
+            "rollout.dtype",
+            self.rollout.dtype,
+            "TensorRT-LLM's kernels do not run float32 (NVIDIA/TensorRT-LLM#5260): set rollout.dtype=bfloat16 "
+            "(or float16) with rollout.backend=trtllm",
+        )
+        engine_gpus = rp.tp_size * rp.pp_size
+        _check(
+            gpus % engine_gpus == 0,
+            "rollout.parallel.tp_size",
+            rp.tp_size,
+            f"rollout.parallel.tp_size x pp_size = {engine_gpus} must divide actor.resources.gpus_per_node={gpus}: "
+            "a TensorRT-LLM engine replica lives on one node's GPUs",
+        )
+        _check(
+            importlib.util.find_spec("tensorrt_llm") is not None,
+            "rollout.backend",
+            self.rollout.backend,
+            f"tensorrt_llm is not importable by {sys.executable}: pip install 'aligner[trtllm]' "
+            "(tensorrt-llm>=1.2,<2 from https://pypi.nvidia.com) on the CUDA machines, or use rollout.backend=torch",
+        )
 
     def roles_used(self) -> tuple[str, ...]:
         """The role groups this run starts.

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU suite: one command for a single-GPU H100/H200 machine (PyTorch, Triton and transformers
-# preinstalled, no network, no Ray). Runs, each under its own time limit (about 9 minutes in all):
+# preinstalled, no network, no Ray). Runs, each under its own time limit (about 9 minutes in all,
+# 14 where step 5 can run):
 #   1. the gpu-marked tests that need no Ray (the gpu-marked tests; none of them imports ray);
 #   2. MFU of aligner's training step on a ~1.1B-parameter Llama in bf16 mixed precision
 #      (benchmarks/training_throughput.py --gpu: 6 * params * tokens / time / peak bf16);
@@ -9,7 +10,10 @@
 #      generate on the same weights (greedy, no stop token, prompt 128, 256 new tokens;
 #      benchmarks/generation.py --gpu);
 #   4. the phases of a single-process PPO step built from the Ray-free classes, every role on
-#      the GPU (benchmarks/ppo_step.py --aligner-only).
+#      the GPU (benchmarks/ppo_step.py --aligner-only);
+#   5. two PPO steps with rollout.backend=trtllm (tests/trainers/test_ppo_trtllm_gpu.py: Ray worker
+#      groups, TensorRT-LLM beside the actor); it needs tensorrt_llm and ray and records its skip
+#      reason (-rs) where they are missing, as on the machines this suite has run on so far.
 # Writes everything to the results file (default benchmarks/gpu_results.txt) with device, date
 # and versions. A step that fails or times out is recorded as such; the suite goes on.
 #
@@ -46,9 +50,12 @@ print(f"device: {dev}; torch {torch.__version__} (CUDA {torch.version.cuda}), tr
       f"transformers {transformers.__version__}, python {platform.python_version()}")
 EOF
   echo
-  step "gpu tests (no Ray)" 150 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider
+  step "gpu tests (no Ray)" 150 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider \
+    --ignore=tests/trainers/test_ppo_trtllm_gpu.py
   step "training MFU, ~1.1B Llama, bf16" 150 "$PY" benchmarks/training_throughput.py --gpu
   step "TorchEngine decode vs bandwidth bound and HF generate" 200 "$PY" benchmarks/generation.py --gpu
   step "single-process PPO step phases (Ray-free classes)" 90 "$PY" benchmarks/ppo_step.py --aligner-only --repeats 3
+  step "PPO steps with rollout.backend=trtllm (Ray + TensorRT-LLM)" 300 "$PY" -m pytest -q -rs \
+    tests/trainers/test_ppo_trtllm_gpu.py -p no:cacheprovider
 } 2>&1 | tee "$OUT"
 echo "results: $OUT"

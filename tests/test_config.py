@@ -8,6 +8,7 @@ command-line contract: exit 2, exactly one line on stderr, no traceback.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import subprocess
 import sys
 
@@ -23,6 +24,9 @@ from aligner.config import (
     RopeScalingConfig,
     roles_with_field,
 )
+
+# the actor on one GPU (what rollout.backend=trtllm needs first)
+TRT_GPU = ["actor.resources.gpus_per_node=1", "cluster.gpus_per_node=1"]
 
 # (overrides, dotted field, bad value as printed, words of the fix / valid choices)
 CASES = [
@@ -86,8 +90,21 @@ CASES = [
     (["actor.resources.num_nodes=0"], "actor.resources.num_nodes", "0", ">= 1"),
     (["actor.resources.gpus_per_node=-1"], "actor.resources.gpus_per_node", "-1", ">= 0"),
     (["critic.resources.cpus_per_worker=0"], "critic.resources.cpus_per_worker", "0", ">= 1"),
-    (["rollout.backend=vllm"], "rollout.backend", "'vllm'", "valid choices are torch"),
-    (["rollout.backend=trtllm"], "rollout.backend", "'trtllm'", "not wired into the PPO loop yet"),
+    (["rollout.backend=vllm"], "rollout.backend", "'vllm'", "valid choices are torch, trtllm"),
+    # rollout.backend=trtllm: what TensorRT-LLM cannot do is refused before Ray starts (AlignerConfig._validate_trtllm)
+    (["rollout.backend=trtllm"], "actor.resources.gpus_per_node", "0", "runs TensorRT-LLM on the actor's CUDA GPUs"),
+    (
+        ["rollout.backend=trtllm", *TRT_GPU],
+        "rollout.dtype",
+        "'float32'",
+        "TensorRT-LLM's kernels do not run float32 (NVIDIA/TensorRT-LLM#5260): set rollout.dtype=bfloat16",
+    ),
+    (
+        ["rollout.backend=trtllm", *TRT_GPU, "rollout.dtype=bfloat16", "rollout.parallel.tp_size=2"],
+        "rollout.parallel.tp_size",
+        "2",
+        "tp_size x pp_size = 2 must divide actor.resources.gpus_per_node=1",
+    ),
     (["rollout.parallel.tp_size=3"], "rollout.parallel.tp_size", "3", "valid: 1, 2, 4"),
     (["rollout.refit_bucket_mb=0"], "rollout.refit_bucket_mb", "0", "positive"),
     (["rollout.scheduler=paged"], "rollout.scheduler", "'paged'", "valid choices are continuous, static"),
@@ -183,6 +200,27 @@ def test_every_validation_in_config_py_has_a_case():
     n_calls = sum(isinstance(n, ast.Call) and getattr(n.func, "id", "") in ("_check", "_choice") for n in ast.walk(ast.parse(src)))
     # loops validate several fields per call site (positive sizes, batch sizes): cases >= call sites
     assert len(CASES) + len(ROPE_CASES) + 1 >= n_calls, (len(CASES), n_calls)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None, reason="tensorrt_llm is installed here")
+def test_trtllm_backend_without_the_package_names_what_to_install():
+    """The last trtllm check: a config TensorRT-LLM could run, on a Python without tensorrt_llm."""
+    with pytest.raises(ConfigError) as e:
+        load_config("ppo", ["rollout.backend=trtllm", *TRT_GPU, "rollout.dtype=bfloat16"])
+    msg = str(e.value)
+    assert "\n" not in msg and "rollout.backend='trtllm' is invalid" in msg, msg
+    assert "tensorrt_llm is not importable" in msg and "pip install 'aligner[trtllm]'" in msg, msg
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is None, reason="needs tensorrt_llm (pip install aligner[trtllm])")
+def test_trtllm_backend_with_the_package_is_accepted():
+    cfg = load_config("ppo", ["rollout.backend=trtllm", *TRT_GPU, "rollout.dtype=bfloat16"])
+    assert cfg.rollout.backend == "trtllm"
+
+
+def test_trtllm_checks_only_the_ppo_stage():
+    """SFT never builds a rollout engine: its config is not refused for the rollout backend."""
+    assert load_config("sft", ["rollout.backend=trtllm"]).rollout.backend == "trtllm"
 
 
 ROPE_CASES = [  # rope_scaling cannot be set from the command line (see the xfail below): built directly

@@ -3,48 +3,82 @@
 Owns: the mapping from aligner's RolloutConfig / SamplingConfig to TensorRT-LLM's ``LLM``
 and ``SamplingParams`` keywords (:func:`build_llm_kwargs`, :func:`build_sampling_kwargs`:
 pure functions, contract-tested on CPU against the recorded 1.2.1 API in
-shared/data/apis/tensorrt_llm.json), refit through ``WorkerExtension.update_weights`` and
-sleep/wakeup around training.
+shared/data/apis/tensorrt_llm.json), refit through ``WorkerExtension.update_weights``,
+sleep/wakeup around training, and the PPO loop's layout of it (rollout.backend=trtllm):
+:func:`trtllm_replica` (which actor rank owns which replica, pure), :func:`ray_placement`
+and :class:`ColocatedTrtllmEngine` (one actor rank's side of the refit and sleep protocol).
 
-What the adapter uses (names checked against the 1.2.1 source unless marked):
+Layout in the PPO loop (aligner.workers.actor.ActorWorker): the actor's ranks form
+world / (tp * pp) replicas of tp * pp contiguous ranks (rollout.parallel); each replica's
+first rank writes the policy's config.json and builds the LLM with dummy weights, its Ray
+workers placed in that rank's node bundle of the actor's placement group with
+TRTLLM_WORKER_GPU_SHARE of a GPU each (the actor ranks ask that much less,
+aligner.workers.placement). Refit per bucket: every rank makes CUDA IPC handles of its full
+HF-named tensors (cast to rollout.dtype) keyed by its GPU's UUID, the handles are all-gathered,
+each owner sends the merged dict, each engine worker rebuilds the tensors of its own GPU's
+UUID; then a barrier. The engine sleeps from the end of generate to the start of the next refit.
+
+What the adapter uses (names checked against the recorded 1.2.1 API unless marked):
 - ``LLM(model=..., tensor_parallel_size=rollout.parallel.tp_size,
-  pipeline_parallel_size=rollout.parallel.pp_size, orchestrator_type="ray",
-  ray_worker_extension_cls="tensorrt_llm.llmapi.rlhf_utils.WorkerExtension", enable_sleep,
+  pipeline_parallel_size=rollout.parallel.pp_size, pp_partition=rollout.parallel.pp_layer_split,
+  orchestrator_type="ray", ray_worker_extension_cls="tensorrt_llm.llmapi.rlhf_utils.WorkerExtension",
+  ray_placement_config=RayPlacementConfig(placement_groups, placement_bundle_indices,
+  per_worker_gpu_share) | None, enable_sleep, load_format=LoadFormat.DUMMY | AUTO,
   kv_cache_config=KvCacheConfig(...), cuda_graph_config=CudaGraphConfig(...) | None,
   sampler_type="TorchSampler", skip_tokenizer_init=True, max_batch_size, max_seq_len, dtype)``.
+  dtype is bfloat16 or float16: TensorRT-LLM's kernels do not dispatch float32
+  (NVIDIA/TensorRT-LLM#5260), so float32 is refused here and at config validation.
+  ``ray_placement_config``'s 1.2.1 field description says "Only used with AsyncLLM"; the
+  RayExecutor that reads it (main revision 0777969) reads it from the LLM's args whatever the
+  class, and TensorRT-LLM's own tests/unittest/_torch/ray_orchestrator/multi_gpu/test_placement.py
+  passes it to the synchronous LLM: that it places a 1.2.1 LLM's workers is NOT verified.
+- engine start inside an actor rank: CUDA_VISIBLE_DEVICES is hidden while the LLM starts,
+  because the RayExecutor copies this process's environment into its workers and sets
+  RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1, and RayWorkerWrapper.physical_to_local_id
+  looks the worker's GPU up in that variable (main revisions 0777969 / 0acd798, NOT 1.2.1).
+  The same copy hands the actor rank's MASTER_ADDR / MASTER_PORT / RANK to the workers; whether
+  1.2.1's workers take their rendezvous from there or from their leader is NOT verified.
 - refit: ``llm._collective_rpc("update_weights", args=(ipc_handles,))`` once per bucket, where
   ``ipc_handles = {device_uuid: [(hf_name, torch.multiprocessing.reductions.reduce_tensor(t)), ...]}``
-  (the worker rebuilds each tensor on its own device and calls the model loader's
+  (the worker rebuilds each tensor of its own UUID on its own device and calls the model loader's
   ``reload(..., allow_partial_loading=True)``), then ``args=(None,)`` to finalize (post-load
   hooks, prefix-cache reset). Device UUIDs come from ``tensorrt_llm._torch.utils.get_device_uuid``,
   the function the worker itself uses (imported from that module by rlhf_utils.py at main
   revisions 04762f3b / 65b31db1; NOT in the recorded 1.2.1 API).
-- sleep / wakeup: ``llm._collective_rpc("sleep" | "wakeup", args=(tags,))`` with
-  ``tags`` = ExecutorMemoryType members (``tensorrt_llm._torch.virtual_memory``; taken from a
-  TensorRT-LLM unit test, NOT in the recorded API). Needs ``enable_sleep=True``; that test
-  turns CUDA graphs off with sleep ("CUDA Graph unsupported yet"), and so do we.
+- sleep / wakeup: ``llm._collective_rpc("sleep" | "wakeup", args=(tags,))`` with ``tags`` the
+  string values of every ``tensorrt_llm._torch.virtual_memory.ExecutorMemoryType`` member
+  (RayGPUWorker.sleep(sleep_tags: List[str]) turns them back into members at main revision
+  0acd798; 1.2.1's AsyncLLM.release(tags: list[str]) sends the same RPC; the enum itself is NOT
+  in the recorded API). Needs ``enable_sleep=True``; TensorRT-LLM's sleep test turned CUDA
+  graphs off with sleep ("CUDA Graph unsupported yet"), and so do we. Refit follows wakeup, so
+  weights whose memory comes back without its contents are overwritten before use.
 - log-probs: ``SamplingParams(logprobs=0)`` returns only the sampled token's log-prob
   (documented in TensorRT-LLM's ray example). 1.2.1 has NO ``logprobs_mode`` (vLLM's name;
   absent from the recorded SamplingParams), so whether the returned values are taken before
   or after temperature / top-k / top-p processing is not settled by the API; the trainer
   recomputes ``old_log_probs`` anyway and the mismatch metric exposes any difference.
 
-Status: NOTHING in this module has run on a GPU or against an installed tensorrt_llm (it
-cannot be installed on the CPU development machine, and the H100 lent on 2026-11-22 had no
-tensorrt_llm and no network to fetch it from NVIDIA's index; its wheels exceed what can be
-carried there). build_llm_kwargs / build_sampling_kwargs
-and the call sites are checked statically by tests/rollout/test_trtllm_engine.py; the end-to-end
-behaviour is exercised only by tests/rollout/test_trtllm_engine_gpu.py where the package imports.
-Simplification: one Python process owns the LLM; tensors handed to update_weights must live
-on that process's current CUDA device, and with tp/pp > 1 the caller must gather handles for
-every engine GPU (``update_weights_from_handles``).
+Status: NOTHING in this module, and none of the PPO-loop wiring of rollout.backend=trtllm
+(aligner.workers.actor, the placement share), has run on a GPU or against an installed
+tensorrt_llm: it cannot be installed on the CPU development machine, and no GPU machine with
+tensorrt_llm was available (the H100 lent on 2026-11-22 had no tensorrt_llm and no network to
+fetch it from NVIDIA's index). What has run, on CPU only: the pure functions
+(build_llm_kwargs, build_sampling_kwargs, sampled_log_probs, trtllm_replica, ray_placement,
+write_engine_model_dir), the config validation of rollout.backend=trtllm, and the static
+contract checks of every keyword, field, import path and RPC name used here against the
+recorded API (tests/rollout/test_trtllm_engine.py, tests/test_config.py). The end-to-end
+behaviour is exercised only by gpu-marked tests (tests/rollout/test_trtllm_engine_gpu.py,
+tests/trainers/test_ppo_trtllm_gpu.py), which skip unless CUDA and tensorrt_llm are present.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from aligner.rollout.base import Generation, RolloutEngine, check_budgets, check_prompts, check_sampling
 
@@ -63,27 +97,39 @@ def build_llm_kwargs(
     dtype: str = "bfloat16",
     enable_sleep: bool = True,
     free_gpu_memory_fraction: float = 0.5,
+    dummy_weights: bool = False,
+    placement: Optional[dict] = None,
 ) -> dict:
     """Keywords for ``tensorrt_llm.LLM(**kw)`` from a RolloutConfig.
 
     Args:
-        cfg: RolloutConfig (parallel.tp_size, parallel.pp_size, max_batch_size, cuda_graphs).
-        model_dir: HF checkpoint directory the engine starts from (weights are refit later).
+        cfg: RolloutConfig (parallel.tp_size, parallel.pp_size, parallel.pp_layer_split,
+            max_batch_size, cuda_graphs).
+        model_dir: HF model directory the engine starts from (config.json; weights unless
+            `dummy_weights`); the weights are replaced by every refit.
         max_seq_len: prompt + response tokens.
-        dtype: "bfloat16" | "float16" | "float32" (aligner's ModelConfig.dtype names).
+        dtype: "bfloat16" | "float16". float32 is refused: TensorRT-LLM's kernels do not
+            dispatch it (NVIDIA/TensorRT-LLM#5260).
         enable_sleep: allow sleep/wakeup around training (turns CUDA graphs off, see module doc).
         free_gpu_memory_fraction: KV cache share of the free GPU memory, in (0, 1].
+        dummy_weights: start from config.json alone (``load_format=LoadFormat.DUMMY``, given
+            here as "dummy"): the first refit brings the weights.
+        placement: {"placement_groups": [pg], "placement_bundle_indices": [[bundle] * workers],
+            "per_worker_gpu_share": share} (RayPlacementConfig fields) to put the engine's Ray
+            workers beside the trainer; None lets TensorRT-LLM create its own placement group.
     Returns:
-        dict; ``kv_cache_config`` / ``cuda_graph_config`` are dicts of KvCacheConfig /
-        CudaGraphConfig fields (or None), turned into those objects by TrtllmEngine.
+        dict; ``kv_cache_config`` / ``cuda_graph_config`` / ``ray_placement_config`` are dicts
+        of KvCacheConfig / CudaGraphConfig / RayPlacementConfig fields (or None), turned into
+        those objects by TrtllmEngine, which also maps ``load_format`` "dummy" / "auto" to LoadFormat.
     Raises:
         ValueError: bad dtype or memory fraction.
     """
-    if dtype not in ("bfloat16", "float16", "float32"):
-        raise ValueError(f"dtype={dtype!r} is invalid: valid choices are bfloat16, float16, float32")
+    if dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"dtype={dtype!r} is invalid: valid choices are bfloat16, float16 (TensorRT-LLM's kernels do not run float32)")
     if not 0 < free_gpu_memory_fraction <= 1:
         raise ValueError(f"free_gpu_memory_fraction={free_gpu_memory_fraction!r} is invalid: must be in (0, 1]")
     graphs = bool(cfg.cuda_graphs) and not enable_sleep
+    split = cfg.parallel.pp_layer_split
     return {
         "model": model_dir,
         "tensor_parallel_size": cfg.parallel.tp_size,
@@ -98,6 +144,9 @@ def build_llm_kwargs(
         "sampler_type": "TorchSampler",
         "kv_cache_config": {"free_gpu_memory_fraction": free_gpu_memory_fraction, "enable_block_reuse": False},
         "cuda_graph_config": {"enable_padding": True, "max_batch_size": cfg.max_batch_size} if graphs else None,
+        "pp_partition": list(split) if split else None,  # layers per pipeline stage; None = TensorRT-LLM's even split
+        "load_format": "dummy" if dummy_weights else "auto",
+        "ray_placement_config": dict(placement) if placement is not None else None,
     }
 
 
@@ -146,9 +195,30 @@ def _import_trtllm():
         import tensorrt_llm  # noqa: F401
         from tensorrt_llm import LLM, SamplingParams
         from tensorrt_llm.llmapi import CudaGraphConfig, KvCacheConfig
+        from tensorrt_llm.llmapi.llm_args import LoadFormat, RayPlacementConfig
     except ImportError as e:
         raise ImportError(INSTALL_HINT) from e
-    return LLM, SamplingParams, KvCacheConfig, CudaGraphConfig
+    return LLM, SamplingParams, KvCacheConfig, CudaGraphConfig, LoadFormat, RayPlacementConfig
+
+
+@contextmanager
+def _env_without(name: str) -> Iterator[None]:
+    """Hide one environment variable while the engine starts, then restore it.
+
+    TensorRT-LLM's RayExecutor copies this process's environment into its workers and sets
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1; RayWorkerWrapper then looks its physical
+    GPU up in CUDA_VISIBLE_DEVICES. An actor rank's CUDA_VISIBLE_DEVICES names only its own
+    GPU, so an engine worker placed on another GPU of the node would not find its own.
+    This process's CUDA context exists already, so hiding it does not move this process.
+    """
+    import os
+
+    saved = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
 
 
 class TrtllmEngine(RolloutEngine):
@@ -159,8 +229,11 @@ class TrtllmEngine(RolloutEngine):
         cfg: RolloutConfig.
         max_seq_len: prompt + response tokens.
         eos_token_id: stop token (SamplingParams.end_id).
-        dtype: engine dtype name.
+        dtype: engine dtype name ("bfloat16" | "float16").
         enable_sleep: enable sleep/wakeup (offload/onload).
+        dummy_weights: start from `model_dir`'s config.json alone (LoadFormat.DUMMY); refit
+            brings the weights.
+        placement: RayPlacementConfig fields (see :func:`build_llm_kwargs`), or None.
     Raises:
         ImportError: tensorrt_llm missing (message says what to install).
     """
@@ -174,25 +247,39 @@ class TrtllmEngine(RolloutEngine):
         eos_token_id: Optional[int] = None,
         dtype: str = "bfloat16",
         enable_sleep: bool = True,
+        dummy_weights: bool = False,
+        placement: Optional[dict] = None,
     ):
-        LLM, self._SamplingParams, KvCacheConfig, CudaGraphConfig = _import_trtllm()
-        kw = build_llm_kwargs(cfg, model_dir, max_seq_len=max_seq_len, dtype=dtype, enable_sleep=enable_sleep)
-        kv, graphs = kw.pop("kv_cache_config"), kw.pop("cuda_graph_config")
-        self.llm = LLM(
-            model=kw["model"],
-            tensor_parallel_size=kw["tensor_parallel_size"],
-            pipeline_parallel_size=kw["pipeline_parallel_size"],
-            orchestrator_type=kw["orchestrator_type"],
-            ray_worker_extension_cls=kw["ray_worker_extension_cls"],
-            enable_sleep=kw["enable_sleep"],
-            skip_tokenizer_init=kw["skip_tokenizer_init"],
-            dtype=kw["dtype"],
-            max_batch_size=kw["max_batch_size"],
-            max_seq_len=kw["max_seq_len"],
-            sampler_type=kw["sampler_type"],
-            kv_cache_config=KvCacheConfig(**kv),
-            cuda_graph_config=CudaGraphConfig(**graphs) if graphs is not None else None,
+        LLM, self._SamplingParams, KvCacheConfig, CudaGraphConfig, LoadFormat, RayPlacementConfig = _import_trtllm()
+        kw = build_llm_kwargs(
+            cfg,
+            model_dir,
+            max_seq_len=max_seq_len,
+            dtype=dtype,
+            enable_sleep=enable_sleep,
+            dummy_weights=dummy_weights,
+            placement=placement,
         )
+        kv, graphs, ray_place = kw.pop("kv_cache_config"), kw.pop("cuda_graph_config"), kw.pop("ray_placement_config")
+        with _env_without("CUDA_VISIBLE_DEVICES") if ray_place is not None else nullcontext():
+            self.llm = LLM(
+                model=kw["model"],
+                tensor_parallel_size=kw["tensor_parallel_size"],
+                pipeline_parallel_size=kw["pipeline_parallel_size"],
+                pp_partition=kw["pp_partition"],
+                orchestrator_type=kw["orchestrator_type"],
+                ray_worker_extension_cls=kw["ray_worker_extension_cls"],
+                ray_placement_config=RayPlacementConfig(**ray_place) if ray_place is not None else None,
+                enable_sleep=kw["enable_sleep"],
+                skip_tokenizer_init=kw["skip_tokenizer_init"],
+                load_format=LoadFormat.DUMMY if kw["load_format"] == "dummy" else LoadFormat.AUTO,
+                dtype=kw["dtype"],
+                max_batch_size=kw["max_batch_size"],
+                max_seq_len=kw["max_seq_len"],
+                sampler_type=kw["sampler_type"],
+                kv_cache_config=KvCacheConfig(**kv),
+                cuda_graph_config=CudaGraphConfig(**graphs) if graphs is not None else None,
+            )
         self.cfg, self.eos_token_id, self.max_seq_len = cfg, eos_token_id, max_seq_len
         self.vocab_size = None
         self.weight_version = 0
@@ -257,10 +344,11 @@ class TrtllmEngine(RolloutEngine):
         self.llm._collective_rpc("update_weights", args=(None,))
         self.weight_version += 1
 
-    def _memory_tags(self) -> list:
+    def _memory_tags(self) -> list[str]:
+        """Every ExecutorMemoryType value of the installed TensorRT-LLM (strings, as AsyncLLM.release takes)."""
         from tensorrt_llm._torch.virtual_memory import ExecutorMemoryType
 
-        return list(ExecutorMemoryType)
+        return [t.value for t in ExecutorMemoryType]
 
     def offload(self) -> None:
         """Release weights and KV cache memory (worker RPC "sleep")."""
@@ -276,3 +364,192 @@ class TrtllmEngine(RolloutEngine):
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+
+
+@dataclass(frozen=True)
+class TrtllmReplica:
+    """Where one actor rank stands in the TensorRT-LLM engine layout over the actor group.
+
+    The actor's ``world`` ranks form ``replicas = world / (tp * pp)`` engine replicas of
+    ``workers = tp * pp`` contiguous ranks (rollout.parallel). The first rank of each replica
+    (``owner``) builds that replica's ``LLM``, whose ``workers`` Ray workers go into the node
+    bundle ``bundle_index`` of the actor's placement group (the owner's node, one worker per
+    actor GPU there, see aligner.workers.placement.TRTLLM_WORKER_GPU_SHARE).
+    ``engine_kwargs`` are the keywords of ``TrtllmEngine(model_dir, rollout_cfg, **engine_kwargs)``
+    except ``placement``, which needs the live placement group (:func:`ray_placement`).
+    """
+
+    replicas: int
+    replica: int
+    owner: bool
+    workers: int
+    bundle_index: int
+    engine_kwargs: dict
+
+
+def trtllm_replica(cfg: Any, world_size: int, rank: int, eos_token_id: Optional[int]) -> TrtllmReplica:
+    """The TrtllmReplica of actor `rank` for an AlignerConfig `cfg` (pure: no Ray, no CUDA, no tensorrt_llm).
+
+    Raises ValueError naming rollout.parallel when tp * pp does not divide the actor's ranks on
+    one node (AlignerConfig validation refuses that before this is reached).
+    """
+    rp = cfg.rollout.parallel
+    workers = rp.tp_size * rp.pp_size
+    per_node = world_size // max(1, cfg.actor.resources.num_nodes)
+    if workers < 1 or per_node % workers or world_size % workers:
+        raise ValueError(
+            f"rollout.parallel tp_size={rp.tp_size} x pp_size={rp.pp_size} must divide the actor's {per_node} "
+            "ranks per node: a TensorRT-LLM engine replica lives on one node"
+        )
+    return TrtllmReplica(
+        replicas=world_size // workers,
+        replica=rank // workers,
+        owner=rank % workers == 0,
+        workers=workers,
+        bundle_index=rank // per_node,
+        engine_kwargs={
+            "max_seq_len": cfg.model.max_seq_len,
+            "eos_token_id": eos_token_id,
+            "dtype": cfg.rollout.dtype,
+            "enable_sleep": True,
+            "dummy_weights": True,
+        },
+    )
+
+
+def ray_placement(replica: TrtllmReplica, placement_group: Any, gpu_share: float) -> Optional[dict]:
+    """RayPlacementConfig fields putting the replica's workers in `placement_group`'s bundle
+    ``replica.bundle_index`` with `gpu_share` of a GPU each; None without a placement group
+    (a process outside Ray worker groups: TensorRT-LLM then makes its own)."""
+    if placement_group is None:
+        return None
+    return {
+        "placement_groups": [placement_group],
+        "placement_bundle_indices": [[replica.bundle_index] * replica.workers],
+        "per_worker_gpu_share": gpu_share,
+    }
+
+
+def write_engine_model_dir(model_cfg: Any, directory: str) -> str:
+    """Write the HF config.json of aligner ModelConfig `model_cfg` into `directory`; return it.
+
+    The engine starts from it with dummy weights (LoadFormat.DUMMY); the first refit loads
+    the policy. Llama, or Qwen2 for q/k/v biases without an o_proj bias (model_config_to_hf).
+    """
+    import json
+    from pathlib import Path
+
+    from aligner.model.hf import model_config_to_hf
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model_config_to_hf(model_cfg, "lm"), indent=2))
+    return str(path)
+
+
+WAIT_S = 7200.0  # how long a rank may wait at the replica protocol's barriers (engine start, generation), seconds
+
+
+def cpu_wait_group(timeout_s: float = WAIT_S) -> Any:
+    """A gloo group over the actor's ranks for the handle gather and the barriers (None in one process).
+
+    Non-owner ranks wait there while owners start the engine or generate: minutes, past the
+    NCCL groups' timeout (aligner.parallel.dims.init_process_group, 300 s), so they wait on
+    the CPU with `timeout_s`. Collective: every rank must call it, in the same order.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    from datetime import timedelta
+
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def _world(group: Any) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+class ColocatedTrtllmEngine(RolloutEngine):
+    """One actor rank's side of a TensorRT-LLM replica colocated with the trainer (rollout.backend=trtllm).
+
+    Every actor rank holds one; the replica owner's also holds the :class:`TrtllmEngine`
+    (``engine``), the others None. Refit follows TensorRT-LLM's WorkerExtension.update_weights
+    contract: per bucket, every rank casts its full HF-named tensors to the engine dtype on its
+    own GPU and makes CUDA IPC handles of them keyed by its GPU's UUID; the handles of all ranks
+    are all-gathered over `group` (the actor's default group when None), and each owner sends
+    the merged dict with ``_collective_rpc("update_weights", (handles,))``; each engine worker
+    rebuilds the tensors of its own GPU's UUID (that GPU's actor rank). A barrier then keeps
+    every rank's bucket alive until all owners' RPCs returned. `group` should be
+    :func:`cpu_wait_group`'s (the barriers last as long as an engine start or a generation). ``finish_weight_update``
+    finalizes on the owners (``update_weights(None)``) and bumps ``weight_version`` on every rank.
+    offload / onload are the owners' sleep / wakeup RPCs followed by a barrier.
+
+    Collective: every rank of `group` must call update_weights, finish_weight_update, offload
+    and onload the same number of times. generate runs on owners only (RuntimeError elsewhere).
+    Nothing here has run on a GPU (see the module docstring).
+    """
+
+    def __init__(self, engine: Optional[TrtllmEngine], *, dtype: str = "bfloat16", group: Any = None):
+        self.engine, self.group = engine, group
+        self.dtype = getattr(torch, dtype)
+        self.weight_version = 0
+
+    @property
+    def owner(self) -> bool:
+        return self.engine is not None
+
+    def _barrier(self) -> None:
+        if _world(self.group) > 1:
+            dist.barrier(group=self.group)
+
+    def gather_handles(self, local: dict[str, list]) -> dict[str, list]:
+        """{device_uuid: handles} of every rank of the group, merged (the first rank's entry wins a repeated UUID)."""
+        n = _world(self.group)
+        if n == 1:
+            return dict(local)
+        parts: list = [None] * n
+        dist.all_gather_object(parts, local, group=self.group)
+        merged: dict[str, list] = {}
+        for part in parts:
+            for uuid, handles in part.items():
+                merged.setdefault(uuid, handles)
+        return merged
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """One bucket of full HF-named tensors (any device/dtype: copied to this rank's GPU in the engine dtype)."""
+        device = torch.device("cuda", torch.cuda.current_device())
+        bucket = [(n, t.detach().to(device=device, dtype=self.dtype).contiguous()) for n, t in named_tensors]
+        merged = self.gather_handles(TrtllmEngine.ipc_handles(bucket))
+        if self.owner:
+            self.engine.update_weights_from_handles(merged)
+        self._barrier()  # the workers copied every rank's tensors before any rank drops its bucket
+        del bucket
+
+    def finish_weight_update(self) -> None:
+        if self.owner:
+            self.engine.finish_weight_update()
+        self._barrier()
+        self.weight_version += 1
+
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: Any, seeds: Optional[list[int]] = None, max_new_tokens: Optional[list[int]] = None
+    ) -> list[Generation]:
+        """See RolloutEngine.generate; on the replica owner only."""
+        if not self.owner:
+            raise RuntimeError("ColocatedTrtllmEngine.generate runs on the replica owner (the rank holding the LLM) only")
+        return self.engine.generate(prompt_ids, sampling, seeds=seeds, max_new_tokens=max_new_tokens)
+
+    def offload(self) -> None:
+        """Sleep the replica (owners' "sleep" RPC), then wait for every owner."""
+        if self.owner:
+            self.engine.offload()
+        self._barrier()
+
+    def onload(self) -> None:
+        """Wake the replica (owners' "wakeup" RPC), then wait for every owner."""
+        if self.owner:
+            self.engine.onload()
+        self._barrier()
+
+    def shutdown(self) -> None:
+        if self.owner:
+            self.engine.shutdown()

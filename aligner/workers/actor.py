@@ -9,6 +9,11 @@ is built over the actor's ranks: dp_infer = world / (tp_infer * pp_infer) replic
 freed pipeline stages become extra replicas (NeMo-Aligner's reshard). ``generate`` is
 broadcast: every rank receives all prompts, each replica generates its contiguous share,
 and the first rank of each replica returns it.
+
+rollout.backend=trtllm builds a TensorRT-LLM replica per tp * pp contiguous ranks instead
+(its first rank owns the ``LLM``; aligner.rollout.trtllm_engine.ColocatedTrtllmEngine), wakes
+it at the start of refit and puts it to sleep at the end of generate, and reports the same
+refit dict (seconds, bytes, weight_version) as the torch engine. That path has not run on a GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from aligner.config import AlignerConfig, OptimConfig, SamplingConfig, Trainable
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.parallelize import build_parallel_model, decode_layer_split
 from aligner.rollout import build_engine
-from aligner.rollout.refit import refit, rollout_dims
+from aligner.rollout.refit import iter_buckets, refit, rollout_dims
 from aligner.workers.dispatch import dispatch, split_batch
 
 
@@ -86,18 +91,18 @@ class ActorWorker(PolicyWorker):
         self.eos_token_id = eos_token_id
         self.engine = None
         self.infer_dims = None
+        self.trtllm = None  # rollout.backend=trtllm: this rank's TrtllmReplica (set with the engine)
 
     def _build_engine(self) -> None:
         """The rollout engine on the engine layout (rollout.parallel) over this group's ranks.
 
-        Its weights start as the seeded init and are replaced by the first refit.
+        rollout.backend=torch: a TorchEngine per rank; its weights start as the seeded init.
+        rollout.backend=trtllm: :meth:`_build_trtllm_engine`. The first refit replaces the weights.
         """
 
-        if self.cfg.rollout.backend != "torch":
-            raise ValueError(
-                f"rollout.backend={self.cfg.rollout.backend!r} runs through TrtllmEngine on GPU nodes; "
-                "this worker builds the torch engine only (use rollout.backend=torch on CPU)"
-            )
+        if self.cfg.rollout.backend == "trtllm":
+            self._build_trtllm_engine()
+            return
         rp = self.cfg.rollout.parallel
         if self.dims.world_size == 1:
             self.infer_dims = ParallelDims()
@@ -122,15 +127,59 @@ class ActorWorker(PolicyWorker):
             seed=self.cfg.trainer.seed,
         )
 
+    def _build_trtllm_engine(self) -> None:
+        """A TensorRT-LLM replica per tp * pp contiguous ranks, colocated with the trainer (GPU only).
+
+        The replica's first rank writes the policy's HF config.json to a temporary directory and
+        builds a TrtllmEngine from it with dummy weights; its Ray workers go into this rank's node
+        bundle of the actor's placement group (when the worker runs in one) with
+        TRTLLM_WORKER_GPU_SHARE of a GPU each. Every rank wraps it (or None) in a
+        ColocatedTrtllmEngine, which the refit and sleep/wake protocol runs through.
+        Nothing of this has run on a GPU (aligner/rollout/trtllm_engine.py says what has).
+        """
+        import tempfile
+
+        from aligner.rollout.trtllm_engine import (
+            ColocatedTrtllmEngine,
+            cpu_wait_group,
+            ray_placement,
+            trtllm_replica,
+            write_engine_model_dir,
+        )
+        from aligner.workers.placement import TRTLLM_WORKER_GPU_SHARE
+
+        self.trtllm = trtllm_replica(self.cfg, self.dims.world_size, self.dims.rank, self.eos_token_id)
+        group = cpu_wait_group()  # collective, before any owner starts its engine
+        engine = None
+        if self.trtllm.owner:
+            self._engine_dir = tempfile.TemporaryDirectory(prefix="aligner-trtllm-")
+            model_dir = write_engine_model_dir(self.policy.model_cfg, self._engine_dir.name)
+            placement = ray_placement(self.trtllm, _current_placement_group(), TRTLLM_WORKER_GPU_SHARE)
+            engine = build_engine("trtllm", model_dir, self.cfg.rollout, **self.trtllm.engine_kwargs, placement=placement)
+        self.engine = ColocatedTrtllmEngine(engine, dtype=self.cfg.rollout.dtype, group=group)
+
     @dispatch("broadcast")
     def refit(self) -> dict:
-        """Copy the current policy weights into the engine (collective). Returns seconds, bytes, weight_version."""
+        """Copy the current policy weights into the engine (collective). Returns seconds, bytes, weight_version.
+
+        rollout.backend=trtllm: the engine is woken first (it sleeps from the end of generate); the
+        wake is counted in seconds.
+        """
         if self.engine is None:
             self._build_engine()
         t0 = time.perf_counter()
+        trtllm = self.cfg.rollout.backend == "trtllm"
+        if trtllm:
+            self.engine.onload()
         eng = self.policy.runtime
         sharded = eng.fsdp or eng.backend == "deepspeed"
-        if not sharded:
+        if sharded and trtllm:  # full tensors on every rank; bucketed like the unsharded path
+            sd = self.policy.full_state_dict()
+            for bucket in iter_buckets(sd.items(), self.cfg.rollout.refit_bucket_mb):
+                self.engine.update_weights(bucket)
+            self.engine.finish_weight_update()
+            nbytes = sum(v.numel() * v.element_size() for v in sd.values())
+        elif not sharded:
             stats = refit(
                 eng.module,
                 self.engine,
@@ -152,8 +201,32 @@ class ActorWorker(PolicyWorker):
         replica's first rank, None elsewhere. The driver concatenates shares in replica order."""
         if self.engine is None:
             raise RuntimeError("generate before refit: call refit() first so the engine holds the policy weights")
+        if self.cfg.rollout.backend == "trtllm":
+            return self._generate_trtllm(prompt_ids, sampling, seeds)
         d = self.infer_dims
         share = split_batch({"p": prompt_ids, "s": seeds}, d.dp_size)[d.dp_rank]
         gens = self.engine.generate(share["p"], sampling, seeds=share["s"]) if share["p"] else []
         lead = d.tp_rank == 0 and d.pp_rank == 0
         return (d.dp_rank, gens) if lead else None
+
+    def _generate_trtllm(self, prompt_ids: list, sampling: SamplingConfig, seeds: list) -> Optional[tuple[int, list]]:
+        """generate for rollout.backend=trtllm: each replica owner generates its contiguous share, then
+        every rank puts the engine to sleep until the next refit wakes it (collective)."""
+        r = self.trtllm
+        share = split_batch({"p": prompt_ids, "s": seeds}, r.replicas)[r.replica]
+        gens = self.engine.generate(share["p"], sampling, seeds=share["s"]) if r.owner and share["p"] else []
+        self.engine.offload()
+        return (r.replica, gens) if r.owner else None
+
+
+def _current_placement_group():
+    """The Ray placement group this worker runs in, or None (no Ray, or not in one)."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    from ray.util.placement_group import get_current_placement_group
+
+    return get_current_placement_group()

@@ -14,6 +14,9 @@ bundle ``r // workers_per_node``, so the contiguous ranks of a TP group share a 
   halves of the nodes); ``RoleConfig.colocate_with`` moves a role into another's group.
 - colocated: all roles share one node group; each actor asks ``1/k`` of a GPU and
   ``cpus_per_worker/k`` CPUs, where k roles share the bundles (time-sliced).
+- rollout.backend=trtllm: each actor rank asks ``TRTLLM_WORKER_GPU_SHARE`` less of its GPU,
+  and the TensorRT-LLM engine workers its replica owner starts ask that share in the same
+  node bundle (aligner.rollout.trtllm_engine), so one engine worker sits on each actor GPU.
 
 Simplification: one GPU per worker; colocated roles must use the same num_nodes and
 gpus_per_node. A cluster that lacks the resources is refused with :class:`PlacementError`
@@ -24,7 +27,7 @@ before any actor starts; ``placement_group.ready()`` with a timeout is a second 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence
 
 from aligner.config import ParallelConfig, ResourceConfig, RoleConfig
@@ -32,6 +35,9 @@ from aligner.errors import PlacementError
 from aligner.workers.ray_runtime import local_num_cpus
 
 PLACEMENTS = ("split", "colocated")
+# GPU share each TensorRT-LLM engine worker asks (RayPlacementConfig.per_worker_gpu_share); the actor
+# worker on that GPU asks this much less, so exactly one engine worker fits beside each actor rank
+TRTLLM_WORKER_GPU_SHARE = 0.1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,12 +52,17 @@ class RoleRequest:
     num_nodes: int = 1  # nodes in the role's node group
     gpus_per_node: int = 0  # GPUs per node; 0 = CPU workers
     cpus_per_worker: int = 1  # CPUs per worker
+    # share of each of its GPUs a worker leaves free in the bundle for processes it starts there
+    # itself (the TensorRT-LLM engine workers of rollout.backend=trtllm, TRTLLM_WORKER_GPU_SHARE)
+    engine_gpu_share: float = 0.0
 
     def __post_init__(self) -> None:
         p = f"{self.role}.resources"
         for name in ("world_size", "num_nodes", "cpus_per_worker"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{p}.{name}={getattr(self, name)} is invalid: must be >= 1")
+        if not 0.0 <= self.engine_gpu_share < 1.0:
+            raise ValueError(f"engine_gpu_share={self.engine_gpu_share} is invalid: must be in [0, 1)")
         if self.gpus_per_node < 0:
             raise ValueError(f"{p}.gpus_per_node={self.gpus_per_node} is invalid: must be >= 0 (0 = CPU workers)")
         if self.gpus_per_node > 0 and self.world_size != self.num_nodes * self.gpus_per_node:
@@ -81,6 +92,10 @@ class RoleRequest:
             gpus_per_node=resources.gpus_per_node,
             cpus_per_worker=resources.cpus_per_worker,
         )
+
+    def gpus_per_worker(self, k: int = 1) -> float:
+        """GPUs one worker asks when `k` roles share its bundles: 1/k less engine_gpu_share (0 on CPU)."""
+        return (1.0 / k - self.engine_gpu_share) if self.gpus_per_node else 0.0
 
     @property
     def workers_per_node(self) -> int:
@@ -368,7 +383,7 @@ def create_placement(
                     role=req.role,
                     request=req,
                     num_cpus=req.cpus_per_worker / k,
-                    num_gpus=(1.0 / k) if req.gpus_per_node else 0.0,
+                    num_gpus=req.gpus_per_worker(k),
                     shared=shared,
                 )
     except BaseException:
@@ -380,6 +395,9 @@ def create_placement(
 
 def _config_requests(cfg: Any, roles: Sequence[str]) -> tuple[dict[str, RoleRequest], dict[str, str]]:
     requests = {name: RoleRequest.from_role(name, cfg.role(name)) for name in roles}
+    if cfg.stage == "ppo" and cfg.rollout.backend == "trtllm" and "actor" in requests and requests["actor"].gpus_per_node:
+        # the actor's ranks leave TRTLLM_WORKER_GPU_SHARE of their GPUs to the engine workers they start
+        requests["actor"] = replace(requests["actor"], engine_gpu_share=TRTLLM_WORKER_GPU_SHARE)
     colocate = {name: cfg.role(name).colocate_with for name in roles if cfg.role(name).colocate_with}
     return requests, colocate
 

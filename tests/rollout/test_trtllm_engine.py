@@ -3,17 +3,24 @@
 The recorded API is ../shared/data/apis/tensorrt_llm.json (names, parameters and fields
 parsed from TensorRT-LLM's source; see its README). Checks: every keyword the pure builders
 return, every keyword at each ``LLM(...)`` / ``SamplingParams(...)`` / ``KvCacheConfig(...)`` /
-``CudaGraphConfig(...)`` call in trtllm_engine.py's source (found with ``ast``), every
-method and RPC name it calls, and the output fields it reads.
+``CudaGraphConfig(...)`` / ``RayPlacementConfig(...)`` call in trtllm_engine.py's source (found
+with ``ast``), every ``LoadFormat`` member, every ``from tensorrt_llm... import`` (recorded, or
+one of the unrecorded names the module docstring marks NOT in the recorded API), every method and
+RPC name it calls, and the output fields it reads. Then the PPO-loop wiring of rollout.backend=trtllm
+on CPU, without TensorRT-LLM: which rank owns which replica, the placement handed to TensorRT-LLM,
+the GPU share the actor leaves it, the config.json the engine starts from, and that the actor
+builds the TensorRT-LLM engine (here it stops at the import, naming what to install).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import pathlib
 
 import pytest
+import torch
 
 from aligner.config import RolloutConfig, SamplingConfig
 from aligner.rollout import trtllm_engine
@@ -72,6 +79,63 @@ def test_llm_kwargs_are_accepted(api):
     assert graphs is not None and set(graphs) <= field_names(api["tensorrt_llm.llmapi.llm_args.CudaGraphConfig"])
 
 
+def test_ppo_loop_llm_kwargs_are_accepted(api):
+    """The keywords the actor's replica owner adds: dummy weights, a pp split, a Ray placement."""
+    from aligner.config import ParallelConfig
+
+    accepted = set(api["tensorrt_llm.LLM.accepted_kwargs"]["all"])
+    cfg = RolloutConfig(parallel=ParallelConfig(tp_size=2, pp_size=2, pp_layer_split=[3, 1]))
+    place = {"placement_groups": ["pg"], "placement_bundle_indices": [[0, 0, 0, 0]], "per_worker_gpu_share": 0.1}
+    kw = build_llm_kwargs(cfg, "/ckpt", max_seq_len=512, dummy_weights=True, placement=place)
+    assert set(kw) <= accepted, set(kw) - accepted
+    assert kw["pp_partition"] == [3, 1] and kw["load_format"] == "dummy" and kw["ray_placement_config"] == place
+    fields = {f["name"]: f for f in api["tensorrt_llm.llmapi.llm_args.TorchLlmArgs"]["fields"]}
+    assert fields["pp_partition"]["annotation"] == "Optional[List[int]]"
+    assert "LoadFormat" in fields["load_format"]["annotation"] and "RayPlacementConfig" in fields["ray_placement_config"]["annotation"]
+    ray_fields = field_names(api["tensorrt_llm.llmapi.llm_args.RayPlacementConfig"])
+    assert set(place) <= ray_fields and "defer_workers_init" in ray_fields  # left at its default (False): workers start in LLM()
+    plain = build_llm_kwargs(RolloutConfig(), "/ckpt", max_seq_len=512)
+    assert plain["pp_partition"] is None and plain["load_format"] == "auto" and plain["ray_placement_config"] is None
+
+
+def test_load_format_and_placement_call_sites(api):
+    members = set(api["tensorrt_llm.llmapi.llm_args.LoadFormat"]["members"])
+    used = {
+        n.attr
+        for n in ast.walk(ast.parse(SOURCE))
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "LoadFormat"
+    }
+    assert used == {"DUMMY", "AUTO"} and used <= members
+    assert call_keywords("RayPlacementConfig") == [set()]  # built from build_llm_kwargs' dict (**), checked above
+
+
+# imports from tensorrt_llm the recorded 1.2.1 API does not hold; the module docstring marks each NOT in it
+UNRECORDED_IMPORTS = {"tensorrt_llm._torch.utils.get_device_uuid", "tensorrt_llm._torch.virtual_memory.ExecutorMemoryType"}
+
+
+def test_every_tensorrt_llm_import_is_recorded_or_marked(api):
+    recorded = {path for sym in api.values() if isinstance(sym, dict) for path in sym.get("import_paths", [])}
+    seen = set()
+    for node in ast.walk(ast.parse(SOURCE)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tensorrt_llm"):
+            for alias in node.names:
+                seen.add(f"{node.module}.{alias.name}")
+    assert seen, "no import from tensorrt_llm found"
+    assert seen - recorded == UNRECORDED_IMPORTS, seen - recorded
+    doc = trtllm_engine.__doc__
+    for path in UNRECORDED_IMPORTS:
+        module, _, name = path.rpartition(".")
+        assert module in doc and name in doc, path
+
+
+def test_sleep_tags_are_strings_as_release_takes_them(api):
+    """AsyncLLM.release / resume (1.2.1) take tags: list[str] and send them as the 'sleep' / 'wakeup' RPC args."""
+    for method in ("release", "resume"):
+        params = api[f"tensorrt_llm.llmapi.AsyncLLM.{method}"]["params"]
+        assert [(p["name"], p["annotation"]) for p in params] == [("tags", "list[str]")]
+    assert "[t.value for t in ExecutorMemoryType]" in SOURCE
+
+
 def test_parallel_sizes_come_from_the_rollout_config():
     from aligner.config import ParallelConfig
 
@@ -113,6 +177,8 @@ def test_bad_sampling_is_refused_before_tensorrt_llm():
         build_sampling_kwargs(bad, eos_token_id=None)
     with pytest.raises(ValueError, match="dtype"):
         build_llm_kwargs(RolloutConfig(), "/ckpt", max_seq_len=8, dtype="fp8")
+    with pytest.raises(ValueError, match="do not run float32"):
+        build_llm_kwargs(RolloutConfig(), "/ckpt", max_seq_len=8, dtype="float32")
 
 
 def test_methods_and_rpcs_exist(api):
@@ -159,3 +225,140 @@ def test_sampled_log_probs_reads_token_logprobs():
     assert sampled_log_probs([4], [-0.3]) == [-0.3]
     with pytest.raises(ValueError, match="logprobs=0"):
         sampled_log_probs([4, 5], [-0.3])
+
+
+# ---- the PPO loop's wiring of rollout.backend=trtllm (CPU; TensorRT-LLM is not imported) ----------------
+def _trtllm_cfg(**rollout_parallel):
+    """A validated torch-backend PPO config switched to trtllm afterwards: validation refuses trtllm here
+    (tensorrt_llm is not installed), and these tests check only what the actor would build from it."""
+    from aligner.config import AlignerConfig, ClusterConfig, ParallelConfig, ResourceConfig, TrainableRoleConfig
+
+    cfg = AlignerConfig(
+        actor=TrainableRoleConfig(parallel=ParallelConfig(dp_size=8), resources=ResourceConfig(num_nodes=2, gpus_per_node=4)),
+        rollout=RolloutConfig(dtype="bfloat16", parallel=ParallelConfig(**rollout_parallel)),
+        cluster=ClusterConfig(num_nodes=2, gpus_per_node=4),
+    )
+    cfg.rollout.backend = "trtllm"
+    return cfg
+
+
+def test_replicas_owners_and_bundles_over_the_actor_ranks():
+    from aligner.rollout.trtllm_engine import trtllm_replica
+
+    cfg = _trtllm_cfg(tp_size=2)  # 8 actor ranks on 2 nodes of 4: 4 replicas of 2 GPUs
+    rs = [trtllm_replica(cfg, 8, rank, eos_token_id=2) for rank in range(8)]
+    assert [r.replica for r in rs] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [r.owner for r in rs] == [True, False] * 4
+    assert [r.bundle_index for r in rs] == [0, 0, 0, 0, 1, 1, 1, 1]  # each replica's workers on its owner's node
+    assert {r.replicas for r in rs} == {4} and {r.workers for r in rs} == {2}
+    assert rs[0].engine_kwargs == {
+        "max_seq_len": cfg.model.max_seq_len,
+        "eos_token_id": 2,
+        "dtype": "bfloat16",
+        "enable_sleep": True,
+        "dummy_weights": True,
+    }
+    pp = [trtllm_replica(_trtllm_cfg(tp_size=2, pp_size=2), 8, rank, None) for rank in range(8)]
+    assert [r.owner for r in pp] == [True, False, False, False] * 2 and [r.bundle_index for r in pp] == [0] * 4 + [1] * 4
+    with pytest.raises(ValueError, match="one node"):  # 8 GPUs per replica, 4 per node
+        trtllm_replica(_trtllm_cfg(tp_size=4, pp_size=2), 8, 0, None)
+
+
+def test_ray_placement_puts_every_worker_in_the_owners_bundle(api):
+    from aligner.rollout.trtllm_engine import ray_placement, trtllm_replica
+
+    r = trtllm_replica(_trtllm_cfg(tp_size=2, pp_size=2), 8, 4, None)
+    pg = object()  # stands in for the ray PlacementGroup only as an opaque value carried through
+    place = ray_placement(r, pg, 0.1)
+    assert place == {"placement_groups": [pg], "placement_bundle_indices": [[1, 1, 1, 1]], "per_worker_gpu_share": 0.1}
+    # RayPlacementConfig's validator: groups and indices together, equal lengths; RayExecutor: indices = world size
+    assert len(place["placement_groups"]) == len(place["placement_bundle_indices"])
+    assert sum(map(len, place["placement_bundle_indices"])) == r.workers
+    assert ray_placement(r, None, 0.1) is None
+    share = next(f for f in api["tensorrt_llm.llmapi.llm_args.RayPlacementConfig"]["fields"] if f["name"] == "per_worker_gpu_share")
+    assert share["annotation"] == "Optional[float]"
+
+
+def test_the_actor_leaves_each_gpu_share_to_the_engine_worker():
+    from aligner.workers.placement import TRTLLM_WORKER_GPU_SHARE, plan_from_config
+
+    cfg = _trtllm_cfg()
+    cfg.actor.resources.num_nodes, cfg.actor.resources.gpus_per_node = 1, 8
+    actor = plan_from_config(cfg, ["actor"])[0].requests[0]
+    assert actor.engine_gpu_share == TRTLLM_WORKER_GPU_SHARE
+    assert actor.gpus_per_worker() == pytest.approx(1 - TRTLLM_WORKER_GPU_SHARE)
+    assert actor.gpus_per_worker(2) == pytest.approx(0.5 - TRTLLM_WORKER_GPU_SHARE)  # colocated with one more role
+    cfg.rollout.backend = "torch"
+    assert plan_from_config(cfg, ["actor"])[0].requests[0].gpus_per_worker() == 1.0
+
+
+def test_engine_model_dir_is_the_policys_hf_config(tmp_path):
+    from aligner.config import ModelConfig
+    from aligner.model.hf import model_config_from_hf, read_hf_config
+    from aligner.rollout.trtllm_engine import write_engine_model_dir
+
+    model = ModelConfig(num_kv_heads=2, tie_word_embeddings=True)
+    path = write_engine_model_dir(model, str(tmp_path / "engine"))
+    hf = read_hf_config(path)
+    assert hf["architectures"] == ["LlamaForCausalLM"]
+    back = model_config_from_hf(hf)
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "tie_word_embeddings"):
+        assert getattr(back, name) == getattr(model, name), name
+
+
+def test_backend_registry_maps_trtllm_to_the_adapter():
+    from aligner.rollout import engine_class
+    from aligner.rollout.torch_engine import TorchEngine
+    from aligner.rollout.trtllm_engine import TrtllmEngine
+
+    assert engine_class("trtllm") is TrtllmEngine and engine_class("torch") is TorchEngine
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None, reason="tensorrt_llm is installed: the GPU tests build it")
+def test_actor_builds_the_trtllm_engine_and_stops_at_the_import_here(tmp_path):
+    """ActorWorker with rollout.backend=trtllm (one rank, no Ray) takes the TensorRT-LLM path: it writes the
+    engine's config.json and constructs TrtllmEngine, which here raises the install hint at the import."""
+    from aligner.config import AlignerConfig, ModelConfig
+    from aligner.workers.actor import ActorWorker
+
+    cfg = AlignerConfig(model=ModelConfig(num_layers=2), rollout=RolloutConfig(dtype="bfloat16"))
+    cfg.rollout.backend = "trtllm"
+    worker = ActorWorker(cfg, "actor", total_steps=1, eos_token_id=2)
+    with pytest.raises(ImportError, match=r"pip install aligner\[trtllm\]"):
+        worker.refit()
+    assert worker.engine is None  # nothing half-built stays behind
+    assert worker.trtllm.owner and worker.trtllm.replicas == 1 and worker.trtllm.engine_kwargs["eos_token_id"] == 2
+    assert (pathlib.Path(worker._engine_dir.name) / "config.json").is_file()
+
+
+def test_non_owner_ranks_do_not_generate():
+    from aligner.rollout.trtllm_engine import ColocatedTrtllmEngine
+
+    side = ColocatedTrtllmEngine(None, dtype="bfloat16")
+    assert not side.owner and side.dtype == torch.bfloat16 and side.weight_version == 0
+    with pytest.raises(RuntimeError, match="replica owner"):
+        side.generate([[1, 2]], SamplingConfig())
+
+
+def _handle_protocol_battery(rank, world_size):
+    from aligner.rollout.trtllm_engine import ColocatedTrtllmEngine, cpu_wait_group
+
+    group = cpu_wait_group(timeout_s=60)
+    side = ColocatedTrtllmEngine(None, group=group)
+    # each rank offers the handles of its own GPU; ranks 1 and 3 claim the same UUID (the first must win)
+    uuid = "GPU-1" if rank == 3 else f"GPU-{rank}"
+    merged = side.gather_handles({uuid: [(f"w{rank}", rank)]})
+    side.offload()  # a non-owner only waits for the owners: no TensorRT-LLM call
+    side.onload()
+    return {"backend": torch.distributed.get_backend(group), "merged": merged}
+
+
+@pytest.mark.distributed
+def test_handles_of_every_rank_reach_every_owner():
+    """The gather the owners send to update_weights holds every rank's GPU UUID (on a gloo wait group)."""
+    from tests._spawn import run_distributed
+
+    out = run_distributed(_handle_protocol_battery, world_size=4)
+    want = {"GPU-0": [("w0", 0)], "GPU-1": [("w1", 1)], "GPU-2": [("w2", 2)]}
+    assert [r["merged"] for r in out] == [want] * 4
+    assert {r["backend"] for r in out} == {"gloo"}

@@ -2,9 +2,12 @@
 
 Neither has run on the development machine (no GPU there). CUDA-graph decode must give the
 same greedy tokens as eager decode and as the CPU no-cache reference, and log-probs within
-1e-4 (fp32). TrtllmEngine starts from a tiny HF checkpoint written from our weights, is refit
-with different weights through WorkerExtension.update_weights, and its greedy tokens must then
-equal TorchEngine's on the same weights (stamped weight_version 1); sleep/wakeup must keep them.
+1e-4 (fp32). TrtllmEngine (bfloat16: TensorRT-LLM does not run float32) starts from a tiny HF
+checkpoint written from our weights, is refit with different weights through
+WorkerExtension.update_weights; the log-probs it reports for its greedy tokens must then be
+those of the refit weights (our fp32 model on the same tokens, within a bf16 tolerance that
+has never been measured: the TensorRT-LLM test has run nowhere), stamped weight_version 1;
+after sleep, wakeup and a second refit (the PPO loop's order) it must give the same tokens.
 """
 
 from __future__ import annotations
@@ -91,18 +94,25 @@ def test_trtllm_engine_refit_generate_sleep(tmp_path):
     hf = LlamaForCausalLM(hf_cfg)
     hf.load_state_dict(build_model(CFG, seed=1).state_dict())
     hf.save_pretrained(tmp_path)
-    engine = build_engine("trtllm", str(tmp_path), RolloutConfig(), max_seq_len=CFG.max_seq_len, dtype="float32")
+    engine = build_engine("trtllm", str(tmp_path), RolloutConfig(dtype="bfloat16"), max_seq_len=CFG.max_seq_len, dtype="bfloat16")
     try:
-        trained = build_model(CFG, seed=2, device="cuda")
+        trained = build_model(CFG, seed=2, device="cuda").eval()
         stats = refit(trained, engine, bucket_mb=1)
         assert stats.weight_version == 1 and stats.buckets >= 1
         s = SamplingConfig(temperature=0.0, max_new_tokens=8)
         got = engine.generate(PROMPTS, s)
-        want = TorchEngine(trained, cuda_graphs=False).generate(PROMPTS, s)
-        assert [g.token_ids for g in got] == [g.token_ids for g in want]
         assert all(g.weight_version == 1 and len(g.rollout_log_probs) == len(g.token_ids) for g in got)
+        diffs = []
+        with torch.no_grad():
+            for p, g in zip(PROMPTS, got):
+                full = torch.tensor([p + g.token_ids], device="cuda")
+                ref = vocab_parallel_log_probs(trained(full)[:, len(p) - 1 : -1].float(), full[:, len(p) :])[0].cpu()
+                diffs.append((torch.tensor(g.rollout_log_probs) - ref).abs())
+        # the engine sampled with the refit weights, not the checkpoint's (seed 1): bf16-close log-probs
+        assert torch.cat(diffs).mean().item() < 0.05, diffs
         engine.offload()
         engine.onload()
-        assert [g.token_ids for g in engine.generate(PROMPTS, s)] == [g.token_ids for g in want]
+        assert refit(trained, engine, bucket_mb=1).weight_version == 2
+        assert [g.token_ids for g in engine.generate(PROMPTS, s)] == [g.token_ids for g in got]
     finally:
         engine.shutdown()
