@@ -21,7 +21,7 @@ from typing import Any, Optional, get_type_hints
 from aligner import algorithms as alg
 from aligner.errors import ConfigError
 
-PRESETS = ("tiny", "llama2_7b", "llama2_13b", "llama2_70b")
+PRESETS = ("tiny", "smollm2_135m", "llama2_7b", "llama2_13b", "llama2_70b")
 STAGES = ("sft", "rm", "ppo", "plan")
 ROLES = ("actor", "critic", "reward", "ref", "rollout")
 MODEL_ROLES = ("actor", "critic", "reward", "ref")  # the roles with a RoleConfig (init, parallel, resources)
@@ -145,6 +145,8 @@ class DataConfig:
     packing: bool = False  # pack several SFT samples into one sequence
     eval_fraction: float = 0.05  # fraction of train held out when eval_path is empty
     shuffle_seed: int = 0  # order of samples per epoch
+    apply_chat_template: bool = False  # render plain-text prompts as one user turn through the tokenizer's chat template (instruct models)
+    prompt_suffix: str = ""  # appended to every plain-text prompt before rendering (e.g. an answer-format instruction)
 
     def validate(self, prefix: str = "data") -> None:
         _choice(f"{prefix}.format", self.format, ("auto", *DATA_FORMATS))

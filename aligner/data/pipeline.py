@@ -81,6 +81,9 @@ def load_data(kind: str, data_cfg: DataConfig, task_cfg: TaskConfig, tokenizer, 
             train_path,
             data_cfg.eval_fraction,
         )
+    if data_cfg.apply_chat_template or data_cfg.prompt_suffix:
+        train_recs = [as_user_turn(r, data_cfg.prompt_suffix, data_cfg.apply_chat_template) for r in train_recs]
+        eval_recs = [as_user_turn(r, data_cfg.prompt_suffix, data_cfg.apply_chat_template) for r in eval_recs]
     enc_train = encode_records(train_recs, tokenizer, data_cfg, kind)
     enc_eval = encode_records(eval_recs, tokenizer, data_cfg, kind) if eval_recs else EncodeResult(examples=[])
     for name, attr in (
@@ -102,6 +105,28 @@ def load_data(kind: str, data_cfg: DataConfig, task_cfg: TaskConfig, tokenizer, 
         {k: v for k, v in stats.items() if k != "reasons"},
     )
     return DataSplits(train=enc_train.examples, eval=enc_eval.examples, format=train.format, stats=stats)
+
+
+def as_user_turn(record: dict, suffix: str = "", chat: bool = True) -> dict:
+    """A plain-text record with `suffix` appended to its prompt and, when `chat`, as a conversation.
+
+    With `chat` the prompt becomes one user message (``messages``) and each plain answer
+    (``response``, ``chosen``, ``rejected``) one assistant message, so the encoders render them
+    through the tokenizer's chat template (``data.apply_chat_template``: an instruct model sees
+    its own format, as TRL's conversational datasets and verl's GSM8K preprocessing do). The
+    prompt text (with the suffix) stays in ``prompt`` for rule rewards. Records that already hold
+    messages, or have no text prompt, are returned unchanged.
+    """
+    if "messages" in record or not isinstance(record.get("prompt"), str) or not record["prompt"]:
+        return record
+    out = dict(record, prompt=record["prompt"] + suffix)
+    if not chat:
+        return out
+    out["messages"] = [{"role": "user", "content": out["prompt"]}]
+    for key in ("response", "chosen", "rejected"):
+        if isinstance(out.get(key), str):
+            out[key] = [{"role": "assistant", "content": out[key]}]
+    return out
 
 
 def _hold_out(records: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:

@@ -9,6 +9,10 @@ to a float in [0, 1]:
   last number) equals ``metadata["answer"]`` (the gsm8k reference after "####"), compared
   as numbers after removing thousands separators, else 0.0 (as in the GSM8K paper's
   exact-match metric, Cobbe et al. 2021).
+- "gsm8k_format": the answer format taught by reward (verl's GSM8K reward and DeepSeekMath's
+  format rewards score the same two things): 0.5 when the response's last non-empty line is
+  ``#### <number>`` (:func:`gsm8k_formatted`), plus 0.5 when that number equals
+  ``metadata["answer"]``; an unformatted response scores 0.0 even when its last number is right.
 - "digit_fraction": the fraction of the response's non-space characters that are digits
   (0.0 for an empty response): a dense formatting reward for numeric answers. A random
   policy starts near 10/vocab, so fast tests use it to check that PPO raises a reward.
@@ -54,7 +58,27 @@ def _gsm8k(prompt: str, response: str, metadata: dict) -> float:
     return 1.0 if got is not None and _same_number(got, ref) else 0.0
 
 
-RULES: dict[str, Callable[[str, str, dict], float]] = {"task_accuracy": _task_accuracy, "gsm8k": _gsm8k}
+_FORMAT_LINE = re.compile(r"^####\s*(-?\d[\d,]*(?:\.\d+)?)\.?$")
+
+
+def gsm8k_formatted(response: str) -> Optional[str]:
+    """The number of the response's last non-empty line when that line is ``#### <number>``
+    (commas removed), else None."""
+    lines = [ln.strip() for ln in response.strip().splitlines() if ln.strip()]
+    m = _FORMAT_LINE.match(lines[-1]) if lines else None
+    return m.group(1).replace(",", "") if m else None
+
+
+def _gsm8k_format(prompt: str, response: str, metadata: dict) -> float:
+    if "answer" not in metadata:
+        raise ValueError("reward.rule=gsm8k_format needs metadata['answer'] (the reference after '####'): use data.format=gsm8k data")
+    got = gsm8k_formatted(response)
+    if got is None:
+        return 0.0
+    return 0.5 + (0.5 if _same_number(got, str(metadata["answer"]).replace(",", "").strip()) else 0.0)
+
+
+RULES: dict[str, Callable[[str, str, dict], float]] = {"task_accuracy": _task_accuracy, "gsm8k": _gsm8k, "gsm8k_format": _gsm8k_format}
 
 
 def _digit_fraction(prompt: str, response: str, metadata: dict) -> float:

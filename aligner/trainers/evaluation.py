@@ -28,7 +28,7 @@ import torch
 
 from aligner.config import AlignerConfig, SamplingConfig
 from aligner.data.task import mistake_breakdown
-from aligner.reward.rules import score
+from aligner.reward.rules import gsm8k_formatted, score
 
 
 @dataclasses.dataclass
@@ -37,7 +37,8 @@ class GreedyEval:
 
     prompt_ids: each prompt's token ids; generations: the engine's Generation per prompt
     (``token_ids``, ``finish_reason``, ...); responses: decoded response texts; scores: [N] float
-    rule scores; metrics: {"accuracy", "n", "mean_response_len"} plus, on the built-in task,
+    rule scores; metrics: {"accuracy", "n", "mean_response_len"} plus "format_rate" on GSM8K-style
+    data and, on the built-in task,
     "accuracy_carry", "accuracy_no_carry" and "dropped_carry" (a group without problems is left out).
     """
 
@@ -54,8 +55,11 @@ def on_builtin_task(cfg: AlignerConfig) -> bool:
 
 
 def accuracy_rule(cfg: AlignerConfig) -> str:
-    """The rule that decides whether a response is right: the built-in task's exact sum, else reward.rule."""
-    return "task_accuracy" if on_builtin_task(cfg) else cfg.reward.rule
+    """The rule that decides whether a response is right: the built-in task's exact sum, else reward.rule
+    (gsm8k for gsm8k_format: the answer's correctness; the format is reported as format_rate)."""
+    if on_builtin_task(cfg):
+        return "task_accuracy"
+    return "gsm8k" if cfg.reward.rule == "gsm8k_format" else cfg.reward.rule
 
 
 def greedy_sampling(cfg: AlignerConfig, longest_prompt: int) -> SamplingConfig:
@@ -89,7 +93,8 @@ def evaluate_greedy(actor_group, eval_examples: list[dict], tokenizer, cfg: Alig
     cfg: the run's config: the response budget (:func:`greedy_sampling`) and the rule (:func:`accuracy_rule`).
     Returns a :class:`GreedyEval`; its metrics' "accuracy" is the fraction of responses the rule
     scores 1 (in [0, 1]), "n" the number of prompts, "mean_response_len" the mean response length
-    in tokens (stop token included).
+    in tokens (stop token included); on GSM8K-style data (metadata "answer") "format_rate", the
+    fraction ending in a ``#### <number>`` line (:func:`aligner.reward.rules.gsm8k_formatted`).
     Raises ValueError for an empty eval set or an unknown rule.
     """
     if not eval_examples:
@@ -108,6 +113,8 @@ def evaluate_greedy(actor_group, eval_examples: list[dict], tokenizer, cfg: Alig
         "n": float(len(prompts)),
         "mean_response_len": sum(len(g.token_ids) for g in gens) / len(gens),
     }
+    if any("answer" in (e.get("metadata") or {}) for e in eval_examples):  # GSM8K-style data: the answer format's rate
+        metrics["format_rate"] = sum(gsm8k_formatted(r) is not None for r in responses) / len(responses)
     if on_builtin_task(cfg):  # which mistakes the policy makes: carries dropped (what PPO must fix) or not
         metrics.update(mistake_breakdown(texts, responses))
     return GreedyEval(prompts, gens, responses, scores, metrics)

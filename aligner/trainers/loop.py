@@ -8,8 +8,8 @@ order) and :func:`train` (the step loop, written once):
               UserError here, before Ray or any weights
     claim     output_dir (:func:`aligner.trainers.run_dir.claim_output_dir`: fresh, resume or
               overwrite, and the dir's lock, held to the end of the run)
+    inputs    tokenizer + data (bad inputs are UserErrors; nothing of this run is written yet)
     config    output_dir/config.yaml
-    inputs    tokenizer + data (bad inputs are UserErrors)
     start     Ray, then the SIGTERM handler (:func:`aligner.trainers.preemption.install`: after Ray,
               whose own handler would turn SIGTERM into a crash dump), then the worker groups
     resume    when resume=true: the latest complete checkpoint (:class:`Checkpoints`), or a log
@@ -235,8 +235,8 @@ def run(trainer: Trainer) -> int:
         return code
     cfg = trainer.cfg
     with trainer.claim_output_dir():  # checked and locked until the end
+        trainer.load_inputs()  # before anything is written: bad data leaves a fresh output_dir reusable
         trainer.write_config()
-        trainer.load_inputs()
         trainer.init_ray()
         preemption.install(trainer.name, cfg.trainer.preempt_grace_s)  # after Ray: its handler would crash on SIGTERM
         try:

@@ -437,7 +437,13 @@ class PPOTrainer(Trainer):
         self.busy("actor")
         res = evaluate_greedy(self.groups["actor"], prompts, self.tok, self.cfg)
         out = {"eval_accuracy": res.metrics["accuracy"], "eval_response_len": res.metrics["mean_response_len"]}
-        out.update({f"eval_{k}": res.metrics[k] for k in ("accuracy_carry", "accuracy_no_carry", "dropped_carry") if k in res.metrics})
+        out.update(
+            {
+                f"eval_{k}": res.metrics[k]
+                for k in ("accuracy_carry", "accuracy_no_carry", "dropped_carry", "format_rate")
+                if k in res.metrics
+            }
+        )
         batch = self.assemble(prompts, res.generations, 1, res.responses)
         futs, names = [], []
         self.busy("actor", "reward", "ref")

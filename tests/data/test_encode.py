@@ -20,6 +20,7 @@ from aligner.data import (
     pack_sft,
     resolve_tokenizer,
 )
+from aligner.data.pipeline import as_user_turn
 from aligner.data.task import build_task_tokenizer
 from aligner.data.tokenizer import load_tokenizer
 from aligner.model.llama import default_position_ids
@@ -312,3 +313,32 @@ def test_llama2_sft_boundary_and_mask():
     trained = [t for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m]
     assert tk.decode(trained, skip_special_tokens=True) == "51" and trained[-1] == tk.eos_token_id
     assert tk.decode(ex["input_ids"], skip_special_tokens=True) == "Question: 12+39=51"
+
+
+def test_apply_chat_template_and_prompt_suffix_render_plain_rows_as_a_user_turn(tok, tmp_path):
+    rows = [{"question": "1+1?", "answer": "two <<1+1=2>>2\n#### 2"}, {"question": "2+2?", "answer": "four\n#### 4"}]
+    path = write_jsonl(tmp_path / "g.jsonl", rows)
+    suffix = " Answer after ####."
+    cfg = DataConfig(train_path=path, eval_fraction=0.0, max_seq_len=128, apply_chat_template=True, prompt_suffix=suffix)
+    data = load_data("prompt", cfg, TaskConfig(), tok, str(tmp_path))
+    user = [{"role": "user", "content": "1+1?" + suffix}]
+    first = data.train[0]
+    assert tok.decode(first["prompt_ids"]) == tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+    assert first["prompt"] == "1+1?" + suffix and first["metadata"]["answer"] == "2"  # rule rewards see the text
+    sft = load_data("sft", cfg, TaskConfig(), tok, str(tmp_path)).train[0]
+    whole = user + [{"role": "assistant", "content": rows[0]["answer"]}]
+    assert tok.decode(sft["input_ids"]) == tok.apply_chat_template(whole, tokenize=False)
+    trained = [t for t, m in zip(sft["input_ids"], sft["loss_mask"]) if m]
+    assert tok.decode(trained).startswith(rows[0]["answer"])  # the answer (and the template's end of turn) is trained
+    # the suffix alone: [bos] + question + suffix, no template
+    plain = load_data("prompt", DataConfig(train_path=path, eval_fraction=0.0, prompt_suffix=suffix), TaskConfig(), tok, str(tmp_path))
+    assert plain.train[0]["prompt_ids"][1:] == tok.encode("1+1?" + suffix, add_special_tokens=False)
+    assert as_user_turn({"prompt": "", "response": "x"}, suffix) == {"prompt": "", "response": "x"}  # text rows: no prompt
+
+
+def test_pairs_as_chat_render_both_answers_as_assistant_turns(tok):
+    rec = as_user_turn({"prompt": "1+2=", "chosen": "3", "rejected": "4", "source": "p:1", "metadata": {}}, "")
+    ex = encode_records([rec], tok, DataConfig(max_seq_len=128), "pairs").examples[0]
+    for name, ans in (("chosen_ids", "3"), ("rejected_ids", "4")):
+        msgs = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": ans}]
+        assert tok.decode(ex[name]) == tok.apply_chat_template(msgs, tokenize=False)

@@ -22,7 +22,7 @@ from aligner.data.task import (
     write_task_files,
 )
 from aligner.data.tokenizer import load_tokenizer
-from aligner.reward.rules import extract_final_number, score
+from aligner.reward.rules import extract_final_number, gsm8k_formatted, score
 
 
 def small(**kw) -> TaskConfig:
@@ -156,6 +156,16 @@ def test_rule_rewards():
         score("nope", ["a"], ["b"], [{}])
     with pytest.raises(ValueError, match="metadata"):
         score("gsm8k", ["a"], ["1"], [{}])
+    f = score(
+        "gsm8k_format",
+        ["q"] * 6,
+        ["so 3+4=7\n#### 7", "#### 1,200.\n", "3+4=7\n#### 8", "the answer is 7", "#### 7\nthen more text", "####7"],
+        [{"answer": "7"}, {"answer": "1200"}, {"answer": "7"}, {"answer": "7"}, {"answer": "7"}, {"answer": "7"}],
+    )
+    assert f.tolist() == [1.0, 1.0, 0.5, 0.0, 0.0, 1.0]  # format 0.5 + right number 0.5; unformatted right answers get 0
+    assert gsm8k_formatted("work\n#### -3\n\n") == "-3" and gsm8k_formatted("#### x") is None
+    with pytest.raises(ValueError, match="gsm8k_format needs metadata"):
+        score("gsm8k_format", ["a"], ["#### 1"], [{}])
 
 
 def test_mistake_breakdown_counts_dropped_carries_per_group():
