@@ -204,6 +204,7 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.95)  # Adam betas
     eps: float = 1e-8  # Adam epsilon
     grad_clip: float = 1.0  # max global grad norm over tp, pp and dp; 0 disables
+    state_dtype: str = "float32"  # AdamW moments: float32 | bfloat16 (fp32 math and master weights either way)
 
     def validate(self, prefix: str) -> None:
         _check(self.lr > 0, f"{prefix}.lr", self.lr, "learning rate must be positive (e.g. 1e-5)")
@@ -212,6 +213,27 @@ class OptimConfig:
         _choice(f"{prefix}.schedule", self.schedule, ("cosine", "constant"))
         _check(self.weight_decay >= 0, f"{prefix}.weight_decay", self.weight_decay, "must be >= 0")
         _check(self.grad_clip >= 0, f"{prefix}.grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
+        _choice(f"{prefix}.state_dtype", self.state_dtype, ("float32", "bfloat16"))
+
+    def validate_with(self, prefix: str, parallel: ParallelConfig, model: Optional[ModelConfig] = None) -> None:
+        """Checks against the role's layout and model: bf16 moments need fp32 master weights
+        (model.dtype=float32) and a backend whose optimizer aligner builds (not DeepSpeed's)."""
+        if self.state_dtype == "float32":
+            return
+        _check(
+            parallel.dp_backend != "deepspeed",
+            f"{prefix}.state_dtype",
+            self.state_dtype,
+            "DeepSpeed builds its own fp32 Adam state; use state_dtype=float32 with dp_backend=deepspeed, or dp_backend=fsdp2 / ddp",
+        )
+        if model is not None:
+            _check(
+                model.dtype == "float32",
+                f"{prefix}.state_dtype",
+                self.state_dtype,
+                f"needs fp32 master weights but model.dtype={model.dtype} (its moments already follow the parameters); "
+                "set model.dtype=float32 (with parallel.mixed_precision=bf16 for bf16 compute) or state_dtype=float32",
+            )
 
 
 @dataclass(kw_only=True)
@@ -325,6 +347,7 @@ class TrainableRoleConfig(RoleConfig):
     def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
         super().validate(prefix, model)
         self.optim.validate(f"{prefix}.optim")
+        self.optim.validate_with(f"{prefix}.optim", self.parallel, model)
 
 
 @dataclass(kw_only=True)

@@ -11,9 +11,10 @@ Memory model (per device, bytes):
   ``L % pp`` stages take one more); embedding and lm_head sit on the first/last stage.
 - Training state follows ZeRO's accounting (Rajbhandari et al. 2020, section 3.1): mixed
   precision keeps a bf16 compute copy (2 B) and an fp32 master (4 B), fp32 grads (4 B; bf16
-  under DeepSpeed) and Adam m, v in fp32 (8 B) plus torch's 4 B ``step`` tensor per parameter
-  tensor. FSDP2 shards all three over dp (plus two unsharded layers in flight); DeepSpeed
-  ZeRO-1/2/3 shards optimizer (and master) / + grads / + params; DDP shards nothing.
+  under DeepSpeed) and Adam m, v in fp32 (8 B; 4 B with ``optim.state_dtype=bfloat16``,
+  aligner.runtime.adamw) plus torch's 4 B ``step`` tensor per parameter tensor. FSDP2 shards
+  all three over dp (plus two unsharded layers in flight); DeepSpeed ZeRO-1/2/3 shards
+  optimizer (and master) / + grads / + params; DDP shards nothing.
 - Activations: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
   Transformer Models"), Table 2, re-derived for aligner's Llama layers instead of GPT's:
   no dropout (their masks vanish); the SwiGLU MLP saves gate, up, silu(gate) and their
@@ -148,6 +149,7 @@ class RoleWork:
     kind: lm | score (model head); mode: train | forward | generate. batch: sequences per
     optimizer step (train) or per step (forward/generate); opt_steps: optimizer steps per step;
     forward_seqs: extra forward-only sequences per step (old log-probs, values).
+    optim_state_dtype: the trained role's ``optim.state_dtype`` (float32 | bfloat16 Adam moments).
     """
 
     role: str
@@ -162,6 +164,7 @@ class RoleWork:
     new_tokens: int = 0
     max_batch_size: int = 0
     group: str = "actor"
+    optim_state_dtype: str = "float32"
 
 
 @dataclass
@@ -199,6 +202,7 @@ class Plan:
     roles: dict[str, RolePlan]
     node_split: Optional[NodeSplit]
     step_time_s: float
+    model: Optional[ModelConfig] = None  # the planned model (format_plan prints training bytes per parameter)
 
 
 # --------------------------------------------------------------------------- parameter counts
@@ -272,15 +276,18 @@ def _dp_shards(pc: ParallelConfig) -> tuple[bool, bool, bool]:
 
 
 def train_state_bytes(
-    params: int, tensors: int, layer_params: int, pc: ParallelConfig, model: ModelConfig, dp: int
+    params: int, tensors: int, layer_params: int, pc: ParallelConfig, model: ModelConfig, dp: int, state_dtype: str = "float32"
 ) -> tuple[float, float, float]:
     """(weights, grads, optimizer) bytes on one device holding `params` parameters before dp sharding.
 
     ZeRO accounting (Rajbhandari et al. 2020): mixed precision = bf16 copy 2 B + fp32 master 4 B,
     fp32 grads 4 B (bf16 2 B under DeepSpeed), Adam m and v 8 B; without mixed precision every
-    state is in model.dtype (torch's AdamW allocates m, v like the parameter). The fp32 master
-    counts as optimizer state under DeepSpeed (sharded from ZeRO-1) and as weights otherwise.
-    `layer_params`: one layer's parameters on this device (FSDP2 gathers two unsharded at a time).
+    state is in model.dtype (torch's AdamW allocates m, v like the parameter). state_dtype
+    (``optim.state_dtype``) bfloat16 stores m and v in 2 B each (aligner.runtime.adamw), so an fp32
+    run holds 4 + 4 + 4 = 12 B per parameter instead of 16. The fp32 master counts as optimizer
+    state under DeepSpeed (sharded from ZeRO-1) and as weights otherwise. `tensors`: parameter
+    tensors (a 4 B Adam ``step`` each). `layer_params`: one layer's parameters on this device
+    (FSDP2 gathers two unsharded at a time). Raises KeyError: an unknown state_dtype.
     """
     p_sh, g_sh, o_sh = _dp_shards(pc)
 
@@ -300,8 +307,16 @@ def train_state_bytes(
     if p_sh and dp > 1 and not deepspeed:
         weights += 2 * layer_params * (2 if bf16 else e)  # FSDP2: current + prefetched unsharded layer
     grads = sh(params * ((2 if deepspeed else 4) if bf16 else e), g_sh)
-    adam = 0 if offload else sh(params * (8 if bf16 else 2 * e), o_sh) + 4 * tensors
+    moment = DTYPE_BYTES[state_dtype] if state_dtype != "float32" else (4 if bf16 else e)
+    adam = 0 if offload else sh(params * 2 * moment, o_sh) + 4 * tensors
     return float(weights), float(grads), float(adam)
+
+
+def train_bytes_per_parameter(pc: ParallelConfig, model: ModelConfig, state_dtype: str = "float32") -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes per trained parameter before dp sharding, without the
+    per-tensor Adam ``step`` and FSDP2's gathered layers: :func:`train_state_bytes` of one
+    parameter. fp32: (4, 4, 8) = 16 B; with state_dtype=bfloat16: (4, 4, 4) = 12 B."""
+    return train_state_bytes(1, 0, 0, pc, model, 1, state_dtype)
 
 
 def rmsnorm_bytes_per_token(hidden: int, e: int) -> int:
@@ -529,7 +544,7 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
         last = stage == layout.pp - 1
         if work.mode == "train":
             tensors = stage_num_tensors(model, work.kind, layout.pp, stage)
-            w, g, o = train_state_bytes(params, tensors, layer_local, work.parallel, model, layout.dp)
+            w, g, o = train_state_bytes(params, tensors, layer_local, work.parallel, model, layout.dp, work.optim_state_dtype)
             m = work.batch // (layout.dp * layout.micro_batch_size)
             act = train_activation_bytes(
                 model, work.kind, layout, e, work.seq_len, m, stage, training_precision(model, work.parallel, layout.dp)
@@ -589,6 +604,7 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
                 batch=t.global_batch_size,
                 batch_field="trainer.global_batch_size",
                 seq_len=d.max_seq_len,
+                optim_state_dtype=cfg.actor.optim.state_dtype,
             )
         ]
     if cfg.stage == "rm":
@@ -601,6 +617,7 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
                 batch=2 * t.global_batch_size,
                 batch_field="2*trainer.global_batch_size",
                 seq_len=d.max_seq_len,
+                optim_state_dtype=cfg.reward.optim.state_dtype,
             )
         ]
     samples = t.rollout_batch_size * t.n_samples_per_prompt
@@ -620,7 +637,9 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
         forward_seqs=samples,
     )
     works = [
-        RoleWork(role="actor", kind="lm", parallel=cfg.actor.parallel, group="actor", **train),
+        RoleWork(
+            role="actor", kind="lm", parallel=cfg.actor.parallel, group="actor", optim_state_dtype=cfg.actor.optim.state_dtype, **train
+        ),
         RoleWork(
             role="rollout",
             kind="lm",
@@ -636,7 +655,16 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
     ]
     roles = cfg.roles_used()
     if "critic" in roles:
-        works.append(RoleWork(role="critic", kind="score", parallel=cfg.critic.parallel, group="critic", **train))
+        works.append(
+            RoleWork(
+                role="critic",
+                kind="score",
+                parallel=cfg.critic.parallel,
+                group="critic",
+                optim_state_dtype=cfg.critic.optim.state_dtype,
+                **train,
+            )
+        )
     if "reward" in roles:
         works.append(
             RoleWork(
@@ -823,7 +851,13 @@ def make_plan(cfg: AlignerConfig) -> Plan:
     else:
         step = sum(p.best.time.total_s for p in roles.values())
     return Plan(
-        stage=cfg.stage, cluster=c, placement="split" if split else "colocated", roles=roles, node_split=node_split, step_time_s=step
+        stage=cfg.stage,
+        cluster=c,
+        placement="split" if split else "colocated",
+        roles=roles,
+        node_split=node_split,
+        step_time_s=step,
+        model=cfg.model,
     )
 
 
@@ -843,10 +877,22 @@ def _layout_row(est: LayoutEstimate) -> str:
     )
 
 
-def format_role(plan: RolePlan) -> str:
-    """A readable table of one role's ranked layouts (GB, seconds) and best rejected layouts."""
+def train_state_line(work: RoleWork, model: ModelConfig) -> str:
+    """ "training state per parameter: 4 B weights + 4 B grads + 4 B optimizer = 12 B (...)" for a trained role."""
+    w, g, o = train_bytes_per_parameter(work.parallel, model, work.optim_state_dtype)
+    return (
+        f"training state per parameter: {w:g} B weights + {g:g} B grads + {o:g} B optimizer = {w + g + o:g} B "
+        f"(optim.state_dtype={work.optim_state_dtype}, mixed_precision={work.parallel.mixed_precision}, before dp sharding)"
+    )
+
+
+def format_role(plan: RolePlan, model: Optional[ModelConfig] = None) -> str:
+    """A readable table of one role's ranked layouts (GB, seconds) and best rejected layouts; with
+    `model`, a trained role's line of training-state bytes per parameter (:func:`train_state_line`)."""
     what = {"train": "training", "forward": "inference", "generate": "rollout engine"}[plan.work.mode]
     lines = [f"{plan.role} ({what}, {plan.devices} devices):"]
+    if model is not None and plan.work.mode == "train":
+        lines.append(f"  {train_state_line(plan.work, model)}")
     lines.append(f"  {'layout':<50} {'weights':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'kv':>7} {'total':>7}  {'step s':>9}")
     for est in plan.ranked[:SHOW_RANKED]:
         lines.append(_layout_row(est))
@@ -885,7 +931,7 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"estimated step time: {plan.step_time_s:.2f} s (memory in GB per device, times in seconds per step)")
     for rp in plan.roles.values():
         lines.append("")
-        lines.append(format_role(rp))
+        lines.append(format_role(rp, plan.model))
     lines.append("")
     lines.append("overrides for the best layouts:")
     lines.extend(f"  {o}" for o in recommended_overrides(plan))

@@ -9,11 +9,13 @@ import dataclasses
 import pytest
 import torch
 
+from aligner.cli import load_config
 from aligner.config import (
     AlignerConfig,
     ClusterConfig,
     DataConfig,
     ModelConfig,
+    OptimConfig,
     ParallelConfig,
     RefRoleConfig,
     RewardRoleConfig,
@@ -41,8 +43,11 @@ from aligner.planner import (
     plan_role,
     print_plan,
     role_num_parameters,
+    role_works,
     smallest_cluster,
+    train_bytes_per_parameter,
 )
+from aligner.runtime.adamw import build_adamw
 
 LLAMA2 = {
     "7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32),
@@ -84,20 +89,45 @@ def storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("kind", ["lm", "score"])
-def test_parameter_grad_optimizer_bytes_exact(kind):
+@pytest.mark.parametrize("kind,state_dtype", [("lm", "float32"), ("score", "float32"), ("lm", "bfloat16"), ("score", "bfloat16")])
+def test_parameter_grad_optimizer_bytes_exact(kind, state_dtype):
+    """The planner's weights, grads and optimizer bytes equal the storages of the optimizer the
+    runtime builds (torch's AdamW, or bf16 moments with optim.state_dtype=bfloat16)."""
     model = build_model(TINY, kind=kind)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = build_adamw(list(model.parameters()), OptimConfig(state_dtype=state_dtype))
     ids = torch.randint(0, TINY.vocab_size, (2, 16))
     model(ids).float().pow(2).mean().backward()
     opt.step()
     params = list(model.parameters())
-    est = estimate_layout(TINY, tiny_work(16, 2, kind), Layout(tp=1, pp=1, dp=1, micro_batch_size=2), ClusterConfig())
+    work = dataclasses.replace(tiny_work(16, 2, kind), optim_state_dtype=state_dtype)
+    est = estimate_layout(TINY, work, Layout(tp=1, pp=1, dp=1, micro_batch_size=2), ClusterConfig())
     assert role_num_parameters(TINY, kind) == sum(p.numel() for p in params)
     assert est.memory.weights == storage_bytes(params)
     assert est.memory.grads == storage_bytes(p.grad for p in params)
     state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
     assert est.memory.optimizer == storage_bytes(state)
+
+
+def test_bf16_moments_report_12_bytes_per_parameter_instead_of_16(capsys):
+    """fp32 weights 4 + grads 4 + Adam moments 2 x 4 = 16 B per parameter; bf16 moments: 4 + 4 + 2 x 2 = 12.
+    The trained role's plan prints it, and its optimizer memory halves (plus the 4 B step per tensor)."""
+    assert train_bytes_per_parameter(ParallelConfig(), TINY) == (4.0, 4.0, 8.0)
+    assert train_bytes_per_parameter(ParallelConfig(), TINY, "bfloat16") == (4.0, 4.0, 4.0)
+    # bf16 mixed precision (FSDP2: the fp32 master is the sharded weight): moments 8 -> 4 B too
+    assert train_bytes_per_parameter(ParallelConfig(mixed_precision="bf16"), TINY, "bfloat16")[2] == 4.0
+    texts, works = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = load_config("sft", [f"actor.optim.state_dtype={dtype}"])  # the tiny preset, as a user sets it
+        assert print_plan(cfg) == 0
+        texts[dtype] = capsys.readouterr().out
+        (works[dtype],) = role_works(cfg)
+    assert "4 B weights + 4 B grads + 8 B optimizer = 16 B (optim.state_dtype=float32" in texts["float32"]
+    assert "4 B weights + 4 B grads + 4 B optimizer = 12 B (optim.state_dtype=bfloat16" in texts["bfloat16"]
+    assert works["bfloat16"].optim_state_dtype == "bfloat16"
+    lay = Layout(tp=1, pp=1, dp=1, micro_batch_size=1)
+    a, b = (estimate_layout(cfg.model, works[d], lay, cfg.cluster).memory for d in ("float32", "bfloat16"))
+    assert (a.weights, a.grads) == (b.weights, b.grads)
+    assert a.optimizer - b.optimizer == 4 * role_num_parameters(cfg.model, "lm")  # 4 B per parameter
 
 
 def measured_activation_bytes(recompute: str, batch: int, seq: int) -> int:

@@ -6,7 +6,10 @@ Owns:
   step) written with ``dcp.save`` and read with ``dcp.load``. Keys are full HF names
   (``model/<hf name>``, ``optim/<hf name>/{exp_avg,exp_avg_sq,step}``, ``step``). Every
   tensor is described by its *global* (unsharded) shape and this rank's offset in it, so a
-  checkpoint saved under one tp/pp/dp layout loads under any other:
+  checkpoint saved under one tp/pp/dp layout loads under any other. The Adam moments are saved
+  in the optimizer's state dtype (fp32, or bf16 with ``optim.state_dtype=bfloat16``) and load
+  into either: read in the saved dtype, then cast to the running optimizer's (bf16 -> fp32 is
+  exact; fp32 -> bf16 rounds to nearest even):
 
   * our TP is manual (plain local tensors), so each local shard is wrapped as a DTensor on a
     ``(tp, dp)`` DeviceMesh of this rank's pipeline stage: ``Shard(d)`` over tp for a
@@ -168,14 +171,14 @@ class _Layout:
             return self.full_replicated(t, owner, pname)
         return self.wrap(_local(t).detach(), p, dim)
 
-    def empty_global(self, p: torch.Tensor, owner: nn.Module, pname: str):
-        """A load buffer for parameter-shaped state: (buffer for dcp, function -> local tensor)."""
+    def empty_global(self, p: torch.Tensor, owner: nn.Module, pname: str, dtype: torch.dtype = torch.float32):
+        """A load buffer for parameter-shaped state of `dtype`: (buffer for dcp, function -> local tensor)."""
         dim, row_index = _tp_spec(owner, pname)
         local = _local(p)
         if row_index is not None and comm.group_size(self.dims.tp_group) > 1:
-            full = torch.empty((owner.out_features, *p.shape[1:]), dtype=torch.float32, device=local.device)
+            full = torch.empty((owner.out_features, *p.shape[1:]), dtype=dtype, device=local.device)
             return full, lambda: self._fsdp_slice(owner.full_to_local(pname, full))
-        buf = torch.empty(local.shape, dtype=torch.float32, device=local.device)
+        buf = torch.empty(local.shape, dtype=dtype, device=local.device)
         return self.wrap(buf, p, dim), lambda: buf
 
     def _fsdp_slice(self, tp_local: torch.Tensor) -> torch.Tensor:
@@ -189,18 +192,25 @@ def _adam_state(runtime, p: torch.Tensor) -> dict:
     return runtime.optimizer.state.get(p, {})
 
 
+def moment_dtype(runtime, p: torch.Tensor) -> torch.dtype:
+    """dtype of the runtime's Adam moments for parameter `p`: the optimizer's ``state_dtype``
+    (aligner.runtime.adamw.MixedPrecisionAdamW), else the parameter's (torch's AdamW)."""
+    return getattr(runtime.optimizer, "state_dtype", None) or p.dtype
+
+
 def sharded_state_dict(runtime) -> dict[str, Any]:
     """{"model": {hf_name: global-view tensor}, "optim": {hf_name: {exp_avg, exp_avg_sq, step}}, "step"}.
 
-    Collective when GQA-replicated rows exist (they are gathered). Parameters without Adam
-    state yet (no step taken) save zero moments and step 0.
+    Collective when GQA-replicated rows exist (they are gathered). Moments are saved in their
+    own dtype (:func:`moment_dtype`). Parameters without Adam state yet (no step taken) save
+    zero moments and step 0.
     """
     lay = _Layout(runtime)
     model, optim = {}, {}
     for name, owner, pname, p in _unique_params(runtime.module):
         model[name] = lay.to_global(p, p, owner, pname)
         st = _adam_state(runtime, p)
-        zeros = torch.zeros_like(p) if not st else None
+        zeros = torch.zeros_like(p, dtype=moment_dtype(runtime, p)) if not st else None
         optim[name] = {
             "exp_avg": lay.to_global(st.get("exp_avg", zeros), p, owner, pname),
             "exp_avg_sq": lay.to_global(st.get("exp_avg_sq", zeros), p, owner, pname),
@@ -216,6 +226,7 @@ def _meta(runtime, extra: Optional[dict]) -> dict:
         "step": runtime.step_count,
         "kind": runtime.kind,
         "layout": {"tp_size": d.tp_size, "pp_size": d.pp_size, "dp_size": d.dp_size, "dp_backend": runtime.backend},
+        "optim_state_dtype": runtime.optim_cfg.state_dtype,
         "model": dataclasses.asdict(runtime.model_cfg),
         "extra": extra or {},
     }
@@ -310,13 +321,20 @@ def _check_compatible(runtime, meta: dict, ckpt_dir: str) -> None:
         )
 
 
+def _saved_dtype(saved_meta: dict, key: str) -> torch.dtype:
+    """dtype a tensor was saved with (checkpoints before bf16 moments saved fp32)."""
+    props = getattr(saved_meta.get(key), "properties", None)
+    return getattr(props, "dtype", None) or torch.float32
+
+
 @torch.no_grad()
 def load_checkpoint(runtime, ckpt_dir: str) -> dict:
     """Load a checkpoint saved under any tp/pp/dp layout into `runtime` (collective); returns meta.
 
-    Parameters and Adam moments are copied into this rank's shards; the step counter and LR
-    schedule resume from the saved step. Raises ValueError for a missing/incomplete
-    checkpoint or a different model config.
+    Parameters and Adam moments are copied into this rank's shards (moments read in their saved
+    dtype and cast to :func:`moment_dtype`: fp32 and bf16 moments load into either); the step
+    counter and LR schedule resume from the saved step. Raises ValueError for a
+    missing/incomplete checkpoint or a different model config.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -327,16 +345,17 @@ def load_checkpoint(runtime, ckpt_dir: str) -> dict:
         runtime.set_step(int(meta["step"]))
         return meta
     lay = _Layout(runtime)
-    saved = set(dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata)
+    saved_meta = dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+    saved = set(saved_meta)
     sd: dict[str, Any] = {"model": {}, "optim": {}, "step": torch.zeros((), dtype=torch.int64)}
     finish = []
     for name, owner, pname, p in _unique_params(runtime.module):
         key = name if f"model.{name}" in saved else _TIED.get(name, name)  # tied lm_head saved once at pp=1
         if f"model.{key}" not in saved:
             raise ValueError(f"checkpoint {ckpt_dir!r} has no tensor for parameter {name!r}: it was saved from a different model")
-        bufs = {}
-        for k in ("param", "exp_avg", "exp_avg_sq"):
-            bufs[k] = lay.empty_global(p, owner, pname)
+        bufs = {"param": lay.empty_global(p, owner, pname)}
+        for k in ("exp_avg", "exp_avg_sq"):
+            bufs[k] = lay.empty_global(p, owner, pname, _saved_dtype(saved_meta, f"optim.{key}.{k}"))
         if key in sd["model"]:  # both tied names on one stage cannot happen (deduplicated), guard anyway
             raise ValueError(f"checkpoint load: {name!r} and another parameter map to the same tensor {key!r}")
         sd["model"][key] = bufs["param"][0]
@@ -354,8 +373,8 @@ def load_checkpoint(runtime, ckpt_dir: str) -> dict:
             st = runtime.optimizer.state[p]
             st["step"] = step.clone()
             for key in ("exp_avg", "exp_avg_sq"):
-                t = torch.zeros_like(p)
-                _local(t).copy_(bufs[key][1]())
+                t = torch.zeros_like(p, dtype=moment_dtype(runtime, p))
+                _local(t).copy_(bufs[key][1]())  # fp32 -> bf16 rounds to nearest even
                 st[key] = t
     runtime.set_step(int(sd["step"]))
     return meta

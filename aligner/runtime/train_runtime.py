@@ -2,7 +2,8 @@
 
 Owns building the role's model (from a seed, or the caller's full model) and handing it to
 :func:`aligner.parallel.parallelize.parallelize` (pipeline split, TP/SP, recomputation, Transformer
-Engine, data parallelism: the one place their order is written), the optimizer (AdamW), the learning-rate schedule
+Engine, data parallelism: the one place their order is written), the optimizer (AdamW, fp32 or bf16
+moments: :mod:`aligner.runtime.adamw`), the learning-rate schedule
 (linear warmup then cosine to ``min_lr_ratio * lr``, or constant), and one optimizer step:
 finish TP/SP gradients, global-norm clipping over tp/pp/dp, AdamW, schedule. Checkpoints
 go through :mod:`aligner.runtime.checkpoint` (torch.distributed.checkpoint, resharding).
@@ -33,6 +34,7 @@ from aligner.parallel.dims import ParallelDims
 from aligner.parallel.parallelize import parallelize
 from aligner.parallel.pipeline import model_kwargs, pipeline_train_step
 from aligner.parallel.tensor_parallel import sync_tp_grads
+from aligner.runtime.adamw import build_adamw
 from aligner.runtime.checkpoint import gather_full_state_dict_any, load_checkpoint, save_checkpoint
 from aligner.runtime.host import keep_freed_host_memory
 
@@ -122,7 +124,7 @@ class TrainRuntime:
     Args:
         model_cfg: the model dimensions. kind: "lm" (policy / SFT) or "score" (critic / RM).
         parallel_cfg: layout and dp backend; its sizes must equal `dims`' (ValueError otherwise).
-        optim_cfg: AdamW + schedule. dims: built ParallelDims (groups exist).
+        optim_cfg: AdamW (``state_dtype``: its moments' dtype) + schedule. dims: built ParallelDims (groups exist).
         total_steps: optimizer steps the schedule spans (>= 1).
         seed: init seed (the same on every rank, so replicas start equal).
         model: an already-built full (unsharded, unpruned) model to use instead of a fresh one.
@@ -149,6 +151,7 @@ class TrainRuntime:
         model_cfg.validate("model")
         parallel_cfg.validate("parallel", model_cfg)
         optim_cfg.validate("optim")
+        optim_cfg.validate_with("optim", parallel_cfg, model_cfg)
         _check_dims(parallel_cfg, dims)
         if total_steps < 1:
             raise ValueError(f"total_steps={total_steps} must be >= 1 (optimizer steps the LR schedule spans)")
@@ -183,10 +186,7 @@ class TrainRuntime:
         else:
             self.model = wrapped
             params = [p for p in self.module.parameters() if p.requires_grad]
-            # one fused multi-tensor kernel per step (CPU and CUDA), about 4x faster than the default
-            # foreach path on CPU; the same AdamW update (Loshchilov & Hutter 2019) up to rounding
-            fused = all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.bfloat16) for p in params)
-            self.optimizer = torch.optim.AdamW(params, **kw, fused=fused)
+            self.optimizer = build_adamw(params, self.optim_cfg)  # torch's fused AdamW, or bf16 moments
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.optim_cfg, self.total_steps)
 
     @property
