@@ -7,12 +7,12 @@ import os
 
 import pytest
 import torch
-from test_data_parallel import OPTIM, batches, engine_run, make_engine, model_cfg
 
 from aligner.config import OptimConfig, ParallelConfig
 from aligner.parallel.dims import ParallelDims
 from aligner.runtime.train_runtime import TrainRuntime
 from tests._spawn import run_distributed
+from tests.parallel.test_data_parallel import OPTIM, batches, engine_run, make_engine, model_cfg
 
 pytestmark = pytest.mark.distributed
 
