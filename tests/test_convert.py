@@ -199,3 +199,34 @@ def test_engine_greedy_equals_hf_generate_on_real_chat_prompts(smollm2_hf):
     for g, row in zip(gens, out[:, width:].tolist()):
         want = row[: row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row
         assert g.token_ids == want, (tok.decode(g.token_ids), tok.decode(want))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_one_grpo_step_through_ray_on_the_real_model(smollm2_hf, tmp_path):
+    """`python -m aligner.ppo conf=smollm2_135m` on the converted checkpoint and GSM8K through its chat
+    template: one GRPO step with the KL loss (actor + reference groups on Ray), evaluations before and
+    after with the answer-format rate, the rollout log-probs equal to the trainer's, an HF export."""
+    import json
+
+    from tests.conftest import shared_path
+
+    gsm8k = shared_path("data", "gsm8k", "train.jsonl")
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "aligner.ppo", "conf=smollm2_135m",
+        f"actor.init={smollm2_hf}", f"ref.init={smollm2_hf}", f"tokenizer.path={smollm2_hf}", f"data.train_path={gsm8k}",
+        "trainer.max_steps=1", "trainer.rollout_batch_size=2", "trainer.n_samples_per_prompt=2", "trainer.mini_batch_size=4",
+        "trainer.micro_batch_size=4", "trainer.eval_every=1", "trainer.save_every=1", "trainer.progress=false",
+        "task.num_eval=4", "rollout.sampling.max_new_tokens=16", f"output_dir={out}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    before, step = rows[0], next(r for r in rows if r.get("step") == 1 and "kl_mean" in r)
+    for r in (before, step):
+        assert 0.0 <= r["eval_format_rate"] <= 1.0 and 0.0 <= r["eval_accuracy"] <= 1.0
+    assert step["weight_version"] >= 1 and step["refit_bytes"] > 4 * 134e6  # fp32 weights of the 135M model
+    assert torch.isfinite(torch.tensor([step["kl_mean"], step["score_mean"], step["response_len"]])).all()
+    assert step["log_probs_abs_diff_max"] < 1e-4  # engine vs trainer, same fp32 weights (30 layers)
+    assert (out / "hf" / "config.json").is_file() and any((out / "hf").glob("*.safetensors"))

@@ -113,4 +113,23 @@ def _watchdog(state: _State) -> None:
         file=sys.stderr,
         flush=True,
     )
+    kill_descendants()
     os._exit(EXIT_CODE)
+
+
+def kill_descendants() -> int:
+    """SIGKILL every descendant process of this one; returns how many were signalled.
+
+    The driver's descendants are the Ray instance it started (GCS, raylet, the role workers);
+    a driver joined to an existing cluster has none of the cluster's processes below it.
+    """
+    import psutil  # a Ray dependency
+
+    procs = psutil.Process().children(recursive=True)
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:  # already gone
+            pass
+    psutil.wait_procs(procs, timeout=5)
+    return len(procs)

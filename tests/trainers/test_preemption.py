@@ -147,3 +147,36 @@ def test_sigterm_to_every_process_exits_143_within_the_grace_time_and_keeps_the_
     assert line.startswith("aligner sft: ") and "SIGTERM" in line and "resume=true" in line, line
     latest = CheckpointManager(out).latest()
     assert latest is not None and int(latest.name.split("_")[1]) >= int(saved.name.split("_")[1])
+
+
+def test_the_watchdog_kills_the_drivers_descendants_before_it_exits(tmp_path):
+    """Grace time over: the driver exits 143 and takes the processes it started (a local Ray instance
+    and its workers; here a child with a grandchild) with it instead of leaving them running."""
+    pid_file = tmp_path / "pids"
+    script = f"""
+import os, signal, subprocess, sys, time
+from aligner.trainers import preemption
+preemption.install("ppo", 1.0)
+child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; g = subprocess.Popen(['sleep', '300']); "
+                          "open({str(pid_file)!r}, 'w').write(str(g.pid)); time.sleep(300)"])
+while not os.path.exists({str(pid_file)!r}) or not open({str(pid_file)!r}).read():
+    time.sleep(0.05)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(60)  # a step that does not finish within the grace time
+"""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 143 and time.monotonic() - t0 < 30, proc.stderr[-2000:]
+    assert "did not finish within trainer.preempt_grace_s=1 s" in _last_line(proc.stderr)
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{grandchild}").exists() and "Z" not in _proc_state(grandchild):
+        time.sleep(0.1)
+    assert not Path(f"/proc/{grandchild}").exists() or "Z" in _proc_state(grandchild), "the driver's grandchild survived"
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        return next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("State:"))
+    except (FileNotFoundError, StopIteration):
+        return "Z"
