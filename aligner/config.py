@@ -227,7 +227,7 @@ class ParallelConfig:
     pp_layer_split: Optional[list[int]] = None  # layers per stage (uneven splits); None = even
     # policy log-probs / entropy: positions per chunk of the fused head + softmax (aligner.nn.chunked),
     # so no [B, R, V/tp] fp32 logits exist; 0 = the unchunked path (the head's logits, then aligner.nn.vocab)
-    logprob_chunk_size: int = 1024
+    logprob_chunk_size: int = 512
 
     @property
     def world_size(self) -> int:
@@ -244,7 +244,7 @@ class ParallelConfig:
             self.logprob_chunk_size >= 0,
             f"{prefix}.logprob_chunk_size",
             self.logprob_chunk_size,
-            "must be >= 0 (positions per chunk, e.g. 1024; 0 = unchunked logits)",
+            "must be >= 0 (positions per chunk, e.g. 512; 0 = unchunked logits)",
         )
         if self.dp_backend == "deepspeed":
             _check(

@@ -62,7 +62,7 @@ class LogProbSpec:
     """
 
     temperature: float = 1.0  # > 0; logits are divided by it (the rollout sampling temperature)
-    chunk_size: int = 1024  # positions per chunk of the head GEMM and the softmax; >= 1
+    chunk_size: int = 512  # positions per chunk of the head GEMM and the softmax; >= 1 (ParallelConfig.logprob_chunk_size)
 
 
 def _compute_dtype(h: torch.Tensor) -> torch.dtype:
@@ -204,7 +204,7 @@ def chunked_log_probs_entropy(
     temperature: float = 1.0,
     tp_group: Optional[dist.ProcessGroup] = None,
     vocab_start: int = 0,
-    chunk_size: int = 1024,
+    chunk_size: int = 512,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of `labels` and the entropy under softmax(h W^T / temperature), chunk by chunk.
 
