@@ -251,6 +251,9 @@ class ParallelConfig:
     mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and grad reduction)
     num_microbatches: int = 0  # pipeline micro-batches per step; 0 = derive from batch sizes
     pp_layer_split: Optional[list[int]] = None  # layers per stage (uneven splits); None = even
+    # policy log-probs / entropy: positions per chunk of the fused head + softmax (aligner.nn.chunked),
+    # so no [B, R, V/tp] fp32 logits exist; 0 = the unchunked path (the head's logits, then aligner.nn.vocab)
+    logprob_chunk_size: int = 512
 
     @property
     def world_size(self) -> int:
@@ -263,6 +266,12 @@ class ParallelConfig:
         _choice(f"{prefix}.dp_backend", self.dp_backend, ("fsdp2", "ddp", "deepspeed"))
         _choice(f"{prefix}.mixed_precision", self.mixed_precision, ("fp32", "bf16"))
         _choice(f"{prefix}.zero_stage", self.zero_stage, (0, 1, 2, 3))
+        _check(
+            self.logprob_chunk_size >= 0,
+            f"{prefix}.logprob_chunk_size",
+            self.logprob_chunk_size,
+            "must be >= 0 (positions per chunk, e.g. 512; 0 = unchunked logits)",
+        )
         if self.dp_backend == "deepspeed":
             _check(
                 self.tp_size == 1 and self.pp_size == 1,

@@ -4,7 +4,9 @@ Owns the policy-side computations of SFT and PPO, each written once per micro-ba
 run on any tp/pp/dp layout through :class:`aligner.runtime.runner.ModelRunner`:
 
 - ``log_probs``: per-response-token log-probs under softmax(logits / temperature),
-  vocab-parallel (no rank holds full-vocabulary logits).
+  vocab-parallel (no rank holds full-vocabulary logits); with ``parallel.logprob_chunk_size`` > 0
+  the model fuses its head with the softmax over chunks of positions (:mod:`aligner.nn.chunked`),
+  so no [b, R, V/tp] logits exist either; 0 keeps the logits and :mod:`aligner.nn.vocab`.
 - ``sft_step``: next-token NLL on response tokens only (loss_mask), token-mean over the
   global batch.
 - ``ppo_step``: clipped surrogate (Schulman et al. 2017) with optional clip-higher and
@@ -20,6 +22,7 @@ import torch
 
 from aligner import algorithms as alg
 from aligner.config import AlgorithmConfig
+from aligner.nn.chunked import LogProbSpec
 from aligner.nn.vocab import vocab_parallel_log_probs, vocab_parallel_log_probs_entropy
 from aligner.protocol import response_index
 from aligner.runtime.role import RoleModel
@@ -31,14 +34,43 @@ class Policy(RoleModel):
 
     kind = "lm"
 
-    def _token_log_probs(self, logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-        """[b, T, V/tp] logits -> [b, T-1] next-token log-probs.
+    @property
+    def chunked(self) -> bool:
+        """True when the model returns log-probs and entropy itself (parallel.logprob_chunk_size > 0)."""
+        return self.parallel.logprob_chunk_size > 0
 
-        The labels are shifted, not the logits: the log-probs run over all T positions (the last
-        one scores a dummy label and is dropped), so the [b, T, V] logits are read in place
-        instead of copied into a [b, T-1, V] slice first (as HF's causal-LM loss does)."""
-        labels = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
-        return vocab_parallel_log_probs(logits, labels, self.tp_group, self.vocab_start, temperature)[:, :-1]
+    def _with_labels(self, inputs: dict, labels: torch.Tensor, temperature: float) -> dict:
+        """`inputs` plus labels [B, R] and, on the chunked path, the model input ``logprob``."""
+        out = {**inputs, "labels": labels}
+        if self.chunked:
+            out["logprob"] = LogProbSpec(temperature=temperature, chunk_size=self.parallel.logprob_chunk_size)
+        return out
+
+    def _log_probs_entropy(self, out, mb: dict, temperature: float, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model output -> (log_probs [b, R] fp32, entropy [b, R] fp32) of mb["labels"].
+
+        out: (log_probs, entropy) on the chunked path, else logits [b, R, V/tp]. The entropy
+        carries gradient only with `entropy_grad` (an entropy bonus)."""
+        if not self.chunked:
+            return vocab_parallel_log_probs_entropy(out, mb["labels"], self.tp_group, self.vocab_start, temperature, entropy_grad)
+        lp, ent = out
+        return lp, ent if entropy_grad else ent.detach()
+
+    def _label_log_probs(self, out, mb: dict, temperature: float) -> torch.Tensor:
+        """The model output (as for :meth:`_log_probs_entropy`) -> log_probs [b, R] fp32 of mb["labels"]."""
+        if self.chunked:
+            return out[0]
+        return vocab_parallel_log_probs(out, mb["labels"], self.tp_group, self.vocab_start, temperature)
+
+    def _token_inputs(self, batch: dict[str, torch.Tensor], keys: tuple[str, ...]) -> dict:
+        """`keys` of batch plus labels [B, T]: the next token at each position (input_ids shifted left;
+        the last position scores a dummy label, the first token, and is dropped by the caller).
+
+        The labels are shifted, not the logits: the log-probs run over all T positions, so the
+        [b, T, V] logits (unchunked path) are read in place instead of copied into a
+        [b, T-1, V] slice first (as HF's causal-LM loss does)."""
+        ids = batch["input_ids"]
+        return self._with_labels({k: batch[k] for k in keys if k in batch}, torch.cat([ids[:, 1:], ids[:, :1]], dim=1), 1.0)
 
     @staticmethod
     def _response_inputs(batch: dict[str, torch.Tensor], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -49,22 +81,25 @@ class Policy(RoleModel):
         head_index = response_index(batch["prompt_lens"], batch["response_mask"].shape[1], ids.shape[1] - 1)
         return {**{k: batch[k] for k in keys}, "head_index": head_index, "labels": ids.gather(1, head_index + 1)}
 
+    def _response_model_inputs(self, batch: dict[str, torch.Tensor], keys: tuple[str, ...], temperature: float) -> dict:
+        """:meth:`_response_inputs` plus the ``logprob`` model input on the chunked path."""
+        inputs = self._response_inputs(batch, keys)
+        return self._with_labels(inputs, inputs["labels"], temperature)
+
     # ---- inference ------------------------------------------------------------------
     def log_probs(self, batch: dict[str, torch.Tensor], micro_batch_size: int, temperature: float = 1.0) -> torch.Tensor:
         """batch: input_ids [B, T], prompt_lens [B], response_mask [B, R] -> log_probs [B, R] fp32 (0 where masked)."""
 
-        def out(logits, mb):  # logits [b, R, V/tp] at the response positions
-            lp = vocab_parallel_log_probs(logits, mb["labels"], self.tp_group, self.vocab_start, temperature)
-            return lp * mb["response_mask"]
+        def out(output, mb):  # logits [b, R, V/tp] at the response positions, or (log_probs, entropy)
+            return self._label_log_probs(output, mb, temperature) * mb["response_mask"]
 
-        inputs = self._response_inputs(batch, ("input_ids", "response_mask"))
+        inputs = self._response_model_inputs(batch, ("input_ids", "response_mask"), temperature)
         return self.runner.forward(inputs, out, micro_batch_size)
 
     def sequence_log_probs(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
         """batch: input_ids [B, T] -> next-token log_probs [B, T-1] fp32 (all positions)."""
-        return self.runner.forward(
-            {"input_ids": batch["input_ids"]}, lambda logits, mb: self._token_log_probs(logits, mb["input_ids"], 1.0), micro_batch_size
-        )
+        inputs = self._token_inputs(batch, ("input_ids",))
+        return self.runner.forward(inputs, lambda output, mb: self._label_log_probs(output, mb, 1.0)[:, :-1], micro_batch_size)
 
     # ---- SFT ----------------------------------------------------------------------
     def sft_step(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> dict[str, float]:
@@ -77,11 +112,11 @@ class Policy(RoleModel):
         target = batch["loss_mask"][:, 1:].float()
         norm = self.normalizer(target.sum())
 
-        def loss_fn(logits, mb):
-            lp = self._token_log_probs(logits, mb["input_ids"], 1.0)
+        def loss_fn(output, mb):
+            lp = self._label_log_probs(output, mb, 1.0)[:, :-1]
             return -(lp * mb["loss_mask"][:, 1:].float()).sum() / norm
 
-        stats = self.runner.train_step(batch, loss_fn, micro_batch_size)
+        stats = self.runner.train_step(self._token_inputs(batch, tuple(batch)), loss_fn, micro_batch_size)
         tokens = norm * self.dims.dp_size
         return {
             "loss": self.dp_mean(stats["loss"] * norm, float(target.sum())),
@@ -124,11 +159,9 @@ class Policy(RoleModel):
         def add(name: str, value: torch.Tensor) -> None:
             sums[name] = sums.get(name, 0.0) + float(value.detach())
 
-        def loss_fn(logits, mb):  # logits [b, R, V/tp] at the response positions
+        def loss_fn(output, mb):  # logits [b, R, V/tp] at the response positions, or (log_probs, entropy)
             mask = mb["response_mask"]
-            lp, ent_tok = vocab_parallel_log_probs_entropy(
-                logits, mb["labels"], self.tp_group, self.vocab_start, temperature, entropy_grad=algo.entropy_coef > 0
-            )
+            lp, ent_tok = self._log_probs_entropy(output, mb, temperature, entropy_grad=algo.entropy_coef > 0)
             lp = lp * mask
             weights = None
             if algo.tis_cap is not None:
@@ -160,7 +193,7 @@ class Policy(RoleModel):
             return total / norm
 
         keys = ("input_ids", "response_mask", "old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs")
-        inputs = self._response_inputs(batch, tuple(k for k in keys if k in batch))
+        inputs = self._response_model_inputs(batch, tuple(k for k in keys if k in batch), temperature)
         stats = self.runner.train_step(inputs, loss_fn, micro_batch_size)
         sums = from_last_stage(sums, self.dims)
         counts = {"clipfrac": float(batch["response_mask"].sum()), "approx_kl": float(batch["response_mask"].sum())}

@@ -26,8 +26,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from aligner.config import ModelConfig
+from aligner.nn.chunked import LogProbSpec
 from aligner.nn.layers import (
     ColumnParallelLinear,
+    LMHead,
     RMSNorm,
     RowParallelLinear,
     ScalarHead,
@@ -254,20 +256,34 @@ class LlamaForCausalLM(nn.Module):
     logits [B, R, V/tp], row i holding the logits at positions head_index[i]. RL losses need
     only the response positions, so the head's matmul and every vocabulary-sized tensor after it
     shrink by R / T (with sequence parallelism the head runs on all positions, then selects).
+
+    With ``logprob`` (a :class:`aligner.nn.chunked.LogProbSpec`) and ``labels`` [B, R] int64 (R = T
+    without head_index) the last stage returns (log_probs [B, R] fp32, entropy [B, R] fp32 nats) of
+    the labels under softmax(logits / temperature) instead of logits, computed chunk by chunk from
+    the head's input (:class:`aligner.nn.layers.LMHead`): no [B, R, V/tp] logits exist.
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.model = LlamaModel(cfg)
-        self.lm_head: Optional[ColumnParallelLinear] = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head: Optional[LMHead] = LMHead(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, x: torch.Tensor, head_index: Optional[torch.Tensor] = None, **kw) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        head_index: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        logprob: Optional[LogProbSpec] = None,
+        **kw,
+    ):
         h = self.model(x, **kw)
         if self.lm_head is None:
             return h
+        if logprob is not None:
+            return self.lm_head(h, labels=labels, logprob=logprob, head_index=head_index)
         if head_index is None:
             return self.lm_head(h)
         if self.lm_head.sequence_parallel:  # h holds T/tp positions: select after the head's gather

@@ -1,6 +1,6 @@
 """Layer classes the Llama model is built from, tensor/sequence parallel when given a group.
 
-Owns: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, RMSNorm, ScalarHead and
+Owns: ColumnParallelLinear (and its LMHead), RowParallelLinear, VocabParallelEmbedding, RMSNorm, ScalarHead and
 the ParallelLayer protocol they share (Shoeybi et al. 2019, "Megatron-LM";
 Korthikanti et al. 2022 for sequence parallelism).
 
@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from aligner.nn import comm
+from aligner.nn.chunked import LogProbSpec, lm_head_log_probs
 
 
 class ParallelLayer(nn.Module):
@@ -108,6 +109,34 @@ class ColumnParallelLinear(ParallelLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_parallel_linears(x, (self,))[0]
+
+
+class LMHead(ColumnParallelLinear):
+    """The causal LM's vocab-parallel output layer: a bias-free ColumnParallelLinear [V/tp, H].
+
+    Forward: x [B, T, H] ([B, T/tp, H] with sequence parallelism) -> logits [B, T, V/tp]; or, with
+    ``logprob`` (a :class:`aligner.nn.chunked.LogProbSpec`) and ``labels`` [B, R] int64, the
+    per-token (log_probs [B, R] fp32, entropy [B, R] fp32 nats) at positions ``head_index`` [B, R]
+    (all T when None) without the logits (:func:`aligner.nn.chunked.lm_head_log_probs`). Both run
+    inside this module's own call, so a wrapper that gathers a module's parameters around its
+    forward (DeepSpeed ZeRO-3) sees the weight on either path.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        super().__init__(hidden_size, vocab_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        logprob: Optional[LogProbSpec] = None,
+        head_index: Optional[torch.Tensor] = None,
+    ):
+        if logprob is None:
+            return super().forward(x)
+        if labels is None:
+            raise ValueError("LMHead: logprob needs labels [B, R] (the tokens to score)")
+        return lm_head_log_probs(self, x, labels, logprob, head_index)
 
 
 class _SPGatherLinears(torch.autograd.Function):

@@ -38,7 +38,7 @@ from aligner.model.llama import default_position_ids
 from aligner.nn import comm
 from aligner.parallel.tensor_parallel import seq_shards, sync_tp_grads
 
-MODEL_INPUT_KEYS = ("position_ids", "segment_ids", "head_index")
+MODEL_INPUT_KEYS = ("position_ids", "segment_ids", "head_index", "logprob")
 
 
 def split_microbatches(batch: dict[str, torch.Tensor], num_microbatches: int) -> list[dict[str, torch.Tensor]]:
@@ -91,8 +91,12 @@ def model_kwargs(mb: dict) -> dict:
     position_ids [b, T] are always included (the model's default from ``input_ids`` and
     ``segment_ids`` when the batch has none): a later pipeline stage receives hidden states,
     which under sequence parallelism hold T / tp positions, so it cannot infer T itself.
+    With ``logprob`` (an ``aligner.nn.chunked.LogProbSpec``, shared by all micro-batches) the
+    micro-batch's ``labels`` go too: the causal LM then returns per-token log-probs and entropy.
     """
     kw = {k: mb[k] for k in MODEL_INPUT_KEYS if k in mb and mb[k] is not None}
+    if "logprob" in kw:
+        kw["labels"] = mb["labels"]
     if "position_ids" not in kw:
         ids = mb["input_ids"]
         kw["position_ids"] = default_position_ids(ids.shape[0], ids.shape[1], ids.device, kw.get("segment_ids"))
@@ -127,7 +131,8 @@ def pipeline_train_step(
             ``segment_ids`` [b, T], and any extra tensors the loss needs (advantages,
             old_log_probs, masks, labels, normalizers).
         loss_fn: (output, mb) -> scalar loss, run on the last stage; output is the last
-            stage's model output (logits [b, T, V/tp] or scores [b, T]).
+            stage's model output (logits [b, T, V/tp], scores [b, T], or (log_probs, entropy)
+            [b, R] each when the micro-batch carries a ``logprob`` spec).
         loss_reduction: "mean" (scale each loss by 1/num_microbatches) or "sum" (no scaling).
         finalize: run :func:`finalize_grads` after the last backward.
     Returns:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.pipeline import model_kwargs, pipeline_forward
 
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids", "segment_ids", "loss_mask", "labels")  # [B, T] keys padded
 LossFn = Callable[[torch.Tensor, dict], torch.Tensor]
 OutputFn = Callable[[torch.Tensor, dict], torch.Tensor]
 
@@ -30,13 +31,14 @@ def split_micro(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[d
     """Contiguous micro-batches of at most `micro_batch_size` rows (tensors split on dim 0).
 
     Unlike ``pipeline.split_microbatches`` (an exact count), the last micro-batch may be smaller:
-    dp_split hands ranks local batches whose sizes differ by one.
+    dp_split hands ranks local batches whose sizes differ by one. Non-tensor values (such as a
+    ``LogProbSpec``) are shared by every micro-batch.
     """
     n = next(iter(batch.values())).shape[0]
     if n == 0:
         return []
     mbs = max(1, micro_batch_size)
-    return [{k: v[i : i + mbs] for k, v in batch.items()} for i in range(0, n, mbs)]
+    return [{k: v[i : i + mbs] if torch.is_tensor(v) else v for k, v in batch.items()} for i in range(0, n, mbs)]
 
 
 def pad_sequence_dim(batch: dict[str, torch.Tensor], multiple: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -47,7 +49,7 @@ def pad_sequence_dim(batch: dict[str, torch.Tensor], multiple: int, pad_id: int 
         return batch
     out = {}
     for k, v in batch.items():
-        if v.dim() >= 2 and v.shape[1] == t and k in ("input_ids", "attention_mask", "position_ids", "segment_ids", "loss_mask", "labels"):
+        if k in SEQUENCE_KEYS and torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == t:
             fill = pad_id if k == "input_ids" else 0
             out[k] = torch.cat([v, v.new_full((v.shape[0], extra) + tuple(v.shape[2:]), fill)], dim=1)
         else:

@@ -197,7 +197,8 @@ class TrainRuntime:
     # ---- one step ----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Run the (wrapped) model: input_ids [B, T] int64 (first stage) -> logits [B, T, V/tp]
-        (policy) or scores [B, T] fp32 (score model). bf16 outputs under bf16 mixed precision."""
+        (policy; (log_probs, entropy) [B, R] fp32 with a ``logprob`` input) or scores [B, T] fp32
+        (score model). bf16 logits under bf16 mixed precision."""
         with dpmod.autocast_context(self.uses_autocast, self.device_type):
             return self.model(*args, **kwargs)
 
