@@ -113,7 +113,7 @@ def evaluate_greedy(actor_group, eval_examples: list[dict], tokenizer, cfg: Alig
         "n": float(len(prompts)),
         "mean_response_len": sum(len(g.token_ids) for g in gens) / len(gens),
     }
-    if any("answer" in (e.get("metadata") or {}) for e in eval_examples):  # GSM8K-style data: the answer format's rate
+    if not on_builtin_task(cfg) and any("answer" in (e.get("metadata") or {}) for e in eval_examples):  # GSM8K-style data
         metrics["format_rate"] = sum(gsm8k_formatted(r) is not None for r in responses) / len(responses)
     if on_builtin_task(cfg):  # which mistakes the policy makes: carries dropped (what PPO must fix) or not
         metrics.update(mistake_breakdown(texts, responses))
