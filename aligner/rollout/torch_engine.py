@@ -45,6 +45,14 @@ k/v. On the CPU, whether weights are stored [in, out] and whether q/k/v and gate
 is timed on the machine at engine build (``cpu_layout="auto"``; see :func:`_pack_weights`). The
 packed parameters are views, so refit is unchanged.
 
+Compiled decode (``compile``, :func:`compile_decode`): each decoder layer is torch.compile'd in
+place (torchtitan's per-block compile), so prefill and decode run inductor's kernels for the
+same modules; weights stay graph inputs, so refit's in-place copies reach it. "auto" compiles on
+CUDA (with inductor's CUDA graphs, except inside the static scheduler's own; unrun: no GPU
+here) and not on the CPU: on the development CPU compiled decode was no faster than this eager
+path (1.0x on the tiny benchmark model; benchmarks/RESULTS.md), so the hand-written fused
+paths above stay, and no per-machine compile timing was built.
+
 Sampling choices (documented simplifications):
 - Under TP the last position's logits [B, V/tp] are all-gathered to [B, V] on every tp rank
   (only the last position, once per step: B * V floats), and every rank samples the same
