@@ -269,7 +269,6 @@ class ParallelConfig:
         _choice(f"{prefix}.dp_backend", self.dp_backend, ("fsdp2", "ddp", "deepspeed"))
         _choice(f"{prefix}.mixed_precision", self.mixed_precision, ("fp32", "bf16"))
         _choice(f"{prefix}.zero_stage", self.zero_stage, (0, 1, 2, 3))
-        _choice(f"{prefix}.compile", self.compile, (False, True))
         _check(
             self.logprob_chunk_size >= 0,
             f"{prefix}.logprob_chunk_size",
