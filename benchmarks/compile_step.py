@@ -80,6 +80,7 @@ def decode(model, cfg, args) -> None:
         f"({med['compiled']:.3f} s), compiled/eager speed {med['eager'] / med['compiled']:.3f}x"
     )
     print(f"  greedy tokens equal: {same}; max |log-prob diff| {lp:.2e}")
+    print(f"  every round, s: eager {[round(t, 3) for t in times['eager']]}, compiled {[round(t, 3) for t in times['compiled']]}")
 
 
 def train(model, cfg, args) -> None:
