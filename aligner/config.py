@@ -254,6 +254,9 @@ class ParallelConfig:
     # policy log-probs / entropy: positions per chunk of the fused head + softmax (aligner.nn.chunked),
     # so no [B, R, V/tp] fp32 logits exist; 0 = the unchunked path (the head's logits, then aligner.nn.vocab)
     logprob_chunk_size: int = 512
+    # torch.compile each decoder block for training (torchtitan's per-block compile, applied by
+    # aligner.parallel.parallelize); off by default: on the CPU it was measured no faster (benchmarks/RESULTS.md)
+    compile: bool = False
 
     @property
     def world_size(self) -> int:
@@ -405,12 +408,14 @@ class RolloutConfig:
     scheduler: str = "continuous"  # continuous (slots refilled as responses stop, shared prompt prefixes) | static
     micro_batches: int = 0  # continuous: slot-pool blocks in flight through the engine's pipeline (0 = its pp_size)
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (GPU, static scheduler only)
+    compile: str = "auto"  # torch.compile each decoder layer for generation: auto (on for CUDA, off on CPU: measured no faster) | on | off
     dtype: str = "float32"  # engine weights and KV cache: float32 | bfloat16 | float16 (refit casts)
 
     def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
         _choice(f"{prefix}.backend", self.backend, ("torch", "trtllm"))
         _choice(f"{prefix}.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         _choice(f"{prefix}.scheduler", self.scheduler, ("continuous", "static"))
+        _choice(f"{prefix}.compile", self.compile, ("auto", "on", "off"))
         _check(self.max_batch_size >= 1, f"{prefix}.max_batch_size", self.max_batch_size, "must be >= 1")
         _check(self.micro_batches >= 0, f"{prefix}.micro_batches", self.micro_batches, f"must be >= 0 (0 = {prefix}.parallel.pp_size)")
         self.parallel.validate(f"{prefix}.parallel", model)

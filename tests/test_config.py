@@ -121,6 +121,7 @@ CASES = [
     (["rollout.parallel.tp_size=3"], "rollout.parallel.tp_size", "3", "valid: 1, 2, 4"),
     (["rollout.refit_bucket_mb=0"], "rollout.refit_bucket_mb", "0", "positive"),
     (["rollout.scheduler=paged"], "rollout.scheduler", "'paged'", "valid choices are continuous, static"),
+    (["rollout.compile=max"], "rollout.compile", "'max'", "valid choices are auto, on, off"),
     (["rollout.micro_batches=-1"], "rollout.micro_batches", "-1", "0 = rollout.parallel.pp_size"),
     (["rollout.max_batch_size=0"], "rollout.max_batch_size", "0", ">= 1"),
     (["rollout.sampling.temperature=-1"], "rollout.sampling.temperature", "-1.0", "0 = greedy"),

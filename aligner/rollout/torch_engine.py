@@ -45,6 +45,14 @@ k/v. On the CPU, whether weights are stored [in, out] and whether q/k/v and gate
 is timed on the machine at engine build (``cpu_layout="auto"``; see :func:`_pack_weights`). The
 packed parameters are views, so refit is unchanged.
 
+Compiled decode (``compile``, :func:`compile_decode`): each decoder layer is torch.compile'd in
+place (torchtitan's per-block compile), so prefill and decode run inductor's kernels for the
+same modules; weights stay graph inputs, so refit's in-place copies reach it. "auto" compiles on
+CUDA (with inductor's CUDA graphs, except inside the static scheduler's own; unrun: no GPU
+here) and not on the CPU: on the development CPU compiled decode was no faster than this eager
+path (1.0x on the tiny benchmark model; benchmarks/RESULTS.md), so the hand-written fused
+paths above stay, and no per-machine compile timing was built.
+
 Sampling choices (documented simplifications):
 - Under TP the last position's logits [B, V/tp] are all-gathered to [B, V] on every tp rank
   (only the last position, once per step: B * V floats), and every rank samples the same
@@ -93,6 +101,7 @@ from aligner.runtime.host import keep_freed_host_memory
 
 SCHEDULERS = ("continuous", "static")
 CPU_LAYOUTS = ("auto", "in_out", "out_in")
+COMPILE_MODES = ("auto", "on", "off")
 
 
 class TorchEngine(RolloutEngine):
@@ -128,6 +137,11 @@ class TorchEngine(RolloutEngine):
             ``self.layout`` holds the timings);
             "in_out" stores every weight [in, out] (transposed view, MKL's no-transpose GEMM),
             "out_in" keeps PyTorch's [out, in].
+        compile: torch.compile each decoder layer's forward for prefill and decode
+            (:func:`compile_decode`): "on", "off", or "auto" (default): on for CUDA (unrun: no GPU
+            here), off on the CPU, where compiled decode was measured no faster than eager on the
+            benchmark model (benchmarks/RESULTS.md, "Compiled decode and training"); no
+            per-machine timing is done for it.
     The engine owns `model`: it re-lays its linear weights out in place (see :func:`_pack_weights`).
     """
 
@@ -145,6 +159,7 @@ class TorchEngine(RolloutEngine):
         scheduler: str = "continuous",
         micro_batches: Optional[int] = None,
         cpu_layout: str = "auto",
+        compile: str = "auto",
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} is invalid: must be >= 1")
@@ -152,6 +167,8 @@ class TorchEngine(RolloutEngine):
             raise ValueError(f"scheduler={scheduler!r} is invalid: valid are {', '.join(SCHEDULERS)}")
         if cpu_layout not in CPU_LAYOUTS:
             raise ValueError(f"cpu_layout={cpu_layout!r} is invalid: valid are {', '.join(CPU_LAYOUTS)}")
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"compile={compile!r} is invalid: valid are {', '.join(COMPILE_MODES)}")
         self.model = model.eval()
         self.cfg = model.cfg
         self.eos_token_id = eos_token_id
@@ -186,6 +203,12 @@ class TorchEngine(RolloutEngine):
         self.layout.update(transposed=transposed, fused=self.fused_decode)
         _pack_weights(model, self.device, transposed=transposed, fuse=self.fused_decode)  # before the slots
         self._params = _param_slots(model)
+        self.compiled = compile == "on" or (compile == "auto" and not on_cpu)
+        if self.compiled:
+            # the static scheduler's own CUDA graphs capture the compiled kernels; elsewhere on CUDA
+            # inductor's CUDA graphs (reduce-overhead) replay them
+            own_graphs = scheduler == "static" and self._use_graphs()
+            compile_decode(model, cuda_graphs=self.device.type == "cuda" and not own_graphs)
         self._full_names = {n for n, _ in build_model(self.cfg, device="meta").named_parameters(remove_duplicate=False)}
         self._received: set[str] = set()
         self._offloaded: list[torch.Tensor] = []
@@ -946,6 +969,33 @@ def _pack_weights(model: nn.Module, device: torch.device, *, transposed: bool, f
             for name, buf in module._buffers.items():
                 if buf is not None:
                     module._buffers[name] = buf.to(device)
+
+
+def compile_decode(model: nn.Module, cuda_graphs: bool = False) -> None:
+    """torch.compile every local decoder layer's forward in place (``nn.Module.compile``: parameter
+    names, state dict and refit unchanged), as torchtitan compiles per transformer block.
+
+    Shapes: the layer runs prefill [U, T, H] and decode [n, 1, H] with the engine's KV caches;
+    ``dynamic=None`` (automatic dynamic shapes) compiles each layer once static, then once with
+    the batch, lengths and cache positions symbolic after the first change, so a generate()
+    call recompiles at most twice per layer whatever the continuous scheduler's batch sizes
+    (3 graphs per layer measured on the tiny test model). Raises Dynamo's recompile limits
+    (process-wide) to 4 (accumulated: 8) per layer. The weights are graph inputs, not
+    constants (inductor's ``freezing`` is off), so refit's in-place ``copy_`` is what the next
+    step reads: the stale-weights pitfall NeMo-RL hit with captured graphs is tested on the CPU
+    (tests/rollout/test_torch_engine.py). cuda_graphs: inductor's mode "reduce-overhead"
+    (CUDA graph trees) - unrun, no GPU here; after offload/onload moves the weights, CUDA graph
+    trees see new parameter addresses and re-record (unverified).
+    """
+    mode = "reduce-overhead" if cuda_graphs else None
+    layers = list(model.model.layers.values())
+    # every layer shares DecoderLayer.forward's code but is specialized on its layer_idx (the KV
+    # cache's key), so it needs its own graphs (static, then dynamic; prefill and decode): Dynamo's
+    # per-code limit (8) would silently fall back to eager after 2-4 layers
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16 * len(layers))
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 32 * len(layers))
+    for layer in layers:
+        layer.compile(dynamic=None, mode=mode)
 
 
 def _param_slots(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:

@@ -124,6 +124,7 @@ class ActorWorker(PolicyWorker):
             scheduler=self.cfg.rollout.scheduler,
             micro_batches=self.cfg.rollout.micro_batches or None,
             cuda_graphs=self.cfg.rollout.cuda_graphs,
+            compile=self.cfg.rollout.compile,
             seed=self.cfg.trainer.seed,
         )
 

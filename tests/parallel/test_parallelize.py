@@ -51,6 +51,31 @@ def test_parallelize_on_one_rank_applies_the_configured_recomputation():
         apply_recompute(model, "some")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_compiled_blocks_train_like_the_eager_model(recompute):
+    """parallel.compile=true (tp 1): every decoder block is compiled (parameter names unchanged),
+    and the loss and every gradient equal the uncompiled model's within 1e-5 (fp32; inductor's
+    fused kernels round differently, so not bitwise), also under full recomputation and for a
+    second sequence length (the automatic-dynamic recompile)."""
+    ref = apply_recompute(build_model(CFG, seed=3), recompute)
+    model = parallelize(build_model(CFG, seed=3), ParallelDims(), ParallelConfig(recompute=recompute, compile=True))
+    assert all(layer._compiled_call_impl is not None for layer in model.model.layers.values())
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for t in (24, 17):
+            ids = torch.randint(0, CFG.vocab_size, (2, t), generator=torch.Generator().manual_seed(t))
+            losses = []
+            for m in (ref, model):
+                m.zero_grad()
+                loss = torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.flatten())
+                loss.backward()
+                losses.append(loss.detach())
+            torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=0)
+            for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+                torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=0, msg=n)
+
+
 def test_stage_layer_ids_split():
     assert [stage_layer_ids(5, 2, s) for s in range(2)] == [[0, 1, 2], [3, 4]]
     assert [stage_layer_ids(4, 2, s, [1, 3]) for s in range(2)] == [[0], [1, 2, 3]]
