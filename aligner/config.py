@@ -408,7 +408,9 @@ class RolloutConfig:
     scheduler: str = "continuous"  # continuous (slots refilled as responses stop, shared prompt prefixes) | static
     micro_batches: int = 0  # continuous: slot-pool blocks in flight through the engine's pipeline (0 = its pp_size)
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (GPU, static scheduler only)
-    compile: str = "auto"  # torch.compile each decoder layer for generation: auto (on for CUDA, off on CPU: measured no faster) | on | off
+    compile: str = (
+        "auto"  # torch.compile each decoder layer for generation: on | off | auto (= off for now: no faster on CPU, unrun on CUDA)
+    )
     dtype: str = "float32"  # engine weights and KV cache: float32 | bfloat16 | float16 (refit casts)
 
     def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:

@@ -193,6 +193,13 @@ CASES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _away_from_outputs(tmp_path, monkeypatch):
+    """Run in an empty dir: the presets' relative *.init paths (outputs/tiny/sft, ...) must not find
+    the checkpoints of an earlier `make demo` in the checkout, whose dimensions would win."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.mark.parametrize("overrides,field,value,fix", CASES, ids=[" ".join(c[0]) for c in CASES])
 def test_config_error_names_field_value_and_fix(overrides, field, value, fix):
     with pytest.raises(ConfigError) as e:

@@ -47,11 +47,13 @@ packed parameters are views, so refit is unchanged.
 
 Compiled decode (``compile``, :func:`compile_decode`): each decoder layer is torch.compile'd in
 place (torchtitan's per-block compile), so prefill and decode run inductor's kernels for the
-same modules; weights stay graph inputs, so refit's in-place copies reach it. "auto" compiles on
-CUDA (with inductor's CUDA graphs, except inside the static scheduler's own; unrun: no GPU
-here) and not on the CPU: on the development CPU compiled decode was no faster than this eager
-path (1.0x on the tiny benchmark model; benchmarks/RESULTS.md), so the hand-written fused
-paths above stay, and no per-machine compile timing was built.
+same modules; weights stay graph inputs, so refit's in-place copies reach it. "on" compiles (on
+CUDA with inductor's CUDA graphs, except inside the static scheduler's own: that path has not
+run, no GPU was available); "auto" (the default) does not compile yet on either device: on the
+development CPU compiled decode was no faster than this eager path (1.0x on the tiny benchmark
+model, 0.74-0.90x on SmolLM2 after 215-509 s of compiling; benchmarks/RESULTS.md), so the
+hand-written fused paths above stay, and on CUDA it stays eager until the gpu-marked test has
+run. No per-machine compile timing was built.
 
 Sampling choices (documented simplifications):
 - Under TP the last position's logits [B, V/tp] are all-gathered to [B, V] on every tp rank
@@ -138,10 +140,9 @@ class TorchEngine(RolloutEngine):
             "in_out" stores every weight [in, out] (transposed view, MKL's no-transpose GEMM),
             "out_in" keeps PyTorch's [out, in].
         compile: torch.compile each decoder layer's forward for prefill and decode
-            (:func:`compile_decode`): "on", "off", or "auto" (default): on for CUDA (unrun: no GPU
-            here), off on the CPU, where compiled decode was measured no faster than eager on the
-            benchmark model (benchmarks/RESULTS.md, "Compiled decode and training"); no
-            per-machine timing is done for it.
+            (:func:`compile_decode`): "on", "off", or "auto" (default): eager for now on both
+            devices: measured no faster than eager on the CPU (benchmarks/RESULTS.md, "Compiled
+            decode and training"), and not yet run on CUDA; no per-machine timing is done for it.
     The engine owns `model`: it re-lays its linear weights out in place (see :func:`_pack_weights`).
     """
 
@@ -203,7 +204,7 @@ class TorchEngine(RolloutEngine):
         self.layout.update(transposed=transposed, fused=self.fused_decode)
         _pack_weights(model, self.device, transposed=transposed, fuse=self.fused_decode)  # before the slots
         self._params = _param_slots(model)
-        self.compiled = compile == "on" or (compile == "auto" and not on_cpu)
+        self.compiled = compile == "on"  # "auto": eager until compiled decode is measured faster (module docstring)
         if self.compiled:
             # the static scheduler's own CUDA graphs capture the compiled kernels; elsewhere on CUDA
             # inductor's CUDA graphs (reduce-overhead) replay them

@@ -61,13 +61,13 @@ def test_cuda_graph_decode_matches_eager_and_reference():
 @pytest.mark.parametrize("scheduler", ["continuous", "static"])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-4)])
 def test_compiled_decode_on_cuda_matches_eager_and_sees_refit(scheduler, dtype, atol):
-    """compile="auto" on CUDA (continuous: inductor's reduce-overhead CUDA graphs; static: the
+    """compile="on" on CUDA (continuous: inductor's reduce-overhead CUDA graphs; static: the
     engine's own CUDA graphs around the compiled layers) against compile="off": greedy tokens equal,
     log-probs within the issue's target (1e-5 fp32, 1e-4 bf16: on the CPU bf16 missed it, see
     tests/rollout/test_torch_engine.py); after a refit, a fresh eager engine's tokens (NeMo-RL's
     stale-weights pitfall). Unrun: no GPU on the development machine."""
     s = SamplingConfig(temperature=0.0, max_new_tokens=12)
-    comp = TorchEngine(build_model(CFG, seed=1, device="cuda").eval().to(dtype), scheduler=scheduler)
+    comp = TorchEngine(build_model(CFG, seed=1, device="cuda").eval().to(dtype), scheduler=scheduler, compile="on")
     eager = TorchEngine(build_model(CFG, seed=1, device="cuda").eval().to(dtype), scheduler=scheduler, compile="off")
     assert comp.compiled and not eager.compiled
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
