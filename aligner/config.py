@@ -362,6 +362,50 @@ class TrainableRoleConfig(RoleConfig):
         self.optim.validate_with(f"{prefix}.optim", self.parallel, model)
 
 
+PROMPT_LEARNING_TYPES = ("none", "prompt_tuning", "p_tuning")
+
+
+@dataclass(kw_only=True)
+class PromptLearningConfig:
+    """Prompt learning of the SFT policy: trained virtual tokens prepended to every sequence, base frozen.
+
+    prompt_tuning: the virtual-token embeddings are the parameters (Lester et al. 2021). p_tuning: a
+    small prompt encoder (MLP or bidirectional LSTM + MLP, PEFT's PromptEncoder) maps trained input
+    embeddings to them (Liu et al. 2021). See :mod:`aligner.model.prompt`.
+    """
+
+    type: str = "none"  # none | prompt_tuning | p_tuning
+    num_virtual_tokens: int = 8  # virtual tokens prepended to every sequence
+    init: str = "random"  # random (normal, the token embedding's std) | text (embeddings of init_text's tokens)
+    init_text: str = ""  # init=text: text whose token embeddings, repeated/truncated to num_virtual_tokens, start the prompt
+    encoder: str = "mlp"  # p_tuning: mlp | lstm
+    encoder_hidden_size: int = 128  # p_tuning: the encoder's hidden width
+
+    @property
+    def enabled(self) -> bool:
+        return self.type != "none"
+
+    def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
+        _choice(f"{prefix}.type", self.type, PROMPT_LEARNING_TYPES)
+        _choice(f"{prefix}.init", self.init, ("random", "text"))
+        _choice(f"{prefix}.encoder", self.encoder, ("mlp", "lstm"))
+        _check(self.num_virtual_tokens >= 1, f"{prefix}.num_virtual_tokens", self.num_virtual_tokens, "must be >= 1")
+        _check(self.encoder_hidden_size >= 1, f"{prefix}.encoder_hidden_size", self.encoder_hidden_size, "must be >= 1")
+        if self.enabled and self.init == "text":
+            _check(bool(self.init_text.strip()), f"{prefix}.init_text", self.init_text, f"{prefix}.init=text needs a non-empty text")
+
+
+@dataclass(kw_only=True)
+class ActorRoleConfig(TrainableRoleConfig):
+    """The actor role: a trainable role plus prompt learning (SFT only)."""
+
+    prompt_learning: PromptLearningConfig = field(default_factory=PromptLearningConfig)  # virtual tokens, base frozen
+
+    def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
+        super().validate(prefix, model)
+        self.prompt_learning.validate(f"{prefix}.prompt_learning", model)
+
+
 @dataclass(kw_only=True)
 class RewardRoleConfig(TrainableRoleConfig):
     """The reward role: a reward model (trained by the RM stage with ``optim``, frozen in PPO) or a rule."""
@@ -608,7 +652,7 @@ class AlignerConfig:
     data: DataConfig = field(default_factory=DataConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    actor: TrainableRoleConfig = field(default_factory=TrainableRoleConfig)  # policy (also the SFT model)
+    actor: ActorRoleConfig = field(default_factory=ActorRoleConfig)  # policy (also the SFT model)
     critic: TrainableRoleConfig = field(default_factory=TrainableRoleConfig)  # value model
     reward: RewardRoleConfig = field(default_factory=RewardRoleConfig)  # reward model or rule (also the RM stage's model)
     ref: RefRoleConfig = field(default_factory=RefRoleConfig)  # frozen reference policy
@@ -640,6 +684,7 @@ class AlignerConfig:
             self.data.max_seq_len,
             f"must not exceed model.max_seq_len={self.model.max_seq_len}",
         )
+        self._validate_prompt_learning()
         if self.stage == "ppo":
             self._validate_rollout_lengths()
         self._validate_cluster_devices()
@@ -660,6 +705,37 @@ class AlignerConfig:
                 f"{self.algorithm.advantage} (a per-prompt group baseline) has zero advantages and trains nothing: "
                 "sample with temperature > 0 (e.g. 1.0)",
             )
+
+    def _validate_prompt_learning(self) -> None:
+        """actor.prompt_learning: SFT only, on layouts the virtual tokens support, within the model's positions."""
+        pl = prompt_learning_of(self)
+        if pl is None or not pl.enabled:
+            return
+        f = "actor.prompt_learning.type"
+        p = self.actor.parallel
+        _check(
+            p.pp_size == 1,
+            "actor.parallel.pp_size",
+            p.pp_size,
+            f"{f}={pl.type} supports pp_size=1 only (the virtual tokens live on the first stage, not implemented)",
+        )
+        _check(
+            not p.sequence_parallel, "actor.parallel.sequence_parallel", p.sequence_parallel, f"{f}={pl.type} needs sequence_parallel=false"
+        )
+        _check(p.dp_backend != "deepspeed", "actor.parallel.dp_backend", p.dp_backend, f"{f}={pl.type} supports fsdp2 or ddp")
+        _check(
+            not self.data.packing,
+            "data.packing",
+            self.data.packing,
+            f"{f}={pl.type} prepends virtual tokens to each row: set data.packing=false",
+        )
+        _check(
+            pl.num_virtual_tokens + self.data.max_seq_len <= self.model.max_seq_len,
+            "actor.prompt_learning.num_virtual_tokens",
+            pl.num_virtual_tokens,
+            f"num_virtual_tokens + data.max_seq_len={self.data.max_seq_len} must not exceed model.max_seq_len={self.model.max_seq_len}",
+        )
+        _check(self.stage == "sft", f, pl.type, f"prompt learning is implemented for the SFT stage only (stage={self.stage}): set {f}=none")
 
     def _validate_rollout_lengths(self) -> None:
         """The longest prompt plus the response must fit the model (the engine's KV cache and RoPE positions)."""
@@ -798,6 +874,11 @@ class AlignerConfig:
         if name not in ("actor", "critic", "reward", "ref"):
             raise ValueError(f"unknown role {name!r}: valid roles are actor, critic, reward, ref")
         return getattr(self, name)
+
+
+def prompt_learning_of(cfg: AlignerConfig) -> Optional[PromptLearningConfig]:
+    """cfg.actor.prompt_learning, or None when the actor config has none (a plain TrainableRoleConfig built in code)."""
+    return getattr(cfg.actor, "prompt_learning", None)
 
 
 def roles_with_field(name: str) -> tuple[str, ...]:

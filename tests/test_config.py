@@ -190,6 +190,34 @@ CASES = [
     (["cluster.gpus_per_node=-1"], "cluster.gpus_per_node", "-1", ">= 0"),
     (["cluster.gpu_mem_gb=0"], "cluster.gpu_mem_gb", "0.0", "positive"),
     (["cluster.placement=mixed"], "cluster.placement", "'mixed'", "split, colocated"),
+    # prompt learning (actor.prompt_learning); the layout checks run before the SFT-only one
+    (["actor.prompt_learning.type=prefix"], "actor.prompt_learning.type", "'prefix'", "none, prompt_tuning, p_tuning"),
+    (["actor.prompt_learning.init=vocab"], "actor.prompt_learning.init", "'vocab'", "random, text"),
+    (["actor.prompt_learning.encoder=gru"], "actor.prompt_learning.encoder", "'gru'", "mlp, lstm"),
+    (["actor.prompt_learning.num_virtual_tokens=0"], "actor.prompt_learning.num_virtual_tokens", "0", ">= 1"),
+    (["actor.prompt_learning.encoder_hidden_size=0"], "actor.prompt_learning.encoder_hidden_size", "0", ">= 1"),
+    (["actor.prompt_learning.type=p_tuning", "actor.prompt_learning.init=text"], "actor.prompt_learning.init_text", "''", "non-empty"),
+    (["actor.prompt_learning.type=prompt_tuning", "actor.parallel.pp_size=2"], "actor.parallel.pp_size", "2", "pp_size=1 only"),
+    (
+        ["actor.prompt_learning.type=prompt_tuning", "actor.parallel.tp_size=2", "actor.parallel.sequence_parallel=true"],
+        "actor.parallel.sequence_parallel",
+        "True",
+        "sequence_parallel=false",
+    ),
+    (
+        ["actor.prompt_learning.type=prompt_tuning", "actor.parallel.dp_backend=deepspeed"],
+        "actor.parallel.dp_backend",
+        "'deepspeed'",
+        "fsdp2 or ddp",
+    ),
+    (["actor.prompt_learning.type=prompt_tuning", "data.packing=true"], "data.packing", "True", "set data.packing=false"),
+    (
+        ["actor.prompt_learning.type=prompt_tuning", "actor.prompt_learning.num_virtual_tokens=40"],
+        "actor.prompt_learning.num_virtual_tokens",
+        "40",
+        "must not exceed model.max_seq_len=64",
+    ),
+    (["actor.prompt_learning.type=prompt_tuning"], "actor.prompt_learning.type", "'prompt_tuning'", "SFT stage only"),
 ]
 
 
@@ -321,7 +349,7 @@ def test_cli_config_error_is_one_line_exit_2(arg, field, tmp_path):
 
 # ---- the schema per role: a field appears only under the roles that use it ----------------------
 ROLE_FIELDS = {
-    "actor": {"init", "parallel", "resources", "colocate_with", "optim"},
+    "actor": {"init", "parallel", "resources", "colocate_with", "optim", "prompt_learning"},
     "critic": {"init", "parallel", "resources", "colocate_with", "optim"},
     "reward": {"init", "parallel", "resources", "colocate_with", "optim", "type", "rule"},  # optim: the RM stage
     "ref": {"init", "parallel", "resources", "colocate_with"},  # frozen: no optim
@@ -342,7 +370,7 @@ def test_role_schema_has_only_the_fields_its_role_uses(role):
         for role in ("actor", "critic", "ref")
         for name, value in (("type", "rule"), ("rule", "digit_fraction"))
     ]
-    + [("ref.optim.lr=1e-5", "actor, critic, reward only")],
+    + [("ref.optim.lr=1e-5", "actor, critic, reward only"), ("critic.prompt_learning.type=p_tuning", "actor only")],
 )
 def test_field_of_another_role_is_an_unknown_key(override, owners):
     key = override.split("=")[0]

@@ -18,10 +18,13 @@ Batches are dicts of tensors in the layout of :mod:`aligner.protocol`.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from aligner import algorithms as alg
-from aligner.config import AlgorithmConfig
+from aligner.config import AlgorithmConfig, PromptLearningConfig
+from aligner.model.prompt import attach_prompt, build_prompt, greedy_generate, prompt_state_dict
 from aligner.nn.chunked import LogProbSpec
 from aligner.nn.vocab import vocab_parallel_log_probs, vocab_parallel_log_probs_entropy
 from aligner.protocol import response_index
@@ -30,9 +33,54 @@ from aligner.runtime.runner import from_last_stage
 
 
 class Policy(RoleModel):
-    """A causal LM role. See RoleModel for the constructor arguments (kind is "lm")."""
+    """A causal LM role. See RoleModel for the constructor arguments (kind is "lm").
+
+    prompt_learning: an enabled :class:`aligner.config.PromptLearningConfig` trains virtual tokens
+    on a frozen base (:mod:`aligner.model.prompt`): only they are in the optimizer and in
+    checkpoints. prompt_init_ids: init_text's token ids (prompt_learning.init=text).
+    """
 
     kind = "lm"
+
+    def __init__(self, *args, prompt_learning: Optional[PromptLearningConfig] = None, prompt_init_ids: Optional[list] = None, **kw):
+        self.prompt_cfg = prompt_learning if prompt_learning is not None and prompt_learning.enabled else None
+        self.prompt_init_ids = prompt_init_ids
+        super().__init__(*args, **kw)
+        if self.prompt_cfg is not None:
+            self.runtime.checkpoint_trainable_only = True  # the frozen base is the init: not saved again
+
+    def prepare_model(self, full: torch.nn.Module, seed: int) -> torch.nn.Module:
+        """With prompt learning: attach the virtual prompt (seeded, the same on every rank) and freeze the base."""
+        if self.prompt_cfg is None:
+            return full
+        prompt = build_prompt(self.prompt_cfg, full.model.embed_tokens.weight, seed, self.prompt_init_ids)
+        return attach_prompt(full, prompt)
+
+    # ---- prompt learning ----------------------------------------------------------------
+    def prompt_tensors(self) -> dict[str, torch.Tensor]:
+        """The virtual prompt's full fp32 tensors (:func:`aligner.model.prompt.prompt_state_dict`; collective)."""
+        return prompt_state_dict(self.runtime.module)
+
+    @torch.no_grad()
+    def full_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [b, t] int64 -> logits [b, t, V] over the full vocabulary (tp shards gathered).
+        Collective over the role (FSDP2 gathers; every rank must call it with the same shapes)."""
+        out = self.runtime.forward(input_ids.to(self.runtime.device), position_ids=None)
+        if self.dims.tp_size == 1:
+            return out
+        parts = [torch.empty_like(out) for _ in range(self.dims.tp_size)]
+        torch.distributed.all_gather(parts, out.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=-1)
+
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]) -> list[tuple[list[int], list[float], str]]:
+        """Greedy responses by the training model's forward (virtual prompt included): see
+        :func:`aligner.model.prompt.greedy_generate`. Every rank runs every prompt (collective)."""
+        was = self.runtime.module.training
+        self.runtime.eval()
+        try:
+            return greedy_generate(self.full_logits, prompts, max_new_tokens, stop_ids)
+        finally:
+            self.runtime.train(was)
 
     @property
     def chunked(self) -> bool:

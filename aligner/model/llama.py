@@ -203,6 +203,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_layers)})
         self.norm: Optional[RMSNorm] = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.prompt: Optional[nn.Module] = None  # virtual tokens (aligner.model.prompt.attach_prompt), first stage only
 
     def forward(
         self,
@@ -217,10 +218,14 @@ class LlamaModel(nn.Module):
         restarting per segment when segment_ids is given); attn_mask [B, 1, T, Tk] bool overrides
         the causal/segment mask (the engine passes its own with a KV cache); without either,
         attention is plain causal with no mask tensor. A later pipeline stage under sequence
-        parallelism gets hidden states holding T / tp positions and needs `position_ids`."""
+        parallelism gets hidden states holding T / tp positions and needs `position_ids`.
+        With a virtual prompt (``self.prompt``, n tokens) the output is [B, n+T, H]: the virtual
+        tokens first, at positions 0..n-1, the real ones shifted by n (aligner.model.prompt)."""
         if self.embed_tokens is not None:
             b, t = x.shape
             h = self.embed_tokens(x)
+            if self.prompt is not None:
+                h, position_ids, t = self._prepend_prompt(h, position_ids, segment_ids, attn_mask, kv_cache)
         else:
             h = x
             b = h.shape[0]
@@ -234,6 +239,23 @@ class LlamaModel(nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin, attn_mask, kv_cache, cache_positions)
         return self.norm(h) if self.norm is not None else h
+
+    def _prepend_prompt(self, h, position_ids, segment_ids, attn_mask, kv_cache) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(h [B, n+T, H], position_ids [B, n+T], n+T) with the virtual tokens in front (plain causal rows only)."""
+        from aligner.model.prompt import prepend_virtual_tokens
+
+        if (
+            segment_ids is not None
+            or attn_mask is not None
+            or kv_cache is not None
+            or getattr(self.embed_tokens, "sequence_parallel", False)
+        ):
+            raise ValueError("a virtual prompt needs plain causal rows: no segment_ids, attn_mask, KV cache or sequence parallelism")
+        b, t = h.shape[0], h.shape[1]
+        if position_ids is None:
+            position_ids = default_position_ids(b, t, h.device)
+        h, position_ids = prepend_virtual_tokens(self.prompt, h, position_ids)
+        return h, position_ids, h.shape[1]
 
 
 def default_position_ids(batch: int, t: int, device, segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -280,6 +302,8 @@ class LlamaForCausalLM(nn.Module):
         **kw,
     ):
         h = self.model(x, **kw)
+        if self.model.prompt is not None:  # drop the virtual positions: outputs cover the real tokens only
+            h = h[:, self.model.prompt.num_virtual_tokens :]
         if self.lm_head is None:
             return h
         if logprob is not None:

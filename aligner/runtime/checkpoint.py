@@ -96,6 +96,15 @@ def _unique_params(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, tor
         yield name, module.get_submodule(mod_name), pname, p
 
 
+def _checkpoint_params(runtime) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+    """:func:`_unique_params` of what a checkpoint holds: every parameter, or only the trainable ones
+    when ``runtime.checkpoint_trainable_only`` (prompt learning: the frozen base is its init)."""
+    only = getattr(runtime, "checkpoint_trainable_only", False)
+    for item in _unique_params(runtime.module):
+        if not only or item[3].requires_grad:
+            yield item
+
+
 def _tp_spec(owner: nn.Module, pname: str) -> tuple[Optional[int], Optional[torch.Tensor]]:
     if isinstance(owner, ParallelLayer) and (comm.group_size(owner.tp_group) > 1 or getattr(owner, "row_index", None) is not None):
         return owner.local_to_full_spec(pname)
@@ -207,7 +216,7 @@ def sharded_state_dict(runtime) -> dict[str, Any]:
     """
     lay = _Layout(runtime)
     model, optim = {}, {}
-    for name, owner, pname, p in _unique_params(runtime.module):
+    for name, owner, pname, p in _checkpoint_params(runtime):
         model[name] = lay.to_global(p, p, owner, pname)
         st = _adam_state(runtime, p)
         zeros = torch.zeros_like(p, dtype=moment_dtype(runtime, p)) if not st else None
@@ -349,7 +358,7 @@ def load_checkpoint(runtime, ckpt_dir: str) -> dict:
     saved = set(saved_meta)
     sd: dict[str, Any] = {"model": {}, "optim": {}, "step": torch.zeros((), dtype=torch.int64)}
     finish = []
-    for name, owner, pname, p in _unique_params(runtime.module):
+    for name, owner, pname, p in _checkpoint_params(runtime):
         key = name if f"model.{name}" in saved else _TIED.get(name, name)  # tied lm_head saved once at pp=1
         if f"model.{key}" not in saved:
             raise ValueError(f"checkpoint {ckpt_dir!r} has no tensor for parameter {name!r}: it was saved from a different model")

@@ -98,9 +98,15 @@ class RoleModel:
             raise TypeError(f"{type(self).__name__}.kind={kind!r}: a RoleModel subclass sets kind to 'lm' or 'score'")
         full, self.model_cfg = load_initial_model(init, model_cfg, kind, seed)
         self.dims, self.parallel = dims, parallel
+        full = self.prepare_model(full, seed)
         self.runtime = TrainRuntime(self.model_cfg, kind, parallel, optim, dims, max(1, total_steps), seed=seed, model=full)
         self.runner = ModelRunner(self.runtime, dims)
         self.vocab_start = vocab_start(self.runtime.module) if kind == "lm" else 0
+
+    def prepare_model(self, full: torch.nn.Module, seed: int) -> torch.nn.Module:
+        """Hook on the full model before it is parallelized (the optimizer takes its requires_grad
+        parameters); the default returns it unchanged."""
+        return full
 
     @property
     def tp_group(self):
@@ -123,7 +129,7 @@ class RoleModel:
         """Write the gathered weights as an HF dir (rank 0 writes; collective), with the tokenizer at
         `tokenizer_path` saved beside them when given. Returns the path on rank 0, None elsewhere."""
 
-        sd = self.full_state_dict()
+        sd = {k: v for k, v in self.full_state_dict().items() if not k.startswith("model.prompt.")}  # base weights only
         if self.dims.rank != 0:
             return None
         tok = None

@@ -159,6 +159,7 @@ class TrainRuntime:
         self.total_steps = total_steps
         self.step_count = 0
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient norm
+        self.checkpoint_trainable_only = False  # True: checkpoints hold only requires_grad parameters (prompt learning)
         self.backend = parallel_cfg.dp_backend
         self.bf16 = parallel_cfg.mixed_precision == "bf16"
         full = model if model is not None else build_model(model_cfg, kind, seed=seed, device=dims.device)

@@ -11,6 +11,11 @@ last step's row as ``task_accuracy``, ``task_n``, ``task_mean_response_len``,
 ``task_accuracy_carry`` and ``task_accuracy_no_carry``), an aligner checkpoint and an HF export
 (with the tokenizer) in ``output_dir/hf``.
 
+With ``actor.prompt_learning.type`` = prompt_tuning | p_tuning (:mod:`aligner.model.prompt`) the
+base is frozen and only the virtual prompt trains; checkpoints hold the prompt (and its optimizer
+state) only, the export is ``output_dir/prompt`` (prompt.safetensors + prompt.json), and the
+greedy accuracy runs through the policy's forward with the virtual tokens (not the rollout engine).
+
 Only the actor role's worker group is placed (ActorWorker: training and, for the accuracy,
 its rollout engine).
 """
@@ -19,11 +24,12 @@ from __future__ import annotations
 
 import logging
 
-from aligner.config import AlignerConfig
+from aligner.config import AlignerConfig, prompt_learning_of
 from aligner.data.collate import collate_sft, pack_sft
 from aligner.data.pipeline import load_data
+from aligner.runtime.role import resolve_init
 from aligner.trainers.evaluation import evaluate_greedy
-from aligner.trainers.supervised import SupervisedTrainer
+from aligner.trainers.supervised import SupervisedTrainer, first
 from aligner.workers.actor import ActorWorker
 
 log = logging.getLogger("aligner")
@@ -42,7 +48,34 @@ class SFTTrainer(SupervisedTrainer):
         return ActorWorker
 
     def worker_kwargs(self) -> dict:
-        return {"cfg": self.cfg, "role": "actor", "total_steps": self.cfg.trainer.max_steps, "eos_token_id": self.tokenizer.eos_token_id}
+        kw = {"cfg": self.cfg, "role": "actor", "total_steps": self.cfg.trainer.max_steps, "eos_token_id": self.tokenizer.eos_token_id}
+        pl = prompt_learning_of(self.cfg)
+        if pl is not None and pl.enabled and pl.init == "text":
+            # the tokenizer's ids of init_text, special tokens included, as PEFT's PromptTuningInit.TEXT takes them
+            kw["prompt_init_ids"] = list(self.tokenizer(pl.init_text)["input_ids"])
+        return kw
+
+    def export(self) -> None:
+        """The HF export; with prompt learning the prompt export instead (:meth:`export_prompt`)."""
+        pl = prompt_learning_of(self.cfg)
+        if pl is None or not pl.enabled:
+            super().export()
+            return
+        self.export_prompt()
+
+    def export_prompt(self) -> None:
+        """output_dir/prompt: prompt.safetensors + prompt.json naming the base model. The frozen base is
+        exported to output_dir/hf only when it has no init (a seeded random base), so the prompt has a
+        base to reload against; with actor.init the base is that dir, unchanged, and not copied."""
+        base = self.init_path()
+        if not base:
+            super().export()
+            base = str(self.out / "hf")
+        else:
+            base = str(resolve_init(base).resolve())
+        extra = {"tokenizer": self.tok_path, "steps": self.step}
+        path = first([p for p in self.group.export_prompt(str(self.out / "prompt"), base, extra).get() if p])
+        log.info("sft: prompt export at %s (base model %s)", path, base)
 
     def collate(self, examples: list[dict]) -> dict:
         """input_ids, attention_mask, loss_mask [B, T] (plus segment_ids, position_ids when packing)."""

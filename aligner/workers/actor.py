@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from aligner.actor.policy import Policy
-from aligner.config import AlignerConfig, OptimConfig, SamplingConfig, TrainableRoleConfig
+from aligner.config import AlignerConfig, OptimConfig, SamplingConfig, TrainableRoleConfig, prompt_learning_of
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.parallelize import build_parallel_model, decode_layer_split
 from aligner.rollout import build_engine
@@ -35,7 +35,15 @@ from aligner.workers.dispatch import dispatch, split_batch
 class PolicyWorker:
     """Policy on the role's layout: training (SFT, PPO) and log-probs. Reference = frozen PolicyWorker."""
 
-    def __init__(self, cfg: AlignerConfig, role: str, total_steps: int = 1, init: str = "", dims: Optional[ParallelDims] = None):
+    def __init__(
+        self,
+        cfg: AlignerConfig,
+        role: str,
+        total_steps: int = 1,
+        init: str = "",
+        dims: Optional[ParallelDims] = None,
+        prompt_init_ids: Optional[list] = None,
+    ):
         self.cfg, self.role_name = cfg, role
         self.dims = dims or ParallelDims()
         role_cfg = cfg.role(role)
@@ -43,7 +51,15 @@ class PolicyWorker:
         optim = role_cfg.optim if isinstance(role_cfg, TrainableRoleConfig) else OptimConfig()
         torch.manual_seed(cfg.trainer.seed)
         self.policy = Policy(
-            cfg.model, role_cfg.parallel, optim, self.dims, total_steps, init=init if init else role_cfg.init, seed=cfg.trainer.seed
+            cfg.model,
+            role_cfg.parallel,
+            optim,
+            self.dims,
+            total_steps,
+            init=init if init else role_cfg.init,
+            seed=cfg.trainer.seed,
+            prompt_learning=prompt_learning_of(cfg) if role == "actor" else None,  # SFT prompt learning (aligner.model.prompt)
+            prompt_init_ids=prompt_init_ids,
         )
 
     @dispatch("dp_split")
@@ -74,6 +90,17 @@ class PolicyWorker:
     def export_hf(self, out_dir: str, tokenizer_path: str = "") -> Optional[str]:
         return self.policy.export_hf(out_dir, tokenizer_path)
 
+    @dispatch("broadcast")
+    def export_prompt(self, out_dir: str, base_model: str, extra: Optional[dict] = None) -> Optional[str]:
+        """Prompt learning: out_dir/prompt.safetensors + prompt.json (aligner.model.prompt.save_prompt);
+        collective, rank 0 writes and returns the path."""
+        from aligner.model.prompt import save_prompt
+
+        tensors = self.policy.prompt_tensors()
+        if self.dims.rank != 0:
+            return None
+        return save_prompt(tensors, self.policy.runtime.module.model.prompt.spec(), out_dir, base_model, extra)
+
 
 class ActorWorker(PolicyWorker):
     """The actor: a trainable PolicyWorker that also owns the rollout engine and its refit."""
@@ -86,8 +113,9 @@ class ActorWorker(PolicyWorker):
         init: str = "",
         eos_token_id: Optional[int] = None,
         dims: Optional[ParallelDims] = None,
+        prompt_init_ids: Optional[list] = None,
     ):
-        super().__init__(cfg, role, total_steps, init, dims)
+        super().__init__(cfg, role, total_steps, init, dims, prompt_init_ids)
         self.eos_token_id = eos_token_id
         self.engine = None
         self.infer_dims = None
@@ -166,6 +194,8 @@ class ActorWorker(PolicyWorker):
         rollout.backend=trtllm: the engine is woken first (it sleeps from the end of generate); the
         wake is counted in seconds.
         """
+        if self.policy.prompt_cfg is not None:  # generate runs the policy's own forward: nothing to copy
+            return {"seconds": 0.0, "bytes": 0, "weight_version": self.policy.runtime.step_count}
         if self.engine is None:
             self._build_engine()
         t0 = time.perf_counter()
@@ -194,7 +224,13 @@ class ActorWorker(PolicyWorker):
     @dispatch("broadcast")
     def generate(self, prompt_ids: list, sampling: SamplingConfig, seeds: list) -> Optional[tuple[int, list]]:
         """All prompts in; this replica's contiguous share generated. Returns (replica, generations) on the
-        replica's first rank, None elsewhere. The driver concatenates shares in replica order."""
+        replica's first rank, None elsewhere. The driver concatenates shares in replica order.
+
+        With prompt learning the engine (which has no virtual-token input) is not used: every rank
+        runs greedy decoding through the policy's forward (:meth:`Policy.greedy`; temperature 0
+        only) and rank 0 returns all generations as replica 0's."""
+        if self.policy.prompt_cfg is not None:
+            return self._generate_prompt_learning(prompt_ids, sampling)
         if self.engine is None:
             raise RuntimeError("generate before refit: call refit() first so the engine holds the policy weights")
         if self.cfg.rollout.backend == "trtllm":
@@ -204,6 +240,17 @@ class ActorWorker(PolicyWorker):
         gens = self.engine.generate(share["p"], sampling, seeds=share["s"]) if share["p"] else []
         lead = d.tp_rank == 0 and d.pp_rank == 0
         return (d.dp_rank, gens) if lead else None
+
+    def _generate_prompt_learning(self, prompt_ids: list, sampling: SamplingConfig) -> Optional[tuple[int, list]]:
+        """generate for prompt learning: greedy through the policy's forward (see :meth:`generate`)."""
+        from aligner.rollout.base import Generation
+
+        if sampling.temperature != 0:
+            raise ValueError("prompt learning generates greedily only (sampling.temperature=0): it is for the SFT stage's evaluation")
+        stop = sorted({*sampling.stop_token_ids, *([] if self.eos_token_id is None else [self.eos_token_id])})
+        res = self.policy.greedy(prompt_ids, sampling.max_new_tokens, stop)
+        gens = [Generation(ids, lps, reason, self.policy.runtime.step_count) for ids, lps, reason in res]
+        return (0, gens) if self.dims.rank == 0 else None
 
     def _generate_trtllm(self, prompt_ids: list, sampling: SamplingConfig, seeds: list) -> Optional[tuple[int, list]]:
         """generate for rollout.backend=trtllm: each replica owner generates its contiguous share, then
