@@ -243,3 +243,30 @@ def test_greedy_generate_equals_stepwise_argmax():
     first = res[0][0][0]
     stopped = greedy_generate(pol.full_logits, prompts[:1], 6, stop_ids=[first])[0]
     assert stopped[0] == [first] and stopped[2] == "stop"
+
+
+def test_text_init_equals_peft_prompt_tuning_init_text(tmp_path):
+    peft = pytest.importorskip("peft", reason="PEFT's PromptTuningInit.TEXT is the peer of init=text")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    words = ["<unk>", "add", "the", "two", "numbers", "carefully"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(tmp_path / "tok")
+    emb = torch.nn.Embedding(len(words), 16)
+    for n, text in ((7, "add the numbers"), (2, "add the two numbers carefully")):  # repeated, and truncated
+        ids = AutoTokenizer.from_pretrained(tmp_path / "tok")(text)["input_ids"]  # as the SFT stage passes them
+        pl = PromptLearningConfig(type="prompt_tuning", num_virtual_tokens=n, init="text", init_text=text)
+        ours = build_prompt(pl, emb.weight, 0, ids)
+        cfg = peft.PromptTuningConfig(
+            task_type="CAUSAL_LM",
+            num_virtual_tokens=n,
+            token_dim=16,
+            num_transformer_submodules=1,
+            prompt_tuning_init="TEXT",
+            prompt_tuning_init_text=text,
+            tokenizer_name_or_path=str(tmp_path / "tok"),
+        )
+        peer = peft.tuners.prompt_tuning.PromptEmbedding(cfg, emb)
+        torch.testing.assert_close(ours.embedding.weight.detach(), peer.embedding.weight.detach(), atol=0, rtol=0)
