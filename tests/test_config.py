@@ -321,9 +321,9 @@ def test_cli_config_error_is_one_line_exit_2(arg, field, tmp_path):
 
 # ---- the schema per role: a field appears only under the roles that use it ----------------------
 ROLE_FIELDS = {
-    "actor": {"init", "parallel", "resources", "colocate_with", "optim"},
-    "critic": {"init", "parallel", "resources", "colocate_with", "optim"},
-    "reward": {"init", "parallel", "resources", "colocate_with", "optim", "type", "rule"},  # optim: the RM stage
+    "actor": {"init", "parallel", "resources", "colocate_with", "optim", "lora"},
+    "critic": {"init", "parallel", "resources", "colocate_with", "optim", "lora"},
+    "reward": {"init", "parallel", "resources", "colocate_with", "optim", "lora", "type", "rule"},  # optim: the RM stage
     "ref": {"init", "parallel", "resources", "colocate_with"},  # frozen: no optim
 }
 

@@ -24,6 +24,8 @@ Owns:
   Writes go to ``<dir>.tmp`` and are renamed to ``<dir>`` after every rank finished (an
   existing ``<dir>`` is replaced), so a crash never leaves a half checkpoint under the final
   name. ``meta.json`` records the layout, step and model config.
+  * with LoRA (``runtime.lora``) only the trainable parameters (the adapters, and a scalar head)
+    and their moments are saved; the frozen base comes from the role's init again on load.
 - :func:`gather_full_state_dict_any`: every HF-named full tensor from any layout (FSDP2
   DTensors, TP shards, PP stages, ZeRO-3 partitions); :func:`export_hf` writes it with
   :func:`aligner.model.hf.save_hf` (safetensors + config.json) from global rank 0.
@@ -48,6 +50,7 @@ import torch.nn as nn
 from aligner.model.hf import save_hf
 from aligner.nn import comm
 from aligner.nn.layers import ParallelLayer
+from aligner.nn.lora import merged_state_dict
 
 META_FILE = "meta.json"
 _TIED = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -94,6 +97,13 @@ def _unique_params(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, tor
         seen.add(id(p))
         mod_name, _, pname = name.rpartition(".")
         yield name, module.get_submodule(mod_name), pname, p
+
+
+def _checkpointed_params(runtime) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+    """The parameters a checkpoint holds: all (:func:`_unique_params`), or with LoRA only the
+    trainable ones (the adapters; the frozen base is rebuilt from the role's init)."""
+    lora = getattr(runtime, "lora", None) is not None
+    return (item for item in _unique_params(runtime.module) if not lora or item[3].requires_grad)
 
 
 def _tp_spec(owner: nn.Module, pname: str) -> tuple[Optional[int], Optional[torch.Tensor]]:
@@ -207,7 +217,7 @@ def sharded_state_dict(runtime) -> dict[str, Any]:
     """
     lay = _Layout(runtime)
     model, optim = {}, {}
-    for name, owner, pname, p in _unique_params(runtime.module):
+    for name, owner, pname, p in _checkpointed_params(runtime):
         model[name] = lay.to_global(p, p, owner, pname)
         st = _adam_state(runtime, p)
         zeros = torch.zeros_like(p, dtype=moment_dtype(runtime, p)) if not st else None
@@ -228,6 +238,7 @@ def _meta(runtime, extra: Optional[dict]) -> dict:
         "layout": {"tp_size": d.tp_size, "pp_size": d.pp_size, "dp_size": d.dp_size, "dp_backend": runtime.backend},
         "optim_state_dtype": runtime.optim_cfg.state_dtype,
         "model": dataclasses.asdict(runtime.model_cfg),
+        "lora": dataclasses.asdict(runtime.lora) if getattr(runtime, "lora", None) is not None else None,
         "extra": extra or {},
     }
 
@@ -311,6 +322,12 @@ def _check_compatible(runtime, meta: dict, ckpt_dir: str) -> None:
             raise ValueError(
                 f"checkpoint {ckpt_dir!r} has model.{key}={saved[key]} but this model has {mine[key]}: load it with the same model config"
             )
+    saved_lora, my_lora = meta.get("lora"), getattr(runtime, "lora", None)
+    if (saved_lora is None) != (my_lora is None) or (saved_lora and saved_lora["target_modules"] != list(my_lora.target_modules)):
+        raise ValueError(
+            f"checkpoint {ckpt_dir!r} was saved with lora={saved_lora} but this role has lora={my_lora}: "
+            "resume with the same lora settings (rank, target_modules)"
+        )
     if meta.get("kind", runtime.kind) != runtime.kind:
         raise ValueError(f"checkpoint {ckpt_dir!r} holds a kind={meta['kind']!r} model, not {runtime.kind!r}")
     saved_ds = meta["layout"]["dp_backend"] == "deepspeed"
@@ -349,7 +366,7 @@ def load_checkpoint(runtime, ckpt_dir: str) -> dict:
     saved = set(saved_meta)
     sd: dict[str, Any] = {"model": {}, "optim": {}, "step": torch.zeros((), dtype=torch.int64)}
     finish = []
-    for name, owner, pname, p in _unique_params(runtime.module):
+    for name, owner, pname, p in _checkpointed_params(runtime):
         key = name if f"model.{name}" in saved else _TIED.get(name, name)  # tied lm_head saved once at pp=1
         if f"model.{key}" not in saved:
             raise ValueError(f"checkpoint {ckpt_dir!r} has no tensor for parameter {name!r}: it was saved from a different model")
@@ -442,6 +459,8 @@ def export_hf(runtime, out_dir: str, tokenizer=None) -> Optional[str]:
     """
 
     full = gather_full_state_dict_any(runtime)
+    if getattr(runtime, "lora", None) is not None:
+        full = merged_state_dict(full, runtime.lora.alpha / runtime.lora.rank)
     path = None
     if _rank() == 0:
         path = str(save_hf(full, runtime.model_cfg, out_dir, kind=runtime.kind, tokenizer=tokenizer))

@@ -25,6 +25,7 @@ import torch
 
 from aligner.actor.policy import Policy
 from aligner.config import AlignerConfig, OptimConfig, SamplingConfig, TrainableRoleConfig
+from aligner.nn.lora import merged_state_dict
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.parallelize import build_parallel_model, decode_layer_split
 from aligner.rollout import build_engine
@@ -42,8 +43,16 @@ class PolicyWorker:
         # the reference has no optim (it never steps); its engine still builds an optimizer, left unused
         optim = role_cfg.optim if isinstance(role_cfg, TrainableRoleConfig) else OptimConfig()
         torch.manual_seed(cfg.trainer.seed)
+        lora = role_cfg.lora if isinstance(role_cfg, TrainableRoleConfig) else None
         self.policy = Policy(
-            cfg.model, role_cfg.parallel, optim, self.dims, total_steps, init=init if init else role_cfg.init, seed=cfg.trainer.seed
+            cfg.model,
+            role_cfg.parallel,
+            optim,
+            self.dims,
+            total_steps,
+            init=init if init else role_cfg.init,
+            seed=cfg.trainer.seed,
+            lora=lora,
         )
 
     @dispatch("dp_split")
@@ -92,6 +101,7 @@ class ActorWorker(PolicyWorker):
         self.engine = None
         self.infer_dims = None
         self.trtllm = None  # rollout.backend=trtllm: this rank's TrtllmReplica (set with the engine)
+        self._refitted = False  # a full refit has run (LoRA refits only the adapted linears after it)
 
     def _build_engine(self) -> None:
         """The rollout engine on the engine layout (rollout.parallel) over this group's ranks.
@@ -174,6 +184,8 @@ class ActorWorker(PolicyWorker):
             self.engine.onload()
         eng = self.policy.runtime
         sharded = eng.fsdp or eng.backend == "deepspeed"
+        # LoRA: merged weights; after the first refit only the adapted linears change (the base is frozen)
+        adapted_only = eng.lora is not None and self._refitted
         if not sharded:
             stats = refit(
                 eng.module,
@@ -181,14 +193,18 @@ class ActorWorker(PolicyWorker):
                 bucket_mb=self.cfg.rollout.refit_bucket_mb,
                 tp_group=self.dims.tp_group,
                 pp_group=self.dims.pp_group,
+                adapted_only=adapted_only,
             )
             nbytes = stats.bytes
         else:  # FSDP2 / DeepSpeed: full tensors on every rank, sent in the same buckets
             sd = self.policy.full_state_dict()
+            if eng.lora is not None:
+                sd = merged_state_dict(sd, eng.lora.alpha / eng.lora.rank, only_adapted=adapted_only)
             for bucket in iter_buckets(sd.items(), self.cfg.rollout.refit_bucket_mb):
                 self.engine.update_weights(bucket)
             self.engine.finish_weight_update()
             nbytes = sum(v.numel() * v.element_size() for v in sd.values())
+        self._refitted = True
         return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "weight_version": self.engine.weight_version}
 
     @dispatch("broadcast")
