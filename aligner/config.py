@@ -669,6 +669,12 @@ class AlignerConfig:
         self.trainer.validate("trainer")
         for role in ("actor", "critic", "reward", "ref"):
             getattr(self, role).validate(role, self.model)
+        _check(
+            not (self.ref_from_actor and self.ref.init and self.ref.init != self.actor.init),
+            "ref.init",
+            self.ref.init,
+            "with actor.lora.rank > 0 the reference is the actor's frozen base (actor.init); leave ref.init empty",
+        )
         self.rollout.validate("rollout", self.model)
         self.algorithm.validate("algorithm")
         self.cluster.validate("cluster")
@@ -780,9 +786,15 @@ class AlignerConfig:
             roles.append("critic")
         if self.reward.type == "model":
             roles.append("reward")
-        if self.algorithm.uses_reference:
+        if self.algorithm.uses_reference and not self.ref_from_actor:
             roles.append("ref")
         return tuple(roles)
+
+    @property
+    def ref_from_actor(self) -> bool:
+        """PPO with a LoRA actor (actor.lora.rank > 0) and a KL term: the reference policy is the actor
+        with its adapters disabled (its frozen base), so no ref worker group is started."""
+        return self.stage in ("ppo", "plan") and self.algorithm.uses_reference and self.actor.lora.rank > 0
 
     def init_of(self, role: str) -> str:
         """The checkpoint `role` starts from: its own ``init``, else the critic starts from the

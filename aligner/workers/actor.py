@@ -25,7 +25,7 @@ import torch
 
 from aligner.actor.policy import Policy
 from aligner.config import AlignerConfig, OptimConfig, SamplingConfig, TrainableRoleConfig
-from aligner.nn.lora import merged_state_dict
+from aligner.nn.lora import disable_adapters, merged_state_dict
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.parallelize import build_parallel_model, decode_layer_split
 from aligner.rollout import build_engine
@@ -58,6 +58,12 @@ class PolicyWorker:
     @dispatch("dp_split")
     def log_probs(self, batch: dict, temperature: float = 1.0) -> torch.Tensor:
         return self.policy.log_probs(batch, self.cfg.trainer.micro_batch_size, temperature)
+
+    @dispatch("dp_split")
+    def ref_log_probs(self, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+        """log_probs of the base model (LoRA adapters disabled): the reference policy of LoRA PPO."""
+        with disable_adapters(self.policy.runtime.module):
+            return self.policy.log_probs(batch, self.cfg.trainer.micro_batch_size, temperature)
 
     @dispatch("dp_split")
     def sft_step(self, batch: dict) -> dict:

@@ -193,3 +193,20 @@ def test_config_validation_one_line_errors():
         assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="dp_backend"):
         LoraConfig(rank=8).validate("actor.lora", ParallelConfig(dp_backend="deepspeed"))
+
+
+def test_lora_ppo_reference_is_the_actor_without_a_ref_group(tmp_path, monkeypatch):
+    from aligner.cli import load_config
+
+    monkeypatch.chdir(tmp_path)
+    overrides = ["actor.init=", "critic.init=", "reward.init=", "algorithm.kl_coef=0.1"]
+    full = load_config("ppo", overrides)
+    assert "ref" in full.roles_used() and not full.ref_from_actor
+    cfg = load_config("ppo", [*overrides, "actor.lora.rank=8", "actor.lora.alpha=16", "actor.lora.target_modules=[q_proj,v_proj]"])
+    assert cfg.ref_from_actor and "ref" not in cfg.roles_used() and "actor" in cfg.roles_used()
+    assert cfg.actor.lora.target_modules == ["q_proj", "v_proj"]
+    assert not load_config("sft", ["actor.lora.rank=8"]).ref_from_actor
+    from aligner.config import ConfigError
+
+    with pytest.raises(ConfigError, match="ref.init"):
+        load_config("ppo", [*overrides, "actor.lora.rank=8", f"ref.init={tmp_path}"])
