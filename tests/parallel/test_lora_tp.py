@@ -1,6 +1,6 @@
 """LoRA on tensor-parallel layouts equals the single-process LoRA policy (CPU, gloo).
 
-On 2 ranks: tp=2 (kv heads split), tp=2 with sequence parallelism, tp=2 with one kv head
+On 2 ranks: tp=2 (kv heads split), pp=2, tp=2 with sequence parallelism, tp=2 with one kv head
 (replicated kv rows, whose adapter B rows are replicated too) and dp=2 FSDP2 (frozen base params
 in the sharded groups). Each builds a Policy with adapters on every linear and the same random
 B (B = 0 at init would make the forward check trivial); the response log-probs, the losses of 3
@@ -20,8 +20,9 @@ from tests._spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-LAYOUTS = {  # name: (tp, dp, sequence_parallel, num_kv_heads, dp_backend)
+LAYOUTS = {  # name: (tp, dp, sequence_parallel, num_kv_heads, dp_backend); pp = 2 / (tp * dp)
     "tp2": (2, 1, False, 2, "ddp"),
+    "pp2": (1, 1, False, 2, "ddp"),
     "tp2-sp": (2, 1, True, 2, "ddp"),
     "tp2-kv1": (2, 1, False, 1, "ddp"),
     "dp2-fsdp2": (1, 2, False, 2, "fsdp2"),
@@ -44,7 +45,8 @@ def _policy(tp, dp, sp, kv, backend, dims):
     cfg = ModelConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=kv, max_seq_len=32, init_std=0.2
     )
-    par = ParallelConfig(tp_size=tp, dp_size=dp, sequence_parallel=sp, dp_backend=backend)
+    pp = 1 if dims.world_size == 1 else dims.world_size // (tp * dp)
+    par = ParallelConfig(tp_size=tp, pp_size=pp, dp_size=dp, sequence_parallel=sp, dp_backend=backend)
     optim = OptimConfig(lr=1e-2, eps=1.0, warmup_steps=0, schedule="constant", grad_clip=0.5)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     pol = Policy(cfg, par, optim, dims, total_steps=5, seed=7, lora=LoraConfig(rank=4, alpha=8.0, target_modules=targets))
@@ -75,7 +77,8 @@ def _battery(rank, world_size):
 
     out = {}
     for name, (tp, dp, sp, kv, backend) in LAYOUTS.items():
-        dims = ParallelDims(tp_size=tp, pp_size=1, dp_size=dp, world_size=world_size, rank=rank).build()
+        pp = world_size // (tp * dp)
+        dims = ParallelDims(tp_size=tp, pp_size=pp, dp_size=dp, world_size=world_size, rank=rank).build()
         lp, losses, sd = _run(_policy(tp, dp, sp, kv, backend, dims), dims.dp_rank, dp)
         out[name] = (lp.tolist(), losses, {k: v.tolist() for k, v in sd.items()})
     return out

@@ -1,6 +1,6 @@
 """A LoRA actor refits merged weights into its rollout engine (CPU, gloo, 2 ranks).
 
-tp=2 (the trainer-layout refit, adapters gathered and folded in as the tensors stream) and dp=2
+tp=2 and pp=2 (the trainer-layout refit, adapters gathered and folded in as the tensors stream) and dp=2
 FSDP2 (the gathered-state-dict refit): after a first full refit and random adapter B (B = 0 would
 hide a missing merge), the second refit sends only the adapted linears' weights, the engine's
 weights equal the merged full state dict (W + alpha/r B A) exactly, and greedy decoding equals an
@@ -20,6 +20,7 @@ from tests._spawn import run_distributed
 pytestmark = pytest.mark.distributed
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
+LAYOUTS = {"tp2": (2, 1, "ddp"), "pp2": (1, 1, "ddp"), "dp2-fsdp2": (1, 2, "fsdp2")}  # (tp, dp, dp_backend); pp = 2 / (tp * dp)
 
 
 def _set_b(module, dp, dp_rank, scale):
@@ -43,12 +44,13 @@ def _battery(rank, world_size):
     from aligner.workers.actor import ActorWorker
 
     out = {}
-    for name, (tp, dp, backend) in {"tp2": (2, 1, "ddp"), "dp2-fsdp2": (1, 2, "fsdp2")}.items():
+    for name, (tp, dp, backend) in LAYOUTS.items():
+        pp = world_size // (tp * dp)
         model_cfg = ModelConfig(num_layers=2, vocab_size=64, init_std=0.2)
         cfg = AlignerConfig(model=model_cfg, rollout=RolloutConfig(refit_bucket_mb=1))
-        cfg.actor.parallel = ParallelConfig(tp_size=tp, dp_size=dp, dp_backend=backend)
+        cfg.actor.parallel = ParallelConfig(tp_size=tp, pp_size=pp, dp_size=dp, dp_backend=backend)
         cfg.actor.lora = LoraConfig(rank=4, alpha=8.0, target_modules=TARGETS)
-        dims = ParallelDims.from_env(tp_size=tp, pp_size=1, dp_size=dp)
+        dims = ParallelDims.from_env(tp_size=tp, pp_size=pp, dp_size=dp)
         worker = ActorWorker(cfg, "actor", total_steps=1, eos_token_id=None, dims=dims)
         first = worker.refit()
         module = worker.policy.runtime.module
@@ -90,7 +92,7 @@ def _battery(rank, world_size):
 
 def test_lora_actor_refits_merged_adapted_weights_and_reference_disables_adapters():
     res = run_distributed(_battery, world_size=2)
-    for name in ("tp2", "dp2-fsdp2"):
+    for name in LAYOUTS:
         rs = [r[name] for r in res]
         for r in rs:
             assert r["merge_moved"] > 1e-3, "the adapters must change the merged weights"
