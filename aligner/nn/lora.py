@@ -176,9 +176,8 @@ def apply_lora(
     layer gets the same A on any tp / pp layout. trainable: parameter-name suffixes kept trainable
     besides the adapters (``("score.weight",)``: the scalar head of a critic / reward model, as
     PEFT's ``modules_to_save``).
-    Returns the adapted layers' names. Raises ValueError: rank < 1, or no layer matches
-    `target_modules` (e.g. a pipeline stage holding no decoder layer is fine only with no match
-    possible: such a stage returns []).
+    Returns the adapted layers' names (sets ``model.lora_layers`` and ``model.lora_targets``).
+    Raises ValueError: rank < 1.
     """
     if rank < 1:
         raise ValueError(f"apply_lora: rank={rank} must be >= 1")

@@ -323,7 +323,9 @@ def _check_compatible(runtime, meta: dict, ckpt_dir: str) -> None:
                 f"checkpoint {ckpt_dir!r} has model.{key}={saved[key]} but this model has {mine[key]}: load it with the same model config"
             )
     saved_lora, my_lora = meta.get("lora"), getattr(runtime, "lora", None)
-    if (saved_lora is None) != (my_lora is None) or (saved_lora and saved_lora["target_modules"] != list(my_lora.target_modules)):
+    if (saved_lora is None) != (my_lora is None) or (
+        saved_lora and (saved_lora["rank"], saved_lora["target_modules"]) != (my_lora.rank, list(my_lora.target_modules))
+    ):
         raise ValueError(
             f"checkpoint {ckpt_dir!r} was saved with lora={saved_lora} but this role has lora={my_lora}: "
             "resume with the same lora settings (rank, target_modules)"

@@ -135,7 +135,7 @@ def test_runtime_trains_only_adapters_and_checkpoints_only_them(tmp_path):
     from aligner.parallel.dims import ParallelDims
     from aligner.runtime.train_runtime import TrainRuntime
 
-    def runtime():
+    def runtime(rank=4):
         return TrainRuntime(
             CFG,
             "lm",
@@ -144,7 +144,7 @@ def test_runtime_trains_only_adapters_and_checkpoints_only_them(tmp_path):
             ParallelDims(device_type="cpu"),
             10,
             seed=1,
-            lora=LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "o_proj", "up_proj"]),
+            lora=LoraConfig(rank=rank, alpha=8.0, target_modules=["q_proj", "v_proj", "o_proj", "up_proj"]),
         )
 
     rt = runtime()
@@ -172,6 +172,8 @@ def test_runtime_trains_only_adapters_and_checkpoints_only_them(tmp_path):
     fresh.load(str(tmp_path / "ckpt"))
     with torch.no_grad():
         torch.testing.assert_close(fresh(ids), rt(ids), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="same lora settings"):
+        runtime(rank=2).load(str(tmp_path / "ckpt"))
     merged = lora.merged_state_dict(rt.full_state_dict(), 2.0)
     assert set(merged) == set(base), "the merged export holds exactly the base model's tensors"
 
