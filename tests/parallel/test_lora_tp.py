@@ -1,8 +1,8 @@
 """LoRA on tensor-parallel layouts equals the single-process LoRA policy (CPU, gloo).
 
 On 2 ranks: tp=2 (kv heads split), pp=2, tp=2 with sequence parallelism, tp=2 with one kv head
-(replicated kv rows, whose adapter B rows are replicated too) and dp=2 FSDP2 (frozen base params
-in the sharded groups). Each builds a Policy with adapters on every linear and the same random
+(replicated kv rows, whose adapter B rows are replicated too), dp=2 FSDP2 (frozen base params
+in the sharded groups) and dp=2 DDP. Each builds a Policy with adapters on every linear and the same random
 B (B = 0 at init would make the forward check trivial); the response log-probs, the losses of 3
 AdamW steps (grad clipping on) and the gathered adapters after them must equal a single-process
 Policy within 1e-5, and the base weights must be unchanged. A missing tp reduction of the
@@ -26,6 +26,7 @@ LAYOUTS = {  # name: (tp, dp, sequence_parallel, num_kv_heads, dp_backend); pp =
     "tp2-sp": (2, 1, True, 2, "ddp"),
     "tp2-kv1": (2, 1, False, 1, "ddp"),
     "dp2-fsdp2": (1, 2, False, 2, "fsdp2"),
+    "dp2-ddp": (1, 2, False, 2, "ddp"),
 }
 
 
@@ -57,7 +58,7 @@ def _policy(tp, dp, sp, kv, backend, dims):
                 full = torch.randn(m.out_features, m.rank, generator=g) * 0.2
                 local = m.full_to_local("B", full)
                 b = m.B.to_local() if hasattr(m.B, "to_local") else m.B
-                if dp > 1:  # FSDP2 keeps dim-0 chunks of the tp-local tensor
+                if dp > 1 and backend == "fsdp2":  # FSDP2 keeps dim-0 chunks of the tp-local tensor
                     local = local.chunk(dp)[dims.dp_rank]
                 b.copy_(local)
     return pol
