@@ -190,8 +190,9 @@ class ActorWorker(PolicyWorker):
             self.engine.onload()
         eng = self.policy.runtime
         sharded = eng.fsdp or eng.backend == "deepspeed"
-        # LoRA: merged weights; after the first refit only the adapted linears change (the base is frozen)
-        adapted_only = eng.lora is not None and self._refitted
+        # LoRA: merged weights; after the first refit only the adapted linears change (the base is frozen).
+        # Not for TensorRT-LLM, whose sleep may return weight memory without its contents (full refits there)
+        adapted_only = eng.lora is not None and self._refitted and not trtllm
         if not sharded:
             stats = refit(
                 eng.module,
