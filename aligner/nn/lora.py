@@ -271,23 +271,26 @@ def merged_state_dict(full_sd: dict[str, torch.Tensor], scaling: float, only_ada
     return out
 
 
-def peft_adapter_state_dict(full_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def peft_adapter_state_dict(full_sd: dict[str, torch.Tensor], modules_to_save=()) -> dict[str, torch.Tensor]:
     """PEFT's adapter_model.safetensors contents: ``base_model.model.<linear>.lora_A.weight`` [r, in]
     and ``.lora_B.weight`` [out, r] (the names ``PeftModel.save_pretrained`` writes for a
-    LlamaForCausalLM), contiguous copies of the full adapter tensors."""
-    out = {}
+    LlamaForCausalLM / LlamaForSequenceClassification), contiguous copies of the full adapter
+    tensors; plus ``base_model.model.<m>.weight`` of each trained whole module in `modules_to_save`
+    (``score``: a reward model's or critic's head, PEFT's SEQ_CLS layout)."""
+    out = {f"base_model.model.{m}.weight": full_sd[f"{m}.weight"].detach().contiguous().clone() for m in modules_to_save}
     for layer in adapted_layers(full_sd):
         for ours, theirs in (("A", "lora_A"), ("B", "lora_B")):
             out[f"base_model.model.{layer}.{theirs}.weight"] = full_sd[f"{layer}.{ADAPTER}.{ours}"].detach().contiguous().clone()
     return out
 
 
-def peft_adapter_config(rank: int, alpha: float, dropout: float, target_modules, base_model_name_or_path: str) -> dict:
-    """adapter_config.json for PEFT's ``LoraConfig`` (peft_type LORA, task_type CAUSAL_LM, rsLoRA and
-    DoRA off, no bias): what ``PeftModel.from_pretrained`` needs to rebuild the same adapters."""
+def peft_adapter_config(rank: int, alpha: float, dropout: float, target_modules, base_model_name_or_path: str, kind: str = "lm") -> dict:
+    """adapter_config.json for PEFT's ``LoraConfig`` (peft_type LORA, rsLoRA and DoRA off, no bias):
+    what ``PeftModel.from_pretrained`` needs to rebuild the same adapters. kind "lm": task_type
+    CAUSAL_LM; "score": SEQ_CLS with the trained head in ``modules_to_save`` (["score"])."""
     return {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": "CAUSAL_LM" if kind == "lm" else "SEQ_CLS",
         "base_model_name_or_path": base_model_name_or_path,
         "r": rank,
         "lora_alpha": alpha,
@@ -299,7 +302,7 @@ def peft_adapter_config(rank: int, alpha: float, dropout: float, target_modules,
         "fan_in_fan_out": False,
         "init_lora_weights": True,
         "inference_mode": True,
-        "modules_to_save": None,
+        "modules_to_save": None if kind == "lm" else ["score"],
     }
 
 
@@ -312,7 +315,8 @@ def save_peft_adapter(full_sd: dict[str, torch.Tensor], out_dir: str, config: di
     from safetensors.torch import save_file
 
     os.makedirs(out_dir, exist_ok=True)
-    save_file(peft_adapter_state_dict(full_sd), os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    sd = peft_adapter_state_dict(full_sd, config.get("modules_to_save") or ())
+    save_file(sd, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return out_dir

@@ -136,7 +136,7 @@ class RoleModel:
         if tokenizer_path:
             tok = load_tokenizer(tokenizer_path)
         path = save_hf(self._merged(sd), self.model_cfg, out_dir, kind=self.kind, tokenizer=tok)
-        if self.lora is not None and self.kind == "lm":
+        if self.lora is not None:
             self._export_adapter(sd, Path(path) / "adapter")
         for name, obj in (extra_files or {}).items():
             tmp = Path(path) / f".{name}.tmp"
@@ -154,7 +154,8 @@ class RoleModel:
         base = resolve_init(self.init)
         if base is None:
             base = save_hf({k: v for k, v in full_sd.items() if not is_adapter_key(k)}, self.model_cfg, out / "base", kind=self.kind)
-        cfg = peft_adapter_config(self.lora.rank, self.lora.alpha, self.lora.dropout, self.lora.target_modules, str(Path(base).resolve()))
+        lo = self.lora
+        cfg = peft_adapter_config(lo.rank, lo.alpha, lo.dropout, lo.target_modules, str(Path(base).resolve()), kind=self.kind)
         save_peft_adapter(full_sd, str(out), cfg)
 
     def save(self, ckpt_dir: str) -> None:

@@ -212,3 +212,28 @@ def test_lora_ppo_reference_is_the_actor_without_a_ref_group(tmp_path, monkeypat
 
     with pytest.raises(ConfigError, match="ref.init"):
         load_config("ppo", [*overrides, "actor.lora.rank=8", f"ref.init={tmp_path}"])
+
+
+def test_score_model_adapter_loads_in_peft_as_seq_cls(tmp_path):
+    """A reward model / critic exports its adapters with the trained head as PEFT's SEQ_CLS layout
+    (``modules_to_save=["score"]``): PEFT on LlamaForSequenceClassification gives our last-token scores."""
+    peft = pytest.importorskip("peft", reason="PEFT is the reference LoRA implementation")
+    from transformers import LlamaForSequenceClassification
+
+    model = build_model(CFG, kind="score", seed=1)
+    base = save_hf(_full_sd(model), CFG, tmp_path / "base", kind="score")  # the head before training
+    lora.apply_lora(model, 4, 8.0, 0.0, ["q_proj", "up_proj"], seed=2, trainable=("score.weight",))
+    assert {n for n, p in model.named_parameters() if p.requires_grad} >= {"score.weight"}
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=g))
+        for ad in lora.adapters(model):
+            ad.B.copy_(torch.randn(ad.B.shape, generator=g) * 0.3)
+    cfg = lora.peft_adapter_config(4, 8.0, 0.0, ["q_proj", "up_proj"], str(base), kind="score")
+    out = lora.save_peft_adapter(_full_sd(model), str(tmp_path / "adapter"), cfg)
+    hf = LlamaForSequenceClassification.from_pretrained(base, torch_dtype=torch.float32)
+    loaded = peft.PeftModel.from_pretrained(hf, out).eval()
+    ids = _ids()[:1]  # one row: HF picks the last token without a pad id
+    with torch.no_grad():
+        ours = model.eval()(ids)[:, -1]
+        torch.testing.assert_close(loaded(input_ids=ids).logits.squeeze(-1), ours, atol=1e-6, rtol=0)
