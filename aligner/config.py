@@ -350,16 +350,54 @@ class RoleConfig:
         _check(self.resources.cpus_per_worker >= 1, f"{prefix}.resources.cpus_per_worker", self.resources.cpus_per_worker, "must be >= 1")
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # = aligner.nn.lora.TARGET_MODULES
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """LoRA adapters on this role's linears (Hu et al. 2021; aligner.nn.lora): the base weights are frozen,
+    only the adapters (and a critic's / reward model's scalar head) train and are checkpointed."""
+
+    rank: int = 0  # r, the adapters' rank; 0 = off (full fine-tuning)
+    alpha: float = 16.0  # scaling numerator: the adapter's term is (alpha / rank) * B A x
+    dropout: float = 0.0  # dropout probability on the adapter's input
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])  # linears adapted (HF/PEFT names)
+
+    def validate(self, prefix: str, parallel: ParallelConfig, model: Optional[ModelConfig] = None) -> None:
+        _check(self.rank >= 0, f"{prefix}.rank", self.rank, "must be >= 0 (0 turns LoRA off)")
+        if self.rank == 0:
+            return
+        _check(self.alpha > 0, f"{prefix}.alpha", self.alpha, "must be > 0 (e.g. 2 * rank)")
+        _check(0 <= self.dropout < 1, f"{prefix}.dropout", self.dropout, "must be in [0, 1)")
+        bad = [t for t in self.target_modules if t not in LORA_TARGETS]
+        _check(
+            bool(self.target_modules) and not bad,
+            f"{prefix}.target_modules",
+            list(self.target_modules),
+            f"give a non-empty list of {', '.join(LORA_TARGETS)}",
+        )
+        _check(
+            parallel.dp_backend != "deepspeed",
+            f"{prefix}.rank",
+            self.rank,
+            "LoRA runs with dp_backend=fsdp2 or ddp; set the role's parallel.dp_backend to one of them, or lora.rank=0",
+        )
+        if model is not None:
+            _check(model.backend == "torch", f"{prefix}.rank", self.rank, f"LoRA needs model.backend=torch (got {model.backend})")
+
+
 @dataclass(kw_only=True)
 class TrainableRoleConfig(RoleConfig):
     """A role some stage trains: actor (SFT and PPO) and critic (PPO); the base of the reward role."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)  # AdamW and the LR schedule of this role's training
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (rank 0 = full fine-tuning)
 
     def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
         super().validate(prefix, model)
         self.optim.validate(f"{prefix}.optim")
         self.optim.validate_with(f"{prefix}.optim", self.parallel, model)
+        self.lora.validate(f"{prefix}.lora", self.parallel, model)
 
 
 PROMPT_LEARNING_TYPES = ("none", "prompt_tuning", "p_tuning")
@@ -675,6 +713,12 @@ class AlignerConfig:
         self.trainer.validate("trainer")
         for role in ("actor", "critic", "reward", "ref"):
             getattr(self, role).validate(role, self.model)
+        _check(
+            not (self.ref_from_actor and self.ref.init and self.ref.init != self.actor.init),
+            "ref.init",
+            self.ref.init,
+            "with actor.lora.rank > 0 the reference is the actor's frozen base (actor.init); leave ref.init empty",
+        )
         self.rollout.validate("rollout", self.model)
         self.algorithm.validate("algorithm")
         self.cluster.validate("cluster")
@@ -734,6 +778,12 @@ class AlignerConfig:
             "actor.prompt_learning.num_virtual_tokens",
             pl.num_virtual_tokens,
             f"num_virtual_tokens + data.max_seq_len={self.data.max_seq_len} must not exceed model.max_seq_len={self.model.max_seq_len}",
+        )
+        _check(
+            self.actor.lora.rank == 0,
+            "actor.lora.rank",
+            self.actor.lora.rank,
+            f"LoRA and {f}={pl.type} together are not supported (each freezes the base for its own parameters): set one of them off",
         )
         _check(self.stage == "sft", f, pl.type, f"prompt learning is implemented for the SFT stage only (stage={self.stage}): set {f}=none")
 
@@ -818,9 +868,15 @@ class AlignerConfig:
             roles.append("critic")
         if self.reward.type == "model":
             roles.append("reward")
-        if self.algorithm.uses_reference:
+        if self.algorithm.uses_reference and not self.ref_from_actor:
             roles.append("ref")
         return tuple(roles)
+
+    @property
+    def ref_from_actor(self) -> bool:
+        """PPO with a LoRA actor (actor.lora.rank > 0) and a KL term: the reference policy is the actor
+        with its adapters disabled (its frozen base), so no ref worker group is started."""
+        return self.stage in ("ppo", "plan") and self.algorithm.uses_reference and self.actor.lora.rank > 0
 
     def init_of(self, role: str) -> str:
         """The checkpoint `role` starts from: its own ``init``, else the critic starts from the

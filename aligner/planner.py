@@ -150,6 +150,8 @@ class RoleWork:
     optimizer step (train) or per step (forward/generate); opt_steps: optimizer steps per step;
     forward_seqs: extra forward-only sequences per step (old log-probs, values).
     optim_state_dtype: the trained role's ``optim.state_dtype`` (float32 | bfloat16 Adam moments).
+    lora_rank / lora_targets: the trained role's LoRA (rank 0: full fine-tuning): only the adapters
+    (and a scalar head) have gradients and optimizer state; the frozen base holds its weights only.
     """
 
     role: str
@@ -165,6 +167,8 @@ class RoleWork:
     max_batch_size: int = 0
     group: str = "actor"
     optim_state_dtype: str = "float32"
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
 
 
 @dataclass
@@ -245,6 +249,29 @@ def stage_num_parameters(model: ModelConfig, kind: str, tp: int, pp: int, stage:
         elif not model.tie_word_embeddings or pp > 1:
             n += v * h // tp  # lm_head (a tied copy lives on the last stage when pp > 1)
     return n
+
+
+def lora_num_parameters(model: ModelConfig, rank: int, targets: Iterable[str], tp: int, layers: int) -> tuple[int, int]:
+    """(parameters, tensors) of the LoRA adapters on one device holding `layers` decoder layers
+    (aligner.nn.lora): per adapted linear A [r, in] + B [out, r], column-parallel ones (q, k, v,
+    gate, up) with B split over tp, row-parallel ones (o, down) with A split over tp."""
+    h, hd, inter = model.hidden_size, model.resolved_head_dim, model.intermediate_size
+    q, kv = model.num_heads * hd, model.num_kv_heads * hd
+    shapes = {  # (in, out, column-parallel)
+        "q_proj": (h, q, True),
+        "k_proj": (h, kv, True),
+        "v_proj": (h, kv, True),
+        "o_proj": (q, h, False),
+        "gate_proj": (h, inter, True),
+        "up_proj": (h, inter, True),
+        "down_proj": (inter, h, False),
+    }
+    per_layer = 0
+    names = [t for t in targets if t in shapes]
+    for t in names:
+        i, o, column = shapes[t]
+        per_layer += rank * i + math.ceil(rank * o / tp) if column else math.ceil(rank * i / tp) + rank * o
+    return per_layer * layers, 2 * len(names) * layers
 
 
 def stage_num_tensors(model: ModelConfig, kind: str, pp: int, stage: int) -> int:
@@ -543,14 +570,23 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
         params = stage_num_parameters(model, work.kind, layout.tp, layout.pp, stage)
         last = stage == layout.pp - 1
         if work.mode == "train":
-            tensors = stage_num_tensors(model, work.kind, layout.pp, stage)
-            w, g, o = train_state_bytes(params, tensors, layer_local, work.parallel, model, layout.dp, work.optim_state_dtype)
+            trained = params
+            if work.lora_rank > 0:  # frozen base: weights only; the adapters (and a scalar head) train
+                layers = layers_on_stage(model.num_layers, layout.pp, stage)
+                n_ad, t_ad = lora_num_parameters(model, work.lora_rank, work.lora_targets, layout.tp, layers)
+                head = model.hidden_size if (work.kind == "score" and last) else 0
+                trained = n_ad + head
+                w, _, _ = train_state_bytes(params + n_ad, 0, layer_local, work.parallel, model, layout.dp, work.optim_state_dtype)
+                _, g, o = train_state_bytes(trained, t_ad + (1 if head else 0), 0, work.parallel, model, layout.dp, work.optim_state_dtype)
+            else:
+                tensors = stage_num_tensors(model, work.kind, layout.pp, stage)
+                w, g, o = train_state_bytes(params, tensors, layer_local, work.parallel, model, layout.dp, work.optim_state_dtype)
             m = work.batch // (layout.dp * layout.micro_batch_size)
             act = train_activation_bytes(
                 model, work.kind, layout, e, work.seq_len, m, stage, training_precision(model, work.parallel, layout.dp)
             )
             kv = 0.0
-            grad_bytes = max(grad_bytes, params * (4 if work.parallel.mixed_precision == "bf16" else e))
+            grad_bytes = max(grad_bytes, trained * (4 if work.parallel.mixed_precision == "bf16" else e))
         else:
             w, g, o = float(params * e), 0.0, 0.0
             act = inference_activation_bytes(model, work.kind, layout.tp, e, layout.micro_batch_size * work.seq_len, last)
@@ -591,6 +627,11 @@ def evaluate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
 # --------------------------------------------------------------------------- roles and search
 
 
+def _lora_fields(role_cfg) -> dict:
+    """RoleWork's lora_rank / lora_targets from a trained role's ``lora`` config."""
+    return {"lora_rank": role_cfg.lora.rank, "lora_targets": tuple(role_cfg.lora.target_modules)}
+
+
 def role_works(cfg: AlignerConfig) -> list[RoleWork]:
     """What each role does per step of cfg.stage (sft: actor; rm: reward; ppo/plan: all PPO roles)."""
     t, d = cfg.trainer, cfg.data
@@ -605,6 +646,7 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
                 batch_field="trainer.global_batch_size",
                 seq_len=d.max_seq_len,
                 optim_state_dtype=cfg.actor.optim.state_dtype,
+                **_lora_fields(cfg.actor),
             )
         ]
     if cfg.stage == "rm":
@@ -618,6 +660,7 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
                 batch_field="2*trainer.global_batch_size",
                 seq_len=d.max_seq_len,
                 optim_state_dtype=cfg.reward.optim.state_dtype,
+                **_lora_fields(cfg.reward),
             )
         ]
     samples = t.rollout_batch_size * t.n_samples_per_prompt
@@ -638,7 +681,13 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
     )
     works = [
         RoleWork(
-            role="actor", kind="lm", parallel=cfg.actor.parallel, group="actor", optim_state_dtype=cfg.actor.optim.state_dtype, **train
+            role="actor",
+            kind="lm",
+            parallel=cfg.actor.parallel,
+            group="actor",
+            optim_state_dtype=cfg.actor.optim.state_dtype,
+            **_lora_fields(cfg.actor),
+            **{**train, "forward_seqs": samples * (2 if cfg.ref_from_actor else 1)},  # + reference log-probs (adapters off)
         ),
         RoleWork(
             role="rollout",
@@ -662,6 +711,7 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
                 parallel=cfg.critic.parallel,
                 group="critic",
                 optim_state_dtype=cfg.critic.optim.state_dtype,
+                **_lora_fields(cfg.critic),
                 **train,
             )
         )
@@ -883,6 +933,11 @@ def train_state_line(work: RoleWork, model: ModelConfig) -> str:
     return (
         f"training state per parameter: {w:g} B weights + {g:g} B grads + {o:g} B optimizer = {w + g + o:g} B "
         f"(optim.state_dtype={work.optim_state_dtype}, mixed_precision={work.parallel.mixed_precision}, before dp sharding)"
+        + (
+            f"; LoRA r={work.lora_rank} on {','.join(work.lora_targets)}: grads and optimizer only for the adapters"
+            if work.lora_rank
+            else ""
+        )
     )
 
 

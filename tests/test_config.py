@@ -211,6 +211,7 @@ CASES = [
         "fsdp2 or ddp",
     ),
     (["actor.prompt_learning.type=prompt_tuning", "data.packing=true"], "data.packing", "True", "set data.packing=false"),
+    (["actor.prompt_learning.type=prompt_tuning", "actor.lora.rank=8"], "actor.lora.rank", "8", "together are not supported"),
     (
         ["actor.prompt_learning.type=prompt_tuning", "actor.prompt_learning.num_virtual_tokens=40"],
         "actor.prompt_learning.num_virtual_tokens",
@@ -349,9 +350,9 @@ def test_cli_config_error_is_one_line_exit_2(arg, field, tmp_path):
 
 # ---- the schema per role: a field appears only under the roles that use it ----------------------
 ROLE_FIELDS = {
-    "actor": {"init", "parallel", "resources", "colocate_with", "optim", "prompt_learning"},
-    "critic": {"init", "parallel", "resources", "colocate_with", "optim"},
-    "reward": {"init", "parallel", "resources", "colocate_with", "optim", "type", "rule"},  # optim: the RM stage
+    "actor": {"init", "parallel", "resources", "colocate_with", "optim", "lora", "prompt_learning"},
+    "critic": {"init", "parallel", "resources", "colocate_with", "optim", "lora"},
+    "reward": {"init", "parallel", "resources", "colocate_with", "optim", "lora", "type", "rule"},  # optim: the RM stage
     "ref": {"init", "parallel", "resources", "colocate_with"},  # frozen: no optim
 }
 

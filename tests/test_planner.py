@@ -285,3 +285,28 @@ def test_command_line_plan_for_70b_preset(capsys):
     assert main(["conf=llama2_70b", "cluster.num_nodes=1", "cluster.gpus_per_node=8", "cluster.gpu_mem_gb=80"]) == 1
     err = capsys.readouterr().err
     assert "the smallest cluster that fits is" in err and "cluster.num_nodes=" in err
+
+
+@pytest.mark.parametrize("kind", ["lm", "score"])
+def test_lora_weights_grads_optimizer_bytes_exact(kind):
+    """With LoRA the planner's weights (frozen base + adapters), grads and optimizer bytes equal the
+    storages of the LoRA runtime's tensors: grads and Adam state only for the adapters (and the
+    scalar head of a score model)."""
+    from aligner.nn.lora import apply_lora
+
+    targets = ("q_proj", "v_proj", "o_proj", "down_proj")
+    model = build_model(TINY, kind=kind)
+    apply_lora(model, 4, 8.0, 0.0, targets, trainable=("score.weight",))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = build_adamw(trained, OptimConfig())
+    ids = torch.randint(0, TINY.vocab_size, (2, 16))
+    model(ids).float().pow(2).mean().backward()
+    opt.step()
+    params = list(model.parameters())
+    work = dataclasses.replace(tiny_work(16, 2, kind), lora_rank=4, lora_targets=targets)
+    est = estimate_layout(TINY, work, Layout(tp=1, pp=1, dp=1, micro_batch_size=2), ClusterConfig())
+    assert est.memory.weights == storage_bytes(params)
+    assert est.memory.grads == storage_bytes(p.grad for p in params if p.grad is not None) == 4 * sum(p.numel() for p in trained)
+    assert est.memory.optimizer == storage_bytes(t for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    full = estimate_layout(TINY, tiny_work(16, 2, kind), Layout(tp=1, pp=1, dp=1, micro_batch_size=2), ClusterConfig())
+    assert est.memory.grads < full.memory.grads / 10

@@ -181,15 +181,25 @@ def column_parallel_linears(x: torch.Tensor, layers) -> tuple[torch.Tensor, ...]
     """
     first = layers[0]
     assert all(l.tp_group is first.tp_group and l.sequence_parallel == first.sequence_parallel for l in layers)
+    adapters = [_active_adapter(l) for l in layers]
     if first.sequence_parallel:
         args = [t for l in layers for t in (l.weight, l.bias)]
-        return _SPGatherLinears.apply(x, first.tp_group, *args)
+        outs = _SPGatherLinears.apply(x, first.tp_group, *args)
+        return tuple(o if a is None else o + a.column_delta(x) for o, a in zip(outs, adapters))
     x = comm.copy_to_tp(x, first.tp_group)
+    if any(a is not None for a in adapters):  # LoRA: the packed GEMM is bypassed (aligner.nn.lora)
+        return tuple(F.linear(x, l.weight, l.bias) + (0 if a is None else a.column_delta(x)) for l, a in zip(layers, adapters))
     packed = first.__dict__.get("packed")
     if packed is not None and packed[2] == tuple(layers) and not torch.is_grad_enabled():
         w, b, _ = packed
         return F.linear(x, w, b).split([l.weight.shape[0] for l in layers], dim=-1)
     return tuple(F.linear(x, l.weight, l.bias) for l in layers)
+
+
+def _active_adapter(layer: nn.Module):
+    """The layer's LoRA adapter (:class:`aligner.nn.lora.LoraAdapter`) when it adds its term, else None."""
+    ad = layer._modules.get("lora")
+    return ad if ad is not None and ad.active else None
 
 
 def pack_linears(layers, device: torch.device, transposed: bool) -> None:
@@ -265,9 +275,18 @@ class RowParallelLinear(ParallelLayer):
         return (None, None) if name == "bias" else (1, None)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if residual is not None and self.bias is None and comm.group_size(self.tp_group) == 1 and not torch.is_grad_enabled():
+        adapter = _active_adapter(self)
+        if (
+            residual is not None
+            and self.bias is None
+            and adapter is None
+            and comm.group_size(self.tp_group) == 1
+            and not torch.is_grad_enabled()
+        ):
             return torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), self.weight.t()).view_as(residual)
         y = F.linear(x, self.weight)
+        if adapter is not None:  # LoRA's partial B A_local x_local, before the reduction (aligner.nn.lora)
+            y = y + adapter.row_delta(x)
         if self.sequence_parallel:
             y = comm.scatter_to_sp(y, self.tp_group)
         else:

@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from aligner.nn import comm
 from aligner.nn.layers import ColumnParallelLinear, ParallelLayer, RMSNorm, RowParallelLinear
+from aligner.nn.lora import LoraAdapter
 from aligner.parallel.tensor_parallel import all_reduce_grad_pieces
 
 DP_BACKENDS = ("fsdp2", "ddp", "deepspeed")
@@ -286,4 +287,9 @@ def sync_tp_grads_local(model: nn.Module, tp_group, dp_rank: int = 0, dp_size: i
                 g = None if p is None else _local_grad(p)
                 if g is not None and g.shape[0] > 0:
                     items.append((g, rows, m.out_features))
+        if isinstance(m, LoraAdapter):
+            for p, rows, full in m.tp_partial_grads():
+                g = _local_grad(p)
+                if g is not None and g.shape[0] > 0:
+                    items.append((g, None if rows is None else (rows.chunk(dp_size)[dp_rank] if dp_size > 1 else rows), full))
     all_reduce_grad_pieces(items, tp_group)

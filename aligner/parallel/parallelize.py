@@ -11,6 +11,8 @@ TP x PP x DP layout, the way torchtitan's ``parallelize_llama`` does:
     3. weights          a model built on the meta device is materialized on `device` and
                         loaded from a full state dict (:func:`aligner.parallel.sharding.load_full_state_dict`);
                         otherwise the sharded model moves to `device`
+    3b. LoRA            with a ``lora`` config of rank > 0: adapters on the target linears, sharded
+                        like their layers, every other parameter frozen (:func:`aligner.nn.lora.apply_lora`)
     4. recomputation    none | selective (the attention core, softmax(QK^T)V) | full (each
                         decoder layer), Korthikanti et al. 2022 (:func:`apply_recompute`)
     5. Transformer Engine  model.backend=te swaps the decoder layers for TE layers (GPU only)
@@ -34,8 +36,9 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from aligner.config import ModelConfig, ParallelConfig
+from aligner.config import LoraConfig, ModelConfig, ParallelConfig
 from aligner.model.llama import build_model, rope_inv_freq
+from aligner.nn.lora import apply_lora
 from aligner.parallel import data_parallel as dpmod
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.sharding import load_full_state_dict
@@ -231,6 +234,8 @@ def parallelize(
     full_state_dict: Optional[dict[str, torch.Tensor]] = None,
     device: Any = None,
     data_parallel: bool = True,
+    lora: Optional[LoraConfig] = None,
+    lora_seed: int = 0,
 ) -> nn.Module:
     """Apply steps 1-6 of the module docstring to a full `model`, in place.
 
@@ -241,6 +246,8 @@ def parallelize(
     full_state_dict: HF-named full weights for a meta-device model. device: where the parameters end
         up (default: dims.device).
     data_parallel: False skips step 6 (the rollout engine's layout, or a caller that wraps itself).
+    lora: step 3b when ``lora.rank > 0`` (A drawn from `lora_seed` and each layer's name; a scalar-head
+        model keeps its ``score`` head trainable).
     Returns what forward runs: `model` itself, or its DDP wrapper.
     Raises ValueError: a layout the model cannot take (layer split, tp size, recompute mode, TE off GPU).
     """
@@ -254,6 +261,8 @@ def parallelize(
         load_full_state_dict(model, full_state_dict)
     else:
         model.to(device)
+    if lora is not None and lora.rank > 0:
+        apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules, seed=lora_seed, trainable=("score.weight",))
     apply_recompute(model, parallel_cfg.recompute)
     if model.cfg.backend == "te":
         apply_te_backend(model, dims.tp_group, parallel_cfg.sequence_parallel)

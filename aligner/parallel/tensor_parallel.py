@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from aligner.nn import comm
 from aligner.nn.layers import ColumnParallelLinear, ParallelLayer, RMSNorm, RowParallelLinear
+from aligner.nn.lora import adapters
 
 
 def check_tp_compatible(cfg, tp_size: int) -> None:
@@ -149,6 +150,8 @@ def sync_tp_grads(model: nn.Module, tp_group: Optional[dist.ProcessGroup]) -> No
        holds only its own query heads' share; the shares of ranks holding the same head
        are summed: each rank scatters its grad into a zero [num_kv_heads * head_dim, H]
        buffer at its rows, one all-reduce over `tp_group`, each keeps its rows.
+    3. LoRA adapters (:mod:`aligner.nn.lora`): the replicated A of a column-parallel layer and B of a
+       row-parallel one hold partial sums per rank and are summed (B on replicated kv rows as in 2).
     All reductions go into one flat buffer (one all-reduce). No-op for tp_size 1.
     Parameters without a grad are skipped on every rank alike (grads are None together).
     """
@@ -159,6 +162,8 @@ def sync_tp_grads(model: nn.Module, tp_group: Optional[dist.ProcessGroup]) -> No
         for p in (layer.weight, layer.bias):
             if p is not None and p.grad is not None:
                 items.append((p.grad, layer.row_index, layer.out_features))
+    for adapter in adapters(model):
+        items += [(p.grad, rows, full) for p, rows, full in adapter.tp_partial_grads() if p.grad is not None]
     all_reduce_grad_pieces(items, tp_group)
 
 

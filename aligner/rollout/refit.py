@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from aligner.model.llama import build_model
-from aligner.nn import comm
+from aligner.nn import comm, lora
 from aligner.nn.layers import ParallelLayer
 from aligner.parallel.dims import ParallelDims
 from aligner.rollout.base import RolloutEngine
@@ -84,14 +84,59 @@ def _gather_tp(module: nn.Module, pname: str, local: torch.Tensor, tp_group) -> 
 
 
 def _full_shapes(model: nn.Module) -> dict[str, torch.Size]:
-    """HF name -> full (unsharded, unpruned) shape, from a meta-device copy of the whole model."""
+    """HF name -> full (unsharded, unpruned) shape, from a meta-device copy of the whole model
+    (LoRA adapters too: A [r, in], B [out, r] of every linear, r from this stage's adapters)."""
 
     meta = build_model(model.cfg, device="meta")
-    return {n: p.shape for n, p in meta.named_parameters(remove_duplicate=False)}
+    shapes = {n: p.shape for n, p in meta.named_parameters(remove_duplicate=False)}
+    ad = next(lora.adapters(model), None)
+    if ad is not None:
+        for n, s in list(shapes.items()):
+            if n.endswith("_proj.weight"):
+                layer = n.removesuffix(".weight")
+                shapes[f"{layer}.{lora.ADAPTER}.A"] = torch.Size([ad.rank, s[1]])
+                shapes[f"{layer}.{lora.ADAPTER}.B"] = torch.Size([s[0], ad.rank])
+    return shapes
+
+
+def _adapted_only(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The weights of the LoRA-adapted linears and their adapters, out of `named` (name, parameter)."""
+    layers = {to_hf_name(n).removesuffix(f".{lora.ADAPTER}.A") for n, _ in named if n.endswith(f".{lora.ADAPTER}.A")}
+    return [(n, p) for n, p in named if to_hf_name(n).removesuffix(".weight") in layers or lora.is_adapter_key(n)]
+
+
+def merge_stream(named: Iterable[tuple[str, torch.Tensor]], scaling: float, targets) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, full tensor) pairs with LoRA adapters folded in.
+
+    targets: the adapted linears' names (``q_proj`` ...; every such linear has an adapter, as
+    :func:`aligner.nn.lora.apply_lora` makes them). Their ``.weight`` is held back until its
+    ``.lora.A`` [r, in] and ``.lora.B`` [out, r] arrive (they follow it in parameter order) and is
+    yielded as W + scaling * B A (fp32 math, W's dtype); adapter tensors are not yielded, others pass.
+    Raises ValueError: a held weight never got both adapter halves.
+    """
+    targets = set(targets)
+    held: dict[str, torch.Tensor] = {}
+    for name, t in named:
+        if lora.is_adapter_key(name):
+            held[name] = t
+            layer = name[: -len(".A")].removesuffix(f".{lora.ADAPTER}")
+            ka, kb = f"{layer}.{lora.ADAPTER}.A", f"{layer}.{lora.ADAPTER}.B"
+            if ka in held and kb in held:
+                w, a, b = held.pop(f"{layer}.weight"), held.pop(ka), held.pop(kb)
+                yield f"{layer}.weight", (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
+        elif name.endswith(".weight") and name.removesuffix(".weight").rpartition(".")[2] in targets:
+            held[name] = t
+        else:
+            yield name, t
+    if held:
+        raise ValueError(f"merge_stream: weights without both adapter halves: {sorted(held)[:4]}")
 
 
 def iter_full_tensors(
-    model: nn.Module, tp_group: Optional[dist.ProcessGroup] = None, pp_group: Optional[dist.ProcessGroup] = None
+    model: nn.Module,
+    tp_group: Optional[dist.ProcessGroup] = None,
+    pp_group: Optional[dist.ProcessGroup] = None,
+    adapted_only: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for every parameter of the whole model, on every rank.
 
@@ -99,10 +144,13 @@ def iter_full_tensors(
     are broadcast over the pp group, full shapes come from the model config. Collective:
     every rank of the tp and pp groups must iterate to the end. Tensors are detached, in
     the parameter dtype, on the parameter device; with tp = pp = 1 they alias the parameters
-    (read them before the next optimizer step).
+    (read them before the next optimizer step). adapted_only: only the LoRA-adapted linears'
+    weights and their adapters (``.lora.A`` / ``.lora.B``), the tensors a LoRA step changes.
     """
     pp_size, pp_rank = comm.group_size(pp_group), comm.group_rank(pp_group)
     mine = list(model.named_parameters())
+    if adapted_only:
+        mine = _adapted_only(mine)
     device = mine[0][1].device
     shapes = _full_shapes(model) if pp_size > 1 else {}
     with torch.no_grad():
@@ -153,15 +201,23 @@ def refit(
     bucket_mb: float = 256,
     tp_group: Optional[dist.ProcessGroup] = None,
     pp_group: Optional[dist.ProcessGroup] = None,
+    adapted_only: bool = False,
 ) -> RefitStats:
     """Export `model` (trainer layout: this rank's tp shard of its pp stage) into `engine`.
 
     Calls ``engine.update_weights`` once per bucket and ``engine.finish_weight_update`` once;
     collective over tp_group and pp_group. Returns RefitStats (wall seconds on this rank).
+    A model with LoRA adapters (:mod:`aligner.nn.lora`) sends merged weights W + (alpha/r) B A and
+    no adapter tensors; with `adapted_only` only the adapted linears' merged weights (the refits
+    after the first full one: nothing else changes while the base is frozen).
     """
     t0 = time.perf_counter()
     nbytes = buckets = tensors = 0
-    for bucket in iter_buckets(iter_full_tensors(model, tp_group, pp_group), bucket_mb):
+    stream = iter_full_tensors(model, tp_group, pp_group, adapted_only=adapted_only)
+    ad = next(lora.adapters(model), None)
+    if ad is not None:
+        stream = merge_stream(stream, ad.scaling, getattr(model, "lora_targets", ()))
+    for bucket in iter_buckets(stream, bucket_mb):
         engine.update_weights(bucket)
         buckets += 1
         tensors += len(bucket)

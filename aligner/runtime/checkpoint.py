@@ -24,6 +24,8 @@ Owns:
   Writes go to ``<dir>.tmp`` and are renamed to ``<dir>`` after every rank finished (an
   existing ``<dir>`` is replaced), so a crash never leaves a half checkpoint under the final
   name. ``meta.json`` records the layout, step and model config.
+  * with LoRA (``runtime.lora``) only the trainable parameters (the adapters, and a scalar head)
+    and their moments are saved; the frozen base comes from the role's init again on load.
 - :func:`gather_full_state_dict_any`: every HF-named full tensor from any layout (FSDP2
   DTensors, TP shards, PP stages, ZeRO-3 partitions); :func:`export_hf` writes it with
   :func:`aligner.model.hf.save_hf` (safetensors + config.json) from global rank 0.
@@ -48,6 +50,7 @@ import torch.nn as nn
 from aligner.model.hf import save_hf
 from aligner.nn import comm
 from aligner.nn.layers import ParallelLayer
+from aligner.nn.lora import merged_state_dict
 
 META_FILE = "meta.json"
 _TIED = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -98,8 +101,9 @@ def _unique_params(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, tor
 
 def _checkpoint_params(runtime) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
     """:func:`_unique_params` of what a checkpoint holds: every parameter, or only the trainable ones
-    when ``runtime.checkpoint_trainable_only`` (prompt learning: the frozen base is its init)."""
-    only = getattr(runtime, "checkpoint_trainable_only", False)
+    when ``runtime.checkpoint_trainable_only`` (prompt learning) or with LoRA (the adapters, and a
+    score head): the frozen base is rebuilt from the role's init."""
+    only = getattr(runtime, "checkpoint_trainable_only", False) or getattr(runtime, "lora", None) is not None
     for item in _unique_params(runtime.module):
         if not only or item[3].requires_grad:
             yield item
@@ -237,6 +241,7 @@ def _meta(runtime, extra: Optional[dict]) -> dict:
         "layout": {"tp_size": d.tp_size, "pp_size": d.pp_size, "dp_size": d.dp_size, "dp_backend": runtime.backend},
         "optim_state_dtype": runtime.optim_cfg.state_dtype,
         "model": dataclasses.asdict(runtime.model_cfg),
+        "lora": dataclasses.asdict(runtime.lora) if getattr(runtime, "lora", None) is not None else None,
         "extra": extra or {},
     }
 
@@ -320,6 +325,14 @@ def _check_compatible(runtime, meta: dict, ckpt_dir: str) -> None:
             raise ValueError(
                 f"checkpoint {ckpt_dir!r} has model.{key}={saved[key]} but this model has {mine[key]}: load it with the same model config"
             )
+    saved_lora, my_lora = meta.get("lora"), getattr(runtime, "lora", None)
+    if (saved_lora is None) != (my_lora is None) or (
+        saved_lora and (saved_lora["rank"], saved_lora["target_modules"]) != (my_lora.rank, list(my_lora.target_modules))
+    ):
+        raise ValueError(
+            f"checkpoint {ckpt_dir!r} was saved with lora={saved_lora} but this role has lora={my_lora}: "
+            "resume with the same lora settings (rank, target_modules)"
+        )
     if meta.get("kind", runtime.kind) != runtime.kind:
         raise ValueError(f"checkpoint {ckpt_dir!r} holds a kind={meta['kind']!r} model, not {runtime.kind!r}")
     saved_ds = meta["layout"]["dp_backend"] == "deepspeed"
@@ -451,6 +464,8 @@ def export_hf(runtime, out_dir: str, tokenizer=None) -> Optional[str]:
     """
 
     full = gather_full_state_dict_any(runtime)
+    if getattr(runtime, "lora", None) is not None:
+        full = merged_state_dict(full, runtime.lora.alpha / runtime.lora.rank)
     path = None
     if _rank() == 0:
         path = str(save_hf(full, runtime.model_cfg, out_dir, kind=runtime.kind, tokenizer=tokenizer))

@@ -2,7 +2,8 @@
 
 Owns: resolving a role's initial weights (an HF model dir, or an aligner run dir whose
 ``hf/`` export is used), building its TrainRuntime on the role's layout, the ModelRunner
-over it, the global loss normalizer across dp, HF export of the gathered weights, and
+over it, the global loss normalizer across dp, HF export of the gathered weights (with LoRA: the
+merged HF checkpoint, plus the PEFT-format adapter in ``<hf dir>/adapter``), and
 checkpoint save/load of model + optimizer (resharding, via the runtime).
 
 The model dimensions come from the init checkpoint's config.json when there is one
@@ -19,10 +20,11 @@ from typing import Optional
 
 import torch
 
-from aligner.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
+from aligner.config import ConfigError, LoraConfig, ModelConfig, OptimConfig, ParallelConfig
 from aligner.data.tokenizer import load_tokenizer
 from aligner.model.hf import load_hf_model, read_hf_config, save_hf
 from aligner.model.llama import build_model
+from aligner.nn.lora import is_adapter_key, merged_state_dict, peft_adapter_config, save_peft_adapter
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.tensor_parallel import vocab_start
 from aligner.runtime.runner import ModelRunner, dp_sum, global_normalizer
@@ -79,6 +81,7 @@ class RoleModel:
         parallel: the role's layout. optim: AdamW + schedule. dims: built ParallelDims.
         total_steps: optimizer steps of the run (LR schedule length). init: HF/run dir or "".
         seed: init seed for random weights.
+        lora: LoRA adapters on the role's linears (rank 0 / None: full fine-tuning; see aligner.nn.lora).
     """
 
     kind: str = ""
@@ -92,6 +95,7 @@ class RoleModel:
         total_steps: int = 1,
         init: str = "",
         seed: int = 0,
+        lora: Optional[LoraConfig] = None,
     ):
         kind = self.kind
         if kind not in ("lm", "score"):
@@ -99,7 +103,9 @@ class RoleModel:
         full, self.model_cfg = load_initial_model(init, model_cfg, kind, seed)
         self.dims, self.parallel = dims, parallel
         full = self.prepare_model(full, seed)
-        self.runtime = TrainRuntime(self.model_cfg, kind, parallel, optim, dims, max(1, total_steps), seed=seed, model=full)
+        self.init = init
+        self.runtime = TrainRuntime(self.model_cfg, kind, parallel, optim, dims, max(1, total_steps), seed=seed, model=full, lora=lora)
+        self.lora = self.runtime.lora
         self.runner = ModelRunner(self.runtime, dims)
         self.vocab_start = vocab_start(self.runtime.module) if kind == "lm" else 0
 
@@ -135,12 +141,28 @@ class RoleModel:
         tok = None
         if tokenizer_path:
             tok = load_tokenizer(tokenizer_path)
-        path = save_hf(sd, self.model_cfg, out_dir, kind=self.kind, tokenizer=tok)
+        path = save_hf(self._merged(sd), self.model_cfg, out_dir, kind=self.kind, tokenizer=tok)
+        if self.lora is not None:
+            self._export_adapter(sd, Path(path) / "adapter")
         for name, obj in (extra_files or {}).items():
             tmp = Path(path) / f".{name}.tmp"
             tmp.write_text(json.dumps(obj, indent=2))
             os.replace(tmp, Path(path) / name)
         return str(path)
+
+    def _merged(self, full_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`full_sd` with LoRA adapters folded into their weights (unchanged without LoRA)."""
+        return full_sd if self.lora is None else merged_state_dict(full_sd, self.lora.alpha / self.lora.rank)
+
+    def _export_adapter(self, full_sd: dict[str, torch.Tensor], out: Path) -> None:
+        """PEFT-format adapter into `out` (adapter_config.json + adapter_model.safetensors). Its base is
+        the role's init HF dir; with random init weights the base is written to `out`/base first."""
+        base = resolve_init(self.init)
+        if base is None:
+            base = save_hf({k: v for k, v in full_sd.items() if not is_adapter_key(k)}, self.model_cfg, out / "base", kind=self.kind)
+        lo = self.lora
+        cfg = peft_adapter_config(lo.rank, lo.alpha, lo.dropout, lo.target_modules, str(Path(base).resolve()), kind=self.kind)
+        save_peft_adapter(full_sd, str(out), cfg)
 
     def save(self, ckpt_dir: str) -> None:
         """Model + optimizer + schedule of this role into `ckpt_dir` (collective)."""

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-from aligner.config import ModelConfig, OptimConfig, ParallelConfig
+from aligner.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
 from aligner.model.llama import build_model
 from aligner.nn import comm
 from aligner.parallel import data_parallel as dpmod
@@ -128,6 +128,8 @@ class TrainRuntime:
         total_steps: optimizer steps the schedule spans (>= 1).
         seed: init seed (the same on every rank, so replicas start equal).
         model: an already-built full (unsharded, unpruned) model to use instead of a fresh one.
+        lora: LoRA adapters (rank > 0): base weights frozen, only trainable parameters (the adapters)
+            in the optimizer, checkpoints and gradient reductions (:mod:`aligner.nn.lora`).
     Attributes:
         module: the unwrapped model (HF parameter names; TP-local / PP-stage / FSDP DTensor params).
         model: what forward runs (DDP or DeepSpeed wrapper, else ``module``).
@@ -147,11 +149,15 @@ class TrainRuntime:
         *,
         seed: int = 0,
         model: Optional[nn.Module] = None,
+        lora: Optional[LoraConfig] = None,
     ):
         model_cfg.validate("model")
         parallel_cfg.validate("parallel", model_cfg)
         optim_cfg.validate("optim")
         optim_cfg.validate_with("optim", parallel_cfg, model_cfg)
+        if lora is not None:
+            lora.validate("lora", parallel_cfg, model_cfg)
+        self.lora = lora if lora is not None and lora.rank > 0 else None
         _check_dims(parallel_cfg, dims)
         if total_steps < 1:
             raise ValueError(f"total_steps={total_steps} must be >= 1 (optimizer steps the LR schedule spans)")
@@ -164,7 +170,7 @@ class TrainRuntime:
         self.bf16 = parallel_cfg.mixed_precision == "bf16"
         full = model if model is not None else build_model(model_cfg, kind, seed=seed, device=dims.device)
         self.module = full  # parallelized in place below: this rank's stage and shards (HF parameter names)
-        wrapped = parallelize(full, dims, parallel_cfg, data_parallel=self.backend != "deepspeed")
+        wrapped = parallelize(full, dims, parallel_cfg, data_parallel=self.backend != "deepspeed", lora=self.lora, lora_seed=seed)
         self.device = next(self.module.parameters()).device  # where batches must be (ModelRunner moves them)
         self.device_type = self.device.type
         if self.device_type == "cpu":

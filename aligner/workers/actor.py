@@ -25,6 +25,7 @@ import torch
 
 from aligner.actor.policy import Policy
 from aligner.config import AlignerConfig, OptimConfig, SamplingConfig, TrainableRoleConfig, prompt_learning_of
+from aligner.nn.lora import disable_adapters, merged_state_dict
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.parallelize import build_parallel_model, decode_layer_split
 from aligner.rollout import build_engine
@@ -50,6 +51,7 @@ class PolicyWorker:
         # the reference has no optim (it never steps); its engine still builds an optimizer, left unused
         optim = role_cfg.optim if isinstance(role_cfg, TrainableRoleConfig) else OptimConfig()
         torch.manual_seed(cfg.trainer.seed)
+        lora = role_cfg.lora if isinstance(role_cfg, TrainableRoleConfig) else None
         self.policy = Policy(
             cfg.model,
             role_cfg.parallel,
@@ -60,11 +62,18 @@ class PolicyWorker:
             seed=cfg.trainer.seed,
             prompt_learning=prompt_learning_of(cfg) if role == "actor" else None,  # SFT prompt learning (aligner.model.prompt)
             prompt_init_ids=prompt_init_ids,
+            lora=lora,
         )
 
     @dispatch("dp_split")
     def log_probs(self, batch: dict, temperature: float = 1.0) -> torch.Tensor:
         return self.policy.log_probs(batch, self.cfg.trainer.micro_batch_size, temperature)
+
+    @dispatch("dp_split")
+    def ref_log_probs(self, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+        """log_probs of the base model (LoRA adapters disabled): the reference policy of LoRA PPO."""
+        with disable_adapters(self.policy.runtime.module):
+            return self.policy.log_probs(batch, self.cfg.trainer.micro_batch_size, temperature)
 
     @dispatch("dp_split")
     def sft_step(self, batch: dict) -> dict:
@@ -120,6 +129,7 @@ class ActorWorker(PolicyWorker):
         self.engine = None
         self.infer_dims = None
         self.trtllm = None  # rollout.backend=trtllm: this rank's TrtllmReplica (set with the engine)
+        self._refitted = False  # a full refit has run (LoRA refits only the adapted linears after it)
 
     def _build_engine(self) -> None:
         """The rollout engine on the engine layout (rollout.parallel) over this group's ranks.
@@ -204,6 +214,9 @@ class ActorWorker(PolicyWorker):
             self.engine.onload()
         eng = self.policy.runtime
         sharded = eng.fsdp or eng.backend == "deepspeed"
+        # LoRA: merged weights; after the first refit only the adapted linears change (the base is frozen).
+        # Not for TensorRT-LLM, whose sleep may return weight memory without its contents (full refits there)
+        adapted_only = eng.lora is not None and self._refitted and not trtllm
         if not sharded:
             stats = refit(
                 eng.module,
@@ -211,14 +224,18 @@ class ActorWorker(PolicyWorker):
                 bucket_mb=self.cfg.rollout.refit_bucket_mb,
                 tp_group=self.dims.tp_group,
                 pp_group=self.dims.pp_group,
+                adapted_only=adapted_only,
             )
             nbytes = stats.bytes
         else:  # FSDP2 / DeepSpeed: full tensors on every rank, sent in the same buckets
             sd = self.policy.full_state_dict()
+            if eng.lora is not None:
+                sd = merged_state_dict(sd, eng.lora.alpha / eng.lora.rank, only_adapted=adapted_only)
             for bucket in iter_buckets(sd.items(), self.cfg.rollout.refit_bucket_mb):
                 self.engine.update_weights(bucket)
             self.engine.finish_weight_update()
             nbytes = sum(v.numel() * v.element_size() for v in sd.values())
+        self._refitted = True
         return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "weight_version": self.engine.weight_version}
 
     @dispatch("broadcast")

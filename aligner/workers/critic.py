@@ -20,7 +20,9 @@ class CriticWorker:
         self.dims = dims or ParallelDims()
         torch.manual_seed(cfg.trainer.seed)
         rc = cfg.critic
-        self.critic = Critic(cfg.model, rc.parallel, rc.optim, self.dims, total_steps, init=init or rc.init, seed=cfg.trainer.seed + 1)
+        self.critic = Critic(
+            cfg.model, rc.parallel, rc.optim, self.dims, total_steps, init=init or rc.init, seed=cfg.trainer.seed + 1, lora=rc.lora
+        )
 
     @dispatch("dp_split")
     def values(self, batch: dict) -> torch.Tensor:

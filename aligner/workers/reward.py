@@ -20,7 +20,10 @@ class RewardWorker:
         self.dims = dims or ParallelDims()
         torch.manual_seed(cfg.trainer.seed)
         rc = cfg.reward
-        self.rm = RewardModel(cfg.model, rc.parallel, rc.optim, self.dims, total_steps, init=init or rc.init, seed=cfg.trainer.seed + 2)
+        lora = rc.lora if cfg.stage == "rm" else None  # PPO's reward model is frozen (its init is an HF export)
+        self.rm = RewardModel(
+            cfg.model, rc.parallel, rc.optim, self.dims, total_steps, init=init or rc.init, seed=cfg.trainer.seed + 2, lora=lora
+        )
 
     @dispatch("dp_split")
     def scores(self, batch: dict) -> torch.Tensor:
