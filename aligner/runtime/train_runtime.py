@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from aligner.config import ModelConfig, OptimConfig, ParallelConfig
 from aligner.model.llama import build_model
+from aligner.model.moe import set_aux_loss_scale
 from aligner.nn import comm
 from aligner.parallel import data_parallel as dpmod
 from aligner.parallel.dims import ParallelDims
@@ -229,6 +230,7 @@ class TrainRuntime:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}: valid choices are mean, sum")
         scale = 1.0 / len(microbatches) if loss_reduction == "mean" else 1.0
+        set_aux_loss_scale(self.model, 1.0 / len(microbatches))
         losses = []
         for mb in microbatches:
             loss = loss_fn(self.forward(mb["input_ids"], **model_kwargs(mb)), mb)
