@@ -279,6 +279,7 @@ class ParallelConfig:
     tp_size: int = 1  # tensor-parallel ranks
     pp_size: int = 1  # pipeline stages
     dp_size: int = 1  # data-parallel replicas
+    ep_size: int = 1  # expert parallelism (MoE): each group of ep_size dp ranks splits the experts (divides dp_size)
     sequence_parallel: bool = False  # split norm regions along the sequence (needs tp_size > 1 to matter)
     recompute: str = "none"  # activation recomputation per layer: none | selective | full
     dp_backend: str = "fsdp2"  # fsdp2 | ddp | deepspeed
@@ -311,6 +312,19 @@ class ParallelConfig:
             self.logprob_chunk_size,
             "must be >= 0 (positions per chunk, e.g. 512; 0 = unchunked logits)",
         )
+        _check(
+            self.ep_size >= 1 and self.dp_size % self.ep_size == 0,
+            f"{prefix}.ep_size",
+            self.ep_size,
+            f"must divide {prefix}.dp_size={self.dp_size} (experts are split over groups of ep_size data-parallel ranks)",
+        )
+        if self.ep_size > 1:
+            _check(
+                self.dp_backend != "deepspeed",
+                f"{prefix}.ep_size",
+                self.ep_size,
+                "expert parallelism runs with dp_backend=fsdp2 or ddp, not deepspeed; set ep_size=1 or another dp_backend",
+            )
         if self.dp_backend == "deepspeed":
             _check(
                 self.tp_size == 1 and self.pp_size == 1,
@@ -346,6 +360,13 @@ class ParallelConfig:
             self.pp_size,
             f"cannot exceed model.num_layers={model.num_layers}",
         )
+        if self.ep_size > 1:
+            _check(
+                model.num_experts > 0 and model.num_experts % self.ep_size == 0,
+                f"{prefix}.ep_size",
+                self.ep_size,
+                f"needs an MoE model whose model.num_experts={model.num_experts} it divides; set ep_size=1 for a dense model",
+            )
         if self.pp_layer_split is not None:
             split = list(self.pp_layer_split)
             _check(

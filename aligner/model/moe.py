@@ -174,6 +174,13 @@ class GroupedExperts(ParallelLayer):
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
+    ep_group: Optional[torch.distributed.ProcessGroup] = None
+    expert_offset = 0  # global id of this rank's first expert
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.gate_proj.shape[0]
+
     def _dim(self, name: str) -> int:
         return 2 if name == "down_proj" else 1
 
@@ -182,26 +189,66 @@ class GroupedExperts(ParallelLayer):
         n = comm.group_size(tp_group)
         if self.intermediate_size % n:
             raise ValueError(f"GroupedExperts: intermediate_size={self.intermediate_size} not divisible by tp_size={n}")
+        self._reshard(lambda name, full: full.chunk(n, dim=self._dim(name))[comm.group_rank(tp_group)] if n > 1 else full)
+
+    def shard_ep_(self, ep_group) -> None:
+        """Keep this rank's num_experts / ep_size consecutive experts (expert parallelism over `ep_group`)."""
+        n = comm.group_size(ep_group)
+        if self.num_experts % n:
+            raise ValueError(f"GroupedExperts: num_experts={self.num_experts} not divisible by ep_size={n}")
+        self.ep_group = ep_group
+        per = self.num_experts // n
+        self.expert_offset = comm.group_rank(ep_group) * per
+        self._reshard(lambda name, full: full[self.expert_offset : self.expert_offset + per])
+
+    def _reshard(self, take) -> None:
         for name in ("gate_proj", "up_proj", "down_proj"):
             p = getattr(self, name)
             if p.device.type == "meta":
-                shape = list(p.shape)
-                shape[self._dim(name)] //= n
-                local = torch.empty(shape, device="meta", dtype=p.dtype)
+                local = take(name, torch.empty(p.shape, device="meta", dtype=p.dtype))
+                local = torch.empty(local.shape, device="meta", dtype=p.dtype)
             else:
-                local = self.full_to_local(name, p)
+                local = take(name, p)
             setattr(self, name, nn.Parameter(local.detach().clone(), requires_grad=p.requires_grad))
 
     def full_to_local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """Slice a full [E, ., .] expert tensor to this rank's experts (ep) and tp slice."""
+        per = self.num_local_experts
+        if per != self.num_experts:
+            full = full[self.expert_offset : self.expert_offset + per]
         n, r = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
         return full.chunk(n, dim=self._dim(name))[r] if n > 1 else full
 
     def local_to_full_spec(self, name: str):
+        """(tp dim, None); the expert dim 0 is split over ``ep_group`` too (:func:`ep_sharded`)."""
         return self._dim(name), None
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert `e` on its tokens x [n, H] -> partial output [n, H] (down(silu(gate x) * up x))."""
+        """Local expert `e` (global id expert_offset + e) on its tokens x [n, H] -> partial output [n, H]
+        (down(silu(gate x) * up x)); partial over tp."""
         return F.linear(F.silu(F.linear(x, self.gate_proj[e])) * F.linear(x, self.up_proj[e]), self.down_proj[e])
+
+    def forward(self, rows: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
+        """rows [M, H] in blocks: for each source s (in order), counts[s][j] rows for local expert j
+        (one source without expert parallelism). Returns the local experts' partial outputs [M, H]
+        in the same order. A module call (not :meth:`expert`), so FSDP2 unshards the weights around it."""
+        per = self.num_local_experts
+        starts, offset = [], 0
+        for src in counts:
+            starts.append([])
+            for c in src:
+                starts[-1].append(offset)
+                offset += c
+        # rows * 0, not new_empty: the output stays connected to `rows` when this rank got no rows
+        # (or an expert none), so every ep rank runs the same all-to-alls in backward
+        out = rows * 0
+        for j in range(per):
+            idx = [torch.arange(starts[s][j], starts[s][j] + counts[s][j]) for s in range(len(counts)) if counts[s][j]]
+            if not idx:
+                continue
+            idx = torch.cat(idx).to(rows.device)
+            out = out.index_copy(0, idx, self.expert(j, rows[idx]))
+        return out
 
 
 class SparseMoE(nn.Module):
@@ -269,29 +316,54 @@ class SparseMoE(nn.Module):
         return out if residual is None else residual + out
 
     def _dispatch(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x [N, H], weights [N, k] fp32, experts [N, k] -> [N, H] sum over kept assignments of w * expert(x)."""
+        """x [N, H], weights [N, k] fp32, experts [N, k] -> [N, H] sum over kept assignments of w * expert(x).
+
+        Assignments are sorted by expert (token order within an expert), cut to the capacity, and
+        run expert by expert; with expert parallelism the rows of each ep rank's experts travel
+        there and back by all-to-all (:meth:`_run_experts`)."""
         n, k = experts.shape
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order within
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts)
         cap = self.capacity(n) if self.training else None
-        out = torch.zeros_like(x)
         dropped = 0
-        start = 0
-        for e, c in enumerate(counts):
-            idx = order[start : start + c]
-            start += c
-            if cap is not None and c > cap:
-                dropped += c - cap
-                idx = idx[:cap]
-            if idx.numel() == 0:
-                continue
-            token = idx // k
-            y = self.experts.expert(e, x[token])
-            w = weights.reshape(-1)[idx].unsqueeze(-1)
-            out = out.index_add(0, token, (y.float() * w).to(out.dtype))
+        if cap is not None and int(counts.max()) > cap:
+            rank_in_expert = torch.arange(order.numel(), device=order.device) - torch.repeat_interleave(
+                torch.cumsum(counts, 0) - counts, counts
+            )
+            keep = rank_in_expert < cap
+            dropped = int((~keep).sum())
+            order = order[keep]
+            counts = counts.clamp(max=cap)
         self.stats["dropped"] = torch.tensor(float(dropped))
-        return out
+        token = order // k
+        y = self._run_experts(x[token], counts.tolist())
+        w = weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add(0, token, (y.float() * w).to(x.dtype))
+
+    def _run_experts(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """rows [M, H] sorted by global expert with counts[e] rows each -> expert outputs [M, H] (partial over tp).
+
+        Expert parallelism (ep_size > 1): rows for the experts of ep rank j go to rank j (one
+        all-to-all of the counts, one of the rows), each rank runs its experts on the rows of
+        every source (grouped by expert), and the outputs return by the reverse all-to-all."""
+        ex = self.experts
+        group = ex.ep_group
+        ep = comm.group_size(group)
+        if ep == 1:
+            return self.experts(rows, [counts])
+        per = ex.num_local_experts
+        send = torch.tensor(counts, dtype=torch.long)  # [ep * per]: per destination rank, per local expert
+        recv = torch.empty_like(send)
+        dev_send = send.to(rows.device)
+        dev_recv = torch.empty_like(dev_send)
+        torch.distributed.all_to_all_single(dev_recv, dev_send, group=group)
+        recv = dev_recv.cpu().view(ep, per)  # rows from source s for my local expert j
+        in_splits = send.view(ep, per).sum(1).tolist()
+        out_splits = recv.sum(1).tolist()
+        got = comm.all_to_all(rows, group, out_splits, in_splits)
+        y = self.experts(got, recv.tolist())
+        return comm.all_to_all(y, group, in_splits, out_splits)
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
@@ -304,6 +376,33 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
 def moe_layers(model: nn.Module) -> list[SparseMoE]:
     """The :class:`SparseMoE` blocks of `model` (those of this pipeline stage), in layer order."""
     return [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+
+def global_moe_metrics(model: nn.Module, dims) -> dict[str, float]:
+    """:func:`moe_metrics` over every MoE layer of the role: layer sums all-reduced over the pp group
+    (each stage holds some layers) and averaged over dp ranks; {} for a dense model. Collective over
+    pp and dp (every rank of the role calls it after a step)."""
+    import torch.distributed as dist
+
+    layers = [m for m in moe_layers(model) if m.stats]
+    has_moe = getattr(getattr(model, "cfg", None), "num_experts", 0) > 0
+    if not has_moe:
+        return {}
+    keys = ("aux_loss", "z_loss", "max_load", "dropped")
+    t = torch.tensor([sum(float(m.stats.get(k, 0.0)) for m in layers) for k in keys] + [float(len(layers))], dtype=torch.float64)
+    if dims.pp_size > 1:
+        t = t.to(dims.device)
+        dist.all_reduce(t, group=dims.pp_group)
+    if dims.dp_size > 1:
+        t = t.to(dims.device)
+        dist.all_reduce(t, group=dims.dp_group)
+        t[:-1] /= dims.dp_size
+        t[-1] /= dims.dp_size
+    t = t.cpu()
+    n = max(float(t[-1]), 1.0)
+    out = {f"moe_{k}": float(t[i]) / n for i, k in enumerate(keys[:3])}
+    out["moe_dropped"] = float(t[3])
+    return out
 
 
 def moe_metrics(model: nn.Module) -> dict[str, float]:

@@ -173,7 +173,7 @@ class ActorWorker(PolicyWorker):
         if trtllm:
             self.engine.onload()
         eng = self.policy.runtime
-        sharded = eng.fsdp or eng.backend == "deepspeed"
+        sharded = eng.fsdp or eng.backend == "deepspeed" or self.dims.ep_size > 1
         if not sharded:
             stats = refit(
                 eng.module,
@@ -183,7 +183,7 @@ class ActorWorker(PolicyWorker):
                 pp_group=self.dims.pp_group,
             )
             nbytes = stats.bytes
-        else:  # FSDP2 / DeepSpeed: full tensors on every rank, sent in the same buckets
+        else:  # FSDP2 / DeepSpeed / expert parallel: full tensors on every rank, sent in the same buckets
             sd = self.policy.full_state_dict()
             for bucket in iter_buckets(sd.items(), self.cfg.rollout.refit_bucket_mb):
                 self.engine.update_weights(bucket)
