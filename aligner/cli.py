@@ -123,7 +123,8 @@ def load_config(stage: str, overrides: Sequence[str] = ()) -> AlignerConfig:
     return cfg
 
 
-# ModelConfig fields a checkpoint's config.json defines (the rest: init_std, backend, dtype, are run choices)
+# ModelConfig fields a checkpoint's config.json defines (the rest: init_std, backend, dtype, the MoE loss
+# coefficients and capacity, are run choices)
 CHECKPOINT_DIMS = (
     "vocab_size",
     "hidden_size",
@@ -139,6 +140,9 @@ CHECKPOINT_DIMS = (
     "tie_word_embeddings",
     "attention_bias",
     "o_proj_bias",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_router",
 )
 
 

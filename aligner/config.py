@@ -82,6 +82,14 @@ class ModelConfig:
     init_std: float = 0.02  # normal init std for random weights
     backend: str = "torch"  # layer implementation: torch | te (Transformer Engine, NVIDIA GPUs)
     dtype: str = "float32"  # parameter dtype when not training with mixed precision
+    # Mixture of Experts (Mixtral's layer; aligner.model.moe): 0 = dense SwiGLU MLP
+    num_experts: int = 0  # experts per MoE layer (HF num_local_experts); each has intermediate_size
+    num_experts_per_tok: int = 2  # top-k experts per token
+    moe_router: str = "topk_softmax"  # topk_softmax (Mixtral) | sinkhorn (NeMo / Megatron S-BASE)
+    moe_norm_topk_prob: bool = True  # renormalize the top-k probabilities to sum 1 (Mixtral does)
+    router_aux_loss_coef: float = 0.001  # Switch load-balancing loss weight (HF Mixtral's default)
+    router_z_loss_coef: float = 0.0  # ST-MoE router z-loss weight
+    moe_capacity_factor: Optional[float] = None  # None: dropless; c: each expert takes ceil(c*N*k/E)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -108,9 +116,35 @@ class ModelConfig:
         _choice(f"{prefix}.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         if self.rope_scaling is not None:
             self.rope_scaling.validate(f"{prefix}.rope_scaling")
+        _check(self.num_experts >= 0, f"{prefix}.num_experts", self.num_experts, "must be 0 (dense MLP) or the number of experts")
+        if self.num_experts:
+            _check(
+                1 <= self.num_experts_per_tok <= self.num_experts,
+                f"{prefix}.num_experts_per_tok",
+                self.num_experts_per_tok,
+                f"must be between 1 and {prefix}.num_experts={self.num_experts}",
+            )
+            _choice(f"{prefix}.moe_router", self.moe_router, ("topk_softmax", "sinkhorn"))
+            for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+                _check(getattr(self, name) >= 0, f"{prefix}.{name}", getattr(self, name), "must be >= 0")
+            _check(
+                self.moe_capacity_factor is None or self.moe_capacity_factor > 0,
+                f"{prefix}.moe_capacity_factor",
+                self.moe_capacity_factor,
+                "must be > 0, or null for dropless routing",
+            )
+            _check(
+                self.backend == "torch",
+                f"{prefix}.backend",
+                self.backend,
+                "MoE layers run on the torch backend only: set model.backend=torch",
+            )
 
-    def num_parameters(self) -> int:
-        """Total parameter count of the causal LM (embedding + layers + norm + lm_head)."""
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameter count of the causal LM (embedding + layers + norm + lm_head).
+
+        With MoE, `active` counts the parameters one token uses (the router and top-k experts)
+        instead of all experts."""
         h, hd = self.hidden_size, self.resolved_head_dim
         attn = h * hd * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.attention_bias:
@@ -118,6 +152,8 @@ class ModelConfig:
         if self.o_proj_bias:
             attn += h
         mlp = 3 * h * self.intermediate_size
+        if self.num_experts:
+            mlp = mlp * (self.num_experts_per_tok if active else self.num_experts) + self.num_experts * h
         layer = attn + mlp + 2 * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * layer + h + head
@@ -243,6 +279,7 @@ class ParallelConfig:
     tp_size: int = 1  # tensor-parallel ranks
     pp_size: int = 1  # pipeline stages
     dp_size: int = 1  # data-parallel replicas
+    ep_size: int = 1  # expert parallelism (MoE): each group of ep_size dp ranks splits the experts (divides dp_size)
     sequence_parallel: bool = False  # split norm regions along the sequence (needs tp_size > 1 to matter)
     recompute: str = "none"  # activation recomputation per layer: none | selective | full
     dp_backend: str = "fsdp2"  # fsdp2 | ddp | deepspeed
@@ -275,6 +312,19 @@ class ParallelConfig:
             self.logprob_chunk_size,
             "must be >= 0 (positions per chunk, e.g. 512; 0 = unchunked logits)",
         )
+        _check(
+            self.ep_size >= 1 and self.dp_size % self.ep_size == 0,
+            f"{prefix}.ep_size",
+            self.ep_size,
+            f"must divide {prefix}.dp_size={self.dp_size} (experts are split over groups of ep_size data-parallel ranks)",
+        )
+        if self.ep_size > 1:
+            _check(
+                self.dp_backend != "deepspeed",
+                f"{prefix}.ep_size",
+                self.ep_size,
+                "expert parallelism runs with dp_backend=fsdp2 or ddp, not deepspeed; set ep_size=1 or another dp_backend",
+            )
         if self.dp_backend == "deepspeed":
             _check(
                 self.tp_size == 1 and self.pp_size == 1,
@@ -310,6 +360,13 @@ class ParallelConfig:
             self.pp_size,
             f"cannot exceed model.num_layers={model.num_layers}",
         )
+        if self.ep_size > 1:
+            _check(
+                model.num_experts > 0 and model.num_experts % self.ep_size == 0,
+                f"{prefix}.ep_size",
+                self.ep_size,
+                f"needs an MoE model whose model.num_experts={model.num_experts} it divides; set ep_size=1 for a dense model",
+            )
         if self.pp_layer_split is not None:
             split = list(self.pp_layer_split)
             _check(
@@ -384,6 +441,13 @@ class LoraConfig:
         )
         if model is not None:
             _check(model.backend == "torch", f"{prefix}.rank", self.rank, f"LoRA needs model.backend=torch (got {model.backend})")
+            mlp = sorted({"gate_proj", "up_proj", "down_proj"} & set(self.target_modules))
+            _check(
+                not (model.num_experts and mlp),
+                f"{prefix}.target_modules",
+                list(self.target_modules),
+                f"an MoE model's experts take no LoRA adapters yet: drop {', '.join(mlp)} (attention projections only)",
+            )
 
 
 @dataclass(kw_only=True)

@@ -40,6 +40,12 @@ the dp group spans nodes; the 1F1B bubble multiplies compute by 1 + (p-1)/m (Nar
 2021). Decoding is memory-bandwidth bound: each token step reads the stage weights and the KV
 cache from HBM, and a token walks all pp stages in turn.
 
+MoE (Mixtral-style layers): FLOPs follow the active parameters (router + top-k experts per token,
+:func:`role_active_parameters`), memory the total; each rank holds E / ep of every layer's experts,
+whose training state FSDP2 shards over the dp / ep expert-data-parallel ranks; expert parallelism
+adds 2 all-to-alls per MoE layer per forward (4 with backward, 6 with full recomputation) of
+tokens * k * H elements each, (ep-1)/ep of them leaving the rank, over the dp axis's bandwidth.
+
 Simplifications: roles sharing a node group are time-sliced (the others offloaded), so each
 role's memory is checked alone; a PPO step is rollout + max(actor group, critic group) for
 split placement and the sum of all phases when colocated; point-to-point PP traffic,
@@ -83,6 +89,7 @@ class Layout:
     micro_batch_size: int
     sp: bool = False
     recompute: str = "none"
+    ep: int = 1  # expert parallelism inside dp (MoE)
 
     @property
     def devices(self) -> int:
@@ -90,7 +97,8 @@ class Layout:
 
     def describe(self) -> str:
         sp = " sp" if self.sp else ""
-        return f"tp={self.tp} pp={self.pp} dp={self.dp}{sp} mbs={self.micro_batch_size} recompute={self.recompute}"
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return f"tp={self.tp} pp={self.pp} dp={self.dp}{ep}{sp} mbs={self.micro_batch_size} recompute={self.recompute}"
 
 
 @dataclass(frozen=True)
@@ -118,10 +126,11 @@ class StepTime:
     dp_comm_s: float
     bubble_s: float
     decode_s: float = 0.0
+    a2a_s: float = 0.0  # expert-parallel token all-to-alls (MoE)
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.tp_comm_s + self.dp_comm_s + self.bubble_s + self.decode_s
+        return self.compute_s + self.tp_comm_s + self.dp_comm_s + self.bubble_s + self.decode_s + self.a2a_s
 
 
 @dataclass(frozen=True)
@@ -223,6 +232,17 @@ def role_num_parameters(model: ModelConfig, kind: str) -> int:
     raise ValueError(f"kind={kind!r}: valid choices are lm, score")
 
 
+def role_active_parameters(model: ModelConfig, kind: str) -> int:
+    """Parameters one token uses (MoE: the router and its top-k experts; a dense model: all):
+    what FLOPs per token scale with (Fedus et al. 2021)."""
+    return role_num_parameters(model, kind) - (model.num_parameters() - model.num_parameters(active=True))
+
+
+def expert_layer_parameters(model: ModelConfig) -> int:
+    """Expert MLP parameters of one MoE layer (E * 3 * H * I; 0 for a dense model), without the router."""
+    return model.num_experts * 3 * model.hidden_size * model.intermediate_size if model.num_experts else 0
+
+
 def layer_num_parameters(model: ModelConfig) -> int:
     """Parameters of one decoder layer (attention, SwiGLU MLP, two RMSNorm weights)."""
     h = model.hidden_size
@@ -235,11 +255,20 @@ def layers_on_stage(num_layers: int, pp: int, stage: int) -> int:
     return num_layers // pp + (1 if stage < num_layers % pp else 0)
 
 
-def stage_num_parameters(model: ModelConfig, kind: str, tp: int, pp: int, stage: int) -> int:
-    """Parameters held by one device of (tp, pp stage): TP shards all but RMSNorm weights."""
+def stage_expert_parameters(model: ModelConfig, tp: int, pp: int, stage: int, ep: int = 1) -> int:
+    """Expert parameters on one device of (tp, pp stage, ep): each MoE layer's E / ep experts, 1/tp of each."""
+    return layers_on_stage(model.num_layers, pp, stage) * (expert_layer_parameters(model) // (tp * ep))
+
+
+def stage_num_parameters(model: ModelConfig, kind: str, tp: int, pp: int, stage: int, ep: int = 1) -> int:
+    """Parameters held by one device of (tp, pp stage): TP shards all but RMSNorm weights (and the
+    MoE router); expert parallelism keeps E / ep of each layer's experts."""
     h, v = model.hidden_size, model.vocab_size
     layer = layer_num_parameters(model)
-    n = layers_on_stage(model.num_layers, pp, stage) * ((layer - 2 * h) // tp + 2 * h)
+    experts = expert_layer_parameters(model)
+    router = model.num_experts * h
+    dense = (layer - 2 * h - experts - router) // tp + 2 * h + router
+    n = layers_on_stage(model.num_layers, pp, stage) * (dense + experts // (tp * ep))
     if stage == 0:
         n += v * h // tp
     if stage == pp - 1:
@@ -277,6 +306,7 @@ def lora_num_parameters(model: ModelConfig, rank: int, targets: Iterable[str], t
 def stage_num_tensors(model: ModelConfig, kind: str, pp: int, stage: int) -> int:
     """Parameter tensors on one stage (each gets a 4-byte Adam ``step`` tensor in torch)."""
     per_layer = 9 + (3 if model.attention_bias else 0) + (1 if getattr(model, "o_proj_bias", False) else 0)
+    per_layer += 1 if model.num_experts else 0  # router + 3 stacked expert tensors instead of 3 MLP weights
     n = layers_on_stage(model.num_layers, pp, stage) * per_layer
     if stage == 0:
         n += 1
@@ -366,8 +396,13 @@ def layer_activation_bytes_per_token(model: ModelConfig, precision: str, tp: int
     """Bytes saved for backward per token by one decoder layer: :func:`aligner.parallel.memory.layer_activation_bytes`
     (the one activation-memory model, measured in tests/parallel/test_memory.py) over a [1, seq_len]
     micro-batch, divided by seq_len. Under autocast it includes the layer's bf16 weight casts spread
-    over the tokens. RL and RM batches are unpacked (plain causal attention, no mask)."""
-    return layer_activation_bytes(LayerDims.of(model, seq_len, 1, tp), precision, sp, recompute) / seq_len
+    over the tokens. RL and RM batches are unpacked (plain causal attention, no mask). An MoE layer
+    is counted as a SwiGLU MLP k times as wide (each token runs through k experts of width I; the
+    router's [tokens, E] logits are left out)."""
+    dims = LayerDims.of(model, seq_len, 1, tp)
+    if model.num_experts:
+        dims = replace(dims, i=dims.i * model.num_experts_per_tok)
+    return layer_activation_bytes(dims, precision, sp, recompute) / seq_len
 
 
 def shared_activation_bytes(model: ModelConfig, e: int, batch: int, seq_len: int, recompute: str, first: bool) -> float:
@@ -437,6 +472,18 @@ def forward_flops_per_token(n_params: int, model: ModelConfig, seq_len: int) -> 
     return 2.0 * n_params + 4.0 * model.num_layers * model.hidden_size * seq_len
 
 
+def a2a_elements_per_layer(model: ModelConfig, tokens: int) -> int:
+    """Elements one expert-parallel all-to-all moves for `tokens` tokens (dispatch or combine):
+    every token's k rows of H, dropless. A forward does two per MoE layer (dispatch, combine), a
+    backward two more. The CommCounter of aligner.nn.comm counts the same elements."""
+    return tokens * model.num_experts_per_tok * model.hidden_size if model.num_experts else 0
+
+
+def a2a_seconds(nbytes: float, n: int, gbps: float) -> float:
+    """All-to-all of `nbytes` per rank over n ranks: (n-1)/n of it leaves the rank; 0 for n = 1."""
+    return 0.0 if n <= 1 else (n - 1) / n * nbytes / (gbps * GB) + COLLECTIVE_LATENCY_S
+
+
 def ring_allreduce_seconds(nbytes: float, n: int, gbps: float) -> float:
     """Ring all-reduce of `nbytes` over n ranks: 2(n-1)/n * bytes / bandwidth (GB/s); 0 for n = 1."""
     return 0.0 if n <= 1 else 2.0 * (n - 1) / n * nbytes / (gbps * GB)
@@ -473,9 +520,20 @@ def _pass_time(
     return compute, tp_comm, bubble
 
 
+def _a2a_time(model: ModelConfig, layout: Layout, micro_batches: int, seq: int, e: int, per_layer: int, cluster: ClusterConfig) -> float:
+    """Expert-parallel all-to-all seconds of `micro_batches` passes: `per_layer` all-to-alls per MoE
+    layer of this stage (2 forward, 4 forward + backward, 6 with full recomputation)."""
+    if layout.ep <= 1 or not model.num_experts:
+        return 0.0
+    layers = layers_on_stage(model.num_layers, layout.pp, 0)
+    nbytes = a2a_elements_per_layer(model, layout.micro_batch_size * seq) * e
+    return micro_batches * layers * per_layer * a2a_seconds(nbytes, layout.ep, _dp_gbps(layout, cluster))
+
+
 def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_bytes: float, cluster: ClusterConfig) -> StepTime:
-    """Seconds per step of a training role: opt_steps optimizer steps (+ the forward-only passes)."""
-    n = role_num_parameters(model, work.kind)
+    """Seconds per step of a training role: opt_steps optimizer steps (+ the forward-only passes).
+    FLOPs follow the active parameters (MoE: top-k experts per token)."""
+    n = role_active_parameters(model, work.kind)
     e = activation_dtype_bytes(model, work.parallel)
     seq, layers = work.seq_len, layers_on_stage(model.num_layers, layout.pp, 0)
     m = work.batch // (layout.dp * layout.micro_batch_size)
@@ -486,18 +544,20 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
     factor = 1.5 if p_sh else 1.0  # FSDP / ZeRO-3: all-gather + reduce-scatter = 1.5 all-reduces
     dp = factor * ring_allreduce_seconds(grad_bytes, layout.dp, _dp_gbps(layout, cluster))
     steps = work.opt_steps
-    c, t, b, dp = c * steps, t * steps, b * steps, dp * steps
+    a2a = _a2a_time(model, layout, m, seq, e, 6 if layout.recompute == "full" else 4, cluster)
+    c, t, b, dp, a2a = c * steps, t * steps, b * steps, dp * steps, a2a * steps
     if work.forward_seqs:
         mf = max(1, math.ceil(work.forward_seqs / (layout.dp * layout.micro_batch_size)))
         ff = forward_flops_per_token(n, model, seq) * work.forward_seqs * seq
         c2, t2, b2 = _pass_time(ff, mf, layers, 2, layout, model, e, seq, cluster)
         c, t, b = c + c2, t + t2, b + b2
-    return StepTime(compute_s=c, tp_comm_s=t, dp_comm_s=dp, bubble_s=b)
+        a2a += _a2a_time(model, layout, mf, seq, e, 2, cluster)
+    return StepTime(compute_s=c, tp_comm_s=t, dp_comm_s=dp, bubble_s=b, a2a_s=a2a)
 
 
 def forward_step_time(model: ModelConfig, work: RoleWork, layout: Layout, cluster: ClusterConfig) -> StepTime:
     """Seconds per step of a forward-only role (reference log-probs, reward scores)."""
-    n = role_num_parameters(model, work.kind)
+    n = role_active_parameters(model, work.kind)
     e = activation_dtype_bytes(model, work.parallel)
     mb = max(1, math.ceil(work.batch / (layout.dp * layout.micro_batch_size)))
     flops = forward_flops_per_token(n, model, work.seq_len) * work.batch * work.seq_len
@@ -512,7 +572,7 @@ def generate_step_time(model: ModelConfig, work: RoleWork, layout: Layout, weigh
     or is compute bound if 2N*batch/(tp*pp) FLOPs take longer; a token walks the pp stages in
     turn, and each layer does 2 TP all-reduces of batch*H elements.
     """
-    n = role_num_parameters(model, work.kind)
+    n = role_active_parameters(model, work.kind)
     e = activation_dtype_bytes(model, work.parallel)
     prompt = work.seq_len
     prefill = compute_seconds(forward_flops_per_token(n, model, prompt) * work.batch * prompt, layout.devices, cluster)
@@ -551,6 +611,11 @@ def layout_problem(model: ModelConfig, work: RoleWork, layout: Layout, cluster: 
         return f"pp={layout.pp} exceeds num_layers={model.num_layers}"
     if work.parallel.dp_backend == "deepspeed" and layout.tp * layout.pp > 1 and work.mode == "train":
         return "dp_backend=deepspeed needs tp = pp = 1"
+    if layout.ep > 1:
+        if not model.num_experts or model.num_experts % layout.ep or layout.dp % layout.ep:
+            return f"ep={layout.ep} must divide dp={layout.dp} and num_experts={model.num_experts}"
+        if work.parallel.dp_backend == "deepspeed" and work.mode == "train":
+            return "expert parallelism needs dp_backend fsdp2 or ddp"
     if work.mode == "train":
         if work.batch % layout.dp:
             return f"{work.batch_field}={work.batch} not divisible by dp={layout.dp}"
@@ -563,11 +628,13 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
     """Memory (worst stage, bytes) and step time (seconds) of one structurally valid layout."""
     e = activation_dtype_bytes(model, work.parallel)
     reserved = GPU_RESERVED_BYTES if cluster.gpus_per_node > 0 else 0.0
-    layer_local = (layer_num_parameters(model) - 2 * model.hidden_size) // layout.tp + 2 * model.hidden_size
+    experts_layer = expert_layer_parameters(model)
+    layer_local = (layer_num_parameters(model) - 2 * model.hidden_size - experts_layer) // layout.tp + 2 * model.hidden_size
+    layer_local += experts_layer // (layout.tp * layout.ep)
     best: Optional[MemoryBreakdown] = None
     grad_bytes = 0.0
     for stage in sorted({0, layout.pp - 1}):
-        params = stage_num_parameters(model, work.kind, layout.tp, layout.pp, stage)
+        params = stage_num_parameters(model, work.kind, layout.tp, layout.pp, stage, layout.ep)
         last = stage == layout.pp - 1
         if work.mode == "train":
             trained = params
@@ -580,7 +647,12 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
                 _, g, o = train_state_bytes(trained, t_ad + (1 if head else 0), 0, work.parallel, model, layout.dp, work.optim_state_dtype)
             else:
                 tensors = stage_num_tensors(model, work.kind, layout.pp, stage)
-                w, g, o = train_state_bytes(params, tensors, layer_local, work.parallel, model, layout.dp, work.optim_state_dtype)
+                # experts (E / ep per rank) are sharded over the expert-data-parallel ranks, dp / ep
+                experts = stage_expert_parameters(model, layout.tp, layout.pp, stage, layout.ep) if layout.ep > 1 else 0
+                w, g, o = train_state_bytes(params - experts, tensors, layer_local, work.parallel, model, layout.dp, work.optim_state_dtype)
+                if experts:
+                    w2, g2, o2 = train_state_bytes(experts, 0, 0, work.parallel, model, layout.dp // layout.ep, work.optim_state_dtype)
+                    w, g, o = w + w2, g + g2, o + o2
             m = work.batch // (layout.dp * layout.micro_batch_size)
             act = train_activation_bytes(
                 model, work.kind, layout, e, work.seq_len, m, stage, training_precision(model, work.parallel, layout.dp)
@@ -765,7 +837,9 @@ def _micro_batches(work: RoleWork, dp: int, minimal: bool) -> list[int]:
 
 def candidate_layouts(model: ModelConfig, work: RoleWork, devices: int, minimal: bool = False) -> Iterable[Layout]:
     """Every tp x pp x dp = devices with tp <= num_heads and pp dividing num_layers, each micro-batch
-    size, recomputation and SP (training roles, tp > 1). minimal: only the least-memory choices."""
+    size, recomputation and SP (training roles, tp > 1), and for an MoE training role each ep dividing
+    dp and num_experts (the rollout engine holds every expert per replica). minimal: only the
+    least-memory choices."""
     modes = (("full",) if minimal else RECOMPUTE_MODES) if work.mode == "train" else ("none",)
     for tp in _divisors(devices):
         if tp > model.num_heads:
@@ -774,10 +848,12 @@ def candidate_layouts(model: ModelConfig, work: RoleWork, devices: int, minimal:
             if model.num_layers % pp:
                 continue  # even stages only (pp_layer_split is for hand-made layouts)
             dp = devices // (tp * pp)
-            for mbs in _micro_batches(work, dp, minimal):
-                for rc in modes:
-                    for sp in ((True,) if minimal else (False, True)) if tp > 1 and work.mode == "train" else (False,):
-                        yield Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, sp=sp, recompute=rc)
+            eps = [d for d in _divisors(dp) if model.num_experts and model.num_experts % d == 0] if work.mode == "train" else []
+            for ep in eps or [1]:
+                for mbs in _micro_batches(work, dp, minimal):
+                    for rc in modes:
+                        for sp in ((True,) if minimal else (False, True)) if tp > 1 and work.mode == "train" else (False,):
+                            yield Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, sp=sp, recompute=rc, ep=ep)
 
 
 def plan_role(model: ModelConfig, work: RoleWork, devices: int, cluster: ClusterConfig, minimal: bool = False) -> RolePlan:
@@ -923,7 +999,7 @@ def _layout_row(est: LayoutEstimate) -> str:
     return (
         f"  {est.layout.describe():<50} {_gb(m.weights)} {_gb(m.grads)} {_gb(m.optimizer)} {_gb(m.activations)} "
         f"{_gb(m.kv_cache)} {_gb(m.total)}  {t.total_s:9.2f} (compute {t.compute_s:.2f}, tp {t.tp_comm_s:.2f}, "
-        f"dp {t.dp_comm_s:.2f}, bubble {t.bubble_s:.2f}, decode {t.decode_s:.2f})"
+        f"dp {t.dp_comm_s:.2f}, bubble {t.bubble_s:.2f}, decode {t.decode_s:.2f}" + (f", all-to-all {t.a2a_s:.2f})" if t.a2a_s else ")")
     )
 
 
@@ -966,6 +1042,8 @@ def recommended_overrides(plan: Plan) -> list[str]:
     for name, rp in plan.roles.items():
         lay = rp.best.layout
         out.append(f"{name}.parallel.tp_size={lay.tp} {name}.parallel.pp_size={lay.pp} {name}.parallel.dp_size={lay.dp}")
+        if lay.ep > 1:
+            out[-1] += f" {name}.parallel.ep_size={lay.ep}"
         if rp.work.mode == "train":
             out.append(f"{name}.parallel.sequence_parallel={str(lay.sp).lower()} {name}.parallel.recompute={lay.recompute}")
     return out
@@ -1012,6 +1090,7 @@ def configured_layout(cfg: AlignerConfig, work: RoleWork) -> Layout:
         micro_batch_size=max(1, mbs),
         sp=pc.sequence_parallel and pc.tp_size > 1,
         recompute=pc.recompute if work.mode == "train" else "none",
+        ep=getattr(pc, "ep_size", 1) if work.mode == "train" else 1,
     )
 
 

@@ -17,6 +17,8 @@ MFU = 6 * params * tokens / time / peak bf16 FLOP/s (``--peak-tflops``, H100 SXM
     python benchmarks/training_throughput.py            # batch 8 x 256 tokens, 5 repeats
     python benchmarks/training_throughput.py --quick    # batch 4 x 128 tokens, 3 repeats
     python benchmarks/training_throughput.py --gpu      # 1B Llama MFU (CUDA)
+    python benchmarks/training_throughput.py --moe      # the same with 8 experts, top-2 (Mixtral's layer)
+                                                        # vs HF MixtralForCausalLM (router aux loss on both)
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def model_cfg(args):
+    """The benchmark Llama, or with --moe its Mixtral-style twin: 8 experts of width 688, top-2."""
+    extra = dict(num_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001) if args.moe else {}
+    return C.tiny_model_cfg(max_seq_len=max(256, args.seq), **extra)
+
+
 def _batch(mc, args) -> torch.Tensor:
     return torch.randint(4, mc.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
 
@@ -55,8 +63,11 @@ def hf_child(args) -> None:
     import transformers
     from safetensors.torch import load_file
 
-    mc = C.tiny_model_cfg(max_seq_len=max(256, args.seq))
-    hf = C.hf_llama(mc, load_file(args.sd), train=True)
+    mc = model_cfg(args)
+    if args.moe:  # the HF Mixtral export of the same weights; output_router_logits adds its aux loss as ours does
+        hf = transformers.MixtralForCausalLM.from_pretrained(args.sd, output_router_logits=True).train()
+    else:
+        hf = C.hf_llama(mc, load_file(args.sd), train=True)
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     ids = _batch(mc, args)
     C.peer_report("@@READY", {"transformers": transformers.__version__})
@@ -73,13 +84,18 @@ def cpu_compare(args) -> None:
 
     from safetensors.torch import save_file
 
-    mc = C.tiny_model_cfg(max_seq_len=max(256, args.seq))
+    mc = model_cfg(args)
     pol = policy(mc)
     sd = {k: v.detach().clone().contiguous() for k, v in pol.full_state_dict().items()}
     ids = _batch(mc, args)
     batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}
     tmp = tempfile.TemporaryDirectory()
-    save_file(sd, f"{tmp.name}/model.safetensors")
+    if args.moe:
+        from aligner.model.hf import save_hf
+
+        save_hf(sd, mc, f"{tmp.name}/hf")
+    else:
+        save_file(sd, f"{tmp.name}/model.safetensors")
     peer = C.PeerProcess(
         Path(sys.executable),
         [
@@ -87,7 +103,8 @@ def cpu_compare(args) -> None:
             "--peer",
             "hf",
             "--sd",
-            f"{tmp.name}/model.safetensors",
+            f"{tmp.name}/hf" if args.moe else f"{tmp.name}/model.safetensors",
+            *(["--moe"] if args.moe else []),
             "--batch",
             str(args.batch),
             "--seq",
@@ -106,8 +123,13 @@ def cpu_compare(args) -> None:
     print(C.env_line())
     print(f"command: {C.command_line()}")
     print(
-        f"model: hidden 256, 4 layers, 8 heads, vocab {mc.vocab_size}, {mc.num_parameters() / 1e6:.1f}M params; "
-        f"batch {args.batch} x {args.seq} tokens, fp32, {args.repeats} repeats after 1 warm-up each",
+        f"model: hidden 256, 4 layers, 8 heads, vocab {mc.vocab_size}, {mc.num_parameters() / 1e6:.1f}M params"
+        + (
+            f" ({mc.num_experts} experts, top-{mc.num_experts_per_tok}, {mc.num_parameters(active=True) / 1e6:.1f}M active); "
+            if args.moe
+            else "; "
+        )
+        + f"batch {args.batch} x {args.seq} tokens, fp32, {args.repeats} repeats after 1 warm-up each",
         flush=True,
     )
     ours(), peer.first()  # warm-up: the peer's first step runs as soon as it is ready
@@ -184,6 +206,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="torch.profiler top ops of one step each")
     ap.add_argument("--gpu", action="store_true", help="1B Llama MFU on CUDA instead of the CPU comparison")
+    ap.add_argument("--moe", action="store_true", help="8 experts, top-2, vs HF MixtralForCausalLM (CPU comparison)")
     ap.add_argument("--micro", type=int, default=4, help="--gpu: micro-batch size")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="--gpu: dense bf16 peak, TFLOP/s")
     ap.add_argument("--peer", default="", help=argparse.SUPPRESS)  # child mode: "hf"

@@ -219,6 +219,27 @@ CASES = [
         "must not exceed model.max_seq_len=64",
     ),
     (["actor.prompt_learning.type=prompt_tuning"], "actor.prompt_learning.type", "'prompt_tuning'", "SFT stage only"),
+    # MoE (aligner.model.moe) and expert parallelism
+    (["model.num_experts=-1"], "model.num_experts", "-1", "must be 0 (dense MLP)"),
+    (["model.num_experts=4", "model.num_experts_per_tok=5"], "model.num_experts_per_tok", "5", "between 1 and model.num_experts=4"),
+    (["model.num_experts=4", "model.moe_router=expert_choice"], "model.moe_router", "'expert_choice'", "topk_softmax, sinkhorn"),
+    (["model.num_experts=4", "model.router_aux_loss_coef=-1"], "model.router_aux_loss_coef", "-1.0", ">= 0"),
+    (["model.num_experts=4", "model.moe_capacity_factor=0"], "model.moe_capacity_factor", "0.0", "null for dropless"),
+    (["model.num_experts=4", "model.backend=te"], "model.backend", "'te'", "set model.backend=torch"),
+    (["actor.parallel.ep_size=3"], "actor.parallel.ep_size", "3", "must divide actor.parallel.dp_size=1"),
+    (
+        ["model.num_experts=4", "actor.parallel.dp_size=2", "actor.parallel.ep_size=2", "actor.parallel.dp_backend=deepspeed"],
+        "actor.parallel.ep_size",
+        "2",
+        "fsdp2 or ddp, not deepspeed",
+    ),
+    (["actor.parallel.dp_size=2", "actor.parallel.ep_size=2"], "actor.parallel.ep_size", "2", "needs an MoE model"),
+    (
+        ["model.num_experts=4", "actor.lora.rank=8", "actor.lora.target_modules=[q_proj,down_proj]"],
+        "actor.lora.target_modules",
+        "['q_proj', 'down_proj']",
+        "experts take no LoRA adapters",
+    ),
 ]
 
 

@@ -310,3 +310,58 @@ def test_lora_weights_grads_optimizer_bytes_exact(kind):
     assert est.memory.optimizer == storage_bytes(t for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
     full = estimate_layout(TINY, tiny_work(16, 2, kind), Layout(tp=1, pp=1, dp=1, micro_batch_size=2), ClusterConfig())
     assert est.memory.grads < full.memory.grads / 10
+
+
+# ---- MoE -------------------------------------------------------------------------------------
+def _mixtral_like(**kw):
+    from aligner.config import ModelConfig
+
+    base = dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        max_seq_len=4096,
+        num_experts=8,
+        num_experts_per_tok=2,
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def test_moe_total_and_active_parameters_and_expert_memory_per_ep():
+    """Mixtral 8x7B's published sizes (46.7B total, 12.9B active per token, Jiang et al. 2024) from
+    its dimensions; each ep rank holds E / ep of the experts."""
+    from aligner.planner import expert_layer_parameters, role_active_parameters, role_num_parameters, stage_num_parameters
+
+    m = _mixtral_like()
+    assert role_num_parameters(m, "lm") / 1e9 == pytest.approx(46.7, abs=0.1)
+    assert role_active_parameters(m, "lm") / 1e9 == pytest.approx(12.9, abs=0.1)
+    experts = m.num_layers * expert_layer_parameters(m)
+    one = stage_num_parameters(m, "lm", tp=1, pp=1, stage=0, ep=1)
+    for ep in (2, 4, 8):
+        assert one - stage_num_parameters(m, "lm", tp=1, pp=1, stage=0, ep=ep) == experts - experts // ep
+
+
+def test_moe_layouts_ranked_with_all_to_all_time():
+    """An MoE actor: every ep dividing dp and num_experts is a candidate, ep > 1 layouts carry
+    all-to-all time and less memory per device; ep not dividing num_experts is rejected."""
+    from aligner.config import ClusterConfig
+    from aligner.planner import Layout, a2a_elements_per_layer, candidate_layouts, evaluate_layout, plan_role, role_works
+
+    m = _mixtral_like(num_layers=4)
+    work = next(w for w in role_works(load_config("sft", ["conf=tiny"])) if w.role == "actor")
+    cluster = ClusterConfig(num_nodes=1, gpus_per_node=8, gpu_mem_gb=80)
+    eps = {lay.ep for lay in candidate_layouts(m, work, 8) if lay.dp == 8}
+    assert eps == {1, 2, 4, 8}
+    one = evaluate_layout(m, work, Layout(tp=1, pp=1, dp=8, micro_batch_size=1, ep=1), cluster)
+    four = evaluate_layout(m, work, Layout(tp=1, pp=1, dp=8, micro_batch_size=1, ep=4), cluster)
+    assert one.time.a2a_s == 0 and four.time.a2a_s > 0
+    assert four.memory.weights < one.memory.weights
+    bad = evaluate_layout(_mixtral_like(num_experts=6), work, Layout(tp=1, pp=1, dp=8, micro_batch_size=1, ep=4), cluster)
+    assert "ep=4" in bad.reason
+    assert a2a_elements_per_layer(m, 10) == 10 * 2 * 4096
+    plan = plan_role(m, work, 8, cluster)
+    assert plan.ranked and any(e.layout.ep > 1 for e in plan.ranked)

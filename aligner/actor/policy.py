@@ -172,6 +172,7 @@ class Policy(RoleModel):
             "grad_norm": stats["grad_norm"],
             "lr": stats["lr"],
             "skipped": stats.get("skipped", 0.0),
+            **{k: v for k, v in stats.items() if k.startswith("moe_")},
         }
 
     @torch.no_grad()
@@ -247,4 +248,5 @@ class Policy(RoleModel):
         counts = {"clipfrac": float(batch["response_mask"].sum()), "approx_kl": float(batch["response_mask"].sum())}
         agg_count = float(alg.loss_agg_count(batch["response_mask"], mode))
         out = {k: self.dp_mean(v, counts.get(k, agg_count)) for k, v in sorted(sums.items())}
-        return {**out, "grad_norm": stats["grad_norm"], "lr": stats["lr"], "skipped": stats.get("skipped", 0.0)}
+        moe = {k: v for k, v in stats.items() if k.startswith("moe_")}
+        return {**out, "grad_norm": stats["grad_norm"], "lr": stats["lr"], "skipped": stats.get("skipped", 0.0), **moe}

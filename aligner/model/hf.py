@@ -6,7 +6,8 @@ Owns: config.json <-> ModelConfig, reading HF weights from a local directory
 that ``transformers`` loads as ``LlamaForCausalLM`` (policy) or
 ``LlamaForSequenceClassification`` with one label (critic / reward model).
 
-Our parameter names equal HF's, so import/export is a copy plus checks. Tied
+Our parameter names equal HF's, so import/export is a copy plus checks; MoE layers are renamed
+to and from HF Mixtral's per-expert layout (:func:`moe_to_hf`, :func:`moe_from_hf`). Tied
 embeddings are written without ``lm_head.weight`` (HF re-ties on load). Writes go to
 a temporary directory that is renamed into place, so a crash never leaves a
 half-written export. Nothing is fetched from a hub and no remote code is trusted.
@@ -28,7 +29,9 @@ from aligner.errors import CheckpointError
 from aligner.model.llama import build_model
 
 ARCH = {"lm": "ForCausalLM", "score": "ForSequenceClassification"}
-FAMILY = {"llama": "Llama", "qwen2": "Qwen2"}
+FAMILY = {"llama": "Llama", "qwen2": "Qwen2", "mixtral": "Mixtral"}
+# our MoE expert weights [E, ., .] <-> HF Mixtral's per-expert Linear weights (w1 gate, w3 up, w2 down)
+MIXTRAL_EXPERTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 SAFE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -69,6 +72,11 @@ def model_config_from_hf(hf: dict, source: str = "config.json") -> ModelConfig:
             attention_bias=bool(hf.get("attention_bias", False)) or model_type == "qwen2",
             o_proj_bias=model_type == "llama" and bool(hf.get("attention_bias", False)),
         )
+        if model_type == "mixtral":
+            cfg.num_experts = int(hf["num_local_experts"])
+            cfg.num_experts_per_tok = int(hf.get("num_experts_per_tok", 2))
+            cfg.router_aux_loss_coef = float(hf.get("router_aux_loss_coef", 0.001))
+            cfg.moe_router = str(hf.get("aligner_moe_router", "topk_softmax"))
     except KeyError as e:
         raise CheckpointError(f"{source}: required field {e.args[0]!r} is missing (is this a Llama-family config.json?)") from None
     cfg.validate("model")
@@ -79,7 +87,11 @@ def model_config_to_hf(cfg: ModelConfig, kind: str = "lm") -> dict:
     """HF config.json dict for `cfg`; kind lm -> LlamaForCausalLM, score -> LlamaForSequenceClassification."""
     if kind not in ARCH:
         raise ValueError(f"kind={kind!r}: valid choices are {', '.join(ARCH)}")
-    if cfg.attention_bias and not cfg.o_proj_bias:
+    if cfg.num_experts:
+        if cfg.attention_bias or cfg.o_proj_bias:
+            raise ValueError("model.attention_bias with MoE layers has no HF architecture (Mixtral has no attention bias)")
+        model_type = "mixtral"
+    elif cfg.attention_bias and not cfg.o_proj_bias:
         model_type = "qwen2"  # q/k/v bias without an o_proj bias is Qwen2's layout
     elif cfg.attention_bias == cfg.o_proj_bias:
         model_type = "llama"
@@ -114,9 +126,61 @@ def model_config_to_hf(cfg: ModelConfig, kind: str = "lm") -> dict:
             "high_freq_factor": rs.high_freq_factor,
             "original_max_position_embeddings": rs.original_max_position_embeddings,
         }
+    if cfg.num_experts:
+        out.pop("mlp_bias")
+        out.pop("use_sliding_window")
+        out.update(
+            num_local_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            router_aux_loss_coef=cfg.router_aux_loss_coef,
+            output_router_logits=False,
+            sliding_window=None,
+        )
+        if cfg.moe_router != "topk_softmax":  # HF Mixtral always routes top-k softmax; kept for our import
+            out["aligner_moe_router"] = cfg.moe_router
     if kind == "score":
         out["num_labels"] = 1
         out["pad_token_id"] = 0
+    return out
+
+
+def moe_to_hf(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our MoE names -> HF Mixtral's: ``layers.{i}.mlp.gate.weight`` -> ``layers.{i}.block_sparse_moe.gate.weight``,
+    ``layers.{i}.mlp.experts.gate_proj`` [E, I, H] -> ``layers.{i}.block_sparse_moe.experts.{e}.w1.weight`` [I, H]
+    (up_proj -> w3, down_proj [E, H, I] -> w2 [H, I]). Other tensors pass unchanged."""
+    out = {}
+    for k, v in sd.items():
+        if ".mlp.gate." in k:
+            out[k.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = v
+        elif ".mlp.experts." in k:
+            prefix, name = k.rsplit(".mlp.experts.", 1)
+            for e in range(v.shape[0]):
+                out[f"{prefix}.block_sparse_moe.experts.{e}.{MIXTRAL_EXPERTS[name]}.weight"] = v[e]
+        else:
+            out[k] = v
+    return out
+
+
+def moe_from_hf(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`moe_to_hf` (experts stacked in expert order); also accepts transformers 5's
+    in-memory fused names (``mlp.experts.gate_up_proj`` [E, 2I, H] = gate rows then up rows)."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    names = {v: k for k, v in MIXTRAL_EXPERTS.items()}
+    for k, v in sd.items():
+        if ".block_sparse_moe.gate." in k:
+            out[k.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = v
+        elif ".block_sparse_moe.experts." in k:
+            prefix, rest = k.split(".block_sparse_moe.experts.", 1)
+            e, w, _ = rest.split(".")
+            experts.setdefault(f"{prefix}.mlp.experts.{names[w]}", {})[int(e)] = v
+        elif k.endswith(".mlp.experts.gate_up_proj"):
+            gate, up = v.chunk(2, dim=1)
+            out[k.replace("gate_up_proj", "gate_proj")], out[k.replace("gate_up_proj", "up_proj")] = gate, up
+        else:
+            out[k] = v
+    for k, per in experts.items():
+        out[k] = torch.stack([per[e] for e in sorted(per)])
     return out
 
 
@@ -210,6 +274,8 @@ def load_hf_model(model_dir: str | os.PathLike, kind: str = "lm", dtype: Optiona
     if kind == "score":
         hf_sd = {k: v for k, v in hf_sd.items() if k != "lm_head.weight"}
         hf_sd.setdefault("score.weight", torch.zeros(1, cfg.hidden_size))
+    if cfg.num_experts:
+        hf_sd = moe_from_hf(hf_sd)
     sd = to_model_state_dict(hf_sd, model, source=str(model_dir))
     model.load_state_dict(sd, strict=not cfg.tie_word_embeddings)
     if dtype is not None:
@@ -296,6 +362,8 @@ def save_hf(
     from safetensors.torch import save_file
 
     sd = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    if cfg.num_experts:
+        sd = {k: v.contiguous() for k, v in moe_to_hf(sd).items()}
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     for k, v in sd.items():

@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama 2/3, Qwen2-style QKV bias) built from aligner.nn building blocks.
 
-Owns: RoPE (with Llama 3 frequency scaling), grouped-query attention, SwiGLU MLP,
+Owns: RoPE (with Llama 3 frequency scaling), grouped-query attention, SwiGLU MLP (or the sparse
+MoE block of :mod:`aligner.model.moe` when ``num_experts`` > 0, Mixtral's layout),
 the decoder trunk, the causal LM (policy) and the scalar-head model (critic and
 reward model, exported as HF ``LlamaForSequenceClassification``).
 
@@ -26,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from aligner.config import ModelConfig
+from aligner.model.moe import SparseMoE
 from aligner.nn.chunked import LogProbSpec
 from aligner.nn.layers import (
     ColumnParallelLinear,
@@ -167,7 +169,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.num_experts else MLP(cfg)
 
     def forward(self, h, cos, sin, mask, kv_cache=None, cache_positions=None):
         h = self.self_attn(self.input_layernorm(h), cos, sin, mask, kv_cache, cache_positions, residual=h)

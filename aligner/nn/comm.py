@@ -175,6 +175,35 @@ class _SplitToSP(torch.autograd.Function):
         return _all_gather(g, ctx.group, SEQ_DIM), None
 
 
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits):
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        record("all_to_all", x.numel())
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        gi = g.new_empty((sum(ctx.in_splits), *g.shape[1:]))
+        record("all_to_all", g.numel())
+        dist.all_to_all_single(gi, g.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        return gi, None, None, None
+
+
+def all_to_all(x: torch.Tensor, group: Optional[dist.ProcessGroup], out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    """Variable-size all-to-all along dim 0 (expert-parallel token dispatch and combine).
+
+    x: [sum(in_splits), ...]: rows in_splits[j] go to rank j of `group`. Returns
+    [sum(out_splits), ...] with out_splits[j] rows from rank j, in rank order. Backward is the
+    reverse all-to-all of the gradient. Identity when `group` has one rank.
+    """
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, group, list(out_splits), list(in_splits))
+
+
 def copy_to_tp(x: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Megatron's f: identity forward, all-reduce of the gradient over `group` backward."""
     return x if group_size(group) == 1 else _CopyToTP.apply(x, group)

@@ -56,8 +56,51 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers.values())
 
 
+# ---- expert parallelism ------------------------------------------------------------------
+def ep_experts(model: nn.Module) -> list[nn.Module]:
+    """The expert modules of `model` split over an expert-parallel group of more than one rank.
+
+    Their parameters differ between the ranks of the ep group and are shared only with the
+    expert-data-parallel group: data parallelism leaves them out of its dp-wide reduction and
+    :func:`reduce_expert_grads` (or FSDP2 on the edp mesh) treats them instead."""
+    from aligner.model.moe import GroupedExperts
+
+    return [m for m in model.modules() if isinstance(m, GroupedExperts) and comm.group_size(m.ep_group) > 1]
+
+
+def expert_param_ids(model: nn.Module) -> set[int]:
+    """ids of the parameters of :func:`ep_experts`."""
+    return {id(p) for m in ep_experts(model) for p in m.parameters()}
+
+
+def reduce_expert_grads(model: nn.Module, edp_group, dp_size: int, averaged_over: int = 1) -> None:
+    """Expert-parallel gradients to the dp mean: the all-to-all backward already summed the
+    contributions of the ep group's tokens into each expert's holder; sum over the expert-data-
+    parallel group (the other holders of the same experts) and divide by dp_size, which is the
+    gradient of the dp-mean loss (Megatron-LM's expert grads reduced over its expert-dp group).
+    averaged_over > 1: FSDP2 already averaged them over that many edp ranks (its reduce-scatter);
+    only the factor averaged_over / dp_size = 1 / ep_size is applied."""
+    params = [p for m in ep_experts(model) for p in m.parameters()]
+    for p in params:  # an expert no token reached has no grad: zeros, so every edp rank reduces the same sizes
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [_local_grad(p) for p in params]
+    if not grads:
+        return
+    if averaged_over > 1:
+        torch._foreach_mul_(grads, averaged_over / dp_size)
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce_no_grad(flat, edp_group)
+    flat /= dp_size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 # ---- FSDP2 -------------------------------------------------------------------------------
-def apply_fsdp2(model: nn.Module, dp_mesh, mixed_precision: str = "fp32", reshard_after_forward: bool = True) -> nn.Module:
+def apply_fsdp2(model: nn.Module, dp_mesh, mixed_precision: str = "fp32", reshard_after_forward: bool = True, edp_mesh=None) -> nn.Module:
     """Shard `model` over the 1-D `dp_mesh` with FSDP2 (in place; returns the same object).
 
     Args:
@@ -66,6 +109,12 @@ def apply_fsdp2(model: nn.Module, dp_mesh, mixed_precision: str = "fp32", reshar
         mixed_precision: "fp32" | "bf16" (bf16 unsharded params for compute, fp32 reduce-scatter).
         reshard_after_forward: free the unsharded layer after forward (ZeRO-3 style); False keeps
             it until backward (ZeRO-2 style, more memory, one all-gather less).
+        edp_mesh: with expert parallelism, the 1-D expert-data-parallel mesh (``dims.expert_mesh["edp"]``,
+            None when edp has one rank). Experts are sharded on it with their own ``fully_shard``
+            (torchtitan's layout), whose reduce-scatter averages over edp; the runtime then scales
+            them by 1 / ep_size (:func:`reduce_expert_grads`: a divide factor of dp_size would need
+            NCCL's PREMUL_SUM, which gloo lacks). With one edp rank they stay plain tensors, left
+            out of FSDP (``ignored_params``), and the runtime divides their grads by dp_size.
     Raises:
         ValueError: unknown mixed_precision, or dp_mesh is not 1-D.
     """
@@ -79,9 +128,15 @@ def apply_fsdp2(model: nn.Module, dp_mesh, mixed_precision: str = "fp32", reshar
         if mixed_precision == "bf16"
         else MixedPrecisionPolicy()
     )
+    experts = ep_experts(model)
+    ignored = None
+    if experts and edp_mesh is None:
+        ignored = {p for m in experts for p in m.parameters()}
+    for m in experts if edp_mesh is not None else ():
+        fully_shard(m, mesh=edp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
     return model
 
 
@@ -96,6 +151,10 @@ def apply_ddp(model: nn.Module, dp_group: Optional[dist.ProcessGroup]) -> nn.Mod
         return model
     from torch.nn.parallel import DistributedDataParallel
 
+    ids = expert_param_ids(model)
+    if ids:  # expert-parallel experts: reduced over their edp group by reduce_expert_grads
+        names = [n for n, p in model.named_parameters() if id(p) in ids]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
     return DistributedDataParallel(model, process_group=dp_group)
 
 
@@ -231,6 +290,7 @@ def clip_grad_norm_(
     dp_group=None,
     grads_sharded_over_dp: bool = False,
     exclude: Optional[set[int]] = None,
+    ep_group=None,
 ) -> float:
     """Global-norm gradient clipping over tp, pp and dp; returns the norm before clipping.
 
@@ -239,11 +299,19 @@ def clip_grad_norm_(
     dp-sharded (FSDP2; DDP gradients are already identical on every dp rank). Grads are then
     scaled by ``min(1, max_norm / (norm + 1e-6))``. max_norm <= 0 only measures the norm.
     exclude: ids of parameters left out of the norm but still clipped (a tied embedding's
-    second copy on the last pp stage). Must be called on every rank of the role (all-reduces).
+    second copy on the last pp stage). ep_group: with expert parallelism and dp-replicated grads
+    (DDP), the ep ranks hold different experts, so the experts' squares are also summed over it.
+    Must be called on every rank of the role (all-reduces).
     """
-    sq = grad_norm_sq_local(model, tp_group, exclude)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    experts = expert_param_ids(model) if not grads_sharded_over_dp and comm.group_size(ep_group) > 1 else set()
+    sq = grad_norm_sq_local(model, tp_group, (exclude or set()) | experts)
     sq = sq.to(device=device, dtype=torch.float64 if device.type == "cpu" else torch.float32)
+    if experts:
+        everything_else = {id(p) for p in model.parameters()} - experts
+        sq_exp = grad_norm_sq_local(model, tp_group, everything_else).to(device=device, dtype=sq.dtype)
+        comm.all_reduce_no_grad(sq_exp, ep_group)
+        sq = sq + sq_exp
     for group in (tp_group, pp_group, dp_group if grads_sharded_over_dp else None):
         comm.all_reduce_no_grad(sq, group)
     norm = math.sqrt(float(sq))

@@ -5,7 +5,10 @@ aligner (STYLE 2), process-group initialization (gloo on CPU, NCCL on GPU), and 
 mapping from a global rank to (dp_rank, pp_rank, tp_rank).
 
 Rank order follows Megatron: tp varies fastest, then pp, then dp, so a tp group is
-contiguous ranks (one node's GPUs) and the mesh is ``(dp, pp, tp)``.
+contiguous ranks (one node's GPUs) and the mesh is ``(dp, pp, tp)``. Expert parallelism (MoE)
+splits the dp axis into (edp, ep): the ep group is ep_size consecutive dp ranks, which hold
+disjoint experts and exchange tokens by all-to-all; the edp group holds the same experts and
+averages their gradients (Megatron-LM's expert-data-parallel group).
 """
 
 from __future__ import annotations
@@ -73,12 +76,16 @@ class ParallelDims:
     tp_size: int = 1
     pp_size: int = 1
     dp_size: int = 1
+    ep_size: int = 1  # expert parallelism inside dp: dp rank = edp_rank * ep_size + ep_rank
     world_size: int = 1
     rank: int = 0
     tp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
     pp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
     dp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
+    ep_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)  # ep_size consecutive dp ranks (same pp, tp)
+    edp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)  # dp ranks holding the same experts
     mesh: object = field(default=None, repr=False)  # torch DeviceMesh ("dp", "pp", "tp")
+    expert_mesh: object = field(default=None, repr=False)  # DeviceMesh ("edp", "ep", "pp", "tp") when ep_size > 1
     device_type: Optional[str] = None  # "cpu" or "cuda" to pin a single-process role; None: see `device`
 
     def __post_init__(self) -> None:
@@ -87,6 +94,8 @@ class ParallelDims:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.device_type not in (None, "cpu", "cuda"):
             raise ValueError(f"device_type={self.device_type!r} is invalid: use 'cpu', 'cuda' or None (automatic)")
+        if self.ep_size < 1 or self.dp_size % self.ep_size:
+            raise ValueError(f"ep_size={self.ep_size} must divide dp_size={self.dp_size}")
         if self.tp_size * self.pp_size * self.dp_size != self.world_size:
             raise ValueError(
                 f"tp_size={self.tp_size} x pp_size={self.pp_size} x dp_size={self.dp_size} = "
@@ -106,6 +115,16 @@ class ParallelDims:
     @property
     def dp_rank(self) -> int:
         return self.rank // (self.tp_size * self.pp_size)
+
+    @property
+    def ep_rank(self) -> int:
+        """Position in this rank's expert-parallel group (which slice of the experts it holds)."""
+        return self.dp_rank % self.ep_size
+
+    @property
+    def edp_rank(self) -> int:
+        """Position among the dp ranks holding the same experts (expert-data-parallel)."""
+        return self.dp_rank // self.ep_size
 
     @property
     def is_first_stage(self) -> bool:
@@ -148,10 +167,19 @@ class ParallelDims:
         self.tp_group = self.mesh.get_group("tp") if self.tp_size > 1 else None
         self.pp_group = self.mesh.get_group("pp") if self.pp_size > 1 else None
         self.dp_group = self.mesh.get_group("dp") if self.dp_size > 1 else None
+        if self.ep_size > 1:
+            edp = self.dp_size // self.ep_size
+            self.expert_mesh = init_device_mesh(
+                device, (edp, self.ep_size, self.pp_size, self.tp_size), mesh_dim_names=("edp", "ep", "pp", "tp")
+            )
+            self.ep_group = self.expert_mesh.get_group("ep")
+            self.edp_group = self.expert_mesh.get_group("edp") if edp > 1 else None
         return self
 
     @classmethod
-    def from_env(cls, tp_size: int = 1, pp_size: int = 1, dp_size: Optional[int] = None, backend: Optional[str] = None) -> ParallelDims:
+    def from_env(
+        cls, tp_size: int = 1, pp_size: int = 1, dp_size: Optional[int] = None, backend: Optional[str] = None, ep_size: int = 1
+    ) -> ParallelDims:
         """Initialize the default group from the environment and build the groups.
 
         dp_size None: world_size // (tp_size * pp_size).
@@ -159,5 +187,5 @@ class ParallelDims:
         env = init_process_group(backend=backend) if int(os.environ.get("WORLD_SIZE", 1)) > 1 else DistEnv.from_environ()
         if dp_size is None:
             dp_size = max(1, env.world_size // (tp_size * pp_size))
-        dims = cls(tp_size=tp_size, pp_size=pp_size, dp_size=dp_size, world_size=env.world_size, rank=env.rank)
+        dims = cls(tp_size=tp_size, pp_size=pp_size, dp_size=dp_size, ep_size=ep_size, world_size=env.world_size, rank=env.rank)
         return dims.build()

@@ -8,6 +8,7 @@ TP x PP x DP layout, the way torchtitan's ``parallelize_llama`` does:
                         norm / head only on the first / last stage (:func:`prune_to_stage`)
     2. TP / SP          shard every building-block layer over dims.tp_group
                         (:func:`aligner.parallel.tensor_parallel.apply_tensor_parallel`)
+    2b. EP              MoE experts split over dims.ep_group (:func:`apply_expert_parallel`)
     3. weights          a model built on the meta device is materialized on `device` and
                         loaded from a full state dict (:func:`aligner.parallel.sharding.load_full_state_dict`);
                         otherwise the sharded model moves to `device`
@@ -206,6 +207,7 @@ def build_parallel_model(
         tp_size=dims.tp_size,
         pp_size=dims.pp_size,
         dp_size=dims.dp_size,
+        ep_size=dims.ep_size,
         pp_layer_split=list(layer_split) if layer_split else None,
         sequence_parallel=sequence_parallel,
         recompute=recompute,
@@ -214,12 +216,27 @@ def build_parallel_model(
     return parallelize(model, dims, layout, full_state_dict=full_state_dict, device=device, data_parallel=False)
 
 
+def apply_expert_parallel(model: nn.Module, ep_group) -> nn.Module:
+    """Step 2b: keep this rank's num_experts / ep_size experts of every MoE layer (expert
+    parallelism over `ep_group`, dp ranks; tokens travel by all-to-all, aligner.model.moe). No-op
+    without an ep group or MoE layers."""
+    from aligner.model.moe import GroupedExperts
+
+    if ep_group is None:
+        return model
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m.shard_ep_(ep_group)
+    return model
+
+
 def apply_data_parallel(model: nn.Module, dims: ParallelDims, parallel_cfg: ParallelConfig) -> nn.Module:
     """Step 6: FSDP2 (dp_backend fsdp2, dp_size > 1: in place, returns `model`) or DDP (dp_backend ddp,
     pp_size 1: returns the DDP wrapper); otherwise `model` unchanged (DDP with pp > 1 averages
     gradients in the runtime's finalize step, DeepSpeed is wrapped with its optimizer)."""
     if parallel_cfg.dp_backend == "fsdp2" and dims.dp_size > 1:
-        dpmod.apply_fsdp2(model, dims.mesh["dp"], parallel_cfg.mixed_precision)
+        edp_mesh = dims.expert_mesh["edp"] if dims.ep_size > 1 and dims.dp_size > dims.ep_size else None
+        dpmod.apply_fsdp2(model, dims.mesh["dp"], parallel_cfg.mixed_precision, edp_mesh=edp_mesh)
         return model
     if parallel_cfg.dp_backend == "ddp" and dims.pp_size == 1:
         return dpmod.apply_ddp(model, dims.dp_group)
@@ -255,6 +272,7 @@ def parallelize(
     ids = stage_layer_ids(model.cfg.num_layers, dims.pp_size, dims.pp_rank, parallel_cfg.pp_layer_split)
     prune_to_stage(model, ids, dims.is_first_stage, dims.is_last_stage)
     apply_tensor_parallel(model, dims.tp_group, parallel_cfg.sequence_parallel)
+    apply_expert_parallel(model, dims.ep_group)
     if full_state_dict is not None:
         model.to_empty(device=device)
         model.model.inv_freq = rope_inv_freq(model.cfg).to(device)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from aligner.model.llama import default_position_ids
+from aligner.model.moe import set_aux_loss_scale
 from aligner.nn import comm
 from aligner.parallel.tensor_parallel import seq_shards, sync_tp_grads
 
@@ -145,6 +146,7 @@ def pipeline_train_step(
     if m == 0:
         raise ValueError("pipeline_train_step: got no micro-batches")
     scale = 1.0 / m if loss_reduction == "mean" else 1.0
+    set_aux_loss_scale(model, 1.0 / m)
     p2p = _P2P(dims)
     losses: list[torch.Tensor] = []
 

@@ -823,6 +823,12 @@ def _gather_vocab(local: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def _dense_mlp(layer: nn.Module) -> tuple:
+    """(gate_proj, up_proj, down_proj) of a dense SwiGLU layer; () for an MoE layer."""
+    m = layer.mlp
+    return (m.gate_proj, m.up_proj, m.down_proj) if hasattr(m, "gate_proj") else ()
+
+
 def _fusable(model: nn.Module) -> bool:
     """True when every decoder layer is aligner's own (q/k/v, o, gate/up, down as Column/Row
     ParallelLinear, RMSNorm norms) without sequence parallelism: the layers :func:`_pack_weights` can pack."""
@@ -853,7 +859,7 @@ def cached_cpu_layout(model: nn.Module, batch: int, fusable: bool, path: Path = 
     from aligner.runtime.host import cpu_signature
 
     layer = next(iter(model.model.layers.values()))
-    shapes = [tuple(l.weight.shape) for l in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.gate_proj, layer.mlp.down_proj)]
+    shapes = [tuple(l.weight.shape) for l in (layer.self_attn.q_proj, layer.self_attn.k_proj, *_dense_mlp(layer)[::2])]
     head = None if model.lm_head is None else tuple(model.lm_head.weight.shape)
     dtype = str(next(model.parameters()).dtype)
     key = f"{cpu_signature()} | torch {torch.__version__} | {dtype} | batch {batch} | fusable {fusable} | {len(model.model.layers)} x {shapes} | head {head}"
@@ -899,8 +905,10 @@ def choose_cpu_layout(model: nn.Module, batch: int, fusable: bool, rounds: int =
     def gemms(transposed: bool, fused: bool) -> list[torch.Tensor]:
         out = []
         for layer in sample:
-            a, m = layer.self_attn, layer.mlp
-            for group in ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,)):
+            a, mlp = layer.self_attn, _dense_mlp(layer)
+            for group in ((a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), mlp[:2], mlp[2:]):
+                if not group:  # an MoE layer: its experts are not nn.Linear weights and keep their layout
+                    continue
                 ws = [l.weight.detach() for l in group]
                 for w in [torch.cat(ws)] if fused and len(ws) > 1 else ws:
                     out.append(w.t().contiguous().t() if transposed else w.contiguous())

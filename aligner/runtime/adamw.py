@@ -233,5 +233,9 @@ def build_adamw(params: list[torch.Tensor], optim: OptimConfig) -> torch.optim.O
     """
     kw = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay}
     if optim.state_dtype == "float32":
+        dt = [p for p in params if hasattr(p, "to_local")]
+        if dt and len(dt) < len(params):  # FSDP2 DTensors beside plain tensors (experts kept out of FSDP2):
+            plain = [p for p in params if not hasattr(p, "to_local")]  # one param group each, the fused kernel takes one kind
+            return torch.optim.AdamW([{"params": dt}, {"params": plain}], **kw, fused=_fused_ok(params))
         return torch.optim.AdamW(params, **kw, fused=_fused_ok(params))
     return MixedPrecisionAdamW(params, **kw, state_dtype=STATE_DTYPES[optim.state_dtype])

@@ -131,14 +131,47 @@ def _dp_rows(n: int, dp_size: int, dp_rank: int) -> slice:
     return slice(start, min(n, start + per))
 
 
+def _expert_mesh(dims):
+    """DeviceMesh ("tp", "ep", "edp") of this rank's pipeline stage (expert parallelism: dp rank =
+    edp_rank * ep_size + ep_rank). Built once per layout (collective)."""
+    key = ("ep", dims.tp_size, dims.pp_size, dims.dp_size, dims.ep_size, dims.world_size)
+    if key not in _MESHES:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ep, edp = dims.ep_size, dims.dp_size // dims.ep_size
+        ranks = torch.tensor(
+            [
+                [[[dims.rank_of(d * ep + e, p, t) for d in range(edp)] for e in range(ep)] for t in range(dims.tp_size)]
+                for p in range(dims.pp_size)
+            ]
+        )
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        root = DeviceMesh(device, ranks, mesh_dim_names=("pp", "tp", "ep", "edp"))
+        _MESHES[key] = root["tp", "ep", "edp"]
+    return _MESHES[key]
+
+
+def _is_ep(owner: nn.Module) -> bool:
+    from aligner.model.moe import GroupedExperts
+
+    return isinstance(owner, GroupedExperts) and comm.group_size(owner.ep_group) > 1
+
+
 class _Layout:
-    """How one runtime's tensors map to global tensors (built per save/load)."""
+    """How one runtime's tensors map to global tensors (built per save/load).
+
+    Expert-parallel experts ([E/ep, ...] per rank, the ep group holding disjoint experts) live on
+    a ("tp", "ep", "edp") mesh: ``Shard(tp dim)``, ``Shard(0)`` over ep, and over edp ``Shard(0)``
+    when FSDP2 shards them there (nested inside the ep chunk, as DTensor nests) else ``Replicate()``.
+    """
 
     def __init__(self, runtime):
         self.runtime = runtime
         self.dims = runtime.dims
         self.fsdp = runtime.fsdp
         self.mesh = _stage_mesh(self.dims) if _distributed() else None
+        self.expert_mesh = _expert_mesh(self.dims) if _distributed() and self.dims.ep_size > 1 else None
+        self.experts_fsdp = self.fsdp and self.dims.dp_size > self.dims.ep_size
 
     def placements(self, dim: Optional[int]):
         from torch.distributed.tensor import Replicate, Shard
@@ -153,12 +186,18 @@ class _Layout:
             shape[dim] *= self.dims.tp_size
         return torch.Size(shape)
 
-    def wrap(self, local: torch.Tensor, p: torch.Tensor, dim: Optional[int]):
+    def wrap(self, local: torch.Tensor, p: torch.Tensor, dim: Optional[int], owner: Optional[nn.Module] = None):
         """DTensor view of this rank's `local` piece of parameter-shaped tensor (p's layout)."""
         if self.mesh is None:
             return local
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor, Replicate, Shard
 
+        if owner is not None and self.expert_mesh is not None and _is_ep(owner):
+            shape = self.global_shape(p, dim)
+            shape = torch.Size([shape[0] * self.dims.ep_size, *shape[1:]])
+            stride = torch.empty(shape, device="meta").stride()
+            placements = [Shard(dim) if dim is not None else Replicate(), Shard(0), Shard(0) if self.experts_fsdp else Replicate()]
+            return DTensor.from_local(local, self.expert_mesh, placements, run_check=False, shape=shape, stride=stride)
         shape = self.global_shape(p, dim)
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(local, self.mesh, self.placements(dim), run_check=False, shape=shape, stride=stride)
@@ -182,7 +221,7 @@ class _Layout:
         dim, row_index = _tp_spec(owner, pname)
         if row_index is not None and comm.group_size(self.dims.tp_group) > 1:
             return self.full_replicated(t, owner, pname)
-        return self.wrap(_local(t).detach(), p, dim)
+        return self.wrap(_local(t).detach(), p, dim, owner)
 
     def empty_global(self, p: torch.Tensor, owner: nn.Module, pname: str, dtype: torch.dtype = torch.float32):
         """A load buffer for parameter-shaped state of `dtype`: (buffer for dcp, function -> local tensor)."""
@@ -192,7 +231,7 @@ class _Layout:
             full = torch.empty((owner.out_features, *p.shape[1:]), dtype=dtype, device=local.device)
             return full, lambda: self._fsdp_slice(owner.full_to_local(pname, full))
         buf = torch.empty(local.shape, dtype=dtype, device=local.device)
-        return self.wrap(buf, p, dim), lambda: buf
+        return self.wrap(buf, p, dim, owner), lambda: buf
 
     def _fsdp_slice(self, tp_local: torch.Tensor) -> torch.Tensor:
         if not self.fsdp:

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from aligner.model.moe import global_moe_metrics
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.pipeline import model_kwargs, pipeline_forward
 
@@ -103,14 +104,17 @@ class ModelRunner:
         """zero_grad, forward + backward over all micro-batches, one optimizer step.
 
         loss_fn(output, mb) -> scalar: the micro-batch's share of the global loss (see module docstring).
-        Returns {"loss": sum of loss_fn values over micro-batches (this rank), "grad_norm", "lr"}.
+        Returns {"loss": sum of loss_fn values over micro-batches (this rank), "grad_norm", "lr"}, and for
+        an MoE model the router statistics of the last micro-batch (``moe_aux_loss``, ``moe_z_loss``,
+        ``moe_max_load``: layer means; ``moe_dropped``: assignments dropped by the capacity, summed over
+        layers; aligner.model.moe.global_moe_metrics).
         """
         self.runtime.train(True)
         self.runtime.zero_grad()
         mbs = self._prepare(batch, micro_batch_size)
         total = float(self.runtime.forward_backward(mbs, loss_fn, loss_reduction="sum").sum())
         stats = self.runtime.step()
-        return {"loss": total, **stats}
+        return {"loss": total, **stats, **global_moe_metrics(self.runtime.module, self.dims)}
 
 
 def dp_sum(value: float | torch.Tensor, dims: ParallelDims) -> float:

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from aligner.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
 from aligner.model.llama import build_model
+from aligner.model.moe import set_aux_loss_scale
 from aligner.nn import comm
 from aligner.parallel import data_parallel as dpmod
 from aligner.parallel.dims import ParallelDims
@@ -71,7 +72,7 @@ def adamw_kwargs(optim: OptimConfig) -> dict:
 
 
 def _check_dims(parallel: ParallelConfig, dims: ParallelDims) -> None:
-    for name in ("tp_size", "pp_size", "dp_size"):
+    for name in ("tp_size", "pp_size", "dp_size", "ep_size"):
         if getattr(parallel, name) != getattr(dims, name):
             raise ValueError(
                 f"parallel.{name}={getattr(parallel, name)} but ParallelDims.{name}={getattr(dims, name)}: "
@@ -101,12 +102,13 @@ def _sync_tied_grads(model: nn.Module, dims) -> None:
     g.add_(other)
 
 
-def _all_reduce_mean_grads(model: nn.Module, dp_group) -> None:
-    """Average every gradient over `dp_group` (DDP semantics), one flat all-reduce per dtype."""
+def _all_reduce_mean_grads(model: nn.Module, dp_group, skip: Optional[set[int]] = None) -> None:
+    """Average every gradient over `dp_group` (DDP semantics), one flat all-reduce per dtype.
+    skip: ids of parameters left alone (expert-parallel experts)."""
     n = comm.group_size(dp_group)
     if n == 1:
         return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in (skip or ())]
     for dtype in {g.dtype for g in grads}:
         same = [g for g in grads if g.dtype == dtype]
         flat = torch.cat([g.reshape(-1) for g in same])
@@ -236,6 +238,7 @@ class TrainRuntime:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}: valid choices are mean, sum")
         scale = 1.0 / len(microbatches) if loss_reduction == "mean" else 1.0
+        set_aux_loss_scale(self.model, 1.0 / len(microbatches))
         losses = []
         for mb in microbatches:
             loss = loss_fn(self.forward(mb["input_ids"], **model_kwargs(mb)), mb)
@@ -256,7 +259,10 @@ class TrainRuntime:
         if d.pp_size > 1:
             _sync_tied_grads(self.module, d)
             if self.backend == "ddp":
-                _all_reduce_mean_grads(self.module, d.dp_group)
+                _all_reduce_mean_grads(self.module, d.dp_group, skip=dpmod.expert_param_ids(self.module))
+        if d.ep_size > 1:  # expert grads to the dp mean (FSDP2 on the edp mesh has averaged them over edp)
+            edp_fsdp = self.fsdp and d.edp_group is not None
+            dpmod.reduce_expert_grads(self.module, d.edp_group, d.dp_size, averaged_over=d.dp_size // d.ep_size if edp_fsdp else 1)
 
     def clip_grads(self) -> float:
         """Finish the gradients (:meth:`finalize_grads`) and clip to optim.grad_clip by the
@@ -267,7 +273,14 @@ class TrainRuntime:
         if self.model_cfg.tie_word_embeddings and d.pp_size > 1 and d.is_last_stage and getattr(self.module, "lm_head", None) is not None:
             exclude = {id(self.module.lm_head.weight)}  # counted on the first stage
         return dpmod.clip_grad_norm_(
-            self.module, self.optim_cfg.grad_clip, d.tp_group, d.pp_group, d.dp_group, grads_sharded_over_dp=self.fsdp, exclude=exclude
+            self.module,
+            self.optim_cfg.grad_clip,
+            d.tp_group,
+            d.pp_group,
+            d.dp_group,
+            grads_sharded_over_dp=self.fsdp,
+            exclude=exclude,
+            ep_group=d.ep_group,
         )
 
     def step(self) -> dict[str, float]:

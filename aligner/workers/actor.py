@@ -213,7 +213,7 @@ class ActorWorker(PolicyWorker):
         if trtllm:
             self.engine.onload()
         eng = self.policy.runtime
-        sharded = eng.fsdp or eng.backend == "deepspeed"
+        sharded = eng.fsdp or eng.backend == "deepspeed" or self.dims.ep_size > 1
         # LoRA: merged weights; after the first refit only the adapted linears change (the base is frozen).
         # Not for TensorRT-LLM, whose sleep may return weight memory without its contents (full refits there)
         adapted_only = eng.lora is not None and self._refitted and not trtllm
@@ -227,7 +227,7 @@ class ActorWorker(PolicyWorker):
                 adapted_only=adapted_only,
             )
             nbytes = stats.bytes
-        else:  # FSDP2 / DeepSpeed: full tensors on every rank, sent in the same buckets
+        else:  # FSDP2 / DeepSpeed / expert parallel: full tensors on every rank, sent in the same buckets
             sd = self.policy.full_state_dict()
             if eng.lora is not None:
                 sd = merged_state_dict(sd, eng.lora.alpha / eng.lora.rank, only_adapted=adapted_only)

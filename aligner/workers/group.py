@@ -85,7 +85,7 @@ class WorkerShell:
             return ip, s.getsockname()[1]
 
     def setup(
-        self, env: dict[str, str], sizes: tuple[int, int, int], backend: str, num_threads: int, worker_cls: type, packed: tuple[tuple, dict]
+        self, env: dict[str, str], sizes: tuple[int, ...], backend: str, num_threads: int, worker_cls: type, packed: tuple[tuple, dict]
     ) -> None:
         """Set the env, torch threads and process groups, then build the worker.
 
@@ -101,8 +101,8 @@ class WorkerShell:
                 os.environ["OMP_NUM_THREADS"] = str(num_threads)
                 torch.set_num_threads(num_threads)
                 self.num_threads = num_threads
-            tp, pp, dp = sizes
-            self.dims = ParallelDims.from_env(tp_size=tp, pp_size=pp, dp_size=dp, backend=backend)
+            tp, pp, dp, ep = sizes
+            self.dims = ParallelDims.from_env(tp_size=tp, pp_size=pp, dp_size=dp, ep_size=ep, backend=backend)
             if "dims" in inspect.signature(worker_cls).parameters:
                 kwargs = {**kwargs, "dims": self.dims}
             self.worker = worker_cls(*args, **kwargs)
@@ -254,7 +254,11 @@ class WorkerGroup:
             )
         self.role, self.worker_cls, self.placement, self.poll_s = role, worker_cls, placement, poll_s
         self.dims = ParallelDims(
-            tp_size=parallel.tp_size, pp_size=parallel.pp_size, dp_size=parallel.dp_size, world_size=parallel.world_size
+            tp_size=parallel.tp_size,
+            pp_size=parallel.pp_size,
+            dp_size=parallel.dp_size,
+            ep_size=getattr(parallel, "ep_size", 1),
+            world_size=parallel.world_size,
         )
         self.world_size = parallel.world_size
         self.actors: list[Any] = []
@@ -328,7 +332,7 @@ class WorkerGroup:
         if one_node and "GLOO_SOCKET_IFNAME" not in env and "GLOO_SOCKET_IFNAME" not in os.environ:
             env["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
         init_ref = ray.put((args, kwargs))
-        sizes = (self.dims.tp_size, self.dims.pp_size, self.dims.dp_size)
+        sizes = (self.dims.tp_size, self.dims.pp_size, self.dims.dp_size, self.dims.ep_size)
         refs = {}
         for rank, actor in enumerate(self.actors):
             rank_env = {

@@ -1,0 +1,266 @@
+"""The sparse MoE layer (aligner.model.moe) against HF Mixtral, the Switch formula and itself under TP.
+
+- HF parity: a random tiny ``MixtralForCausalLM`` loads into our model with logits within 1e-5
+  (fp32), and our export loads back into transformers with the same logits.
+- Auxiliary losses: the Switch load-balancing loss equals the paper's formula written as loops, and
+  HF's ``load_balancing_loss_func`` (which counts over N tokens, not N*k assignments) divided by
+  k; the gradient the block's hidden _AuxLoss adds equals autograd of lm_loss + coef * (aux + z).
+- Routing: Sinkhorn top-1 balances a skewed router better than plain top-1; capacity drops exactly
+  the assignments beyond ceil(c * N * k / E) per expert (checked against a loop reference).
+- tp=2 and pp=2 (gloo) equal one process: logits, log-probs, loss, every gradient, params after 3 AdamW
+  steps, with and without sequence parallelism, both routers, recomputation, micro-batches,
+  the score model (tests.parallel.test_tensor_parallel.run_layout).
+- The engine decodes MoE layers: greedy tokens equal a no-cache argmax loop.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests._spawn import run_distributed
+
+TOL = 1e-5
+
+
+def moe_cfg(**kw):
+    from aligner.config import ModelConfig
+
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_seq_len=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=0.01,
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def hf_mixtral(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MixtralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+    )
+    torch.manual_seed(0)
+    hf = transformers.MixtralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.2)  # large enough that routing differs token to token
+    path = tmp_path_factory.mktemp("mixtral")
+    hf.save_pretrained(path)
+    return hf, path
+
+
+def test_hf_mixtral_import_and_export_match_logits(hf_mixtral, tmp_path):
+    import transformers
+
+    from aligner.model.hf import load_hf_model, read_hf_config, save_hf
+
+    hf, path = hf_mixtral
+    model, cfg = load_hf_model(path)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_router) == (4, 2, "topk_softmax")
+    model.eval()
+    x = torch.randint(0, 64, (3, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(x).logits
+        got = model(x)
+    assert float((got - ref).abs().max()) < TOL
+    # routing really varies: more than one expert pair chosen in layer 0
+    assert len({tuple(r) for r in model.model.layers["0"].mlp.last_experts.sort(-1).values.tolist()}) > 1
+
+    save_hf(model.state_dict(), cfg, tmp_path / "out")
+    assert read_hf_config(tmp_path / "out")["architectures"] == ["MixtralForCausalLM"]
+    back = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert float((back(x).logits - got).abs().max()) < TOL
+
+
+def _switch_reference(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> float:
+    """Fedus et al. 2021 eq. 4-6 as loops: E * sum_i f_i P_i, f_i over the N*k assignments."""
+    n, k = experts.shape
+    total = 0.0
+    for i in range(num_experts):
+        f = sum(1 for t in range(n) for j in range(k) if int(experts[t, j]) == i) / (n * k)
+        p = sum(float(probs[t, i]) for t in range(n)) / n
+        total += f * p
+    return num_experts * total
+
+
+def test_switch_loss_matches_paper_and_hf():
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from aligner.model.moe import route, switch_load_balancing_loss
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(40, 8, generator=g) * 2
+    for k in (1, 2):
+        _, experts, probs = route(logits, k, "topk_softmax", training=True)
+        ours = float(switch_load_balancing_loss(probs, experts, 8))
+        assert abs(ours - _switch_reference(probs, experts, 8)) < 1e-6
+        assert abs(ours * k - float(load_balancing_loss_func((logits,), 8, k))) < 1e-5
+    # perfectly balanced routing gives 1.0
+    probs = torch.full((8, 4), 0.25)
+    assert abs(float(switch_load_balancing_loss(probs, torch.arange(8).remainder(4).unsqueeze(1), 4)) - 1.0) < 1e-7
+
+
+def test_aux_loss_gradient_is_added_in_backward():
+    """The block returns only the hidden states; backward adds coef * d(aux)/d(.), scaled by 1/micro-batches."""
+    from aligner.model.llama import build_model
+    from aligner.model.moe import moe_layers, route, router_z_loss, set_aux_loss_scale, switch_load_balancing_loss
+
+    cfg = moe_cfg(router_aux_loss_coef=0.3, router_z_loss_coef=0.05)
+    x = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2))
+    model = build_model(cfg, seed=5)
+    set_aux_loss_scale(model, 0.5)
+    model(x).float().logsumexp(-1).mean().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref = build_model(cfg, seed=5)
+    for m in moe_layers(ref):  # recompute the auxiliary terms explicitly from the router inputs
+        m.aux_coef = m.z_coef = 0.0
+    inputs = []
+    hooks = [m.gate.register_forward_hook(lambda mod, inp, out: inputs.append(out)) for m in moe_layers(ref)]
+    lm = ref(x).float().logsumexp(-1).mean()
+    aux = 0.0
+    for logits in inputs:
+        _, experts, probs = route(logits, cfg.num_experts_per_tok, "topk_softmax", training=True)
+        aux = aux + 0.5 * (0.3 * switch_load_balancing_loss(probs, experts, cfg.num_experts) + 0.05 * router_z_loss(logits))
+    (lm + aux).backward()
+    for h in hooks:
+        h.remove()
+    err = max(float((got[n] - p.grad).abs().max()) for n, p in ref.named_parameters())
+    assert err < 1e-6
+    assert float(got["model.layers.0.mlp.gate.weight"].abs().max()) > 0
+
+
+def test_sinkhorn_balances_and_eval_routes_by_activation():
+    from aligner.model.moe import route, sinkhorn
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(256, 4, generator=g) + torch.tensor([3.0, 0.0, 0.0, -1.0])  # skewed towards expert 0
+    balanced = sinkhorn(logits)
+    assert torch.allclose(balanced.sum(0), torch.full((4,), 1 / 4), atol=1e-3)
+    _, e_sk, _ = route(logits, 1, "sinkhorn", training=True)
+    _, e_soft, _ = route(logits, 1, "topk_softmax", training=True)
+    load = lambda e: torch.bincount(e.reshape(-1), minlength=4).max().item() / 256
+    assert load(e_sk) < 0.35 < load(e_soft)
+    w_eval, e_eval, _ = route(logits, 1, "sinkhorn", training=False)
+    assert torch.equal(e_eval.squeeze(1), logits.argmax(-1))
+    assert torch.allclose(w_eval.squeeze(1), torch.sigmoid(logits.max(-1).values))
+
+
+def test_capacity_drops_assignments_beyond_capacity():
+    from aligner.model.llama import build_model
+    from aligner.model.moe import route
+
+    cfg = moe_cfg(num_layers=1, moe_capacity_factor=0.5)
+    moe = build_model(cfg, seed=1).model.layers["0"].mlp.train()  # capacity applies in training only
+    x = torch.randn(1, 24, 32, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        out = moe(x)
+        weights, experts, _ = route(moe.gate(x.reshape(-1, 32)), 2, "topk_softmax", training=True)
+        cap = math.ceil(0.5 * 24 * 2 / 4)
+        ref = torch.zeros(24, 32)
+        taken = [0] * 4
+        dropped = 0
+        for e in range(4):  # assignments in token order within each expert
+            for t in range(24):
+                for j in range(2):
+                    if int(experts[t, j]) != e:
+                        continue
+                    if taken[e] >= cap:
+                        dropped += 1
+                        continue
+                    taken[e] += 1
+                    ref[t] += weights[t, j] * moe.experts.expert(e, x[0, t : t + 1])[0]
+    assert dropped > 0 and int(moe.stats["dropped"]) == dropped
+    assert float((out.reshape(24, 32) - ref).abs().max()) < 1e-6
+    with torch.no_grad():  # eval (the engine) is dropless
+        moe.eval()(x)
+    assert int(moe.stats["dropped"]) == 0
+
+
+def test_engine_greedy_equals_no_cache_reference():
+    from aligner.config import SamplingConfig
+    from aligner.model.llama import build_model
+    from aligner.rollout.torch_engine import TorchEngine
+    from tests.rollout.test_torch_engine import greedy_reference
+
+    model = build_model(moe_cfg(init_std=0.1), seed=3).eval()
+    prompts = [[1, 5, 9, 2], [7, 3], [4, 4, 4, 8, 10, 11]]
+    gens = TorchEngine(model).generate(prompts, SamplingConfig(temperature=0.0, max_new_tokens=8))
+    for prompt, g in zip(prompts, gens):
+        assert g.token_ids == greedy_reference(model, prompt, 8)
+
+
+MOE_LAYOUTS = {
+    # name: (model overrides, kind, run_layout keywords)
+    "topk softmax, no SP": (dict(), "lm", dict()),
+    "topk softmax, SP, z-loss, selective": (dict(router_z_loss_coef=0.01), "lm", dict(sp=True, recompute="selective")),
+    "sinkhorn top-1, no SP, full recompute": (dict(moe_router="sinkhorn", num_experts_per_tok=1), "lm", dict(recompute="full")),
+    # the auxiliary loss is per micro-batch (a mean of per-micro-batch losses, not the whole batch's): off here
+    "SP, 2 micro-batches, no aux": (dict(router_aux_loss_coef=0.0), "lm", dict(sp=True, num_microbatches=2)),
+    "score model, SP, capacity 1.0": (dict(moe_capacity_factor=1.0), "score", dict(sp=True)),
+    "pp=2, topk softmax, aux + z-loss": (dict(router_z_loss_coef=0.01), "lm", dict()),
+    "pp=2, 2 micro-batches, no aux": (dict(router_aux_loss_coef=0.0), "lm", dict(num_microbatches=2)),
+}
+
+
+def moe_tp_battery(rank: int, world_size: int) -> dict:
+    from tests.parallel.test_tensor_parallel import make_dims, run_layout
+
+    torch.manual_seed(0)
+    out = {}
+    for name, (over, kind, kw) in MOE_LAYOUTS.items():
+        dims = make_dims(tp=1, pp=2) if name.startswith("pp=2") else make_dims(tp=2, pp=1)
+        out[name] = run_layout(dims, moe_cfg(**over), kind, **kw)
+    return out
+
+
+@pytest.fixture(scope="module")
+def moe_tp_results():
+    return run_distributed(moe_tp_battery, world_size=2)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_moe_tp2_matches_single_process(moe_tp_results, layout):
+    for rank, res in enumerate(moe_tp_results):
+        bad = {k: v for k, v in res[layout].items() if not v < TOL}
+        assert not bad, f"rank {rank}, {layout}: errors above {TOL}: {bad}"
+
+
+def test_moe_config_errors():
+    from aligner.errors import ConfigError
+
+    for kw, needle in (
+        (dict(num_experts_per_tok=5), "model.num_experts_per_tok"),
+        (dict(moe_router="expert_choice"), "model.moe_router"),
+        (dict(moe_capacity_factor=0.0), "model.moe_capacity_factor"),
+        (dict(backend="te"), "model.backend"),
+    ):
+        with pytest.raises(ConfigError, match=needle):
+            moe_cfg(**kw).validate()
+    cfg = moe_cfg()
+    dense = moe_cfg(num_experts=0)
+    per_mlp = 3 * 32 * 48
+    assert cfg.num_parameters() - dense.num_parameters() == 2 * (3 * per_mlp + 4 * 32)
+    assert cfg.num_parameters(active=True) - dense.num_parameters() == 2 * (per_mlp + 4 * 32)
