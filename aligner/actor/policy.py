@@ -41,11 +41,13 @@ def pair_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     [B, T] (right padded), prompt_lens [B] (tokens the two sides share); optionally
     ref_chosen_logps, ref_rejected_logps [B].
     Returns input_ids [2B, T], prompt_lens [2B], response_mask [2B, R] float32 (R = longest
-    response, at least 1) and, when given, ref_logps [2B]. Raises KeyError without prompt_lens.
+    response, at least 1) and, when given, ref_logps [2B]. An empty prompt (an implicit-prompt pair
+    without a common prefix, no bos) counts as 1 token: the first token has no log-prob to score.
+    Raises KeyError without prompt_lens.
     """
     ids = torch.stack([batch["chosen_input_ids"], batch["rejected_input_ids"]], dim=1).flatten(0, 1)
     lens = torch.stack([batch["chosen_attention_mask"], batch["rejected_attention_mask"]], dim=1).flatten(0, 1).sum(1)
-    plens = batch["prompt_lens"].long().repeat_interleave(2)
+    plens = batch["prompt_lens"].long().clamp(min=1).repeat_interleave(2)  # a first token has no log-prob: prompt >= 1
     rlens = (lens - plens).clamp(min=0)
     r = max(1, int(rlens.max()))
     out = {"input_ids": ids, "prompt_lens": plens, "response_mask": (torch.arange(r).unsqueeze(0) < rlens.unsqueeze(1)).float()}

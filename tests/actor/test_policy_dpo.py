@@ -96,6 +96,9 @@ def test_pair_rows_interleaves_pairs_with_their_response_masks():
     assert rows["input_ids"].tolist() == [[1, 5, 6, 7, 0], [1, 5, 8, 0, 0], [1, 9, 9, 4, 0], [1, 9, 9, 3, 3]]
     assert rows["prompt_lens"].tolist() == [2, 2, 3, 3]
     assert rows["response_mask"].tolist() == [[1, 1], [1, 0], [1, 0], [1, 1]]
+    # an empty prompt: the first token is not scored (it has no position before it)
+    empty = pair_rows(collate_pairs([{"chosen_ids": [7, 8, 9], "rejected_ids": [6], "prompt_len": 0}], pad_id=0))
+    assert empty["prompt_lens"].tolist() == [1, 1] and empty["response_mask"].tolist() == [[1, 1], [0, 0]]
 
 
 # ---- against TRL ------------------------------------------------------------------------------------
