@@ -1,5 +1,5 @@
 """The DPO worker (policy + frozen reference) on tp=2 (sequence parallel, selective recomputation), pp=2 (full
-recomputation) and dp=2 equals one process (CPU, gloo).
+recomputation) and dp=2 (FSDP2, the default; the reference sharded too) equals one process (CPU, gloo).
 
 Two DPOWorker.dpo_step calls (sigmoid DPO with RPO's NLL term; the second step has nonzero
 implicit rewards, the reference staying at the initial weights) on four preference pairs of
@@ -38,7 +38,14 @@ def _cfg(tp: int, pp: int, dp: int):
     model = ModelConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32, init_std=0.2
     )
-    par = ParallelConfig(tp_size=tp, pp_size=pp, dp_size=dp, sequence_parallel=tp > 1, dp_backend="ddp", recompute=RECOMPUTE[(tp, pp, dp)])
+    par = ParallelConfig(
+        tp_size=tp,
+        pp_size=pp,
+        dp_size=dp,
+        sequence_parallel=tp > 1,
+        dp_backend="fsdp2" if dp > 1 else "ddp",
+        recompute=RECOMPUTE[(tp, pp, dp)],
+    )
     optim = OptimConfig(lr=1e-2, eps=1.0, warmup_steps=0, schedule="constant")
     return AlignerConfig(
         stage="dpo",
