@@ -1,4 +1,4 @@
-"""Command-line layer shared by every entry point (sft, rm, ppo, plan).
+"""Command-line layer shared by every entry point (sft, rm, ppo, dpo, plan).
 
 Owns: composing the Hydra config (``conf/<stage>.yaml`` + preset ``conf=NAME`` + the
 preset's stage file + command-line overrides), checking it against the dataclass
@@ -185,6 +185,10 @@ def adopt_checkpoint_dims(merged, stage: str, overrides: Sequence[str]) -> None:
         from aligner.trainers.rm import default_init
 
         init = default_init(merged)
+    if stage == "dpo" and not init:
+        from aligner.trainers.dpo import default_init as dpo_default_init
+
+        init = dpo_default_init(merged)
     ckpt = checkpoint_model_config(init, f"{role}.init")
     if ckpt is None:
         return

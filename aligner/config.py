@@ -22,7 +22,7 @@ from aligner import algorithms as alg
 from aligner.errors import ConfigError
 
 PRESETS = ("tiny", "smollm2_135m", "llama2_7b", "llama2_13b", "llama2_70b")
-STAGES = ("sft", "rm", "ppo", "plan")
+STAGES = ("sft", "rm", "ppo", "plan", "dpo")
 ROLES = ("actor", "critic", "reward", "ref", "rollout")
 MODEL_ROLES = ("actor", "critic", "reward", "ref")  # the roles with a RoleConfig (init, parallel, resources)
 # the keys of aligner.data.formats.FORMATS, in order (config imports nothing from aligner.data, which imports
@@ -661,6 +661,28 @@ class AlgorithmConfig:
 
 
 @dataclass(kw_only=True)
+class DPOConfig:
+    """The DPO stage's loss (formulas in :func:`aligner.algorithms.dpo_loss`)."""
+
+    beta: float = 0.1  # KL-regularization strength: implicit reward = beta * (log pi - log pi_ref), nats
+    loss_type: str = "sigmoid"  # sigmoid (DPO, Rafailov et al. 2023) | ipo (Azar et al. 2023, length-normalized as TRL)
+    label_smoothing: float = 0.0  # sigmoid only: probability a preference label is flipped (conservative DPO), in [0, 0.5)
+    rpo_alpha: float = 0.0  # weight of the chosen responses' NLL (token mean) added to the loss (RPO, Pang et al. 2024); 0 = off
+
+    def validate(self, prefix: str = "dpo") -> None:
+        _choice(f"{prefix}.loss_type", self.loss_type, alg.DPO_LOSS_TYPES)
+        _check(self.beta > 0, f"{prefix}.beta", self.beta, "must be > 0 (e.g. 0.1)")
+        _check(0 <= self.label_smoothing < 0.5, f"{prefix}.label_smoothing", self.label_smoothing, "must be in [0, 0.5) (e.g. 0.1)")
+        _check(
+            self.label_smoothing == 0 or self.loss_type == "sigmoid",
+            f"{prefix}.label_smoothing",
+            self.label_smoothing,
+            f"applies to {prefix}.loss_type=sigmoid only (conservative DPO): set it to 0 with loss_type={self.loss_type}",
+        )
+        _check(self.rpo_alpha >= 0, f"{prefix}.rpo_alpha", self.rpo_alpha, "must be >= 0 (e.g. 1.0; 0 = off)")
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     """The training loop: steps, batch sizes, seeds, logging and checkpoint cadence."""
 
@@ -741,7 +763,7 @@ class ClusterConfig:
 class AlignerConfig:
     """The whole run. Built from Hydra (`conf=PRESET` plus overrides) and validated once."""
 
-    stage: str = "ppo"  # sft | rm | ppo | plan (set by the entry point)
+    stage: str = "ppo"  # sft | rm | ppo | plan | dpo (set by the entry point)
     preset: str = "tiny"  # name of the preset the run started from
     output_dir: str = "outputs/tiny"  # checkpoints, metrics.jsonl, TensorBoard events, plots
     resume: bool = False  # continue from the latest complete checkpoint in output_dir
@@ -760,6 +782,7 @@ class AlignerConfig:
     ref: RefRoleConfig = field(default_factory=RefRoleConfig)  # frozen reference policy
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation engine
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)  # the DPO stage's loss
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
@@ -785,6 +808,7 @@ class AlignerConfig:
         )
         self.rollout.validate("rollout", self.model)
         self.algorithm.validate("algorithm")
+        self.dpo.validate("dpo")
         self.cluster.validate("cluster")
         _check(
             self.data.max_seq_len <= self.model.max_seq_len,
@@ -919,11 +943,11 @@ class AlignerConfig:
     def roles_used(self) -> tuple[str, ...]:
         """The role groups this run starts.
 
-        sft: actor. rm: reward. ppo: actor always; critic for gae; reward when
+        sft and dpo: actor (DPO's reference lives in the actor's workers). rm: reward. ppo: actor always; critic for gae; reward when
         ``reward.type=model``; ref when a KL term needs it (:attr:`AlgorithmConfig.uses_reference`).
         plan: the PPO roles.
         """
-        if self.stage == "sft":
+        if self.stage in ("sft", "dpo"):
             return ("actor",)
         if self.stage == "rm":
             return ("reward",)

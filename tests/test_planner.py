@@ -365,3 +365,21 @@ def test_moe_layouts_ranked_with_all_to_all_time():
     assert a2a_elements_per_layer(m, 10) == 10 * 2 * 4096
     plan = plan_role(m, work, 8, cluster)
     assert plan.ranked and any(e.layout.ep > 1 for e in plan.ranked)
+
+
+def test_dpo_plan_counts_the_reference_weights_and_both_sequences_of_a_pair():
+    from aligner.planner import DTYPE_BYTES, stage_num_parameters
+
+    sft, dpo = llama2_cfg("7b", nodes=2, stage="sft"), llama2_cfg("7b", nodes=2, stage="dpo")
+    (s,), (d,) = role_works(sft), role_works(dpo)
+    assert (d.role, d.batch, d.forward_seqs, d.frozen_copies) == ("actor", 2 * s.batch, 2 * s.batch, 1)
+    lay = Layout(tp=8, pp=1, dp=2, micro_batch_size=1, sp=True, recompute="selective")
+    es, ed = (estimate_layout(sft.model, w, lay, sft.cluster) for w in (s, d))
+    params = stage_num_parameters(sft.model, "lm", 8, 1, 0)
+    # FSDP2 (the default dp backend) shards the reference over dp as it shards the policy
+    assert ed.memory.weights - es.memory.weights == pytest.approx(DTYPE_BYTES[sft.model.dtype] * params / 2, rel=1e-6)
+    assert ed.memory.grads == es.memory.grads and ed.memory.optimizer == es.memory.optimizer
+    # twice the sequences trained, plus the reference's forward over them (a third of a training pass each)
+    assert ed.time.compute_s == pytest.approx(2 * es.time.compute_s * (1 + 1 / 3), rel=0.05)
+    plan = make_plan(dpo)  # the planner finds a layout that holds the reference too
+    assert plan.roles["actor"].ranked and plan.roles["actor"].best.memory.total <= 80 * GB

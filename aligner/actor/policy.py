@@ -12,6 +12,10 @@ run on any tp/pp/dp layout through :class:`aligner.runtime.runner.ModelRunner`:
 - ``ppo_step``: clipped surrogate (Schulman et al. 2017) with optional clip-higher and
   dual clip, entropy bonus, KL loss term and truncated importance sampling
   (aligner.algorithms), aggregated over the global mini-batch by ``algorithm.loss_agg``.
+- ``dpo_step`` / ``dpo_eval``: the DPO-family preference losses of
+  :func:`aligner.algorithms.dpo_loss` on sequence log-probs (sums over response tokens) of
+  preference pairs, mean over the global batch of pairs, plus RPO's NLL of the chosen responses;
+  ``pair_sequence_log_probs`` gives the same sums (a frozen reference's, for DPO).
 
 Batches are dicts of tensors in the layout of :mod:`aligner.protocol`.
 """
@@ -23,13 +27,36 @@ from typing import Optional
 import torch
 
 from aligner import algorithms as alg
-from aligner.config import AlgorithmConfig, PromptLearningConfig
+from aligner.config import AlgorithmConfig, DPOConfig, PromptLearningConfig
 from aligner.model.prompt import attach_prompt, build_prompt, greedy_generate, prompt_state_dict
 from aligner.nn.chunked import LogProbSpec
 from aligner.nn.vocab import vocab_parallel_log_probs, vocab_parallel_log_probs_entropy
 from aligner.protocol import response_index
 from aligner.runtime.role import RoleModel
 from aligner.runtime.runner import from_last_stage
+
+
+def pair_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Preference pairs (:func:`aligner.data.collate.collate_pairs`) -> response-layout rows, chosen and
+    rejected interleaved (row 2i = chosen i, 2i+1 = rejected i, so a pair never straddles a micro-batch).
+
+    batch: chosen_input_ids, rejected_input_ids, chosen_attention_mask, rejected_attention_mask
+    [B, T] (right padded), prompt_lens [B] (tokens the two sides share); optionally
+    ref_chosen_logps, ref_rejected_logps [B].
+    Returns input_ids [2B, T], prompt_lens [2B], response_mask [2B, R] float32 (R = longest
+    response, at least 1) and, when given, ref_logps [2B]. An empty prompt (an implicit-prompt pair
+    without a common prefix, no bos) counts as 1 token: the first token has no log-prob to score.
+    Raises KeyError without prompt_lens.
+    """
+    ids = torch.stack([batch["chosen_input_ids"], batch["rejected_input_ids"]], dim=1).flatten(0, 1)
+    lens = torch.stack([batch["chosen_attention_mask"], batch["rejected_attention_mask"]], dim=1).flatten(0, 1).sum(1)
+    plens = batch["prompt_lens"].long().clamp(min=1).repeat_interleave(2)  # a first token has no log-prob: prompt >= 1
+    rlens = (lens - plens).clamp(min=0)
+    r = max(1, int(rlens.max()))
+    out = {"input_ids": ids, "prompt_lens": plens, "response_mask": (torch.arange(r).unsqueeze(0) < rlens.unsqueeze(1)).float()}
+    if "ref_chosen_logps" in batch:
+        out["ref_logps"] = torch.stack([batch["ref_chosen_logps"], batch["ref_rejected_logps"]], dim=1).flatten()
+    return out
 
 
 class Policy(RoleModel):
@@ -250,3 +277,86 @@ class Policy(RoleModel):
         out = {k: self.dp_mean(v, counts.get(k, agg_count)) for k, v in sorted(sums.items())}
         moe = {k: v for k, v in stats.items() if k.startswith("moe_")}
         return {**out, "grad_norm": stats["grad_norm"], "lr": stats["lr"], "skipped": stats.get("skipped", 0.0), **moe}
+
+    # ---- DPO ----------------------------------------------------------------------
+    def pair_sequence_log_probs(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> dict[str, torch.Tensor]:
+        """Sequence log-probs of preference pairs (no gradient): {"ref_chosen_logps", "ref_rejected_logps": [B] fp32,
+        nats, the sums over each response's tokens}. batch as :func:`pair_rows`; micro_batch_size counts pairs."""
+        rows = pair_rows(batch)
+        seq = self.log_probs(rows, 2 * micro_batch_size).sum(-1).view(-1, 2)
+        return {"ref_chosen_logps": seq[:, 0].contiguous(), "ref_rejected_logps": seq[:, 1].contiguous()}
+
+    def _dpo_terms(self, lp: torch.Tensor, mb: dict, dpo: DPOConfig) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token log-probs lp [2b, R] (0 where masked) of interleaved rows -> (sum of the pairs' DPO
+        losses, sum of the chosen tokens' NLL, per-quantity sums for the metrics)."""
+        mask = mb["response_mask"]
+        seq = lp.sum(-1).view(-1, 2)
+        ref = mb["ref_logps"].to(seq.dtype).view(-1, 2)
+        lens = mask.sum(-1).view(-1, 2)
+        losses, chosen_r, rejected_r = alg.dpo_loss(
+            seq[:, 0], seq[:, 1], ref[:, 0], ref[:, 1], dpo.beta, dpo.loss_type, dpo.label_smoothing, lens[:, 0], lens[:, 1]
+        )
+        nll = -lp.view(-1, 2, lp.shape[-1])[:, 0].sum()
+        sums = {
+            "dpo_loss": losses.sum(),
+            "rewards_chosen": chosen_r.sum(),
+            "rewards_rejected": rejected_r.sum(),
+            "reward_accuracy": (chosen_r > rejected_r).float().sum(),
+            "reward_margin": (chosen_r - rejected_r).sum(),
+            "logps_chosen": seq[:, 0].sum(),
+            "logps_rejected": seq[:, 1].sum(),
+        }
+        return losses.sum(), nll, {k: v.detach() for k, v in sums.items()} | {"nll": nll.detach()}
+
+    def _dpo_metrics(self, sums: dict[str, float], pairs: float, chosen_tokens: float, dpo: DPOConfig) -> dict[str, float]:
+        """Global means: per pair, and the chosen NLL per chosen token; loss = dpo_loss + rpo_alpha * nll."""
+        out = {k: self.dp_mean(v, chosen_tokens if k == "nll" else pairs) for k, v in sorted(sums.items())}
+        out["loss"] = out["dpo_loss"] + dpo.rpo_alpha * out["nll"]
+        return out
+
+    def dpo_step(self, batch: dict[str, torch.Tensor], dpo: DPOConfig, micro_batch_size: int) -> dict[str, float]:
+        """One optimizer step of the DPO-family loss over this rank's share of the global batch of pairs.
+
+        batch: as :func:`pair_rows`, with ref_chosen_logps / ref_rejected_logps [B] (the frozen
+        reference's sequence log-probs). micro_batch_size counts pairs (2 rows each).
+
+        The loss is ``mean over pairs of dpo_loss + rpo_alpha * NLL``, NLL the token mean of
+        -log pi over the chosen responses' tokens of the global batch (TRL's ``sft`` loss term, as
+        its RPO; Pang et al. 2024 normalize per sequence instead). Exact across micro-batches and
+        dp ranks: each part's sum is divided by the global pair or chosen-token count.
+
+        Returns loss, dpo_loss, nll (per chosen token), rewards_chosen, rewards_rejected,
+        reward_accuracy (chosen reward > rejected, TRL's convention: a tie counts as wrong),
+        reward_margin, logps_chosen, logps_rejected (means over pairs), grad_norm, lr, skipped.
+        """
+        rows = pair_rows(batch)
+        pairs = float(rows["input_ids"].shape[0] // 2)
+        chosen_tokens = float(rows["response_mask"][0::2].sum())
+        norm, nll_norm = self.normalizer(pairs), self.normalizer(chosen_tokens)
+        sums: dict[str, float] = {}
+
+        def loss_fn(output, mb):  # logits [2b, R, V/tp] at the response positions, or (log_probs, entropy)
+            lp = self._label_log_probs(output, mb, 1.0) * mb["response_mask"]
+            loss_sum, nll, parts = self._dpo_terms(lp, mb, dpo)
+            for k, v in parts.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            total = loss_sum / norm
+            if dpo.rpo_alpha > 0:
+                total = total + dpo.rpo_alpha * nll / nll_norm
+            return total
+
+        inputs = self._response_model_inputs(rows, ("input_ids", "response_mask", "ref_logps"), 1.0)
+        stats = self.runner.train_step(inputs, loss_fn, 2 * micro_batch_size)
+        sums = from_last_stage(sums, self.dims)
+        out = self._dpo_metrics(sums, pairs, chosen_tokens, dpo)
+        moe = {k: v for k, v in stats.items() if k.startswith("moe_")}
+        return {**out, "grad_norm": stats["grad_norm"], "lr": stats["lr"], "skipped": stats.get("skipped", 0.0), **moe}
+
+    @torch.no_grad()
+    def dpo_eval(self, batch: dict[str, torch.Tensor], dpo: DPOConfig, micro_batch_size: int) -> dict[str, float]:
+        """Held-out :meth:`dpo_step` metrics (no update) over this call's global batch of pairs."""
+        rows = pair_rows(batch)
+        lp = self.log_probs(rows, 2 * micro_batch_size)
+        _, _, parts = self._dpo_terms(lp, rows, dpo)
+        chosen_tokens = float(rows["response_mask"][0::2].sum())
+        return self._dpo_metrics({k: float(v) for k, v in parts.items()}, float(lp.shape[0] // 2), chosen_tokens, dpo)

@@ -45,7 +45,9 @@ def collate_sft(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 
 def collate_pairs(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Pair examples -> chosen_input_ids, rejected_input_ids [B, T] int64 and their attention masks
-    [B, T] int64; both sides padded to the same T (so the RM can run them as one [2B, T] batch)."""
+    [B, T] int64; both sides padded to the same T (so the RM can run them as one [2B, T] batch);
+    plus prompt_lens [B] int64 (the prompt tokens both sides share, which DPO's response
+    log-probs start after) when the examples carry ``prompt_len``."""
     if not examples:
         raise ValueError("collate_pairs: empty batch")
     t = max(max(len(e["chosen_ids"]), len(e["rejected_ids"])) for e in examples)
@@ -54,6 +56,8 @@ def collate_pairs(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         seqs = [e[f"{side}_ids"] for e in examples]
         out[f"{side}_input_ids"] = _pad(seqs, pad_id, torch.int64, t)
         out[f"{side}_attention_mask"] = _lengths_mask([len(s) for s in seqs], t)
+    if all("prompt_len" in e for e in examples):
+        out["prompt_lens"] = torch.tensor([e["prompt_len"] for e in examples], dtype=torch.int64)
     return out
 
 

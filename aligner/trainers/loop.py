@@ -1,4 +1,4 @@
-"""The one training loop of every stage (SFT, RM, PPO; DPO next), as named phases.
+"""The one training loop of every stage (SFT, RM, DPO, PPO), as named phases.
 
 Owns :class:`Trainer` (the interface a stage implements), :func:`run` (the phases, in this
 order) and :func:`train` (the step loop, written once):
@@ -55,7 +55,7 @@ class Trainer(abc.ABC):
     """What a stage implements to run on the loop (see the module docstring for the phases).
 
     Attributes:
-        name: the stage (sft | rm | ppo, equal to ``cfg.stage``): log prefix, progress bar,
+        name: the stage (sft | rm | dpo | ppo, equal to ``cfg.stage``): log prefix, progress bar,
             the ``stage`` recorded in checkpoints, the SIGTERM message.
         bar_keys: metrics shown on the progress bar.
         eval_before_training: evaluate once before the first step of a fresh run (logged as step 0).

@@ -8,7 +8,7 @@ gradient accumulation to trainer.global_batch_size, warmup + cosine LR (``actor.
 periodic validation loss, and at the end the held-out greedy accuracy on the built-in task
 (:func:`aligner.trainers.evaluation.evaluate_greedy`, the evaluator PPO uses too; logged in the
 last step's row as ``task_accuracy``, ``task_n``, ``task_mean_response_len``,
-``task_accuracy_carry`` and ``task_accuracy_no_carry``), an aligner checkpoint and an HF export
+``task_accuracy_carry``, ``task_accuracy_no_carry`` and ``task_dropped_carry``), an aligner checkpoint and an HF export
 (with the tokenizer) in ``output_dir/hf``.
 
 With ``actor.prompt_learning.type`` = prompt_tuning | p_tuning (:mod:`aligner.model.prompt`) the
@@ -86,22 +86,32 @@ class SFTTrainer(SupervisedTrainer):
 
     def final_results(self) -> tuple[dict, dict]:
         """Held-out greedy accuracy on the built-in task (logged as task_*); no export extras."""
-        if self.cfg.data.train_path:
-            log.info("sft: data.train_path is set: skipping the built-in task's greedy accuracy")
-            return {}, {}
+        return task_accuracy_results(self), {}
 
-        prompts = load_data("prompt", self.cfg.data, self.cfg.task, self.tokenizer, str(self.out)).eval
-        res = evaluate_greedy(self.group, prompts, self.tokenizer, self.cfg).metrics
-        log.info(
-            "sft: held-out greedy accuracy %.3f on %d problems (%.3f without a carry, %.3f with one; mean response %.1f tokens)",
-            res["accuracy"],
-            int(res["n"]),
-            res.get("accuracy_no_carry", float("nan")),
-            res.get("accuracy_carry", float("nan")),
-            res["mean_response_len"],
-        )
-        keys = ("accuracy", "n", "mean_response_len", "accuracy_carry", "accuracy_no_carry")
-        return {f"task_{k}": res[k] for k in keys if k in res}, {}
+
+def task_accuracy_results(trainer: SupervisedTrainer) -> dict[str, float]:
+    """The held-out greedy accuracy of an actor-role stage's current policy on the built-in task
+    (:func:`aligner.trainers.evaluation.evaluate_greedy` on trainer.group): task_accuracy, task_n,
+    task_mean_response_len, task_accuracy_carry, task_accuracy_no_carry, task_dropped_carry;
+    {} (and a log line) when data.train_path is set."""
+    cfg = trainer.cfg
+    if cfg.data.train_path:
+        log.info("%s: data.train_path is set: skipping the built-in task's greedy accuracy", trainer.name)
+        return {}
+
+    prompts = load_data("prompt", cfg.data, cfg.task, trainer.tokenizer, str(trainer.out)).eval
+    res = evaluate_greedy(trainer.group, prompts, trainer.tokenizer, cfg).metrics
+    log.info(
+        "%s: held-out greedy accuracy %.3f on %d problems (%.3f without a carry, %.3f with one; mean response %.1f tokens)",
+        trainer.name,
+        res["accuracy"],
+        int(res["n"]),
+        res.get("accuracy_no_carry", float("nan")),
+        res.get("accuracy_carry", float("nan")),
+        res["mean_response_len"],
+    )
+    keys = ("accuracy", "n", "mean_response_len", "accuracy_carry", "accuracy_no_carry", "dropped_carry")
+    return {f"task_{k}": res[k] for k in keys if k in res}
 
 
 def run_sft(cfg: AlignerConfig) -> int:
