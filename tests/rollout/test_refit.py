@@ -120,20 +120,24 @@ def test_refit_layouts_match_single_process_reference():
     assert len({str(results[0][n]["sampled_tokens"]) for n in LAYOUTS}) == 1  # same tokens in every layout
 
 
-def _fsdp_actor_refit_battery(rank, world_size):
-    """An FSDP2 actor (dp=2, the default dp_backend) refits its engine from the full state dict in buckets."""
+def _fsdp_actor_refit_battery(rank, world_size, moe: bool = False, rollout_tp: int = 1):
+    """An FSDP2 actor (dp=2, the default dp_backend) refits its engine from the full state dict in buckets.
+    moe: a Mixtral-style actor with its experts split over ep=2 (DDP) instead, refitting an engine
+    that holds every expert (tp-sharded when rollout_tp=2)."""
     from aligner.config import AlignerConfig, ModelConfig, ParallelConfig, RolloutConfig, SamplingConfig
     from aligner.model.llama import build_model
     from aligner.parallel.dims import ParallelDims
     from aligner.rollout.torch_engine import TorchEngine
     from aligner.workers.actor import ActorWorker
 
-    model_cfg = ModelConfig(num_layers=2, vocab_size=64)
+    extra = dict(num_experts=4, num_experts_per_tok=2) if moe else {}
+    model_cfg = ModelConfig(num_layers=2, vocab_size=64, **extra)
     cfg = AlignerConfig(model=model_cfg, rollout=RolloutConfig(refit_bucket_mb=1))  # ~1.7 MB of weights: several buckets
-    cfg.actor.parallel = ParallelConfig(dp_size=2)
-    dims = ParallelDims.from_env(tp_size=1, pp_size=1, dp_size=2)
+    cfg.rollout.parallel = ParallelConfig(tp_size=rollout_tp, dp_size=2 // rollout_tp)
+    cfg.actor.parallel = ParallelConfig(dp_size=2, ep_size=2, dp_backend="ddp") if moe else ParallelConfig(dp_size=2)
+    dims = ParallelDims.from_env(tp_size=1, pp_size=1, dp_size=2, ep_size=2 if moe else 1)
     worker = ActorWorker(cfg, "actor", total_steps=1, eos_token_id=None, dims=dims)
-    assert worker.policy.runtime.fsdp  # the sharded branch of refit
+    assert worker.policy.runtime.fsdp or moe  # the sharded branch of refit
     worker.refit()  # builds the engine; its weights start as the policy's seeded init
     with torch.no_grad():  # so move the policy away from it (DTensor shards scale alike)
         for p in worker.policy.runtime.module.parameters():
@@ -150,8 +154,11 @@ def _fsdp_actor_refit_battery(rank, world_size):
         "bytes": stats["bytes"],
         "full_bytes": sum(v.numel() * v.element_size() for v in full.values()),
         "version": stats["weight_version"],
-        "max_diff": max((engine[n].detach().reshape(-1) - full[n].reshape(-1)).abs().max().item() for n in engine if n in full),
-        "compared": sum(n in full for n in engine),
+        "max_diff": 0.0
+        if rollout_tp > 1  # tp-sharded engine tensors: its greedy tokens are the check
+        else max((engine[n].detach().reshape(-1) - full[n].reshape(-1)).abs().max().item() for n in engine if n in full),
+        "compared": sum(n in full for n in engine) if rollout_tp == 1 else len(engine),
+        "local_experts": [m.num_local_experts for m in worker.policy.runtime.module.modules() if hasattr(m, "num_local_experts")],
         "share": None if share is None else (share[0], [g.token_ids for g in share[1]]),
         "want": [g.token_ids for g in want],
     }
@@ -165,3 +172,16 @@ def test_fsdp2_actor_refits_its_engine_in_buckets_and_generates_like_the_full_mo
         assert r["max_diff"] == 0.0  # the engine holds copies of the gathered tensors
     shares = sorted((r["share"] for r in res if r["share"] is not None), key=lambda x: x[0])
     assert [t for _, toks in shares for t in toks] == res[0]["want"]  # replicas together = one full-model engine
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("rollout_tp", [1, 2])
+def test_expert_parallel_actor_refits_an_engine_holding_every_expert(rollout_tp):
+    """MoE actor with ep=2 (2 of 4 experts per rank) -> engine replicas with all 4 experts (tp=1: one
+    per rank, tp=2: one replica, each expert tp-sharded): greedy tokens equal a full-model engine's."""
+    res = run_distributed(_fsdp_actor_refit_battery, world_size=2, args=(True, rollout_tp))
+    for r in res:
+        assert r["version"] == 2 and r["bytes"] == r["full_bytes"] and r["compared"] > 0 and r["max_diff"] == 0.0
+        assert r["local_experts"] == [2, 2]
+    shares = sorted((r["share"] for r in res if r["share"] is not None), key=lambda x: x[0])
+    assert [t for _, toks in shares for t in toks] == res[0]["want"]
