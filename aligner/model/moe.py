@@ -395,13 +395,18 @@ def record_routing(model: nn.Module) -> Iterator[list[list[torch.Tensor]]]:
     """Record every forward's ``last_experts`` of this stage's MoE layers while the context is open.
 
     Yields one list per :class:`SparseMoE` of `model` (layer order) that receives, per forward of
-    that layer (per micro-batch, in the order they ran), its experts [N, k] int64 (N = B * T rows
-    in row-major [B, T] order; T the full sequence, gathered under sequence parallelism). A forward
-    hook, so it works under DDP, FSDP2 and the pipeline schedules alike; removed on exit.
+    that layer (per micro-batch, in the order they ran), its experts [N, k] int16 on the layer's
+    device (N = B * T rows in row-major [B, T] order; T the full sequence, gathered under sequence
+    parallelism; int16 keeps a whole batch's choices at 2 bytes each). A forward hook, so it works
+    under DDP, FSDP2 and the pipeline schedules alike; removed on exit.
     """
     layers = moe_layers(model)
     logs: list[list[torch.Tensor]] = [[] for _ in layers]
-    handles = [m.register_forward_hook(lambda mod, args, out, log=log: log.append(mod.last_experts)) for m, log in zip(layers, logs)]
+
+    def hook(mod, args, out, log):
+        log.append(mod.last_experts.to(torch.int16))
+
+    handles = [m.register_forward_hook(lambda mod, args, out, log=log: hook(mod, args, out, log)) for m, log in zip(layers, logs)]
     try:
         yield logs
     finally:
