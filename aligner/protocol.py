@@ -39,6 +39,10 @@ class RolloutBatch:
         values: [B, R] critic values (GAE only). advantages, returns, kl: [B, R].
         scores: [B] raw reward (RM output or rule). rewards: [B] after standardization.
         group_ids: [B] int64 prompt index (samples of one prompt share it; GRPO/RLOO groups).
+        rollout_experts, old_experts: [B, R, L, k] int16, for a Mixture-of-Experts policy only (else
+            None): the top-k experts (sorted along k, -1 on padding) each of the L MoE layers chose
+            for each response token, in the rollout engine and in the trainer's old_log_probs forward
+            (the routing mismatch metric, aligner.model.moe.routing_mismatch).
         weight_version: the actor weight version that generated the responses.
         meta: per-sample python objects (prompt text, reference answers) not sent to workers.
     """
@@ -58,6 +62,8 @@ class RolloutBatch:
     kl: Optional[torch.Tensor] = None
     scores: Optional[torch.Tensor] = None
     rewards: Optional[torch.Tensor] = None
+    rollout_experts: Optional[torch.Tensor] = None
+    old_experts: Optional[torch.Tensor] = None
     weight_version: int = 0
     meta: list[dict] = field(default_factory=list)
 

@@ -5,7 +5,8 @@
   reproduces (1e-5);
 - PPO from that checkpoint (the model's MoE dimensions adopted from its config.json), the actor at
   dp=2 x ep=2: refit of the expert-parallel weights into the engine, whose rollout log-probs equal
-  the trainer's recomputed ones (the mismatch metric), and the MoE metrics in the step's row.
+  the trainer's recomputed ones (the mismatch metric), the engine's and the trainer's top-k experts
+  agree (moe_routing_mismatch), and the MoE metrics in the step's row.
 """
 
 from __future__ import annotations
@@ -69,4 +70,6 @@ def test_moe_sft_then_ppo_with_expert_parallelism(ray_cluster, tmp_path, monkeyp
     assert len(rows) == 2
     for r in rows:
         assert r["log_probs_abs_diff_max"] < 1e-4  # engine (ep=1, all experts) vs trainer (ep=2)
+        print(f"moe_routing_mismatch {r['moe_routing_mismatch']:.6f}, log_probs_abs_diff_max {r['log_probs_abs_diff_max']:.2e}")
+        assert r["moe_routing_mismatch"] < 1e-3  # top-k expert sets, (response token, layer) pairs
         assert r["refit_bytes"] > 0 and "moe_aux_loss" in r

@@ -28,6 +28,7 @@ import torch
 
 from aligner import algorithms as alg
 from aligner.config import AlgorithmConfig, DPOConfig, PromptLearningConfig
+from aligner.model.moe import record_routing, stack_routing
 from aligner.model.prompt import attach_prompt, build_prompt, greedy_generate, prompt_state_dict
 from aligner.nn.chunked import LogProbSpec
 from aligner.nn.vocab import vocab_parallel_log_probs, vocab_parallel_log_probs_entropy
@@ -170,6 +171,39 @@ class Policy(RoleModel):
 
         inputs = self._response_model_inputs(batch, ("input_ids", "response_mask"), temperature)
         return self.runner.forward(inputs, out, micro_batch_size)
+
+    def log_probs_with_routing(self, batch: dict[str, torch.Tensor], micro_batch_size: int, temperature: float = 1.0) -> dict:
+        """:meth:`log_probs` plus the MoE routing of the same forward, for the engine / trainer
+        routing comparison (:func:`aligner.model.moe.routing_mismatch`).
+
+        batch: as :meth:`log_probs`. Returns {"log_probs": [B, R] fp32, "routed_experts": [B, R, L, k]
+        int16}: for response token j of row b, the top-k experts (sorted along k) each of the
+        model's L MoE layers chose at position prompt_lens[b] + j - 1 (the position whose logits
+        give token j), -1 where response_mask is 0; L = 0 for a dense model. Eval-mode routing
+        (dropless), as the engine's. Collective like :meth:`log_probs`; with pp > 1 each stage
+        records its own layers and the stages' parts are gathered over the pp group (layer order);
+        tp ranks route identically (the router is replicated, sequence parallelism gathers the
+        tokens first); expert parallelism does not change the expert ids.
+        """
+        with record_routing(self.runtime.module) as logs:
+            lp = self.log_probs(batch, micro_batch_size, temperature)
+        ids, mask = batch["input_ids"], batch["response_mask"]
+        b, r = mask.shape
+        head_index = response_index(batch["prompt_lens"], r, ids.shape[1] - 1)  # [B, R]
+        per_layer = []
+        for log in logs:  # one [b_i * T_pad, k] per micro-batch, in micro-batch order
+            if not log:  # an empty local batch runs no forward
+                continue
+            e = torch.cat([x.cpu() for x in log]).view(b, -1, log[0].shape[-1])  # [B, T(padded), k]
+            per_layer.append(e.gather(1, head_index.unsqueeze(-1).expand(-1, -1, e.shape[-1])))
+        k = self.model_cfg.num_experts_per_tok
+        local = stack_routing(per_layer) if per_layer else torch.zeros(b, r, 0, k, dtype=torch.int16)
+        if self.dims.pp_size > 1:
+            parts: list = [None] * self.dims.pp_size
+            torch.distributed.all_gather_object(parts, local, group=self.dims.pp_group)
+            local = torch.cat(parts, dim=2)
+        local = local.masked_fill(~(mask > 0)[:, :, None, None], -1)
+        return {"log_probs": lp, "routed_experts": local}
 
     def sequence_log_probs(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
         """batch: input_ids [B, T] -> next-token log_probs [B, T-1] fp32 (all positions)."""

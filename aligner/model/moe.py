@@ -34,12 +34,18 @@ times their mean over its micro-batches (and over data-parallel ranks, whose gra
 averaged). Splitting a batch into micro-batches therefore changes the auxiliary term (a mean of
 per-micro-batch losses is not the loss of the whole batch); the language-model loss is unchanged.
 The per-micro-batch values are kept on the module for metrics (:func:`moe_metrics`).
+
+Engine / trainer routing: each forward keeps its expert choices (``SparseMoE.last_experts``); the
+rollout engine reports them per response token (``Generation.routed_experts``), the trainer records
+them in its old-log-probs forward (:func:`record_routing`), and :func:`routing_mismatch` counts the
+(token, layer) pairs whose top-k sets differ (PPO's ``moe_routing_mismatch``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -376,6 +382,58 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
 def moe_layers(model: nn.Module) -> list[SparseMoE]:
     """The :class:`SparseMoE` blocks of `model` (those of this pipeline stage), in layer order."""
     return [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+
+def stack_routing(experts: list[torch.Tensor]) -> torch.Tensor:
+    """Per-layer expert choices [..., k] (layer order) -> [..., L, k] int16, sorted along k, so two
+    routings compare as sets of experts whatever order top-k returned them in."""
+    return torch.stack(experts, -2).sort(dim=-1).values.to(torch.int16)
+
+
+@contextmanager
+def record_routing(model: nn.Module) -> Iterator[list[list[torch.Tensor]]]:
+    """Record every forward's ``last_experts`` of this stage's MoE layers while the context is open.
+
+    Yields one list per :class:`SparseMoE` of `model` (layer order) that receives, per forward of
+    that layer (per micro-batch, in the order they ran), its experts [N, k] int16 on the layer's
+    device (N = B * T rows in row-major [B, T] order; T the full sequence, gathered under sequence
+    parallelism; int16 keeps a whole batch's choices at 2 bytes each). A forward hook, so it works
+    under DDP, FSDP2 and the pipeline schedules alike; removed on exit.
+    """
+    layers = moe_layers(model)
+    logs: list[list[torch.Tensor]] = [[] for _ in layers]
+
+    def hook(mod, args, out, log):
+        log.append(mod.last_experts.to(torch.int16))
+
+    handles = [m.register_forward_hook(lambda mod, args, out, log=log: hook(mod, args, out, log)) for m, log in zip(layers, logs)]
+    try:
+        yield logs
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def routing_mismatch(rollout_experts: torch.Tensor, old_experts: torch.Tensor, response_mask: torch.Tensor) -> float:
+    """Fraction of (response token, MoE layer) pairs whose top-k expert SETS differ between the
+    rollout engine and the trainer (NeMo-RL / verl report such routing differences as a source of
+    the engine / trainer log-prob mismatch; verl's "routing replay" removes them).
+
+    rollout_experts, old_experts: [B, R, L, k] integer expert ids (the engine's
+    ``Generation.routed_experts`` and the trainer's :meth:`aligner.actor.policy.Policy.log_probs_with_routing`),
+    compared after sorting along k; response_mask: [B, R] (1 on response tokens). Returns a python
+    float in [0, 1] (0.0 when no token is masked in). Raises ValueError on shape disagreement.
+    """
+    if rollout_experts.shape != old_experts.shape or rollout_experts.shape[:2] != response_mask.shape:
+        raise ValueError(
+            f"routing_mismatch: rollout_experts {tuple(rollout_experts.shape)}, old_experts {tuple(old_experts.shape)} "
+            f"and response_mask {tuple(response_mask.shape)} must agree as [B, R, L, k] / [B, R]"
+        )
+    a, b = rollout_experts.long().sort(-1).values, old_experts.long().sort(-1).values
+    differ = (a != b).any(-1).float()  # [B, R, L]
+    keep = (response_mask > 0).unsqueeze(-1).expand_as(differ)
+    n = int(keep.sum())
+    return float(differ[keep].sum()) / n if n else 0.0
 
 
 def global_moe_metrics(model: nn.Module, dims) -> dict[str, float]:

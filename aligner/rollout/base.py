@@ -36,6 +36,11 @@ class Generation:
         truncation is treated.
     finish_reason: "stop" (a stop token was sampled) or "length" (max_new_tokens reached).
     weight_version: the engine's weight_version when this response was generated.
+    routed_experts: for a Mixture-of-Experts model (torch engine), [R, L, k] int16: the top-k
+        experts (sorted along k) each of the L MoE layers chose at the position whose logits
+        produced response token i (position prompt_len + i - 1); None for a dense model or an
+        engine that does not report them. Compared with the trainer's by
+        :func:`aligner.model.moe.routing_mismatch`.
     """
 
     token_ids: list[int]
@@ -43,6 +48,7 @@ class Generation:
     finish_reason: str
     weight_version: int
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific details
+    routed_experts: Optional[torch.Tensor] = field(default=None, compare=False)  # a tensor: not in ==
 
 
 class RolloutEngine(abc.ABC):
@@ -161,6 +167,19 @@ def generations_to_padded(gens: Sequence[Generation], pad_id: int = 0) -> tuple[
         lp[i, :n] = torch.tensor(g.rollout_log_probs, dtype=torch.float32)
         mask[i, :n] = True
     return ids, lp, mask
+
+
+def routed_experts_to_padded(gens: Sequence[Generation]) -> Optional[torch.Tensor]:
+    """The generations' routed_experts right-padded to [B, R, L, k] int16 (-1 on padding), R as in
+    :func:`generations_to_padded`; None unless every generation carries them."""
+    if not gens or any(g.routed_experts is None for g in gens):
+        return None
+    r = max(1, max(len(g.token_ids) for g in gens))
+    _, n_layers, k = gens[0].routed_experts.shape
+    out = torch.full((len(gens), r, n_layers, k), -1, dtype=torch.int16)
+    for i, g in enumerate(gens):
+        out[i, : g.routed_experts.shape[0]] = g.routed_experts
+    return out
 
 
 def mismatch_metrics(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:

@@ -72,6 +72,17 @@ Sampling choices (documented simplifications):
   truncated distribution actually sampled differs by -log(kept mass) per token, which the
   engine does not report.
 
+Mixture of Experts: for a model with :class:`aligner.model.moe.SparseMoE` layers every
+Generation carries ``routed_experts`` [R, L, k] int16: for response token i, the top-k experts
+(sorted) each MoE layer chose at the position whose logits produced it (prompt_len + i - 1: the
+decode row that consumed the previous token, or, in the static scheduler, the last prompt
+token's prefill row for i = 0), read from the layers' ``last_experts`` after each forward. The
+continuous scheduler writes them into a [requests, max budget, L_local, k] buffer indexed by the
+decode rows' (request, step); with pp > 1 each stage records its own layers and the stages'
+parts are all-gathered over the pp group at the end of the call (layer order). Dense models skip
+all of it. The trainer's side and the metric: :meth:`aligner.actor.policy.Policy.log_probs_with_routing`,
+:func:`aligner.model.moe.routing_mismatch`.
+
 PP (static): stage s receives hidden states [B, T, H] from stage s-1 (``dist.recv`` on the pp
 group), runs its layers and sends to s+1; the last stage samples and broadcasts the tokens and
 log-probs to every stage, so all ranks return the same Generations. PP (continuous): see
@@ -95,6 +106,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from aligner.model.llama import KVCache, build_model
+from aligner.model.moe import moe_layers, stack_routing
 from aligner.nn import comm
 from aligner.nn.layers import ColumnParallelLinear, ParallelLayer, RMSNorm, RowParallelLinear, pack_linears, unpack_linears
 from aligner.rollout.base import Generation, RolloutEngine, check_budgets, check_prompts, check_sampling
@@ -213,6 +225,9 @@ class TorchEngine(RolloutEngine):
         self._full_names = {n for n, _ in build_model(self.cfg, device="meta").named_parameters(remove_duplicate=False)}
         self._received: set[str] = set()
         self._offloaded: list[torch.Tensor] = []
+        # Mixture of Experts: every response token's top-k experts per MoE layer (Generation.routed_experts)
+        self._moe = moe_layers(model)
+        self._routing: Optional[torch.Tensor] = None  # the continuous call's [requests, max budget, L_local, k]
 
     # ---- properties of the local model --------------------------------------------------
     @property
@@ -367,6 +382,9 @@ class TorchEngine(RolloutEngine):
         mask = ((torch.ones(p, p, dtype=torch.bool, device=dev).tril() & valid[:, None, :p]) | eye).unsqueeze(1)
         cache.length = p
         logits = self._forward(ids, pos, mask, cache, torch.arange(p, device=dev))
+        # MoE: the experts of the position that produces each token (the last prompt token's row here);
+        # not with CUDA graphs (an MoE decode step syncs with the host, so it is never captured)
+        routing = [self._stage_routing().view(b, p, len(self._moe), -1)[:, -1]] if self._moe and graph is None else None
         step_t = torch.zeros(b, dtype=torch.long, device=dev)
         tok, lp = self._sample(logits, sampler, req, step_t)
         tokens, log_probs = [tok], [lp]
@@ -382,6 +400,8 @@ class TorchEngine(RolloutEngine):
                 cache.length = slot + 1
                 key_mask = None if no_padding else valid[:, None, None, : slot + 1]
                 logits = self._forward(tok.unsqueeze(1), pos, key_mask, cache, torch.tensor([slot], device=dev))
+            if routing is not None:
+                routing.append(self._stage_routing())
             tok, lp = self._sample(logits, sampler, req, step_t + step)  # draws past a budget are cut below
             tokens.append(tok)
             log_probs.append(lp)
@@ -390,6 +410,8 @@ class TorchEngine(RolloutEngine):
         for g, n in zip(gens, budgets):
             if len(g.token_ids) > n:
                 g.token_ids, g.rollout_log_probs, g.finish_reason = g.token_ids[:n], g.rollout_log_probs[:n], "length"
+        if routing is not None:
+            self._attach_routing(gens, torch.stack(routing, 1))
         return gens
 
     # ---- the continuous scheduler -------------------------------------------------------
@@ -404,8 +426,14 @@ class TorchEngine(RolloutEngine):
         pool = SlotKVCache(
             self._local_layers(), capacity * m, self._kv_heads_local(), max_len, self.cfg.resolved_head_dim, self.dtype, self.device
         )
+        self._routing = None
+        if self._moe:
+            k = self._moe[0].top_k
+            self._routing = torch.full((len(prompts), max(budgets), len(self._moe), k), -1, dtype=torch.int16, device=self.device)
         if not self.is_first:
             self._serve_stage(pool, sampler)
+            self._attach_routing(None, self._routing)
+            self._routing = None
             return self._broadcast_generations(None)  # sets last_stats too
         sched = SlotScheduler(prompts, budgets, capacity, m, stop)
         link = _StageLink(self) if self.pp_size > 1 else None
@@ -431,6 +459,8 @@ class TorchEngine(RolloutEngine):
             link.wait()
         stop_set = set(stop)
         gens = [Generation(t, lp, "stop" if t and t[-1] in stop_set else "length", self.weight_version) for t, lp in sched.outputs]
+        self._attach_routing(gens, self._routing)
+        self._routing = None
         self.last_stats = {**sched.stats(), "generated_tokens": sum(len(g.token_ids) for g in gens)}
         return self._broadcast_generations(gens) if self.pp_size > 1 else gens
 
@@ -480,6 +510,8 @@ class TorchEngine(RolloutEngine):
         mask = None if same else (torch.arange(length, device=dev) <= positions.unsqueeze(1))[:, None, None, :]
         pool.plan_decode(meta.start, positions, length)
         h = trunk(decode_x, position_ids=positions.unsqueeze(1), attn_mask=mask, kv_cache=pool)
+        if self._routing is not None:  # decode row j produced token steps[j] of request requests[j]
+            self._routing[meta.requests.to(dev), meta.steps.to(dev)] = self._stage_routing()
         if not self.is_last:
             link.send_plan(meta, prefill_h, h)
             return None
@@ -489,6 +521,25 @@ class TorchEngine(RolloutEngine):
             link.send_tokens(tok, lp)
             return None
         return tok.cpu(), lp.float().cpu()
+
+    def _stage_routing(self) -> torch.Tensor:
+        """This stage's MoE layers' experts in the last forward: [N, L_local, k] int16, sorted along k."""
+        return stack_routing([m.last_experts for m in self._moe])
+
+    def _attach_routing(self, gens: Optional[list[Generation]], routing: Optional[torch.Tensor]) -> None:
+        """Set each Generation's routed_experts [R, L, k] from routing [B, >= R, L_local, k] (request
+        order, this stage's layers). With pp > 1 every stage calls it (a collective): the stages'
+        layers are gathered over the pp group and concatenated in stage (= layer) order; gens may be
+        None on a stage that does not build them."""
+        if routing is None:
+            return
+        routing = routing.cpu()
+        if self.pp_size > 1:
+            parts: list = [None] * self.pp_size
+            dist.all_gather_object(parts, routing, group=self.pp_group)
+            routing = torch.cat(parts, dim=2)
+        for g, r in zip(gens or [], routing):
+            g.routed_experts = r[: len(g.token_ids)].clone()
 
     def _broadcast_generations(self, gens: Optional[list[Generation]]) -> list[Generation]:
         """Stage 0's Generations and last_stats on every pipeline stage (one object broadcast over the pp group)."""

@@ -54,10 +54,11 @@ from aligner.config import AlignerConfig, ConfigError, SamplingConfig
 from aligner.data.pipeline import load_data, resolve_tokenizer
 from aligner.data.sampler import DataIterator
 from aligner.errors import UserError
+from aligner.model.moe import routing_mismatch
 from aligner.planner import PlanError, check_fits, format_plan, make_plan
 from aligner.protocol import RolloutBatch, build_sequences
 from aligner.reward.rules import score
-from aligner.rollout.base import generations_to_padded
+from aligner.rollout.base import generations_to_padded, routed_experts_to_padded
 from aligner.runtime.role import check_tokenizer_fits, resolve_init
 from aligner.tracking import plot_curves
 from aligner.trainers.evaluation import accuracy_rule, evaluate_greedy, gather_generations, on_builtin_task
@@ -299,7 +300,12 @@ class PPOTrainer(Trainer):
         ]
         group_ids = torch.arange(len(rows) // n).repeat_interleave(n)
         return RolloutBatch(
-            **seq, group_ids=group_ids, rollout_log_probs=rollout_lp, weight_version=gens[0].weight_version if gens else 0, meta=meta
+            **seq,
+            group_ids=group_ids,
+            rollout_log_probs=rollout_lp,
+            rollout_experts=routed_experts_to_padded(gens),  # MoE policies only (else None)
+            weight_version=gens[0].weight_version if gens else 0,
+            meta=meta,
         )
 
     def _temperature(self) -> float:
@@ -311,7 +317,9 @@ class PPOTrainer(Trainer):
 
         inputs, temp = batch.model_inputs(), self._temperature()
         self.busy("actor", "critic", "reward", "ref")
-        futures = {"old": self.groups["actor"].log_probs(inputs, temp)}
+        routing = batch.rollout_experts is not None  # MoE: the trainer's routing too, for the mismatch metric
+        actor = self.groups["actor"]
+        futures = {"old": actor.log_probs_with_routing(inputs, temp) if routing else actor.log_probs(inputs, temp)}
         if "critic" in self.groups:
             futures["values"] = self.groups["critic"].values(inputs)
         if "reward" in self.groups:
@@ -323,6 +331,9 @@ class PPOTrainer(Trainer):
         names = list(futures)
         results = dict(zip(names, get_all([futures[k] for k in names])))
         mask = batch.response_mask
+        if routing:
+            batch.old_experts = results["old"]["routed_experts"]
+            results["old"] = results["old"]["log_probs"]
         batch.old_log_probs = results["old"] * mask
         batch.ref_log_probs = results["ref"] * mask if "ref" in results else batch.old_log_probs.clone()
         batch.values = results["values"] * mask if "values" in results else None
@@ -423,6 +434,8 @@ class PPOTrainer(Trainer):
         if self.cfg.reward.type == "model" and on_builtin_task(self.cfg):
             out["train_accuracy"] = float(self._accuracy(batch.meta))
         out.update(alg.rollout_mismatch_metrics(batch.rollout_log_probs, batch.old_log_probs, mask))
+        if batch.rollout_experts is not None and batch.old_experts is not None:
+            out["moe_routing_mismatch"] = routing_mismatch(batch.rollout_experts, batch.old_experts, mask)
         return {k: float(v) for k, v in out.items()}
 
     # ---- evaluation -----------------------------------------------------------------

@@ -70,6 +70,11 @@ class PolicyWorker:
         return self.policy.log_probs(batch, self.cfg.trainer.micro_batch_size, temperature)
 
     @dispatch("dp_split")
+    def log_probs_with_routing(self, batch: dict, temperature: float = 1.0) -> dict:
+        """log_probs and the MoE routing of the response tokens (:meth:`Policy.log_probs_with_routing`)."""
+        return self.policy.log_probs_with_routing(batch, self.cfg.trainer.micro_batch_size, temperature)
+
+    @dispatch("dp_split")
     def ref_log_probs(self, batch: dict, temperature: float = 1.0) -> torch.Tensor:
         """log_probs of the base model (LoRA adapters disabled): the reference policy of LoRA PPO."""
         with disable_adapters(self.policy.runtime.module):

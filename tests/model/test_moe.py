@@ -11,6 +11,10 @@
   steps, with and without sequence parallelism, both routers, recomputation, micro-batches,
   the score model (tests.parallel.test_tensor_parallel.run_layout).
 - The engine decodes MoE layers: greedy tokens equal a no-cache argmax loop.
+- Engine / trainer routing: the engine's per-response-token experts (Generation.routed_experts) and the
+  trainer's (Policy.log_probs_with_routing) equal a no-cache forward's last_experts, on one process
+  (both schedulers), pp=2 and tp=2 with SP; routing_mismatch is 0.0 for equal weights and, after a
+  small change of one router row in the engine, equals the count from the two models' last_experts.
 """
 
 from __future__ import annotations
@@ -264,3 +268,140 @@ def test_moe_config_errors():
     per_mlp = 3 * 32 * 48
     assert cfg.num_parameters() - dense.num_parameters() == 2 * (3 * per_mlp + 4 * 32)
     assert cfg.num_parameters(active=True) - dense.num_parameters() == 2 * (per_mlp + 4 * 32)
+
+
+def _full_sequence_routing(model, batch) -> torch.Tensor:
+    """Independent reference: every MoE layer's last_experts of a no-cache forward of the full
+    sequences, read at the response positions prompt_len + i - 1 -> [B, R, L, k] sorted, -1 masked."""
+    from aligner.model.moe import moe_layers
+
+    ids, plen, mask = batch["input_ids"], batch["prompt_lens"], batch["response_mask"]
+    b, r = mask.shape
+    with torch.no_grad():
+        model(ids)
+    out = torch.full((b, r, len(moe_layers(model)), model.cfg.num_experts_per_tok), -1, dtype=torch.long)
+    for layer, m in enumerate(moe_layers(model)):
+        e = m.last_experts.view(b, ids.shape[1], -1)
+        for i in range(b):
+            for j in range(int(mask[i].sum())):
+                out[i, j, layer] = e[i, int(plen[i]) + j - 1].sort().values
+    return out
+
+
+def test_routing_mismatch_engine_vs_trainer():
+    """Engine (continuous and static schedulers, refills of a 2-slot pool) and trainer
+    (Policy.log_probs_with_routing, 2 micro-batches) report the same experts for every response
+    token and MoE layer when their weights are equal (mismatch 0.0), and both equal a no-cache
+    full-sequence forward's last_experts; after a small change of one router row in the engine
+    (refit by name) the mismatch is > 0 and equals the count from the two models' last_experts
+    on the full sequences."""
+    from aligner.actor.policy import Policy
+    from aligner.config import OptimConfig, ParallelConfig, SamplingConfig
+    from aligner.model.llama import build_model
+    from aligner.model.moe import routing_mismatch
+    from aligner.parallel.dims import ParallelDims
+    from aligner.protocol import build_sequences
+    from aligner.rollout.base import routed_experts_to_padded
+    from aligner.rollout.torch_engine import TorchEngine
+
+    cfg = moe_cfg(init_std=0.1)
+    pol = Policy(cfg, ParallelConfig(), OptimConfig(), ParallelDims(device_type="cpu"), seed=0)
+    sd = {k: v.detach().clone() for k, v in pol.runtime.module.state_dict().items()}
+    prompts = [[1, 5, 9, 2], [7, 3], [4, 4, 4, 8, 10, 11], [2, 6, 1]]
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=10)
+    seeds = [11, 12, 13, 14]
+
+    def engine(scheduler: str):
+        model = build_model(cfg, seed=1)
+        model.load_state_dict(sd)
+        return TorchEngine(model, max_batch_size=2, scheduler=scheduler, cpu_layout="out_in")
+
+    def compare(eng, gens):
+        batch = build_sequences(prompts, [g.token_ids for g in gens], 0)
+        got = pol.log_probs_with_routing(batch, micro_batch_size=2, temperature=1.0)
+        rollout = routed_experts_to_padded(gens)
+        assert rollout.shape == got["routed_experts"].shape == (4, batch["response_mask"].shape[1], 2, 2)
+        lp_diff = max(abs(a - b) for g, row in zip(gens, got["log_probs"]) for a, b in zip(g.rollout_log_probs, row.tolist()))
+        ref_engine = _full_sequence_routing(eng.model, batch)
+        ref_trainer = _full_sequence_routing(pol.runtime.module, batch)
+        return batch, rollout, got["routed_experts"], lp_diff, ref_engine, ref_trainer
+
+    for scheduler in ("continuous", "static"):
+        eng = engine(scheduler)
+        gens = eng.generate(prompts, sampling, seeds=seeds)
+        batch, rollout, old, lp_diff, ref_engine, ref_trainer = compare(eng, gens)
+        assert lp_diff < 1e-5
+        assert torch.equal(rollout.long(), ref_engine) and torch.equal(old.long(), ref_trainer)
+        assert routing_mismatch(rollout, old, batch["response_mask"]) == 0.0
+
+    # one router row of layer 0 moved a little in the engine only: near-ties flip
+    eng = engine("continuous")
+    w = sd["model.layers.0.mlp.gate.weight"].clone()
+    w[0] += 0.05 * torch.randn(w.shape[1], generator=torch.Generator().manual_seed(0))
+    eng.update_weights([("model.layers.0.mlp.gate.weight", w)])
+    eng.finish_weight_update()
+    gens = eng.generate(prompts, sampling, seeds=seeds)
+    batch, rollout, old, lp_diff, ref_engine, ref_trainer = compare(eng, gens)
+    assert torch.equal(rollout.long(), ref_engine) and torch.equal(old.long(), ref_trainer)
+    mask = batch["response_mask"] > 0
+    differ = (ref_engine != ref_trainer).any(-1)[mask]  # [response tokens, layers]
+    got = routing_mismatch(rollout, old, batch["response_mask"])
+    assert 0.0 < got < 1.0 and got == int(differ.sum()) / differ.numel()
+    assert lp_diff > 1e-4  # the changed routing moves the log-probs too
+    print(f"perturbed router: routing mismatch {got:.3f}, max |log-prob diff| {lp_diff:.4f}")
+
+
+ROUTING_LAYOUTS = {"pp=2": (1, 2, False), "tp=2, SP": (2, 1, True)}  # name: (tp, pp, sequence parallel)
+ROUTING_PROMPTS = [[1, 5, 9, 2], [7, 3], [4, 4, 4, 8, 10, 11], [2, 6, 1], [7, 3]]
+
+
+def routing_battery(rank: int, world_size: int) -> dict:
+    """Per layout: the engine (its own tp/pp layout; continuous with 2 micro-batches, and static) and
+    the trainer's Policy (same layout, seed-1 weights like the engine's) -> routed experts as lists."""
+    from aligner.actor.policy import Policy
+    from aligner.config import OptimConfig, ParallelConfig, SamplingConfig
+    from aligner.parallel.parallelize import build_parallel_model
+    from aligner.protocol import build_sequences
+    from aligner.rollout.base import routed_experts_to_padded
+    from aligner.rollout.refit import rollout_dims
+    from aligner.rollout.torch_engine import TorchEngine
+    from tests.parallel.test_tensor_parallel import make_dims
+
+    cfg = moe_cfg(init_std=0.1)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=8)
+    out = {}
+    for name, (tp, pp, sp) in ROUTING_LAYOUTS.items():
+        pol = Policy(
+            cfg, ParallelConfig(tp_size=tp, pp_size=pp, sequence_parallel=sp, dp_backend="ddp"), OptimConfig(), make_dims(tp, pp), seed=1
+        )
+        edims = rollout_dims(world_size, rank, tp, pp)
+        model = build_parallel_model(cfg, "lm", edims, seed=1)
+        for scheduler in ("continuous", "static"):
+            eng = TorchEngine(
+                model, tp_group=edims.tp_group, pp_group=edims.pp_group, max_batch_size=2, scheduler=scheduler, cpu_layout="out_in"
+            )
+            gens = eng.generate(ROUTING_PROMPTS, sampling, seeds=list(range(len(ROUTING_PROMPTS))))
+            batch = build_sequences(ROUTING_PROMPTS, [g.token_ids for g in gens], 0)
+            got = pol.log_probs_with_routing(batch, micro_batch_size=2)
+            out[(name, scheduler)] = ([g.token_ids for g in gens], routed_experts_to_padded(gens).tolist(), got["routed_experts"].tolist())
+    return out
+
+
+@pytest.mark.distributed
+def test_routing_on_pp2_and_tp2_sp_matches_single_process():
+    """With pp = 2 (each stage routes its own layer; the stages' experts are gathered over the pp group)
+    and with tp = 2 + sequence parallelism, engine (both schedulers) and trainer report, on every
+    rank, the experts of a single-process no-cache forward of the generated sequences."""
+    from aligner.model.llama import build_model
+    from aligner.protocol import build_sequences
+
+    ref_model = build_model(moe_cfg(init_std=0.1), seed=1).eval()
+    results = run_distributed(routing_battery, world_size=2)
+    for key in results[0]:
+        tokens, engine, trainer = results[0][key]
+        batch = build_sequences(ROUTING_PROMPTS, tokens, 0)
+        want = _full_sequence_routing(ref_model, batch)
+        for rank, res in enumerate(results):
+            assert res[key][0] == tokens, (rank, key)
+            assert torch.equal(torch.tensor(res[key][1]), want), (rank, key, "engine")
+            assert torch.equal(torch.tensor(res[key][2]), want), (rank, key, "trainer")
