@@ -289,8 +289,9 @@ class ParallelConfig:
     num_microbatches: int = 0  # pipeline micro-batches per step; 0 = derive from batch sizes
     pp_layer_split: Optional[list[int]] = None  # layers per stage (uneven splits); None = even
     # policy log-probs / entropy: positions per chunk of the fused head + softmax (aligner.nn.chunked),
-    # so no [B, R, V/tp] fp32 logits exist; 0 = the unchunked path (the head's logits, then aligner.nn.vocab)
-    logprob_chunk_size: int = 512
+    # so no [B, R, V/tp] fp32 logits exist; 0 = the unchunked path (the head's logits, then aligner.nn.vocab);
+    # -1 = as many positions as keep one chunk's fp32 logits within 256 MiB (aligner.nn.chunked.auto_chunk_size)
+    logprob_chunk_size: int = -1
     # torch.compile each decoder block for training (torchtitan's per-block compile, applied by
     # aligner.parallel.parallelize); off by default: on the CPU it was measured no faster (benchmarks/RESULTS.md)
     compile: bool = False
@@ -307,10 +308,10 @@ class ParallelConfig:
         _choice(f"{prefix}.mixed_precision", self.mixed_precision, ("fp32", "bf16"))
         _choice(f"{prefix}.zero_stage", self.zero_stage, (0, 1, 2, 3))
         _check(
-            self.logprob_chunk_size >= 0,
+            self.logprob_chunk_size >= -1,
             f"{prefix}.logprob_chunk_size",
             self.logprob_chunk_size,
-            "must be >= 0 (positions per chunk, e.g. 512; 0 = unchunked logits)",
+            "must be >= -1 (positions per chunk, e.g. 512; 0 = unchunked logits; -1 = chunks of 256 MiB of logits)",
         )
         _check(
             self.ep_size >= 1 and self.dp_size % self.ep_size == 0,

@@ -170,6 +170,10 @@ def main() -> None:
         "--chunk", type=int, default=ParallelConfig().logprob_chunk_size, help="--head: positions per chunk (default: the policy's)"
     )
     args = ap.parse_args()
+    if args.chunk < 0:  # the policy's automatic chunk (aligner.nn.chunked.auto_chunk_size)
+        from aligner.nn.chunked import auto_chunk_size
+
+        args.chunk = auto_chunk_size(args.vocab)
     if args.quick:
         args.batch, args.seq, args.repeats = 2, 256, 2
     shape = (args.batch, args.seq, args.vocab)

@@ -30,7 +30,7 @@ from aligner import algorithms as alg
 from aligner.config import AlgorithmConfig, DPOConfig, PromptLearningConfig
 from aligner.model.moe import record_routing, stack_routing
 from aligner.model.prompt import attach_prompt, build_prompt, greedy_generate, prompt_state_dict
-from aligner.nn.chunked import LogProbSpec
+from aligner.nn.chunked import LogProbSpec, auto_chunk_size
 from aligner.nn.vocab import vocab_parallel_log_probs, vocab_parallel_log_probs_entropy
 from aligner.protocol import response_index
 from aligner.runtime.role import RoleModel
@@ -112,14 +112,20 @@ class Policy(RoleModel):
 
     @property
     def chunked(self) -> bool:
-        """True when the model returns log-probs and entropy itself (parallel.logprob_chunk_size > 0)."""
-        return self.parallel.logprob_chunk_size > 0
+        """True when the model returns log-probs and entropy itself (parallel.logprob_chunk_size != 0)."""
+        return self.parallel.logprob_chunk_size != 0
+
+    @property
+    def chunk_size(self) -> int:
+        """Positions per log-prob chunk: parallel.logprob_chunk_size, or for -1 :func:`auto_chunk_size` of V/tp."""
+        size = self.parallel.logprob_chunk_size
+        return size if size > 0 else auto_chunk_size(self.model_cfg.vocab_size // self.dims.tp_size)
 
     def _with_labels(self, inputs: dict, labels: torch.Tensor, temperature: float) -> dict:
         """`inputs` plus labels [B, R] and, on the chunked path, the model input ``logprob``."""
         out = {**inputs, "labels": labels}
         if self.chunked:
-            out["logprob"] = LogProbSpec(temperature=temperature, chunk_size=self.parallel.logprob_chunk_size)
+            out["logprob"] = LogProbSpec(temperature=temperature, chunk_size=self.chunk_size)
         return out
 
     def _log_probs_entropy(self, out, mb: dict, temperature: float, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -193,9 +193,15 @@ def test_policy_chunked_equals_unchunked():
         assert sft["grad_norm"] == pytest.approx(want_sft["grad_norm"], abs=1e-5)
 
 
-def test_logprob_chunk_size_is_validated():
-    with pytest.raises(ConfigError, match=r"actor.parallel.logprob_chunk_size=-1 is invalid: must be >= 0"):
-        ParallelConfig(logprob_chunk_size=-1).validate("actor.parallel")
+def test_logprob_chunk_size_is_validated_and_auto_fits_its_budget():
+    from aligner.nn.chunked import AUTO_CHUNK_BYTES, auto_chunk_size
+
+    with pytest.raises(ConfigError, match=r"actor.parallel.logprob_chunk_size=-2 is invalid: must be >= -1"):
+        ParallelConfig(logprob_chunk_size=-2).validate("actor.parallel")
+    for v in (32000, 128256, 64):
+        c = auto_chunk_size(v)
+        assert c * v * 4 <= AUTO_CHUNK_BYTES < (c + 1) * v * 4
+    assert auto_chunk_size(128256) == 523 and auto_chunk_size(32000) == 2097
 
 
 # ---- vocab-parallel tp = 2 on gloo -------------------------------------------------------
