@@ -90,13 +90,20 @@ def reduce_expert_grads(model: nn.Module, edp_group, dp_size: int, averaged_over
     if averaged_over > 1:
         torch._foreach_mul_(grads, averaged_over / dp_size)
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce_no_grad(flat, edp_group)
-    flat /= dp_size
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    flat_all_reduce_(grads, edp_group, dp_size)
+
+
+def flat_all_reduce_(grads: list[torch.Tensor], group, divisor: float = 1.0) -> None:
+    """Sum `grads` over `group` in place and divide by `divisor`: one flat all-reduce per dtype."""
+    for dtype in {g.dtype for g in grads}:
+        same = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in same])
+        comm.all_reduce_no_grad(flat, group)
+        flat /= divisor
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 # ---- FSDP2 -------------------------------------------------------------------------------

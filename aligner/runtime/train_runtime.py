@@ -109,15 +109,7 @@ def _all_reduce_mean_grads(model: nn.Module, dp_group, skip: Optional[set[int]] 
     if n == 1:
         return
     grads = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in (skip or ())]
-    for dtype in {g.dtype for g in grads}:
-        same = [g for g in grads if g.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in same])
-        comm.all_reduce_no_grad(flat, dp_group)
-        flat /= n
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+    dpmod.flat_all_reduce_(grads, dp_group, n)
 
 
 class TrainRuntime:

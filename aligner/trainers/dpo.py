@@ -20,27 +20,19 @@ weights; the log says which. The reference starts from the same weights.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from aligner.config import AlignerConfig
 from aligner.data.collate import collate_pairs
 from aligner.trainers.sft import task_accuracy_results
-from aligner.trainers.supervised import SupervisedTrainer
+from aligner.trainers.supervised import SupervisedTrainer, log_init, tiny_sft_init
 from aligner.workers.dpo import DPOWorker
 
 log = logging.getLogger("aligner")
 
-TINY_SFT_DIR = "outputs/tiny/sft"  # default actor.init of the tiny preset on the built-in task
-
 
 def default_init(cfg: AlignerConfig) -> str:
-    """actor.init, or for conf=tiny on the built-in task the tiny SFT run when its HF export exists, else ""."""
-    if cfg.actor.init:
-        return cfg.actor.init
-    builtin = not cfg.data.train_path and not cfg.tokenizer.path
-    if cfg.preset == "tiny" and builtin and (Path(TINY_SFT_DIR) / "hf" / "config.json").is_file():
-        return TINY_SFT_DIR
-    return ""
+    """actor.init, or for conf=tiny on the built-in task the tiny SFT run (:func:`tiny_sft_init`)."""
+    return tiny_sft_init(cfg, cfg.actor.init)
 
 
 class DPOTrainer(SupervisedTrainer):
@@ -75,13 +67,7 @@ class DPOTrainer(SupervisedTrainer):
         return DPOWorker
 
     def worker_kwargs(self) -> dict:
-        if self.init:
-            log.info("dpo: initializing the policy and the reference from %s", self.init)
-        else:
-            log.info(
-                "dpo: initializing the policy and the reference from random weights (actor.init is empty%s)",
-                f" and {TINY_SFT_DIR} has no HF export" if self.cfg.preset == "tiny" else "",
-            )
+        log_init(self.cfg, "the policy and the reference", self.init, "actor.init")
         return {"cfg": self.cfg, "total_steps": self.cfg.trainer.max_steps, "init": self.init, "eos_token_id": self.tokenizer.eos_token_id}
 
     def collate(self, examples: list[dict]) -> dict:

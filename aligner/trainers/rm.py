@@ -20,28 +20,21 @@ from __future__ import annotations
 
 import logging
 import math
-from pathlib import Path
 
 from aligner.config import AlignerConfig
 from aligner.data.collate import collate_pairs
 from aligner.reward.reward_model import interleave_pairs
-from aligner.trainers.supervised import SupervisedTrainer, eval_chunks
+from aligner.trainers.supervised import SupervisedTrainer, eval_chunks, log_init, tiny_sft_init
 from aligner.workers.reward import RewardWorker
 
 log = logging.getLogger("aligner")
 
-TINY_SFT_DIR = "outputs/tiny/sft"  # default reward.init of the tiny preset on the built-in task
 MAX_STATS_PAIRS = 4096  # training pairs scored for reward_stats.json (2 responses each)
 
 
 def default_init(cfg: AlignerConfig) -> str:
-    """reward.init, or for conf=tiny on the built-in task the tiny SFT run when its HF export exists, else ""."""
-    if cfg.reward.init:
-        return cfg.reward.init
-    builtin = not cfg.data.train_path and not cfg.tokenizer.path
-    if cfg.preset == "tiny" and builtin and (Path(TINY_SFT_DIR) / "hf" / "config.json").is_file():
-        return TINY_SFT_DIR
-    return ""
+    """reward.init, or for conf=tiny on the built-in task the tiny SFT run (:func:`tiny_sft_init`)."""
+    return tiny_sft_init(cfg, cfg.reward.init)
 
 
 class RMTrainer(SupervisedTrainer):
@@ -65,13 +58,7 @@ class RMTrainer(SupervisedTrainer):
         return RewardWorker
 
     def worker_kwargs(self) -> dict:
-        if self.init:
-            log.info("rm: initializing the reward model from %s", self.init)
-        else:
-            log.info(
-                "rm: initializing the reward model from random weights (reward.init is empty%s)",
-                f" and {TINY_SFT_DIR} has no HF export" if self.cfg.preset == "tiny" else "",
-            )
+        log_init(self.cfg, "the reward model", self.init, "reward.init")
         return {"cfg": self.cfg, "total_steps": self.cfg.trainer.max_steps, "init": self.init}
 
     def collate(self, examples: list[dict]) -> dict:

@@ -54,6 +54,33 @@ from aligner.workers.placement import local_shortfall, placement_from_config
 
 log = logging.getLogger("aligner")
 
+TINY_SFT_DIR = "outputs/tiny/sft"  # default init of the RM and DPO stages for the tiny preset on the built-in task
+
+
+def tiny_sft_init(cfg: AlignerConfig, role_init: str) -> str:
+    """`role_init` (the stage's reward.init / actor.init), or for conf=tiny on the built-in task the tiny SFT run
+    when its HF export exists (relative to the working directory), else "" (random weights)."""
+    if role_init:
+        return role_init
+    builtin = not cfg.data.train_path and not cfg.tokenizer.path
+    if cfg.preset == "tiny" and builtin and (Path(TINY_SFT_DIR) / "hf" / "config.json").is_file():
+        return TINY_SFT_DIR
+    return ""
+
+
+def log_init(cfg: AlignerConfig, what: str, init: str, field: str) -> None:
+    """Log where `what` starts from: `init`, or random weights (naming the empty `field`)."""
+    if init:
+        log.info("%s: initializing %s from %s", cfg.stage, what, init)
+    else:
+        log.info(
+            "%s: initializing %s from random weights (%s is empty%s)",
+            cfg.stage,
+            what,
+            field,
+            f" and {TINY_SFT_DIR} has no HF export" if cfg.preset == "tiny" else "",
+        )
+
 
 def first(value: Any) -> Any:
     """A dp_split result's scalar: every replica returns the same global value, so take replica 0's."""
