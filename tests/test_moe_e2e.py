@@ -3,6 +3,7 @@
 - SFT on the built-in task with a Mixtral-style model (4 experts, top-2), dp=2 x ep=2 (DDP): the
   router statistics are logged, the HF export is a ``MixtralForCausalLM`` whose logits transformers
   reproduces (1e-5);
+- the RM and DPO stages from it with ep=2 as well;
 - PPO from that checkpoint (the model's MoE dimensions adopted from its config.json), the actor at
   dp=2 x ep=2: refit of the expert-parallel weights into the engine, whose rollout log-probs equal
   the trainer's recomputed ones (the mismatch metric), the engine's and the trainer's top-k experts
@@ -10,6 +11,8 @@
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -72,4 +75,27 @@ def test_moe_sft_then_ppo_with_expert_parallelism(ray_cluster, tmp_path, monkeyp
         assert r["log_probs_abs_diff_max"] < 1e-4  # engine (ep=1, all experts) vs trainer (ep=2)
         print(f"moe_routing_mismatch {r['moe_routing_mismatch']:.6f}, log_probs_abs_diff_max {r['log_probs_abs_diff_max']:.2e}")
         assert r["moe_routing_mismatch"] < 1e-3  # top-k expert sets, (response token, layer) pairs
-        assert r["refit_bytes"] > 0 and "moe_aux_loss" in r
+        assert r["refit_bytes"] > 0 and "actor/moe_aux_loss" in r and "critic/moe_aux_loss" in r
+
+
+def test_moe_reward_model_and_dpo_with_expert_parallelism(ray_cluster, tmp_path, monkeypatch):
+    """The RM (an MoE score model, exported as MixtralForSequenceClassification) and DPO (an MoE policy
+    against its frozen MoE reference), each at dp=2 x ep=2 from a few-step MoE SFT run."""
+    from aligner.trainers.dpo import DPOTrainer
+    from aligner.trainers.rm import RMTrainer
+
+    monkeypatch.chdir(tmp_path)
+    sft = tmp_path / "sft"
+    assert SFTTrainer(load_config("sft", FAST + MOE + ["trainer.max_steps=2", f"output_dir={sft}", "task.num_sft=200"])).run() == 0
+    ep = ["parallel.dp_size=2", "parallel.ep_size=2", "parallel.dp_backend=ddp"]
+    common = FAST + ["trainer.max_steps=3", "trainer.eval_every=3", "trainer.micro_batch_size=8", "task.num_pairs=200"]
+    rm = tmp_path / "rm"
+    assert RMTrainer(load_config("rm", common + [f"reward.{o}" for o in ep] + [f"reward.init={sft}", f"output_dir={rm}"])).run() == 0
+    last = read_metrics(rm / "metrics.jsonl")[-1]
+    assert "moe_aux_loss" in last and 0.0 <= last["eval_accuracy"] <= 1.0
+    assert json.loads((rm / "hf" / "config.json").read_text())["architectures"] == ["MixtralForSequenceClassification"]
+    dpo = tmp_path / "dpo"
+    assert DPOTrainer(load_config("dpo", common + [f"actor.{o}" for o in ep] + [f"actor.init={sft}", f"output_dir={dpo}"])).run() == 0
+    rows = read_metrics(dpo / "metrics.jsonl")
+    assert rows[0]["dpo_loss"] == pytest.approx(0.6931472, abs=1e-5)  # the policy starts as its reference
+    assert "moe_aux_loss" in rows[-1] and "task_accuracy" in rows[-1]

@@ -55,4 +55,5 @@ class Critic(RoleModel):
             "grad_norm": stats["grad_norm"],
             "lr": stats["lr"],
             "skipped": stats.get("skipped", 0.0),
+            **{k: v for k, v in stats.items() if k.startswith("moe_")},  # router statistics of an MoE model
         }

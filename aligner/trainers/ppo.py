@@ -413,7 +413,7 @@ class PPOTrainer(Trainer):
                     futs["critic"] = self.groups["critic"].value_step(mb.tensors(*critic_keys))
                 for role, res in zip(futs, get_all(list(futs.values()))):
                     for k, v in first_replica(res).items():
-                        sums.setdefault(f"{role}/{k}" if k in ("grad_norm", "lr", "skipped") else k, []).append(v)
+                        sums.setdefault(f"{role}/{k}" if k in ("grad_norm", "lr", "skipped") or k.startswith("moe_") else k, []).append(v)
         out = {k: sum(v) / len(v) for k, v in sums.items()}
         for key in ("actor/skipped", "critic/skipped"):
             if key in sums:
