@@ -219,6 +219,15 @@ CASES = [
         "must not exceed model.max_seq_len=64",
     ),
     (["actor.prompt_learning.type=prompt_tuning"], "actor.prompt_learning.type", "'prompt_tuning'", "SFT stage only"),
+    # DPO (aligner.dpo), LoRA, the log-prob chunk
+    (["dpo.beta=0"], "dpo.beta", "0.0", "must be > 0"),
+    (["dpo.loss_type=kto"], "dpo.loss_type", "'kto'", "sigmoid, ipo"),
+    (["dpo.label_smoothing=0.6"], "dpo.label_smoothing", "0.6", "[0, 0.5)"),
+    (["dpo.loss_type=ipo", "dpo.label_smoothing=0.1"], "dpo.label_smoothing", "0.1", "sigmoid only"),
+    (["dpo.rpo_alpha=-1"], "dpo.rpo_alpha", "-1.0", ">= 0"),
+    (["actor.lora.rank=8", "actor.lora.alpha=0"], "actor.lora.alpha", "0.0", "must be > 0"),
+    (["actor.lora.rank=8", "actor.lora.dropout=1.0"], "actor.lora.dropout", "1.0", "[0, 1)"),
+    (["actor.parallel.logprob_chunk_size=-2"], "actor.parallel.logprob_chunk_size", "-2", "must be >= -1"),
     # MoE (aligner.model.moe) and expert parallelism
     (["model.num_experts=-1"], "model.num_experts", "-1", "must be 0 (dense MLP)"),
     (["model.num_experts=4", "model.num_experts_per_tok=5"], "model.num_experts_per_tok", "5", "between 1 and model.num_experts=4"),

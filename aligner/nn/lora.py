@@ -154,7 +154,7 @@ def adapter_of(layer: nn.Module) -> Optional[LoraAdapter]:
     return layer._modules.get(ADAPTER)
 
 
-def _target_of(name: str) -> str:
+def _module_suffix(name: str) -> str:
     return name.rpartition(".")[2]
 
 
@@ -184,7 +184,7 @@ def apply_lora(
     targets = set(target_modules)
     adapted = []
     for name, module in list(model.named_modules()):
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or _target_of(name) not in targets:
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or _module_suffix(name) not in targets:
             continue
         g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
         module.add_module(ADAPTER, LoraAdapter(module, rank, alpha, dropout, kaiming_uniform_a(rank, module.in_features, g)))
