@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence
 
 from aligner.config import MODEL_ROLES, PRESETS, AlignerConfig, ConfigError, config_yaml, roles_with_field
 from aligner.errors import UserError
+from aligner.trainers import preemption
 from aligner.trainers.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from aligner.trainers.preemption import Preempted
 
@@ -300,6 +301,13 @@ def run(stage: str, main: Callable[[AlignerConfig], Optional[int]], argv: Option
             return 1
         if not isinstance(e, WorkerError):
             raise
+        if preemption.was_requested():  # SIGTERM reached the workers too and one ended before the step did
+            print(
+                f"aligner {stage}: stopped by SIGTERM: {e.role} rank {e.rank} ended during the step ({e.method}) after the "
+                "signal, so the step was abandoned; the last complete checkpoint in output_dir is intact: rerun with resume=true",
+                file=sys.stderr,
+            )
+            return PREEMPTED_EXIT_CODE
         print(f"aligner {stage}: error: {e}\nthe last complete checkpoint in output_dir is intact: rerun with resume=true", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -42,6 +42,7 @@ class _State:
 
 
 _STATE: Optional[_State] = None
+_SIGTERM_SEEN = False  # SIGTERM arrived during this process's run (kept after uninstall, for the exit code)
 
 
 def install(stage: str, grace_s: float) -> None:
@@ -50,8 +51,9 @@ def install(stage: str, grace_s: float) -> None:
     Call from the main thread after Ray is initialized; :func:`uninstall` restores the
     previous handler.
     """
-    global _STATE
+    global _STATE, _SIGTERM_SEEN
     _STATE = _State(stage, grace_s)
+    _SIGTERM_SEEN = False  # a new run (in-process callers run several)
     _STATE.previous = signal.signal(signal.SIGTERM, _on_sigterm)
 
 
@@ -68,6 +70,13 @@ def uninstall() -> None:
 def requested() -> bool:
     """Whether SIGTERM has arrived since :func:`install`."""
     return _STATE is not None and _STATE.requested_at is not None
+
+
+def was_requested() -> bool:
+    """Whether SIGTERM arrived while the handler was installed, also after :func:`uninstall`: a worker
+    that failed after it (a scheduler signals every process, and a Ray worker dies of it before the
+    driver's step ends) ended a preempted run, not a broken one (the entry point exits 143)."""
+    return _SIGTERM_SEEN
 
 
 def stop_at_step_boundary(step: int, last_saved: int, save: Callable[[], object], where: str) -> None:
@@ -95,9 +104,11 @@ def stop_at_step_boundary(step: int, last_saved: int, save: Callable[[], object]
 
 
 def _on_sigterm(signum, frame) -> None:
+    global _SIGTERM_SEEN
     state = _STATE
     if state is None or state.requested_at is not None:
         return
+    _SIGTERM_SEEN = True
     state.requested_at = time.monotonic()
     log.warning("SIGTERM: finishing the current step and writing a checkpoint (within trainer.preempt_grace_s=%g s)", state.grace_s)
     threading.Thread(target=_watchdog, args=(state,), name="aligner-preempt-watchdog", daemon=True).start()
