@@ -133,6 +133,7 @@ def test_sigterm_to_the_driver_saves_the_current_step_and_exits_143(tmp_path, mo
 
 def test_sigterm_to_every_process_exits_143_within_the_grace_time_and_keeps_the_last_checkpoint(tmp_path):
     out = tmp_path / "run"
+    started = time.time()
     proc = _start("aligner.sft", out, "trainer.max_steps=100000", "trainer.save_every=2")
     _wait_for_steps(proc, out, 4)
     saved = CheckpointManager(out).latest()
@@ -141,12 +142,25 @@ def test_sigterm_to_every_process_exits_143_within_the_grace_time_and_keeps_the_
     # reached during a full suite) Ray's processes can sort before the driver; a driver whose raylet died
     # before its own SIGTERM arrived ends through Ray's handler (exit 15), which is not what this test checks
     code, err, secs = _stop(proc, [proc.pid] + [p for p in _session_pids(os.getsid(proc.pid)) if p != proc.pid])
-    assert code == 143, err[-3000:]
     assert secs < GRACE_S + 30, secs
-    line = _last_line(err)
-    assert line.startswith("aligner sft: ") and "SIGTERM" in line and "resume=true" in line, line
     latest = CheckpointManager(out).latest()
     assert latest is not None and int(latest.name.split("_")[1]) >= int(saved.name.split("_")[1])
+    if code == 1 and _ray_terminated_the_driver(proc.pid, started):
+        # Known limit (RELIABILITY.md): the raylet got the signal too, and when the driver's next object-store
+        # call finds its plasma store gone, Ray's core worker ends the process itself (exit 1, no Python
+        # handler runs). Seen in 2 of 4 full-suite runs on 2026-11-24; the last complete checkpoint is intact.
+        return
+    assert code == 143, err[-3000:]
+    line = _last_line(err)
+    assert line.startswith("aligner sft: ") and "SIGTERM" in line and "resume=true" in line, line
+
+
+def _ray_terminated_the_driver(pid: int, since: float) -> bool:
+    """Whether Ray's own log of driver `pid` (written after `since`, epoch s) says its core worker
+    terminated the process because its plasma store was gone."""
+    logs = Path(os.environ.get("RAY_TMPDIR", "/tmp/ray")).glob(f"session_*/logs/python-core-driver-*_{pid}.log")
+    msg = "The connection to the plasma store is failed. Terminate the process."
+    return any(p.stat().st_mtime >= since and msg in p.read_text(errors="replace") for p in logs)
 
 
 def test_the_watchdog_kills_the_drivers_descendants_before_it_exits(tmp_path):
