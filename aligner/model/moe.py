@@ -113,7 +113,9 @@ def route(
     raise ValueError(f"router={router!r}: valid choices are {', '.join(ROUTERS)}")
 
 
-def switch_load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+def switch_load_balancing_loss(
+    probs: torch.Tensor, experts: torch.Tensor, num_experts: int, counts: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Switch Transformer load-balancing loss (Fedus et al. 2021, eq. 4-6), for top-k routing.
 
     probs: [N, E] fp32 router probabilities; experts: [N, k] int64 chosen experts. Returns the
@@ -123,9 +125,9 @@ def switch_load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_e
     it equals k times this.)
     """
     n, k = experts.shape
-    counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device)
-    counts.scatter_add_(0, experts.reshape(-1), torch.ones(n * k, dtype=probs.dtype, device=probs.device))
-    f = counts / (n * k)
+    if counts is None:  # counts [E]: assignments per expert, when the caller has them already
+        counts = torch.bincount(experts.reshape(-1), minlength=num_experts)
+    f = counts.to(probs.dtype) / (n * k)
     p = probs.mean(dim=0)
     return num_experts * torch.sum(f * p)
 
@@ -263,7 +265,7 @@ class SparseMoE(nn.Module):
     Args: cfg: a ModelConfig with num_experts > 0 (num_experts_per_tok, moe_router,
     router_aux_loss_coef, router_z_loss_coef, moe_capacity_factor, moe_norm_topk_prob).
     Forward: x [B, T(/tp), H] -> [B, T(/tp), H] (plus `residual` when given).
-    After each forward (training or not) ``stats`` holds detached fp32 scalars of that micro-batch:
+    After each training forward ``stats`` holds (eval, e.g. the engine's decode, computes no auxiliary loss or statistics) detached fp32 scalars of that micro-batch:
     ``aux_loss`` (Switch loss, 0 for sinkhorn), ``z_loss``, ``dropped`` (assignments dropped by the
     capacity), ``max_load`` (largest expert share of the assignments times E; 1.0 is balanced).
     ``last_experts`` [N, k] int64 are the experts chosen (for engine / trainer routing comparisons).
@@ -303,25 +305,24 @@ class SparseMoE(nn.Module):
         logits = self.gate(x_route)
         weights, experts, probs = route(logits, self.top_k, self.router, self.training, self.norm_topk_prob)
         self.last_experts = experts.detach()
-        out = self._dispatch(x_exp, comm.copy_to_tp(weights, group), experts)
+        counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)  # once: dispatch, loss and stats
+        out = self._dispatch(x_exp, comm.copy_to_tp(weights, group), experts, counts)
         out = comm.scatter_to_sp(out.view(b, t, h), group) if sp else comm.reduce_from_tp(out.view(b, t, h), group)
         out = out.view(shape)
-        aux = switch_load_balancing_loss(probs, experts, self.num_experts) if self.router == "topk_softmax" else probs.new_zeros(())
-        z = router_z_loss(logits) if self.z_coef else probs.new_zeros(())
-        if torch.is_grad_enabled() and self.training:
-            if self.aux_coef and self.router == "topk_softmax":
-                out = _AuxLoss.apply(out, aux, float(self.aux_coef * self.aux_scale))
-            if self.z_coef:
-                out = _AuxLoss.apply(out, z, float(self.z_coef * self.aux_scale))
-        counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts).float()
-        self.stats.update(
-            aux_loss=aux.detach(),
-            z_loss=z.detach(),
-            max_load=counts.max() * self.num_experts / counts.sum(),
-        )
+        if self.training:  # auxiliary losses and router statistics; none in eval (the engine's decode steps)
+            topk = self.router == "topk_softmax"
+            aux = switch_load_balancing_loss(probs, experts, self.num_experts, counts) if topk else probs.new_zeros(())
+            z = router_z_loss(logits) if self.z_coef else probs.new_zeros(())
+            if torch.is_grad_enabled():
+                if self.aux_coef and topk:
+                    out = _AuxLoss.apply(out, aux, float(self.aux_coef * self.aux_scale))
+                if self.z_coef:
+                    out = _AuxLoss.apply(out, z, float(self.z_coef * self.aux_scale))
+            c = counts.float()
+            self.stats.update(aux_loss=aux.detach(), z_loss=z.detach(), max_load=c.max() * self.num_experts / c.sum())
         return out if residual is None else residual + out
 
-    def _dispatch(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def _dispatch(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, H], weights [N, k] fp32, experts [N, k] -> [N, H] sum over kept assignments of w * expert(x).
 
         Assignments are sorted by expert (token order within an expert), cut to the capacity, and
@@ -330,7 +331,6 @@ class SparseMoE(nn.Module):
         n, k = experts.shape
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order within
-        counts = torch.bincount(flat, minlength=self.num_experts)
         cap = self.capacity(n) if self.training else None
         dropped = 0
         if cap is not None and int(counts.max()) > cap:
@@ -442,10 +442,9 @@ def global_moe_metrics(model: nn.Module, dims) -> dict[str, float]:
     pp and dp (every rank of the role calls it after a step)."""
     import torch.distributed as dist
 
-    layers = [m for m in moe_layers(model) if m.stats]
-    has_moe = getattr(getattr(model, "cfg", None), "num_experts", 0) > 0
-    if not has_moe:
+    if not getattr(getattr(model, "cfg", None), "num_experts", 0):  # a dense model: nothing to gather
         return {}
+    layers = [m for m in moe_layers(model) if m.stats]
     keys = ("aux_loss", "z_loss", "max_load", "dropped")
     t = torch.tensor([sum(float(m.stats.get(k, 0.0)) for m in layers) for k in keys] + [float(len(layers))], dtype=torch.float64)
     if dims.pp_size > 1:
