@@ -154,15 +154,16 @@ def test_resume_reproduces_uninterrupted_losses(ray_cluster, tmp_path, monkeypat
 # ---- the tiny acceptance run -------------------------------------------------------------------
 @pytest.mark.slow
 def test_tiny_demo_acceptance(tmp_path):
-    """`python -m aligner.demo` with the presets' own settings: SFT -> RM -> PPO as a user runs it.
+    """`python -m aligner.demo` with the presets' own settings: SFT -> RM -> PPO as a user runs it,
+    then PPO again from the same SFT policy and RM with two more trainer seeds.
 
     Budgets and targets from the issues: each stage under 5 minutes and the whole demo under 15;
     SFT lands well below 100% (carry-free sums right, most carry sums wrong); RM held-out pairwise
-    accuracy >= 90%; PPO at least halves the dropped-carry answers, raises carry accuracy by
-    >= 8 points and overall accuracy, with a bounded KL. (The first version asked for +15 points
-    overall; that held for the first session's SFT/RM pairs, +19 and +25, but not for the seven
-    measured on 2026-11-22, +3 to +10: the SFT/RM pair changes with floating-point details of
-    the machine, and the RM's blind spot for over-carrying caps the gain. See README.)
+    accuracy >= 90%; PPO raises held-out accuracy by >= 15 points with every one of the three
+    seeds, at least halves the dropped-carry answers, and keeps a bounded KL. (The +15 goal
+    failed on 2026-11-22's machines, +3 to +10, from SFT policies stopped half-way through
+    learning digit addition and an RM that had never seen over-carrying rejected; with the
+    2500-step SFT and the over-carry pairs, 2026-11-24 gave +31 to +32 over three seeds. README.)
     """
     root = tmp_path / "demo"
     proc, secs = _cli("aligner.demo", f"output_dir={root}", "trainer.progress=false", cwd=tmp_path, timeout=1500)
@@ -192,16 +193,21 @@ def test_tiny_demo_acceptance(tmp_path):
     assert stats["std"] > 0 and stats["num_scores"] == 2 * min(MAX_STATS_PAIRS, load_config("rm", []).task.num_pairs), stats
     summary = json.loads((ppo / "summary.json").read_text())
     first, last = summary["initial"], summary["final"]
-    # PPO fixes what the RM's pairs teach: the dropped carries of the SFT policy. Measured over 7
-    # runs (2026-11-22, different SFT/RM pairs and seeds): dropped-carry answers 48% -> 6-12% of
-    # carry problems, carry accuracy +10 to +25 points, overall +3 to +10 points (an earlier
-    # session's pairs gave +19 and +25). Part of the gain goes to over-carrying on carry-free
-    # problems, which the RM never saw as a negative (reward hacking; see README).
+    # PPO fixes what the RM's pairs teach: the dropped carries of the SFT policy, without
+    # over-carrying on the carry-free sums (the RM's pairs reject both).
     assert last["eval_dropped_carry"] <= 0.5 * first["eval_dropped_carry"], summary
-    assert last["eval_accuracy_carry"] - first["eval_accuracy_carry"] >= 0.08, summary
-    assert last["eval_accuracy"] > first["eval_accuracy"], summary
+    assert last["eval_accuracy_no_carry"] >= first["eval_accuracy_no_carry"] - 0.05, summary
     assert summary["final"]["eval_kl_to_ref"] < 2.0, summary
     assert summary["final"]["eval_rm_score"] > summary["initial"]["eval_rm_score"], summary
+    gains = {"default": last["eval_accuracy"] - first["eval_accuracy"]}
+    for seed in (1, 2):  # the same SFT policy and RM, other trainer seeds (sampling and data order)
+        out = tmp_path / f"ppo_seed{seed}"
+        args = [f"output_dir={out}", f"actor.init={sft}", f"reward.init={rm}", f"trainer.seed={seed}", "trainer.progress=false"]
+        p, _ = _cli("aligner.ppo", "conf=tiny", *args, cwd=tmp_path, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        s = json.loads((out / "summary.json").read_text())
+        gains[f"seed {seed}"] = s["final"]["eval_accuracy"] - s["initial"]["eval_accuracy"]
+    assert all(g >= 0.15 for g in gains.values()), gains
     assert (ppo / "ppo_report.png").stat().st_size > 10_000
     assert "held-out accuracy (greedy, rule-checked)" in proc.stdout
 

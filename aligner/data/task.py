@@ -12,7 +12,8 @@ problems with a carry, a fraction ``carry_error_rate`` (default 60%) of demonstr
 answers carry problems wrong greedily (the majority answer) while the correct answer still
 appears in the data (sampling finds it, the RM and the rule reward prefer it). The preference
 pairs contrast the correct sum with the problem's carry mistake: a dropped carry where one is
-due, a phantom carry where none is, so the RM must learn when a carry happens. Problems
+due (or, for a quarter of those, a carry too many), a phantom carry where none is, so the RM
+must learn when, and how many times, a carry happens. Problems
 without a carry are always demonstrated correctly, so held-out greedy accuracy of an SFT
 model is about the fraction of carry-free problems: ~47% with the default 1-2 digit operands.
 
@@ -115,16 +116,26 @@ def phantom_carry(a: int, b: int, rng: random.Random) -> str:
     return str(correct + place)
 
 
+# Fraction of carry problems whose rejected answer over-carries (a phantom carry on top of the
+# real ones) instead of dropping the carry. Without it over-carrying never appeared as a rejected
+# answer, the RM scored it well, and PPO learned it from a weak SFT policy (README, "The built-in
+# task": 60+38 -> "101" on the 2026-11-22 machine).
+OVER_CARRY_FRACTION = 0.25
+
+
 def _wrong_answer(rng: random.Random, a: int, b: int) -> tuple[str, str]:
     """The plausible wrong answer of a problem and its kind: a carry mistake in either direction.
 
-    dropped_carry where a carry is due (what the imperfect SFT demonstrations do), phantom_carry
-    where none is. Both directions appear so that "the larger answer is better" is no shortcut:
-    the reward model has to learn when a carry happens, exactly what PPO then needs to reward.
+    Where a carry is due: dropped_carry (what the imperfect SFT demonstrations do), or with
+    probability OVER_CARRY_FRACTION over_carry (the sum plus a phantom carry, :func:`phantom_carry`);
+    where none is: phantom_carry. Both directions appear so that "the larger answer is better" is
+    no shortcut: the reward model has to learn when, and how many times, a carry happens.
     """
-    if has_carry(a, b):
-        return forget_carry(a, b), "dropped_carry"
-    return phantom_carry(a, b, rng), "phantom_carry"
+    if not has_carry(a, b):
+        return phantom_carry(a, b, rng), "phantom_carry"
+    if rng.random() < OVER_CARRY_FRACTION:
+        return phantom_carry(a, b, rng), "over_carry"
+    return forget_carry(a, b), "dropped_carry"
 
 
 def _problems(cfg: TaskConfig, split: str, n: int, exclude: frozenset) -> list[tuple[int, int]]:

@@ -90,20 +90,24 @@ def test_greedy_accuracy_target_band():
 
 def test_pairs_chosen_correct_rejected_wrong():
     rows = pair_records(small())
-    kinds = set()
+    kinds: dict[str, int] = {}
     for r in rows:
         assert check_answer(r["prompt"], r["chosen"])
         assert not check_answer(r["prompt"], r["rejected"])
         assert r["rejected"].isdigit()
         a, b = parse_prompt(r["prompt"])
-        # the rejected answer is the carry mistake of the problem: dropped where due, phantom where not
-        if has_carry(a, b):
-            assert r["rejected_kind"] == "dropped_carry" and int(r["rejected"]) < a + b
+        kind, wrong = r["rejected_kind"], int(r["rejected"])
+        kinds[kind] = kinds.get(kind, 0) + 1
+        # the carry mistake of the problem: dropped (or one carry too many) where due, phantom where not
+        if not has_carry(a, b):
+            assert kind == "phantom_carry" and (wrong - (a + b)) in (10, 100)
+        elif kind == "over_carry":
+            assert (wrong - (a + b)) in (10, 100)
         else:
-            assert r["rejected_kind"] == "phantom_carry" and int(r["rejected"]) > a + b
-            assert (int(r["rejected"]) - (a + b)) in (10, 100)
-        kinds.add(r["rejected_kind"])
-    assert kinds == {"dropped_carry", "phantom_carry"}
+            assert kind == "dropped_carry" and wrong < a + b and r["rejected"] == forget_carry(a, b)
+    assert set(kinds) == {"dropped_carry", "over_carry", "phantom_carry"}
+    carry = kinds["dropped_carry"] + kinds["over_carry"]
+    assert 0.15 < kinds["over_carry"] / carry < 0.35  # OVER_CARRY_FRACTION = 0.25
 
 
 def test_eval_held_out_from_train():
