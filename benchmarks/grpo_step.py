@@ -198,10 +198,6 @@ def build_aligner(args: argparse.Namespace, paths: dict, mc, scheduler: str = "c
     from aligner.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(paths["tokenizer"])
-    if args.real:
-        cfg = real_config(args, paths, mc)
-        prompts = real_prompts(tok, args.prompts * 64)
-        return ray_trainer(cfg, tok, prompts) if ray else C.inprocess_trainer(cfg, tok, prompts)
     cfg = C.ppo_config(
         advantage="grpo",
         prompts=args.prompts,
@@ -213,29 +209,22 @@ def build_aligner(args: argparse.Namespace, paths: dict, mc, scheduler: str = "c
         kl_coef=0.0,
         scheduler=scheduler,
     )
-    prompts = C.make_prompts(args.prompts * 64, args.prompt_len, mc.vocab_size)
+    if args.real:
+        make_real(cfg, args)
+        prompts = real_prompts(tok, args.prompts * 64)
+    else:
+        prompts = C.make_prompts(args.prompts * 64, args.prompt_len, mc.vocab_size)
     return ray_trainer(cfg, tok, prompts) if ray else C.inprocess_trainer(cfg, tok, prompts)
 
 
-def real_config(args: argparse.Namespace, paths: dict, mc):
-    """--real: the GRPO step of conf=smollm2_135m's kind (rule reward gsm8k_format, KL as a k3 loss
-    term, a reference role) at the benchmark's sizes."""
+def make_real(cfg, args: argparse.Namespace) -> None:
+    """--real: the step of conf=smollm2_135m's kind (rule reward gsm8k_format, KL as a k3 loss term,
+    a reference role) at the benchmark's sizes, in micro-batches of --micro-batch samples."""
     from aligner.config import AlgorithmConfig, RewardRoleConfig
 
-    cfg = C.ppo_config(
-        advantage="grpo",
-        prompts=args.prompts,
-        n_samples=args.samples,
-        new_tokens=args.new_tokens,
-        prompt_len=args.prompt_len,
-        model_cfg=mc,
-        paths=paths,
-        kl_coef=0.0,
-    )
     cfg.reward = RewardRoleConfig(type="rule", rule="gsm8k_format")
     cfg.trainer.micro_batch_size = args.micro_batch or cfg.trainer.micro_batch_size
     cfg.algorithm = AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_loss_coef=REAL_KL, ppo_epochs=1, normalize_rewards=False)
-    return cfg
 
 
 def real_prompts(tok, n: int) -> list[dict]:
