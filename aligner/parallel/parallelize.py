@@ -165,9 +165,14 @@ def apply_compile(model: nn.Module) -> nn.Module:
     :func:`apply_recompute` (the compiled call runs the checkpointed forward). Shapes are
     automatically dynamic (``dynamic=None``): a batch of new sequence lengths recompiles once,
     then the lengths are symbolic. Training parity with the uncompiled model (loss and grads
-    within 1e-5 fp32, tp 1) is tested on the CPU; on the GPU it has not run.
+    within 1e-5 fp32, tp 1) is tested on the CPU; on the GPU it has not run. bf16/fp16
+    intermediates are rounded as eager rounds them (inductor's ``emulate_precision_casts``, set
+    process-wide by :func:`aligner.rollout.torch_engine.emulate_eager_rounding`).
     Returns `model`.
     """
+    from aligner.rollout.torch_engine import emulate_eager_rounding
+
+    emulate_eager_rounding()
     for layer in model.model.layers.values():
         layer.compile(dynamic=None)
     model.compiled = True

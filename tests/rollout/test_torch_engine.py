@@ -637,20 +637,23 @@ def test_compiled_decode_equals_eager_and_sees_refit_weights(scheduler, no_eager
 
 
 @pytest.mark.slow
-def test_compiled_decode_bf16_agrees_with_eager_to_bf16_rounding(no_eager_fallback):
-    """bf16 weights and KV cache. Measured (2026-11-24): compiled vs eager log-probs differ up to
-    1.5e-2, as much as eager bf16 vs the fp32 engine (inductor keeps fused pointwise math in fp32,
-    eager rounds every op to bf16), and one of 8 greedy rows took another token at step 5: the
-    issue's 1e-4 bf16 target is not met on the CPU. Asserted: the first 5 tokens of every row
-    equal, and log-probs within 3e-2 up to each row's first differing token."""
+def test_compiled_decode_bf16_rounds_as_eager(no_eager_fallback):
+    """bf16 weights and KV cache: the compiled engine rounds intermediates as eager does
+    (emulate_eager_rounding). Measured (2026-11-24, AMD): log-probs within 1.7e-4 and 8 of 8 greedy
+    rows identical; without the emulation 1.5e-2 (as much as eager bf16 vs fp32) and 6 of 8, one
+    row taking another token at step 5. Asserted: the first 5 tokens of every row equal, and
+    log-probs within 1e-3 up to each row's first differing token (the issue's target is 1e-4)."""
+    import torch._inductor.config as inductor_config
+
     kw = dict(max_batch_size=4, cpu_layout="out_in", fused_decode=False)
     eager = TorchEngine(build_model(CFG, seed=1).eval().to(torch.bfloat16), compile="off", **kw)
     comp = TorchEngine(build_model(CFG, seed=1).eval().to(torch.bfloat16), compile="on", **kw)
+    assert inductor_config.emulate_precision_casts
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=10)
     for a, b in zip(comp.generate(MIXED, sampling), eager.generate(MIXED, sampling)):
         assert a.token_ids[:5] == b.token_ids[:5]
         n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
-        torch.testing.assert_close(torch.tensor(a.rollout_log_probs[:n]), torch.tensor(b.rollout_log_probs[:n]), atol=3e-2, rtol=0)
+        torch.testing.assert_close(torch.tensor(a.rollout_log_probs[:n]), torch.tensor(b.rollout_log_probs[:n]), atol=1e-3, rtol=0)
 
 
 def test_bad_compile_option_is_refused(model):
