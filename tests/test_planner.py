@@ -287,6 +287,21 @@ def test_command_line_plan_for_70b_preset(capsys):
     assert "the smallest cluster that fits is" in err and "cluster.num_nodes=" in err
 
 
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "ppo"])
+def test_plan_only_needs_no_files(stage, capsys, tmp_path, monkeypatch):
+    """`python -m aligner.<stage> conf=llama2_7b plan_only=true` prints the plan and exits 0 where
+    the preset's tokenizer, data and weights are absent (a login node planning a cluster run);
+    SFT/RM/DPO checked their paths first and stopped on the tokenizer."""
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    main = importlib.import_module(f"aligner.{stage}").main
+    assert main(["conf=llama2_7b", "plan_only=true", f"output_dir={tmp_path / 'out'}"]) == 0
+    out = capsys.readouterr().out
+    assert f"plan for stage {stage}" in out and "overrides for the best layouts" in out
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
 @pytest.mark.parametrize("kind", ["lm", "score"])
 def test_lora_weights_grads_optimizer_bytes_exact(kind):
     """With LoRA the planner's weights (frozen base + adapters), grads and optimizer bytes equal the

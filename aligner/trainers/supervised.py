@@ -3,7 +3,7 @@
 Implements :class:`aligner.trainers.loop.Trainer` on one role's worker group; the phases and the
 step loop are the loop's (:mod:`aligner.trainers.loop`):
 
-    check     paths, <role>.init, plan_only (print the plan), this machine can hold the role's workers
+    check     plan_only (print the plan, before any file is read), paths, <role>.init, this machine can hold the role's workers
     claim     output_dir (fresh, resume or overwrite, and the lock, held to the end)
     config    output_dir/config.yaml
     inputs    tokenizer (checked against model.vocab_size) + the encoded train/eval splits
@@ -160,12 +160,14 @@ class SupervisedTrainer(Trainer):
 
     # ---- phases ------------------------------------------------------------------------
     def check(self) -> Optional[int]:
-        """Paths, <role>.init, then plan_only (the plan's exit code), then the machine (UserErrors)."""
+        """plan_only (the plan's exit code: it needs no files, as in PPO, so a cluster run can be
+        planned where its data and weights are absent), then paths, <role>.init and the machine
+        (UserErrors)."""
         cfg = self.cfg
-        cfg.check_paths((self.role,))
-        self.check_init()
         if cfg.plan_only:
             return print_plan(cfg)
+        cfg.check_paths((self.role,))
+        self.check_init()
         self.check_machine()
         return None
 
