@@ -75,7 +75,9 @@ REPORT_KEYS = (
     "score_mean",
     "kl_mean",
     "eval_accuracy",
+    "eval_format_rate",  # GSM8K-style data only (plot_curves skips a key no row has)
     "train_accuracy",
+    "kl_loss",  # a KL loss term only (GRPO's k3)
     "policy_loss",
     "value_loss",
     "entropy",
