@@ -25,7 +25,7 @@ demo: $(STAMP)
 	$(BIN)/python -m aligner.demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -109,6 +109,7 @@ from aligner.model.llama import KVCache, build_model
 from aligner.model.moe import moe_layers, stack_routing
 from aligner.nn import comm
 from aligner.nn.layers import ColumnParallelLinear, ParallelLayer, RMSNorm, RowParallelLinear, pack_linears, unpack_linears
+from aligner.parallel.parallelize import emulate_eager_rounding
 from aligner.rollout.base import Generation, RolloutEngine, check_budgets, check_prompts, check_sampling
 from aligner.rollout.scheduler import SlotScheduler, StepPlan
 from aligner.runtime.host import keep_freed_host_memory
@@ -1058,20 +1059,6 @@ def compile_decode(model: nn.Module, cuda_graphs: bool = False) -> None:
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 32 * len(layers))
     for layer in layers:
         layer.compile(dynamic=None, mode=mode)
-
-
-def emulate_eager_rounding() -> None:
-    """Make inductor round bf16/fp16 intermediates where eager rounds them
-    (``torch._inductor.config.emulate_precision_casts``, process-wide; no effect on fp32).
-
-    Inductor otherwise keeps a fused chain of pointwise ops (RMSNorm, RoPE, SwiGLU) in fp32 and
-    rounds once, where eager rounds after every op: measured on the CPU (tiny test model, bf16
-    weights and KV cache, 8 greedy rows x 10 tokens), compiled vs eager decode log-probs differed
-    by up to 1.5e-2 with 6 of 8 rows token-identical; with the emulation 1.7e-4 and 8 of 8. In RL
-    the trainer's forward is the reference the rollout's log-probs are compared with (the
-    rollout/trainer mismatch), so the compiled engine follows eager's rounding.
-    """
-    torch._inductor.config.emulate_precision_casts = True
 
 
 def _param_slots(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
