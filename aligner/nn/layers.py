@@ -189,11 +189,67 @@ def column_parallel_linears(x: torch.Tensor, layers) -> tuple[torch.Tensor, ...]
     x = comm.copy_to_tp(x, first.tp_group)
     if any(a is not None for a in adapters):  # LoRA: the packed GEMM is bypassed (aligner.nn.lora)
         return tuple(F.linear(x, l.weight, l.bias) + (0 if a is None else a.column_delta(x)) for l, a in zip(layers, adapters))
+    inference = not torch.is_grad_enabled()
     packed = first.__dict__.get("packed")
-    if packed is not None and packed[2] == tuple(layers) and not torch.is_grad_enabled():
+    if packed is not None and packed[2] == tuple(layers) and inference:
         w, b, _ = packed
-        return F.linear(x, w, b).split([l.weight.shape[0] for l in layers], dim=-1)
+        y = onednn_linear(x, first.__dict__.get("onednn_group"), b) if "onednn_group" in first.__dict__ else F.linear(x, w, b)
+        return y.split([l.weight.shape[0] for l in layers], dim=-1)
+    if inference:
+        return tuple(
+            F.linear(x, l.weight, l.bias) if "onednn" not in l.__dict__ else onednn_linear(x, l.__dict__["onednn"], l.bias) for l in layers
+        )
     return tuple(F.linear(x, l.weight, l.bias) for l in layers)
+
+
+def onednn_available() -> bool:
+    """True when this torch build has oneDNN's prepacked linear ops (x86 CPU builds do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def onednn_pack(weight: torch.Tensor, batch: int) -> torch.Tensor:
+    """oneDNN's blocked copy of a CPU linear weight [out, in] (fp32 or bf16), laid out for inputs of
+    about `batch` rows (an opaque ``torch._mkldnn`` tensor, the same bytes as `weight`).
+
+    It is a copy: a later in-place change of `weight` does not reach it (pack again).
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """y = x W^T + b with W prepacked by :func:`onednn_pack`: x [..., in] -> [..., out] (fp32
+    accumulation; its own GEMM kernel, so results differ from F.linear's in the last bits)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def prepack_onednn(model: nn.Module, batch: int) -> int:
+    """Give every Column/RowParallelLinear under `model` a oneDNN-prepacked copy of its weight
+    (each :func:`pack_linears` group one copy of its packed weight), which their forwards use
+    when grad is off (inference only; LoRA adapters bypass it). CPU only; it doubles the bytes
+    held for linear weights. The copies are snapshots: whoever changes the weights (a refit)
+    calls this again, or :func:`drop_onednn` to go back to F.linear. Returns the bytes packed.
+    """
+    drop_onednn(model)
+    nbytes = 0
+    with torch.no_grad():
+        for m in model.modules():
+            packed = m.__dict__.get("packed")
+            if packed is not None:
+                m.__dict__["onednn_group"] = onednn_pack(packed[0], batch)
+                nbytes += packed[0].numel() * packed[0].element_size()
+        grouped = {id(l) for m in model.modules() if "packed" in m.__dict__ for l in m.__dict__["packed"][2]}
+        for m in model.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and id(m) not in grouped:
+                m.__dict__["onednn"] = onednn_pack(m.weight, batch)
+                nbytes += m.weight.numel() * m.weight.element_size()
+    return nbytes
+
+
+def drop_onednn(model: nn.Module) -> None:
+    """Forget every :func:`prepack_onednn` copy under `model` (forwards use F.linear again)."""
+    for m in model.modules():
+        m.__dict__.pop("onednn", None)
+        m.__dict__.pop("onednn_group", None)
 
 
 def _active_adapter(layer: nn.Module):
@@ -243,7 +299,8 @@ class RowParallelLinear(ParallelLayer):
     Forward: x: [B, T, in/tp] -> [B, T, out] ([B, T/tp, out] reduce-scattered with
     sequence parallelism). The bias is replicated and added after the reduction.
     ``residual`` [B, T(/tp), out] is added to the output; without grad, tp = 1 and no bias the
-    add runs inside the GEMM (``addmm``), one kernel fewer per layer in decode.
+    add runs inside the GEMM (``addmm``, or oneDNN's fused binary add with a
+    :func:`prepack_onednn` weight), one kernel fewer per layer in decode.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -276,6 +333,7 @@ class RowParallelLinear(ParallelLayer):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         adapter = _active_adapter(self)
+        packed = self.__dict__.get("onednn") if adapter is None and not torch.is_grad_enabled() else None
         if (
             residual is not None
             and self.bias is None
@@ -283,8 +341,10 @@ class RowParallelLinear(ParallelLayer):
             and comm.group_size(self.tp_group) == 1
             and not torch.is_grad_enabled()
         ):
+            if packed is not None:
+                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, None, "add")
             return torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), self.weight.t()).view_as(residual)
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if packed is None else onednn_linear(x, packed, None)
         if adapter is not None:  # LoRA's partial B A_local x_local, before the reduction (aligner.nn.lora)
             y = y + adapter.row_delta(x)
         if self.sequence_parallel:

@@ -41,9 +41,11 @@ Both schedulers run the model's own modules (:mod:`aligner.model.llama` with a K
 SlotKVCache): there is one decoder forward in aligner. Its inference fast paths live in the
 building blocks: packed q/k/v and gate/up GEMMs (:func:`aligner.nn.layers.pack_linears`), the
 residual add inside the o / down GEMM, fp32 RMSNorm in one kernel, GQA decode without repeated
-k/v. On the CPU, whether weights are stored [in, out] and whether q/k/v and gate/up are packed
-is timed on the machine at engine build (``cpu_layout="auto"``; see :func:`_pack_weights`). The
-packed parameters are views, so refit is unchanged.
+k/v. On the CPU, the GEMM kernel (``F.linear``, i.e. MKL, or oneDNN on weights prepacked for the
+decode batch), whether weights are stored [in, out] and whether q/k/v and gate/up are packed is
+timed on the machine at engine build (``cpu_layout="auto"``; see :func:`choose_cpu_layout`). The
+packed parameters are views, so refit is unchanged; the oneDNN copies are re-packed at every
+``finish_weight_update``.
 
 Compiled decode (``compile``, :func:`compile_decode`): each decoder layer is torch.compile'd in
 place (torchtitan's per-block compile), so prefill and decode run inductor's kernels for the
@@ -108,14 +110,25 @@ import torch.nn.functional as F
 from aligner.model.llama import KVCache, build_model
 from aligner.model.moe import moe_layers, stack_routing
 from aligner.nn import comm
-from aligner.nn.layers import ColumnParallelLinear, ParallelLayer, RMSNorm, RowParallelLinear, pack_linears, unpack_linears
+from aligner.nn.layers import (
+    ColumnParallelLinear,
+    ParallelLayer,
+    RMSNorm,
+    RowParallelLinear,
+    onednn_available,
+    onednn_linear,
+    onednn_pack,
+    pack_linears,
+    prepack_onednn,
+    unpack_linears,
+)
 from aligner.parallel.parallelize import emulate_eager_rounding
 from aligner.rollout.base import Generation, RolloutEngine, check_budgets, check_prompts, check_sampling
 from aligner.rollout.scheduler import SlotScheduler, StepPlan
 from aligner.runtime.host import keep_freed_host_memory
 
 SCHEDULERS = ("continuous", "static")
-CPU_LAYOUTS = ("auto", "in_out", "out_in")
+CPU_LAYOUTS = ("auto", "in_out", "out_in", "onednn")
 COMPILE_MODES = ("auto", "on", "off")
 
 
@@ -146,12 +159,14 @@ class TorchEngine(RolloutEngine):
         micro_batches: continuous scheduler only: blocks the slot pool is split into; with
             pp > 1 every stage works on one block while the next stage works on another
             (None: pp_size; 1 with pp > 1 runs the stages one after the other).
-        cpu_layout: on the CPU, how linear weights are stored for decode: "auto" (default)
-            times a decode step's GEMMs in every (layout, fused) combination on this machine
-            and keeps the fastest, once per machine and model shape (:func:`cached_cpu_layout`;
-            ``self.layout`` holds the timings);
+        cpu_layout: on the CPU, how linear weights are stored and multiplied for decode:
+            "auto" (default) times a decode step's GEMMs with every (kernel, layout, fused)
+            combination on this machine and keeps the fastest, once per machine and model
+            shape (:func:`cached_cpu_layout`; ``self.layout`` holds the timings);
             "in_out" stores every weight [in, out] (transposed view, MKL's no-transpose GEMM),
-            "out_in" keeps PyTorch's [out, in].
+            "out_in" keeps PyTorch's [out, in]; "onednn" multiplies by oneDNN-prepacked copies
+            of the weights (:func:`aligner.nn.layers.prepack_onednn`: twice the bytes of the
+            linear weights; re-packed at every ``finish_weight_update``).
         compile: torch.compile each decoder layer's forward for prefill and decode
             (:func:`compile_decode`): "on", "off", or "auto" (default): eager for now on both
             devices: measured no faster than eager on the CPU (benchmarks/RESULTS.md, "Compiled
@@ -206,16 +221,23 @@ class TorchEngine(RolloutEngine):
         fusable = _fusable(model)
         on_cpu = self.device.type == "cpu"
         transposed = on_cpu and cpu_layout == "in_out"
+        kernel = "onednn" if on_cpu and cpu_layout == "onednn" else "aten"
+        if kernel == "onednn" and not onednn_available():
+            raise ValueError("cpu_layout='onednn' is invalid here: this torch build has no oneDNN linear ops; use auto, in_out or out_in")
         self.layout: dict[str, Any] = {}
+        self._pack_batch = max(1, max_batch_size // self.micro_batches)  # the decode batch each step runs
         if on_cpu and cpu_layout == "auto":
-            transposed, fused, self.layout = cached_cpu_layout(model, max(1, max_batch_size // self.micro_batches), fusable)
-            fused_decode = fused if fused_decode is None else fused_decode
+            chosen = cached_cpu_layout(model, self._pack_batch, fusable)
+            kernel, transposed, self.layout = chosen.kernel, chosen.transposed, dict(chosen.info)
+            fused_decode = chosen.fused if fused_decode is None else fused_decode
         if fused_decode is None:
             fused_decode = on_cpu
         self.fused_decode = fused_decode and fusable
         self.transposed = transposed
-        self.layout.update(transposed=transposed, fused=self.fused_decode)
+        self.kernel = kernel
+        self.layout.update(kernel=kernel, transposed=transposed, fused=self.fused_decode)
         _pack_weights(model, self.device, transposed=transposed, fuse=self.fused_decode)  # before the slots
+        self._repack()
         self._params = _param_slots(model)
         self.compiled = compile == "on"  # "auto": eager until compiled decode is measured faster (module docstring)
         if self.compiled:
@@ -280,9 +302,18 @@ class TorchEngine(RolloutEngine):
                     )
                 param.copy_(local)
                 self._received.add(name)
+                self._stale = True
+
+    def _repack(self) -> None:
+        """Refresh the oneDNN-prepacked weight copies (kernel "onednn") from the parameters."""
+        if self.kernel == "onednn":
+            prepack_onednn(self.model, self._pack_batch)
+        self._stale = False
 
     def finish_weight_update(self) -> None:
-        """Bump weight_version; drop cached decode graphs' KV contents (weights are copied in place)."""
+        """Bump weight_version; re-pack the oneDNN weight copies (kernel "onednn"; the parameters
+        themselves are copied in place, so CUDA graphs and compiled layers stay valid)."""
+        self._repack()
         self.weight_version += 1
         self.last_update_names = set(self._received)
         self._received.clear()
@@ -336,6 +367,8 @@ class TorchEngine(RolloutEngine):
         fallback = self._rng_seed * 1_000_003 + self._calls * 7919
         sampler = _Sampler(sampling, seeds, budgets, self.device, fallback)
         stop = sorted({*sampling.stop_token_ids, *([] if self.eos_token_id is None else [self.eos_token_id])})
+        if self._stale:  # update_weights without finish_weight_update: the prepacked copies would be old
+            self._repack()
         with torch.inference_mode():
             if self.scheduler == "continuous":
                 return self._generate_continuous(prompt_ids, budgets, sampler, stop)
@@ -903,58 +936,90 @@ def _fusable(model: nn.Module) -> bool:
 LAYOUT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "aligner" / "cpu_layout.json"
 
 
-def cached_cpu_layout(model: nn.Module, batch: int, fusable: bool, path: Path = LAYOUT_CACHE) -> tuple[bool, bool, dict[str, Any]]:
+@dataclass(frozen=True)
+class CpuLayout:
+    """How the CPU engine multiplies by its linear weights (:func:`choose_cpu_layout`).
+
+    kernel: "aten" (``F.linear``: MKL on x86 builds) or "onednn" (oneDNN's linear on a copy of
+    each weight prepacked for the decode batch, :func:`aligner.nn.layers.prepack_onednn`).
+    transposed: aten only: weights stored [in, out] (MKL's no-transpose GEMM).
+    fused: q/k/v and gate/up packed into one GEMM each. info: {"batch", "timings_ms", ...}.
+    """
+
+    kernel: str
+    transposed: bool
+    fused: bool
+    info: dict
+
+    @property
+    def name(self) -> str:
+        base = "onednn" if self.kernel == "onednn" else ("in_out" if self.transposed else "out_in")
+        return base + ("+fused" if self.fused else "")
+
+
+def cached_cpu_layout(model: nn.Module, batch: int, fusable: bool, path: Path = LAYOUT_CACHE) -> CpuLayout:
     """:func:`choose_cpu_layout`, timed once per machine and kept in `path` (JSON, keyed by the CPU
-    model and ISA, torch version, dtype, decode batch and the GEMM shapes), so every run on a
-    machine multiplies with the same layout: a resumed run rounds exactly as the uninterrupted one.
-    An unreadable or unwritable cache only costs the timing (info["cached"] says which)."""
+    model and ISA, torch version, dtype, decode batch, the candidate kernels and the GEMM
+    shapes), so every run on a machine multiplies with the same kernels: a resumed run rounds
+    exactly as the uninterrupted one. An unreadable or unwritable cache only costs the timing
+    (info["cached"] says which)."""
     from aligner.runtime.host import cpu_signature
 
     layer = next(iter(model.model.layers.values()))
     shapes = [tuple(l.weight.shape) for l in (layer.self_attn.q_proj, layer.self_attn.k_proj, *_dense_mlp(layer)[::2])]
     head = None if model.lm_head is None else tuple(model.lm_head.weight.shape)
     dtype = str(next(model.parameters()).dtype)
-    key = f"{cpu_signature()} | torch {torch.__version__} | {dtype} | batch {batch} | fusable {fusable} | {len(model.model.layers)} x {shapes} | head {head}"
+    kernels = "aten+onednn" if onednn_available() else "aten"
+    key = f"{cpu_signature()} | torch {torch.__version__} | {dtype} | batch {batch} | kernels {kernels} | fusable {fusable} | {len(model.model.layers)} x {shapes} | head {head}"
     try:
         table = json.loads(path.read_text())
     except (OSError, ValueError):
         table = {}
-    if key in table:
-        t, f, info = table[key]
-        return t, f, {**info, "cached": str(path)}
-    t, f, info = choose_cpu_layout(model, batch, fusable)
+    if key in table and len(table[key]) == 4:
+        k, t, f, info = table[key]
+        return CpuLayout(k, t, f, {**info, "cached": str(path)})
+    lay = choose_cpu_layout(model, batch, fusable)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**table, key: [t, f, info]}, indent=1))
+        tmp.write_text(json.dumps({**table, key: [lay.kernel, lay.transposed, lay.fused, lay.info]}, indent=1))
         os.replace(tmp, path)
     except OSError:
         pass
-    return t, f, {**info, "cached": False}
+    return CpuLayout(lay.kernel, lay.transposed, lay.fused, {**lay.info, "cached": False})
 
 
-def choose_cpu_layout(model: nn.Module, batch: int, fusable: bool, rounds: int = 5) -> tuple[bool, bool, dict[str, Any]]:
-    """Time a decode step's GEMMs on this CPU in every weight layout and keep the fastest.
+def choose_cpu_layout(model: nn.Module, batch: int, fusable: bool, rounds: int = 5) -> CpuLayout:
+    """Time a decode step's GEMMs on this CPU with every weight layout and kernel; keep the fastest.
 
-    Candidates: linear weights stored [out, in] (PyTorch's) or [in, out] (``transposed``), each
-    with q/k/v and gate/up packed into one GEMM (``fused``, only when `fusable`) or not. Each
-    candidate runs the GEMMs of up to 4 of the model's own local layers (their weight shapes,
-    so each reads fresh weights from memory as decode does) on a [batch, in] input, scaled to
-    every local layer, plus the lm_head when it is not tied (a tied head keeps the embedding's
-    layout). Candidates alternate over `rounds` rounds; the median decides. Collective-free, so
+    Candidates: ``F.linear`` (MKL) with weights stored [out, in] (PyTorch's) or [in, out]
+    (``transposed``), and oneDNN's linear on weights prepacked for `batch` rows (where the
+    torch build has it); each with q/k/v and gate/up packed into one GEMM (``fused``, only when
+    `fusable`) or not. Each candidate runs the GEMMs of up to 4 of the model's own local layers
+    (their weight shapes, so each reads fresh weights from memory as decode does) on a
+    [batch, in] input, scaled to every local layer, plus the lm_head (a tied head keeps the
+    embedding's [out, in] layout under F.linear; oneDNN multiplies by a prepacked copy of it).
+    Candidates alternate over `rounds` rounds; the median decides. Collective-free, so
     tensor-parallel ranks may time (and choose) independently.
 
-    Returns (transposed, fused, info) with info["timings_ms"] {candidate: ms per decode step}.
+    Measured (benchmarks/RESULTS.md): on a 2-core AMD EPYC, MKL's small-batch GEMMs stream
+    weights at 5-7 GB/s, oneDNN's prepacked ones at 20-35 GB/s (SmolLM2's head at 16 rows: 157
+    vs 53 GFLOP/s). Returns a :class:`CpuLayout`; info["timings_ms"] {candidate: ms per step}.
     """
     layers = list(model.model.layers.values())
     sample = layers[: min(4, len(layers))]
     head = model.lm_head
-    if head is not None and model.model.embed_tokens is not None and head.weight is model.model.embed_tokens.weight:
-        head = None  # tied: the embedding's layout is kept
+    tied = head is not None and model.model.embed_tokens is not None and head.weight is model.model.embed_tokens.weight
     dtype = next(model.parameters()).dtype
-    candidates = [(t, f) for t in (False, True) for f in ((False, True) if fusable else (False,))]
+    kernels = ("aten", "onednn") if onednn_available() else ("aten",)
+    candidates = [
+        CpuLayout(k, t, f, {})
+        for k in kernels
+        for t in ((False, True) if k == "aten" else (False,))
+        for f in ((False, True) if fusable else (False,))
+    ]
 
-    def gemms(transposed: bool, fused: bool) -> list[torch.Tensor]:
+    def gemms(c: CpuLayout) -> list[torch.Tensor]:
         out = []
         for layer in sample:
             a, mlp = layer.self_attn, _dense_mlp(layer)
@@ -962,32 +1027,45 @@ def choose_cpu_layout(model: nn.Module, batch: int, fusable: bool, rounds: int =
                 if not group:  # an MoE layer: its experts are not nn.Linear weights and keep their layout
                     continue
                 ws = [l.weight.detach() for l in group]
-                for w in [torch.cat(ws)] if fused and len(ws) > 1 else ws:
-                    out.append(w.t().contiguous().t() if transposed else w.contiguous())
+                out += [
+                    w.t().contiguous().t() if c.transposed else w.contiguous() for w in ([torch.cat(ws)] if c.fused and len(ws) > 1 else ws)
+                ]
+        if head is not None:
+            w = head.weight.detach()
+            out.append(w.t().contiguous().t() if c.transposed and not tied else w)
+        if c.kernel == "onednn":
+            out = [(w.shape[1], onednn_pack(w, batch)) for w in out]
         return out
 
+    def run(c: CpuLayout, w) -> None:
+        if c.kernel == "onednn":
+            onednn_linear(inputs[w[0]], w[1], None)
+        else:
+            F.linear(inputs[w.shape[1]], w)
+
     with torch.inference_mode():
-        weights = {c: gemms(*c) for c in candidates}
-        heads = {
-            t: None if head is None else (head.weight.detach().t().contiguous().t() if t else head.weight.detach()) for t in (False, True)
-        }
-        inputs = {w.shape[1]: torch.randn(batch, w.shape[1]).to(dtype) for ws in weights.values() for w in ws}
-        times: dict[tuple[bool, bool], list[float]] = {c: [] for c in candidates}
+        weights = {c.name: gemms(c) for c in candidates}
+        inputs = {k: torch.randn(batch, k).to(dtype) for k in {w.shape[1] for w in weights[candidates[0].name]}}
+        n_head = 0 if head is None else 1
+        scale = len(layers) / len(sample)
+        times: dict[str, list[float]] = {c.name: [] for c in candidates}
         for r in range(rounds + 1):
             for c in candidates:
+                ws = weights[c.name]
                 t0 = time.perf_counter()
-                for w in weights[c]:
-                    F.linear(inputs[w.shape[1]], w)
-                t_layers = (time.perf_counter() - t0) * len(layers) / len(sample)
+                for w in ws[: len(ws) - n_head]:
+                    run(c, w)
+                t_layers = (time.perf_counter() - t0) * scale
                 t0 = time.perf_counter()
-                if head is not None:
-                    F.linear(inputs.setdefault(head.weight.shape[1], torch.randn(batch, head.weight.shape[1]).to(dtype)), heads[c[0]])
+                for w in ws[len(ws) - n_head :]:
+                    run(c, w)
                 if r:  # round 0 warms up
-                    times[c].append(t_layers + time.perf_counter() - t0)
-    med = {c: statistics.median(v) for c, v in times.items()}
-    best = min(candidates, key=lambda c: med[c])
-    name = {c: f"{'in_out' if c[0] else 'out_in'}{'+fused' if c[1] else ''}" for c in candidates}
-    return best[0], best[1], {"batch": batch, "timings_ms": {name[c]: round(1e3 * med[c], 3) for c in candidates}}
+                    times[c.name].append(t_layers + time.perf_counter() - t0)
+    med = {name: statistics.median(v) for name, v in times.items()}
+    best = min(candidates, key=lambda c: med[c.name])
+    return CpuLayout(
+        best.kernel, best.transposed, best.fused, {"batch": batch, "timings_ms": {n: round(1e3 * v, 3) for n, v in med.items()}}
+    )
 
 
 def _pack_weights(model: nn.Module, device: torch.device, *, transposed: bool, fuse: bool) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from aligner.config import ModelConfig, SamplingConfig
 from aligner.model.llama import build_model
+from aligner.nn.layers import ColumnParallelLinear, RowParallelLinear, onednn_available
 from aligner.nn.vocab import vocab_parallel_log_probs
 from aligner.rollout import build_engine, engine_class
 from aligner.rollout.base import Generation, generations_to_padded, mismatch_metrics
@@ -448,7 +449,7 @@ def test_bad_per_request_budgets_are_refused_naming_the_request(model, scheduler
     "kwargs,match",
     [
         (dict(scheduler="dynamic"), "scheduler='dynamic'.*continuous, static"),
-        (dict(cpu_layout="rows"), "cpu_layout='rows'.*auto, in_out, out_in"),
+        (dict(cpu_layout="rows"), "cpu_layout='rows'.*auto, in_out, out_in, onednn"),
         (dict(micro_batches=0), "micro_batches=0"),
         (dict(micro_batches=-1), "micro_batches=-1"),
         (dict(max_batch_size=0), "max_batch_size=0"),
@@ -459,35 +460,56 @@ def test_bad_engine_options_are_refused(model, kwargs, match):
         TorchEngine(model, **kwargs)
 
 
+ONEDNN = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear ops (x86 CPU builds do)")
+CANDIDATES = {"out_in", "out_in+fused", "in_out", "in_out+fused"} | ({"onednn", "onednn+fused"} if onednn_available() else set())
+
+
 def test_cpu_layouts_give_the_same_tokens_and_auto_reports_its_timings():
     gens, engines = {}, {}
-    for layout in ("in_out", "out_in", "auto"):
+    layouts = ("in_out", "out_in", "auto") + (("onednn",) if onednn_available() else ())
+    for layout in layouts:
         eng = engines[layout] = TorchEngine(build_model(CFG, seed=1).eval(), cpu_layout=layout, max_batch_size=3)
         gens[layout] = eng.generate(MIXED, GREEDY, max_new_tokens=BUDGETS)
+        for g, p in zip(gens[layout], MIXED):  # every kernel: the full-forward reference's log-probs
+            torch.testing.assert_close(
+                torch.tensor(g.rollout_log_probs), reference_log_probs(engines[layout].model, p, g.token_ids, 1.0), atol=1e-5, rtol=0
+            )
     down = {k: e.model.model.layers["0"].mlp.down_proj.weight for k, e in engines.items()}
     assert engines["in_out"].transposed and down["in_out"].t().is_contiguous() and not down["in_out"].is_contiguous()
     assert not engines["out_in"].transposed and down["out_in"].is_contiguous()
+    assert engines["out_in"].kernel == "aten" and not any("onednn" in m.__dict__ for m in engines["out_in"].model.modules())
     auto = engines["auto"]
-    assert set(auto.layout["timings_ms"]) == {"out_in", "out_in+fused", "in_out", "in_out+fused"}
+    assert set(auto.layout["timings_ms"]) == CANDIDATES
     assert all(isinstance(v, float) and v >= 0 for v in auto.layout["timings_ms"].values())
-    assert (auto.layout["transposed"], auto.layout["fused"]) == (auto.transposed, auto.fused_decode)
+    assert (auto.layout["kernel"], auto.layout["transposed"], auto.layout["fused"]) == (auto.kernel, auto.transposed, auto.fused_decode)
     assert_same_generations(gens["out_in"], gens["in_out"])
     assert_same_generations(gens["auto"], gens["in_out"])
+    if "onednn" in engines:
+        eng = engines["onednn"]
+        lin = [m for m in eng.model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        packed = [m for m in lin if "onednn" in m.__dict__ or "onednn_group" in m.__dict__]
+        assert eng.kernel == "onednn" and packed and eng.model.lm_head in packed  # the tied head too
+        assert_same_generations(gens["onednn"], gens["in_out"])
 
 
-def test_refit_between_calls_changes_the_continuous_engines_output():
+@pytest.mark.parametrize("layout", ["auto", "out_in", pytest.param("onednn", marks=ONEDNN)])
+def test_refit_between_calls_changes_the_continuous_engines_output(layout):
+    """Refit reaches every kernel, the oneDNN-prepacked copies too (re-packed at finish_weight_update,
+    or at the next generate when a caller forgot it)."""
     old, target = build_model(CFG, seed=4).eval(), build_model(CFG, seed=5).eval()
     old_ref = [cut(greedy_reference(old, p, 12), n, None) for p, n in zip(MIXED, BUDGETS)]
-    eng = TorchEngine(build_model(CFG, seed=4).eval(), max_batch_size=3)
+    want = [cut(greedy_reference(target, p, 12), n, None) for p, n in zip(MIXED, BUDGETS)]
+    eng = TorchEngine(build_model(CFG, seed=4).eval(), max_batch_size=3, cpu_layout=layout)
     assert [g.token_ids for g in eng.generate(MIXED, GREEDY, max_new_tokens=BUDGETS)] == old_ref
     eng.update_weights((n, t.clone()) for n, t in target.state_dict().items())
     eng.finish_weight_update()
     gens = eng.generate(MIXED, GREEDY, max_new_tokens=BUDGETS)
-    want = [cut(greedy_reference(target, p, 12), n, None) for p, n in zip(MIXED, BUDGETS)]
     assert want != old_ref and [g.token_ids for g in gens] == want
     assert all(g.weight_version == 1 for g in gens)
     for p, g in zip(MIXED, gens):
         torch.testing.assert_close(torch.tensor(g.rollout_log_probs), reference_log_probs(target, p, g.token_ids, 1.0), atol=1e-5, rtol=0)
+    eng.update_weights((n, t.clone()) for n, t in old.state_dict().items())  # no finish_weight_update
+    assert [g.token_ids for g in eng.generate(MIXED, GREEDY, max_new_tokens=BUDGETS)] == old_ref
 
 
 @torch.no_grad()
@@ -590,14 +612,16 @@ def test_the_measured_layout_is_kept_per_machine(model, tmp_path):
     from aligner.rollout.torch_engine import cached_cpu_layout
 
     path = tmp_path / "cpu_layout.json"
-    t, f, info = cached_cpu_layout(model, 4, True, path)
-    assert info["cached"] is False and set(info["timings_ms"]) == {"out_in", "out_in+fused", "in_out", "in_out+fused"}
-    t2, f2, info2 = cached_cpu_layout(model, 4, True, path)
-    assert (t2, f2) == (t, f) and info2["cached"] == str(path) and info2["timings_ms"] == info["timings_ms"]
-    _, _, other = cached_cpu_layout(model, 8, True, path)  # another decode batch is another entry
-    assert other["cached"] is False and len(__import__("json").loads(path.read_text())) == 2
+    first = cached_cpu_layout(model, 4, True, path)
+    assert first.info["cached"] is False and set(first.info["timings_ms"]) == CANDIDATES
+    assert first.name == min(first.info["timings_ms"], key=first.info["timings_ms"].get)  # the fastest
+    again = cached_cpu_layout(model, 4, True, path)
+    assert (again.kernel, again.transposed, again.fused) == (first.kernel, first.transposed, first.fused)
+    assert again.info["cached"] == str(path) and again.info["timings_ms"] == first.info["timings_ms"]
+    other = cached_cpu_layout(model, 8, True, path)  # another decode batch is another entry
+    assert other.info["cached"] is False and len(__import__("json").loads(path.read_text())) == 2
     path.write_text("{not json")
-    assert cached_cpu_layout(model, 4, True, path)[2]["cached"] is False
+    assert cached_cpu_layout(model, 4, True, path).info["cached"] is False
 
 
 # ---- compiled decode (torch.compile per decoder layer) ------------------------------------
