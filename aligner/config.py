@@ -606,6 +606,11 @@ class AlgorithmConfig:
     critic_warmup_steps: int = 0  # steps that train only the critic
     normalize_rewards: bool = True  # standardize RM scores with the RM's saved mean/std
     tis_cap: Optional[float] = None  # truncated importance-sampling cap on exp(old - rollout); None = off
+    # false: skip the actor's old-log-prob forward of the inference phase; the update uses its own
+    # forward's log-probs, detached, as old (ratio 1; exact only when the update is on-policy: one
+    # epoch, one mini-batch, no KL in the reward, no tis_cap; TRL GRPOTrainer with num_iterations=1).
+    # The engine-vs-trainer mismatch metrics are then not measured.
+    recompute_old_log_probs: bool = True
     vf_coef: float = 1.0  # value-loss weight
 
     @property
@@ -823,6 +828,8 @@ class AlignerConfig:
         self._validate_cluster_devices()
         if self.stage == "ppo" and self.rollout.backend == "trtllm":
             self._validate_trtllm()
+        if self.stage == "ppo" and not self.algorithm.recompute_old_log_probs:
+            self._validate_on_policy()
         if self.stage == "ppo" and self.algorithm.advantage in GROUP_ESTIMATORS:
             _check(
                 self.trainer.n_samples_per_prompt >= 2,
@@ -838,6 +845,23 @@ class AlignerConfig:
                 f"{self.algorithm.advantage} (a per-prompt group baseline) has zero advantages and trains nothing: "
                 "sample with temperature > 0 (e.g. 1.0)",
             )
+
+    def _validate_on_policy(self) -> None:
+        """algorithm.recompute_old_log_probs=false is exact only for an on-policy update: say what breaks it."""
+        a, t = self.algorithm, self.trainer
+        f, v = "algorithm.recompute_old_log_probs", a.recompute_old_log_probs
+        need = "false skips the old-log-prob forward, which is exact only for an on-policy update, but"
+        samples = t.rollout_batch_size * t.n_samples_per_prompt
+        _check(a.ppo_epochs == 1, f, v, f"{need} algorithm.ppo_epochs={a.ppo_epochs} reuses the batch: set it to true")
+        _check(
+            t.mini_batch_size >= samples,
+            f,
+            v,
+            f"{need} trainer.mini_batch_size={t.mini_batch_size} splits the {samples} samples of a step into several "
+            f"optimizer steps: set it to true, or trainer.mini_batch_size={samples}",
+        )
+        _check(not a.reward_kl_coef_used, f, v, f"{need} the KL in the reward needs the old log-probs before the update: set it to true")
+        _check(a.tis_cap is None, f, v, f"{need} algorithm.tis_cap weighs by exp(old - rollout): set it to true")
 
     def _validate_prompt_learning(self) -> None:
         """actor.prompt_learning: SFT only, on layouts the virtual tokens support, within the model's positions."""

@@ -39,7 +39,9 @@ coefficient 0.04 on both sides (TRL ``beta``, aligner ``algorithm.kl_loss_coef``
 reference model and run its forward), G = 4, responses forced to the full max new tokens,
 fp32, torch's default threads on both sides, micro-batches of 4 samples on both sides (one
 optimizer step over the 16; with all 16 in one micro-batch the two processes' activations did
-not fit 24 GiB together: TRL's reached 12.9 GB before the OOM killer stopped it).
+not fit 24 GiB together: TRL's reached 12.9 GB before the OOM killer stopped it). Neither side
+runs an old-log-prob forward: TRL skips it with num_iterations = 1, aligner with
+``algorithm.recompute_old_log_probs=false`` (the same on-policy update: ratio 1).
 
 ``--ray`` (with or without ``--real``): no peer; the same aligner step in process and through
 Ray (the real PPOTrainer.start: Ray worker groups, CPU threads following the work), alternating,
@@ -224,7 +226,9 @@ def make_real(cfg, args: argparse.Namespace) -> None:
 
     cfg.reward = RewardRoleConfig(type="rule", rule="gsm8k_format")
     cfg.trainer.micro_batch_size = args.micro_batch or cfg.trainer.micro_batch_size
-    cfg.algorithm = AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_loss_coef=REAL_KL, ppo_epochs=1, normalize_rewards=False)
+    cfg.algorithm = AlgorithmConfig(
+        advantage="grpo", kl_coef=0.0, kl_loss_coef=REAL_KL, ppo_epochs=1, normalize_rewards=False, recompute_old_log_probs=False
+    )
 
 
 def real_prompts(tok, n: int) -> list[dict]:

@@ -134,6 +134,26 @@ CASES = [
     (["algorithm.clip_eps_high=0"], "algorithm.clip_eps_high", "0.0", "positive (e.g. 0.28, DAPO)"),
     (["algorithm.kl_loss_coef=-0.1"], "algorithm.kl_loss_coef", "-0.1", ">= 0"),
     (["algorithm.norm_by_std=false"], "algorithm.norm_by_std", "False", "applies to advantage=grpo only"),
+    # skipping the old-log-prob forward is exact only on-policy: each condition that breaks it is named
+    (
+        ["algorithm.recompute_old_log_probs=false", "algorithm.ppo_epochs=2"],
+        "algorithm.recompute_old_log_probs",
+        "False",
+        "ppo_epochs=2 reuses",
+    ),
+    (["algorithm.recompute_old_log_probs=false"], "algorithm.recompute_old_log_probs", "False", "trainer.mini_batch_size=64"),
+    (
+        ["algorithm.recompute_old_log_probs=false", "trainer.mini_batch_size=64"],
+        "algorithm.recompute_old_log_probs",
+        "False",
+        "the KL in the reward needs the old log-probs",
+    ),
+    (
+        ["algorithm.recompute_old_log_probs=false", "trainer.mini_batch_size=64", "algorithm.kl_coef=0", "algorithm.tis_cap=2"],
+        "algorithm.recompute_old_log_probs",
+        "False",
+        "algorithm.tis_cap weighs",
+    ),
     # a KL coefficient that nothing applies is refused (issue 16: GRPO/RLOO silently dropped it)
     (
         ["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=4"],

@@ -258,7 +258,10 @@ class Policy(RoleModel):
 
         batch: input_ids [B, T], prompt_lens [B], response_mask [B, R], old_log_probs [B, R],
         advantages [B, R]; rollout_log_probs [B, R] when algo.tis_cap is set; ref_log_probs
-        [B, R] when algo.kl_loss_coef > 0.
+        [B, R] when algo.kl_loss_coef > 0. Without old_log_probs (an on-policy update,
+        ``algorithm.recompute_old_log_probs=false``) the forward's own log-probs, detached, are
+        the old ones: ratio 1, gradient that of the policy gradient (TRL's GRPOTrainer does the
+        same with num_iterations=1).
 
         The loss is ``policy_loss - entropy_coef * entropy + kl_loss_coef * kl_loss``, each
         term aggregated over the global mini-batch by ``algo.loss_agg`` (exact across
@@ -280,11 +283,12 @@ class Policy(RoleModel):
             lp, ent_tok = self._log_probs_entropy(output, mb, temperature, entropy_grad=algo.entropy_coef > 0)
             lp = lp * mask
             weights = None
+            old = mb["old_log_probs"] if "old_log_probs" in mb else lp.detach()
             if algo.tis_cap is not None:
                 weights = alg.truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"], mask, algo.tis_cap)
             loss, m = alg.policy_loss(
                 lp,
-                mb["old_log_probs"],
+                old,
                 mb["advantages"],
                 mask,
                 algo.clip_eps,

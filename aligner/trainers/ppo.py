@@ -321,7 +321,9 @@ class PPOTrainer(Trainer):
         self.busy("actor", "critic", "reward", "ref")
         routing = batch.rollout_experts is not None  # MoE: the trainer's routing too, for the mismatch metric
         actor = self.groups["actor"]
-        futures = {"old": actor.log_probs_with_routing(inputs, temp) if routing else actor.log_probs(inputs, temp)}
+        futures = {}
+        if self.cfg.algorithm.recompute_old_log_probs:  # else on-policy: the update's own forward gives them
+            futures["old"] = actor.log_probs_with_routing(inputs, temp) if routing else actor.log_probs(inputs, temp)
         if "critic" in self.groups:
             futures["values"] = self.groups["critic"].values(inputs)
         if "reward" in self.groups:
@@ -333,13 +335,20 @@ class PPOTrainer(Trainer):
         names = list(futures)
         results = dict(zip(names, get_all([futures[k] for k in names])))
         mask = batch.response_mask
-        if routing:
+        if routing and "old" in results:
             batch.old_experts = results["old"]["routed_experts"]
             results["old"] = results["old"]["log_probs"]
-        batch.old_log_probs = results["old"] * mask
-        batch.ref_log_probs = results["ref"] * mask if "ref" in results else batch.old_log_probs.clone()
+        batch.old_log_probs = results["old"] * mask if "old" in results else None
+        batch.ref_log_probs = results["ref"] * mask if "ref" in results else self._policy_log_probs(batch).clone()
         batch.values = results["values"] * mask if "values" in results else None
         batch.scores = results["scores"] if "scores" in results else self.rule_scores(batch)
+
+    @staticmethod
+    def _policy_log_probs(batch: RolloutBatch) -> torch.Tensor:
+        """The behaviour policy's log-probs [B, R] for the KL terms and metrics: the recomputed old
+        log-probs, or (algorithm.recompute_old_log_probs=false) the rollout engine's, which equal the
+        trainer's up to the engine's numerics (1e-5 in fp32 with the torch engine)."""
+        return batch.old_log_probs if batch.old_log_probs is not None else batch.rollout_log_probs * batch.response_mask
 
     def rule_scores(self, batch: RolloutBatch) -> torch.Tensor:
 
@@ -365,7 +374,7 @@ class PPOTrainer(Trainer):
             if standardize
             else batch.scores.float()
         )
-        batch.kl = alg.kl_penalty(batch.old_log_probs, batch.ref_log_probs, a.kl_estimator) * mask
+        batch.kl = alg.kl_penalty(self._policy_log_probs(batch), batch.ref_log_probs, a.kl_estimator) * mask
         estimator = alg.get_advantage_estimator(a.advantage)
         adv, ret = estimator(
             scores=batch.rewards,
@@ -395,7 +404,9 @@ class PPOTrainer(Trainer):
 
         a, t = self.cfg.algorithm, self.cfg.trainer
         train_actor = self.step >= a.critic_warmup_steps
-        actor_keys = ["input_ids", "prompt_lens", "response_mask", "old_log_probs", "advantages"]
+        actor_keys = ["input_ids", "prompt_lens", "response_mask", "advantages"]
+        if batch.old_log_probs is not None:  # else on-policy: ppo_step uses its own detached log-probs
+            actor_keys.append("old_log_probs")
         if a.tis_cap is not None:
             actor_keys.append("rollout_log_probs")
         if a.kl_loss_coef > 0:
@@ -435,7 +446,8 @@ class PPOTrainer(Trainer):
         }
         if self.cfg.reward.type == "model" and on_builtin_task(self.cfg):
             out["train_accuracy"] = float(self._accuracy(batch.meta))
-        out.update(alg.rollout_mismatch_metrics(batch.rollout_log_probs, batch.old_log_probs, mask))
+        if batch.old_log_probs is not None:
+            out.update(alg.rollout_mismatch_metrics(batch.rollout_log_probs, batch.old_log_probs, mask))
         if batch.rollout_experts is not None and batch.old_experts is not None:
             out["moe_routing_mismatch"] = routing_mismatch(batch.rollout_experts, batch.old_experts, mask)
         return {k: float(v) for k, v in out.items()}

@@ -102,3 +102,27 @@ def test_kl_loss_coef_changes_the_update():
         pol.ppo_step(b, AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_loss_coef=coef), micro_batch_size=3)
         grads.append(torch.cat([p.grad.flatten() for p in pol.runtime.module.parameters()]))
     assert (grads[1] - grads[0]).abs().max() > 1e-4
+
+
+def test_ppo_step_without_old_log_probs_is_the_on_policy_update():
+    """algorithm.recompute_old_log_probs=false: ppo_step without old_log_probs (its own forward's,
+    detached, stand in) takes the same step as with the recomputed old log-probs of an on-policy batch."""
+    algo = AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_loss_coef=0.2, clip_eps=0.1, recompute_old_log_probs=False)
+    batch = _batch()
+    batch.pop("old_offset")
+    grads, metrics = [], []
+    for recompute in (True, False):
+        pol = Policy(CFG, ParallelConfig(), OPTIM, ParallelDims(device_type="cpu"), seed=0)
+        b = dict(batch)
+        with torch.no_grad():
+            current = pol.log_probs(b, micro_batch_size=3, temperature=TEMPERATURE)
+        b["ref_log_probs"] = (current - b.pop("ref_offset")) * b["response_mask"]
+        if recompute:
+            b["old_log_probs"] = current * b["response_mask"]
+        metrics.append(pol.ppo_step(b, algo, micro_batch_size=2, temperature=TEMPERATURE))
+        grads.append({n: p.grad.clone() for n, p in pol.runtime.module.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-4, msg=name)
+    assert metrics[1]["clipfrac"] == 0.0 and abs(metrics[1]["approx_kl"]) < 1e-12
+    for k in ("policy_loss", "kl_loss", "grad_norm"):
+        assert metrics[1][k] == pytest.approx(metrics[0][k], rel=1e-4, abs=1e-6), k
