@@ -93,6 +93,7 @@ log-probs to every stage, so all ranks return the same Generations. PP (continuo
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import statistics
@@ -961,7 +962,11 @@ def cached_cpu_layout(model: nn.Module, batch: int, fusable: bool, path: Path = 
     """:func:`choose_cpu_layout`, timed once per machine and kept in `path` (JSON, keyed by the CPU
     model and ISA, torch version, dtype, decode batch, the candidate kernels and the GEMM
     shapes), so every run on a machine multiplies with the same kernels: a resumed run rounds
-    exactly as the uninterrupted one. An unreadable or unwritable cache only costs the timing
+    exactly as the uninterrupted one. Processes that build engines at once (tensor-parallel
+    ranks, replicas) take an exclusive lock on ``<path>.lock`` around look-up, timing and
+    write, so the first one times and the others read its choice: every rank of a machine uses
+    the same kernels (ranks timing independently could pick different ones, which a resume
+    would then change). An unreadable or unwritable cache (or lock) only costs the timing
     (info["cached"] says which)."""
     from aligner.runtime.host import cpu_signature
 
@@ -971,22 +976,32 @@ def cached_cpu_layout(model: nn.Module, batch: int, fusable: bool, path: Path = 
     dtype = str(next(model.parameters()).dtype)
     kernels = "aten+onednn" if onednn_available() else "aten"
     key = f"{cpu_signature()} | torch {torch.__version__} | {dtype} | batch {batch} | kernels {kernels} | fusable {fusable} | {len(model.model.layers)} x {shapes} | head {head}"
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
-    if key in table and len(table[key]) == 4:
-        k, t, f, info = table[key]
-        return CpuLayout(k, t, f, {**info, "cached": str(path)})
-    lay = choose_cpu_layout(model, batch, fusable)
+    lock = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**table, key: [lay.kernel, lay.transposed, lay.fused, lay.info]}, indent=1))
-        os.replace(tmp, path)
+        lock = open(path.with_name(f"{path.name}.lock"), "a")
+        fcntl.flock(lock, fcntl.LOCK_EX)
     except OSError:
         pass
-    return CpuLayout(lay.kernel, lay.transposed, lay.fused, {**lay.info, "cached": False})
+    try:
+        try:
+            table = json.loads(path.read_text())
+        except (OSError, ValueError):
+            table = {}
+        if key in table and len(table[key]) == 4:
+            k, t, f, info = table[key]
+            return CpuLayout(k, t, f, {**info, "cached": str(path)})
+        lay = choose_cpu_layout(model, batch, fusable)
+        try:
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({**table, key: [lay.kernel, lay.transposed, lay.fused, lay.info]}, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+        return CpuLayout(lay.kernel, lay.transposed, lay.fused, {**lay.info, "cached": False})
+    finally:
+        if lock is not None:
+            lock.close()  # releases the flock
 
 
 def choose_cpu_layout(model: nn.Module, batch: int, fusable: bool, rounds: int = 5) -> CpuLayout:
@@ -999,8 +1014,9 @@ def choose_cpu_layout(model: nn.Module, batch: int, fusable: bool, rounds: int =
     (their weight shapes, so each reads fresh weights from memory as decode does) on a
     [batch, in] input, scaled to every local layer, plus the lm_head (a tied head keeps the
     embedding's [out, in] layout under F.linear; oneDNN multiplies by a prepacked copy of it).
-    Candidates alternate over `rounds` rounds; the median decides. Collective-free, so
-    tensor-parallel ranks may time (and choose) independently.
+    Candidates alternate over `rounds` rounds; the median decides. Collective-free:
+    :func:`cached_cpu_layout` makes the processes of one machine agree through a file lock;
+    ranks on different machines time (and may choose) independently.
 
     Measured (benchmarks/RESULTS.md): on a 2-core AMD EPYC, MKL's small-batch GEMMs stream
     weights at 5-7 GB/s, oneDNN's prepacked ones at 20-35 GB/s (SmolLM2's head at 16 rows: 157

@@ -6,6 +6,9 @@ cache (full forward), greedy by argmax and log-probs by vocab_parallel_log_probs
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -622,6 +625,35 @@ def test_the_measured_layout_is_kept_per_machine(model, tmp_path):
     assert other.info["cached"] is False and len(__import__("json").loads(path.read_text())) == 2
     path.write_text("{not json")
     assert cached_cpu_layout(model, 4, True, path).info["cached"] is False
+
+
+def _layout_in_child(path: str, start, q) -> None:
+    from aligner.rollout.torch_engine import cached_cpu_layout
+
+    torch.set_num_threads(1)
+    model = build_model(CFG, seed=0).eval()
+    start.wait()
+    lay = cached_cpu_layout(model, 4, True, Path(path))
+    q.put((lay.name, lay.info["cached"] is False))
+
+
+def test_processes_building_engines_at_once_agree_on_the_layout(tmp_path):
+    """Tensor-parallel ranks build their engines at the same moment: one times, the others wait on
+    the lock and read its choice (the CI replica's resumed tp=2 run rounded differently when the
+    two ranks timed and chose independently)."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    start, q = ctx.Event(), ctx.Queue()
+    path = tmp_path / "cpu_layout.json"
+    procs = [ctx.Process(target=_layout_in_child, args=(str(path), start, q)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    start.set()
+    got = [q.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert len({name for name, _ in got}) == 1, got
+    assert sum(timed for _, timed in got) == 1, got  # exactly one process timed
+    assert len(json.loads(path.read_text())) == 1
 
 
 # ---- compiled decode (torch.compile per decoder layer) ------------------------------------
