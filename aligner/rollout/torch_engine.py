@@ -116,6 +116,7 @@ from aligner.nn.layers import (
     ParallelLayer,
     RMSNorm,
     RowParallelLinear,
+    drop_onednn,
     onednn_available,
     onednn_linear,
     onednn_pack,
@@ -306,9 +307,12 @@ class TorchEngine(RolloutEngine):
                 self._stale = True
 
     def _repack(self) -> None:
-        """Refresh the oneDNN-prepacked weight copies (kernel "onednn") from the parameters."""
+        """Refresh the oneDNN-prepacked weight copies from the parameters (kernel "onednn"), or
+        drop any copies an earlier engine on the same model left (kernel "aten")."""
         if self.kernel == "onednn":
             prepack_onednn(self.model, self._pack_batch)
+        else:
+            drop_onednn(self.model)
         self._stale = False
 
     def finish_weight_update(self) -> None:
@@ -981,8 +985,10 @@ def cached_cpu_layout(model: nn.Module, batch: int, fusable: bool, path: Path = 
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = open(path.with_name(f"{path.name}.lock"), "a")
         fcntl.flock(lock, fcntl.LOCK_EX)
-    except OSError:
-        pass
+    except OSError:  # no lock (read-only cache dir): this process times on its own, as documented
+        if lock is not None:
+            lock.close()
+        lock = None
     try:
         try:
             table = json.loads(path.read_text())
@@ -996,7 +1002,7 @@ def cached_cpu_layout(model: nn.Module, batch: int, fusable: bool, path: Path = 
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps({**table, key: [lay.kernel, lay.transposed, lay.fused, lay.info]}, indent=1))
             os.replace(tmp, path)
-        except OSError:
+        except OSError:  # unwritable cache: the next build times again (info["cached"] is False)
             pass
         return CpuLayout(lay.kernel, lay.transposed, lay.fused, {**lay.info, "cached": False})
     finally:

@@ -41,7 +41,10 @@ def test_onednn_linears_match_f_linear_and_training_never_uses_them():
         assert "onednn_group" in col[0].__dict__ and "onednn" not in col[1].__dict__
         for got, w in zip(column_parallel_linears(x, tuple(col)), want):
             torch.testing.assert_close(got, w, atol=1e-5, rtol=1e-5)
-        row.weight.mul_(2)  # a snapshot: the packed copy does not see it ...
+        for l in (*col, row):  # a snapshot: the packed copies do not see it, which shows they are used ...
+            l.weight.mul_(2)
+        for got, w in zip(column_parallel_linears(x, tuple(col)), want):
+            torch.testing.assert_close(got, w, atol=1e-5, rtol=1e-5)
         assert not torch.allclose(row(h), 2 * want_row, atol=1e-3)
     out = row(h)  # ... but training (grad on) multiplies by the parameter itself
     torch.testing.assert_close(out, 2 * want_row, atol=1e-5, rtol=1e-5)

@@ -493,6 +493,9 @@ def test_cpu_layouts_give_the_same_tokens_and_auto_reports_its_timings():
         packed = [m for m in lin if "onednn" in m.__dict__ or "onednn_group" in m.__dict__]
         assert eng.kernel == "onednn" and packed and eng.model.lm_head in packed  # the tied head too
         assert_same_generations(gens["onednn"], gens["in_out"])
+        # an MKL engine built later on the same model must not multiply by the first one's copies
+        again = TorchEngine(eng.model, cpu_layout="out_in", max_batch_size=3)
+        assert not any(k in m.__dict__ for m in again.model.modules() for k in ("onednn", "onednn_group"))
 
 
 @pytest.mark.parametrize("layout", ["auto", "out_in", pytest.param("onednn", marks=ONEDNN)])
