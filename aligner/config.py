@@ -702,6 +702,7 @@ class TrainerConfig:
     rollout_batch_size: int = 32  # PPO: prompts per step
     n_samples_per_prompt: int = 1  # PPO: responses per prompt (>= 2 for grpo, rloo, reinforce_pp_baseline)
     mini_batch_size: int = 32  # PPO: samples per optimizer step
+    shared_prompt_pack_len: int = 4096  # PPO with n_samples_per_prompt > 1: the actor and reference run a prompt's samples as one packed row, the prompt's positions once (aligner.actor.shared_prompt), when the row has at most this many tokens; 0 = padded rows
     eval_batch_size: int = 64  # prompts per evaluation batch
     max_nonfinite: int = 3  # consecutive non-finite updates before the run stops
     num_threads: int = 0  # torch threads per CPU worker; 0 = follow the work: the workers busy in a phase share their node's cores (a role running alone gets them all)
@@ -720,7 +721,7 @@ class TrainerConfig:
             "max_nonfinite",
         ):
             _check(getattr(self, name) >= 1, f"{prefix}.{name}", getattr(self, name), "must be >= 1")
-        for name in ("save_every", "eval_every", "num_threads"):
+        for name in ("save_every", "eval_every", "num_threads", "shared_prompt_pack_len"):
             _check(getattr(self, name) >= 0, f"{prefix}.{name}", getattr(self, name), "must be >= 0")
         _check(
             self.preempt_grace_s > 0,

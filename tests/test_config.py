@@ -204,6 +204,7 @@ CASES = [
     (["trainer.micro_batch_size=0"], "trainer.micro_batch_size", "0", ">= 1"),
     (["trainer.save_every=-1"], "trainer.save_every", "-1", ">= 0"),
     (["trainer.num_threads=-2"], "trainer.num_threads", "-2", ">= 0"),
+    (["trainer.shared_prompt_pack_len=-1"], "trainer.shared_prompt_pack_len", "-1", ">= 0"),
     (["trainer.global_batch_size=48"], "trainer.global_batch_size", "48", "multiple of trainer.micro_batch_size=32"),
     (["trainer.mini_batch_size=48"], "trainer.mini_batch_size", "48", "divide rollout_batch_size * n_samples_per_prompt = 64"),
     (["cluster.num_nodes=0"], "cluster.num_nodes", "0", ">= 1"),

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from aligner import algorithms as alg
+from aligner.actor.shared_prompt import pack_shared_prompts, prompt_groups, unpack_micro, unpack_output
 from aligner.config import AlgorithmConfig, DPOConfig, PromptLearningConfig
 from aligner.model.moe import record_routing, stack_routing
 from aligner.model.prompt import attach_prompt, build_prompt, greedy_generate, prompt_state_dict
@@ -169,8 +170,37 @@ class Policy(RoleModel):
         return self._with_labels(inputs, inputs["labels"], temperature)
 
     # ---- inference ------------------------------------------------------------------
-    def log_probs(self, batch: dict[str, torch.Tensor], micro_batch_size: int, temperature: float = 1.0) -> torch.Tensor:
-        """batch: input_ids [B, T], prompt_lens [B], response_mask [B, R] -> log_probs [B, R] fp32 (0 where masked)."""
+    def _shared_prompt_inputs(
+        self, batch: dict[str, torch.Tensor], sample_keys: tuple[str, ...], temperature: float, micro_batch_size: int, pack_len: int
+    ) -> Optional[tuple[dict, int]]:
+        """(packed model inputs, packed rows per micro-batch) when `batch` packs by shared prompt
+        (:mod:`aligner.actor.shared_prompt`), else None: pack_len 0, a virtual prompt or MoE layers
+        (their routing and capacity count padded rows), rows not in equal groups of G > 1, a
+        micro-batch smaller than G samples (a packed row holds G), or a row over pack_len tokens."""
+        if pack_len <= 0 or self.prompt_cfg is not None or self.model_cfg.num_experts > 0:
+            return None
+        g = prompt_groups(batch["input_ids"], batch["prompt_lens"])
+        if g < 2 or micro_batch_size < g:
+            return None
+        packed = pack_shared_prompts(batch, g, sample_keys, self.runner.seq_multiple, pack_len)
+        if packed is None:
+            return None
+        return self._with_labels(packed, packed["labels"], temperature), micro_batch_size // g
+
+    def log_probs(self, batch: dict[str, torch.Tensor], micro_batch_size: int, temperature: float = 1.0, pack_len: int = 0) -> torch.Tensor:
+        """batch: input_ids [B, T], prompt_lens [B], response_mask [B, R] -> log_probs [B, R] fp32 (0 where masked).
+
+        pack_len > 0: the samples of one prompt run as one packed row of at most that many tokens,
+        the prompt once (``trainer.shared_prompt_pack_len``; :mod:`aligner.actor.shared_prompt`)."""
+        r = batch["response_mask"].shape[1]
+        packed = self._shared_prompt_inputs(batch, ("response_mask",), temperature, micro_batch_size, pack_len)
+        if packed is not None:
+
+            def packed_out(output, mb):
+                mb = unpack_micro(mb, ("response_mask",), r)
+                return self._label_log_probs(unpack_output(output, r), mb, temperature) * mb["response_mask"]
+
+            return self.runner.forward(packed[0], packed_out, packed[1])
 
         def out(output, mb):  # logits [b, R, V/tp] at the response positions, or (log_probs, entropy)
             return self._label_log_probs(output, mb, temperature) * mb["response_mask"]
@@ -252,7 +282,7 @@ class Policy(RoleModel):
 
     # ---- PPO ----------------------------------------------------------------------
     def ppo_step(
-        self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig, micro_batch_size: int, temperature: float = 1.0
+        self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig, micro_batch_size: int, temperature: float = 1.0, pack_len: int = 0
     ) -> dict[str, float]:
         """One optimizer step of the clipped policy loss over this rank's share of a mini-batch.
 
@@ -261,7 +291,8 @@ class Policy(RoleModel):
         [B, R] when algo.kl_loss_coef > 0. Without old_log_probs (an on-policy update,
         ``algorithm.recompute_old_log_probs=false``) the forward's own log-probs, detached, are
         the old ones: ratio 1, gradient that of the policy gradient (TRL's GRPOTrainer does the
-        same with num_iterations=1).
+        same with num_iterations=1). pack_len: as :meth:`log_probs` (the samples of one prompt in
+        one packed row; the same loss and gradient up to GEMM rounding).
 
         The loss is ``policy_loss - entropy_coef * entropy + kl_loss_coef * kl_loss``, each
         term aggregated over the global mini-batch by ``algo.loss_agg`` (exact across
@@ -313,8 +344,16 @@ class Policy(RoleModel):
             return total / norm
 
         keys = ("input_ids", "response_mask", "old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs")
-        inputs = self._response_model_inputs(batch, tuple(k for k in keys if k in batch), temperature)
-        stats = self.runner.train_step(inputs, loss_fn, micro_batch_size)
+        sample_keys = tuple(k for k in keys[1:] if k in batch)
+        r = batch["response_mask"].shape[1]
+        packed = self._shared_prompt_inputs(batch, sample_keys, temperature, micro_batch_size, pack_len)
+        if packed is not None:
+            stats = self.runner.train_step(
+                packed[0], lambda output, mb: loss_fn(unpack_output(output, r), unpack_micro(mb, sample_keys, r)), packed[1]
+            )
+        else:
+            inputs = self._response_model_inputs(batch, tuple(k for k in keys if k in batch), temperature)
+            stats = self.runner.train_step(inputs, loss_fn, micro_batch_size)
         sums = from_last_stage(sums, self.dims)
         counts = {"clipfrac": float(batch["response_mask"].sum()), "approx_kl": float(batch["response_mask"].sum())}
         agg_count = float(alg.loss_agg_count(batch["response_mask"], mode))

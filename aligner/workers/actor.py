@@ -67,7 +67,7 @@ class PolicyWorker:
 
     @dispatch("dp_split")
     def log_probs(self, batch: dict, temperature: float = 1.0) -> torch.Tensor:
-        return self.policy.log_probs(batch, self.cfg.trainer.micro_batch_size, temperature)
+        return self.policy.log_probs(batch, self.cfg.trainer.micro_batch_size, temperature, self.cfg.trainer.shared_prompt_pack_len)
 
     @dispatch("dp_split")
     def log_probs_with_routing(self, batch: dict, temperature: float = 1.0) -> dict:
@@ -78,7 +78,7 @@ class PolicyWorker:
     def ref_log_probs(self, batch: dict, temperature: float = 1.0) -> torch.Tensor:
         """log_probs of the base model (LoRA adapters disabled): the reference policy of LoRA PPO."""
         with disable_adapters(self.policy.runtime.module):
-            return self.policy.log_probs(batch, self.cfg.trainer.micro_batch_size, temperature)
+            return self.policy.log_probs(batch, self.cfg.trainer.micro_batch_size, temperature, self.cfg.trainer.shared_prompt_pack_len)
 
     @dispatch("dp_split")
     def sft_step(self, batch: dict) -> dict:
@@ -90,7 +90,8 @@ class PolicyWorker:
 
     @dispatch("dp_split")
     def ppo_step(self, batch: dict, temperature: float = 1.0) -> dict:
-        return self.policy.ppo_step(batch, self.cfg.algorithm, self.cfg.trainer.micro_batch_size, temperature)
+        t = self.cfg.trainer
+        return self.policy.ppo_step(batch, self.cfg.algorithm, t.micro_batch_size, temperature, t.shared_prompt_pack_len)
 
     @dispatch("broadcast")
     def save(self, ckpt_dir: str) -> None:

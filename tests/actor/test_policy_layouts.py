@@ -4,6 +4,9 @@ Policy.log_probs and Policy.ppo_step apply the LM head only at the response posi
 (``head_index``); on tp=2 (with and without sequence parallelism) and tp=2 x pp=2, the
 log-probs, the loss metrics (entropy included) and the parameters after one optimizer step
 must equal a single-process Policy built in the same rank from the same seed, within 1e-5.
+A second step on a batch of 2 prompts x 2 samples runs packed by shared prompt on the sharded
+side (aligner.actor.shared_prompt: block mask, sequence parallelism's padding, pipeline stages)
+and padded on the single-process side.
 The unsharded reference itself is checked against full-sequence logits in tests/unit.
 """
 
@@ -30,6 +33,19 @@ def _batch():
     return {k: seq[k] for k in ("input_ids", "prompt_lens", "response_mask")} | {"advantages": adv, "old_log_probs": old}
 
 
+def _grouped_batch():
+    from aligner.protocol import build_sequences
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, 64, (n,), generator=g).tolist() for n in (5, 3)]
+    responses = [torch.randint(4, 64, (n,), generator=g).tolist() for n in (4, 6, 1, 5)]
+    seq = build_sequences([prompts[0], prompts[0], prompts[1], prompts[1]], responses, pad_id=0)
+    mask = seq["response_mask"]
+    adv = torch.randn(mask.shape, generator=g) * mask
+    old = (torch.randn(mask.shape, generator=g) * 0.1 - 4.0) * mask
+    return {k: seq[k] for k in ("input_ids", "prompt_lens", "response_mask")} | {"advantages": adv, "old_log_probs": old}
+
+
 def _policy(tp: int, pp: int, sp: bool, dims):
     from aligner.actor.policy import Policy
     from aligner.config import ModelConfig, OptimConfig, ParallelConfig
@@ -47,21 +63,25 @@ def _policy(tp: int, pp: int, sp: bool, dims):
 KEYS = ("policy_loss", "entropy", "clipfrac", "approx_kl")
 
 
-def _run(pol):
-    """log-probs at temperature 0.7, one PPO step's metrics, the full weights after it."""
+def _run(pol, pack_len: int = 0):
+    """log-probs at temperature 0.7 and one PPO step's metrics on each batch (the grouped one
+    packed when pack_len > 0), the full weights after both steps."""
     from aligner.config import AlgorithmConfig
 
-    batch = _batch()
+    batch, grouped = _batch(), _grouped_batch()
     lp = pol.log_probs(batch, 2, temperature=0.7)
     metrics = pol.ppo_step(batch, AlgorithmConfig(entropy_coef=0.01), 2)
-    return lp, {k: metrics[k] for k in KEYS}, pol.full_state_dict()
+    lp_g = pol.log_probs(grouped, 2, temperature=0.7, pack_len=pack_len)
+    metrics_g = pol.ppo_step(grouped, AlgorithmConfig(entropy_coef=0.01), 2, pack_len=pack_len)
+    metrics = {k: metrics[k] for k in KEYS} | {f"grouped/{k}": metrics_g[k] for k in KEYS}
+    return torch.cat([lp.flatten(), lp_g.flatten()]), metrics, pol.full_state_dict()
 
 
 def _battery(rank: int, world_size: int, tp: int, pp: int, sp: bool):
     from aligner.parallel.dims import ParallelDims
 
     dims = ParallelDims(tp_size=tp, pp_size=pp, dp_size=1, world_size=world_size, rank=rank).build()
-    lp, metrics, sd = _run(_policy(tp, pp, sp, dims))
+    lp, metrics, sd = _run(_policy(tp, pp, sp, dims), pack_len=4096)
     return lp.tolist(), metrics, {k: v.tolist() for k, v in sd.items()}  # plain lists cross the process boundary
 
 
