@@ -399,6 +399,18 @@ class PPOTrainer(Trainer):
         """The coefficient of the KL in the reward this step: the controller's, or 0 when the KL is not in the reward."""
         return self.kl_ctl.value if self.cfg.algorithm.resolved_kl_in_reward else 0.0
 
+    def _minibatch_order(self, size: int, g: torch.Generator) -> torch.Tensor:
+        """A random order [size] int64 of the rollout rows for one epoch's mini-batches.
+
+        With n_samples_per_prompt = n > 1 and shared-prompt packing on, whole groups are shuffled
+        and a group's n samples stay consecutive (rows i n .. i n + n - 1 of the prompt-major
+        batch), so mini-batches (a multiple of n samples) hold whole groups and the actor runs
+        each prompt once (aligner.actor.shared_prompt); otherwise single samples are shuffled."""
+        n = self.cfg.trainer.n_samples_per_prompt
+        if n > 1 and self.cfg.trainer.shared_prompt_pack_len > 0 and size % n == 0:
+            return (torch.randperm(size // n, generator=g)[:, None] * n + torch.arange(n)).flatten()
+        return torch.randperm(size, generator=g)
+
     def update(self, batch: RolloutBatch) -> dict[str, float]:
         """ppo_epochs passes of mini-batches: critic and actor updates run concurrently."""
 
@@ -416,7 +428,7 @@ class PPOTrainer(Trainer):
         g = torch.Generator().manual_seed(sample_seed(t.seed, self.step, -1))
         self.busy(*(["actor"] if train_actor else []), "critic")
         for _ in range(a.ppo_epochs):
-            order = torch.randperm(len(batch), generator=g)
+            order = self._minibatch_order(len(batch), g)
             for idx in order.split(t.mini_batch_size):
                 mb = batch.select(idx)
                 futs = {}

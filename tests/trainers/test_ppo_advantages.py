@@ -76,3 +76,18 @@ def test_norm_by_std_reaches_the_grpo_estimator():
     want = alg.compute_grpo_advantages(batch.scores, batch.response_mask, group_size=4, norm_by_std=False)
     torch.testing.assert_close(dr_grpo, want)
     assert (normed - dr_grpo).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("pack_len,whole", [(4096, True), (0, False)])
+def test_minibatches_keep_a_prompts_samples_together_when_packing(pack_len, whole):
+    """With shared-prompt packing on, the update's mini-batches are whole groups of
+    n_samples_per_prompt consecutive rows (so the actor runs each prompt once); with it off, samples
+    are shuffled one by one. Either way every row appears once per epoch."""
+    n, size = 4, 32
+    trainer = PPOTrainer(load_config("ppo", RULE + [f"trainer.shared_prompt_pack_len={pack_len}"]), None, PROMPTS, PROMPTS)
+    order = trainer._minibatch_order(size, torch.Generator().manual_seed(3))
+    assert sorted(order.tolist()) == list(range(size))
+    groups = order.view(-1, n)
+    kept = bool((groups // n == groups[:, :1] // n).all() and (groups % n == torch.arange(n)).all())
+    assert kept == whole
+    assert order[:n].tolist() != list(range(n)) or order[n : 2 * n].tolist() != list(range(n, 2 * n))  # shuffled
