@@ -41,7 +41,10 @@ fp32, torch's default threads on both sides, micro-batches of 4 samples on both 
 optimizer step over the 16; with all 16 in one micro-batch the two processes' activations did
 not fit 24 GiB together: TRL's reached 12.9 GB before the OOM killer stopped it). Neither side
 runs an old-log-prob forward: TRL skips it with num_iterations = 1, aligner with
-``algorithm.recompute_old_log_probs=false`` (the same on-policy update: ratio 1).
+``algorithm.recompute_old_log_probs=false`` (the same on-policy update: ratio 1). One difference
+in work remains: aligner runs each prompt's positions once per group of G samples in the
+reference forward and in the update (shared-prompt packing, ``trainer.shared_prompt_pack_len``,
+on by default), TRL once per sample.
 
 ``--ray`` (with or without ``--real``): no peer; the same aligner step in process and through
 Ray (the real PPOTrainer.start: Ray worker groups, CPU threads following the work), alternating,
