@@ -15,8 +15,9 @@ samples, as it is over G padded rows. Trailing padding after each response's las
 is dropped too. The same construction is the shared-prefix forward of Prefix Grouper (Liu et al.
 2025, "Prefix Grouper: Efficient GRPO Training through Shared-Prefix Forward").
 
-Cost and limits: a dense boolean mask of T x T per row (T = P + sum of the response lengths) and
-SDPA's masked kernel instead of its causal one, so rows are packed only up to a length limit
+Cost and limits: a dense boolean mask of T x T per row of a micro-batch (T = P + sum of the
+response lengths; the model builds it from ``prompt_segments``) and SDPA's masked kernel instead
+of its causal one, so rows are packed only up to a length limit
 (``trainer.shared_prompt_pack_len``); groups are detected from the data (consecutive rows with
 the same prompt ids), and a batch whose rows do not form equal groups of G > 1 stays padded.
 """
@@ -35,7 +36,8 @@ def prompt_groups(input_ids: torch.Tensor, prompt_lens: torch.Tensor) -> int:
 
     input_ids: [B, T] int64 with each row's prompt at positions 0..prompt_lens[b]-1;
     prompt_lens: [B] int64. Rows share a prompt when their prompt lengths and prompt ids are equal.
-    Two neighbouring groups with the same prompt count as one group of 2G (correct, just larger).
+    Two neighbouring groups with the same prompt make one run of 2G: the runs are then unequal
+    (unless every group has a twin) and the batch stays padded.
     """
     b = input_ids.shape[0]
     if b < 2:
@@ -71,8 +73,9 @@ def pack_shared_prompts(
     consecutive rows sharing a prompt (:func:`prompt_groups`). n = B / g packed rows of length
     T' (the longest packed row, rounded up to `multiple`: sequence parallelism's tp).
 
-    Returns input_ids [n, T'], position_ids [n, T'], attn_mask [n, 1, T', T'] bool (True = attend),
-    head_index [n, g R] int64 (the positions whose logits predict response token j of sample k, at
+    Returns input_ids [n, T'], position_ids [n, T'], prompt_segments [n, T'] int64 (0 prompt, k + 1
+    sample k's response, -1 padding: the model builds each micro-batch's block mask from it,
+    :func:`aligner.model.llama.shared_prompt_mask`), head_index [n, g R] int64 (the positions whose logits predict response token j of sample k, at
     k R + j; masked tokens point at the last prompt position), labels [n, g R] (those tokens), and
     each of `sample_keys` as [n, g, R]. Undo with :func:`unpack_output` / :func:`unpack_micro`.
     """
@@ -108,13 +111,10 @@ def pack_shared_prompts(
             head[i, k * r : (k + 1) * r] = h
             off += length
         pos[i, off:] = torch.arange(t - off)
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
-    qs, ks = seg.unsqueeze(-1), seg.unsqueeze(-2)
-    attn = causal & ((ks == 0) | (qs == ks) | (qs == -1))  # padding attends to everything before it
     out = {
         "input_ids": out_ids,
         "position_ids": pos,
-        "attn_mask": attn.unsqueeze(1),
+        "prompt_segments": seg,
         "head_index": head,
         "labels": labels.reshape(n, g * r),
     }

@@ -191,6 +191,17 @@ def build_attention_mask(batch: int, t: int, device, segment_ids: Optional[torch
     return (same & causal).unsqueeze(1)
 
 
+def shared_prompt_mask(segments: torch.Tensor) -> torch.Tensor:
+    """Boolean mask [B, 1, T, T] (True = attend) of shared-prompt packed rows
+    (:mod:`aligner.actor.shared_prompt`). segments: [B, T] int64, 0 for the prompt, k >= 1 for
+    sample k's response, -1 for padding. Causal, and a query sees keys of the prompt or of its
+    own segment; padding sees every earlier position (so no row is empty)."""
+    t = segments.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=segments.device).tril()
+    qs, ks = segments.unsqueeze(-1), segments.unsqueeze(-2)
+    return (causal & ((ks == 0) | (qs == ks) | (qs == -1))).unsqueeze(1)
+
+
 class LlamaModel(nn.Module):
     """Decoder trunk: embeddings, decoder layers and final norm (any may be absent on a PP stage).
 
@@ -215,10 +226,13 @@ class LlamaModel(nn.Module):
         attn_mask: Optional[torch.Tensor] = None,
         kv_cache: Optional[KVCache] = None,
         cache_positions: Optional[torch.Tensor] = None,
+        prompt_segments: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """x: input_ids [B, T] or hidden [B, T(/tp), H]; position_ids [B, T] (default 0..T-1, or
         restarting per segment when segment_ids is given); attn_mask [B, 1, T, Tk] bool overrides
-        the causal/segment mask (the engine passes its own with a KV cache); without either,
+        the causal/segment mask (the engine passes its own with a KV cache); prompt_segments
+        [B, T] builds the shared-prompt mask of :func:`shared_prompt_mask` (per micro-batch, so
+        no [B, 1, T, T] tensor exists for the whole batch); without any of them,
         attention is plain causal with no mask tensor. A later pipeline stage under sequence
         parallelism gets hidden states holding T / tp positions and needs `position_ids`.
         With a virtual prompt (``self.prompt``, n tokens) the output is [B, n+T, H]: the virtual
@@ -227,7 +241,7 @@ class LlamaModel(nn.Module):
             b, t = x.shape
             h = self.embed_tokens(x)
             if self.prompt is not None:
-                h, position_ids, t = self._prepend_prompt(h, position_ids, segment_ids, attn_mask, kv_cache)
+                h, position_ids, t = self._prepend_prompt(h, position_ids, segment_ids, attn_mask, kv_cache, prompt_segments)
         else:
             h = x
             b = h.shape[0]
@@ -235,6 +249,8 @@ class LlamaModel(nn.Module):
         device = h.device
         if position_ids is None:
             position_ids = default_position_ids(b, t, device, segment_ids)
+        if attn_mask is None and prompt_segments is not None:
+            attn_mask = shared_prompt_mask(prompt_segments)
         if attn_mask is None:
             attn_mask = build_attention_mask(b, t, device, segment_ids)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, h.dtype)
@@ -242,13 +258,16 @@ class LlamaModel(nn.Module):
             h = layer(h, cos, sin, attn_mask, kv_cache, cache_positions)
         return self.norm(h) if self.norm is not None else h
 
-    def _prepend_prompt(self, h, position_ids, segment_ids, attn_mask, kv_cache) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _prepend_prompt(
+        self, h, position_ids, segment_ids, attn_mask, kv_cache, prompt_segments=None
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(h [B, n+T, H], position_ids [B, n+T], n+T) with the virtual tokens in front (plain causal rows only)."""
         from aligner.model.prompt import prepend_virtual_tokens
 
         if (
             segment_ids is not None
             or attn_mask is not None
+            or prompt_segments is not None
             or kv_cache is not None
             or getattr(self.embed_tokens, "sequence_parallel", False)
         ):

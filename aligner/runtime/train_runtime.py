@@ -218,7 +218,7 @@ class TrainRuntime:
         """Forward + backward over micro-batches (1F1B across stages when pp_size > 1).
 
         microbatches: dicts with ``input_ids`` [b, T] int64, the optional model inputs of
-        ``pipeline.MODEL_INPUT_KEYS`` (position_ids / segment_ids [b, T], head_index [b, R]),
+        ``pipeline.MODEL_INPUT_KEYS`` (position_ids / segment_ids / prompt_segments [b, T], head_index [b, R]),
         plus whatever `loss_fn` (output, mb) -> scalar reads; the same
         on every pp rank of a dp replica. loss_reduction: "mean" scales each loss by
         1/num_microbatches, "sum" leaves it (see aligner.parallel.pipeline).

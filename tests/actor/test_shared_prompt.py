@@ -17,6 +17,7 @@ from aligner import algorithms as alg
 from aligner.actor.policy import Policy
 from aligner.actor.shared_prompt import pack_shared_prompts, prompt_groups, response_lengths
 from aligner.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
+from aligner.model.llama import shared_prompt_mask
 from aligner.parallel.dims import ParallelDims
 from aligner.protocol import build_sequences
 
@@ -70,7 +71,7 @@ def test_packed_rows_hold_the_prompt_once_and_mask_across_samples():
     assert torch.equal(packed["input_ids"][0, 4:9], b["input_ids"][0, 4:9])  # sample 0's response
     assert torch.equal(packed["input_ids"][0, 9:12], b["input_ids"][2, 4:7])  # sample 2's (sample 1 is empty)
     assert packed["position_ids"][0, 9:12].tolist() == [4, 5, 6]  # each response at its own row's positions
-    m = packed["attn_mask"][0, 0]
+    m = shared_prompt_mask(packed["prompt_segments"])[0, 0]
     assert m[9, :4].all() and not m[9, 4:9].any() and m[9, 9]  # sample 2 sees the prompt and itself, not sample 0
     assert packed["head_index"][0, 2 * b["response_mask"].shape[1]].item() == 3  # token 0 is predicted at the last prompt position
     assert pack_shared_prompts(b, G, ("response_mask",), max_len=20) is None
