@@ -81,6 +81,10 @@ class KVCache:
 
     k, v: [L][B, kv_heads_local, S, hd]. Writes go to `positions` (slots along S);
     the same slot index is used for every row (rows are left-padded by the engine).
+    A cache class may also define ``attend(q, k, v) -> Tensor | None``: attention calls it after
+    :meth:`update` with q [B, h, Tq, hd] and what update returned, and uses its [B, h, Tq, hd]
+    result instead of SDPA unless it returns None (the rollout engine's slot cache runs its
+    decode attention kernel this way).
     """
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
@@ -140,9 +144,13 @@ class Attention(nn.Module):
         k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
         v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = None
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, cache_positions)
-        out = self.core(q, k, v, mask)
+            attend = getattr(kv_cache, "attend", None)
+            out = attend(q, k, v) if attend is not None else None
+        if out is None:
+            out = self.core(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1), residual)
 
 

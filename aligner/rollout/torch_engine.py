@@ -94,6 +94,7 @@ log-probs to every stage, so all ranks return the same Generations. PP (continuo
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import statistics
@@ -125,13 +126,16 @@ from aligner.nn.layers import (
     unpack_linears,
 )
 from aligner.parallel.parallelize import emulate_eager_rounding
+from aligner.rollout import cpu_kernels
 from aligner.rollout.base import Generation, RolloutEngine, check_budgets, check_prompts, check_sampling
+from aligner.rollout.cpu_kernels import check_decode_lengths, decode_attention, load_decode_attention
 from aligner.rollout.scheduler import SlotScheduler, StepPlan
 from aligner.runtime.host import keep_freed_host_memory
 
 SCHEDULERS = ("continuous", "static")
 CPU_LAYOUTS = ("auto", "in_out", "out_in", "onednn")
 COMPILE_MODES = ("auto", "on", "off")
+DECODE_ATTENTION = ("auto", "sdpa", "varlen")
 
 
 class TorchEngine(RolloutEngine):
@@ -173,6 +177,14 @@ class TorchEngine(RolloutEngine):
             (:func:`compile_decode`): "on", "off", or "auto" (default): eager for now on both
             devices: measured no faster than eager on the CPU (benchmarks/RESULTS.md, "Compiled
             decode and training"), and not yet run on CUDA; no per-machine timing is done for it.
+        decode_attention: the continuous scheduler's one-token attention: "sdpa" (PyTorch's,
+            every row reads the keys up to the block's longest context under a mask), "varlen"
+            (fp32 on the CPU: :func:`aligner.rollout.cpu_kernels.decode_attention`, a C kernel built
+            on this machine at first use, each row reading its own keys only) or "auto"
+            (default): on the CPU in fp32 the faster of the two, timed once per machine and
+            shape (:func:`cached_decode_attention`; ``self.layout["attention"]`` holds the
+            timings), "sdpa" elsewhere and where the kernel cannot be built (no C compiler).
+            The static scheduler always runs SDPA.
     The engine owns `model`: it re-lays its linear weights out in place (see :func:`_pack_weights`).
     """
 
@@ -191,6 +203,7 @@ class TorchEngine(RolloutEngine):
         micro_batches: Optional[int] = None,
         cpu_layout: str = "auto",
         compile: str = "auto",
+        decode_attention: str = "auto",
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} is invalid: must be >= 1")
@@ -200,6 +213,8 @@ class TorchEngine(RolloutEngine):
             raise ValueError(f"cpu_layout={cpu_layout!r} is invalid: valid are {', '.join(CPU_LAYOUTS)}")
         if compile not in COMPILE_MODES:
             raise ValueError(f"compile={compile!r} is invalid: valid are {', '.join(COMPILE_MODES)}")
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention={decode_attention!r} is invalid: valid are {', '.join(DECODE_ATTENTION)}")
         self.model = model.eval()
         self.cfg = model.cfg
         self.eos_token_id = eos_token_id
@@ -238,6 +253,18 @@ class TorchEngine(RolloutEngine):
         self.transposed = transposed
         self.kernel = kernel
         self.layout.update(kernel=kernel, transposed=transposed, fused=self.fused_decode)
+        varlen_here = on_cpu and next(model.parameters()).dtype == torch.float32
+        if decode_attention == "varlen":
+            if not varlen_here:
+                raise ValueError("decode_attention='varlen' is invalid here: the kernel takes fp32 on the CPU; use auto or sdpa")
+            if load_decode_attention() is None:
+                raise ValueError(f"decode_attention='varlen' is unavailable here ({cpu_kernels.LOAD_ERROR}); use auto or sdpa")
+        elif decode_attention == "auto":
+            decode_attention = "sdpa"
+            if varlen_here and load_decode_attention() is not None:
+                timed = cached_decode_attention(model, self._pack_batch)
+                decode_attention, self.layout["attention"] = timed["choice"], timed
+        self.decode_attention = decode_attention
         _pack_weights(model, self.device, transposed=transposed, fuse=self.fused_decode)  # before the slots
         self._repack()
         self._params = _param_slots(model)
@@ -463,7 +490,14 @@ class TorchEngine(RolloutEngine):
         max_len = max(len(p) + n for p, n in zip(prompts, budgets))
         # allocated per call and freed at its end: the actor trains in the same process between calls
         pool = SlotKVCache(
-            self._local_layers(), capacity * m, self._kv_heads_local(), max_len, self.cfg.resolved_head_dim, self.dtype, self.device
+            self._local_layers(),
+            capacity * m,
+            self._kv_heads_local(),
+            max_len,
+            self.cfg.resolved_head_dim,
+            self.dtype,
+            self.device,
+            varlen=self.decode_attention == "varlen",
         )
         self._routing = None
         if self._moe:
@@ -649,16 +683,22 @@ class SlotKVCache:
       [0, T) of those rows; attention uses the prompts' own k/v (causal, right padding).
     - :meth:`plan_decode` (start, positions [n], length): write each row's one new k/v at its own
       position in rows [start, start + n); attention reads those rows' positions [0, length).
-    Unwritten slots are zeros (finite), so masked keys never turn into NaN.
+    Unwritten slots are zeros (finite), so masked keys never turn into NaN (with ``varlen`` they
+    are left uninitialized: nothing reads them).
+    varlen: decode attention runs :func:`aligner.rollout.cpu_kernels.decode_attention` (:meth:`attend`),
+    which reads each row's keys up to its own position only, instead of SDPA over [0, length)
+    with the engine's mask (fp32 CPU caches only).
     """
 
-    def __init__(self, layers: list[int], slots: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+    def __init__(self, layers: list[int], slots: int, kv_heads: int, max_len: int, head_dim: int, dtype, device, varlen: bool = False):
         shape = (slots, kv_heads, max_len, head_dim)
-        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
-        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.varlen = varlen and dtype == torch.float32 and torch.device(device).type == "cpu"
+        alloc = torch.empty if self.varlen else torch.zeros  # varlen reads written positions only
+        self.k = {i: alloc(shape, dtype=dtype, device=device) for i in layers}
+        self.v = {i: alloc(shape, dtype=dtype, device=device) for i in layers}
         self.slots, self.max_len = slots, max_len
         self._decode = False
-        self._rows = self._idx = self._positions = None
+        self._rows = self._flat = self._lengths = self._new = None
         self._start = self._end = self._length = 0
 
     def plan_prefill(self, rows: torch.Tensor) -> None:
@@ -667,20 +707,45 @@ class SlotKVCache:
     def plan_decode(self, start: int, positions: torch.Tensor, length: int) -> None:
         n = positions.shape[0]
         self._decode, self._start, self._end, self._length = True, start, start + n, length
-        self._idx = torch.arange(start, start + n, device=positions.device)
-        self._positions = positions
+        kvh = next(iter(self.k.values())).shape[1]
+        # each new k/v row's place in the cache seen as [slots * kvh * max_len, hd]: one index_copy_
+        # per layer instead of advanced indexing over dims 0 and 2 (measured 99 us -> a few us a call)
+        rows = torch.arange(start, start + n, device=positions.device).unsqueeze(1) * kvh + torch.arange(kvh, device=positions.device)
+        self._flat = (rows * self.max_len + positions.unsqueeze(1)).reshape(-1)
+        if self.varlen:
+            self._lengths = (positions + 1).to(torch.int64).contiguous()
+            check_decode_lengths(self._lengths, length)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, _positions=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: [rows, kvh, T, hd] -> the keys and values attention reads (see the class docstring)."""
+        """k, v: [rows, kvh, T, hd] -> the keys and values attention reads (see the class docstring).
+        With ``varlen`` a decode step's k, v are kept for :meth:`attend`, whose kernel writes them."""
         ck, cv = self.k[layer], self.v[layer]
         if not self._decode:
             t = k.shape[2]
             ck[self._rows, :, :t] = k
             cv[self._rows, :, :t] = v
             return k, v
-        ck[self._idx, :, self._positions] = k[:, :, 0]
-        cv[self._idx, :, self._positions] = v[:, :, 0]
+        if self.varlen:  # attend() writes them, inside the kernel (see decode_attention's k_new)
+            self._new = (k[:, :, 0], v[:, :, 0])
+        else:
+            hd = k.shape[-1]
+            ck.view(-1, hd).index_copy_(0, self._flat, k.reshape(-1, hd))
+            cv.view(-1, hd).index_copy_(0, self._flat, v.reshape(-1, hd))
         return ck[self._start : self._end, :, : self._length], cv[self._start : self._end, :, : self._length]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[torch.Tensor]:
+        """Decode with ``varlen``: q [n, h, 1, hd] and :meth:`update`'s k, v [n, kvh, length, hd] ->
+        [n, h, 1, hd], each row attending to its positions [0, its position]; None otherwise
+        (prefill, or varlen off: the model runs SDPA with the engine's mask)."""
+        if not (self._decode and self.varlen):
+            return None
+        n, h, _, hd = q.shape
+        k_new, v_new = self._new
+        self._new = None
+        out = decode_attention(
+            q.reshape(n, k.shape[1], h // k.shape[1], hd), k, v, self._lengths, hd**-0.5, checked=True, k_new=k_new, v_new=v_new
+        )
+        return out.view(n, h, 1, hd)
 
     def copy(self, src: int, dst: int, length: int) -> None:
         """Row dst's positions [0, length) := row src's, in every local layer."""
@@ -980,6 +1045,21 @@ def cached_cpu_layout(model: nn.Module, batch: int, fusable: bool, path: Path = 
     dtype = str(next(model.parameters()).dtype)
     kernels = "aten+onednn" if onednn_available() else "aten"
     key = f"{cpu_signature()} | torch {torch.__version__} | {dtype} | batch {batch} | kernels {kernels} | fusable {fusable} | {len(model.model.layers)} x {shapes} | head {head}"
+    entry = _machine_cached(path, key, lambda: _layout_entry(choose_cpu_layout(model, batch, fusable)), valid=lambda e: len(e) == 4)
+    k, t, f, info = entry
+    return CpuLayout(k, t, f, info)
+
+
+def _layout_entry(lay: CpuLayout) -> list:
+    return [lay.kernel, lay.transposed, lay.fused, lay.info]
+
+
+def _machine_cached(path: Path, key: str, compute, valid) -> Any:
+    """table[key] of the JSON file `path`, computed by ``compute()`` and written there when absent
+    (or not ``valid(entry)``), under an exclusive lock on ``<path>.lock``: the processes of a
+    machine that ask at once get the first one's entry. The returned entry's last item is a dict
+    to which ``"cached"`` is added: the path it was read from, or False when computed here.
+    An unreadable or unwritable cache (or lock) only costs the computation."""
     lock = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -994,20 +1074,89 @@ def cached_cpu_layout(model: nn.Module, batch: int, fusable: bool, path: Path = 
             table = json.loads(path.read_text())
         except (OSError, ValueError):
             table = {}
-        if key in table and len(table[key]) == 4:
-            k, t, f, info = table[key]
-            return CpuLayout(k, t, f, {**info, "cached": str(path)})
-        lay = choose_cpu_layout(model, batch, fusable)
+        if key in table and valid(table[key]):
+            entry = table[key]
+            return [*entry[:-1], {**entry[-1], "cached": str(path)}]
+        entry = compute()
         try:
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({**table, key: [lay.kernel, lay.transposed, lay.fused, lay.info]}, indent=1))
+            tmp.write_text(json.dumps({**table, key: entry}, indent=1))
             os.replace(tmp, path)
         except OSError:  # unwritable cache: the next build times again (info["cached"] is False)
             pass
-        return CpuLayout(lay.kernel, lay.transposed, lay.fused, {**lay.info, "cached": False})
+        return [*entry[:-1], {**entry[-1], "cached": False}]
     finally:
         if lock is not None:
             lock.close()  # releases the flock
+
+
+def cached_decode_attention(model: nn.Module, batch: int, path: Path = LAYOUT_CACHE) -> dict:
+    """:func:`choose_decode_attention`, timed once per machine and kept in `path` beside the
+    weight layouts (keyed by the CPU model and ISA, torch version, decode batch, the local kv
+    heads, query heads per kv head and head_dim, and the kernel's source), under the same lock
+    as :func:`cached_cpu_layout`, so every engine of a machine attends with the same kernel.
+    Returns {"choice": "sdpa" | "varlen", "timings_ms": {...}, "context": L, "cached": ...}."""
+    from aligner.runtime.host import cpu_signature
+
+    kvh, rep, hd = _attention_shape(model)
+    source = hashlib.sha256(cpu_kernels.SOURCE.read_bytes()).hexdigest()[:12]
+    key = (
+        f"decode attention | {cpu_signature()} | torch {torch.__version__} | batch {batch} | kvh {kvh} rep {rep} hd {hd} | kernel {source}"
+    )
+    return _machine_cached(path, key, lambda: [choose_decode_attention(model, batch)], valid=lambda e: len(e) == 1)[0]
+
+
+def _attention_shape(model: nn.Module) -> tuple[int, int, int]:
+    """(local kv heads, query heads per kv head, head_dim) of the model's attention layers."""
+    a = next(iter(model.model.layers.values())).self_attn
+    hd = a.head_dim
+    kvh, h = a.k_proj.weight.shape[0] // hd, a.q_proj.weight.shape[0] // hd
+    return kvh, h // kvh, hd
+
+
+def choose_decode_attention(model: nn.Module, batch: int, context: int = 256, rounds: int = 5) -> dict:
+    """Time one decode step's attention with SDPA and with the varlen kernel on this CPU; keep the faster.
+
+    The work is what the continuous scheduler runs: `batch` one-token rows of the model's local
+    attention shape over fp32 caches of `context` positions (at most the model's max_seq_len),
+    each row at a seeded random length in [context / 2, context] (continuous batching keeps
+    rows of every age in the pool), SDPA under the engine's prefix mask, the kernel up to each
+    row's length. Several layers' caches (up to 256 MiB) are visited in turn, so each call reads
+    its keys from memory as decode does. Candidates alternate over `rounds` rounds; medians
+    decide. Measured (benchmarks/RESULTS.md): SmolLM2-135M's shape, 64 rows, 2-core AMD EPYC.
+    Returns {"choice", "timings_ms": {"sdpa", "varlen"} (ms per cache visited), "context"}.
+    """
+    kvh, rep, hd = _attention_shape(model)
+    context = max(2, min(context, model.cfg.max_seq_len))
+    g = torch.Generator().manual_seed(0)
+    per_layer = 2 * batch * kvh * context * hd * 4
+    caches = [
+        (torch.randn(batch, kvh, context, hd, generator=g), torch.randn(batch, kvh, context, hd, generator=g))
+        for _ in range(max(1, min(4, (256 << 20) // per_layer)))
+    ]
+    q = torch.randn(batch, kvh, rep, hd, generator=g)
+    lengths = torch.randint(context // 2, context + 1, (batch,), generator=g)
+    lengths[0] = context
+    mask = (torch.arange(context) < lengths.unsqueeze(1))[:, None, None, :]
+
+    def sdpa(k, v):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def varlen(k, v):
+        decode_attention(q, k, v, lengths, hd**-0.5)
+
+    runs = {"sdpa": sdpa, "varlen": varlen}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    with torch.inference_mode():
+        for r in range(rounds + 1):
+            for name, fn in runs.items():
+                t0 = time.perf_counter()
+                for k, v in caches:
+                    fn(k, v)
+                if r:  # round 0 warms up
+                    times[name].append((time.perf_counter() - t0) / len(caches))
+    med = {name: round(1e3 * statistics.median(v), 4) for name, v in times.items()}
+    return {"choice": min(med, key=med.get), "timings_ms": med, "context": context}
 
 
 def choose_cpu_layout(model: nn.Module, batch: int, fusable: bool, rounds: int = 5) -> CpuLayout:

@@ -16,8 +16,9 @@ from aligner.config import ModelConfig, SamplingConfig
 from aligner.model.llama import build_model
 from aligner.nn.layers import ColumnParallelLinear, RowParallelLinear, onednn_available
 from aligner.nn.vocab import vocab_parallel_log_probs
-from aligner.rollout import build_engine, engine_class
+from aligner.rollout import build_engine, cpu_kernels, engine_class
 from aligner.rollout.base import Generation, generations_to_padded, mismatch_metrics
+from aligner.rollout.cpu_kernels import load_decode_attention
 from aligner.rollout.refit import iter_buckets, refit
 from aligner.rollout.torch_engine import TorchEngine, _filter_top_k_top_p, _Sampler
 
@@ -25,6 +26,9 @@ CFG = ModelConfig(
     vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=48, init_std=0.1
 )
 PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12, 13], [3, 3]]
+VARLEN = pytest.mark.skipif(
+    load_decode_attention() is None, reason=f"aligner's decode attention kernel cannot be built here: {cpu_kernels.LOAD_ERROR}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -337,14 +341,15 @@ def mixed_refs(model):
     return refs, eos
 
 
-def test_continuous_greedy_matches_the_reference_with_refills_stops_and_budgets(model, mixed_refs):
+@pytest.mark.parametrize("attention", ["sdpa", pytest.param("varlen", marks=VARLEN)])
+def test_continuous_greedy_matches_the_reference_with_refills_stops_and_budgets(model, mixed_refs, attention):
     refs, eos = mixed_refs
     want = [cut(r, n, eos) for r, n in zip(refs, BUDGETS)]
     # the test's premise: some responses stop early on eos, others run to their own budgets
     assert sum(w[-1] == eos and len(w) < n for w, n in zip(want, BUDGETS)) >= 2
     assert any(len(w) == n and eos not in w for w, n in zip(want, BUDGETS))
-    eng = TorchEngine(model, eos_token_id=eos, max_batch_size=3)
-    assert eng.scheduler == "continuous"
+    eng = TorchEngine(model, eos_token_id=eos, max_batch_size=3, decode_attention=attention)
+    assert eng.scheduler == "continuous" and eng.decode_attention == attention
     gens = eng.generate(MIXED, GREEDY, max_new_tokens=BUDGETS)
     for i, (p, g, w) in enumerate(zip(MIXED, gens, want)):
         assert g.token_ids == w, f"request {i}"
@@ -362,12 +367,13 @@ def _permuted(items, order):
     return [items[i] for i in order]
 
 
+@pytest.mark.parametrize("attention", ["sdpa", pytest.param("varlen", marks=VARLEN)])
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_continuous_tokens_do_not_depend_on_the_schedule(model, sampling):
+def test_continuous_tokens_do_not_depend_on_the_schedule(model, sampling, attention):
     """Order, pool size (1, 2, 3, 16 slots), micro-batches and other requests in the batch leave every
     request's tokens unchanged and its log-probs within 1e-5."""
     seeds = [100 + i for i in range(len(MIXED))]
-    kw = dict(cpu_layout="in_out", fused_decode=True)
+    kw = dict(cpu_layout="in_out", fused_decode=True, decode_attention=attention)
     base = TorchEngine(model, max_batch_size=16, **kw)
     want = base.generate(MIXED, sampling, seeds=seeds, max_new_tokens=BUDGETS)
     if sampling.temperature > 0:  # the seeds matter: another seed changes some response
@@ -456,11 +462,19 @@ def test_bad_per_request_budgets_are_refused_naming_the_request(model, scheduler
         (dict(micro_batches=0), "micro_batches=0"),
         (dict(micro_batches=-1), "micro_batches=-1"),
         (dict(max_batch_size=0), "max_batch_size=0"),
+        (dict(decode_attention="paged"), "decode_attention='paged'.*auto, sdpa, varlen"),
     ],
 )
 def test_bad_engine_options_are_refused(model, kwargs, match):
     with pytest.raises(ValueError, match=match):
         TorchEngine(model, **kwargs)
+
+
+def test_varlen_attention_is_refused_where_the_kernel_does_not_run():
+    bf16 = build_model(CFG, seed=1).eval().to(torch.bfloat16)
+    with pytest.raises(ValueError, match="decode_attention='varlen' is invalid here: the kernel takes fp32 on the CPU"):
+        TorchEngine(bf16, decode_attention="varlen")
+    assert TorchEngine(bf16).decode_attention == "sdpa"  # auto: SDPA where the kernel does not apply
 
 
 ONEDNN = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear ops (x86 CPU builds do)")
@@ -485,6 +499,10 @@ def test_cpu_layouts_give_the_same_tokens_and_auto_reports_its_timings():
     assert set(auto.layout["timings_ms"]) == CANDIDATES
     assert all(isinstance(v, float) and v >= 0 for v in auto.layout["timings_ms"].values())
     assert (auto.layout["kernel"], auto.layout["transposed"], auto.layout["fused"]) == (auto.kernel, auto.transposed, auto.fused_decode)
+    if load_decode_attention() is not None:  # auto also timed the decode attention and took the faster
+        att = auto.layout["attention"]
+        assert set(att["timings_ms"]) == {"sdpa", "varlen"} and auto.decode_attention == att["choice"]
+        assert att["choice"] == min(att["timings_ms"], key=att["timings_ms"].get)
     assert_same_generations(gens["out_in"], gens["in_out"])
     assert_same_generations(gens["auto"], gens["in_out"])
     if "onednn" in engines:
@@ -628,6 +646,19 @@ def test_the_measured_layout_is_kept_per_machine(model, tmp_path):
     assert other.info["cached"] is False and len(__import__("json").loads(path.read_text())) == 2
     path.write_text("{not json")
     assert cached_cpu_layout(model, 4, True, path).info["cached"] is False
+
+
+@VARLEN
+def test_the_measured_decode_attention_is_kept_per_machine(model, tmp_path):
+    from aligner.rollout.torch_engine import cached_decode_attention
+
+    path = tmp_path / "cpu_layout.json"
+    first = cached_decode_attention(model, 4, path)
+    assert first["cached"] is False and set(first["timings_ms"]) == {"sdpa", "varlen"} and first["context"] == CFG.max_seq_len
+    again = cached_decode_attention(model, 4, path)
+    assert again["cached"] == str(path) and again["choice"] == first["choice"] and again["timings_ms"] == first["timings_ms"]
+    assert cached_decode_attention(model, 8, path)["cached"] is False  # another decode batch: another entry
+    assert len(json.loads(path.read_text())) == 2
 
 
 def _layout_in_child(path: str, start, q) -> None:

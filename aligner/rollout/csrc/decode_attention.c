@@ -1,0 +1,77 @@
+/* One-token (decode) grouped-query attention over a KV cache, fp32, for the CPU rollout engine.
+ *
+ * Built at run time by aligner/rollout/cpu_kernels.py (cc -O3 -march=native -ffast-math -fopenmp) and
+ * called through ctypes. Each (row, kv head) is one task: its rep query heads read the row's keys
+ * and values once, up to that row's own length (no masked positions are read), in a fixed order,
+ * so a row's result does not depend on the other rows of the batch.
+ *
+ * q    [n, kvh, rep, hd] contiguous: query head h * rep + j of row r at q[((r * kvh + h) * rep + j) * hd]
+ * k, v key / value l of row r, kv head h at k[r * row_stride + h * head_stride + l * hd] (hd contiguous)
+ * len  [n] int64: keys row r attends to (positions [0, len[r])), 1 <= len[r] <= max_len
+ * k_new, v_new [n, kvh, hd] contiguous or NULL: written to position len[r] - 1 of row r first (the
+ *      decode step's own key and value; the task reads that row's keys right after, so the write
+ *      costs no extra trip to memory, unlike a separate scattered copy)
+ * out  [n, kvh, rep, hd] contiguous: softmax(q k^T * scale) v per query head
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+int decode_attention_f32(const float *q, float *k, float *v, const float *k_new, const float *v_new, const int64_t *len, float *out, int64_t n,
+                         int64_t kvh, int64_t rep, int64_t hd, int64_t row_stride, int64_t head_stride, int64_t max_len,
+                         float scale, int nthreads) {
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *s = (float *)malloc(sizeof(float) * (size_t)(rep * max_len));
+        if (s == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < n * kvh; t++) {
+            if (s == NULL) continue;
+            const int64_t r = t / kvh, h = t % kvh, L = len[r];
+            float *kb = k + r * row_stride + h * head_stride;
+            float *vb = v + r * row_stride + h * head_stride;
+            const float *qb = q + t * rep * hd;
+            float *ob = out + t * rep * hd;
+            if (k_new != NULL) {
+                for (int64_t d = 0; d < hd; d++) kb[(L - 1) * hd + d] = k_new[t * hd + d];
+                for (int64_t d = 0; d < hd; d++) vb[(L - 1) * hd + d] = v_new[t * hd + d];
+            }
+            for (int64_t l = 0; l < L; l++) {
+                const float *kl = kb + l * hd;
+                for (int64_t j = 0; j < rep; j++) {
+                    const float *qj = qb + j * hd;
+                    float acc = 0.f;
+                    for (int64_t d = 0; d < hd; d++) acc += qj[d] * kl[d];
+                    s[j * L + l] = acc * scale;
+                }
+            }
+            for (int64_t j = 0; j < rep; j++) {
+                float *sj = s + j * L;
+                float m = sj[0];
+                for (int64_t l = 1; l < L; l++) m = sj[l] > m ? sj[l] : m;
+                float z = 0.f;
+                for (int64_t l = 0; l < L; l++) {
+                    sj[l] = expf(sj[l] - m);
+                    z += sj[l];
+                }
+                const float inv = 1.f / z;
+                for (int64_t l = 0; l < L; l++) sj[l] *= inv;
+                for (int64_t d = 0; d < hd; d++) ob[j * hd + d] = 0.f;
+            }
+            for (int64_t l = 0; l < L; l++) {
+                const float *vl = vb + l * hd;
+                for (int64_t j = 0; j < rep; j++) {
+                    const float p = s[j * L + l];
+                    float *oj = ob + j * hd;
+                    for (int64_t d = 0; d < hd; d++) oj[d] += p * vl[d];
+                }
+            }
+        }
+        free(s);
+    }
+    return failed;
+}
