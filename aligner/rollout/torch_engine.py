@@ -253,7 +253,7 @@ class TorchEngine(RolloutEngine):
         self.transposed = transposed
         self.kernel = kernel
         self.layout.update(kernel=kernel, transposed=transposed, fused=self.fused_decode)
-        varlen_here = on_cpu and next(model.parameters()).dtype == torch.float32
+        varlen_here = on_cpu and self.dtype == torch.float32
         if decode_attention == "varlen":
             if not varlen_here:
                 raise ValueError("decode_attention='varlen' is invalid here: the kernel takes fp32 on the CPU; use auto or sdpa")
@@ -580,7 +580,8 @@ class TorchEngine(RolloutEngine):
         positions = meta.positions.to(dev)
         length = int(meta.positions.max()) + 1
         same = bool((meta.positions == length - 1).all())
-        mask = None if same else (torch.arange(length, device=dev) <= positions.unsqueeze(1))[:, None, None, :]
+        # the varlen kernel reads each row's own length from the pool: no mask to build
+        mask = None if same or pool.varlen else (torch.arange(length, device=dev) <= positions.unsqueeze(1))[:, None, None, :]
         pool.plan_decode(meta.start, positions, length)
         h = trunk(decode_x, position_ids=positions.unsqueeze(1), attn_mask=mask, kv_cache=pool)
         if self._routing is not None:  # decode row j produced token steps[j] of request requests[j]
@@ -707,14 +708,15 @@ class SlotKVCache:
     def plan_decode(self, start: int, positions: torch.Tensor, length: int) -> None:
         n = positions.shape[0]
         self._decode, self._start, self._end, self._length = True, start, start + n, length
+        if self.varlen:  # the kernel writes the new k/v itself, at lengths - 1
+            self._lengths = (positions + 1).to(torch.int64).contiguous()
+            check_decode_lengths(self._lengths, length)
+            return
         kvh = next(iter(self.k.values())).shape[1]
         # each new k/v row's place in the cache seen as [slots * kvh * max_len, hd]: one index_copy_
         # per layer instead of advanced indexing over dims 0 and 2 (measured 99 us -> a few us a call)
         rows = torch.arange(start, start + n, device=positions.device).unsqueeze(1) * kvh + torch.arange(kvh, device=positions.device)
         self._flat = (rows * self.max_len + positions.unsqueeze(1)).reshape(-1)
-        if self.varlen:
-            self._lengths = (positions + 1).to(torch.int64).contiguous()
-            check_decode_lengths(self._lengths, length)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, _positions=None) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: [rows, kvh, T, hd] -> the keys and values attention reads (see the class docstring).

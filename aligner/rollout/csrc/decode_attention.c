@@ -23,7 +23,10 @@ int decode_attention_f32(const float *q, float *k, float *v, const float *k_new,
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *s = (float *)malloc(sizeof(float) * (size_t)(rep * max_len));
+        /* 64-byte aligned in every thread: the vectorized sums then split the same way whichever
+         * thread runs a task, so a row's result cannot depend on the thread it lands on */
+        const size_t bytes = ((sizeof(float) * (size_t)(rep * max_len) + 63) / 64) * 64;
+        float *s = (float *)aligned_alloc(64, bytes);
         if (s == NULL) {
 #pragma omp atomic write
             failed = 1;
