@@ -81,10 +81,12 @@ class KVCache:
 
     k, v: [L][B, kv_heads_local, S, hd]. Writes go to `positions` (slots along S);
     the same slot index is used for every row (rows are left-padded by the engine).
-    A cache class may also define ``attend(q, k, v) -> Tensor | None``: attention calls it after
-    :meth:`update` with q [B, h, Tq, hd] and what update returned, and uses its [B, h, Tq, hd]
-    result instead of SDPA unless it returns None (the rollout engine's slot cache runs its
-    decode attention kernel this way).
+    A cache class may also define ``attend(layer, q, k, v, cos, sin) -> Tensor | None``: attention
+    calls it first, with the un-rotated projections q [B, Tq, h, hd], k, v [B, Tq, kvh, hd] and the
+    RoPE tables cos, sin [B, Tq, hd]. When it returns a [B, Tq, h, hd] tensor it has rotated q and
+    k, cached k and v and attended itself, and attention skips RoPE, :meth:`update` and SDPA;
+    None means the usual path (the rollout engine's slot cache runs its fused decode attention
+    kernel this way).
     """
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
@@ -140,17 +142,16 @@ class Attention(nn.Module):
         """x: [B, T(/tp with SP), H] -> [B, T(/tp), H] (plus `residual`, same shape, when given)."""
         q, k, v = column_parallel_linears(x, (self.q_proj, self.k_proj, self.v_proj))
         b, t = q.shape[0], q.shape[1]
-        q = q.view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k, v = (y.view(b, t, -1, self.head_dim) for y in (q, k, v))
+        attend = getattr(kv_cache, "attend", None)
+        out = attend(self.layer_idx, q, k, v, cos, sin) if attend is not None else None
+        if out is not None:  # the cache rotated, stored and attended (KVCache.attend)
+            return self.o_proj(out.reshape(b, t, -1), residual)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = None
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, cache_positions)
-            attend = getattr(kv_cache, "attend", None)
-            out = attend(q, k, v) if attend is not None else None
-        if out is None:
-            out = self.core(q, k, v, mask)
+        out = self.core(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1), residual)
 
 

@@ -76,7 +76,7 @@ def load_decode_attention():
             return None
         fn = lib.decode_attention_f32
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_int]
         _fn = fn
         return _fn
 
@@ -100,21 +100,31 @@ def decode_attention(
     checked: bool = False,
     k_new: Optional[torch.Tensor] = None,
     v_new: Optional[torch.Tensor] = None,
+    cos: Optional[torch.Tensor] = None,
+    sin: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One-token grouped-query attention over a KV cache, each row up to its own length.
 
     Args:
-        q: [n, kvh, rep, hd] fp32 CPU, contiguous: query head h * rep + j of row r is q[r, h, j].
+        q: [n, kvh, rep, hd] fp32 CPU: query head h * rep + j of row r is q[r, h, j]. Any row
+            stride; each row's heads contiguous (a view of a fused q|k|v projection output is taken
+            as it is, other layouts are copied).
         k, v: [n, kvh, >= max(lengths), hd] fp32 CPU views of the cache (any row and head strides,
             the head_dim contiguous and one position hd elements after the last, as a slice
             ``cache[a:b, :, :L]`` of a contiguous [slots, kvh, max_len, hd] cache is); the same strides.
         lengths: [n] int64: row r attends to key positions [0, lengths[r]); 1 <= lengths[r] <= k.shape[2].
         scale: the logit scale (1 / sqrt(hd) for Llama).
-        k_new, v_new: [n, kvh, hd] fp32 or None: the step's own key and value, written into k and
-            v at position lengths[r] - 1 of each row before it attends (in place: k and v must be
-            writable views of the cache). Fused here because a separate scattered copy into a
-            cold cache ran at about 100 us per layer in the engine (SmolLM2, 64 rows), the kernel
-            reads those rows right after.
+        k_new, v_new: [n, kvh, hd] fp32 or None (any row stride, each row's heads contiguous, the
+            same strides): the step's own key and value, written into k and v at position
+            lengths[r] - 1 of each row before it attends (in place: k and v must be writable views
+            of the cache). Fused here because a separate scattered copy into a cold cache ran at
+            about 100 us per layer in the engine (SmolLM2, 64 rows), the kernel reads those rows
+            right after.
+        cos, sin: [n, hd] fp32 or None: RoPE tables (Su et al. 2021) at each row's position, as
+            :func:`aligner.model.llama.rope_cos_sin` gives them; when given, q and k_new are the
+            un-rotated projections and are rotated here (HF's rotate-half convention, as
+            :func:`aligner.model.llama.apply_rope`), and the rotated key is what the cache keeps.
+            Needs k_new (the cache's own keys are rotated already).
         checked: the caller already ran :func:`check_decode_lengths` on `lengths` against
             k.shape[2] (the engine does once per decode step, not once per layer).
     Returns [n, kvh, rep, hd] fp32: softmax(q k^T * scale) v per query head, equal to
@@ -134,23 +144,36 @@ def decode_attention(
         raise ValueError(f"decode_attention: lengths must be int64 [{n}] contiguous, got {lengths.dtype} {tuple(lengths.shape)}")
     if not checked:
         check_decode_lengths(lengths, k.shape[2])
+    if (k_new is None) != (v_new is None):
+        raise ValueError("decode_attention: give both k_new and v_new or neither")
+    if (cos is None) != (sin is None) or (cos is not None and k_new is None):
+        raise ValueError("decode_attention: give both cos and sin, and k_new / v_new with them, or no RoPE tables")
     out = torch.empty(q.shape, dtype=q.dtype)
     if n == 0:
         return out
-    q = q.contiguous()
-    if (k_new is None) != (v_new is None):
-        raise ValueError("decode_attention: give both k_new and v_new or neither")
+    if q.stride()[1:] != (rep * hd, hd, 1):
+        q = q.contiguous()
+    new_row = 0
     if k_new is not None:
         if k_new.shape != (n, kvh, hd) or v_new.shape != k_new.shape or k_new.dtype != torch.float32 or v_new.dtype != torch.float32:
             raise ValueError(
                 f"decode_attention: k_new/v_new must be fp32 [{n}, {kvh}, {hd}], got {tuple(k_new.shape)} {tuple(v_new.shape)}"
             )
-        k_new, v_new = k_new.contiguous(), v_new.contiguous()
+        if k_new.stride()[1:] != (hd, 1) or v_new.stride() != k_new.stride():
+            k_new, v_new = k_new.contiguous(), v_new.contiguous()
+        new_row = k_new.stride(0)
+    if cos is not None:
+        if cos.shape != (n, hd) or sin.shape != (n, hd) or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+            raise ValueError(
+                f"decode_attention: cos/sin must be fp32 [{n}, {hd}], got {tuple(cos.shape)} {cos.dtype}, {tuple(sin.shape)} {sin.dtype}"
+            )
+        cos, sin = cos.contiguous(), sin.contiguous()
     failed = fn(
         q.data_ptr(), k.data_ptr(), v.data_ptr(),
         None if k_new is None else k_new.data_ptr(), None if v_new is None else v_new.data_ptr(),
         lengths.data_ptr(), out.data_ptr(),
-        n, kvh, rep, hd, k.stride(0), k.stride(1), k.shape[2], float(scale), torch.get_num_threads(),
+        None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+        n, kvh, rep, hd, q.stride(0), new_row, k.stride(0), k.stride(1), k.shape[2], float(scale), torch.get_num_threads(),
     )  # fmt: skip
     if failed:
         raise RuntimeError("decode_attention: the kernel could not allocate its score buffer")

@@ -686,9 +686,10 @@ class SlotKVCache:
       position in rows [start, start + n); attention reads those rows' positions [0, length).
     Unwritten slots are zeros (finite), so masked keys never turn into NaN (with ``varlen`` they
     are left uninitialized: nothing reads them).
-    varlen: decode attention runs :func:`aligner.rollout.cpu_kernels.decode_attention` (:meth:`attend`),
-    which reads each row's keys up to its own position only, instead of SDPA over [0, length)
-    with the engine's mask (fp32 CPU caches only).
+    varlen: a decode step runs :func:`aligner.rollout.cpu_kernels.decode_attention` (:meth:`attend`),
+    which rotates q and k, stores k and v and reads each row's keys up to its own position only,
+    instead of RoPE, :meth:`update` and SDPA over [0, length) with the engine's mask (fp32 CPU
+    caches only).
     """
 
     def __init__(self, layers: list[int], slots: int, kv_heads: int, max_len: int, head_dim: int, dtype, device, varlen: bool = False):
@@ -699,7 +700,7 @@ class SlotKVCache:
         self.v = {i: alloc(shape, dtype=dtype, device=device) for i in layers}
         self.slots, self.max_len = slots, max_len
         self._decode = False
-        self._rows = self._flat = self._lengths = self._new = None
+        self._rows = self._flat = self._lengths = None
         self._start = self._end = self._length = 0
 
     def plan_prefill(self, rows: torch.Tensor) -> None:
@@ -720,34 +721,38 @@ class SlotKVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, _positions=None) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: [rows, kvh, T, hd] -> the keys and values attention reads (see the class docstring).
-        With ``varlen`` a decode step's k, v are kept for :meth:`attend`, whose kernel writes them."""
+        A decode step with ``varlen`` never gets here: :meth:`attend` stores its k, v."""
         ck, cv = self.k[layer], self.v[layer]
         if not self._decode:
             t = k.shape[2]
             ck[self._rows, :, :t] = k
             cv[self._rows, :, :t] = v
             return k, v
-        if self.varlen:  # attend() writes them, inside the kernel (see decode_attention's k_new)
-            self._new = (k[:, :, 0], v[:, :, 0])
-        else:
-            hd = k.shape[-1]
-            ck.view(-1, hd).index_copy_(0, self._flat, k.reshape(-1, hd))
-            cv.view(-1, hd).index_copy_(0, self._flat, v.reshape(-1, hd))
+        hd = k.shape[-1]
+        ck.view(-1, hd).index_copy_(0, self._flat, k.reshape(-1, hd))
+        cv.view(-1, hd).index_copy_(0, self._flat, v.reshape(-1, hd))
         return ck[self._start : self._end, :, : self._length], cv[self._start : self._end, :, : self._length]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[torch.Tensor]:
-        """Decode with ``varlen``: q [n, h, 1, hd] and :meth:`update`'s k, v [n, kvh, length, hd] ->
-        [n, h, 1, hd], each row attending to its positions [0, its position]; None otherwise
-        (prefill, or varlen off: the model runs SDPA with the engine's mask)."""
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> Optional[torch.Tensor]:
+        """A decode step with ``varlen`` (:class:`aligner.model.llama.KVCache`'s hook): the un-rotated
+        q [n, 1, h, hd], k, v [n, 1, kvh, hd] and RoPE tables cos, sin [n, 1, hd] -> [n, 1, h, hd].
+        One kernel call (:func:`aligner.rollout.cpu_kernels.decode_attention`) rotates q and k,
+        writes k and v at each row's position and attends to its positions [0, position]. None
+        otherwise (prefill, or varlen off: the model rotates, calls :meth:`update` and runs SDPA
+        with the engine's mask)."""
         if not (self._decode and self.varlen):
             return None
-        n, h, _, hd = q.shape
-        k_new, v_new = self._new
-        self._new = None
+        n, _, h, hd = q.shape
+        kvh = k.shape[2]
         out = decode_attention(
-            q.reshape(n, k.shape[1], h // k.shape[1], hd), k, v, self._lengths, hd**-0.5, checked=True, k_new=k_new, v_new=v_new
-        )
-        return out.view(n, h, 1, hd)
+            q.view(n, kvh, h // kvh, hd),
+            self.k[layer][self._start : self._end, :, : self._length],
+            self.v[layer][self._start : self._end, :, : self._length],
+            self._lengths, hd**-0.5, checked=True, k_new=k[:, 0], v_new=v[:, 0], cos=cos[:, 0], sin=sin[:, 0],
+        )  # fmt: skip
+        return out.view(n, 1, h, hd)
 
     def copy(self, src: int, dst: int, length: int) -> None:
         """Row dst's positions [0, length) := row src's, in every local layer."""

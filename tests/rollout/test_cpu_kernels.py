@@ -65,6 +65,36 @@ def test_the_steps_own_key_and_value_are_written_before_attending():
 
 
 @needs_kernel
+def test_rope_is_applied_to_the_query_and_the_stored_key():
+    """With cos/sin the kernel takes the un-rotated projections as strided views of one fused
+    q|k|v output (no copies) and equals llama.apply_rope then SDPA; the cache keeps the rotated key."""
+    from aligner.model.llama import apply_rope, rope_cos_sin
+
+    kvh, rep, hd, lengths = 2, 3, 16, [4, 9, 1, 12]
+    n = len(lengths)
+    _, k, v, lens = _case(slots=6, kvh=kvh, rep=rep, hd=hd, max_len=12, start=2, n=n, lengths=lengths, seed=3)
+    fused = torch.randn(n, (kvh * rep + 2 * kvh) * hd, generator=torch.Generator().manual_seed(4))  # [n, q | k | v]
+    q_raw = fused[:, : kvh * rep * hd].view(n, kvh, rep, hd)
+    k_raw = fused[:, kvh * rep * hd : (kvh * rep + kvh) * hd].view(n, kvh, hd)
+    v_raw = fused[:, (kvh * rep + kvh) * hd :].view(n, kvh, hd)
+    assert not q_raw.is_contiguous() and not k_raw.is_contiguous()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, hd, 2).float() / hd))
+    cos, sin = rope_cos_sin(inv_freq, (lens - 1).unsqueeze(1), torch.float32)  # [n, 1, hd]: each row's position
+    q_rot = apply_rope(q_raw.reshape(n, kvh * rep, 1, hd), cos, sin).view(n, kvh, rep, hd)
+    k_rot = apply_rope(k_raw.unsqueeze(2), cos, sin)[:, :, 0]
+    want_k, want_v = k.clone(), v.clone()
+    for r, m in enumerate(lengths):
+        want_k[r, :, m - 1], want_v[r, :, m - 1] = k_rot[r], v_raw[r]
+    want = _sdpa(q_rot, want_k, want_v, lens)
+    got = decode_attention(q_raw, k, v, lens, hd**-0.5, k_new=k_raw, v_new=v_raw, cos=cos[:, 0], sin=sin[:, 0])
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(k, want_k, atol=1e-6, rtol=1e-6)  # rotated in place (FMA may round the last bit)
+    assert torch.equal(v, want_v)
+    with pytest.raises(ValueError, match="no RoPE tables"):
+        decode_attention(q_raw, k, v, lens, 0.25, cos=cos[:, 0], sin=sin[:, 0])
+
+
+@needs_kernel
 def test_a_rows_result_does_not_depend_on_the_batch():
     """Each (row, kv head) is computed alone in a fixed order: the same row alone, among others, in
     another order or at another slot gives bitwise the same output (batch invariance)."""
