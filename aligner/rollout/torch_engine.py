@@ -579,9 +579,9 @@ class TorchEngine(RolloutEngine):
             pool.copy(src, dst, n)
         positions = meta.positions.to(dev)
         length = int(meta.positions.max()) + 1
-        same = bool((meta.positions == length - 1).all())
-        # the varlen kernel reads each row's own length from the pool: no mask to build
-        mask = None if same or pool.varlen else (torch.arange(length, device=dev) <= positions.unsqueeze(1))[:, None, None, :]
+        mask = None  # the varlen kernel reads each row's own length from the pool: no mask to build
+        if not pool.varlen and not bool((meta.positions == length - 1).all()):
+            mask = (torch.arange(length, device=dev) <= positions.unsqueeze(1))[:, None, None, :]
         pool.plan_decode(meta.start, positions, length)
         h = trunk(decode_x, position_ids=positions.unsqueeze(1), attn_mask=mask, kv_cache=pool)
         if self._routing is not None:  # decode row j produced token steps[j] of request requests[j]

@@ -6,6 +6,7 @@ cache (full forward), greedy by argmax and log-probs by vocab_parallel_log_probs
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -589,19 +590,26 @@ def pipelined_battery(rank: int, world_size: int, eos: int) -> dict:
     dims = rollout_dims(world_size, rank, 1, 2)
     model = build_parallel_model(CFG, "lm", dims, seed=1)
     out = {"layers": sorted(model.model.layers.keys())}
-    for micro in PP_MICRO_BATCHES:
-        eng = TorchEngine(model, pp_group=dims.pp_group, eos_token_id=eos, max_batch_size=4, micro_batches=micro, cpu_layout="in_out")
-        assert eng.pp_size == 2 and eng.micro_batches == micro
-        for name, sampling, seeds in (("greedy", GREEDY, None), ("sampled", SAMPLED, PP_SEEDS)):
-            gens = eng.generate(PP_PROMPTS, sampling, seeds=seeds, max_new_tokens=PP_BUDGETS)
-            out[(micro, name)] = (gens, dict(eng.last_stats))
+    for attention in pp_attentions():
+        for micro in PP_MICRO_BATCHES:
+            kw = dict(max_batch_size=4, micro_batches=micro, cpu_layout="in_out", decode_attention=attention)
+            eng = TorchEngine(model, pp_group=dims.pp_group, eos_token_id=eos, **kw)
+            assert eng.pp_size == 2 and eng.micro_batches == micro and eng.decode_attention == attention
+            for name, sampling, seeds in (("greedy", GREEDY, None), ("sampled", SAMPLED, PP_SEEDS)):
+                gens = eng.generate(PP_PROMPTS, sampling, seeds=seeds, max_new_tokens=PP_BUDGETS)
+                out[(attention, micro, name)] = (gens, dict(eng.last_stats))
     return out
+
+
+def pp_attentions() -> tuple[str, ...]:
+    """The decode attentions the pipelined battery runs: SDPA, and the varlen kernel where it builds."""
+    return ("sdpa", "varlen") if load_decode_attention() is not None else ("sdpa",)
 
 
 @pytest.mark.distributed
 def test_pipelined_continuous_engine_matches_a_single_process_engine():
     """pp = 2 with 1, 2 and 3 micro-batches over 4 slots (refills, moves, duplicate prompts shared across
-    micro-batches, eos stops): the tokens of a pp = 1 engine on the same weights, log-probs within 1e-5,
+    micro-batches, eos stops), with SDPA and with the varlen kernel (RoPE and the k/v write in it): the tokens of a pp = 1 engine on the same weights, log-probs within 1e-5,
     and both stages return the same Generations."""
     from tests._spawn import run_distributed
 
@@ -619,15 +627,15 @@ def test_pipelined_continuous_engine_matches_a_single_process_engine():
             torch.testing.assert_close(torch.tensor(g.rollout_log_probs), ref, atol=1e-5, rtol=0)
     results = run_distributed(pipelined_battery, world_size=2, args=(eos,))
     assert results[0]["layers"] == ["0"] and results[1]["layers"] == ["1"]
-    for micro in PP_MICRO_BATCHES:
+    for attention, micro in itertools.product(pp_attentions(), PP_MICRO_BATCHES):
         for name in ("greedy", "sampled"):
-            (gens0, stats0), (gens1, _) = results[0][(micro, name)], results[1][(micro, name)]
-            assert gens0 == gens1, (micro, name)  # stage 0's Generations, broadcast to stage 1
+            (gens0, stats0), (gens1, _) = results[0][(attention, micro, name)], results[1][(attention, micro, name)]
+            assert gens0 == gens1, (attention, micro, name)  # stage 0's Generations, broadcast to stage 1
             assert_same_generations(gens0, want[name])
-            assert [g.finish_reason for g in gens0] == [g.finish_reason for g in want[name]], (micro, name)
+            assert [g.finish_reason for g in gens0] == [g.finish_reason for g in want[name]], (attention, micro, name)
             assert stats0["decode_rows"] == stats0["generated_tokens"] == sum(len(g.token_ids) for g in want[name])
-            assert stats0["shared_prefix_tokens"] > 0, (micro, name)  # the duplicates copied a live row's prompt
-            assert stats0["moved_rows"] > 0 or micro == 3, (micro, name)  # one slot per micro-batch: nothing to move
+            assert stats0["shared_prefix_tokens"] > 0, (attention, micro, name)  # the duplicates copied a live row's prompt
+            assert stats0["moved_rows"] > 0 or micro == 3, (attention, micro, name)  # one slot per micro-batch: nothing to move
 
 
 def test_the_measured_layout_is_kept_per_machine(model, tmp_path):
