@@ -124,7 +124,7 @@ def decode_attention(
             :func:`aligner.model.llama.rope_cos_sin` gives them; when given, q and k_new are the
             un-rotated projections and are rotated here (HF's rotate-half convention, as
             :func:`aligner.model.llama.apply_rope`), and the rotated key is what the cache keeps.
-            Needs k_new (the cache's own keys are rotated already).
+            Needs k_new (the cache's own keys are rotated already) and an even hd.
         checked: the caller already ran :func:`check_decode_lengths` on `lengths` against
             k.shape[2] (the engine does once per decode step, not once per layer).
     Returns [n, kvh, rep, hd] fp32: softmax(q k^T * scale) v per query head, equal to
@@ -163,6 +163,8 @@ def decode_attention(
             k_new, v_new = k_new.contiguous(), v_new.contiguous()
         new_row = k_new.stride(0)
     if cos is not None:
+        if hd % 2:
+            raise ValueError(f"decode_attention: RoPE rotates pairs of the head dimension, which must be even; got head_dim {hd}")
         if cos.shape != (n, hd) or sin.shape != (n, hd) or cos.dtype != torch.float32 or sin.dtype != torch.float32:
             raise ValueError(
                 f"decode_attention: cos/sin must be fp32 [{n}, {hd}], got {tuple(cos.shape)} {cos.dtype}, {tuple(sin.shape)} {sin.dtype}"

@@ -92,6 +92,9 @@ def test_rope_is_applied_to_the_query_and_the_stored_key():
     assert torch.equal(v, want_v)
     with pytest.raises(ValueError, match="no RoPE tables"):
         decode_attention(q_raw, k, v, lens, 0.25, cos=cos[:, 0], sin=sin[:, 0])
+    odd_q, odd_kv, odd_new, odd_rope = torch.zeros(n, 1, 1, 3), torch.zeros(n, 1, 12, 3), torch.zeros(n, 1, 3), torch.zeros(n, 3)
+    with pytest.raises(ValueError, match="must be even"):
+        decode_attention(odd_q, odd_kv, odd_kv.clone(), lens, 0.25, k_new=odd_new, v_new=odd_new, cos=odd_rope, sin=odd_rope)
 
 
 @needs_kernel
