@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-# Per-token [B, R] float fields and per-sequence [B] fields, in the DESIGN.md vocabulary.
+# Per-token [B, R] float fields and per-sequence [B] fields, in the vocabulary of docs/design.md, "Terms".
 TOKEN_FIELDS = ("response_mask", "rollout_log_probs", "old_log_probs", "ref_log_probs", "values", "advantages", "returns", "kl")
 SEQ_FIELDS = ("scores", "rewards", "prompt_lens", "response_lens", "group_ids")
 

@@ -5,7 +5,7 @@ MoE block of :mod:`aligner.model.moe` when ``num_experts`` > 0, Mixtral's layout
 the decoder trunk, the causal LM (policy) and the scalar-head model (critic and
 reward model, exported as HF ``LlamaForSequenceClassification``).
 
-No rank, recomputation or pipeline logic lives here (STYLE 1): all of it is applied from
+No rank, recomputation or pipeline logic lives here (docs/design.md, "Model code reads no rank"): all of it is applied from
 outside by :func:`aligner.parallel.parallelize.parallelize`. Tensor/sequence parallelism comes
 from the building-block layers once they are sharded; attention reshapes with -1 heads so a
 sharded layer needs no branch. A pipeline stage is the same class with layers removed and

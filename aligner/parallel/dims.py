@@ -1,7 +1,7 @@
 """ParallelDims: a role's TP x PP x DP layout and its process groups, built from one device mesh.
 
 Owns: the only reads of RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in
-aligner (STYLE 2), process-group initialization (gloo on CPU, NCCL on GPU), and the
+aligner (docs/design.md, "Process groups are passed explicitly"), process-group initialization (gloo on CPU, NCCL on GPU), and the
 mapping from a global rank to (dp_rank, pp_rank, tp_rank).
 
 Rank order follows Megatron: tp varies fastest, then pp, then dp, so a tp group is

@@ -6,7 +6,7 @@ weight update protocol, offload/onload), :func:`check_sampling` / :func:`check_p
 :func:`mismatch_metrics` (rollout vs trainer log-probs, delegating to
 :func:`aligner.algorithms.rollout_mismatch_metrics`).
 
-Weight update protocol (DESIGN "Rollout engines and refit"): the refit calls
+Weight update protocol (docs/design.md, "Rollout engines and refit"): the refit calls
 ``update_weights`` once per bucket of ``(hf_name, tensor)`` pairs, then
 ``finish_weight_update`` once, which finalizes, drops caches and bumps
 ``weight_version``. Every :class:`Generation` carries the ``weight_version`` it was

@@ -17,7 +17,7 @@ loop's (:mod:`aligner.trainers.loop`):
               every eval_every and at the last step, checkpoint every save_every and at the last step
     finish    HF export of the policy to output_dir/hf, PNG report, summary table and summary.json
 
-One PPO step (:meth:`PPOTrainer.train_step`, DESIGN.md "One PPO step") talks to worker groups only:
+One PPO step (:meth:`PPOTrainer.train_step`, docs/design.md "One PPO step") talks to worker groups only:
 
     refit       actor weights -> its rollout engine
     generate    rollout_batch_size x n_samples_per_prompt responses, each seeded by (seed, step, index)

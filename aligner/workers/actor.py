@@ -1,6 +1,6 @@
 """Ray worker shells of the policy roles: ActorWorker (policy + rollout engine) and RefWorker.
 
-Thin (STYLE 3): every computation is a method of :class:`aligner.actor.policy.Policy` or of
+Thin (docs/design.md, "Thin Ray shells over Ray-free classes"): every computation is a method of :class:`aligner.actor.policy.Policy` or of
 the rollout engine; this module only declares how the driver calls them (dispatch modes of
 :mod:`aligner.workers.group`) and owns the engine's layout and refit.
 

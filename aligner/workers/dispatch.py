@@ -1,7 +1,7 @@
 """Dispatch modes of worker methods, and batch splitting / result collection (Ray-free).
 
 A worker class is a plain Python class; :func:`dispatch` marks which of its methods the driver
-may call and how (verl's ``@register``, STYLE 4). :class:`aligner.workers.group.WorkerGroup`
+may call and how (verl's ``@register``; docs/design.md, "Declared dispatch modes"). :class:`aligner.workers.group.WorkerGroup`
 reads the marks and does the Ray calls; everything here runs without Ray.
 
     broadcast   same call on every rank; result: list indexed by rank

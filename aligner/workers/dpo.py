@@ -1,6 +1,6 @@
 """Ray worker shell of the DPO stage: the actor (policy + rollout engine) plus a frozen reference in the same processes.
 
-Thin (STYLE 3): the losses are :meth:`aligner.actor.policy.Policy.dpo_step` / ``dpo_eval``; this
+Thin (docs/design.md, "Thin Ray shells over Ray-free classes"): the losses are :meth:`aligner.actor.policy.Policy.dpo_step` / ``dpo_eval``; this
 module adds the reference and declares how the driver calls them.
 
 The reference is a second :class:`aligner.actor.policy.Policy` built from the policy's initial

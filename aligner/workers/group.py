@@ -7,7 +7,7 @@ role's process groups (``ParallelDims.from_env``: gloo on CPU, NCCL on GPU), the
 modes declared with :func:`dispatch`, batch splitting / result collection, futures, and
 failure reporting (:class:`WorkerError`, :class:`WorkerDiedError`).
 
-Dispatch modes (verl's ``@register``, STYLE 4):
+Dispatch modes (verl's ``@register``; docs/design.md, "Declared dispatch modes"):
 
     broadcast   same call on every rank; result: list indexed by rank
     dp_split    first positional argument (dict of tensors/lists, list, tuple, tensor or
