@@ -163,7 +163,7 @@ def test_tiny_demo_acceptance(tmp_path):
     seeds, at least halves the dropped-carry answers, and keeps a bounded KL. (The +15 goal
     failed on 2026-11-22's machines, +3 to +10, from SFT policies stopped half-way through
     learning digit addition and an RM that had never seen over-carrying rejected; with the
-    2500-step SFT and the over-carry pairs, 2026-11-24 gave +31 to +32 over three seeds. README.)
+    2500-step SFT and the over-carry pairs, 2026-11-24 gave +31 to +32 over three seeds: docs/algorithms.md.)
     """
     root = tmp_path / "demo"
     proc, secs = _cli("aligner.demo", f"output_dir={root}", "trainer.progress=false", cwd=tmp_path, timeout=1500)

@@ -118,7 +118,7 @@ def phantom_carry(a: int, b: int, rng: random.Random) -> str:
 
 # Fraction of carry problems whose rejected answer over-carries (a phantom carry on top of the
 # real ones) instead of dropping the carry. Without it over-carrying never appeared as a rejected
-# answer, the RM scored it well, and PPO learned it from a weak SFT policy (README, "The built-in
+# answer, the RM scored it well, and PPO learned it from a weak SFT policy (docs/data.md, "The built-in
 # task": 60+38 -> "101" on the 2026-11-22 machine).
 OVER_CARRY_FRACTION = 0.25
 

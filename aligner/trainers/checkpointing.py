@@ -87,7 +87,7 @@ class CheckpointManager:
         MANIFEST.json holds the size and CRC-32 of every file under `tmp` (the role dirs the workers
         wrote, trainer_state.json, rng.pt; see :func:`write_manifest`): it is written before COMPLETE,
         so no checkpoint is complete without it. Reads every byte of the checkpoint once (cost in
-        RELIABILITY.md). OSError from reading or writing propagates; nothing is renamed then."""
+        docs/reliability.md). OSError from reading or writing propagates; nothing is renamed then."""
         state = {
             "run_id": self.run_id,
             **({"stage": self.stage} if self.stage else {}),

@@ -146,7 +146,7 @@ def test_sigterm_to_every_process_exits_143_within_the_grace_time_and_keeps_the_
     latest = CheckpointManager(out).latest()
     assert latest is not None and int(latest.name.split("_")[1]) >= int(saved.name.split("_")[1])
     if code == 1 and _ray_terminated_the_driver(proc.pid, started):
-        # Known limit (RELIABILITY.md): the raylet got the signal too, and when the driver's next object-store
+        # Known limit (docs/reliability.md): the raylet got the signal too, and when the driver's next object-store
         # call finds its plasma store gone, Ray's core worker ends the process itself (exit 1, no Python
         # handler runs). Seen in 2 of 4 full-suite runs on 2026-11-24; the last complete checkpoint is intact.
         return
