@@ -16,7 +16,14 @@ MLP (gate/up split along I, down along its input I), so every rank holds every e
 slice and the experts' partial outputs are summed over tp once per layer (all-reduce, or
 reduce-scatter with sequence parallelism). Routing runs on the full tokens on every rank (with
 sequence parallelism the tokens are all-gathered first), so the routing, the auxiliary losses and
-therefore every gradient equal the single-process ones. Expert parallelism is not here yet.
+therefore every gradient equal the single-process ones.
+
+Expert parallelism (``ep_size`` > 1): :meth:`GroupedExperts.shard_ep_` keeps this rank's
+num_experts / ep_size consecutive experts; :meth:`SparseMoE._run_experts` sends each routed row to
+the ep rank that holds its expert and the outputs back, by all-to-all over the ep group
+(:mod:`aligner.parallel.dims` builds the groups; the expert gradients are reduced over the
+expert-data-parallel group, :func:`aligner.parallel.data_parallel.reduce_expert_grads`). The
+rollout engine holds every expert (no expert parallelism inside the engine).
 
 Dispatch is dropless by default: every token reaches its top-k experts (a loop over the experts
 that received tokens, HF's scheme). With a capacity factor c each expert takes at most

@@ -61,8 +61,7 @@ What the adapter uses (names checked against the recorded 1.2.1 API unless marke
 Status: NOTHING in this module, and none of the PPO-loop wiring of rollout.backend=trtllm
 (aligner.workers.actor, the placement share), has run on a GPU or against an installed
 tensorrt_llm: it cannot be installed on the CPU development machine, and no GPU machine with
-tensorrt_llm was available (the H100 lent on 2026-11-22 had no tensorrt_llm and no network to
-fetch it from NVIDIA's index). What has run, on CPU only: the pure functions
+tensorrt_llm was available (docs/hardware.md). What has run, on CPU only: the pure functions
 (build_llm_kwargs, build_sampling_kwargs, sampled_log_probs, trtllm_replica, ray_placement,
 write_engine_model_dir), the config validation of rollout.backend=trtllm, and the static
 contract checks of every keyword, field, import path and RPC name used here against the

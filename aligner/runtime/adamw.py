@@ -17,14 +17,14 @@ upcast, the fp32 update runs, and the new moments are rounded back to bf16 (roun
 even, ``Tensor.copy_``). The parameter step uses the fp32 moments before rounding, so one
 step from given stored moments is torch's AdamW step (the same kernel); the only departure is
 the rounding of the stored moments (relative error <= 2^-9 per step). Stochastic rounding is not
-used: at lr 3e-3 below it left the SFT curve as far from fp32's (7.6% vs 6.8%). Measured on the tiny SFT stage
-(tests/runtime/test_adamw.py): at lr 1e-3, 40 steps, the loss stays within 0.035% of fp32
-moments at every step; at the preset's lr 3e-3 the run is chaotic after its post-warmup spike
-and bf16 moments move one step's loss by 6.8%, as fp32 moments with lr x 1.001 do (6.4%).
+used: on the tiny SFT stage it brought the loss curve no closer to fp32 moments' than round to
+nearest does. tests/runtime/test_adamw.py holds the tiny SFT stage's loss within 1% of the fp32
+moments' at every logged step; the measured curves are in benchmarks/RESULTS.md ("Measurements
+moved from module docstrings").
 
 Simplifications (stated): the upcast-update-downcast passes read and write more bytes than
 one fused kernel over bf16 state would, so the step is slower than torch's fused fp32 AdamW
-(2.2x on the 2-core dev CPU, benchmarks/optimizer_state.py): it saves memory, not time; a
+(benchmarks/optimizer_state.py; figures in benchmarks/RESULTS.md): it saves memory, not time; a
 dedicated kernel, as NeMo's, is what turns the 4 saved bytes into bandwidth. The fp32 workspace
 is at most ``2 * chunk_numel * 4`` bytes (8 MiB by default on CPU, 128 MiB on CUDA) while a
 bucket is updated. No amsgrad, maximize, differentiable or capturable modes.
