@@ -156,12 +156,12 @@ CASES = [
     ),
     # a KL coefficient that nothing applies is refused (issue 16: GRPO/RLOO silently dropped it)
     (
-        ["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=4"],
+        ["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=4", "algorithm.kl_coef=0.2"],
         "algorithm.kl_coef",
         "0.2",
         "false by default for advantage=grpo): set algorithm.kl_coef=0 and put the KL in the loss with algorithm.kl_loss_coef",
     ),
-    (["algorithm.kl_in_reward=false"], "algorithm.kl_coef", "0.2", "algorithm.kl_in_reward=false"),
+    (["algorithm.kl_in_reward=false", "algorithm.kl_coef=0.2"], "algorithm.kl_coef", "0.2", "algorithm.kl_in_reward=false"),
     (
         ["algorithm.kl_in_reward=false", "algorithm.kl_coef=0", "algorithm.kl_controller=adaptive"],
         "algorithm.kl_controller",

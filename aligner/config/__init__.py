@@ -22,8 +22,14 @@ Everything public is re-exported here: ``from aligner.config import AlignerConfi
 from __future__ import annotations
 
 from aligner.config.algorithm import (
+    FOLLOW_THE_ESTIMATOR,
+    LOSS_KL_COEF,
+    REWARD_KL_COEF,
     AlgorithmConfig,
     DPOConfig,
+    follow_the_estimator,
+    kl_in_reward_by_default,
+    resolve_kl,
 )
 from aligner.config.common import (
     DATA_FORMATS,
@@ -67,6 +73,7 @@ from aligner.config.run import (
     ClusterConfig,
     TrainerConfig,
     config_yaml,
+    hydra_schema,
     roles_with_field,
 )
 from aligner.config.validation import (
@@ -101,12 +108,19 @@ __all__ = [
     "RefRoleConfig",
     "SamplingConfig",
     "RolloutConfig",
+    "FOLLOW_THE_ESTIMATOR",
+    "LOSS_KL_COEF",
+    "REWARD_KL_COEF",
     "AlgorithmConfig",
     "DPOConfig",
+    "follow_the_estimator",
+    "kl_in_reward_by_default",
+    "resolve_kl",
     "TrainerConfig",
     "ClusterConfig",
     "AlignerConfig",
     "roles_with_field",
     "config_yaml",
+    "hydra_schema",
     "prompt_learning_of",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Collection, Optional
 
 from aligner import algorithms as alg
 from aligner.config.common import _check, _choice
@@ -16,8 +16,11 @@ class AlgorithmConfig:
     The KL to the reference policy enters in one or both of two places: in the reward
     (``kl_in_reward``, coefficient ``kl_coef`` under ``kl_controller``: per token for gae
     and reinforce_pp, per sequence for grpo and rloo), or as a loss term of the actor
-    (``kl_loss_coef`` with ``kl_loss_estimator``, as DeepSeekMath's GRPO). A coefficient
-    that nothing applies is refused.
+    (``kl_loss_coef`` with ``kl_loss_estimator``, as DeepSeekMath's GRPO). The three KL fields
+    left ``None`` follow the advantage estimator, resolved once, when the config is built
+    (:func:`resolve_kl`): the KL goes into the reward (``kl_coef`` 0.05) for gae, rloo,
+    reinforce_pp and reinforce_pp_baseline, and into the loss (``kl_loss_coef`` 0.04,
+    DeepSeekMath) for grpo. A coefficient set where nothing applies it is refused.
     """
 
     advantage: str = "gae"  # a key of aligner.algorithms.ADVANTAGE_ESTIMATORS
@@ -30,12 +33,14 @@ class AlgorithmConfig:
     loss_agg: str = "token-mean"  # actor loss aggregation: token-mean | seq-mean-token-mean (GRPO paper) | seq-mean-token-sum (Dr. GRPO)
     norm_by_std: bool = True  # grpo only: divide by the group std; false = Dr. GRPO (Liu et al. 2025)
     kl_in_reward: Optional[bool] = None  # KL penalty in the reward; None = true except for grpo (KL as a loss there)
-    kl_coef: float = 0.05  # (initial) coefficient of the KL in the reward
+    kl_coef: Optional[float] = None  # (initial) coefficient of the KL in the reward; None = 0.05 with the KL in the reward, else 0
     kl_estimator: str = "k1"  # KL estimator in the reward and the KL metrics: a key of KL_ESTIMATORS
     kl_controller: str = "fixed"  # fixed | adaptive (Ziegler et al. 2019), for kl_coef
     kl_target: float = 6.0  # adaptive controller target KL, nats per sequence
     kl_horizon: int = 10000  # adaptive controller horizon, samples
-    kl_loss_coef: float = 0.0  # coefficient of the KL loss term in the actor loss (TRL GRPO beta, verl kl_loss_coef); 0 = off
+    # coefficient of the KL loss term in the actor loss (TRL GRPO beta, verl kl_loss_coef); 0 = off;
+    # None = 0.04 (DeepSeekMath) with the KL out of the reward (grpo's default), else 0
+    kl_loss_coef: Optional[float] = None
     kl_loss_estimator: str = "k3"  # estimator of the KL loss term (DeepSeekMath: k3)
     entropy_coef: float = 0.0  # entropy bonus weight
     whiten_advantages: bool = True  # gae: normalize advantages over the batch
@@ -49,6 +54,9 @@ class AlgorithmConfig:
     # The engine-vs-trainer mismatch metrics are then not measured.
     recompute_old_log_probs: bool = True
     vf_coef: float = 1.0  # value-loss weight
+
+    def __post_init__(self) -> None:
+        resolve_kl(self)
 
     @property
     def resolved_kl_in_reward(self) -> bool:
@@ -76,8 +84,6 @@ class AlgorithmConfig:
         _check(self.clip_eps > 0, f"{prefix}.clip_eps", self.clip_eps, "must be positive (e.g. 0.2)")
         if self.clip_eps_high is not None:
             _check(self.clip_eps_high > 0, f"{prefix}.clip_eps_high", self.clip_eps_high, "must be positive (e.g. 0.28, DAPO) or null")
-        _check(self.kl_coef >= 0, f"{prefix}.kl_coef", self.kl_coef, "must be >= 0")
-        _check(self.kl_loss_coef >= 0, f"{prefix}.kl_loss_coef", self.kl_loss_coef, "must be >= 0 (e.g. 0.04, DeepSeekMath)")
         _check(self.ppo_epochs >= 1, f"{prefix}.ppo_epochs", self.ppo_epochs, "must be >= 1")
         if self.dual_clip is not None:
             _check(self.dual_clip > 1, f"{prefix}.dual_clip", self.dual_clip, "must be > 1 (e.g. 3.0) or null")
@@ -89,18 +95,68 @@ class AlgorithmConfig:
             self.norm_by_std,
             f"applies to advantage=grpo only (advantage={self.advantage} has no group std): remove it",
         )
-        if not self.resolved_kl_in_reward:
-            where = (
-                f"{prefix}.kl_in_reward=false"
-                if self.kl_in_reward is not None
-                else f"{prefix}.kl_in_reward is false by default for advantage={self.advantage}"
-            )
-            fix = (
-                f"the KL is not in the reward ({where}): set {prefix}.kl_coef=0 and put the KL in the loss with "
-                f"{prefix}.kl_loss_coef (e.g. 0.04, DeepSeekMath), or set {prefix}.kl_in_reward=true"
-            )
-            _check(self.kl_coef == 0, f"{prefix}.kl_coef", self.kl_coef, fix)
-            _check(self.kl_controller == "fixed", f"{prefix}.kl_controller", self.kl_controller, fix)
+
+
+FOLLOW_THE_ESTIMATOR = ("kl_in_reward", "kl_coef", "kl_loss_coef")  # None in the Hydra schema: resolve_kl fills them
+REWARD_KL_COEF = 0.05  # kl_coef nobody set, with the KL in the reward (gae, rloo, reinforce_pp, reinforce_pp_baseline)
+LOSS_KL_COEF = 0.04  # kl_loss_coef nobody set, with the KL out of the reward (grpo: DeepSeekMath's beta, Shao et al. 2024)
+
+
+def kl_in_reward_by_default(advantage: str) -> bool:
+    """Where the KL goes when ``algorithm.kl_in_reward`` is not set: the reward for every estimator but
+    grpo, whose KL is a loss term (DeepSeekMath, Shao et al. 2024)."""
+    return advantage != "grpo"
+
+
+def resolve_kl(a: AlgorithmConfig, prefix: str = "algorithm") -> None:
+    """Fill the KL fields of `a` left None with the estimator's defaults, in place (once, as it is built).
+
+    ``kl_in_reward``: :func:`kl_in_reward_by_default`. ``kl_coef``: REWARD_KL_COEF with the KL in the
+    reward, else 0 (not applied). ``kl_loss_coef``: 0 with the KL in the reward, else LOSS_KL_COEF.
+    Raises ConfigError for a negative coefficient, and for a reward-KL coefficient (or an adaptive
+    controller) that was set while the KL is not in the reward: nothing would apply it.
+    """
+    if a.kl_coef is not None:
+        _check(a.kl_coef >= 0, f"{prefix}.kl_coef", a.kl_coef, "must be >= 0")
+    if a.kl_loss_coef is not None:
+        _check(a.kl_loss_coef >= 0, f"{prefix}.kl_loss_coef", a.kl_loss_coef, "must be >= 0 (e.g. 0.04, DeepSeekMath)")
+    in_reward = kl_in_reward_by_default(a.advantage) if a.kl_in_reward is None else bool(a.kl_in_reward)
+    if not in_reward:
+        where = (
+            f"{prefix}.kl_in_reward=false"
+            if a.kl_in_reward is not None
+            else f"{prefix}.kl_in_reward is false by default for advantage={a.advantage}"
+        )
+        fix = (
+            f"the KL is not in the reward ({where}): set {prefix}.kl_coef=0 and put the KL in the loss with "
+            f"{prefix}.kl_loss_coef (e.g. 0.04, DeepSeekMath), or set {prefix}.kl_in_reward=true"
+        )
+        _check(not a.kl_coef, f"{prefix}.kl_coef", a.kl_coef, fix)
+        _check(a.kl_controller == "fixed", f"{prefix}.kl_controller", a.kl_controller, fix)
+    a.kl_in_reward = in_reward
+    if a.kl_coef is None:
+        a.kl_coef = REWARD_KL_COEF if in_reward else 0.0
+    if a.kl_loss_coef is None:
+        a.kl_loss_coef = 0.0 if in_reward else LOSS_KL_COEF
+
+
+def follow_the_estimator(algorithm: Any, explicit: Collection[str], prefix: str = "algorithm") -> None:
+    """Reset, in a composed config's `algorithm` node (before it is built), the reward-KL settings that
+    a preset file gave but this run's KL placement does not apply, unless the command line set them.
+
+    A preset's ``kl_coef`` / ``kl_controller`` are tuned for the preset's estimator: with
+    ``algorithm.advantage=grpo`` on a gae preset (or ``algorithm.kl_in_reward=false``) the KL leaves
+    the reward, so they reset to the estimator's default (``kl_coef`` None, resolved by
+    :func:`resolve_kl`; ``kl_controller`` fixed). A value in `explicit` (the dotted keys given on the
+    command line) is kept, and refused by :func:`resolve_kl` if nothing applies it.
+    """
+    advantage, kl_in_reward = algorithm.advantage, algorithm.kl_in_reward
+    if kl_in_reward_by_default(advantage) if kl_in_reward is None else bool(kl_in_reward):
+        return
+    if f"{prefix}.kl_coef" not in explicit:
+        algorithm.kl_coef = None
+    if f"{prefix}.kl_controller" not in explicit:
+        algorithm.kl_controller = "fixed"
 
 
 @dataclass(kw_only=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Optional, get_type_hints
 
-from aligner.config.algorithm import AlgorithmConfig, DPOConfig
+from aligner.config.algorithm import FOLLOW_THE_ESTIMATOR, AlgorithmConfig, DPOConfig
 from aligner.config.common import MODEL_ROLES, _check, _choice
 from aligner.config.data import DataConfig, TaskConfig, TokenizerConfig
 from aligner.config.model import ModelConfig
@@ -194,3 +194,16 @@ def config_yaml(cfg: AlignerConfig) -> str:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def hydra_schema():
+    """The structured OmegaConf node (an ``omegaconf.DictConfig`` typed :class:`AlignerConfig`) that Hydra
+    composes the YAML files and overrides into: AlignerConfig's defaults, with the algorithm's KL fields
+    that follow the advantage estimator (FOLLOW_THE_ESTIMATOR) left null, so that the config built from
+    the composition resolves them for its own estimator (:func:`aligner.config.algorithm.resolve_kl`)."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(AlignerConfig)
+    for name in FOLLOW_THE_ESTIMATOR:
+        node.algorithm[name] = None
+    return node
