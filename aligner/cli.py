@@ -115,7 +115,12 @@ def _role_field_hint(msg: str) -> str:
 
 
 def load_config(stage: str, overrides: Sequence[str] = ()) -> AlignerConfig:
-    """Compose and validate: the AlignerConfig for `stage`. Raises ConfigError naming field, value and fix."""
+    """Compose and validate: the AlignerConfig for `stage`. Raises ConfigError naming field, value and fix.
+
+    Before the config is built, the model's dimensions follow the primary role's checkpoint
+    (:func:`adopt_checkpoint_dims`) and a preset's reward-KL settings that this run's estimator does not
+    apply follow the estimator (:func:`aligner.config.follow_the_estimator`; `overrides` are the values
+    set explicitly)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 

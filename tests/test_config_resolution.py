@@ -131,6 +131,16 @@ def test_the_schema_leaves_the_kl_fields_to_the_estimator_and_cfg_prints_them_re
     assert "  kl_in_reward: false\n" in printed and "  kl_coef: 0.0\n" in printed and "  kl_loss_coef: 0.04\n" in printed, printed
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_no_preset_sets_a_reward_kl_its_own_estimator_does_not_apply(preset):
+    """follow_the_estimator resets such a value silently, so a preset file must not hold one."""
+    from aligner.cli import compose
+
+    a = compose("ppo", [f"conf={preset}"]).algorithm
+    in_reward = a.advantage != "grpo" if a.kl_in_reward is None else a.kl_in_reward
+    assert in_reward or (not a.kl_coef and a.kl_controller == "fixed"), (preset, a)
+
+
 def test_trainer_puts_the_kl_in_the_reward_only_where_configured():
     from aligner.trainers.ppo import PPOTrainer
 
