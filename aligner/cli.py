@@ -21,7 +21,16 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from aligner.config import MODEL_ROLES, PRESETS, AlignerConfig, ConfigError, config_yaml, roles_with_field
+from aligner.config import (
+    MODEL_ROLES,
+    PRESETS,
+    AlignerConfig,
+    ConfigError,
+    config_yaml,
+    follow_the_estimator,
+    hydra_schema,
+    roles_with_field,
+)
 from aligner.errors import UserError
 from aligner.trainers import preemption
 from aligner.trainers.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
@@ -63,7 +72,7 @@ def compose(stage: str, overrides: Sequence[str] = ()) -> omegaconf.DictConfig: 
         raise ConfigError(f"config directory {CONF_DIR} is missing: run from an aligner checkout (pip install -e .)")
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="aligner_schema", node=AlignerConfig)
+    ConfigStore.instance().store(name="aligner_schema", node=hydra_schema())
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
@@ -106,13 +115,19 @@ def _role_field_hint(msg: str) -> str:
 
 
 def load_config(stage: str, overrides: Sequence[str] = ()) -> AlignerConfig:
-    """Compose and validate: the AlignerConfig for `stage`. Raises ConfigError naming field, value and fix."""
+    """Compose and validate: the AlignerConfig for `stage`. Raises ConfigError naming field, value and fix.
+
+    Before the config is built, the model's dimensions follow the primary role's checkpoint
+    (:func:`adopt_checkpoint_dims`) and a preset's reward-KL settings that this run's estimator does not
+    apply follow the estimator (:func:`aligner.config.follow_the_estimator`; `overrides` are the values
+    set explicitly)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     merged = compose(stage, overrides)
     merged.stage = stage
     adopt_checkpoint_dims(merged, stage, overrides)
+    follow_the_estimator(merged.algorithm, _explicit_keys(overrides))
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
@@ -171,6 +186,11 @@ def checkpoint_model_config(init: str, field_name: str) -> Optional[ModelConfig]
         raise ConfigError(f"{field_name}={init!r}: {e}") from None
 
 
+def _explicit_keys(overrides: Sequence[str]) -> set[str]:
+    """The dotted keys the command line sets: ``["algorithm.kl_coef=0.1"]`` -> ``{"algorithm.kl_coef"}``."""
+    return {o.split("=", 1)[0].strip() for o in overrides if "=" in o}
+
+
 def adopt_checkpoint_dims(merged, stage: str, overrides: Sequence[str]) -> None:
     """Set ``model.*`` to the dimensions of the primary role's init checkpoint, before validation.
 
@@ -193,7 +213,7 @@ def adopt_checkpoint_dims(merged, stage: str, overrides: Sequence[str]) -> None:
     ckpt = checkpoint_model_config(init, f"{role}.init")
     if ckpt is None:
         return
-    explicit = {o.split("=", 1)[0].strip() for o in overrides if "=" in o}
+    explicit = _explicit_keys(overrides)
     preset = OmegaConf.to_object(merged.model)
     for name in CHECKPOINT_DIMS:
         have, want = getattr(preset, name), getattr(ckpt, name)

@@ -227,6 +227,7 @@ def ppo_config(
     model_cfg=None,
     paths: Optional[dict] = None,
     kl_coef: float = 0.05,
+    kl_loss_coef: float = 0.0,  # explicit: a grpo config left to its estimator's default would add a 0.04 loss KL
     temperature: float = 1.0,
     lr: float = 1e-5,
     scheduler: str = "continuous",
@@ -275,7 +276,7 @@ def ppo_config(
             cuda_graphs=True,
             scheduler=scheduler,
         ),
-        algorithm=AlgorithmConfig(advantage=advantage, kl_coef=kl_coef, ppo_epochs=1, normalize_rewards=False),
+        algorithm=AlgorithmConfig(advantage=advantage, kl_coef=kl_coef, kl_loss_coef=kl_loss_coef, ppo_epochs=1, normalize_rewards=False),
     )
 
 

@@ -1,6 +1,7 @@
 """What a composed config resolves to before any worker starts (issue 16, items 2-4).
 
-- where the KL goes (reward or loss) and which roles a run starts because of it;
+- where the KL goes (reward or loss) and which roles a run starts because of it; the KL fields nobody
+  set follow the advantage estimator, and a preset's reward-KL values do not block another estimator;
 - only the init paths of the roles a run starts are checked;
 - one data-order rule for every stage (``data.shuffle_seed``);
 - model dimensions come from the init checkpoint's config.json, not the preset, and an
@@ -13,9 +14,20 @@ import json
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from aligner import algorithms as alg
 from aligner.cli import load_config
-from aligner.config import ConfigError, ModelConfig
+from aligner.config import (
+    LOSS_KL_COEF,
+    PRESETS,
+    REWARD_KL_COEF,
+    AlgorithmConfig,
+    ConfigError,
+    ModelConfig,
+    follow_the_estimator,
+    hydra_schema,
+)
 from aligner.model.hf import save_hf
 from aligner.model.llama import build_model
 
@@ -33,7 +45,8 @@ RULE = ["reward.type=rule", "reward.rule=digit_fraction", "actor.init=", "critic
             False,
             ("actor", "ref"),
         ),  # GRPO: KL as a loss term
-        (["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=2", "algorithm.kl_coef=0"], False, ("actor",)),
+        (["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=2"], False, ("actor", "ref")),  # the loss KL by default
+        (["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=2", "algorithm.kl_loss_coef=0"], False, ("actor",)),
         (["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=2", "algorithm.kl_in_reward=true"], True, ("actor", "ref")),
         (["algorithm.advantage=rloo", "trainer.n_samples_per_prompt=2", "algorithm.kl_coef=0"], True, ("actor",)),
     ],
@@ -42,6 +55,90 @@ def test_kl_placement_and_the_roles_it_starts(overrides, in_reward, roles):
     cfg = load_config("ppo", RULE + overrides)
     assert cfg.algorithm.resolved_kl_in_reward is in_reward
     assert cfg.roles_used() == roles
+
+
+# ---- KL defaults follow the advantage estimator (issue 35) ------------------------------------------------
+PRESETS_GROUP = {"tiny": 1, "smollm2_135m": 8, "llama2_7b": 1, "llama2_13b": 1, "llama2_70b": 1}  # n_samples_per_prompt
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_grpo_on_every_preset_composes_with_the_kl_in_the_loss(preset):
+    """`conf=PRESET algorithm.advantage=grpo` (and a group of samples): a preset's reward-KL settings,
+    tuned for its own estimator, do not block it; the KL becomes grpo's loss term."""
+    group = [] if PRESETS_GROUP[preset] >= 2 else ["trainer.n_samples_per_prompt=2"]
+    a = load_config("ppo", [f"conf={preset}", "algorithm.advantage=grpo", *group]).algorithm
+    assert (a.kl_in_reward, a.kl_coef, a.kl_loss_coef, a.kl_controller) == (False, 0.0, LOSS_KL_COEF, "fixed")
+    assert a.uses_reference and not a.reward_kl_coef_used
+
+
+def test_presets_list_their_group_sizes():
+    assert set(PRESETS_GROUP) == set(PRESETS)
+    for preset, n in PRESETS_GROUP.items():
+        assert load_config("ppo", [f"conf={preset}"]).trainer.n_samples_per_prompt == n
+
+
+@pytest.mark.parametrize("advantage", sorted(alg.ADVANTAGE_ESTIMATORS))
+def test_the_kl_fields_nobody_set_follow_the_estimator(advantage):
+    """grpo: the KL in the loss (0.04, DeepSeekMath), none in the reward; every other estimator: in the reward
+    (0.05), no loss term. The same in a config built in code and one composed with no preset KL value."""
+    want = (False, 0.0, LOSS_KL_COEF) if advantage == "grpo" else (True, REWARD_KL_COEF, 0.0)
+    a = AlgorithmConfig(advantage=advantage)
+    assert (a.kl_in_reward, a.kl_coef, a.kl_loss_coef) == want
+    composed = load_config("ppo", ["conf=smollm2_135m", f"algorithm.advantage={advantage}", "actor.init=", "ref.init="]).algorithm
+    assert (composed.kl_in_reward, composed.kl_coef, composed.kl_loss_coef) == want
+
+
+def test_values_set_are_honoured():
+    # a preset's kl_coef where the KL stays in the reward (tiny's 0.2 with rloo as with gae)
+    assert load_config("ppo", RULE + ["algorithm.advantage=rloo", "trainer.n_samples_per_prompt=2"]).algorithm.kl_coef == 0.2
+    # command-line values: the KL in the reward for grpo; a loss term besides the reward KL for gae
+    a = load_config("ppo", RULE + ["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=2", "algorithm.kl_in_reward=true"]).algorithm
+    assert (a.kl_in_reward, a.kl_coef, a.kl_loss_coef) == (True, 0.2, 0.0)
+    a = load_config("ppo", RULE + ["algorithm.kl_loss_coef=0.1"]).algorithm
+    assert (a.kl_in_reward, a.kl_coef, a.kl_loss_coef) == (True, 0.2, 0.1)
+    a = AlgorithmConfig(advantage="grpo", kl_loss_coef=0.0)
+    assert (a.kl_coef, a.kl_loss_coef, a.uses_reference) == (0.0, 0.0, False)
+
+
+def test_kl_in_reward_false_on_the_command_line_moves_a_presets_kl_to_the_loss():
+    a = load_config("ppo", RULE + ["algorithm.kl_in_reward=false"]).algorithm
+    assert (a.kl_in_reward, a.kl_coef, a.kl_loss_coef) == (False, 0.0, LOSS_KL_COEF)
+
+
+def test_a_preset_controller_follows_but_a_command_line_one_is_refused():
+    """follow_the_estimator resets a preset's adaptive controller when the KL leaves the reward; given on the
+    command line it stays, and resolve_kl refuses it (nothing would apply it)."""
+    node = OmegaConf.create({"advantage": "grpo", "kl_in_reward": None, "kl_coef": 0.2, "kl_controller": "adaptive"})
+    follow_the_estimator(node, explicit=set())
+    assert (node.kl_coef, node.kl_controller) == (None, "fixed")
+    node = OmegaConf.create({"advantage": "grpo", "kl_in_reward": None, "kl_coef": 0.0, "kl_controller": "adaptive"})
+    follow_the_estimator(node, explicit={"algorithm.kl_controller", "algorithm.kl_coef"})
+    assert (node.kl_coef, node.kl_controller) == (0.0, "adaptive")
+    with pytest.raises(ConfigError, match="algorithm.kl_controller='adaptive' is invalid: the KL is not in the reward"):
+        AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_controller="adaptive")
+    node = OmegaConf.create({"advantage": "gae", "kl_in_reward": None, "kl_coef": 0.2, "kl_controller": "adaptive"})
+    follow_the_estimator(node, explicit=set())  # the KL stays in the reward: the preset's values apply
+    assert (node.kl_coef, node.kl_controller) == (0.2, "adaptive")
+
+
+def test_the_schema_leaves_the_kl_fields_to_the_estimator_and_cfg_prints_them_resolved(capsys):
+    from aligner.cli import run
+
+    schema = hydra_schema()
+    assert all(schema.algorithm[name] is None for name in ("kl_in_reward", "kl_coef", "kl_loss_coef"))
+    assert run("ppo", lambda cfg: 1, ["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=2", "--cfg"]) == 0
+    printed = capsys.readouterr().out
+    assert "  kl_in_reward: false\n" in printed and "  kl_coef: 0.0\n" in printed and "  kl_loss_coef: 0.04\n" in printed, printed
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_no_preset_sets_a_reward_kl_its_own_estimator_does_not_apply(preset):
+    """follow_the_estimator resets such a value silently, so a preset file must not hold one."""
+    from aligner.cli import compose
+
+    a = compose("ppo", [f"conf={preset}"]).algorithm
+    in_reward = a.advantage != "grpo" if a.kl_in_reward is None else a.kl_in_reward
+    assert in_reward or (not a.kl_coef and a.kl_controller == "fixed"), (preset, a)
 
 
 def test_trainer_puts_the_kl_in_the_reward_only_where_configured():

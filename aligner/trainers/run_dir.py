@@ -3,7 +3,7 @@
 Owns what a stage (SFT, RM, PPO) may do with ``output_dir``, and the lock that keeps a
 second run out of it:
 
-    output_dir names a directory    "" is refused in config.py; a file, a path under a file
+    output_dir names a directory    "" is refused by the config (aligner/config/); a file, a path under a file
                                     and a directory this user cannot write are one-line errors
     one run at a time               ``.aligner.lock`` (pid, host, start time) under fcntl.flock:
                                     the OS drops the lock when its process ends in any way

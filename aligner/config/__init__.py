@@ -1,0 +1,126 @@
+"""Configuration schemas for every aligner stage (SFT, RM, PPO, DPO, plan), a package by concern.
+
+Owns: the keyword-only dataclasses that Hydra/OmegaConf compose into, and their validation
+(``__post_init__``). Configs are never mutated after they are built; per-rank derived sizes
+(local heads, local batch) live in separate objects in ``aligner.parallel``.
+
+- schemas, one group per section or role: :mod:`~aligner.config.model`, :mod:`~aligner.config.data`
+  (tokenizer, data, task), :mod:`~aligner.config.parallel` (a role's layout and resources),
+  :mod:`~aligner.config.roles` (actor, critic, reward, ref), :mod:`~aligner.config.rollout`,
+  :mod:`~aligner.config.algorithm` (PPO family, DPO), :mod:`~aligner.config.run` (trainer, cluster
+  and the whole :class:`AlignerConfig`);
+- :mod:`~aligner.config.validation`: the cross-field checks of a whole run, one function per concern;
+- :mod:`~aligner.config.probes`: package probes of a chosen backend (run with the validation);
+- :mod:`~aligner.config.paths`: the file-system checks (run after planning, before any work).
+
+Every bad value raises :class:`ConfigError` (a ``ValueError``) whose message names
+the dotted field, the bad value and the valid choices or the fix. The entry
+points turn it into a one-line message and exit code 2, with no traceback.
+Everything public is re-exported here: ``from aligner.config import AlignerConfig``.
+"""
+
+from __future__ import annotations
+
+from aligner.config.algorithm import (
+    FOLLOW_THE_ESTIMATOR,
+    LOSS_KL_COEF,
+    REWARD_KL_COEF,
+    AlgorithmConfig,
+    DPOConfig,
+    follow_the_estimator,
+    kl_in_reward_by_default,
+    resolve_kl,
+)
+from aligner.config.common import (
+    DATA_FORMATS,
+    GROUP_ESTIMATORS,
+    MODEL_ROLES,
+    PRESETS,
+    ROLES,
+    STAGES,
+)
+from aligner.config.data import (
+    DataConfig,
+    TaskConfig,
+    TokenizerConfig,
+)
+from aligner.config.model import (
+    ModelConfig,
+    RopeScalingConfig,
+)
+from aligner.config.parallel import (
+    ParallelConfig,
+    ResourceConfig,
+)
+from aligner.config.roles import (
+    LORA_TARGETS,
+    PROMPT_LEARNING_TYPES,
+    ActorRoleConfig,
+    LoraConfig,
+    OptimConfig,
+    PromptLearningConfig,
+    RefRoleConfig,
+    RewardRoleConfig,
+    RoleConfig,
+    TrainableRoleConfig,
+)
+from aligner.config.rollout import (
+    RolloutConfig,
+    SamplingConfig,
+)
+from aligner.config.run import (
+    AlignerConfig,
+    ClusterConfig,
+    TrainerConfig,
+    config_yaml,
+    hydra_schema,
+    roles_with_field,
+)
+from aligner.config.validation import (
+    prompt_learning_of,
+)
+from aligner.errors import ConfigError
+
+__all__ = [
+    "ConfigError",
+    "PRESETS",
+    "STAGES",
+    "ROLES",
+    "MODEL_ROLES",
+    "DATA_FORMATS",
+    "GROUP_ESTIMATORS",
+    "RopeScalingConfig",
+    "ModelConfig",
+    "TokenizerConfig",
+    "DataConfig",
+    "TaskConfig",
+    "ParallelConfig",
+    "ResourceConfig",
+    "OptimConfig",
+    "RoleConfig",
+    "LORA_TARGETS",
+    "LoraConfig",
+    "TrainableRoleConfig",
+    "PROMPT_LEARNING_TYPES",
+    "PromptLearningConfig",
+    "ActorRoleConfig",
+    "RewardRoleConfig",
+    "RefRoleConfig",
+    "SamplingConfig",
+    "RolloutConfig",
+    "FOLLOW_THE_ESTIMATOR",
+    "LOSS_KL_COEF",
+    "REWARD_KL_COEF",
+    "AlgorithmConfig",
+    "DPOConfig",
+    "follow_the_estimator",
+    "kl_in_reward_by_default",
+    "resolve_kl",
+    "TrainerConfig",
+    "ClusterConfig",
+    "AlignerConfig",
+    "roles_with_field",
+    "config_yaml",
+    "hydra_schema",
+    "prompt_learning_of",
+]

@@ -1,0 +1,181 @@
+"""The algorithms' schemas: the PPO family (advantage estimator, clipping, where the KL goes) and DPO."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Collection, Optional
+
+from aligner import algorithms as alg
+from aligner.config.common import _check, _choice
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    """PPO-family algorithm settings (formulas and papers in aligner.algorithms).
+
+    The KL to the reference policy enters in one or both of two places: in the reward
+    (``kl_in_reward``, coefficient ``kl_coef`` under ``kl_controller``: per token for gae
+    and reinforce_pp, per sequence for grpo and rloo), or as a loss term of the actor
+    (``kl_loss_coef`` with ``kl_loss_estimator``, as DeepSeekMath's GRPO). The three KL fields
+    left ``None`` follow the advantage estimator, resolved once, when the config is built
+    (:func:`resolve_kl`): the KL goes into the reward (``kl_coef`` 0.05) for gae, rloo,
+    reinforce_pp and reinforce_pp_baseline, and into the loss (``kl_loss_coef`` 0.04,
+    DeepSeekMath) for grpo. A coefficient set where nothing applies it is refused.
+    """
+
+    advantage: str = "gae"  # a key of aligner.algorithms.ADVANTAGE_ESTIMATORS
+    gamma: float = 1.0  # discount
+    gae_lambda: float = 0.95  # GAE lambda
+    clip_eps: float = 0.2  # PPO ratio clip (lower, and upper unless clip_eps_high is set)
+    clip_eps_high: Optional[float] = None  # upper ratio clip, "clip-higher" (DAPO, Yu et al. 2025); None = clip_eps
+    dual_clip: Optional[float] = None  # dual-clip bound c > 1 (Ye et al. 2020); None = off
+    value_clip_eps: Optional[float] = 0.2  # clipped value loss; None = unclipped
+    loss_agg: str = "token-mean"  # actor loss aggregation: token-mean | seq-mean-token-mean (GRPO paper) | seq-mean-token-sum (Dr. GRPO)
+    norm_by_std: bool = True  # grpo only: divide by the group std; false = Dr. GRPO (Liu et al. 2025)
+    kl_in_reward: Optional[bool] = None  # KL penalty in the reward; None = true except for grpo (KL as a loss there)
+    kl_coef: Optional[float] = None  # (initial) coefficient of the KL in the reward; None = 0.05 with the KL in the reward, else 0
+    kl_estimator: str = "k1"  # KL estimator in the reward and the KL metrics: a key of KL_ESTIMATORS
+    kl_controller: str = "fixed"  # fixed | adaptive (Ziegler et al. 2019), for kl_coef
+    kl_target: float = 6.0  # adaptive controller target KL, nats per sequence
+    kl_horizon: int = 10000  # adaptive controller horizon, samples
+    # coefficient of the KL loss term in the actor loss (TRL GRPO beta, verl kl_loss_coef); 0 = off;
+    # None = 0.04 (DeepSeekMath) with the KL out of the reward (grpo's default), else 0
+    kl_loss_coef: Optional[float] = None
+    kl_loss_estimator: str = "k3"  # estimator of the KL loss term (DeepSeekMath: k3)
+    entropy_coef: float = 0.0  # entropy bonus weight
+    whiten_advantages: bool = True  # gae: normalize advantages over the batch
+    ppo_epochs: int = 1  # passes over each rollout batch
+    critic_warmup_steps: int = 0  # steps that train only the critic
+    normalize_rewards: bool = True  # standardize RM scores with the RM's saved mean/std
+    tis_cap: Optional[float] = None  # truncated importance-sampling cap on exp(old - rollout); None = off
+    # false: skip the actor's old-log-prob forward of the inference phase; the update uses its own
+    # forward's log-probs, detached, as old (ratio 1; exact only when the update is on-policy: one
+    # epoch, one mini-batch, no KL in the reward, no tis_cap; TRL GRPOTrainer with num_iterations=1).
+    # The engine-vs-trainer mismatch metrics are then not measured.
+    recompute_old_log_probs: bool = True
+    vf_coef: float = 1.0  # value-loss weight
+
+    def __post_init__(self) -> None:
+        resolve_kl(self)
+
+    @property
+    def resolved_kl_in_reward(self) -> bool:
+        """``kl_in_reward``, or its default: true for every estimator but grpo."""
+        return self.advantage != "grpo" if self.kl_in_reward is None else bool(self.kl_in_reward)
+
+    @property
+    def reward_kl_coef_used(self) -> bool:
+        """Whether the KL-in-reward coefficient can be nonzero in this run."""
+        return self.resolved_kl_in_reward and (self.kl_coef > 0 or self.kl_controller == "adaptive")
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether any KL term needs the reference policy's log-probs."""
+        return self.reward_kl_coef_used or self.kl_loss_coef > 0
+
+    def validate(self, prefix: str = "algorithm") -> None:
+        _choice(f"{prefix}.advantage", self.advantage, tuple(alg.ADVANTAGE_ESTIMATORS))
+        _choice(f"{prefix}.kl_estimator", self.kl_estimator, tuple(alg.KL_ESTIMATORS))
+        _choice(f"{prefix}.kl_loss_estimator", self.kl_loss_estimator, tuple(alg.KL_ESTIMATORS))
+        _choice(f"{prefix}.kl_controller", self.kl_controller, tuple(alg.KL_CONTROLLERS))
+        _choice(f"{prefix}.loss_agg", self.loss_agg, alg.LOSS_AGG_MODES)
+        _check(0 <= self.gamma <= 1, f"{prefix}.gamma", self.gamma, "must be in [0, 1]")
+        _check(0 <= self.gae_lambda <= 1, f"{prefix}.gae_lambda", self.gae_lambda, "must be in [0, 1]")
+        _check(self.clip_eps > 0, f"{prefix}.clip_eps", self.clip_eps, "must be positive (e.g. 0.2)")
+        if self.clip_eps_high is not None:
+            _check(self.clip_eps_high > 0, f"{prefix}.clip_eps_high", self.clip_eps_high, "must be positive (e.g. 0.28, DAPO) or null")
+        _check(self.ppo_epochs >= 1, f"{prefix}.ppo_epochs", self.ppo_epochs, "must be >= 1")
+        if self.dual_clip is not None:
+            _check(self.dual_clip > 1, f"{prefix}.dual_clip", self.dual_clip, "must be > 1 (e.g. 3.0) or null")
+        if self.tis_cap is not None:
+            _check(self.tis_cap >= 1, f"{prefix}.tis_cap", self.tis_cap, "must be >= 1 (e.g. 2.0) or null")
+        _check(
+            self.norm_by_std or self.advantage == "grpo",
+            f"{prefix}.norm_by_std",
+            self.norm_by_std,
+            f"applies to advantage=grpo only (advantage={self.advantage} has no group std): remove it",
+        )
+
+
+FOLLOW_THE_ESTIMATOR = ("kl_in_reward", "kl_coef", "kl_loss_coef")  # None in the Hydra schema: resolve_kl fills them
+REWARD_KL_COEF = 0.05  # kl_coef nobody set, with the KL in the reward (gae, rloo, reinforce_pp, reinforce_pp_baseline)
+LOSS_KL_COEF = 0.04  # kl_loss_coef nobody set, with the KL out of the reward (grpo: DeepSeekMath's beta, Shao et al. 2024)
+
+
+def kl_in_reward_by_default(advantage: str) -> bool:
+    """Where the KL goes when ``algorithm.kl_in_reward`` is not set: the reward for every estimator but
+    grpo, whose KL is a loss term (DeepSeekMath, Shao et al. 2024)."""
+    return advantage != "grpo"
+
+
+def resolve_kl(a: AlgorithmConfig, prefix: str = "algorithm") -> None:
+    """Fill the KL fields of `a` left None with the estimator's defaults, in place (once, as it is built).
+
+    ``kl_in_reward``: :func:`kl_in_reward_by_default`. ``kl_coef``: REWARD_KL_COEF with the KL in the
+    reward, else 0 (not applied). ``kl_loss_coef``: 0 with the KL in the reward, else LOSS_KL_COEF.
+    Raises ConfigError for a negative coefficient, and for a reward-KL coefficient (or an adaptive
+    controller) that was set while the KL is not in the reward: nothing would apply it.
+    """
+    if a.kl_coef is not None:
+        _check(a.kl_coef >= 0, f"{prefix}.kl_coef", a.kl_coef, "must be >= 0")
+    if a.kl_loss_coef is not None:
+        _check(a.kl_loss_coef >= 0, f"{prefix}.kl_loss_coef", a.kl_loss_coef, "must be >= 0 (e.g. 0.04, DeepSeekMath)")
+    in_reward = kl_in_reward_by_default(a.advantage) if a.kl_in_reward is None else bool(a.kl_in_reward)
+    if not in_reward:
+        where = (
+            f"{prefix}.kl_in_reward=false"
+            if a.kl_in_reward is not None
+            else f"{prefix}.kl_in_reward is false by default for advantage={a.advantage}"
+        )
+        fix = (
+            f"the KL is not in the reward ({where}): set {prefix}.kl_coef=0 and put the KL in the loss with "
+            f"{prefix}.kl_loss_coef (e.g. 0.04, DeepSeekMath), or set {prefix}.kl_in_reward=true"
+        )
+        _check(not a.kl_coef, f"{prefix}.kl_coef", a.kl_coef, fix)
+        _check(a.kl_controller == "fixed", f"{prefix}.kl_controller", a.kl_controller, fix)
+    a.kl_in_reward = in_reward
+    if a.kl_coef is None:
+        a.kl_coef = REWARD_KL_COEF if in_reward else 0.0
+    if a.kl_loss_coef is None:
+        a.kl_loss_coef = 0.0 if in_reward else LOSS_KL_COEF
+
+
+def follow_the_estimator(algorithm: Any, explicit: Collection[str], prefix: str = "algorithm") -> None:
+    """Reset, in a composed config's `algorithm` node (before it is built), the reward-KL settings that
+    a preset file gave but this run's KL placement does not apply, unless the command line set them.
+
+    A preset's ``kl_coef`` / ``kl_controller`` are tuned for the preset's estimator: with
+    ``algorithm.advantage=grpo`` on a gae preset (or ``algorithm.kl_in_reward=false``) the KL leaves
+    the reward, so they reset to the estimator's default (``kl_coef`` None, resolved by
+    :func:`resolve_kl`; ``kl_controller`` fixed). A value in `explicit` (the dotted keys given on the
+    command line) is kept, and refused by :func:`resolve_kl` if nothing applies it.
+    """
+    advantage, kl_in_reward = algorithm.advantage, algorithm.kl_in_reward
+    if kl_in_reward_by_default(advantage) if kl_in_reward is None else bool(kl_in_reward):
+        return
+    if f"{prefix}.kl_coef" not in explicit:
+        algorithm.kl_coef = None
+    if f"{prefix}.kl_controller" not in explicit:
+        algorithm.kl_controller = "fixed"
+
+
+@dataclass(kw_only=True)
+class DPOConfig:
+    """The DPO stage's loss (formulas in :func:`aligner.algorithms.dpo_loss`)."""
+
+    beta: float = 0.1  # KL-regularization strength: implicit reward = beta * (log pi - log pi_ref), nats
+    loss_type: str = "sigmoid"  # sigmoid (DPO, Rafailov et al. 2023) | ipo (Azar et al. 2023, length-normalized as TRL)
+    label_smoothing: float = 0.0  # sigmoid only: probability a preference label is flipped (conservative DPO), in [0, 0.5)
+    rpo_alpha: float = 0.0  # weight of the chosen responses' NLL (token mean) added to the loss (RPO, Pang et al. 2024); 0 = off
+
+    def validate(self, prefix: str = "dpo") -> None:
+        _choice(f"{prefix}.loss_type", self.loss_type, alg.DPO_LOSS_TYPES)
+        _check(self.beta > 0, f"{prefix}.beta", self.beta, "must be > 0 (e.g. 0.1)")
+        _check(0 <= self.label_smoothing < 0.5, f"{prefix}.label_smoothing", self.label_smoothing, "must be in [0, 0.5) (e.g. 0.1)")
+        _check(
+            self.label_smoothing == 0 or self.loss_type == "sigmoid",
+            f"{prefix}.label_smoothing",
+            self.label_smoothing,
+            f"applies to {prefix}.loss_type=sigmoid only (conservative DPO): set it to 0 with loss_type={self.loss_type}",
+        )
+        _check(self.rpo_alpha >= 0, f"{prefix}.rpo_alpha", self.rpo_alpha, "must be >= 0 (e.g. 1.0; 0 = off)")

@@ -1,0 +1,27 @@
+"""What every config module shares: the preset, stage and role names, and the two checks every
+validation is written with (:func:`_check`, :func:`_choice`), which raise :class:`ConfigError`
+naming the dotted field, the bad value and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aligner.errors import ConfigError
+
+PRESETS = ("tiny", "smollm2_135m", "llama2_7b", "llama2_13b", "llama2_70b")
+STAGES = ("sft", "rm", "ppo", "plan", "dpo")
+ROLES = ("actor", "critic", "reward", "ref", "rollout")
+MODEL_ROLES = ("actor", "critic", "reward", "ref")  # the roles with a RoleConfig (init, parallel, resources)
+# the keys of aligner.data.formats.FORMATS, in order (config imports nothing from aligner.data, which imports
+# config; tests/test_config.py asserts the two agree)
+DATA_FORMATS = ("prompt", "sft", "chat", "pairs", "hh", "gsm8k", "text", "prompt_completion", "unpaired")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")  # advantage estimators with a per-prompt group baseline
+
+
+def _check(ok: bool, field_name: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}={value!r} is invalid: {fix}")
+
+
+def _choice(field_name: str, value: Any, choices: tuple) -> None:
+    _check(value in choices, field_name, value, f"valid choices are {', '.join(map(str, choices))}")

@@ -1,0 +1,124 @@
+"""One role's layout (TP x PP x DP x EP, how it trains) and what it asks of the cluster."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from aligner.config.common import _check, _choice
+from aligner.config.model import ModelConfig
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """One role's TP x PP x DP layout and how it trains (Megatron-style TP/SP, 1F1B PP)."""
+
+    tp_size: int = 1  # tensor-parallel ranks
+    pp_size: int = 1  # pipeline stages
+    dp_size: int = 1  # data-parallel replicas
+    ep_size: int = 1  # expert parallelism (MoE): each group of ep_size dp ranks splits the experts (divides dp_size)
+    sequence_parallel: bool = False  # split norm regions along the sequence (needs tp_size > 1 to matter)
+    recompute: str = "none"  # activation recomputation per layer: none | selective | full
+    dp_backend: str = "fsdp2"  # fsdp2 | ddp | deepspeed
+    zero_stage: int = 1  # DeepSpeed ZeRO stage 1-3 (dp_backend=deepspeed only)
+    offload_optimizer: bool = False  # DeepSpeed CPU-offloaded Adam (dp_backend=deepspeed only)
+    mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and grad reduction)
+    num_microbatches: int = 0  # pipeline micro-batches per step; 0 = derive from batch sizes
+    pp_layer_split: Optional[list[int]] = None  # layers per stage (uneven splits); None = even
+    # policy log-probs / entropy: positions per chunk of the fused head + softmax (aligner.nn.chunked),
+    # so no [B, R, V/tp] fp32 logits exist; 0 = the unchunked path (the head's logits, then aligner.nn.vocab);
+    # -1 = as many positions as keep one chunk's fp32 logits within 256 MiB (aligner.nn.chunked.auto_chunk_size)
+    logprob_chunk_size: int = -1
+    # torch.compile each decoder block for training (torchtitan's per-block compile, applied by
+    # aligner.parallel.parallelize); off by default: on the CPU it was measured no faster (benchmarks/RESULTS.md)
+    compile: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size * self.dp_size
+
+    def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
+        for name in ("tp_size", "pp_size", "dp_size"):
+            _check(getattr(self, name) >= 1, f"{prefix}.{name}", getattr(self, name), "must be >= 1")
+        _choice(f"{prefix}.recompute", self.recompute, ("none", "selective", "full"))
+        _choice(f"{prefix}.dp_backend", self.dp_backend, ("fsdp2", "ddp", "deepspeed"))
+        _choice(f"{prefix}.mixed_precision", self.mixed_precision, ("fp32", "bf16"))
+        _choice(f"{prefix}.zero_stage", self.zero_stage, (0, 1, 2, 3))
+        _check(
+            self.logprob_chunk_size >= -1,
+            f"{prefix}.logprob_chunk_size",
+            self.logprob_chunk_size,
+            "must be >= -1 (positions per chunk, e.g. 512; 0 = unchunked logits; -1 = chunks of 256 MiB of logits)",
+        )
+        _check(
+            self.ep_size >= 1 and self.dp_size % self.ep_size == 0,
+            f"{prefix}.ep_size",
+            self.ep_size,
+            f"must divide {prefix}.dp_size={self.dp_size} (experts are split over groups of ep_size data-parallel ranks)",
+        )
+        if self.ep_size > 1:
+            _check(
+                self.dp_backend != "deepspeed",
+                f"{prefix}.ep_size",
+                self.ep_size,
+                "expert parallelism runs with dp_backend=fsdp2 or ddp, not deepspeed; set ep_size=1 or another dp_backend",
+            )
+        if self.dp_backend == "deepspeed":
+            _check(
+                self.tp_size == 1 and self.pp_size == 1,
+                f"{prefix}.dp_backend",
+                self.dp_backend,
+                "DeepSpeed ZeRO is supported only where tp_size = pp_size = 1; use fsdp2 or ddp",
+            )
+        if model is None:
+            return
+        _check(
+            model.num_heads % self.tp_size == 0,
+            f"{prefix}.tp_size",
+            self.tp_size,
+            f"must divide model.num_heads={model.num_heads}; valid: "
+            + ", ".join(str(d) for d in range(1, model.num_heads + 1) if model.num_heads % d == 0),
+        )
+        kv, tp = model.num_kv_heads, self.tp_size
+        _check(
+            kv % tp == 0 or tp % kv == 0,
+            f"{prefix}.tp_size",
+            tp,
+            f"must divide or be a multiple of model.num_kv_heads={kv}",
+        )
+        _check(
+            model.intermediate_size % tp == 0,
+            f"{prefix}.tp_size",
+            tp,
+            f"must divide model.intermediate_size={model.intermediate_size}",
+        )
+        _check(
+            self.pp_size <= model.num_layers,
+            f"{prefix}.pp_size",
+            self.pp_size,
+            f"cannot exceed model.num_layers={model.num_layers}",
+        )
+        if self.ep_size > 1:
+            _check(
+                model.num_experts > 0 and model.num_experts % self.ep_size == 0,
+                f"{prefix}.ep_size",
+                self.ep_size,
+                f"needs an MoE model whose model.num_experts={model.num_experts} it divides; set ep_size=1 for a dense model",
+            )
+        if self.pp_layer_split is not None:
+            split = list(self.pp_layer_split)
+            _check(
+                len(split) == self.pp_size and sum(split) == model.num_layers and min(split) >= 1,
+                f"{prefix}.pp_layer_split",
+                split,
+                f"needs {self.pp_size} positive entries summing to model.num_layers={model.num_layers}",
+            )
+
+
+@dataclass(kw_only=True)
+class ResourceConfig:
+    """What one role asks of the cluster (its node group)."""
+
+    num_nodes: int = 1  # nodes in this role's node group
+    gpus_per_node: int = 0  # GPUs per node this role uses; 0 = CPU workers
+    cpus_per_worker: int = 1  # CPUs per Ray worker (on CPU runs also torch threads per worker)

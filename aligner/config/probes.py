@@ -1,0 +1,54 @@
+"""Package probes, run where the config is validated (before Ray starts): whether the packages a
+chosen backend needs are importable here, next to the other checks of that backend."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from typing import TYPE_CHECKING
+
+from aligner.config.common import _check
+
+if TYPE_CHECKING:
+    from aligner.config.run import AlignerConfig
+
+
+def check_trtllm(cfg: AlignerConfig) -> None:
+    """What ``rollout.backend=trtllm`` needs, checked before Ray starts (ppo stage only).
+
+    In order: CUDA workers for the actor (the engine runs on the actor's GPUs), a 16-bit
+    rollout dtype (TensorRT-LLM's kernels do not dispatch float32, NVIDIA/TensorRT-LLM#5260),
+    engine replicas that fit one node (tp_size * pp_size divides actor.resources.gpus_per_node:
+    a replica's workers are placed in the node bundle of its owner rank and read the trainer's
+    weights through CUDA IPC, which is node-local), and last an importable ``tensorrt_llm``.
+    """
+    gpus, rp = cfg.actor.resources.gpus_per_node, cfg.rollout.parallel
+    _check(
+        gpus >= 1,
+        "actor.resources.gpus_per_node",
+        gpus,
+        "rollout.backend=trtllm runs TensorRT-LLM on the actor's CUDA GPUs: give the actor GPUs "
+        "(actor.resources.gpus_per_node >= 1 and cluster.gpus_per_node), or use rollout.backend=torch",
+    )
+    _check(
+        cfg.rollout.dtype in ("bfloat16", "float16"),
+        "rollout.dtype",
+        cfg.rollout.dtype,
+        "TensorRT-LLM's kernels do not run float32 (NVIDIA/TensorRT-LLM#5260): set rollout.dtype=bfloat16 "
+        "(or float16) with rollout.backend=trtllm",
+    )
+    engine_gpus = rp.tp_size * rp.pp_size
+    _check(
+        gpus % engine_gpus == 0,
+        "rollout.parallel.tp_size",
+        rp.tp_size,
+        f"rollout.parallel.tp_size x pp_size = {engine_gpus} must divide actor.resources.gpus_per_node={gpus}: "
+        "a TensorRT-LLM engine replica lives on one node's GPUs",
+    )
+    _check(
+        importlib.util.find_spec("tensorrt_llm") is not None,
+        "rollout.backend",
+        cfg.rollout.backend,
+        f"tensorrt_llm is not importable by {sys.executable}: pip install 'aligner[trtllm]' "
+        "(tensorrt-llm>=1.2,<2 from https://pypi.nvidia.com) on the CUDA machines, or use rollout.backend=torch",
+    )

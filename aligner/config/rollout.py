@@ -1,0 +1,56 @@
+"""The rollout role's schema: the generation engine, its layout and sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from aligner.config.common import _check, _choice
+from aligner.config.model import ModelConfig
+from aligner.config.parallel import ParallelConfig
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    """Rollout sampling parameters."""
+
+    temperature: float = 1.0  # softmax temperature; 0 = greedy
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    max_new_tokens: int = 16  # response tokens per prompt
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens besides EOS
+
+    def validate(self, prefix: str) -> None:
+        _check(self.temperature >= 0, f"{prefix}.temperature", self.temperature, "must be >= 0 (0 = greedy)")
+        _check(self.top_k >= 0, f"{prefix}.top_k", self.top_k, "must be >= 0 (0 = off)")
+        _check(0 < self.top_p <= 1, f"{prefix}.top_p", self.top_p, "must be in (0, 1]")
+        _check(self.max_new_tokens >= 1, f"{prefix}.max_new_tokens", self.max_new_tokens, "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """The actor's rollout engine and refit."""
+
+    backend: str = "torch"  # torch (aligner's engine, CPU or CUDA) | trtllm (TensorRT-LLM 1.2 on the actor's GPUs; bf16/fp16)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # engine tp/pp layout (dp = replicas)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how responses are sampled
+    refit_bucket_mb: int = 256  # refit sends weights in buckets of this size, MiB
+    max_batch_size: int = 256  # continuous: KV-cache slots (requests decoding at once); static: sequences per batch
+    scheduler: str = "continuous"  # continuous (slots refilled as responses stop, shared prompt prefixes) | static
+    micro_batches: int = 0  # continuous: slot-pool blocks in flight through the engine's pipeline (0 = its pp_size)
+    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (GPU, static scheduler only)
+    compile: str = (
+        "auto"  # torch.compile each decoder layer for generation: on | off | auto (= off for now: no faster on CPU, unrun on CUDA)
+    )
+    dtype: str = "float32"  # engine weights and KV cache: float32 | bfloat16 | float16 (refit casts)
+
+    def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
+        _choice(f"{prefix}.backend", self.backend, ("torch", "trtllm"))
+        _choice(f"{prefix}.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        _choice(f"{prefix}.scheduler", self.scheduler, ("continuous", "static"))
+        _choice(f"{prefix}.compile", self.compile, ("auto", "on", "off"))
+        _check(self.max_batch_size >= 1, f"{prefix}.max_batch_size", self.max_batch_size, "must be >= 1")
+        _check(self.micro_batches >= 0, f"{prefix}.micro_batches", self.micro_batches, f"must be >= 0 (0 = {prefix}.parallel.pp_size)")
+        self.parallel.validate(f"{prefix}.parallel", model)
+        self.sampling.validate(f"{prefix}.sampling")
+        _check(self.refit_bucket_mb > 0, f"{prefix}.refit_bucket_mb", self.refit_bucket_mb, "must be positive")

@@ -1,0 +1,209 @@
+"""The whole run's schema: the training loop (:class:`TrainerConfig`), the cluster
+(:class:`ClusterConfig`) and :class:`AlignerConfig`, which holds every section and is validated
+once, when it is built (:func:`aligner.config.validation.validate_run`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Optional, get_type_hints
+
+from aligner.config.algorithm import FOLLOW_THE_ESTIMATOR, AlgorithmConfig, DPOConfig
+from aligner.config.common import MODEL_ROLES, _check, _choice
+from aligner.config.data import DataConfig, TaskConfig, TokenizerConfig
+from aligner.config.model import ModelConfig
+from aligner.config.paths import check_paths
+from aligner.config.roles import ActorRoleConfig, RefRoleConfig, RewardRoleConfig, RoleConfig, TrainableRoleConfig
+from aligner.config.rollout import RolloutConfig
+from aligner.config.validation import validate_run
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """The training loop: steps, batch sizes, seeds, logging and checkpoint cadence."""
+
+    max_steps: int = 100  # optimizer steps (SFT/RM) or PPO steps
+    seed: int = 42  # global seed (model init, data order, sampling)
+    save_every: int = 0  # checkpoint every N steps; 0 = only at the end
+    eval_every: int = 0  # evaluate every N steps; 0 = only at the end
+    log_every: int = 1  # log metrics every N steps
+    global_batch_size: int = 32  # SFT/RM: samples per optimizer step (over all dp ranks)
+    micro_batch_size: int = 8  # samples per forward/backward per dp rank
+    rollout_batch_size: int = 32  # PPO: prompts per step
+    n_samples_per_prompt: int = 1  # PPO: responses per prompt (>= 2 for grpo, rloo, reinforce_pp_baseline)
+    mini_batch_size: int = 32  # PPO: samples per optimizer step
+    shared_prompt_pack_len: int = 4096  # PPO with n_samples_per_prompt > 1: the actor and reference run a prompt's samples as one packed row, the prompt's positions once (aligner.actor.shared_prompt), when the row has at most this many tokens; 0 = padded rows
+    eval_batch_size: int = 64  # prompts per evaluation batch
+    max_nonfinite: int = 3  # consecutive non-finite updates before the run stops
+    num_threads: int = 0  # torch threads per CPU worker; 0 = follow the work: the workers busy in a phase share their node's cores (a role running alone gets them all)
+    progress: bool = True  # show a progress bar
+    preempt_grace_s: float = 25.0  # after SIGTERM: seconds to finish the step and checkpoint (below the scheduler's grace, 30 s by default)
+
+    def validate(self, prefix: str = "trainer") -> None:
+        for name in (
+            "max_steps",
+            "global_batch_size",
+            "micro_batch_size",
+            "rollout_batch_size",
+            "n_samples_per_prompt",
+            "mini_batch_size",
+            "eval_batch_size",
+            "max_nonfinite",
+        ):
+            _check(getattr(self, name) >= 1, f"{prefix}.{name}", getattr(self, name), "must be >= 1")
+        for name in ("save_every", "eval_every", "num_threads", "shared_prompt_pack_len"):
+            _check(getattr(self, name) >= 0, f"{prefix}.{name}", getattr(self, name), "must be >= 0")
+        _check(
+            self.preempt_grace_s > 0,
+            f"{prefix}.preempt_grace_s",
+            self.preempt_grace_s,
+            "must be > 0 seconds (a few below the scheduler's grace period, e.g. 25)",
+        )
+        _check(
+            self.global_batch_size % self.micro_batch_size == 0,
+            f"{prefix}.global_batch_size",
+            self.global_batch_size,
+            f"must be a multiple of {prefix}.micro_batch_size={self.micro_batch_size}",
+        )
+        samples = self.rollout_batch_size * self.n_samples_per_prompt
+        _check(
+            samples % self.mini_batch_size == 0,
+            f"{prefix}.mini_batch_size",
+            self.mini_batch_size,
+            f"must divide rollout_batch_size * n_samples_per_prompt = {samples}",
+        )
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """The cluster the run is placed on (and that plans are made for)."""
+
+    address: str = ""  # Ray address; "" = RAY_ADDRESS or a new local instance, "auto" = existing cluster
+    num_nodes: int = 1  # nodes
+    gpus_per_node: int = 0  # GPUs per node (0 = CPU-only)
+    gpu_mem_gb: float = 80.0  # memory per GPU, GB
+    cpus_per_node: int = 0  # CPUs per node; 0 = detect
+    placement: str = "split"  # split (each role its own node group) | colocated (roles share bundles)
+    gpu_peak_tflops: float = 989.0  # dense bf16 peak per GPU, TFLOP/s (H100 SXM), for plans
+    intra_node_gbps: float = 450.0  # NVLink bandwidth per GPU, GB/s, for plans
+    inter_node_gbps: float = 50.0  # network bandwidth per GPU, GB/s, for plans
+    hbm_gbps: float = 3350.0  # HBM bandwidth per GPU, GB/s (H100 SXM), for plans (decode is bandwidth bound)
+
+    def validate(self, prefix: str = "cluster") -> None:
+        _check(self.num_nodes >= 1, f"{prefix}.num_nodes", self.num_nodes, "must be >= 1")
+        _check(self.gpus_per_node >= 0, f"{prefix}.gpus_per_node", self.gpus_per_node, "must be >= 0")
+        _check(self.gpu_mem_gb > 0, f"{prefix}.gpu_mem_gb", self.gpu_mem_gb, "must be positive")
+        _choice(f"{prefix}.placement", self.placement, ("split", "colocated"))
+
+
+@dataclass(kw_only=True)
+class AlignerConfig:
+    """The whole run. Built from Hydra (`conf=PRESET` plus overrides) and validated once."""
+
+    stage: str = "ppo"  # sft | rm | ppo | plan | dpo (set by the entry point)
+    preset: str = "tiny"  # name of the preset the run started from
+    output_dir: str = "outputs/tiny"  # checkpoints, metrics.jsonl, TensorBoard events, plots
+    resume: bool = False  # continue from the latest complete checkpoint in output_dir
+    # delete a previous run's outputs in output_dir first, then run fresh (without it, or resume=true,
+    # a run refuses an output_dir that holds a previous run's files: see aligner/trainers/run_dir.py)
+    overwrite: bool = False
+    plan_only: bool = False  # print the placement/memory plan and exit 0
+    model: ModelConfig = field(default_factory=ModelConfig)  # policy (and, by default, every role's) dimensions
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    actor: ActorRoleConfig = field(default_factory=ActorRoleConfig)  # policy (also the SFT model)
+    critic: TrainableRoleConfig = field(default_factory=TrainableRoleConfig)  # value model
+    reward: RewardRoleConfig = field(default_factory=RewardRoleConfig)  # reward model or rule (also the RM stage's model)
+    ref: RefRoleConfig = field(default_factory=RefRoleConfig)  # frozen reference policy
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation engine
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)  # the DPO stage's loss
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def __post_init__(self) -> None:
+        validate_run(self)
+
+    def roles_used(self) -> tuple[str, ...]:
+        """The role groups this run starts.
+
+        sft and dpo: actor (DPO's reference lives in the actor's workers). rm: reward. ppo: actor always; critic for gae; reward when
+        ``reward.type=model``; ref when a KL term needs it (:attr:`AlgorithmConfig.uses_reference`).
+        plan: the PPO roles.
+        """
+        if self.stage in ("sft", "dpo"):
+            return ("actor",)
+        if self.stage == "rm":
+            return ("reward",)
+        roles = ["actor"]
+        if self.algorithm.advantage == "gae":
+            roles.append("critic")
+        if self.reward.type == "model":
+            roles.append("reward")
+        if self.algorithm.uses_reference and not self.ref_from_actor:
+            roles.append("ref")
+        return tuple(roles)
+
+    @property
+    def ref_from_actor(self) -> bool:
+        """PPO with a LoRA actor (actor.lora.rank > 0) and a KL term: the reference policy is the actor
+        with its adapters disabled (its frozen base), so no ref worker group is started."""
+        return self.stage in ("ppo", "plan") and self.algorithm.uses_reference and self.actor.lora.rank > 0
+
+    def init_of(self, role: str) -> str:
+        """The checkpoint `role` starts from: its own ``init``, else the critic starts from the
+        reward model (``reward.init``, when ``reward.type=model``) and the reference from the
+        policy (``actor.init``); "" = random weights."""
+        return self.role(role).init or (self.role(fallback).init if (fallback := self._init_fallback(role)) else "")
+
+    def init_field(self, role: str) -> str:
+        """How to name where `role`'s init comes from in a message: "critic.init", or
+        "reward.init (critic.init is empty)" when it falls back."""
+        fallback = self._init_fallback(role)
+        if self.role(role).init or not fallback or not self.role(fallback).init:
+            return f"{role}.init"
+        return f"{fallback}.init (the {role} starts from it: {role}.init is empty)"
+
+    def _init_fallback(self, role: str) -> str:
+        if role == "critic":
+            return "reward" if self.reward.type == "model" else ""
+        return "actor" if role == "ref" else ""
+
+    def check_paths(self, roles: Optional[tuple[str, ...]] = None) -> None:
+        """Check that every input path the run will read exists (after planning, before any work):
+        :func:`aligner.config.paths.check_paths`. Raises ConfigError naming the field, the path and the fix."""
+        check_paths(self, roles)
+
+    def role(self, name: str) -> RoleConfig:
+        """The config of role `name` (actor, critic, reward, ref): a :class:`RoleConfig`, whose subclass
+        depends on the role (:func:`roles_with_field`); ValueError for other names."""
+        if name not in ("actor", "critic", "reward", "ref"):
+            raise ValueError(f"unknown role {name!r}: valid roles are actor, critic, reward, ref")
+        return getattr(self, name)
+
+
+def roles_with_field(name: str) -> tuple[str, ...]:
+    """The model-hosting roles whose schema has the field `name`: ``"type"`` -> ``("reward",)``,
+    ``"optim"`` -> ``("actor", "critic", "reward")``, ``"init"`` -> all four; ``()`` for no role's field."""
+    schemas = get_type_hints(AlignerConfig)
+    return tuple(r for r in MODEL_ROLES if name in {f.name for f in fields(schemas[r])})
+
+
+def config_yaml(cfg: AlignerConfig) -> str:
+    """The config as YAML text (saved beside checkpoints and printed by --cfg)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def hydra_schema():
+    """The structured OmegaConf node (an ``omegaconf.DictConfig`` typed :class:`AlignerConfig`) that Hydra
+    composes the YAML files and overrides into: AlignerConfig's defaults, with the algorithm's KL fields
+    that follow the advantage estimator (FOLLOW_THE_ESTIMATOR) left null, so that the config built from
+    the composition resolves them for its own estimator (:func:`aligner.config.algorithm.resolve_kl`)."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(AlignerConfig)
+    for name in FOLLOW_THE_ESTIMATOR:
+        node.algorithm[name] = None
+    return node

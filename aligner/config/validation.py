@@ -1,0 +1,174 @@
+"""Cross-field validation of a whole run, one function per concern, run by :func:`validate_run`
+when an :class:`~aligner.config.run.AlignerConfig` is built.
+
+Each section checks its own fields (``ModelConfig.validate`` and the like); what is checked here
+needs two sections at once: the reference of a LoRA actor, lengths against the model, prompt
+learning's layouts, GPUs of the roles against the cluster, the on-policy shortcut and the group
+estimators. Every check raises :class:`ConfigError` naming the field, the bad value and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from aligner.config.common import GROUP_ESTIMATORS, MODEL_ROLES, PRESETS, STAGES, _check, _choice
+from aligner.config.probes import check_trtllm
+from aligner.config.roles import PromptLearningConfig
+
+if TYPE_CHECKING:
+    from aligner.config.run import AlignerConfig
+
+
+def validate_run(cfg: AlignerConfig) -> None:
+    """Every check of a built config, in order: each section's own fields, then the cross-field
+    checks (and, for ``rollout.backend=trtllm``, the package probe). Raises ConfigError at the first."""
+    validate_sections(cfg)
+    validate_prompt_learning(cfg)
+    if cfg.stage == "ppo":
+        validate_rollout_lengths(cfg)
+    validate_cluster_devices(cfg)
+    if cfg.stage == "ppo" and cfg.rollout.backend == "trtllm":
+        check_trtllm(cfg)
+    if cfg.stage == "ppo" and not cfg.algorithm.recompute_old_log_probs:
+        validate_on_policy(cfg)
+    if cfg.stage == "ppo" and cfg.algorithm.advantage in GROUP_ESTIMATORS:
+        validate_group_estimator(cfg)
+
+
+def validate_sections(cfg: AlignerConfig) -> None:
+    """The run's names, each section's own fields, the reference of a LoRA actor and the data length."""
+    _choice("stage", cfg.stage, STAGES)
+    _choice("conf", cfg.preset, PRESETS)
+    _check(
+        bool(cfg.output_dir.strip()),
+        "output_dir",
+        cfg.output_dir,
+        "give a directory, e.g. output_dir=outputs/run1 (empty would write into the current directory)",
+    )
+    cfg.model.validate("model")
+    cfg.data.validate("data")
+    cfg.task.validate("task")
+    cfg.trainer.validate("trainer")
+    for role in MODEL_ROLES:
+        getattr(cfg, role).validate(role, cfg.model)
+    _check(
+        not (cfg.ref_from_actor and cfg.ref.init and cfg.ref.init != cfg.actor.init),
+        "ref.init",
+        cfg.ref.init,
+        "with actor.lora.rank > 0 the reference is the actor's frozen base (actor.init); leave ref.init empty",
+    )
+    cfg.rollout.validate("rollout", cfg.model)
+    cfg.algorithm.validate("algorithm")
+    cfg.dpo.validate("dpo")
+    cfg.cluster.validate("cluster")
+    _check(
+        cfg.data.max_seq_len <= cfg.model.max_seq_len,
+        "data.max_seq_len",
+        cfg.data.max_seq_len,
+        f"must not exceed model.max_seq_len={cfg.model.max_seq_len}",
+    )
+
+
+def validate_group_estimator(cfg: AlignerConfig) -> None:
+    """A per-prompt group baseline (grpo, rloo, reinforce_pp_baseline) needs >= 2 samples per prompt that can differ."""
+    a = cfg.algorithm
+    _check(
+        cfg.trainer.n_samples_per_prompt >= 2,
+        "trainer.n_samples_per_prompt",
+        cfg.trainer.n_samples_per_prompt,
+        f"algorithm.advantage={a.advantage} needs >= 2 samples per prompt",
+    )
+    _check(
+        cfg.rollout.sampling.temperature > 0,
+        "rollout.sampling.temperature",
+        cfg.rollout.sampling.temperature,
+        f"greedy sampling gives every sample of a prompt the same response, so algorithm.advantage="
+        f"{a.advantage} (a per-prompt group baseline) has zero advantages and trains nothing: "
+        "sample with temperature > 0 (e.g. 1.0)",
+    )
+
+
+def validate_on_policy(cfg: AlignerConfig) -> None:
+    """algorithm.recompute_old_log_probs=false is exact only for an on-policy update: say what breaks it."""
+    a, t = cfg.algorithm, cfg.trainer
+    f, v = "algorithm.recompute_old_log_probs", a.recompute_old_log_probs
+    need = "false skips the old-log-prob forward, which is exact only for an on-policy update, but"
+    samples = t.rollout_batch_size * t.n_samples_per_prompt
+    _check(a.ppo_epochs == 1, f, v, f"{need} algorithm.ppo_epochs={a.ppo_epochs} reuses the batch: set it to true")
+    _check(
+        t.mini_batch_size >= samples,
+        f,
+        v,
+        f"{need} trainer.mini_batch_size={t.mini_batch_size} splits the {samples} samples of a step into several "
+        f"optimizer steps: set it to true, or trainer.mini_batch_size={samples}",
+    )
+    _check(not a.reward_kl_coef_used, f, v, f"{need} the KL in the reward needs the old log-probs before the update: set it to true")
+    _check(a.tis_cap is None, f, v, f"{need} algorithm.tis_cap weighs by exp(old - rollout): set it to true")
+
+
+def validate_prompt_learning(cfg: AlignerConfig) -> None:
+    """actor.prompt_learning: SFT only, on layouts the virtual tokens support, within the model's positions."""
+    pl = prompt_learning_of(cfg)
+    if pl is None or not pl.enabled:
+        return
+    f = "actor.prompt_learning.type"
+    p = cfg.actor.parallel
+    _check(
+        p.pp_size == 1,
+        "actor.parallel.pp_size",
+        p.pp_size,
+        f"{f}={pl.type} supports pp_size=1 only (the virtual tokens live on the first stage, not implemented)",
+    )
+    _check(not p.sequence_parallel, "actor.parallel.sequence_parallel", p.sequence_parallel, f"{f}={pl.type} needs sequence_parallel=false")
+    _check(p.dp_backend != "deepspeed", "actor.parallel.dp_backend", p.dp_backend, f"{f}={pl.type} supports fsdp2 or ddp")
+    _check(
+        not cfg.data.packing,
+        "data.packing",
+        cfg.data.packing,
+        f"{f}={pl.type} prepends virtual tokens to each row: set data.packing=false",
+    )
+    _check(
+        pl.num_virtual_tokens + cfg.data.max_seq_len <= cfg.model.max_seq_len,
+        "actor.prompt_learning.num_virtual_tokens",
+        pl.num_virtual_tokens,
+        f"num_virtual_tokens + data.max_seq_len={cfg.data.max_seq_len} must not exceed model.max_seq_len={cfg.model.max_seq_len}",
+    )
+    _check(
+        cfg.actor.lora.rank == 0,
+        "actor.lora.rank",
+        cfg.actor.lora.rank,
+        f"LoRA and {f}={pl.type} together are not supported (each freezes the base for its own parameters): set one of them off",
+    )
+    _check(cfg.stage == "sft", f, pl.type, f"prompt learning is implemented for the SFT stage only (stage={cfg.stage}): set {f}=none")
+
+
+def validate_rollout_lengths(cfg: AlignerConfig) -> None:
+    """The longest prompt plus the response must fit the model (the engine's KV cache and RoPE positions)."""
+    s, d, m = cfg.rollout.sampling, cfg.data, cfg.model
+    _check(
+        d.max_prompt_len + s.max_new_tokens <= m.max_seq_len,
+        "rollout.sampling.max_new_tokens",
+        s.max_new_tokens,
+        f"data.max_prompt_len={d.max_prompt_len} + max_new_tokens must not exceed model.max_seq_len={m.max_seq_len}: "
+        f"lower it to {max(1, m.max_seq_len - d.max_prompt_len)} or shorten data.max_prompt_len",
+    )
+
+
+def validate_cluster_devices(cfg: AlignerConfig) -> None:
+    """Roles that ask for GPUs need a cluster with GPUs (plans for a GPU preset on 0 GPUs are meaningless)."""
+    if cfg.cluster.gpus_per_node > 0:
+        return
+    for role in ("actor", "critic", "reward", "ref"):
+        gpus = cfg.role(role).resources.gpus_per_node
+        _check(
+            gpus == 0,
+            "cluster.gpus_per_node",
+            cfg.cluster.gpus_per_node,
+            f"conf={cfg.preset} runs its roles on GPUs ({role}.resources.gpus_per_node={gpus}): give the cluster's "
+            "GPUs per node (e.g. cluster.gpus_per_node=8), or use conf=tiny for a CPU run",
+        )
+
+
+def prompt_learning_of(cfg: AlignerConfig) -> Optional[PromptLearningConfig]:
+    """cfg.actor.prompt_learning, or None when the actor config has none (a plain TrainableRoleConfig built in code)."""
+    return getattr(cfg.actor, "prompt_learning", None)

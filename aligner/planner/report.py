@@ -1,0 +1,176 @@
+"""The planner's text output: per-role tables of layouts (GB per device, seconds per step), the node
+split, the overrides that apply the best layouts, and the check of the configured layouts.
+
+Owns: :func:`format_plan` / :func:`print_plan` (``python -m aligner.plan`` and ``plan_only=true``)
+and :func:`check_fits` (run before weights are loaded; its error carries the planner's suggestion).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Optional
+
+from aligner.config import AlignerConfig, ModelConfig
+from aligner.errors import PlanError
+from aligner.planner.cost_model import (
+    GB,
+    MODEL_FLOPS_EFFICIENCY,
+    Layout,
+    LayoutEstimate,
+    Rejected,
+    RoleWork,
+    devices_per_node,
+    evaluate_layout,
+    train_bytes_per_parameter,
+)
+from aligner.planner.search import Plan, RolePlan, cluster_text, make_plan, role_works
+
+SHOW_RANKED = 5  # layouts per role in format_plan
+SHOW_REJECTED = 5  # rejected layouts per role in format_plan
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:7.1f}"
+
+
+def _layout_row(est: LayoutEstimate) -> str:
+    m, t = est.memory, est.time
+    return (
+        f"  {est.layout.describe():<50} {_gb(m.weights)} {_gb(m.grads)} {_gb(m.optimizer)} {_gb(m.activations)} "
+        f"{_gb(m.kv_cache)} {_gb(m.total)}  {t.total_s:9.2f} (compute {t.compute_s:.2f}, tp {t.tp_comm_s:.2f}, "
+        f"dp {t.dp_comm_s:.2f}, bubble {t.bubble_s:.2f}, decode {t.decode_s:.2f}" + (f", all-to-all {t.a2a_s:.2f})" if t.a2a_s else ")")
+    )
+
+
+def train_state_line(work: RoleWork, model: ModelConfig) -> str:
+    """ "training state per parameter: 4 B weights + 4 B grads + 4 B optimizer = 12 B (...)" for a trained role."""
+    w, g, o = train_bytes_per_parameter(work.parallel, model, work.optim_state_dtype)
+    return (
+        f"training state per parameter: {w:g} B weights + {g:g} B grads + {o:g} B optimizer = {w + g + o:g} B "
+        f"(optim.state_dtype={work.optim_state_dtype}, mixed_precision={work.parallel.mixed_precision}, before dp sharding)"
+        + (
+            f"; LoRA r={work.lora_rank} on {','.join(work.lora_targets)}: grads and optimizer only for the adapters"
+            if work.lora_rank
+            else ""
+        )
+    )
+
+
+def format_role(plan: RolePlan, model: Optional[ModelConfig] = None) -> str:
+    """A readable table of one role's ranked layouts (GB, seconds) and best rejected layouts; with
+    `model`, a trained role's line of training-state bytes per parameter (:func:`train_state_line`)."""
+    what = {"train": "training", "forward": "inference", "generate": "rollout engine"}[plan.work.mode]
+    lines = [f"{plan.role} ({what}, {plan.devices} devices):"]
+    if model is not None and plan.work.mode == "train":
+        lines.append(f"  {train_state_line(plan.work, model)}")
+    lines.append(f"  {'layout':<50} {'weights':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'kv':>7} {'total':>7}  {'step s':>9}")
+    for est in plan.ranked[:SHOW_RANKED]:
+        lines.append(_layout_row(est))
+    if not plan.ranked:
+        lines.append("  (no layout fits)")
+    if plan.rejected:
+        lines.append("  rejected (best first):")
+        for r in plan.rejected[:SHOW_REJECTED]:
+            lines.append(f"    {r.layout.describe():<50} {r.reason}")
+    return "\n".join(lines)
+
+
+def recommended_overrides(plan: Plan) -> list[str]:
+    """Command-line overrides that apply the best layout of each role (for presets and runs)."""
+    out = []
+    for name, rp in plan.roles.items():
+        lay = rp.best.layout
+        out.append(f"{name}.parallel.tp_size={lay.tp} {name}.parallel.pp_size={lay.pp} {name}.parallel.dp_size={lay.dp}")
+        if lay.ep > 1:
+            out[-1] += f" {name}.parallel.ep_size={lay.ep}"
+        if rp.work.mode == "train":
+            out.append(f"{name}.parallel.sequence_parallel={str(lay.sp).lower()} {name}.parallel.recompute={lay.recompute}")
+    return out
+
+
+def format_plan(plan: Plan) -> str:
+    """The whole plan as text: cluster, node split, per-role tables (memory in GB, time in s)."""
+    c = plan.cluster
+    lines = [
+        f"plan for stage {plan.stage} on {cluster_text(c.num_nodes, c.gpus_per_node, c.gpu_mem_gb)} "
+        f"({plan.placement} placement; peak {c.gpu_peak_tflops:g} TFLOP/s x {MODEL_FLOPS_EFFICIENCY} efficiency)",
+    ]
+    if plan.node_split:
+        ns = plan.node_split
+        lines.append(f"node split: actor group (actor, rollout) {ns.actor_nodes} of {c.num_nodes} nodes, critic group {ns.critic_nodes}")
+        tried = ", ".join(f"{a}:{t:.1f}s" if isinstance(t, float) else f"{a}:no fit" for a, t in ns.tried)
+        lines.append(f"  splits tried (actor nodes: step time): {tried}")
+    lines.append(f"estimated step time: {plan.step_time_s:.2f} s (memory in GB per device, times in seconds per step)")
+    for rp in plan.roles.values():
+        lines.append("")
+        lines.append(format_role(rp, plan.model))
+    lines.append("")
+    lines.append("overrides for the best layouts:")
+    lines.extend(f"  {o}" for o in recommended_overrides(plan))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the configured layout
+
+
+def configured_layout(cfg: AlignerConfig, work: RoleWork) -> Layout:
+    """The layout cfg asks for (role.parallel sizes; trainer.micro_batch_size for training roles)."""
+    pc = work.parallel
+    if work.mode == "train":
+        mbs = cfg.trainer.micro_batch_size
+    elif work.mode == "generate":
+        mbs = min(work.max_batch_size or work.batch, math.ceil(work.batch / pc.dp_size))
+    else:
+        mbs = min(cfg.trainer.micro_batch_size, math.ceil(work.batch / pc.dp_size))
+    return Layout(
+        tp=pc.tp_size,
+        pp=pc.pp_size,
+        dp=pc.dp_size,
+        micro_batch_size=max(1, mbs),
+        sp=pc.sequence_parallel and pc.tp_size > 1,
+        recompute=pc.recompute if work.mode == "train" else "none",
+        ep=getattr(pc, "ep_size", 1) if work.mode == "train" else 1,
+    )
+
+
+def check_fits(cfg: AlignerConfig) -> dict[str, LayoutEstimate]:
+    """Check the configured layout of every role against cfg.cluster before any weights are loaded.
+
+    Returns each role's estimate. Raises PlanError listing each role that does not fit (why, in
+    GB or devices), what the planner would choose instead, or the smallest cluster that fits."""
+    c = cfg.cluster
+    total = c.num_nodes * devices_per_node(c)
+    out, problems = {}, []
+    for work in role_works(cfg):
+        layout = configured_layout(cfg, work)
+        if c.gpus_per_node > 0 and layout.devices > total:
+            problems.append(f"{work.role}: {layout.describe()} needs {layout.devices} GPUs > {total} in the cluster")
+            continue
+        r = evaluate_layout(cfg.model, work, layout, c)
+        if isinstance(r, Rejected):
+            problems.append(f"{work.role}: {layout.describe()}: {r.reason}")
+        else:
+            out[work.role] = r
+    if not problems:
+        return out
+    try:
+        hint = "the planner suggests:\n" + format_plan(make_plan(cfg))
+    except PlanError as err:
+        hint = str(err)
+    raise PlanError("the configured layouts do not fit the cluster:\n  " + "\n  ".join(problems) + "\n" + hint)
+
+
+def print_plan(cfg: AlignerConfig) -> int:
+    """Print the plan for cfg (stdout) and return 0, or print why nothing fits and the smallest
+    cluster that would (stderr) and return 1."""
+    try:
+        plan = make_plan(cfg)
+    except PlanError as err:
+        print(f"aligner.plan: {err}", file=sys.stderr)
+        return 1
+    print(format_plan(plan))
+    return 0

@@ -1,0 +1,365 @@
+"""The planner's layout search: each role's workload, its candidate layouts ranked by step time,
+the split of nodes between the actor's and the critic's groups, and the smallest cluster that fits.
+
+Owns: :func:`role_works` (what each role does per step of a stage, from the config),
+:func:`candidate_layouts` / :func:`plan_role` (enumeration and ranking, costed by
+:mod:`aligner.planner.cost_model`), :func:`make_plan` and :func:`smallest_cluster`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Optional
+
+from aligner.config import AlignerConfig, ClusterConfig, ModelConfig
+from aligner.errors import PlanError
+from aligner.planner.cost_model import Layout, LayoutEstimate, Rejected, RoleWork, devices_per_node, evaluate_layout
+
+MAX_NODES = 4096  # smallest_cluster gives up beyond this many nodes
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+@dataclass
+class RolePlan:
+    """Ranked feasible layouts (fastest first) and the best rejected ones for one role."""
+
+    role: str
+    work: RoleWork
+    devices: int
+    ranked: list[LayoutEstimate] = field(default_factory=list)
+    rejected: list[Rejected] = field(default_factory=list)
+
+    @property
+    def best(self) -> Optional[LayoutEstimate]:
+        return self.ranked[0] if self.ranked else None
+
+
+@dataclass(frozen=True)
+class NodeSplit:
+    """Nodes given to the actor's group (actor, rollout) and to the critic's (critic, reward, ...)."""
+
+    actor_nodes: int
+    critic_nodes: int
+    step_time_s: float
+    tried: tuple = ()  # (actor_nodes, step seconds or reason) for every split tried
+
+
+@dataclass
+class Plan:
+    """The whole plan: per-role plans, the node split (split placement) and the step estimate."""
+
+    stage: str
+    cluster: ClusterConfig
+    placement: str
+    roles: dict[str, RolePlan]
+    node_split: Optional[NodeSplit]
+    step_time_s: float
+    model: Optional[ModelConfig] = None  # the planned model (format_plan prints training bytes per parameter)
+
+
+# --------------------------------------------------------------------------- roles and search
+
+
+def _lora_fields(role_cfg) -> dict:
+    """RoleWork's lora_rank / lora_targets from a trained role's ``lora`` config."""
+    return {"lora_rank": role_cfg.lora.rank, "lora_targets": tuple(role_cfg.lora.target_modules)}
+
+
+def role_works(cfg: AlignerConfig) -> list[RoleWork]:
+    """What each role does per step of cfg.stage (sft, dpo: actor; rm: reward; ppo/plan: all PPO roles)."""
+    t, d = cfg.trainer, cfg.data
+    if cfg.stage == "sft":
+        return [
+            RoleWork(
+                role="actor",
+                kind="lm",
+                mode="train",
+                parallel=cfg.actor.parallel,
+                batch=t.global_batch_size,
+                batch_field="trainer.global_batch_size",
+                seq_len=d.max_seq_len,
+                optim_state_dtype=cfg.actor.optim.state_dtype,
+                **_lora_fields(cfg.actor),
+            )
+        ]
+    if cfg.stage == "dpo":  # chosen + rejected per pair; the reference's forward and weights beside the policy
+        return [
+            RoleWork(
+                role="actor",
+                kind="lm",
+                mode="train",
+                parallel=cfg.actor.parallel,
+                batch=2 * t.global_batch_size,
+                batch_field="2*trainer.global_batch_size",
+                seq_len=d.max_seq_len,
+                forward_seqs=2 * t.global_batch_size,
+                optim_state_dtype=cfg.actor.optim.state_dtype,
+                frozen_copies=0 if cfg.actor.lora.rank > 0 else 1,  # LoRA: the reference is the adapters-off policy
+                **_lora_fields(cfg.actor),
+            )
+        ]
+    if cfg.stage == "rm":
+        return [
+            RoleWork(
+                role="reward",
+                kind="score",
+                mode="train",
+                parallel=cfg.reward.parallel,
+                batch=2 * t.global_batch_size,
+                batch_field="2*trainer.global_batch_size",
+                seq_len=d.max_seq_len,
+                optim_state_dtype=cfg.reward.optim.state_dtype,
+                **_lora_fields(cfg.reward),
+            )
+        ]
+    samples = t.rollout_batch_size * t.n_samples_per_prompt
+    opt_steps = samples // t.mini_batch_size * cfg.algorithm.ppo_epochs
+    new_tokens = min(cfg.rollout.sampling.max_new_tokens, d.max_seq_len - d.max_prompt_len)
+
+    def group(name: str, default: str) -> str:
+        c = cfg.role(name).colocate_with
+        return "actor" if c in ("actor", "rollout") else ("critic" if c in ("critic", "reward") else default)
+
+    train = dict(
+        mode="train",
+        batch=t.mini_batch_size,
+        batch_field="trainer.mini_batch_size",
+        seq_len=d.max_seq_len,
+        opt_steps=opt_steps,
+        forward_seqs=samples,
+    )
+    works = [
+        RoleWork(
+            role="actor",
+            kind="lm",
+            parallel=cfg.actor.parallel,
+            group="actor",
+            optim_state_dtype=cfg.actor.optim.state_dtype,
+            **_lora_fields(cfg.actor),
+            **{**train, "forward_seqs": samples * (2 if cfg.ref_from_actor else 1)},  # + reference log-probs (adapters off)
+        ),
+        RoleWork(
+            role="rollout",
+            kind="lm",
+            mode="generate",
+            parallel=cfg.rollout.parallel,
+            batch=samples,
+            batch_field="samples",
+            seq_len=d.max_prompt_len,
+            new_tokens=new_tokens,
+            max_batch_size=cfg.rollout.max_batch_size,
+            group="actor",
+        ),
+    ]
+    roles = cfg.roles_used()
+    if "critic" in roles:
+        works.append(
+            RoleWork(
+                role="critic",
+                kind="score",
+                parallel=cfg.critic.parallel,
+                group="critic",
+                optim_state_dtype=cfg.critic.optim.state_dtype,
+                **_lora_fields(cfg.critic),
+                **train,
+            )
+        )
+    if "reward" in roles:
+        works.append(
+            RoleWork(
+                role="reward",
+                kind="score",
+                mode="forward",
+                parallel=cfg.reward.parallel,
+                batch=samples,
+                batch_field="samples",
+                seq_len=d.max_seq_len,
+                group=group("reward", "critic"),
+            )
+        )
+    if "ref" in roles:
+        works.append(
+            RoleWork(
+                role="ref",
+                kind="lm",
+                mode="forward",
+                parallel=cfg.ref.parallel,
+                batch=samples,
+                batch_field="samples",
+                seq_len=d.max_seq_len,
+                group=group("ref", "critic"),
+            )
+        )
+    return works
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _micro_batches(work: RoleWork, dp: int, minimal: bool) -> list[int]:
+    if work.mode == "train":
+        local = work.batch // dp if work.batch % dp == 0 else 1
+    else:
+        local = max(1, math.ceil(work.batch / dp))
+        if work.mode == "generate" and work.max_batch_size:
+            local = min(local, work.max_batch_size)
+    if minimal:
+        return [1]
+    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= local and (work.mode != "train" or local % b == 0)]
+    if work.mode == "generate" and local not in sizes:
+        sizes.append(local)
+    return sizes or [1]
+
+
+def candidate_layouts(model: ModelConfig, work: RoleWork, devices: int, minimal: bool = False) -> Iterable[Layout]:
+    """Every tp x pp x dp = devices with tp <= num_heads and pp dividing num_layers, each micro-batch
+    size, recomputation and SP (training roles, tp > 1), and for an MoE training role each ep dividing
+    dp and num_experts (the rollout engine holds every expert per replica). minimal: only the
+    least-memory choices."""
+    modes = (("full",) if minimal else RECOMPUTE_MODES) if work.mode == "train" else ("none",)
+    for tp in _divisors(devices):
+        if tp > model.num_heads:
+            continue
+        for pp in _divisors(devices // tp):
+            if model.num_layers % pp:
+                continue  # even stages only (pp_layer_split is for hand-made layouts)
+            dp = devices // (tp * pp)
+            eps = [d for d in _divisors(dp) if model.num_experts and model.num_experts % d == 0] if work.mode == "train" else []
+            for ep in eps or [1]:
+                for mbs in _micro_batches(work, dp, minimal):
+                    for rc in modes:
+                        for sp in ((True,) if minimal else (False, True)) if tp > 1 and work.mode == "train" else (False,):
+                            yield Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, sp=sp, recompute=rc, ep=ep)
+
+
+def plan_role(model: ModelConfig, work: RoleWork, devices: int, cluster: ClusterConfig, minimal: bool = False) -> RolePlan:
+    """Rank the feasible layouts of one role on `devices` devices by step time (then memory).
+
+    Rejected layouts keep one per structural reason and, per (tp, pp), the one closest to fitting
+    in memory; those with an estimate come first, fastest first."""
+    plan = RolePlan(role=work.role, work=work, devices=devices)
+    closest: dict = {}
+    for layout in candidate_layouts(model, work, devices, minimal):
+        r = evaluate_layout(model, work, layout, cluster)
+        if isinstance(r, LayoutEstimate):
+            plan.ranked.append(r)
+            if minimal:
+                break
+            continue
+        key = (layout.tp, layout.pp) if r.estimate else r.reason
+        old = closest.get(key)
+        if old is None or (r.estimate and old.estimate and r.estimate.memory.total < old.estimate.memory.total):
+            closest[key] = r
+    plan.ranked.sort(key=lambda x: (x.time.total_s, x.memory.total))
+    plan.rejected = sorted(
+        closest.values(), key=lambda r: (r.estimate is None, r.estimate.time.total_s if r.estimate else 0.0, r.layout.tp, r.layout.pp)
+    )
+    return plan
+
+
+def _group_time(roles: dict[str, RolePlan], group: str) -> float:
+    return sum(p.best.time.total_s for p in roles.values() if p.work.group == group and p.work.mode != "generate")
+
+
+def ppo_step_seconds(roles: dict[str, RolePlan], split: bool) -> float:
+    """Split placement: rollout, then the actor's and the critic's groups concurrently (the slower
+    dominates). Colocated: every phase in turn."""
+    if not split:
+        return sum(p.best.time.total_s for p in roles.values())
+    rollout = sum(p.best.time.total_s for p in roles.values() if p.work.mode == "generate")
+    return rollout + max(_group_time(roles, "actor"), _group_time(roles, "critic"))
+
+
+def _plan_on(
+    cfg: AlignerConfig, num_nodes: int, minimal: bool, cache: dict
+) -> tuple[Optional[dict[str, RolePlan]], Optional[NodeSplit], str]:
+    """Best role plans on `num_nodes` nodes (trying every node split), the split, or the reason none fits."""
+    cluster = replace(cfg.cluster, num_nodes=num_nodes)
+    g = devices_per_node(cluster)
+    works = role_works(cfg)
+
+    def role_plan(work: RoleWork, nodes: int) -> RolePlan:
+        key = (work.role, nodes, minimal)
+        if key not in cache:
+            cache[key] = plan_role(cfg.model, work, nodes * g, cluster, minimal)
+        return cache[key]
+
+    groups = {w.group for w in works}
+    split = cfg.cluster.placement == "split" and num_nodes >= 2 and len(groups) == 2
+    options = [(a, num_nodes - a) for a in range(1, num_nodes)] if split else [(num_nodes, num_nodes)]
+    best, best_split, tried, reason = None, None, [], ""
+    for a, c in options:
+        roles = {w.role: role_plan(w, a if w.group == "actor" or not split else c) for w in works}
+        missing = [p for p in roles.values() if p.best is None]
+        if missing:
+            p = missing[0]
+            why = p.rejected[0].reason if p.rejected else "no candidate layout"
+            reason = f"{p.role} on {p.devices} devices: {why}"
+            tried.append((a, reason))
+            continue
+        t = ppo_step_seconds(roles, split) if cfg.stage in ("ppo", "plan") else sum(p.best.time.total_s for p in roles.values())
+        tried.append((a, t))
+        if best is None or t < best_split[2]:
+            best, best_split = roles, (a, c, t)
+    if best is None:
+        return None, None, reason
+    node_split = NodeSplit(best_split[0], best_split[1], best_split[2], tuple(tried)) if split else None
+    return best, node_split, ""
+
+
+def smallest_cluster(cfg: AlignerConfig) -> tuple[int, int]:
+    """(num_nodes, gpus_per_node): the fewest nodes of cfg.cluster's kind on which every role fits.
+
+    Raises PlanError if none up to MAX_NODES does."""
+    cache: dict = {}
+    for n in range(1, MAX_NODES + 1):
+        roles, _, _ = _plan_on(cfg, n, True, cache)
+        if roles is not None:
+            return n, cfg.cluster.gpus_per_node
+        if n >= 64:
+            break
+    n = 128
+    while n <= MAX_NODES:
+        roles, _, _ = _plan_on(cfg, n, True, cache)
+        if roles is not None:
+            return n, cfg.cluster.gpus_per_node
+        n *= 2
+    raise PlanError(
+        f"no cluster of up to {MAX_NODES} nodes x {cfg.cluster.gpus_per_node} GPUs x {cfg.cluster.gpu_mem_gb:g} GB fits this model"
+    )
+
+
+def cluster_text(nodes: int, gpus: int, mem: float) -> str:
+    return f"{nodes} node{'s' if nodes != 1 else ''} x {gpus} GPUs x {mem:g} GB"
+
+
+def make_plan(cfg: AlignerConfig) -> Plan:
+    """The ranked layouts per role for cfg.cluster, the node split and the estimated step time.
+
+    Raises PlanError naming the role that does not fit, why, and the smallest cluster that would."""
+    cache: dict = {}
+    roles, node_split, reason = _plan_on(cfg, cfg.cluster.num_nodes, False, cache)
+    c = cfg.cluster
+    if roles is None:
+        try:
+            n, g = smallest_cluster(cfg)
+            fix = f"the smallest cluster that fits is {cluster_text(n, g, c.gpu_mem_gb)} (cluster.num_nodes={n})"
+        except PlanError as err:
+            fix = str(err)
+        raise PlanError(f"no layout fits on {cluster_text(c.num_nodes, c.gpus_per_node, c.gpu_mem_gb)}: {reason}; {fix}")
+    split = node_split is not None
+    if cfg.stage in ("ppo", "plan"):
+        step = ppo_step_seconds(roles, split)
+    else:
+        step = sum(p.best.time.total_s for p in roles.values())
+    return Plan(
+        stage=cfg.stage,
+        cluster=c,
+        placement="split" if split else "colocated",
+        roles=roles,
+        node_split=node_split,
+        step_time_s=step,
+        model=cfg.model,
+    )
