@@ -7,6 +7,7 @@ cache (full forward), greedy by argmax and log-probs by vocab_parallel_log_probs
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,6 +208,23 @@ def test_registry_unknown_backend_and_trtllm_hint(model):
         with pytest.raises(ImportError, match="pip install aligner\\[trtllm\\]"):
             build_engine("trtllm", "/nonexistent", None)
     assert engine_class("trtllm").__name__ == "TrtllmEngine"
+
+
+def test_the_registry_names_its_engine_modules_in_import_statements():
+    """Static tools (tests/test_layering.py, IDEs) see rollout -> torch_engine / trtllm_engine as
+    import statements, not strings; the imports run only when a backend is asked for."""
+    import ast
+    import subprocess
+    import sys
+
+    import aligner.rollout
+
+    tree = ast.parse(Path(aligner.rollout.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert {"aligner.rollout.torch_engine", "aligner.rollout.trtllm_engine"} <= imported
+    code = "import sys, aligner.rollout; print(sorted(m for m in sys.modules if m.endswith('_engine')))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-500:])
 
 
 def test_generation_dataclass_fields():
