@@ -13,14 +13,14 @@ sharded layer needs no branch. A pipeline stage is the same class with layers re
 :meth:`Attention.core`, full recomputation each :class:`DecoderLayer`. Parameter names equal
 HF's (``model.layers.0.self_attn.q_proj.weight`` ...), so HF import/export is a rename-free copy.
 
-The rollout engine runs these same modules with a :class:`KVCache` (one forward for training,
-prefill and decode).
+The rollout engine runs these same modules with a cache implementing :class:`KVCache` (one
+forward for training, prefill and decode).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.nn as nn
@@ -76,11 +76,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-class KVCache:
-    """Static per-layer key/value cache for generation.
+class KVCache(Protocol):
+    """What attention asks of a key/value cache during generation (the interface; the rollout
+    engine's caches implement it, :mod:`aligner.rollout.kv_cache`).
 
-    k, v: [L][B, kv_heads_local, S, hd]. Writes go to `positions` (slots along S);
-    the same slot index is used for every row (rows are left-padded by the engine).
+    ``update(layer, k, v, positions)``: attention passes its rotated k, v [B, kvh_local, Tq, hd]
+    and the forward's ``cache_positions`` (the cache decides what they mean); the cache stores
+    them and returns the keys and values to attend to, [B, kvh_local, Tk, hd] each.
     A cache class may also define ``attend(layer, q, k, v, cos, sin) -> Tensor | None``: attention
     calls it first, with the un-rotated projections q [B, Tq, h, hd], k, v [B, Tq, kvh, hd] and the
     RoPE tables cos, sin [B, Tq, hd]. When it returns a [B, Tq, h, hd] tensor it has rotated q and
@@ -89,18 +91,9 @@ class KVCache:
     kernel this way).
     """
 
-    def __init__(self, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
-        shape = (batch, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.max_len = max_len
-        self.length = 0  # slots in use; attention reads [0, length)
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v: [B, kvh, Tq, hd] at slots `positions` [Tq]; return the valid cache prefix."""
-        self.k[layer].index_copy_(2, positions, k)
-        self.v[layer].index_copy_(2, positions, v)
-        return self.k[layer][:, :, : self.length], self.v[layer][:, :, : self.length]
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class Attention(nn.Module):

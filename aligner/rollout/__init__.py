@@ -1,35 +1,42 @@
 """Rollout engines (the RolloutEngine interface, TorchEngine, TrtllmEngine) and refit.
 
 Owns the backend registry: :func:`build_engine` maps ``rollout.backend`` to an engine
-class. ``trtllm`` is imported lazily (TensorRT-LLM is a GPU-only optional extra); an
-unknown backend raises ValueError listing the valid ones.
+class. Each backend's module is imported by an import statement inside its factory, so it
+loads only when that backend is asked for (``trtllm``: TensorRT-LLM is a GPU-only optional
+extra) and static tools (the layering test, IDEs, type checkers) still see the edge; an unknown
+backend raises ValueError listing the valid ones.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from typing import Any, Callable
 
 from aligner.rollout.base import Generation, RolloutEngine, mismatch_metrics
 
-# backend name -> (module, class, install hint when the import fails)
-_ENGINE_REGISTRY: dict[str, tuple[str, str, str]] = {
-    "torch": ("aligner.rollout.torch_engine", "TorchEngine", ""),
-    "trtllm": (
-        "aligner.rollout.trtllm_engine",
-        "TrtllmEngine",
-        "TensorRT-LLM is not installed: `pip install aligner[trtllm]` (tensorrt-llm>=1.2,<2 from "
-        "NVIDIA's index: pip install tensorrt-llm --extra-index-url https://pypi.nvidia.com) on a CUDA machine",
-    ),
-}
+
+def _torch_engine() -> type:
+    from aligner.rollout.torch_engine import TorchEngine
+
+    return TorchEngine
+
+
+def _trtllm_engine() -> type:
+    # importable without tensorrt_llm: the engine imports it when built, and raises ImportError
+    # with the install command when it is missing
+    from aligner.rollout.trtllm_engine import TrtllmEngine
+
+    return TrtllmEngine
+
+
+# backend name -> the function that imports and returns its engine class
+_ENGINE_REGISTRY: dict[str, Callable[[], type]] = {"torch": _torch_engine, "trtllm": _trtllm_engine}
 
 
 def engine_class(backend: str) -> type:
     """The engine class registered as `backend` ("torch" | "trtllm"); ValueError for other names."""
     if backend not in _ENGINE_REGISTRY:
         raise ValueError(f"rollout.backend={backend!r} is unknown: valid backends are {', '.join(sorted(_ENGINE_REGISTRY))}")
-    module, cls, _ = _ENGINE_REGISTRY[backend]
-    return getattr(importlib.import_module(module), cls)
+    return _ENGINE_REGISTRY[backend]()
 
 
 def build_engine(backend: str, *args: Any, **kwargs: Any) -> RolloutEngine:

@@ -44,7 +44,7 @@ def alone(prompt: list[int], budget: int, stop) -> list[int]:
 
 
 class Shadow:
-    """Drives a SlotScheduler like TorchEngine._generate_continuous, executing each plan on a
+    """Drives a SlotScheduler like ContinuousBatching.generate, executing each plan on a
     per-row list of cache contents and recording what it saw."""
 
     def __init__(self, prompts, budgets, capacity, micro_batches, stop, pipelined=False):

@@ -41,7 +41,7 @@ def test_cuda_graph_decode_matches_eager_and_reference():
     graphed, eager = TorchEngine(model, cuda_graphs=True, compile="off"), TorchEngine(model, cuda_graphs=False, compile="off")
     s = SamplingConfig(temperature=0.0, max_new_tokens=12)
     a, b = graphed.generate(PROMPTS, s), eager.generate(PROMPTS, s)
-    assert graphed._graphs, "no CUDA graph was captured"
+    assert graphed.batching.graphs, "no CUDA graph was captured"
     assert [g.token_ids for g in a] == [g.token_ids for g in b]
     with torch.no_grad():
         for p, g in zip(PROMPTS, a):

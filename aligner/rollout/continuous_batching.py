@@ -1,0 +1,179 @@
+"""The continuous scheduler of :class:`aligner.rollout.torch_engine.TorchEngine` (the default): its execution.
+
+Orca-style iteration-level scheduling (the plans: :mod:`aligner.rollout.scheduler`): every
+request of a generate() call waits in one queue; a pool of ``max_batch_size`` KV-cache rows
+(:class:`aligner.rollout.kv_cache.SlotKVCache`, no padding: a row's position is its cache slot)
+decodes the live requests one token per step; a row that stops (stop token or its own
+max_new_tokens) is refilled with the next request between two decode steps: its prompt minus
+the last token is prefilled (batched with the other new prompts, right-padded) or, when a live
+row already holds the same prompt, copied from it; the last prompt token then runs in the next
+decode step with everybody else's. With pp > 1 the pool is split into ``micro_batches`` blocks
+and stage 0 keeps one block's step in flight per stage (:class:`aligner.rollout.stage_link.StageLink`):
+while stage 1 runs block 0, stage 0 runs block 1; stage 0 broadcasts the finished Generations
+at the end of the call.
+
+Decode attention: SDPA over each block's positions up to its longest context under a mask, or
+(``decode_attention="varlen"``, fp32 on the CPU) the kernel of :mod:`aligner.rollout.cpu_kernels`,
+each row reading its own keys only.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.distributed as dist
+
+from aligner.rollout.base import Generation
+from aligner.rollout.kv_cache import SlotKVCache
+from aligner.rollout.sampling import Sampler
+from aligner.rollout.scheduler import SlotScheduler, StepPlan
+from aligner.rollout.stage_link import PlanMeta, StageLink, plan_meta
+
+if TYPE_CHECKING:
+    from aligner.rollout.torch_engine import TorchEngine
+
+
+class ContinuousBatching:
+    """Runs generate() calls of `engine` by continuous batching over a slot pool (see the module docstring).
+
+    The pool is allocated per call and freed at its end (the actor trains in the same process
+    between calls). ``routing``: during a call on an MoE model, the [requests, max budget,
+    L_local, k] int16 buffer of every response token's experts on this stage (-1 where unset).
+    """
+
+    def __init__(self, engine: TorchEngine):
+        self.engine = engine
+        self.routing: Optional[torch.Tensor] = None
+
+    def generate(self, prompts: list[list[int]], budgets: list[int], sampler: Sampler, stop: list[int]) -> list[Generation]:
+        """Every request of a call, in prompt order, on every pipeline stage; sets ``engine.last_stats``.
+
+        Iteration-level scheduling over a slot pool (:class:`SlotScheduler`); with pp > 1 the
+        first stage schedules and sends each step down the pipeline with its hidden states, the
+        last stage samples and sends the tokens back, and ``micro_batches`` steps are in flight."""
+        e = self.engine
+        m = e.micro_batches
+        capacity = max(1, min(e.max_batch_size // m, -(-len(prompts) // m)))  # no more slots than requests
+        max_len = max(len(p) + n for p, n in zip(prompts, budgets))
+        # allocated per call and freed at its end: the actor trains in the same process between calls
+        pool = SlotKVCache(
+            e.local_layers(),
+            capacity * m,
+            e.kv_heads_local(),
+            max_len,
+            e.cfg.resolved_head_dim,
+            e.dtype,
+            e.device,
+            varlen=e.decode_attention == "varlen",
+        )
+        self.routing = None
+        if e.moe_layers:
+            k = e.moe_layers[0].top_k
+            self.routing = torch.full((len(prompts), max(budgets), len(e.moe_layers), k), -1, dtype=torch.int16, device=e.device)
+        if not e.is_first:
+            self._serve_stage(pool, sampler)
+            e.attach_routing(None, self.routing)
+            self.routing = None
+            return self._broadcast_generations(None)  # sets last_stats too
+        sched = SlotScheduler(prompts, budgets, capacity, m, stop)
+        link = self._link() if e.pp_size > 1 else None
+        in_flight: deque[tuple[int, int]] = deque()  # (micro-batch, rows) sent down the pipeline
+        mb = 0
+        while True:
+            if in_flight and in_flight[0][0] == mb:
+                _, n = in_flight.popleft()
+                sched.apply(mb, *link.recv_tokens(n))
+            if sched.done():
+                break
+            plan = sched.plan(mb)
+            if plan is not None:
+                if link is None:
+                    tok, lp = self._run_plan(plan, pool, sampler, None)
+                    sched.apply(mb, tok.tolist(), lp.tolist())
+                else:
+                    self._run_plan(plan, pool, sampler, link)
+                    in_flight.append((mb, plan.n))
+            mb = (mb + 1) % m
+        if link is not None:
+            link.send_stop()
+            link.wait()
+        stop_set = set(stop)
+        gens = [Generation(t, lp, "stop" if t and t[-1] in stop_set else "length", e.weight_version) for t, lp in sched.outputs]
+        e.attach_routing(gens, self.routing)
+        self.routing = None
+        e.last_stats = {**sched.stats(), "generated_tokens": sum(len(g.token_ids) for g in gens)}
+        return self._broadcast_generations(gens) if e.pp_size > 1 else gens
+
+    def _link(self) -> StageLink:
+        e = self.engine
+        return StageLink(e.pp_group, e.device, e.dtype, e.cfg.hidden_size)
+
+    def _run_plan(self, plan: StepPlan, pool: SlotKVCache, sampler: Sampler, link: Optional[StageLink]):
+        """Stage 0: run one StepPlan on this stage and send it on (pp > 1), or sample (pp = 1):
+        (tokens [n], log_probs [n]) when this stage is also the last."""
+        dev = self.engine.device
+        prefill_x = None
+        if plan.prefill_rows:
+            t = max(len(x) for x in plan.prefill_ids)
+            prefill_x = torch.zeros(len(plan.prefill_ids), t, dtype=torch.long)
+            for i, x in enumerate(plan.prefill_ids):
+                prefill_x[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+            prefill_x = prefill_x.to(dev)
+        decode_x = torch.tensor(plan.tokens, dtype=torch.long, device=dev).unsqueeze(1)
+        meta = plan_meta(plan, prefill_x.shape[1] if prefill_x is not None else 0)
+        return self._stage_step(meta, prefill_x, decode_x, pool, sampler, link)
+
+    def _serve_stage(self, pool: SlotKVCache, sampler: Sampler) -> None:
+        """Stages after the first: run every plan the previous stage sends until it sends stop."""
+        link = self._link()
+        while True:
+            got = link.recv_plan()
+            if got is None:
+                break
+            self._stage_step(*got, pool, sampler, link)
+        link.send_stop()
+        link.wait()
+
+    def _stage_step(self, meta: PlanMeta, prefill_x, decode_x, pool: SlotKVCache, sampler: Sampler, link: Optional[StageLink]):
+        """Execute a plan on this stage: prefill, copies, moves, decode (scheduler.py's order)."""
+        e = self.engine
+        dev = e.device
+        trunk = e.model.model
+        prefill_h = None
+        if meta.prefill_rows.numel():
+            pool.plan_prefill(meta.prefill_rows.to(dev))
+            t = meta.prefill_len
+            pos = torch.arange(t, device=dev).expand(meta.prefill_rows.numel(), t)
+            prefill_h = trunk(prefill_x, position_ids=pos, kv_cache=pool)
+        for src, dst, n in meta.copies.tolist():
+            pool.copy(src, dst, n)
+        for src, dst, n in meta.moves.tolist():
+            pool.copy(src, dst, n)
+        positions = meta.positions.to(dev)
+        length = int(meta.positions.max()) + 1
+        mask = None  # the varlen kernel reads each row's own length from the pool: no mask to build
+        if not pool.varlen and not bool((meta.positions == length - 1).all()):
+            mask = (torch.arange(length, device=dev) <= positions.unsqueeze(1))[:, None, None, :]
+        pool.plan_decode(meta.start, positions, length)
+        h = trunk(decode_x, position_ids=positions.unsqueeze(1), attn_mask=mask, kv_cache=pool)
+        if self.routing is not None:  # decode row j produced token steps[j] of request requests[j]
+            self.routing[meta.requests.to(dev), meta.steps.to(dev)] = e.stage_routing()
+        if not e.is_last:
+            link.send_plan(meta, prefill_h, h)
+            return None
+        logits = e.model.lm_head(h[:, -1]).float()
+        tok, lp = sampler.sample_requests(logits, meta.requests.to(dev), meta.steps.to(dev), e.tp_group)
+        if link is not None:
+            link.send_tokens(tok, lp)
+            return None
+        return tok.cpu(), lp.float().cpu()
+
+    def _broadcast_generations(self, gens: Optional[list[Generation]]) -> list[Generation]:
+        """Stage 0's Generations and last_stats on every pipeline stage (one object broadcast over the pp group)."""
+        e = self.engine
+        box = [(gens, e.last_stats)]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(e.pp_group, 0), group=e.pp_group)
+        gens, e.last_stats = box[0]
+        return gens

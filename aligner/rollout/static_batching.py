@@ -1,0 +1,232 @@
+"""The static scheduler of :class:`aligner.rollout.torch_engine.TorchEngine` (``scheduler="static"``,
+the first engine), and its CUDA-graph decode step.
+
+It runs batches of max_batch_size prompts. How a batch runs:
+- prompts are left-padded to the longest P; one cache of P + max_new_tokens slots is
+  preallocated (:class:`aligner.rollout.kv_cache.StaticKVCache`); slot j holds the same column
+  j for every row.
+- positions per row are ``cumsum(valid) - 1`` (so padding never shifts RoPE); the mask is
+  causal AND key-valid, built once per forward (not per layer). Padding queries attend to
+  themselves only, so no softmax row is empty (no NaN leaks through 0 * NaN into real rows).
+- decode reads the cache sliced to the slots written so far (CPU) or the whole cache with a
+  key mask (CUDA graphs, static shapes: :class:`DecodeGraph`, on cuda with pp = 1).
+- the batch decodes until every row has stopped (a stop token or its own budget); tokens past
+  a row's stop are cut.
+
+PP: stage s receives hidden states [B, T, H] from stage s-1 (``dist.recv`` on the pp group),
+runs its layers and sends to s+1; the last stage samples and broadcasts the tokens and
+log-probs to every stage, so all ranks return the same Generations.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.distributed as dist
+
+from aligner.rollout.base import Generation
+from aligner.rollout.kv_cache import StaticKVCache
+from aligner.rollout.sampling import Sampler
+
+if TYPE_CHECKING:
+    from aligner.rollout.torch_engine import TorchEngine
+
+
+class StaticBatching:
+    """Runs generate() calls of `engine` as static batches (see the module docstring).
+
+    ``graphs``: the captured decode steps, one :class:`DecodeGraph` per (batch, cache length),
+    kept across calls (their caches and inputs are static; refit copies weights in place).
+    """
+
+    def __init__(self, engine: TorchEngine):
+        self.engine = engine
+        self.graphs: dict[tuple[int, int], DecodeGraph] = {}
+
+    @property
+    def uses_graphs(self) -> bool:
+        """Decode runs in CUDA graphs: the engine asks for them, runs on cuda, and has one pipeline stage."""
+        e = self.engine
+        return e.cuda_graphs and e.device.type == "cuda" and e.pp_size == 1
+
+    def generate(self, prompts: list[list[int]], budgets: list[int], sampler: Sampler, stop: list[int]) -> list[Generation]:
+        """Every request of a call, max_batch_size at a time, in prompt order; sets ``engine.last_stats``."""
+        e = self.engine
+        out: list[Generation] = []
+        for s in range(0, len(prompts), e.max_batch_size):
+            chunk = range(s, min(len(prompts), s + e.max_batch_size))
+            out.extend(self._generate_batch([prompts[i] for i in chunk], [budgets[i] for i in chunk], sampler, chunk, stop))
+        n_prompt = sum(len(p) for p in prompts)
+        e.last_stats = {
+            "prompt_tokens": n_prompt,
+            "prefilled_tokens": n_prompt,
+            "generated_tokens": sum(len(g.token_ids) for g in out),
+        }
+        return out
+
+    def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
+        """A StaticKVCache for this stage's layers only: k, v dicts {layer: [B, kvh_local, max_len, hd]}."""
+        e = self.engine
+        return StaticKVCache(e.local_layers(), batch, e.kv_heads_local(), max_len, e.cfg.resolved_head_dim, e.dtype, e.device)
+
+    def _generate_batch(self, prompts, budgets: list[int], sampler: Sampler, requests: range, stop: list[int]) -> list[Generation]:
+        """One batch of requests (their indices in the call): prefill, then decode until every row stopped."""
+        e = self.engine
+        dev = e.device
+        b, p = len(prompts), max(len(x) for x in prompts)
+        n_new = max(budgets)
+        total = p + n_new
+        ids = torch.zeros(b, p, dtype=torch.long)
+        valid = torch.zeros(b, total, dtype=torch.bool)
+        for i, x in enumerate(prompts):
+            ids[i, p - len(x) :] = torch.tensor(x, dtype=torch.long)
+            valid[i, p - len(x) : p] = True
+        valid[:, p:] = True
+        ids, valid = ids.to(dev), valid.to(dev)
+        lens = torch.tensor([len(x) for x in prompts], device=dev)
+        req = torch.tensor(list(requests), device=dev)
+        stop_t = torch.tensor(stop, dtype=torch.long, device=dev)
+        budget_t = torch.tensor(budgets, device=dev)
+        graph = self._graph_for(b, total) if self.uses_graphs else None
+        cache = graph.cache if graph is not None else self.new_cache(b, total)
+        if graph is not None:
+            graph.set_valid(valid)
+        # a one-token query may attend to every cached slot unless a row is left-padded
+        no_padding = graph is None and all(len(x) == p for x in prompts)
+        # asking whether every row has stopped syncs with the device: on a GPU only every 8 steps
+        check_every = 1 if dev.type == "cpu" else 8
+
+        # prefill
+        pos = (valid[:, :p].long().cumsum(-1) - 1).clamp(min=0)
+        eye = torch.eye(p, dtype=torch.bool, device=dev)
+        mask = ((torch.ones(p, p, dtype=torch.bool, device=dev).tril() & valid[:, None, :p]) | eye).unsqueeze(1)
+        cache.length = p
+        logits = self.forward(ids, pos, mask, cache, torch.arange(p, device=dev))
+        # MoE: the experts of the position that produces each token (the last prompt token's row here);
+        # not with CUDA graphs (an MoE decode step syncs with the host, so it is never captured)
+        routing = [e.stage_routing().view(b, p, len(e.moe_layers), -1)[:, -1]] if e.moe_layers and graph is None else None
+        step_t = torch.zeros(b, dtype=torch.long, device=dev)
+        tok, lp = self._sample(logits, sampler, req, step_t)
+        tokens, log_probs = [tok], [lp]
+        finished = torch.isin(tok, stop_t) | (budget_t <= 1)
+        for step in range(1, n_new):
+            if step % check_every == 0 and bool(finished.all()):
+                break
+            slot = p + step - 1
+            pos = (lens + step - 1).unsqueeze(1)
+            if graph is not None:
+                logits = graph.run(tok, pos, slot)
+            else:
+                cache.length = slot + 1
+                key_mask = None if no_padding else valid[:, None, None, : slot + 1]
+                logits = self.forward(tok.unsqueeze(1), pos, key_mask, cache, torch.tensor([slot], device=dev))
+            if routing is not None:
+                routing.append(e.stage_routing())
+            tok, lp = self._sample(logits, sampler, req, step_t + step)  # draws past a budget are cut below
+            tokens.append(tok)
+            log_probs.append(lp)
+            finished = finished | torch.isin(tok, stop_t) | (budget_t <= step + 1)
+        gens = self._to_generations(torch.stack(tokens, 1).cpu(), torch.stack(log_probs, 1).float().cpu(), stop)
+        for g, n in zip(gens, budgets):
+            if len(g.token_ids) > n:
+                g.token_ids, g.rollout_log_probs, g.finish_reason = g.token_ids[:n], g.rollout_log_probs[:n], "length"
+        if routing is not None:
+            e.attach_routing(gens, torch.stack(routing, 1))
+        return gens
+
+    def _to_generations(self, tokens: torch.Tensor, log_probs: torch.Tensor, stop: list[int]) -> list[Generation]:
+        """tokens, log_probs: [B, n] -> Generations cut after the first stop token."""
+        gens = []
+        stop_set = set(stop)
+        for row_t, row_l in zip(tokens.tolist(), log_probs.tolist()):
+            end = next((j + 1 for j, t in enumerate(row_t) if t in stop_set), None)
+            n = end if end is not None else len(row_t)
+            gens.append(Generation(row_t[:n], row_l[:n], "stop" if end is not None else "length", self.engine.weight_version))
+        return gens
+
+    def forward(self, x, position_ids, mask, cache: StaticKVCache, cache_positions) -> Optional[torch.Tensor]:
+        """One stage-to-stage forward of the last query position -> local logits [B, V/tp] fp32 (or None off the last stage).
+
+        x: token ids [B, T] (first stage; later stages receive hidden states [B, T, H] from the
+        previous one), position_ids [B, T], mask [B, 1, T, Tk] bool or None, cache_positions [T]:
+        the cache slots written."""
+        e = self.engine
+        if not e.is_first:
+            b, t = position_ids.shape
+            x = torch.empty(b, t, e.cfg.hidden_size, dtype=e.dtype, device=e.device)
+            dist.recv(x, src=dist.get_global_rank(e.pp_group, e.pp_rank - 1), group=e.pp_group)
+        h = e.model.model(x, position_ids=position_ids, attn_mask=mask, kv_cache=cache, cache_positions=cache_positions)
+        if not e.is_last:
+            dist.send(h.contiguous(), dst=dist.get_global_rank(e.pp_group, e.pp_rank + 1), group=e.pp_group)
+            return None
+        return e.model.lm_head(h[:, -1]).float()
+
+    def _sample(self, logits: Optional[torch.Tensor], sampler: Sampler, requests: torch.Tensor, steps: torch.Tensor):
+        """Local logits [B, V/tp] on the last stage -> (tokens [B] int64, log_probs [B] fp32) on every rank."""
+        e = self.engine
+        if e.is_last:
+            tok, lp = sampler.sample_requests(logits, requests, steps, e.tp_group)
+        else:
+            tok = torch.empty(requests.shape[0], dtype=torch.long, device=e.device)
+            lp = torch.empty(requests.shape[0], dtype=torch.float32, device=e.device)
+        if e.pp_size > 1:
+            src = dist.get_global_rank(e.pp_group, e.pp_size - 1)
+            dist.broadcast(tok, src=src, group=e.pp_group)
+            dist.broadcast(lp, src=src, group=e.pp_group)
+        return tok, lp
+
+    def _graph_for(self, batch: int, total: int) -> DecodeGraph:
+        key = (batch, total)
+        if key not in self.graphs:
+            self.graphs[key] = DecodeGraph(self, batch, total)
+        return self.graphs[key]
+
+
+class DecodeGraph:
+    """A captured decode step for one (batch, cache length): static cache, inputs and logits.
+
+    Attention reads all `total` slots with a key mask (static shapes); the slot written is a
+    device tensor, so one graph serves every step. Captured at construction (on cuda only).
+
+    Args:
+        batching: the StaticBatching whose :meth:`StaticBatching.forward` it captures.
+        batch: rows B. total: cache slots, the longest prompt P + the most new tokens.
+    """
+
+    def __init__(self, batching: StaticBatching, batch: int, total: int):
+        dev = batching.engine.device
+        self.batching = batching
+        self.cache = batching.new_cache(batch, total)
+        self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.slot = torch.full((1,), total - 1, dtype=torch.long, device=dev)
+        self.valid = torch.ones(batch, total, dtype=torch.bool, device=dev)  # key slots holding real tokens
+        self.slots = torch.arange(total, device=dev)
+        self.total = total
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up (writes only slot total-1, which decode overwrites before reading)
+                self._step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self._step()
+
+    def _step(self) -> torch.Tensor:
+        self.cache.length = self.total
+        mask = (self.valid & (self.slots <= self.slot))[:, None, None, :]  # [B, 1, 1, total], built in the graph
+        return self.batching.forward(self.tok, self.pos, mask, self.cache, self.slot)
+
+    def set_valid(self, valid: torch.Tensor) -> None:
+        """valid [B, total] bool: this generate call's key slots (left padding False); once per call."""
+        self.valid.copy_(valid)
+
+    def run(self, tok: torch.Tensor, pos: torch.Tensor, slot: int) -> torch.Tensor:
+        """tok [B], pos [B, 1], slot int -> local logits [B, V/tp] (a copy)."""
+        self.tok.copy_(tok.unsqueeze(1))
+        self.pos.copy_(pos)
+        self.slot.fill_(slot)
+        self.graph.replay()
+        return self.out.clone()

@@ -1,0 +1,93 @@
+"""CPU kernel autotuning: the measured weight layout and decode attention are kept per machine.
+
+The engine-level checks (every layout gives the same tokens, ``auto`` reports its timings) are in
+tests/rollout/test_torch_engine.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from aligner.config import ModelConfig
+from aligner.model.llama import build_model
+from aligner.nn.layers import onednn_available
+from aligner.rollout import cpu_kernels
+from aligner.rollout.cpu_kernels import load_decode_attention
+
+CFG = ModelConfig(
+    vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=48, init_std=0.1
+)
+CANDIDATES = {"out_in", "out_in+fused", "in_out", "in_out+fused"} | ({"onednn", "onednn+fused"} if onednn_available() else set())
+VARLEN = pytest.mark.skipif(
+    load_decode_attention() is None, reason=f"aligner's decode attention kernel cannot be built here: {cpu_kernels.LOAD_ERROR}"
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return build_model(CFG, seed=1).eval()
+
+
+def test_the_measured_layout_is_kept_per_machine(model, tmp_path):
+    """cached_cpu_layout times once, then every engine on the machine gets the same choice from the
+    file (a resumed run rounds like the uninterrupted one); a corrupt file only costs the timing."""
+    from aligner.rollout.cpu_tuning import cached_cpu_layout
+
+    path = tmp_path / "cpu_layout.json"
+    first = cached_cpu_layout(model, 4, True, path)
+    assert first.info["cached"] is False and set(first.info["timings_ms"]) == CANDIDATES
+    assert first.name == min(first.info["timings_ms"], key=first.info["timings_ms"].get)  # the fastest
+    again = cached_cpu_layout(model, 4, True, path)
+    assert (again.kernel, again.transposed, again.fused) == (first.kernel, first.transposed, first.fused)
+    assert again.info["cached"] == str(path) and again.info["timings_ms"] == first.info["timings_ms"]
+    other = cached_cpu_layout(model, 8, True, path)  # another decode batch is another entry
+    assert other.info["cached"] is False and len(__import__("json").loads(path.read_text())) == 2
+    path.write_text("{not json")
+    assert cached_cpu_layout(model, 4, True, path).info["cached"] is False
+
+
+@VARLEN
+def test_the_measured_decode_attention_is_kept_per_machine(model, tmp_path):
+    from aligner.rollout.cpu_tuning import cached_decode_attention
+
+    path = tmp_path / "cpu_layout.json"
+    first = cached_decode_attention(model, 4, path)
+    assert first["cached"] is False and set(first["timings_ms"]) == {"sdpa", "varlen"} and first["context"] == CFG.max_seq_len
+    again = cached_decode_attention(model, 4, path)
+    assert again["cached"] == str(path) and again["choice"] == first["choice"] and again["timings_ms"] == first["timings_ms"]
+    assert cached_decode_attention(model, 8, path)["cached"] is False  # another decode batch: another entry
+    assert len(json.loads(path.read_text())) == 2
+
+
+def _layout_in_child(path: str, start, q) -> None:
+    from aligner.rollout.cpu_tuning import cached_cpu_layout
+
+    torch.set_num_threads(1)
+    model = build_model(CFG, seed=0).eval()
+    start.wait()
+    lay = cached_cpu_layout(model, 4, True, Path(path))
+    q.put((lay.name, lay.info["cached"] is False))
+
+
+def test_processes_building_engines_at_once_agree_on_the_layout(tmp_path):
+    """Tensor-parallel ranks build their engines at the same moment: one times, the others wait on
+    the lock and read its choice (the CI replica's resumed tp=2 run rounded differently when the
+    two ranks timed and chose independently)."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    start, q = ctx.Event(), ctx.Queue()
+    path = tmp_path / "cpu_layout.json"
+    procs = [ctx.Process(target=_layout_in_child, args=(str(path), start, q)) for _ in range(3)]
+    for p in procs:
+        p.start()
+    start.set()
+    got = [q.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert len({name for name, _ in got}) == 1, got
+    assert sum(timed for _, timed in got) == 1, got  # exactly one process timed
+    assert len(json.loads(path.read_text())) == 1
