@@ -33,7 +33,7 @@ from aligner.model.moe import record_routing, stack_routing
 from aligner.model.prompt import attach_prompt, build_prompt, greedy_generate, prompt_state_dict
 from aligner.nn.chunked import LogProbSpec, auto_chunk_size
 from aligner.nn.vocab import vocab_parallel_log_probs, vocab_parallel_log_probs_entropy
-from aligner.protocol import response_index
+from aligner.protocol import ACTOR_UPDATE_FIELDS, response_index
 from aligner.runtime.role import RoleModel
 from aligner.runtime.runner import from_last_stage
 
@@ -287,9 +287,9 @@ class Policy(RoleModel):
         """One optimizer step of the clipped policy loss over this rank's share of a mini-batch (the
         actor's PPO update; one PPO step of the trainer runs ppo_epochs x mini-batches of them).
 
-        batch: input_ids [B, T], prompt_lens [B], response_mask [B, R], old_log_probs [B, R],
-        advantages [B, R]; rollout_log_probs [B, R] when algo.tis_cap is set; ref_log_probs
-        [B, R] when algo.kl_loss_coef > 0. Without old_log_probs (an on-policy update,
+        batch: the fields of :data:`aligner.protocol.ACTOR_UPDATE_FIELDS` (shapes and dtypes there):
+        input_ids, prompt_lens, response_mask, old_log_probs, advantages; rollout_log_probs when
+        algo.tis_cap is set; ref_log_probs when algo.kl_loss_coef > 0. Without old_log_probs (an on-policy update,
         ``algorithm.recompute_old_log_probs=false``) the forward's own log-probs, detached, are
         the old ones: ratio 1, gradient that of the policy gradient (TRL's GRPOTrainer does the
         same with num_iterations=1). pack_len: as :meth:`log_probs` (the samples of one prompt in
@@ -344,8 +344,8 @@ class Policy(RoleModel):
             add("approx_kl", m["approx_kl"] * tokens)
             return total / norm
 
-        keys = ("input_ids", "response_mask", "old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs")
-        sample_keys = tuple(k for k in keys[1:] if k in batch)
+        keys = tuple(k for k in ACTOR_UPDATE_FIELDS if k in batch and k != "prompt_lens")  # prompt_lens -> head_index
+        sample_keys = tuple(k for k in keys if k != "input_ids")  # the [B, R] fields
         r = batch["response_mask"].shape[1]
         packed = self._shared_prompt_inputs(batch, sample_keys, temperature, micro_batch_size, pack_len)
         if packed is not None:
@@ -353,7 +353,7 @@ class Policy(RoleModel):
                 packed[0], lambda output, mb: loss_fn(unpack_output(output, r), unpack_micro(mb, sample_keys, r)), packed[1]
             )
         else:
-            inputs = self._response_model_inputs(batch, tuple(k for k in keys if k in batch), temperature)
+            inputs = self._response_model_inputs(batch, keys, temperature)
             stats = self.runner.optimizer_step(inputs, loss_fn, micro_batch_size)
         sums = from_last_stage(sums, self.dims)
         counts = {"clipfrac": float(batch["response_mask"].sum()), "approx_kl": float(batch["response_mask"].sum())}

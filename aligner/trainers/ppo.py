@@ -56,7 +56,7 @@ from aligner.data.sampler import DataIterator
 from aligner.errors import UserError
 from aligner.model.moe import routing_mismatch
 from aligner.planner import PlanError, check_fits, format_plan, make_plan
-from aligner.protocol import RolloutBatch, build_sequences
+from aligner.protocol import ACTOR_UPDATE_FIELDS, RolloutBatch, build_sequences
 from aligner.reward.rules import score
 from aligner.rollout.base import generations_to_padded, routed_experts_to_padded
 from aligner.runtime.role import check_tokenizer_fits, resolve_init
@@ -417,13 +417,12 @@ class PPOTrainer(Trainer):
 
         a, t = self.cfg.algorithm, self.cfg.trainer
         train_actor = self.step >= a.critic_warmup_steps
-        actor_keys = ["input_ids", "prompt_lens", "response_mask", "advantages"]
-        if batch.old_log_probs is not None:  # else on-policy: ppo_update uses its own detached log-probs
-            actor_keys.append("old_log_probs")
-        if a.tis_cap is not None:
-            actor_keys.append("rollout_log_probs")
-        if a.kl_loss_coef > 0:
-            actor_keys.append("ref_log_probs")
+        optional = {
+            "old_log_probs": batch.old_log_probs is not None,  # else on-policy: ppo_update uses its own detached log-probs
+            "rollout_log_probs": a.tis_cap is not None,
+            "ref_log_probs": a.kl_loss_coef > 0,
+        }
+        actor_keys = [k for k in ACTOR_UPDATE_FIELDS if optional.get(k, True)]
         critic_keys = ["input_ids", "prompt_lens", "response_mask", "values", "returns"]
         sums: dict[str, list[float]] = {}
         g = torch.Generator().manual_seed(sample_seed(t.seed, self.step, -1))

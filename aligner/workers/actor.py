@@ -91,7 +91,8 @@ class PolicyWorker:
     @dispatch("dp_split")
     def ppo_update(self, batch: dict, temperature: float = 1.0) -> dict:
         """Remote wrapper of :meth:`Policy.ppo_update` (one optimizer step on a mini-batch, split over dp)
-        with this run's algorithm, micro_batch_size and shared_prompt_pack_len."""
+        with this run's algorithm, micro_batch_size and shared_prompt_pack_len; batch holds
+        :data:`aligner.protocol.ACTOR_UPDATE_FIELDS`."""
         t = self.cfg.trainer
         return self.policy.ppo_update(batch, self.cfg.algorithm, t.micro_batch_size, temperature, t.shared_prompt_pack_len)
 
