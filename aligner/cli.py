@@ -262,8 +262,12 @@ def check_role_checkpoints(cfg: AlignerConfig) -> None:
 
 
 def setup_logging() -> None:
+    """Log lines "[time logger] message" to stderr: aligner's loggers at ALIGNER_LOG_LEVEL (default
+    INFO), every other library's at WARNING and above (their INFO lines, such as matplotlib's
+    "generated new fontManager" on a first run, tell a user nothing to act on)."""
     level = os.environ.get("ALIGNER_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.WARNING, format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("aligner").setLevel(level)
 
 
 def run(stage: str, main: Callable[[AlignerConfig], Optional[int]], argv: Optional[Sequence[str]] = None) -> int:

@@ -24,6 +24,23 @@ import torch
 TOKEN_FIELDS = ("response_mask", "rollout_log_probs", "old_log_probs", "ref_log_probs", "values", "advantages", "returns", "kl")
 SEQ_FIELDS = ("scores", "rewards", "prompt_lens", "response_lens", "group_ids")
 
+ACTOR_UPDATE_FIELDS = ("input_ids", "prompt_lens", "response_mask", "old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs")
+"""The RolloutBatch fields the actor's PPO update reads (:meth:`aligner.actor.policy.Policy.ppo_update`;
+the trainer sends them per mini-batch with :meth:`RolloutBatch.tensors`). B samples, T = prompt +
+response tokens, R = response tokens:
+
+- input_ids: [B, T] int64, prompt + response, right padded.
+- prompt_lens: [B] int64, prompt tokens per row (where each row's response starts).
+- response_mask: [B, R] float32, 1.0 on real response tokens, 0.0 on padding.
+- old_log_probs: [B, R] float32, nats, the actor's log-probs before the update; left out for an
+  on-policy update (``algorithm.recompute_old_log_probs=false``: the update's own, detached).
+- advantages: [B, R] float32.
+- rollout_log_probs: [B, R] float32, nats, the rollout engine's; only with ``algorithm.tis_cap``
+  (truncated importance sampling).
+- ref_log_probs: [B, R] float32, nats, the reference policy's; only with
+  ``algorithm.kl_loss_coef > 0`` (the KL loss term).
+"""
+
 
 @dataclass
 class RolloutBatch:

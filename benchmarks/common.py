@@ -307,7 +307,7 @@ def inprocess_trainer(cfg, tokenizer, prompts: list[dict], dims=None):
 
 def timed_step(trainer) -> dict[str, float]:
     """One PPOTrainer step: its metrics, with ``time/step`` (sum of the phases, seconds)."""
-    m = trainer.train_step()
+    m = trainer.run_step()
     trainer.step += 1
     return m
 

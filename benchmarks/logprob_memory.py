@@ -5,7 +5,7 @@ forward + backward of the per-token log-probs of given logits [B, T, V] (V = 320
 
 - aligner: :func:`aligner.nn.vocab.vocab_parallel_log_probs` (the fused softmax
   statistics of Megatron's vocab-parallel cross entropy; tp_group=None, one process), as
-  Policy.log_probs calls it (ppo_step calls its log-prob + entropy variant); the policy's
+  Policy.log_probs calls it (ppo_update calls its log-prob + entropy variant); the policy's
   response-only head already shrinks the logits from [B, T, V] to [B, R, V] before this;
 - naive: ``torch.log_softmax(logits.float(), -1).gather(-1, labels)``, the textbook path
   (and what HF-based trainers do).

@@ -5,10 +5,10 @@ Same run config on both sides: the benchmark Llama (hidden 256, 4 layers, vocab 
 (8 sequences of 64 prompt + 64 response tokens, micro-batch 4). LoRA: rank 8, alpha 16 on
 q_proj, v_proj (PEFT's Llama default) unless told otherwise.
 
-- memory: bytes of the parameters, their gradients (after one ``ppo_step``'s backward, before
+- memory: bytes of the parameters, their gradients (after one ``ppo_update``'s backward, before
   ``zero_grad``: measured from a step whose optimizer.step is replayed manually) and every tensor
   in ``optimizer.state``, counted from the storages;
-- step time: ``Policy.ppo_step`` (forward, backward, clipping, AdamW), the two sides alternating
+- step time: ``Policy.ppo_update`` (forward, backward, clipping, AdamW), the two sides alternating
   after one warm-up each; medians;
 - refit bytes: what :func:`aligner.rollout.refit.refit` hands the engine on a full refit and on the
   following LoRA refits (merged weights of the adapted linears only).
@@ -67,9 +67,9 @@ def memory(pol, b) -> tuple[int, int, int, int]:
     from aligner.config import AlgorithmConfig
 
     rt = pol.runtime
-    pol.ppo_step(b, AlgorithmConfig(), 4)  # creates the AdamW state
+    pol.ppo_update(b, AlgorithmConfig(), 4)  # creates the AdamW state
     rt.model.train()
-    out = rt(b["input_ids"])  # one more backward to hold gradients (ppo_step drops them at its end)
+    out = rt(b["input_ids"])  # one more backward to hold gradients (ppo_update drops them at its end)
     out.float().logsumexp(-1).mean().backward()
     params = list(rt.module.parameters())
     grads = [p.grad for p in params if p.grad is not None]
@@ -95,7 +95,7 @@ def refit_bytes(pol, mc) -> tuple[int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=5, help="alternating timed ppo_steps per side")
+    ap.add_argument("--repeats", type=int, default=5, help="alternating timed ppo_updates per side")
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--alpha", type=float, default=16.0)
     ap.add_argument("--targets", default="q_proj,v_proj")
@@ -121,15 +121,15 @@ def main() -> None:
         print(f"refit bytes {name:<12} first {first:>12,}   each later step {later:>12,}")
     times: dict[str, list[float]] = {k: [] for k in sides}
     for pol in sides.values():  # warm-up
-        pol.ppo_step(b, AlgorithmConfig(), 4)
+        pol.ppo_update(b, AlgorithmConfig(), 4)
     for _ in range(args.repeats):
         for name, pol in sides.items():
             t0 = time.perf_counter()
-            pol.ppo_step(b, AlgorithmConfig(), 4)
+            pol.ppo_update(b, AlgorithmConfig(), 4)
             times[name].append(time.perf_counter() - t0)
     med = {k: C.median(v) for k, v in times.items()}
     for name in sides:
-        print(f"ppo_step {name:<12} median {med[name]:.3f} s over {args.repeats} (all: {', '.join(f'{t:.3f}' for t in times[name])})")
+        print(f"ppo_update {name:<12} median {med[name]:.3f} s over {args.repeats} (all: {', '.join(f'{t:.3f}' for t in times[name])})")
     names = list(sides)
     print(f"LoRA / full step time: {med[names[1]] / med[names[0]]:.2f}x")
 

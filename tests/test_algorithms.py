@@ -516,7 +516,7 @@ def test_seq_mean_modes_leave_out_rows_without_response_tokens():
 @pytest.mark.parametrize("mode", alg.LOSS_AGG_MODES)
 def test_aggregate_loss_is_exact_over_parts(mode):
     """Each part adds aggregate * count; dividing by the whole batch's count gives the whole batch's loss
-    (how ppo_step aggregates over micro-batches and dp ranks)."""
+    (how ppo_update aggregates over micro-batches and dp ranks)."""
     torch.manual_seed(3)
     loss_mat = torch.randn(6, 5)
     mask = _ragged_mask([5, 0, 2, 4, 1, 3], 5)

@@ -9,7 +9,7 @@ run on any tp/pp/dp layout through :class:`aligner.runtime.runner.ModelRunner`:
   so no [b, R, V/tp] logits exist either; 0 keeps the logits and :mod:`aligner.nn.vocab`.
 - ``sft_step``: next-token NLL on response tokens only (loss_mask), token-mean over the
   global batch.
-- ``ppo_step``: clipped surrogate (Schulman et al. 2017) with optional clip-higher and
+- ``ppo_update``: clipped surrogate (Schulman et al. 2017) with optional clip-higher and
   dual clip, entropy bonus, KL loss term and truncated importance sampling
   (aligner.algorithms), aggregated over the global mini-batch by ``algorithm.loss_agg``.
 - ``dpo_step`` / ``dpo_eval``: the DPO-family preference losses of
@@ -33,7 +33,7 @@ from aligner.model.moe import record_routing, stack_routing
 from aligner.model.prompt import attach_prompt, build_prompt, greedy_generate, prompt_state_dict
 from aligner.nn.chunked import LogProbSpec, auto_chunk_size
 from aligner.nn.vocab import vocab_parallel_log_probs, vocab_parallel_log_probs_entropy
-from aligner.protocol import response_index
+from aligner.protocol import ACTOR_UPDATE_FIELDS, response_index
 from aligner.runtime.role import RoleModel
 from aligner.runtime.runner import from_last_stage
 
@@ -261,7 +261,7 @@ class Policy(RoleModel):
             lp = self._label_log_probs(output, mb, 1.0)[:, :-1]
             return -(lp * mb["loss_mask"][:, 1:].float()).sum() / norm
 
-        stats = self.runner.train_step(self._token_inputs(batch, tuple(batch)), loss_fn, micro_batch_size)
+        stats = self.runner.optimizer_step(self._token_inputs(batch, tuple(batch)), loss_fn, micro_batch_size)
         tokens = norm * self.dims.dp_size
         return {
             "loss": self.dp_mean(stats["loss"] * norm, float(target.sum())),
@@ -281,14 +281,15 @@ class Policy(RoleModel):
         return {"loss": self.dp_mean(local, count), "tokens": self.normalizer(count) * self.dims.dp_size}
 
     # ---- PPO ----------------------------------------------------------------------
-    def ppo_step(
+    def ppo_update(
         self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig, micro_batch_size: int, temperature: float = 1.0, pack_len: int = 0
     ) -> dict[str, float]:
-        """One optimizer step of the clipped policy loss over this rank's share of a mini-batch.
+        """One optimizer step of the clipped policy loss over this rank's share of a mini-batch (the
+        actor's PPO update; one PPO step of the trainer runs ppo_epochs x mini-batches of them).
 
-        batch: input_ids [B, T], prompt_lens [B], response_mask [B, R], old_log_probs [B, R],
-        advantages [B, R]; rollout_log_probs [B, R] when algo.tis_cap is set; ref_log_probs
-        [B, R] when algo.kl_loss_coef > 0. Without old_log_probs (an on-policy update,
+        batch: the fields of :data:`aligner.protocol.ACTOR_UPDATE_FIELDS` (shapes and dtypes there):
+        input_ids, prompt_lens, response_mask, old_log_probs, advantages; rollout_log_probs when
+        algo.tis_cap is set; ref_log_probs when algo.kl_loss_coef > 0. Without old_log_probs (an on-policy update,
         ``algorithm.recompute_old_log_probs=false``) the forward's own log-probs, detached, are
         the old ones: ratio 1, gradient that of the policy gradient (TRL's GRPOTrainer does the
         same with num_iterations=1). pack_len: as :meth:`log_probs` (the samples of one prompt in
@@ -343,17 +344,17 @@ class Policy(RoleModel):
             add("approx_kl", m["approx_kl"] * tokens)
             return total / norm
 
-        keys = ("input_ids", "response_mask", "old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs")
-        sample_keys = tuple(k for k in keys[1:] if k in batch)
+        keys = tuple(k for k in ACTOR_UPDATE_FIELDS if k in batch and k != "prompt_lens")  # prompt_lens -> head_index
+        sample_keys = tuple(k for k in keys if k != "input_ids")  # the [B, R] fields
         r = batch["response_mask"].shape[1]
         packed = self._shared_prompt_inputs(batch, sample_keys, temperature, micro_batch_size, pack_len)
         if packed is not None:
-            stats = self.runner.train_step(
+            stats = self.runner.optimizer_step(
                 packed[0], lambda output, mb: loss_fn(unpack_output(output, r), unpack_micro(mb, sample_keys, r)), packed[1]
             )
         else:
-            inputs = self._response_model_inputs(batch, tuple(k for k in keys if k in batch), temperature)
-            stats = self.runner.train_step(inputs, loss_fn, micro_batch_size)
+            inputs = self._response_model_inputs(batch, keys, temperature)
+            stats = self.runner.optimizer_step(inputs, loss_fn, micro_batch_size)
         sums = from_last_stage(sums, self.dims)
         counts = {"clipfrac": float(batch["response_mask"].sum()), "approx_kl": float(batch["response_mask"].sum())}
         agg_count = float(alg.loss_agg_count(batch["response_mask"], mode))
@@ -429,7 +430,7 @@ class Policy(RoleModel):
             return total
 
         inputs = self._response_model_inputs(rows, ("input_ids", "response_mask", "ref_logps"), 1.0)
-        stats = self.runner.train_step(inputs, loss_fn, 2 * micro_batch_size)
+        stats = self.runner.optimizer_step(inputs, loss_fn, 2 * micro_batch_size)
         sums = from_last_stage(sums, self.dims)
         out = self._dpo_metrics(sums, pairs, chosen_tokens, dpo)
         moe = {k: v for k, v in stats.items() if k.startswith("moe_")}

@@ -47,7 +47,7 @@ class Critic(RoleModel):
                 sums[k] = sums.get(k, 0.0) + float(x.detach())
             return algo.vf_coef * loss * n / norm
 
-        stats = self.runner.train_step(batch, loss_fn, micro_batch_size)
+        stats = self.runner.optimizer_step(batch, loss_fn, micro_batch_size)
         sums = from_last_stage(sums, self.dims)
         count = float(batch["response_mask"].sum())
         return {

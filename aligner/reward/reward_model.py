@@ -61,7 +61,7 @@ class RewardModel(RoleModel):
                 sums[k] = sums.get(k, 0.0) + float(x.detach())
             return loss / norm
 
-        stats = self.runner.train_step(flat, loss_fn, 2 * micro_batch_size)
+        stats = self.runner.optimizer_step(flat, loss_fn, 2 * micro_batch_size)
         sums = from_last_stage(sums, self.dims)
         return {
             **{k: self.dp_mean(v, pairs) for k, v in sorted(sums.items())},

@@ -40,7 +40,10 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
+import warnings
+from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 import torch
@@ -69,6 +72,29 @@ def _barrier() -> None:
 
 def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
+
+
+# torch.distributed.checkpoint's UserWarning on every single-process save/load (torch 2.13 warns
+# even when the caller passes no_dist=True, so the argument alone does not silence it).
+_SINGLE_PROCESS_WARNING = (
+    re.escape("torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to ")
+    + r"(save|load) in a single process"
+)
+
+
+@contextmanager
+def _dcp_no_dist(no_dist: bool) -> Iterator[None]:
+    """Around a ``dcp.save`` / ``dcp.load`` called with `no_dist`: when True (one process, which
+    is what this module asks for), ignore exactly dcp's "assuming the intent is to save/load in a
+    single process" UserWarning, which tells a user nothing they can act on; every other warning
+    still shows. ``warnings.catch_warnings`` swaps the process-wide filters, so this is for the
+    worker's one training thread (as every checkpoint call is)."""
+    if not no_dist:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING, category=UserWarning)
+        yield
 
 
 def _stage_mesh(dims):
@@ -320,7 +346,9 @@ def save_checkpoint(runtime, ckpt_dir: str, extra: Optional[dict] = None) -> str
     if runtime.backend == "deepspeed":
         runtime.model.save_checkpoint(tmp, tag="ds", client_state={"step": runtime.step_count})
     else:
-        dcp.save(sharded_state_dict(runtime), checkpoint_id=tmp, no_dist=not _distributed())
+        no_dist = not _distributed()
+        with _dcp_no_dist(no_dist):
+            dcp.save(sharded_state_dict(runtime), checkpoint_id=tmp, no_dist=no_dist)
     if _rank() == 0:
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump(_meta(runtime, extra), f, indent=2)
@@ -426,7 +454,9 @@ def load_checkpoint(runtime, ckpt_dir: str) -> dict:
             "step": torch.zeros((), dtype=torch.float32),
         }
         finish.append((key, p, bufs))
-    dcp.load(sd, checkpoint_id=ckpt_dir, no_dist=not _distributed())
+    no_dist = not _distributed()
+    with _dcp_no_dist(no_dist):
+        dcp.load(sd, checkpoint_id=ckpt_dir, no_dist=no_dist)
     for name, p, bufs in finish:
         _local(p).copy_(bufs["param"][1]())
         step = sd["optim"][name]["step"]

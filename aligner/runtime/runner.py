@@ -100,8 +100,9 @@ class ModelRunner:
         finally:
             self.runtime.train(was_training)
 
-    def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
-        """zero_grad, forward + backward over all micro-batches, one optimizer step.
+    def optimizer_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
+        """One optimizer step on `batch`: zero_grad, forward + backward over its micro-batches
+        (gradients accumulate), then :meth:`aligner.runtime.train_runtime.TrainRuntime.step` (clip, AdamW, LR schedule).
 
         loss_fn(output, mb) -> scalar: the micro-batch's share of the global loss (see module docstring).
         Returns {"loss": sum of loss_fn values over micro-batches (this rank), "grad_norm", "lr"}, and for

@@ -15,7 +15,7 @@ order) and :func:`train` (the step loop, written once):
     resume    when resume=true: the latest complete checkpoint (:class:`Checkpoints`), or a log
               line saying there is none and the run starts from step 0
     steps     (:func:`train`) a stop if SIGTERM arrived already (nothing to save), an optional eval
-              before the first step (``Trainer.eval_before_training``, PPO), then per step: train_step -> eval every trainer.eval_every steps and at the last
+              before the first step (``Trainer.eval_before_training``, PPO), then per step: run_step -> eval every trainer.eval_every steps and at the last
               step (plus ``Trainer.final_metrics`` at the last step) -> metrics -> checkpoint every
               trainer.save_every steps and at the last step -> stop here if SIGTERM arrived
               (checkpoint first unless this step's exists)
@@ -59,7 +59,7 @@ class Trainer(abc.ABC):
             the ``stage`` recorded in checkpoints, the SIGTERM message.
         bar_keys: metrics shown on the progress bar.
         eval_before_training: evaluate once before the first step of a fresh run (logged as step 0).
-        step: steps finished so far (train_step runs step ``step + 1``; the loop advances it).
+        step: steps finished so far (run_step runs step ``step + 1``; the loop advances it).
         history: ``{"step", **eval metrics}`` of every evaluation this run made (PPO keeps it in
             its checkpoints for the summary's initial/final columns).
     """
@@ -132,8 +132,13 @@ class Trainer(abc.ABC):
 
     # ---- one step ----------------------------------------------------------------------------
     @abc.abstractmethod
-    def train_step(self) -> dict[str, float]:
-        """Run step ``self.step + 1`` (do not advance ``self.step``); return its metrics."""
+    def run_step(self) -> dict[str, float]:
+        """Run trainer step ``self.step + 1`` (do not advance ``self.step``); return its metrics.
+
+        A trainer step is the unit ``trainer.max_steps`` counts: for SFT, RM and DPO one global
+        batch (one optimizer step of each trained role); for PPO one rollout plus
+        ``ppo_epochs`` x mini-batch updates (several optimizer steps per role). One optimizer
+        step is :meth:`aligner.runtime.runner.ModelRunner.optimizer_step`."""
 
     @abc.abstractmethod
     def evaluate(self) -> dict[str, float]:
@@ -268,7 +273,7 @@ def train(trainer: Trainer) -> None:
             trainer.history.append({"step": 0, **initial})
             metrics.log(0, initial, advance=False)
         while trainer.step < t.max_steps:
-            row = trainer.train_step()
+            row = trainer.run_step()
             trainer.step += 1
             last = trainer.step == t.max_steps
             if last or _every(t.eval_every, trainer.step):

@@ -17,14 +17,14 @@ loop's (:mod:`aligner.trainers.loop`):
               every eval_every and at the last step, checkpoint every save_every and at the last step
     finish    HF export of the policy to output_dir/hf, PNG report, summary table and summary.json
 
-One PPO step (:meth:`PPOTrainer.train_step`, docs/design.md "One PPO step") talks to worker groups only:
+One PPO step (:meth:`PPOTrainer.run_step`, docs/design.md "One PPO step") talks to worker groups only:
 
     refit       actor weights -> its rollout engine
     generate    rollout_batch_size x n_samples_per_prompt responses, each seeded by (seed, step, index)
     inference   critic values, reward scores, reference log-probs and the actor's own
                 old_log_probs, as concurrent futures on their node groups
     advantages  KL-shaped token rewards + GAE, or a critic-free group baseline (aligner.algorithms)
-    train       over ppo_epochs x mini-batches: critic.value_step and actor.ppo_step concurrently
+    train       over ppo_epochs x mini-batches: critic.value_step and actor.ppo_update concurrently
 
 Evaluation (:meth:`PPOTrainer.evaluate`) is the evaluator SFT uses
 (:func:`aligner.trainers.evaluation.evaluate_greedy`: greedy held-out accuracy, logged as eval_*)
@@ -56,7 +56,7 @@ from aligner.data.sampler import DataIterator
 from aligner.errors import UserError
 from aligner.model.moe import routing_mismatch
 from aligner.planner import PlanError, check_fits, format_plan, make_plan
-from aligner.protocol import RolloutBatch, build_sequences
+from aligner.protocol import ACTOR_UPDATE_FIELDS, RolloutBatch, build_sequences
 from aligner.reward.rules import score
 from aligner.rollout.base import generations_to_padded, routed_experts_to_padded
 from aligner.runtime.role import check_tokenizer_fits, resolve_init
@@ -221,8 +221,9 @@ class PPOTrainer(Trainer):
         return {"initial": self.history[0] if self.history else {}, "final": self.history[-1] if self.history else {}}
 
     # ---- one step -------------------------------------------------------------------
-    def train_step(self) -> dict[str, float]:
-        """One PPO step; returns its metrics (also the phase times, seconds)."""
+    def run_step(self) -> dict[str, float]:
+        """One PPO step (refit, generate, inference, advantages, then ppo_epochs x mini-batch
+        updates of actor and critic); returns its metrics (also the phase times, seconds)."""
         timer = PhaseTimer()
         with timer.phase("refit"):
             self.busy("actor")
@@ -364,7 +365,7 @@ class PPOTrainer(Trainer):
 
         The KL enters the reward with the controller's coefficient when
         ``algorithm.kl_in_reward`` (resolved) is true, and 0 otherwise; the KL loss term
-        (``algorithm.kl_loss_coef``) is applied in the actor's ppo_step instead.
+        (``algorithm.kl_loss_coef``) is applied in the actor's ppo_update instead.
         """
         a = self.cfg.algorithm
         mask = batch.response_mask
@@ -416,13 +417,12 @@ class PPOTrainer(Trainer):
 
         a, t = self.cfg.algorithm, self.cfg.trainer
         train_actor = self.step >= a.critic_warmup_steps
-        actor_keys = ["input_ids", "prompt_lens", "response_mask", "advantages"]
-        if batch.old_log_probs is not None:  # else on-policy: ppo_step uses its own detached log-probs
-            actor_keys.append("old_log_probs")
-        if a.tis_cap is not None:
-            actor_keys.append("rollout_log_probs")
-        if a.kl_loss_coef > 0:
-            actor_keys.append("ref_log_probs")
+        optional = {
+            "old_log_probs": batch.old_log_probs is not None,  # else on-policy: ppo_update uses its own detached log-probs
+            "rollout_log_probs": a.tis_cap is not None,
+            "ref_log_probs": a.kl_loss_coef > 0,
+        }
+        actor_keys = [k for k in ACTOR_UPDATE_FIELDS if optional.get(k, True)]
         critic_keys = ["input_ids", "prompt_lens", "response_mask", "values", "returns"]
         sums: dict[str, list[float]] = {}
         g = torch.Generator().manual_seed(sample_seed(t.seed, self.step, -1))
@@ -433,7 +433,7 @@ class PPOTrainer(Trainer):
                 mb = batch.select(idx)
                 futs = {}
                 if train_actor:
-                    futs["actor"] = self.groups["actor"].ppo_step(mb.tensors(*actor_keys), self._temperature())
+                    futs["actor"] = self.groups["actor"].ppo_update(mb.tensors(*actor_keys), self._temperature())
                 if "critic" in self.groups:
                     futs["critic"] = self.groups["critic"].value_step(mb.tensors(*critic_keys))
                 for role, res in zip(futs, get_all(list(futs.values()))):

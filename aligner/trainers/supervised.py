@@ -264,7 +264,7 @@ class SupervisedTrainer(Trainer):
         self.step = int(state["step"])
 
     # ---- one step ----------------------------------------------------------------------
-    def train_step(self) -> dict:
+    def run_step(self) -> dict:
         """One optimizer step on the next global batch: the worker's metrics, tokens/s, step time, tokens."""
         batch = self.collate(self.it.next_batch(self.cfg.trainer.global_batch_size))
         t0 = time.perf_counter()

@@ -89,9 +89,12 @@ class PolicyWorker:
         return self.policy.sft_eval(batch, self.cfg.trainer.micro_batch_size)
 
     @dispatch("dp_split")
-    def ppo_step(self, batch: dict, temperature: float = 1.0) -> dict:
+    def ppo_update(self, batch: dict, temperature: float = 1.0) -> dict:
+        """Remote wrapper of :meth:`Policy.ppo_update` (one optimizer step on a mini-batch, split over dp)
+        with this run's algorithm, micro_batch_size and shared_prompt_pack_len; batch holds
+        :data:`aligner.protocol.ACTOR_UPDATE_FIELDS`."""
         t = self.cfg.trainer
-        return self.policy.ppo_step(batch, self.cfg.algorithm, t.micro_batch_size, temperature, t.shared_prompt_pack_len)
+        return self.policy.ppo_update(batch, self.cfg.algorithm, t.micro_batch_size, temperature, t.shared_prompt_pack_len)
 
     @dispatch("broadcast")
     def save(self, ckpt_dir: str) -> None:

@@ -1,8 +1,8 @@
-"""Policy.ppo_step's loss equals the formula of aligner.algorithms on the whole mini-batch.
+"""Policy.ppo_update's loss equals the formula of aligner.algorithms on the whole mini-batch.
 
 The reference computes, in one full-sequence forward of an identical model,
 ``policy_loss - entropy_coef * entropy + kl_loss_coef * kl_loss`` with every term
-aggregated by ``loss_agg`` over the whole mini-batch, and backpropagates it. ppo_step runs
+aggregated by ``loss_agg`` over the whole mini-batch, and backpropagates it. ppo_update runs
 the same mini-batch as three micro-batches of one row; its gradients (left on the
 parameters after the step) must equal the reference's for every aggregation mode, with the
 clip-higher bound, the entropy bonus and the KL loss term all active.
@@ -67,7 +67,7 @@ def _reference_grads(batch, algo: AlgorithmConfig) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("loss_agg", alg.LOSS_AGG_MODES)
-def test_ppo_step_gradient_equals_the_whole_batch_formula(loss_agg):
+def test_ppo_update_gradient_equals_the_whole_batch_formula(loss_agg):
     algo = AlgorithmConfig(
         advantage="grpo", kl_coef=0.0, kl_loss_coef=0.3, entropy_coef=0.05, clip_eps=0.1, clip_eps_high=0.3, loss_agg=loss_agg
     )
@@ -79,7 +79,7 @@ def test_ppo_step_gradient_equals_the_whole_batch_formula(loss_agg):
     batch["old_log_probs"] = (current - batch.pop("old_offset")) * mask
     batch["ref_log_probs"] = (current - batch.pop("ref_offset")) * mask
     want = _reference_grads(batch, algo)
-    metrics = pol.ppo_step(batch, algo, micro_batch_size=1, temperature=TEMPERATURE)
+    metrics = pol.ppo_update(batch, algo, micro_batch_size=1, temperature=TEMPERATURE)
     got = {n: p.grad for n, p in pol.runtime.module.named_parameters()}
     assert set(got) == set(want)
     for name in want:
@@ -99,13 +99,13 @@ def test_kl_loss_coef_changes_the_update():
         b["old_log_probs"] = current * b["response_mask"]
         b["ref_log_probs"] = (current - b.pop("ref_offset")) * b["response_mask"]
         b.pop("old_offset")
-        pol.ppo_step(b, AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_loss_coef=coef), micro_batch_size=3)
+        pol.ppo_update(b, AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_loss_coef=coef), micro_batch_size=3)
         grads.append(torch.cat([p.grad.flatten() for p in pol.runtime.module.parameters()]))
     assert (grads[1] - grads[0]).abs().max() > 1e-4
 
 
-def test_ppo_step_without_old_log_probs_is_the_on_policy_update():
-    """algorithm.recompute_old_log_probs=false: ppo_step without old_log_probs (its own forward's,
+def test_ppo_update_without_old_log_probs_is_the_on_policy_update():
+    """algorithm.recompute_old_log_probs=false: ppo_update without old_log_probs (its own forward's,
     detached, stand in) takes the same step as with the recomputed old log-probs of an on-policy batch."""
     algo = AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_loss_coef=0.2, clip_eps=0.1, recompute_old_log_probs=False)
     batch = _batch()
@@ -119,7 +119,7 @@ def test_ppo_step_without_old_log_probs_is_the_on_policy_update():
         b["ref_log_probs"] = (current - b.pop("ref_offset")) * b["response_mask"]
         if recompute:
             b["old_log_probs"] = current * b["response_mask"]
-        metrics.append(pol.ppo_step(b, algo, micro_batch_size=2, temperature=TEMPERATURE))
+        metrics.append(pol.ppo_update(b, algo, micro_batch_size=2, temperature=TEMPERATURE))
         grads.append({n: p.grad.clone() for n, p in pol.runtime.module.named_parameters()})
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-4, msg=name)

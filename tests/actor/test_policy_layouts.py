@@ -1,6 +1,6 @@
 """The PPO actor's response-only head on tp/pp layouts equals the single-process policy (CPU, gloo).
 
-Policy.log_probs and Policy.ppo_step apply the LM head only at the response positions
+Policy.log_probs and Policy.ppo_update apply the LM head only at the response positions
 (``head_index``); on tp=2 (with and without sequence parallelism) and tp=2 x pp=2, the
 log-probs, the loss metrics (entropy included) and the parameters after one optimizer step
 must equal a single-process Policy built in the same rank from the same seed, within 1e-5.
@@ -70,9 +70,9 @@ def _run(pol, pack_len: int = 0):
 
     batch, grouped = _batch(), _grouped_batch()
     lp = pol.log_probs(batch, 2, temperature=0.7)
-    metrics = pol.ppo_step(batch, AlgorithmConfig(entropy_coef=0.01), 2)
+    metrics = pol.ppo_update(batch, AlgorithmConfig(entropy_coef=0.01), 2)
     lp_g = pol.log_probs(grouped, 2, temperature=0.7, pack_len=pack_len)
-    metrics_g = pol.ppo_step(grouped, AlgorithmConfig(entropy_coef=0.01), 2, pack_len=pack_len)
+    metrics_g = pol.ppo_update(grouped, AlgorithmConfig(entropy_coef=0.01), 2, pack_len=pack_len)
     metrics = {k: metrics[k] for k in KEYS} | {f"grouped/{k}": metrics_g[k] for k in KEYS}
     return torch.cat([lp.flatten(), lp_g.flatten()]), metrics, pol.full_state_dict()
 

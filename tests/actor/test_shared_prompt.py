@@ -1,7 +1,7 @@
 """Shared-prompt packing (aligner.actor.shared_prompt) equals the padded layout.
 
 A batch of 3 prompts x 3 samples with ragged prompts, ragged responses (one empty, one with a
-masked token inside) runs through Policy.log_probs and Policy.ppo_step once padded (pack_len 0)
+masked token inside) runs through Policy.log_probs and Policy.ppo_update once padded (pack_len 0)
 and once packed (the prompt once per group); log-probs, metrics and gradients must agree within
 fp32 rounding, on the logits path and on the chunked log-prob path. The packed rows must hold
 fewer tokens than the padded ones, and the fallbacks (no groups, a row over pack_len, a
@@ -93,7 +93,7 @@ def test_packed_log_probs_equal_padded(chunk):
 
 @pytest.mark.parametrize("loss_agg", alg.LOSS_AGG_MODES)
 @pytest.mark.parametrize("chunk", [0, 16], ids=["logits", "chunked"])
-def test_packed_ppo_step_equals_padded(loss_agg, chunk):
+def test_packed_ppo_update_equals_padded(loss_agg, chunk):
     algo = AlgorithmConfig(
         advantage="grpo", kl_coef=0.0, kl_loss_coef=0.3, entropy_coef=0.05, clip_eps=0.1, clip_eps_high=0.3, loss_agg=loss_agg
     )
@@ -107,7 +107,7 @@ def test_packed_ppo_step_equals_padded(loss_agg, chunk):
         mask = mb["response_mask"]
         mb["old_log_probs"] = (current - mb.pop("old_offset")) * mask
         mb["ref_log_probs"] = (current - mb.pop("ref_offset")) * mask
-        metrics.append(pol.ppo_step(mb, algo, micro_batch_size=3, temperature=0.9, pack_len=pack_len))
+        metrics.append(pol.ppo_update(mb, algo, micro_batch_size=3, temperature=0.9, pack_len=pack_len))
         grads.append({n: p.grad.clone() for n, p in pol.runtime.module.named_parameters()})
     assert metrics[0]["clipfrac"] > 0 and metrics[0]["kl_loss"] > 0
     for k in ("policy_loss", "kl_loss", "entropy", "clipfrac", "approx_kl", "grad_norm"):

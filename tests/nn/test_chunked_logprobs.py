@@ -173,7 +173,7 @@ def _policy_run(chunk: int):
     pol = _policy(chunk)
     lp = pol.log_probs(batch, micro_batch_size=3, temperature=0.7)
     algo = AlgorithmConfig(entropy_coef=0.05, kl_loss_coef=0.2, clip_eps=0.1)
-    metrics = pol.ppo_step(batch, algo, micro_batch_size=2, temperature=0.7)
+    metrics = pol.ppo_update(batch, algo, micro_batch_size=2, temperature=0.7)
     ppo_grads = {n: p.grad.clone() for n, p in pol.runtime.module.named_parameters()}
     sft_batch = {"input_ids": batch["input_ids"], "loss_mask": (batch["input_ids"] > 0).long()}
     sft = _policy(chunk).sft_step(sft_batch, micro_batch_size=3)

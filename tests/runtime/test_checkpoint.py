@@ -120,3 +120,15 @@ def test_single_process_roundtrip_and_errors(tmp_path):
     other = TrainRuntime(model_cfg(hidden_size=64), "lm", ParallelConfig(), optim, ParallelDims(), total_steps=10)
     with pytest.raises(ValueError, match="model.hidden_size=32"):
         other.load(str(tmp_path / "c"))
+
+
+def test_single_process_save_and_load_warn_nothing(tmp_path, recwarn):
+    """A one-process save and load print no warning: torch.distributed.checkpoint's "assuming the
+    intent is to save (load) in a single process" is the expected case here, nothing a user can act on."""
+    cfg, optim = model_cfg(), OptimConfig(**OPTIM)
+    a = TrainRuntime(cfg, "lm", ParallelConfig(), optim, ParallelDims(), total_steps=10)
+    engine_run(a, batches(1))
+    recwarn.clear()
+    a.save(str(tmp_path / "c"))
+    a.load(str(tmp_path / "c"))
+    assert [f"{w.category.__name__}: {w.message}" for w in recwarn] == []

@@ -79,7 +79,7 @@ class Toy(Trainer):
     def finish(self):
         self.events.append(("finish", self._locked()))
 
-    def train_step(self):
+    def run_step(self):
         step = self.step + 1
         if step == self.fail_at:
             raise RuntimeError(f"boom at step {step}")

@@ -66,7 +66,7 @@ def test_the_reward_kl_coefficient_changes_the_advantages_of_every_estimator(adv
 def test_grpo_keeps_the_kl_out_of_the_reward_by_default():
     plain = _advantages("algorithm.advantage=grpo", "algorithm.kl_coef=0")
     with_loss_kl = _advantages("algorithm.advantage=grpo", "algorithm.kl_coef=0", "algorithm.kl_loss_coef=0.5")
-    torch.testing.assert_close(plain, with_loss_kl)  # the loss term acts in ppo_step, not here
+    torch.testing.assert_close(plain, with_loss_kl)  # the loss term acts in ppo_update, not here
 
 
 def test_norm_by_std_reaches_the_grpo_estimator():

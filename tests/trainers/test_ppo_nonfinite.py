@@ -30,10 +30,10 @@ def test_nonfinite_gradient_skips_the_update_and_a_finite_one_applies(tmp_path):
 
     pol = _policy()
     before = {k: v.clone() for k, v in pol.runtime.module.state_dict().items()}
-    out = pol.ppo_step(_batch(float("inf")), AlgorithmConfig(), micro_batch_size=2)
+    out = pol.ppo_update(_batch(float("inf")), AlgorithmConfig(), micro_batch_size=2)
     assert out["skipped"] == 1.0 and pol.runtime.skipped_steps == 1 and pol.runtime.step_count == 0
     assert all(torch.equal(before[k], v) for k, v in pol.runtime.module.state_dict().items())
-    out = pol.ppo_step(_batch(1.0), AlgorithmConfig(), micro_batch_size=2)
+    out = pol.ppo_update(_batch(1.0), AlgorithmConfig(), micro_batch_size=2)
     assert out["skipped"] == 0.0 and pol.runtime.step_count == 1
     assert any(not torch.equal(before[k], v) for k, v in pol.runtime.module.state_dict().items())
 

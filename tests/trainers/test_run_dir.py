@@ -326,7 +326,7 @@ def test_ppo_resume_without_a_checkpoint_says_it_starts_from_step_0(tmp_path, ca
         def evaluate(self, num_prompts=None):
             return {"eval_accuracy": 0.5}
 
-        def train_step(self):
+        def run_step(self):
             return {"score_mean": 1.0}
 
         def save_roles(self, tmp):
