@@ -144,8 +144,12 @@ def test_model_head_chunked_equals_logits_path(tied):
     for lp, ent, grads in rest:
         torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
         torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=0)
-        for name, grad in want_g.items():  # gradients reach |16| here: fp32 rounding of other GEMM splits is relative
-            torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+        for name, grad in want_g.items():
+            # gradients reach |16| here and the tied embedding's sums them with the lookup's: fp32 rounding
+            # of other GEMM splits scales with the tensor's largest entries, not with each element
+            # (1.3e-5 on an Intel Xeon for an entry of 0.04 beside entries of 16.6)
+            scale = grad.abs().max().item()
+            torch.testing.assert_close(grads[name], grad, atol=4e-6 * max(scale, 1.0), rtol=1e-5, msg=name)
 
 
 # ---- the Policy: PPO loss, log-probs, SFT ------------------------------------------------
