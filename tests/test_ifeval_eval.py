@@ -114,3 +114,16 @@ def test_real_model_two_prompts(tmp_path, shared):
     rows = [json.loads(x) for x in (tmp_path / "r.responses.jsonl").read_text().split("\n") if x]
     assert len(rows) == 2 and all(x["response_tokens"] <= 8 for x in rows)
     assert r["cut_rows"] == sum(x["finish_reason"] == "length" for x in rows)
+
+
+def test_training_refuses_a_row_the_verifiers_cannot_score_before_any_worker_starts(tmp_path, capsys):
+    from aligner.ppo import main as ppo_main
+
+    good = {"prompt": "1+2=", "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]}
+    path = _file(tmp_path, [good, {**good, "kwargs": [{"num_words": 3}]}])
+    args = ["conf=tiny", "actor.init=", "ref.init=", "critic.init=", "reward.init=", "reward.type=rule", "reward.rule=ifeval"]
+    args += [f"data.train_path={path}", f"output_dir={tmp_path}/run"]
+    assert ppo_main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{path}:2: kwargs[0]" in err and "the checker takes none" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run" / "checkpoints").exists()
