@@ -24,7 +24,8 @@ package's :func:`if_verifiable.common.evaluate_instructions`, which follows Goog
 ``evaluation_lib`` (the same eight loose variants). Two differences of that function from
 Google's are corrected here, both to Google's behaviour: an empty response (after
 ``strip_thinking``) returns no verdicts there, here every constraint fails; an unknown id is
-skipped there, here it is refused by :func:`check_row` before anything runs.
+skipped there, here it is refused by :func:`check_row` before anything runs. That function also
+drops a leading ``<think>...</think>`` block (reasoning models; SmolLM2 writes none).
 
 The schema, the checker registry, the row check and the offline Punkt model are
 :mod:`aligner.data.ifeval`.
