@@ -16,7 +16,8 @@ and runs, in this process (no Ray):
     check     every row's constraints against IFEval's checkers (:func:`aligner.data.ifeval.check_rows`):
               an unknown id or kwargs that do not fit is one file:line error, exit 2, before the model loads
     generate  one greedy response per prompt with aligner's rollout engine
-              (:class:`aligner.rollout.torch_engine.TorchEngine`, continuous batching), the prompt
+              (:class:`aligner.rollout.torch_engine.TorchEngine`, continuous batching over chunks of
+              4 x rollout.max_batch_size prompts, a progress line after each), the prompt
               rendered by the tokenizer's chat template; a response that reaches the budget is "cut"
     score     IFEval's four numbers, strict and loose at prompt and instruction level, and accuracy
               per constraint family and per id (:func:`aligner.reward.ifeval.ifeval_metrics`)
@@ -96,8 +97,12 @@ def generate_greedy(cfg: AlignerConfig, tok, prompt_ids: list[list[int]], max_ne
         torch.set_num_threads(cfg.trainer.num_threads)
     engine = TorchEngine(model, eos_token_id=tok.eos_token_id, max_batch_size=cfg.rollout.max_batch_size)
     sampling = SamplingConfig(temperature=0.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens)
-    t0 = time.perf_counter()
-    gens = engine.generate(prompt_ids, sampling)
+    chunk = 4 * engine.max_batch_size  # the engine refills its slots within a chunk; a log line after each
+    t0, gens = time.perf_counter(), []
+    for start in range(0, len(prompt_ids), chunk):
+        gens += engine.generate(prompt_ids[start : start + chunk], sampling)
+        done, tokens = len(gens), sum(len(g.token_ids) for g in gens)
+        log.info("ifeval: %d/%d responses, %d tokens, %.0f tokens/s", done, len(prompt_ids), tokens, tokens / (time.perf_counter() - t0))
     return gens, time.perf_counter() - t0, engine
 
 
