@@ -16,6 +16,10 @@ to a float in [0, 1]:
 - "digit_fraction": the fraction of the response's non-space characters that are digits
   (0.0 for an empty response): a dense formatting reward for numeric answers. A random
   policy starts near 10/vocab, so fast tests use it to check that PPO raises a reward.
+- "ifeval", "ifeval_all", "ifeval_loose": IFEval's verifiers on the row's constraints
+  (metadata ``instruction_id_list`` and ``kwargs``): the fraction satisfied (strict), all or
+  nothing (strict), the fraction (loose) (:mod:`aligner.reward.ifeval`; ``pip install 'aligner[ifeval]'``).
+  Their rows are checked before any worker starts (:func:`check_rule_rows`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Callable, Optional
 import torch
 
 from aligner.data.task import check_answer
+from aligner.reward import ifeval as _ifeval
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -87,6 +92,19 @@ def _digit_fraction(prompt: str, response: str, metadata: dict) -> float:
 
 
 RULES["digit_fraction"] = _digit_fraction
+RULES.update(_ifeval.RULES)
+# rule -> a check of the prompt examples' metadata ({"metadata", "source"} each), run before any worker starts
+ROW_CHECKS: dict[str, Callable[[list[dict]], None]] = {name: _ifeval.check_rows for name in _ifeval.RULES}
+
+
+def check_rule_rows(name: str, examples: list[dict]) -> None:
+    """Check that rule `name` can score every example (ValueError "file:line: ..." naming the fix); no-op for rules without a check."""
+    if name not in ROW_CHECKS:
+        return
+    try:
+        ROW_CHECKS[name](examples)
+    except ImportError as e:  # the rule's optional packages are missing: one line, exit 2
+        raise ValueError(f"reward.rule={name}: {e}") from None
 
 
 def get_rule(name: str) -> Callable[[str, str, dict], float]:

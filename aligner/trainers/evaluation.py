@@ -28,6 +28,7 @@ import torch
 
 from aligner.config import AlignerConfig, SamplingConfig
 from aligner.data.task import mistake_breakdown
+from aligner.reward import ifeval
 from aligner.reward.rules import gsm8k_formatted, score
 
 
@@ -56,10 +57,12 @@ def on_builtin_task(cfg: AlignerConfig) -> bool:
 
 def accuracy_rule(cfg: AlignerConfig) -> str:
     """The rule that decides whether a response is right: the built-in task's exact sum, else reward.rule
-    (gsm8k for gsm8k_format: the answer's correctness; the format is reported as format_rate)."""
+    (gsm8k for gsm8k_format: the answer's correctness; the format is reported as format_rate; ifeval_all for
+    the IFEval rules: every constraint satisfied, strict)."""
     if on_builtin_task(cfg):
         return "task_accuracy"
-    return "gsm8k" if cfg.reward.rule == "gsm8k_format" else cfg.reward.rule
+    # gsm8k_format -> the answer's correctness; an IFEval rule -> all constraints satisfied (IFEval's prompt-level strict)
+    return {"gsm8k_format": "gsm8k", "ifeval": "ifeval_all", "ifeval_loose": "ifeval_all"}.get(cfg.reward.rule, cfg.reward.rule)
 
 
 def greedy_sampling(cfg: AlignerConfig, longest_prompt: int) -> SamplingConfig:
@@ -94,7 +97,9 @@ def evaluate_greedy(actor_group, eval_examples: list[dict], tokenizer, cfg: Alig
     Returns a :class:`GreedyEval`; its metrics' "accuracy" is the fraction of responses the rule
     scores 1 (in [0, 1]), "n" the number of prompts, "mean_response_len" the mean response length
     in tokens (stop token included); on GSM8K-style data (metadata "answer") "format_rate", the
-    fraction ending in a ``#### <number>`` line (:func:`aligner.reward.rules.gsm8k_formatted`).
+    fraction ending in a ``#### <number>`` line (:func:`aligner.reward.rules.gsm8k_formatted`); on IFEval-style
+    data (metadata "instruction_id_list") IFEval's "prompt_strict", "instruction_strict", "prompt_loose",
+    "instruction_loose" and "cut_rows" (responses that ran to the token budget) (:func:`aligner.reward.ifeval.ifeval_metrics`).
     Raises ValueError for an empty eval set or an unknown rule.
     """
     if not eval_examples:
@@ -115,6 +120,10 @@ def evaluate_greedy(actor_group, eval_examples: list[dict], tokenizer, cfg: Alig
     }
     if not on_builtin_task(cfg) and any("answer" in (e.get("metadata") or {}) for e in eval_examples):  # GSM8K-style data
         metrics["format_rate"] = sum(gsm8k_formatted(r) is not None for r in responses) / len(responses)
+    if any(ifeval.ID_FIELD in (e.get("metadata") or {}) for e in eval_examples):  # IFEval-style rows: IFEval's four numbers
+        metas = [dict(e.get("metadata") or {}) for e in eval_examples]
+        res = ifeval.ifeval_metrics(texts, responses, metas, [g.finish_reason == "length" for g in gens])
+        metrics.update({k: float(res[k]) for k in ifeval.SCALAR_METRICS})
     if on_builtin_task(cfg):  # which mistakes the policy makes: carries dropped (what PPO must fix) or not
         metrics.update(mistake_breakdown(texts, responses))
     return GreedyEval(prompts, gens, responses, scores, metrics)

@@ -57,7 +57,8 @@ from aligner.errors import UserError
 from aligner.model.moe import routing_mismatch
 from aligner.planner import PlanError, check_fits, format_plan, make_plan
 from aligner.protocol import ACTOR_UPDATE_FIELDS, RolloutBatch, build_sequences
-from aligner.reward.rules import score
+from aligner.reward import ifeval
+from aligner.reward.rules import check_rule_rows, score
 from aligner.rollout.base import generations_to_padded, routed_experts_to_padded
 from aligner.runtime.role import check_tokenizer_fits, resolve_init
 from aligner.tracking import plot_curves
@@ -76,6 +77,8 @@ REPORT_KEYS = (
     "kl_mean",
     "eval_accuracy",
     "eval_format_rate",  # GSM8K-style data only (plot_curves skips a key no row has)
+    "eval_prompt_strict",  # IFEval-style data only
+    "eval_instruction_strict",
     "train_accuracy",
     "kl_loss",  # a KL loss term only (GRPO's k3)
     "policy_loss",
@@ -483,7 +486,7 @@ class PPOTrainer(Trainer):
         out.update(
             {
                 f"eval_{k}": res.metrics[k]
-                for k in ("accuracy_carry", "accuracy_no_carry", "dropped_carry", "format_rate")
+                for k in ("accuracy_carry", "accuracy_no_carry", "dropped_carry", "format_rate", *ifeval.SCALAR_METRICS)
                 if k in res.metrics
             }
         )
@@ -588,6 +591,8 @@ def load_prompts(cfg: AlignerConfig):
     tok = resolve_tokenizer(cfg.tokenizer, cfg.task, cfg.output_dir)
     check_tokenizer_fits(len(tok), cfg.actor.init, cfg.model, "actor")
     splits = load_data("prompt", cfg.data, cfg.task, tok, cfg.output_dir)
+    if cfg.reward.type == "rule":  # rows the rule cannot score stop the run here, before any worker starts
+        check_rule_rows(cfg.reward.rule, splits.train + splits.eval)
     if not splits.eval:  # no held-out prompts (warned by load_data): evaluation runs on training prompts
         log.warning(
             "ppo: evaluating on the first %d training prompts: the eval_* metrics are not held-out figures",
