@@ -21,10 +21,10 @@ from aligner.cli import load_config
 from aligner.tracking import read_metrics
 from aligner.trainers.ppo import PPOTrainer
 from aligner.trainers.sft import SFTTrainer
+from tests.toolkit.overrides import FAST
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-FAST = ["trainer.progress=false", "task.num_eval=32", "trainer.eval_batch_size=32"]
 MOE = [
     "model.num_experts=4",
     "model.num_experts_per_tok=2",
@@ -32,15 +32,6 @@ MOE = [
     "actor.parallel.ep_size=2",
     "actor.parallel.dp_backend=ddp",
 ]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from aligner.workers.ray_runtime import init_ray, shutdown_ray
-
-    init_ray(num_cpus=4)
-    yield
-    shutdown_ray()
 
 
 def test_moe_sft_then_ppo_with_expert_parallelism(ray_cluster, tmp_path, monkeypatch):

@@ -32,15 +32,6 @@ COMMON = [
 STAGES = {"sft": (SFTTrainer, "actor", ("loss", "eval_loss")), "rm": (RMTrainer, "reward", ("loss", "accuracy", "margin", "eval_loss"))}
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from aligner.workers.ray_runtime import init_ray, shutdown_ray
-
-    init_ray(num_cpus=6)
-    yield
-    shutdown_ray()
-
-
 def _run(stage: str, out, layout=(1, 1, 1)) -> list[dict]:
     trainer_cls, role, _ = STAGES[stage]
     tp, pp, dp = layout
