@@ -25,7 +25,7 @@ from aligner.trainers.rm import MAX_STATS_PAIRS, RMTrainer, default_init
 from aligner.trainers.sft import SFTTrainer
 from tests.toolkit.overrides import FAST
 from tests.toolkit.paths import shared_path
-from tests.toolkit.stages import Interrupted, interrupting, logged, run_cli, run_stage
+from tests.toolkit.stages import Interrupted, interrupting, logged, run_cli, run_stage, start_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -156,13 +156,32 @@ def test_tiny_demo_acceptance(tmp_path):
     assert summary["final"]["eval_kl_to_ref"] < 2.0, summary
     assert summary["final"]["eval_rm_score"] > summary["initial"]["eval_rm_score"], summary
     gains = {"default": last["eval_accuracy"] - first["eval_accuracy"]}
-    for seed in (1, 2):  # the same SFT policy and RM, other trainer seeds (sampling and data order)
-        out = tmp_path / f"ppo_seed{seed}"
-        args = [f"output_dir={out}", f"actor.init={sft}", f"reward.init={rm}", f"trainer.seed={seed}", "trainer.progress=false"]
-        p, _ = run_cli("aligner.ppo", "conf=tiny", *args, cwd=tmp_path, timeout=600)
-        assert p.returncode == 0, p.stderr[-3000:]
-        s = json.loads((out / "summary.json").read_text())
-        gains[f"seed {seed}"] = s["final"]["eval_accuracy"] - s["initial"]["eval_accuracy"]
+    # the same SFT policy and RM, other trainer seeds (sampling and data order): both runs at once,
+    # each its own process and Ray instance (a run's results do not depend on what else runs)
+    runs = {seed: tmp_path / f"ppo_seed{seed}" for seed in (1, 2)}
+    procs = {
+        seed: start_cli(
+            "aligner.ppo",
+            "conf=tiny",
+            f"output_dir={out}",
+            f"actor.init={sft}",
+            f"reward.init={rm}",
+            f"trainer.seed={seed}",
+            "trainer.progress=false",
+            log=tmp_path / f"ppo_seed{seed}.log",
+            cwd=tmp_path,
+        )
+        for seed, out in runs.items()
+    }
+    try:
+        for seed, p in procs.items():
+            assert p.wait(timeout=900) == 0, (tmp_path / f"ppo_seed{seed}.log").read_text()[-3000:]
+            s = json.loads((runs[seed] / "summary.json").read_text())
+            gains[f"seed {seed}"] = s["final"]["eval_accuracy"] - s["initial"]["eval_accuracy"]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
     assert all(g >= 0.15 for g in gains.values()), gains
     assert (ppo / "ppo_report.png").stat().st_size > 10_000
     assert "held-out accuracy (greedy, rule-checked)" in proc.stdout

@@ -30,6 +30,13 @@ def run_cli(module: str, *args: str, cwd: Path = REPO, timeout: int = 600) -> tu
     return proc, time.perf_counter() - t0
 
 
+def start_cli(module: str, *args: str, log: Path, cwd: Path = REPO) -> subprocess.Popen:
+    """Start `python -m module args...` as :func:`run_cli` does, without waiting; stdout and stderr go to the file `log`."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with open(log, "w") as f:  # the child holds its own descriptor
+        return subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT)
+
+
 def logged(out: Path, key: str = "loss") -> dict[int, float]:
     """step -> value of `key` for the rows of out/metrics.jsonl that have it."""
     from aligner.tracking import read_metrics
