@@ -22,7 +22,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repo root: tests._spawn
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repo root: tests.toolkit.spawn
 
 MODES = ("none", "selective", "full")
 
@@ -74,7 +74,7 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=352)
     args = p.parse_args()
     from aligner.parallel.memory import LayerDims, korthikanti_bytes, layer_activation_bytes
-    from tests._spawn import run_distributed
+    from tests.toolkit.spawn import run_distributed
 
     single = _measure(args, None, False)
     tp = run_distributed(_tp_worker, world_size=2, args=(args,))[0]

@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from aligner.config import ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TaskConfig
+from aligner.config import ConfigError, DataConfig, OptimConfig, ParallelConfig, TaskConfig
+from tests.toolkit.models import tiny_model_config
 
-TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=2, max_seq_len=32)
+SMALL_WIDTH = dict(hidden_size=16, intermediate_size=32, num_heads=2)  # of tiny_model_config
 HH = "\n\nHuman: hi\n\nAssistant: "
 
 
@@ -177,7 +178,7 @@ def hf_dir(tmp_path):
     from aligner.model.hf import save_hf
     from aligner.model.llama import build_model
 
-    cfg = ModelConfig(**TINY)
+    cfg = tiny_model_config(**SMALL_WIDTH)
     return save_hf(build_model(cfg, "lm", seed=0).state_dict(), cfg, tmp_path / "hf", max_shard_bytes=2**30)
 
 
@@ -185,7 +186,7 @@ def _sharded(d: Path) -> Path:
     from aligner.model.hf import save_hf
     from aligner.model.llama import build_model
 
-    cfg = ModelConfig(**TINY)
+    cfg = tiny_model_config(**SMALL_WIDTH)
     return save_hf(build_model(cfg, "lm", seed=0).state_dict(), cfg, d, max_shard_bytes=8192)
 
 
@@ -219,7 +220,7 @@ def _corrupt(kind: str, d: Path) -> tuple[Path, list[str]]:
         from safetensors.torch import load_file, save_file
 
         sd = load_file(str(st))
-        sd["model.norm.weight"] = torch.ones(TINY["hidden_size"] + 1)
+        sd["model.norm.weight"] = torch.ones(SMALL_WIDTH["hidden_size"] + 1)
         save_file(sd, str(st))
         return d, ["tensor model.norm.weight has shape (17,) but the model expects (16,)"]
     if kind == "other_model_size":
@@ -276,7 +277,7 @@ def test_bad_hf_checkpoint_as_role_init(hf_dir):
 
     _corrupt("truncated_safetensors", hf_dir)
     with pytest.raises(CheckpointError, match="model.safetensors: cannot read safetensors"):
-        load_initial_model(str(hf_dir.parent), ModelConfig(**TINY), "lm", seed=0)  # run dir with hf/ inside
+        load_initial_model(str(hf_dir.parent), tiny_model_config(**SMALL_WIDTH), "lm", seed=0)  # run dir with hf/ inside
     with pytest.raises(ValueError, match=r"init='.*empty' is neither an HF model dir .* nor an aligner run dir"):
         (hf_dir.parent / "empty").mkdir()
         resolve_init(str(hf_dir.parent / "empty"))
@@ -286,7 +287,7 @@ def test_save_hf_refuses_nan_and_leaves_nothing(tmp_path):
     from aligner.model.hf import CheckpointError, save_hf
     from aligner.model.llama import build_model
 
-    cfg = ModelConfig(**TINY)
+    cfg = tiny_model_config(**SMALL_WIDTH)
     sd = build_model(cfg, "lm", seed=0).state_dict()
     sd["model.norm.weight"][3] = float("nan")
     with pytest.raises(CheckpointError, match="tensor model.norm.weight has NaN/Inf"):
@@ -298,7 +299,9 @@ def _engine(**model_kw):
     from aligner.parallel.dims import ParallelDims
     from aligner.runtime.train_runtime import TrainRuntime
 
-    return TrainRuntime(ModelConfig(**{**TINY, **model_kw}), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=10)
+    return TrainRuntime(
+        tiny_model_config(**{**SMALL_WIDTH, **model_kw}), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=10
+    )
 
 
 @pytest.mark.parametrize(

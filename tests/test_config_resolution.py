@@ -24,12 +24,12 @@ from aligner.config import (
     REWARD_KL_COEF,
     AlgorithmConfig,
     ConfigError,
-    ModelConfig,
     follow_the_estimator,
     hydra_schema,
 )
 from aligner.model.hf import save_hf
 from aligner.model.llama import build_model
+from tests.toolkit.models import tiny_model_config
 
 RULE = ["reward.type=rule", "reward.rule=digit_fraction", "actor.init=", "critic.init=", "reward.init=", "ref.init="]
 
@@ -58,7 +58,14 @@ def test_kl_placement_and_the_roles_it_starts(overrides, in_reward, roles):
 
 
 # ---- KL defaults follow the advantage estimator (issue 35) ------------------------------------------------
-PRESETS_GROUP = {"tiny": 1, "smollm2_135m": 8, "smollm2_ifeval": 8, "llama2_7b": 1, "llama2_13b": 1, "llama2_70b": 1}  # n_samples_per_prompt
+PRESETS_GROUP = {
+    "tiny": 1,
+    "smollm2_135m": 8,
+    "smollm2_ifeval": 8,
+    "llama2_7b": 1,
+    "llama2_13b": 1,
+    "llama2_70b": 1,
+}  # n_samples_per_prompt
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -193,16 +200,7 @@ def test_ppo_data_order_follows_data_shuffle_seed_as_sft_and_rm_do():
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """An HF Llama dir whose dimensions differ from the tiny preset's (context 1024, GQA 4/2, 3 layers)."""
-    cfg = ModelConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        max_seq_len=1024,
-        rope_theta=100000.0,
-    )
+    cfg = tiny_model_config(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=3, max_seq_len=1024, rope_theta=100000.0)
     out = tmp_path_factory.mktemp("ckpt") / "hf"
     save_hf({k: v for k, v in build_model(cfg, seed=0).state_dict().items()}, cfg, out)
     return out
@@ -237,7 +235,7 @@ def test_sft_and_rm_read_their_own_roles_checkpoint(hf_dir):
 
 
 def test_another_roles_checkpoint_is_checked_against_its_own_dimensions(hf_dir, tmp_path):
-    small = ModelConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=2, max_seq_len=128)
+    small = tiny_model_config(vocab_size=512, num_heads=2, max_seq_len=128)
     rm_dir = tmp_path / "rm"
     save_hf(build_model(small, kind="score", seed=0).state_dict(), small, rm_dir, kind="score")
     base = [f"actor.init={hf_dir}", f"reward.init={rm_dir}", "reward.type=model", "data.max_seq_len=256"]

@@ -209,7 +209,7 @@ def test_one_grpo_step_through_ray_on_the_real_model(smollm2_hf, tmp_path):
     after with the answer-format rate, the rollout log-probs equal to the trainer's, an HF export."""
     import json
 
-    from tests.conftest import shared_path
+    from tests.toolkit.paths import shared_path
 
     gsm8k = shared_path("data", "gsm8k", "train.jsonl")
     out = tmp_path / "run"

@@ -18,7 +18,7 @@ import pytest
 from aligner.cli import load_config
 from aligner.tracking import read_metrics
 from aligner.trainers.dpo import DPOTrainer, default_init
-from tests.test_sft_rm import _cli, _interrupting, _metric, _run, ray_cluster  # noqa: F401 (a fixture)
+from tests.toolkit.stages import Interrupted, interrupting, logged, run_cli, run_stage
 
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +40,7 @@ DPO_KEYS = ("loss", "dpo_loss", "nll", "rewards_chosen", "rewards_rejected", "re
 
 
 def test_dpo_config_errors_exit_2(tmp_path):
-    proc, _ = _cli("aligner.dpo", "dpo.loss_type=ipo", "dpo.label_smoothing=0.1", f"output_dir={tmp_path / 'out'}", timeout=120)
+    proc, _ = run_cli("aligner.dpo", "dpo.loss_type=ipo", "dpo.label_smoothing=0.1", f"output_dir={tmp_path / 'out'}", timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip() == (
         "aligner dpo: error: dpo.label_smoothing=0.1 is invalid: applies to dpo.loss_type=sigmoid only "
@@ -60,10 +60,10 @@ def test_tiny_dpo_default_init(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_tiny_dpo_cli_outputs_and_resume(ray_cluster, tmp_path, monkeypatch):  # noqa: F811
+def test_tiny_dpo_cli_outputs_and_resume(ray_cluster, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     full = tmp_path / "full"
-    proc, _ = _cli("aligner.dpo", "conf=tiny", *COMMON, f"output_dir={full}", cwd=tmp_path)
+    proc, _ = run_cli("aligner.dpo", "conf=tiny", *COMMON, f"output_dir={full}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(full / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -81,11 +81,11 @@ def test_tiny_dpo_cli_outputs_and_resume(ray_cluster, tmp_path, monkeypatch):  #
     assert (full / "curves.png").is_file() and any((full / "tensorboard").iterdir())
 
     cut = tmp_path / "cut"
-    with pytest.raises(Exception, match="2"):  # tests.test_sft_rm.Interrupted(step)
-        _run(_interrupting(DPOTrainer, 2), "dpo", COMMON + [f"output_dir={cut}"])
-    assert max(_metric(cut)) == 2
-    assert _run(DPOTrainer, "dpo", COMMON + [f"output_dir={cut}", "resume=true"]) == 0
+    with pytest.raises(Interrupted, match="2"):
+        run_stage(interrupting(DPOTrainer, 2), "dpo", COMMON + [f"output_dir={cut}"])
+    assert max(logged(cut)) == 2
+    assert run_stage(DPOTrainer, "dpo", COMMON + [f"output_dir={cut}", "resume=true"]) == 0
     for key in DPO_KEYS + ("grad_norm", "eval_loss", "eval_reward_margin"):
-        a, b = _metric(full, key), _metric(cut, key)
+        a, b = logged(full, key), logged(cut, key)
         assert sorted(a) == sorted(b) and len(a) >= 2, (key, a, b)
         assert a == pytest.approx(b, abs=1e-6), f"{key}: resumed run differs from the uninterrupted one: {a} vs {b}"

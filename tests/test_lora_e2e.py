@@ -18,11 +18,10 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.toolkit.overrides import FAST
+from tests.toolkit.paths import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-
-FAST = ["conf=tiny", "trainer.progress=false", "task.num_eval=32", "trainer.eval_batch_size=32"]
 
 
 def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
@@ -36,7 +35,7 @@ def test_lora_sft_then_ppo_export_adapters_that_load_in_peft(tmp_path):
 
     sft = tmp_path / "sft"
     lora = ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.lora.target_modules=[q_proj,v_proj,down_proj]"]
-    proc = _cli("aligner.sft", *FAST, *lora, "trainer.max_steps=4", f"output_dir={sft}")
+    proc = _cli("aligner.sft", "conf=tiny", *FAST, *lora, "trainer.max_steps=4", f"output_dir={sft}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     adapter = sft / "hf" / "adapter"
     cfg = json.loads((adapter / "adapter_config.json").read_text())
@@ -59,6 +58,7 @@ def test_lora_sft_then_ppo_export_adapters_that_load_in_peft(tmp_path):
     ppo = tmp_path / "ppo"
     proc = _cli(
         "aligner.ppo",
+        "conf=tiny",
         *FAST,
         *lora,
         f"actor.init={sft}",

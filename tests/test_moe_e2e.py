@@ -1,8 +1,8 @@
 """An MoE policy through the stages on Ray (CPU): SFT with expert parallelism, then PPO from it.
 
-- SFT on the built-in task with a Mixtral-style model (4 experts, top-2), dp=2 x ep=2 (DDP): the
-  router statistics are logged, the HF export is a ``MixtralForCausalLM`` whose logits transformers
-  reproduces (1e-5);
+- SFT on the built-in task with a Mixtral-style model (4 experts, top-2), dp=2 x ep=2 (DDP), once for
+  the module: the router statistics are logged, the HF export is a ``MixtralForCausalLM`` whose
+  logits transformers reproduces (1e-5);
 - the RM and DPO stages from it with ep=2 as well;
 - PPO from that checkpoint (the model's MoE dimensions adopted from its config.json), the actor at
   dp=2 x ep=2: refit of the expert-parallel weights into the engine, whose rollout log-probs equal
@@ -21,10 +21,10 @@ from aligner.cli import load_config
 from aligner.tracking import read_metrics
 from aligner.trainers.ppo import PPOTrainer
 from aligner.trainers.sft import SFTTrainer
+from tests.toolkit.overrides import FAST
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-FAST = ["trainer.progress=false", "task.num_eval=32", "trainer.eval_batch_size=32"]
 MOE = [
     "model.num_experts=4",
     "model.num_experts_per_tok=2",
@@ -35,22 +35,23 @@ MOE = [
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    from aligner.workers.ray_runtime import init_ray, shutdown_ray
+def moe_sft(ray_cluster, tmp_path_factory):
+    """One MoE SFT run (dp=2 x ep=2, 6 steps) that both tests start from: its run dir."""
+    root = tmp_path_factory.mktemp("moe")
+    sft = root / "sft"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        cfg = load_config("sft", FAST + MOE + ["trainer.max_steps=6", "trainer.eval_every=6", f"output_dir={sft}", "task.num_sft=400"])
+        assert SFTTrainer(cfg).run() == 0
+    return sft
 
-    init_ray(num_cpus=4)
-    yield
-    shutdown_ray()
 
-
-def test_moe_sft_then_ppo_with_expert_parallelism(ray_cluster, tmp_path, monkeypatch):
+def test_moe_sft_then_ppo_with_expert_parallelism(moe_sft, tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers")
     from aligner.model.hf import load_hf_model
 
     monkeypatch.chdir(tmp_path)
-    sft = tmp_path / "sft"
-    cfg = load_config("sft", FAST + MOE + ["trainer.max_steps=6", "trainer.eval_every=6", f"output_dir={sft}", "task.num_sft=400"])
-    assert SFTTrainer(cfg).run() == 0
+    sft = moe_sft
     last = read_metrics(sft / "metrics.jsonl")[-1]
     assert 0.9 < last["moe_aux_loss"] < 4.0 and last["moe_max_load"] >= 1.0 and last["moe_dropped"] == 0.0
 
@@ -78,15 +79,14 @@ def test_moe_sft_then_ppo_with_expert_parallelism(ray_cluster, tmp_path, monkeyp
         assert r["refit_bytes"] > 0 and "actor/moe_aux_loss" in r and "critic/moe_aux_loss" in r
 
 
-def test_moe_reward_model_and_dpo_with_expert_parallelism(ray_cluster, tmp_path, monkeypatch):
+def test_moe_reward_model_and_dpo_with_expert_parallelism(moe_sft, tmp_path, monkeypatch):
     """The RM (an MoE score model, exported as MixtralForSequenceClassification) and DPO (an MoE policy
-    against its frozen MoE reference), each at dp=2 x ep=2 from a few-step MoE SFT run."""
+    against its frozen MoE reference), each at dp=2 x ep=2 from the few-step MoE SFT run."""
     from aligner.trainers.dpo import DPOTrainer
     from aligner.trainers.rm import RMTrainer
 
     monkeypatch.chdir(tmp_path)
-    sft = tmp_path / "sft"
-    assert SFTTrainer(load_config("sft", FAST + MOE + ["trainer.max_steps=2", f"output_dir={sft}", "task.num_sft=200"])).run() == 0
+    sft = moe_sft
     ep = ["parallel.dp_size=2", "parallel.ep_size=2", "parallel.dp_backend=ddp"]
     common = FAST + ["trainer.max_steps=3", "trainer.eval_every=3", "trainer.micro_batch_size=8", "task.num_pairs=200"]
     rm = tmp_path / "rm"

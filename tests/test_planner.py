@@ -48,6 +48,7 @@ from aligner.planner import (
     train_bytes_per_parameter,
 )
 from aligner.runtime.adamw import build_adamw
+from tests.toolkit.models import tiny_model_config
 
 LLAMA2 = {
     "7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32),
@@ -74,7 +75,7 @@ def llama2_cfg(size: str, nodes: int, gpus: int = 8, mem: float = 80.0, stage: s
     )
 
 
-TINY = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=176, num_layers=3, num_heads=4, num_kv_heads=2, max_seq_len=64)
+TINY = tiny_model_config(vocab_size=96, hidden_size=64, intermediate_size=176, num_layers=3, max_seq_len=64)
 
 
 def tiny_work(seq: int, batch: int, kind: str = "lm") -> RoleWork:

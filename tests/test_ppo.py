@@ -12,15 +12,11 @@ import math
 import pytest
 
 from aligner.ppo import main as ppo_main
+from tests.toolkit.overrides import PPO_RULE
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.e2e]
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.e2e, pytest.mark.usefixtures("ray_cluster")]
 
-BASE = [
-    "actor.init=",
-    "reward.init=",
-    "critic.init=",
-    "reward.type=rule",
-    "reward.rule=digit_fraction",
+BASE = PPO_RULE + [
     "trainer.rollout_batch_size=16",
     "trainer.mini_batch_size=16",
     "trainer.micro_batch_size=8",

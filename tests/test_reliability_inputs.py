@@ -16,12 +16,13 @@ import stat
 
 import pytest
 
-from aligner.config import DataConfig, ModelConfig, TaskConfig
+from aligner.config import DataConfig, TaskConfig
 from aligner.data import load_data, load_records
 from aligner.data.task import build_task_tokenizer
 from aligner.data.tokenizer import load_tokenizer
 from aligner.model.hf import save_hf
 from aligner.model.llama import build_model
+from tests.toolkit.models import tiny_model_config
 
 
 def _jsonl(path, rows) -> str:
@@ -77,7 +78,7 @@ def test_a_dataset_too_small_to_hold_out_says_there_is_no_held_out_split(tmp_pat
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_exported_weights_follow_the_umask(tmp_path, umask):
-    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=2, max_seq_len=16)
+    cfg = tiny_model_config(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, max_seq_len=16)
     old = os.umask(umask)
     try:
         out = save_hf(build_model(cfg, seed=0).state_dict(), cfg, tmp_path / "hf")

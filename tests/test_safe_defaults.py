@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import aligner
+from tests.toolkit.models import tiny_model_config
 
 PKG = Path(aligner.__file__).resolve().parent
 CONF = PKG.parent / "conf"
@@ -111,10 +112,9 @@ def test_a_target_override_is_refused():
 
 
 def _tiny_state():
-    from aligner.config import ModelConfig
     from aligner.model.llama import build_model
 
-    cfg = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=2, max_seq_len=16)
+    cfg = tiny_model_config(vocab_size=32, hidden_size=16, intermediate_size=32, num_heads=2, max_seq_len=16)
     return cfg, build_model(cfg, "lm", seed=0).state_dict()
 
 

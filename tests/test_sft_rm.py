@@ -14,11 +14,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,36 +23,11 @@ from aligner.cli import load_config
 from aligner.tracking import read_metrics
 from aligner.trainers.rm import MAX_STATS_PAIRS, RMTrainer, default_init
 from aligner.trainers.sft import SFTTrainer
-from tests.conftest import REPO, shared_path
+from tests.toolkit.overrides import FAST
+from tests.toolkit.paths import shared_path
+from tests.toolkit.stages import Interrupted, interrupting, logged, run_cli, run_stage, start_cli
 
 pytestmark = pytest.mark.e2e
-
-FAST = ["trainer.progress=false", "task.num_eval=32", "trainer.eval_batch_size=32"]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from aligner.workers.ray_runtime import init_ray, shutdown_ray
-
-    init_ray(num_cpus=4)
-    yield
-    shutdown_ray()
-
-
-def _run(trainer_cls, stage: str, overrides: list[str]) -> int:
-    return trainer_cls(load_config(stage, overrides)).run()
-
-
-def _cli(module: str, *args: str, cwd: Path = REPO, timeout: int = 600) -> tuple[subprocess.CompletedProcess, float]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc, time.perf_counter() - t0
-
-
-def _metric(out: Path, key: str = "loss") -> dict[int, float]:
-    """step -> value of `key` for the metrics.jsonl records that have it."""
-    return {r["step"]: r[key] for r in read_metrics(out / "metrics.jsonl") if key in r}
 
 
 # ---- configuration errors ------------------------------------------------------------------
@@ -69,7 +40,7 @@ def _metric(out: Path, key: str = "loss") -> dict[int, float]:
     ],
 )
 def test_config_errors_exit_2_with_one_line(module, args, expect, tmp_path):
-    proc, _ = _cli(module, *args, f"output_dir={tmp_path / 'out'}", timeout=120)
+    proc, _ = run_cli(module, *args, f"output_dir={tmp_path / 'out'}", timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr
@@ -82,7 +53,7 @@ def test_config_errors_exit_2_with_one_line(module, args, expect, tmp_path):
 def test_init_that_is_not_a_model_exits_2(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    proc, _ = _cli("aligner.rm", f"reward.init={empty}", f"output_dir={tmp_path / 'out'}", timeout=120)
+    proc, _ = run_cli("aligner.rm", f"reward.init={empty}", f"output_dir={tmp_path / 'out'}", timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(f"aligner rm: error: reward.init='{empty}' is neither an HF model dir")
 
@@ -100,21 +71,6 @@ def test_tiny_rm_default_init(tmp_path, monkeypatch):
 
 
 # ---- resume exactness ----------------------------------------------------------------------
-class Interrupted(Exception):
-    pass
-
-
-def _interrupting(trainer_cls, at_step: int):
-    class Stopper(trainer_cls):
-        def save(self, manager):
-            path = super().save(manager)
-            if self.step == at_step:
-                raise Interrupted(self.step)
-            return path
-
-    return Stopper
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "trainer_cls,stage,extra,keys",
@@ -137,14 +93,14 @@ def test_resume_reproduces_uninterrupted_losses(ray_cluster, tmp_path, monkeypat
         ]
     )
     full, cut = tmp_path / "full", tmp_path / "cut"
-    assert _run(trainer_cls, stage, common + [f"output_dir={full}"]) == 0
+    assert run_stage(trainer_cls, stage, common + [f"output_dir={full}"]) == 0
     with pytest.raises(Interrupted):
-        _run(_interrupting(trainer_cls, 3), stage, common + [f"output_dir={cut}"])
-    assert max(_metric(cut)) == 3
+        run_stage(interrupting(trainer_cls, 3), stage, common + [f"output_dir={cut}"])
+    assert max(logged(cut)) == 3
     assert (cut / "checkpoints" / "latest").read_text().strip() == "step_00000003"
-    assert _run(trainer_cls, stage, common + [f"output_dir={cut}", "resume=true"]) == 0
+    assert run_stage(trainer_cls, stage, common + [f"output_dir={cut}", "resume=true"]) == 0
     for key in keys:
-        a, b = _metric(full, key), _metric(cut, key)
+        a, b = logged(full, key), logged(cut, key)
         assert sorted(a) == sorted(b) and len(a) >= 2, (key, a, b)
         assert a == b, f"{key}: resumed run differs from the uninterrupted one: {a} vs {b}"
     steps = [r["step"] for r in read_metrics(cut / "metrics.jsonl")]
@@ -166,7 +122,7 @@ def test_tiny_demo_acceptance(tmp_path):
     2500-step SFT and the over-carry pairs, 2026-11-24 gave +31 to +32 over three seeds: docs/algorithms.md.)
     """
     root = tmp_path / "demo"
-    proc, secs = _cli("aligner.demo", f"output_dir={root}", "trainer.progress=false", cwd=tmp_path, timeout=1500)
+    proc, secs = run_cli("aligner.demo", f"output_dir={root}", "trainer.progress=false", cwd=tmp_path, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     times = dict(re.findall(r"(sft|rm|ppo) ([0-9.]+) min", proc.stdout))
     assert set(times) == {"sft", "rm", "ppo"}, proc.stdout[-2000:]
@@ -200,13 +156,32 @@ def test_tiny_demo_acceptance(tmp_path):
     assert summary["final"]["eval_kl_to_ref"] < 2.0, summary
     assert summary["final"]["eval_rm_score"] > summary["initial"]["eval_rm_score"], summary
     gains = {"default": last["eval_accuracy"] - first["eval_accuracy"]}
-    for seed in (1, 2):  # the same SFT policy and RM, other trainer seeds (sampling and data order)
-        out = tmp_path / f"ppo_seed{seed}"
-        args = [f"output_dir={out}", f"actor.init={sft}", f"reward.init={rm}", f"trainer.seed={seed}", "trainer.progress=false"]
-        p, _ = _cli("aligner.ppo", "conf=tiny", *args, cwd=tmp_path, timeout=600)
-        assert p.returncode == 0, p.stderr[-3000:]
-        s = json.loads((out / "summary.json").read_text())
-        gains[f"seed {seed}"] = s["final"]["eval_accuracy"] - s["initial"]["eval_accuracy"]
+    # the same SFT policy and RM, other trainer seeds (sampling and data order): both runs at once,
+    # each its own process and Ray instance (a run's results do not depend on what else runs)
+    runs = {seed: tmp_path / f"ppo_seed{seed}" for seed in (1, 2)}
+    procs = {
+        seed: start_cli(
+            "aligner.ppo",
+            "conf=tiny",
+            f"output_dir={out}",
+            f"actor.init={sft}",
+            f"reward.init={rm}",
+            f"trainer.seed={seed}",
+            "trainer.progress=false",
+            log=tmp_path / f"ppo_seed{seed}.log",
+            cwd=tmp_path,
+        )
+        for seed, out in runs.items()
+    }
+    try:
+        for seed, p in procs.items():
+            assert p.wait(timeout=900) == 0, (tmp_path / f"ppo_seed{seed}.log").read_text()[-3000:]
+            s = json.loads((runs[seed] / "summary.json").read_text())
+            gains[f"seed {seed}"] = s["final"]["eval_accuracy"] - s["initial"]["eval_accuracy"]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
     assert all(g >= 0.15 for g in gains.values()), gains
     assert (ppo / "ppo_report.png").stat().st_size > 10_000
     assert "held-out accuracy (greedy, rule-checked)" in proc.stdout
@@ -238,7 +213,7 @@ def _llama2_tiny(out: Path) -> list[str]:
 def test_sft_on_gsm8k_with_llama2_tokenizer(ray_cluster, tmp_path):
     data = shared_path("data", "gsm8k", "train.jsonl")
     out = tmp_path / "sft"
-    assert _run(SFTTrainer, "sft", _llama2_tiny(out) + [f"data.train_path={data}", "data.format=gsm8k", "data.packing=true"]) == 0
+    assert run_stage(SFTTrainer, "sft", _llama2_tiny(out) + [f"data.train_path={data}", "data.format=gsm8k", "data.packing=true"]) == 0
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     # a random 32000-way model starts near ln(32000) = 10.37 nats per response token
@@ -256,7 +231,7 @@ def test_rm_on_hh_rlhf_with_llama2_tokenizer(ray_cluster, tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     data = shared_path("data", "hh-rlhf", "harmless-base-test.jsonl")
     out = tmp_path / "rm"
-    assert _run(RMTrainer, "rm", _llama2_tiny(out) + [f"data.train_path={data}", "data.format=hh", "data.skip_invalid=true"]) == 0
+    assert run_stage(RMTrainer, "rm", _llama2_tiny(out) + [f"data.train_path={data}", "data.format=hh", "data.skip_invalid=true"]) == 0
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     # near-zero random scores: the Bradley-Terry loss starts at ln 2

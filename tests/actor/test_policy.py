@@ -15,15 +15,14 @@ import torch
 
 from aligner import algorithms as alg
 from aligner.actor.policy import Policy
-from aligner.config import AlgorithmConfig, ModelConfig, OptimConfig, ParallelConfig
+from aligner.config import AlgorithmConfig, OptimConfig, ParallelConfig
 from aligner.model.llama import build_model, select_positions
 from aligner.nn.vocab import vocab_parallel_entropy, vocab_parallel_log_probs
 from aligner.parallel.dims import ParallelDims
 from aligner.protocol import build_sequences, response_index
+from tests.toolkit.models import tiny_model_config
 
-CFG = ModelConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32, init_std=0.2
-)
+CFG = tiny_model_config(init_std=0.2)
 OPTIM = OptimConfig(lr=1e-3, warmup_steps=0, schedule="constant", grad_clip=0.0)
 TEMPERATURE = 0.9
 

@@ -22,15 +22,14 @@ import torch.nn.functional as F
 
 from aligner import algorithms as alg
 from aligner.actor.policy import Policy, pair_rows
-from aligner.config import DPOConfig, ModelConfig, OptimConfig, ParallelConfig
+from aligner.config import DPOConfig, OptimConfig, ParallelConfig
 from aligner.data.collate import collate_pairs
 from aligner.model.hf import save_hf
 from aligner.model.llama import build_model
 from aligner.parallel.dims import ParallelDims
+from tests.toolkit.models import tiny_model_config
 
-CFG = ModelConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32, init_std=0.2
-)
+CFG = tiny_model_config(init_std=0.2)
 OPTIM = OptimConfig(lr=1e-3, warmup_steps=0, schedule="constant", grad_clip=0.0)
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._spawn import run_distributed
+from tests.toolkit.models import tiny_model_config
+from tests.toolkit.spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -48,11 +49,9 @@ def _grouped_batch():
 
 def _policy(tp: int, pp: int, sp: bool, dims):
     from aligner.actor.policy import Policy
-    from aligner.config import ModelConfig, OptimConfig, ParallelConfig
+    from aligner.config import OptimConfig, ParallelConfig
 
-    cfg = ModelConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32, init_std=0.2
-    )
+    cfg = tiny_model_config(init_std=0.2)
     par = ParallelConfig(tp_size=tp, pp_size=pp, sequence_parallel=sp, dp_backend="ddp")
     # eps = 1: Adam's first update is lr * g / (|g| + 1), smooth in the gradient, so comparing the
     # weights after it compares gradients (a tiny eps would amplify rounding of near-zero grads)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._spawn import run_distributed
+from tests.toolkit.models import tiny_model_config
+from tests.toolkit.spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -31,11 +32,9 @@ PROMPTS = [[5, 6, 7], [8, 9, 10], [11, 12, 13, 14]]
 
 def _run(tp: int, dp: int, backend: str, dims):
     from aligner.actor.policy import Policy
-    from aligner.config import ModelConfig, OptimConfig, ParallelConfig, PromptLearningConfig
+    from aligner.config import OptimConfig, ParallelConfig, PromptLearningConfig
 
-    cfg = ModelConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=48, init_std=0.2
-    )
+    cfg = tiny_model_config(max_seq_len=48, init_std=0.2)
     par = ParallelConfig(tp_size=tp, dp_size=dp, dp_backend=backend)
     optim = OptimConfig(lr=1e-2, eps=1.0, warmup_steps=0, schedule="constant")  # eps=1: see test_policy_layouts
     pl = PromptLearningConfig(type="p_tuning", num_virtual_tokens=4, encoder="mlp", encoder_hidden_size=16)

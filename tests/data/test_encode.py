@@ -24,7 +24,7 @@ from aligner.data.pipeline import as_user_turn
 from aligner.data.task import build_task_tokenizer
 from aligner.data.tokenizer import load_tokenizer
 from aligner.model.llama import default_position_ids
-from tests.conftest import shared_path
+from tests.toolkit.paths import shared_path
 
 
 def write_jsonl(path, rows) -> str:

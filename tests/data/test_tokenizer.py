@@ -7,7 +7,7 @@ import pytest
 from aligner.config import TaskConfig
 from aligner.data.task import build_task_tokenizer
 from aligner.data.tokenizer import DEFAULT_CHAT_TEMPLATE, load_tokenizer
-from tests.conftest import shared_path
+from tests.toolkit.paths import shared_path
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ from transformers import (
     Qwen2ForCausalLM as HFQwen2,
 )
 
-from aligner.config import ModelConfig
 from aligner.model.hf import CheckpointError, load_hf_model, load_hf_state_dict, model_config_to_hf, save_hf
 from aligner.model.llama import build_model, default_position_ids, last_token_scores
+from tests.toolkit.models import tiny_model_config
 
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2, max_position_embeddings=128)
 CASES = {
@@ -89,7 +89,7 @@ def test_padding_mask_and_positions_match_transformers(tmp_path):
 
 
 def test_packed_segments_equal_separate_sequences():
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    cfg = tiny_model_config(max_seq_len=256)
     m = build_model(cfg, seed=3)
     a, b = torch.randint(0, 64, (1, 5)), torch.randint(0, 64, (1, 7))
     packed = torch.cat([a, b], 1)
@@ -102,7 +102,7 @@ def test_packed_segments_equal_separate_sequences():
 
 
 def test_export_import_bit_exact_and_transformers_loads(tmp_path):
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    cfg = tiny_model_config(max_seq_len=256)
     m = build_model(cfg, seed=4)
     save_hf(m.state_dict(), cfg, tmp_path / "out", max_shard_bytes=40_000)  # forces a sharded index
     assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
@@ -117,7 +117,7 @@ def test_export_import_bit_exact_and_transformers_loads(tmp_path):
 
 
 def test_score_model_exports_as_sequence_classification(tmp_path):
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=4)
+    cfg = tiny_model_config(num_kv_heads=4, max_seq_len=256)
     m = build_model(cfg, kind="score", seed=5)
     torch.nn.init.normal_(m.score.weight)
     save_hf(m.state_dict(), cfg, tmp_path / "rm", kind="score")
@@ -130,7 +130,7 @@ def test_score_model_exports_as_sequence_classification(tmp_path):
 
 
 def test_bad_checkpoints_name_the_file(tmp_path):
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=4)
+    cfg = tiny_model_config(num_kv_heads=4, max_seq_len=256)
     save_hf(build_model(cfg, seed=0).state_dict(), cfg, tmp_path / "ok")
     # truncated safetensors
     bad = tmp_path / "trunc"
@@ -142,7 +142,7 @@ def test_bad_checkpoints_name_the_file(tmp_path):
         load_hf_state_dict(bad)
     # a checkpoint of another size
     other = tmp_path / "other"
-    big = ModelConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=4)
+    big = tiny_model_config(hidden_size=48, num_kv_heads=4, max_seq_len=256)
     save_hf(build_model(big, seed=0).state_dict(), big, other)
     (other / "config.json").write_text(json.dumps(model_config_to_hf(cfg)))
     with pytest.raises(CheckpointError, match="has shape"):

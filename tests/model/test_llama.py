@@ -9,15 +9,14 @@ from __future__ import annotations
 import torch
 
 from aligner.actor.policy import Policy
-from aligner.config import ModelConfig, OptimConfig, ParallelConfig
+from aligner.config import OptimConfig, ParallelConfig
 from aligner.model.llama import build_model, select_positions
 from aligner.nn.vocab import shifted_log_probs, vocab_parallel_entropy, vocab_parallel_log_probs, vocab_parallel_log_probs_entropy
 from aligner.parallel.dims import ParallelDims
 from aligner.protocol import build_sequences, response_index, to_response
+from tests.toolkit.models import tiny_model_config
 
-CFG = ModelConfig(
-    vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32, init_std=0.2
-)
+CFG = tiny_model_config(vocab_size=96, init_std=0.2)
 
 
 def _seq():

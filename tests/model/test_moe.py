@@ -24,28 +24,18 @@ import math
 import pytest
 import torch
 
-from tests._spawn import run_distributed
+from tests.toolkit.assertions import assert_layout_matches
+from tests.toolkit.generation import greedy_reference
+from tests.toolkit.layouts import make_dims, run_layout
+from tests.toolkit.models import tiny_model_config
+from tests.toolkit.spawn import run_distributed
 
 TOL = 1e-5
 
 
 def moe_cfg(**kw):
-    from aligner.config import ModelConfig
-
-    base = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        max_seq_len=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        router_aux_loss_coef=0.01,
-    )
-    base.update(kw)
-    return ModelConfig(**base)
+    base = dict(intermediate_size=48, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.01)
+    return tiny_model_config(**{**base, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +196,6 @@ def test_engine_greedy_equals_no_cache_reference():
     from aligner.config import SamplingConfig
     from aligner.model.llama import build_model
     from aligner.rollout.torch_engine import TorchEngine
-    from tests.rollout.test_torch_engine import greedy_reference
 
     model = build_model(moe_cfg(init_std=0.1), seed=3).eval()
     prompts = [[1, 5, 9, 2], [7, 3], [4, 4, 4, 8, 10, 11]]
@@ -229,8 +218,6 @@ MOE_LAYOUTS = {
 
 
 def moe_tp_battery(rank: int, world_size: int) -> dict:
-    from tests.parallel.test_tensor_parallel import make_dims, run_layout
-
     torch.manual_seed(0)
     out = {}
     for name, (over, kind, kw) in MOE_LAYOUTS.items():
@@ -247,9 +234,7 @@ def moe_tp_results():
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
 def test_moe_tp2_matches_single_process(moe_tp_results, layout):
-    for rank, res in enumerate(moe_tp_results):
-        bad = {k: v for k, v in res[layout].items() if not v < TOL}
-        assert not bad, f"rank {rank}, {layout}: errors above {TOL}: {bad}"
+    assert_layout_matches([res[layout] for res in moe_tp_results], layout)
 
 
 def test_moe_config_errors():
@@ -365,7 +350,6 @@ def routing_battery(rank: int, world_size: int) -> dict:
     from aligner.rollout.base import routed_experts_to_padded
     from aligner.rollout.refit import rollout_dims
     from aligner.rollout.torch_engine import TorchEngine
-    from tests.parallel.test_tensor_parallel import make_dims
 
     cfg = moe_cfg(init_std=0.1)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=8)

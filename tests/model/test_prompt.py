@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from aligner.config import ModelConfig, OptimConfig, ParallelConfig, PromptLearningConfig
+from aligner.config import OptimConfig, ParallelConfig, PromptLearningConfig
 from aligner.model.prompt import (
     PROMPT_JSON,
     VirtualPrompt,
@@ -27,6 +27,7 @@ from aligner.model.prompt import (
     save_prompt,
     text_init_ids,
 )
+from tests.toolkit.models import tiny_model_config
 
 N_VIRT = 5
 HF_BASE = dict(
@@ -154,7 +155,7 @@ def test_config_validation():
 
 
 # ---- the Policy: frozen base, prompt-only optimizer and checkpoint, export / reload ------------
-MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=48)
+MODEL = tiny_model_config(max_seq_len=48)
 
 
 def _policy(typ="prompt_tuning", enc="mlp", par=None, dims=None):

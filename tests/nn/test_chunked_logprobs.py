@@ -21,7 +21,8 @@ from aligner.nn.chunked import LogProbSpec, chunked_log_probs_entropy
 from aligner.nn.vocab import vocab_parallel_log_probs_entropy
 from aligner.parallel.dims import ParallelDims
 from aligner.protocol import build_sequences
-from tests._spawn import run_distributed
+from tests.toolkit.models import tiny_model_config
+from tests.toolkit.spawn import run_distributed
 
 N, H, V = 12, 16, 40
 CHUNKS = (1, 4, 5, 12, 64)  # 4 divides N = 12, 1 and 5 do not, 12 and 64 keep the one chunk
@@ -108,17 +109,7 @@ def test_kept_chunk_refuses_a_second_backward():
 
 # ---- the model's head: tied and untied ---------------------------------------------------
 def _model_cfg(tied: bool) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=48,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        max_seq_len=32,
-        init_std=0.2,
-        tie_word_embeddings=tied,
-    )
+    return tiny_model_config(vocab_size=48, init_std=0.2, tie_word_embeddings=tied)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

@@ -14,15 +14,14 @@ import json
 import pytest
 import torch
 
-from aligner.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
+from aligner.config import LoraConfig, OptimConfig, ParallelConfig
 from aligner.model.hf import save_hf
 from aligner.model.llama import build_model
 from aligner.nn import lora
+from tests.toolkit.models import tiny_model_config
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-CFG = ModelConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32, init_std=0.2
-)
+CFG = tiny_model_config(intermediate_size=48, init_std=0.2)
 
 
 def _adapted(rank=4, alpha=8.0, targets=TARGETS, seed=3):

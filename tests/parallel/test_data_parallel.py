@@ -11,30 +11,14 @@ import pytest
 import torch
 
 from aligner.config import ModelConfig, OptimConfig, ParallelConfig
-from aligner.nn.vocab import shifted_log_probs
 from aligner.parallel.dims import ParallelDims
 from aligner.runtime.train_runtime import TrainRuntime, adamw_kwargs, build_lr_scheduler, lr_lambda
-from tests._spawn import run_distributed
+from tests.toolkit.assertions import max_abs_diff as max_param_diff
+from tests.toolkit.models import tiny_model_config as model_cfg
+from tests.toolkit.spawn import run_distributed
+from tests.toolkit.training import OPTIM, STEPS, batches, engine_run, lm_loss, make_engine
 
 pytestmark = pytest.mark.distributed
-
-STEPS = 3
-CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32)
-OPTIM = dict(lr=1e-2, warmup_steps=1, grad_clip=0.05, weight_decay=0.01)
-
-
-def model_cfg(**kw) -> ModelConfig:
-    return ModelConfig(**{**CFG, **kw})
-
-
-def batches(n_steps: int = STEPS, batch: int = 4, t: int = 16, vocab: int = 64) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, vocab, (batch, t), generator=g) for _ in range(n_steps)]
-
-
-def lm_loss(logits: torch.Tensor, ids: torch.Tensor, tp_group=None, vocab_start: int = 0) -> torch.Tensor:
-    """Mean next-token NLL over all positions (fp32)."""
-    return -shifted_log_probs(logits, ids, tp_group, vocab_start).mean()
 
 
 def reference_run(cfg: ModelConfig, optim: OptimConfig, data: list[torch.Tensor], seed: int = 0):
@@ -54,40 +38,6 @@ def reference_run(cfg: ModelConfig, optim: OptimConfig, data: list[torch.Tensor]
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def engine_run(engine: TrainRuntime, data: list[torch.Tensor], num_microbatches: int = 1):
-    """Train `engine` on this dp rank's slice of each batch; (dp-mean losses, grad norms)."""
-    from aligner.parallel.tensor_parallel import vocab_start
-
-    d = engine.dims
-    start = vocab_start(engine.module) if d.is_last_stage else 0
-    loss_fn = lambda out, mb: lm_loss(out, mb["input_ids"], d.tp_group, start)  # noqa: E731
-    losses, norms = [], []
-    for ids in data:
-        local = ids.chunk(d.dp_size)[d.dp_rank]
-        mbs = list({"input_ids": m} for m in local.chunk(num_microbatches))
-        loss = engine.forward_backward(mbs, loss_fn).mean()
-        out = engine.step()
-        engine.zero_grad()
-        l = loss.detach().float().clone()
-        if d.dp_group is not None:
-            torch.distributed.all_reduce(l, group=d.dp_group)
-            l /= d.dp_size
-        losses.append(float(l))
-        norms.append(out["grad_norm"])
-    return losses, norms
-
-
-def max_param_diff(full: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    return max(float((full[k].float() - ref[k].float()).abs().max()) for k in ref)
-
-
-def make_engine(cfg, parallel: ParallelConfig, optim: OptimConfig, world: int) -> TrainRuntime:
-    dims = ParallelDims(
-        tp_size=parallel.tp_size, pp_size=parallel.pp_size, dp_size=parallel.dp_size, world_size=world, rank=torch.distributed.get_rank()
-    ).build()
-    return TrainRuntime(cfg, "lm", parallel, optim, dims, total_steps=10)
 
 
 def dp2_battery(rank: int, world: int, ckpt_root: str) -> dict:

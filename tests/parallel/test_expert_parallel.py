@@ -15,26 +15,15 @@ import pytest
 import torch
 
 from aligner.config import ModelConfig, OptimConfig, ParallelConfig
-from aligner.parallel.dims import ParallelDims
-from aligner.runtime.train_runtime import TrainRuntime, adamw_kwargs, build_lr_scheduler
-from tests._spawn import run_distributed
-from tests.parallel.test_data_parallel import batches, engine_run, lm_loss, max_param_diff
+from aligner.runtime.train_runtime import adamw_kwargs, build_lr_scheduler
+from tests.toolkit.assertions import max_abs_diff as max_param_diff
+from tests.toolkit.models import tiny_model_config
+from tests.toolkit.spawn import run_distributed
+from tests.toolkit.training import OPTIM, batches, engine_run, lm_loss, make_engine
 
 pytestmark = pytest.mark.distributed
 
-OPTIM = dict(lr=1e-2, warmup_steps=1, grad_clip=0.05, weight_decay=0.01)
-MOE = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    max_seq_len=32,
-    num_experts=4,
-    num_experts_per_tok=2,
-    router_aux_loss_coef=0.05,
-)
+MOE = tiny_model_config(intermediate_size=32, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.05)
 
 
 def reference_run(cfg: ModelConfig, optim: OptimConfig, data: list[torch.Tensor], dp: int, micro: int = 1):
@@ -62,23 +51,11 @@ def reference_run(cfg: ModelConfig, optim: OptimConfig, data: list[torch.Tensor]
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def make_engine(cfg, parallel: ParallelConfig, optim: OptimConfig, world: int) -> TrainRuntime:
-    dims = ParallelDims(
-        tp_size=parallel.tp_size,
-        pp_size=parallel.pp_size,
-        dp_size=parallel.dp_size,
-        ep_size=parallel.ep_size,
-        world_size=world,
-        rank=torch.distributed.get_rank(),
-    ).build()
-    return TrainRuntime(cfg, "lm", parallel, optim, dims, total_steps=10)
-
-
 def ep_battery(rank: int, world: int, layouts: dict, ckpt_root: str) -> dict:
     from aligner.model.moe import GroupedExperts
     from aligner.nn import comm
 
-    cfg, optim, data = ModelConfig(**MOE), OptimConfig(**OPTIM), batches(batch=8)
+    cfg, optim, data = MOE, OptimConfig(**OPTIM), batches(batch=8)
     out: dict = {}
     refs: dict = {}
     for name, kw in layouts.items():
@@ -141,13 +118,13 @@ def test_ep2_dp2_matches_single_process_and_reshards(tmp_path):
     # each ep rank holds its 2 of the 4 experts in every layer
     assert [r["dp2 ep2 ddp"]["local_experts"] for r in res] == [[(0, 2)], [(2, 2)]]
     # one forward: per MoE layer one all-to-all of the counts (not counted) + rows there and back
-    assert res[0]["dp2 ep2 ddp"]["a2a_calls"] == 2 * MOE["num_layers"]
+    assert res[0]["dp2 ep2 ddp"]["a2a_calls"] == 2 * MOE.num_layers
     # ... of the elements the planner charges: tokens * k * H per all-to-all and rank (4 x 16 tokens per
     # rank), on average: a rank dispatches its tokens' rows and returns the rows its experts ran
     from aligner.planner import a2a_elements_per_layer
 
     sent = sum(r["dp2 ep2 ddp"]["a2a_elements"] for r in res)
-    assert sent == 2 * 2 * MOE["num_layers"] * a2a_elements_per_layer(ModelConfig(**MOE), 4 * 16)
+    assert sent == 2 * 2 * MOE.num_layers * a2a_elements_per_layer(MOE, 4 * 16)
     r = res[0]["dp2 ep2 ddp"]
     assert r["next_after_load"] == pytest.approx(r["next"], abs=1e-5)
 

@@ -16,7 +16,8 @@ import zlib
 import pytest
 import torch
 
-from tests._spawn import run_distributed
+from tests.toolkit.models import tiny_model_config
+from tests.toolkit.spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -40,12 +41,10 @@ def _batch():
 
 def _policy(tp, dp, sp, kv, backend, dims):
     from aligner.actor.policy import Policy
-    from aligner.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
+    from aligner.config import LoraConfig, OptimConfig, ParallelConfig
     from aligner.nn import lora
 
-    cfg = ModelConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=kv, max_seq_len=32, init_std=0.2
-    )
+    cfg = tiny_model_config(num_kv_heads=kv, init_std=0.2)
     pp = 1 if dims.world_size == 1 else dims.world_size // (tp * dp)
     par = ParallelConfig(tp_size=tp, pp_size=pp, dp_size=dp, sequence_parallel=sp, dp_backend=backend)
     optim = OptimConfig(lr=1e-2, eps=1.0, warmup_steps=0, schedule="constant", grad_clip=0.5)

@@ -11,8 +11,9 @@ from aligner.model.llama import LlamaModel, build_model
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.memory import layer_saved_bytes
 from aligner.parallel.parallelize import apply_recompute, decode_layer_split, parallelize, recompute_mode, stage_layer_ids
+from tests.toolkit.models import tiny_model_config
 
-CFG = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32)
+CFG = tiny_model_config(vocab_size=96, hidden_size=64, intermediate_size=160)
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -110,7 +111,7 @@ def test_decode_layer_split_balances_the_head_against_layers(pp):
 
 
 def test_decode_layer_split_edge_cases():
-    tiny = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32)
+    tiny = tiny_model_config()
     assert decode_layer_split(tiny, 1) == [2] and decode_layer_split(tiny, 2) == [1, 1]
     with pytest.raises(ValueError, match="exceeds num_layers"):
         decode_layer_split(tiny, 3)

@@ -15,9 +15,10 @@ import time
 
 import pytest
 import torch
-from test_tensor_parallel import TOL, make_batch, make_dims, run_layout, tiny_cfg
 
-from tests._spawn import run_distributed
+from tests.toolkit.assertions import assert_layout_matches
+from tests.toolkit.layouts import layout_model_config, make_batch, make_dims, run_layout
+from tests.toolkit.spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -67,7 +68,7 @@ def _mean_reduction_check(dims) -> float:
     from aligner.parallel.sharding import gather_full_state_dict
     from aligner.parallel.tensor_parallel import vocab_start
 
-    cfg = tiny_cfg(num_layers=3)
+    cfg = layout_model_config(num_layers=3)
     ref = build_model(cfg, seed=3)
     stage = build_parallel_model(cfg, "lm", dims, seed=3, sequence_parallel=True)
     batch = make_batch(cfg)
@@ -93,7 +94,7 @@ def _meta_build_and_dst_gather(dims) -> dict:
     from aligner.parallel.parallelize import build_parallel_model
     from aligner.parallel.sharding import gather_full_state_dict
 
-    cfg = tiny_cfg(num_layers=3, num_kv_heads=1, tie_word_embeddings=True)
+    cfg = layout_model_config(num_layers=3, num_kv_heads=1, tie_word_embeddings=True)
     full = build_model(cfg, seed=5).state_dict()
     stage = build_parallel_model(cfg, "lm", dims, full_state_dict=full)
     seeded = build_parallel_model(cfg, "lm", dims, seed=5)
@@ -119,7 +120,7 @@ def pp_battery(rank: int, world_size: int) -> dict:
         if shape not in dims_cache:
             dims_cache[shape] = make_dims(*shape)
         t0 = time.perf_counter()
-        out["layouts"][name] = run_layout(dims_cache[shape], tiny_cfg(**overrides), kind, **kw)
+        out["layouts"][name] = run_layout(dims_cache[shape], layout_model_config(**overrides), kind, **kw)
         out.setdefault("seconds", {})[name] = time.perf_counter() - t0
     dims = dims_cache[(2, 2, 1)]
     out["extra"]["mean loss scaling, tp2 x pp2 SP"] = _mean_reduction_check(dims)
@@ -145,17 +146,12 @@ def pp_results():
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(PP_LAYOUTS))
 def test_pipeline_layout_matches_single_process(pp_results, layout):
-    for rank, res in enumerate(pp_results):
-        errs = res["layouts"][layout]
-        bad = {k: v for k, v in errs.items() if not v < TOL}
-        assert not bad, f"rank {rank}, {layout}: errors above {TOL}: {bad}"
+    assert_layout_matches([res["layouts"][layout] for res in pp_results], layout)
 
 
 @pytest.mark.distributed
 def test_pipeline_extra_checks(pp_results):
-    for rank, res in enumerate(pp_results):
-        bad = {k: v for k, v in res["extra"].items() if not v < TOL}
-        assert not bad, f"rank {rank}: {bad}"
+    assert_layout_matches([res["extra"] for res in pp_results], "extra checks")
 
 
 @pytest.mark.distributed

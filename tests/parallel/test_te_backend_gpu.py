@@ -17,11 +17,11 @@ try:
 except Exception as e:  # pragma: no cover - depends on the machine
     pytest.skip(f"transformer_engine does not import: {e}", allow_module_level=True)
 
-from aligner.config import ModelConfig  # noqa: E402 (after the importorskip above)
 from aligner.model.llama import build_model  # noqa: E402
 from aligner.parallel.te_backend import apply_te_backend, fp8_autocast, fp8_recipe, te_layer_to_hf  # noqa: E402
+from tests.toolkit.models import tiny_model_config  # noqa: E402
 
-CFG = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2)
+CFG = tiny_model_config(vocab_size=256, hidden_size=128, intermediate_size=256, max_seq_len=256)
 
 
 def _pair():

@@ -15,7 +15,7 @@ import zlib
 import pytest
 import torch
 
-from tests._spawn import run_distributed
+from tests.toolkit.spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._spawn import run_distributed
+from tests.toolkit.models import tiny_model_config
+from tests.toolkit.spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -31,11 +32,8 @@ PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11], [3, 3]]
 
 
 def tiny_cfg():
-    from aligner.config import ModelConfig
 
-    return ModelConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32, init_std=0.1
-    )
+    return tiny_model_config(init_std=0.1)
 
 
 def trained_state_dict(cfg) -> dict:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aligner.config import ModelConfig, SamplingConfig
+from aligner.config import SamplingConfig
 from aligner.model.llama import build_model
 from aligner.nn.layers import ColumnParallelLinear, RowParallelLinear, onednn_available
 from aligner.nn.vocab import vocab_parallel_log_probs
@@ -22,10 +22,10 @@ from aligner.rollout.cpu_kernels import load_decode_attention
 from aligner.rollout.refit import iter_buckets, refit
 from aligner.rollout.sampling import filter_top_k_top_p
 from aligner.rollout.torch_engine import TorchEngine
+from tests.toolkit.generation import greedy_reference
+from tests.toolkit.models import tiny_model_config
 
-CFG = ModelConfig(
-    vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=48, init_std=0.1
-)
+CFG = tiny_model_config(vocab_size=96, hidden_size=64, intermediate_size=128, max_seq_len=48, init_std=0.1)
 PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12, 13], [3, 3]]
 VARLEN = pytest.mark.skipif(
     load_decode_attention() is None, reason=f"aligner's decode attention kernel cannot be built here: {cpu_kernels.LOAD_ERROR}"
@@ -41,14 +41,6 @@ def model():
 @pytest.fixture(scope="module")
 def engine(model):
     return TorchEngine(model)
-
-
-@torch.no_grad()
-def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 @torch.no_grad()
@@ -234,12 +226,10 @@ def test_generation_dataclass_fields():
 
 FUSED_CFGS = {
     "gqa": CFG,
-    "mha_biases": ModelConfig(
+    "mha_biases": tiny_model_config(
         vocab_size=96,
         hidden_size=64,
         intermediate_size=96,
-        num_layers=2,
-        num_heads=4,
         num_kv_heads=4,
         max_seq_len=48,
         init_std=0.1,
@@ -600,7 +590,7 @@ def test_pipelined_continuous_engine_matches_a_single_process_engine():
     """pp = 2 with 1, 2 and 3 micro-batches over 4 slots (refills, moves, duplicate prompts shared across
     micro-batches, eos stops), with SDPA and with the varlen kernel (RoPE and the k/v write in it): the tokens of a pp = 1 engine on the same weights, log-probs within 1e-5,
     and both stages return the same Generations."""
-    from tests._spawn import run_distributed
+    from tests.toolkit.spawn import run_distributed
 
     eos = pp_eos()
     model = build_model(CFG, seed=1).eval()

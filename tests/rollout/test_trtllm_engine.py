@@ -31,7 +31,7 @@ SOURCE = pathlib.Path(trtllm_engine.__file__).read_text()
 
 @pytest.fixture(scope="module")
 def api():
-    from conftest import shared_path
+    from tests.toolkit.paths import shared_path
 
     return json.loads(shared_path("data", "apis", "tensorrt_llm.json").read_text())["symbols"]
 
@@ -356,7 +356,7 @@ def _handle_protocol_battery(rank, world_size):
 @pytest.mark.distributed
 def test_handles_of_every_rank_reach_every_owner():
     """The gather the owners send to update_weights holds every rank's GPU UUID (on a gloo wait group)."""
-    from tests._spawn import run_distributed
+    from tests.toolkit.spawn import run_distributed
 
     out = run_distributed(_handle_protocol_battery, world_size=4)
     want = {"GPU-0": [("w0", 0)], "GPU-1": [("w1", 1)], "GPU-2": [("w2", 2)]}

@@ -17,11 +17,12 @@ import importlib.util
 import pytest
 import torch
 
-from aligner.config import ModelConfig, RolloutConfig, SamplingConfig
+from aligner.config import RolloutConfig, SamplingConfig
 from aligner.model.llama import build_model
 from aligner.nn.vocab import vocab_parallel_log_probs
 from aligner.rollout.refit import refit
 from aligner.rollout.torch_engine import TorchEngine
+from tests.toolkit.models import tiny_model_config
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -29,9 +30,7 @@ needs_trtllm = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("tensorrt_llm") is None,
     reason="needs CUDA and tensorrt_llm (pip install aligner[trtllm])",
 )
-CFG = ModelConfig(
-    vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64, init_std=0.1
-)
+CFG = tiny_model_config(vocab_size=512, hidden_size=128, intermediate_size=256, max_seq_len=64, init_std=0.1)
 PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12, 13], [3, 3]]
 
 

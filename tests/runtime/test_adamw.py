@@ -17,15 +17,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aligner.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
+from aligner.config import ConfigError, OptimConfig, ParallelConfig
 from aligner.nn.vocab import shifted_log_probs
 from aligner.parallel.dims import ParallelDims
 from aligner.runtime.adamw import MixedPrecisionAdamW, build_adamw, state_bytes_per_parameter
 from aligner.runtime.train_runtime import TrainRuntime
-from tests._spawn import run_distributed
-from tests.conftest import REPO
+from tests.toolkit.models import tiny_model_config
+from tests.toolkit.spawn import run_distributed
+from tests.toolkit.training import batches
 
-CFG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32)
 OPTIM = dict(lr=1e-2, warmup_steps=1, grad_clip=0.05, weight_decay=0.01)
 KW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -52,13 +52,13 @@ def test_float32_state_keeps_torch_adamw():
     params = [p.requires_grad_() for p in tensors()]
     opt = build_adamw(params, OptimConfig())
     assert type(opt) is torch.optim.AdamW and opt.param_groups[0]["fused"]
-    eng = TrainRuntime(ModelConfig(**CFG), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=2)
+    eng = TrainRuntime(tiny_model_config(), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=2)
     assert type(eng.optimizer) is torch.optim.AdamW
-    eng = TrainRuntime(ModelConfig(**CFG), "lm", ParallelConfig(), OptimConfig(state_dtype="bfloat16"), ParallelDims(), total_steps=2)
+    eng = TrainRuntime(tiny_model_config(), "lm", ParallelConfig(), OptimConfig(state_dtype="bfloat16"), ParallelDims(), total_steps=2)
     assert type(eng.optimizer) is MixedPrecisionAdamW and eng.optimizer.state_dtype == torch.bfloat16
     with pytest.raises(ConfigError, match="optim.state_dtype='bfloat16' is invalid: DeepSpeed builds its own fp32 Adam state"):
         TrainRuntime(
-            ModelConfig(**CFG), "lm", ParallelConfig(dp_backend="deepspeed"), OptimConfig(state_dtype="bfloat16"), ParallelDims(), 2
+            tiny_model_config(), "lm", ParallelConfig(dp_backend="deepspeed"), OptimConfig(state_dtype="bfloat16"), ParallelDims(), 2
         )
 
 
@@ -153,11 +153,6 @@ def test_measured_state_bytes_per_parameter():
 
 
 # ---- in a TrainRuntime: checkpoints -----------------------------------------------------------
-def batches(n: int, batch: int = 4, t: int = 16) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, CFG["vocab_size"], (batch, t), generator=g) for _ in range(n)]
-
-
 def run(engine: TrainRuntime, data: list[torch.Tensor]) -> list[float]:
     """Train on this dp rank's slice of each batch; the dp-mean loss per step."""
     from aligner.parallel.tensor_parallel import vocab_start
@@ -179,7 +174,7 @@ def run(engine: TrainRuntime, data: list[torch.Tensor]) -> list[float]:
 
 def engine(state_dtype: str, dims: ParallelDims | None = None, parallel: ParallelConfig | None = None, seed: int = 0, **model):
     optim = OptimConfig(**OPTIM, state_dtype=state_dtype)
-    return TrainRuntime(ModelConfig(**{**CFG, **model}), "lm", parallel or ParallelConfig(), optim, dims or ParallelDims(), 10, seed=seed)
+    return TrainRuntime(tiny_model_config(**model), "lm", parallel or ParallelConfig(), optim, dims or ParallelDims(), 10, seed=seed)
 
 
 def moments(eng: TrainRuntime) -> dict[str, torch.Tensor]:
@@ -270,7 +265,7 @@ def saved_moment_dtypes(run_dir) -> set[str]:
 
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_tiny_sft_loss_curve_within_1_percent_of_fp32_moments(tmp_path, monkeypatch):
+def test_tiny_sft_loss_curve_within_1_percent_of_fp32_moments(ray_cluster, tmp_path, monkeypatch):
     """40 SFT steps on the built-in task through Ray (tiny preset, lr 1e-3): the criterion is
     max over the 40 logged steps of |loss_bf16 - loss_fp32| / loss_fp32 <= 0.01.
 
@@ -281,22 +276,16 @@ def test_tiny_sft_loss_curve_within_1_percent_of_fp32_moments(tmp_path, monkeypa
     from aligner.cli import load_config
     from aligner.tracking import read_metrics
     from aligner.trainers.sft import SFTTrainer
-    from aligner.workers.ray_runtime import init_ray, shutdown_ray
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("PYTHONPATH", str(REPO))  # Ray workers import this checkout's aligner, not an installed one
     common = ["trainer.progress=false", "trainer.max_steps=40", "trainer.eval_every=0", "trainer.save_every=0"]
     common += ["task.num_sft=2560", "task.num_eval=32", "trainer.eval_batch_size=32", "actor.optim.lr=1e-3"]
     curves = {}
-    init_ray(num_cpus=2)
-    try:
-        for dtype in ("float32", "bfloat16"):
-            out = tmp_path / dtype
-            assert SFTTrainer(load_config("sft", common + [f"output_dir={out}", f"actor.optim.state_dtype={dtype}"])).run() == 0
-            curves[dtype] = {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
-            assert saved_moment_dtypes(out) == {dtype}, "the workers must have trained with the configured moments"
-    finally:
-        shutdown_ray()
+    for dtype in ("float32", "bfloat16"):  # on the session's Ray instance (tests.toolkit.ray)
+        out = tmp_path / dtype
+        assert SFTTrainer(load_config("sft", common + [f"output_dir={out}", f"actor.optim.state_dtype={dtype}"])).run() == 0
+        curves[dtype] = {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl") if "loss" in r}
+        assert saved_moment_dtypes(out) == {dtype}, "the workers must have trained with the configured moments"
     fp32, bf16 = curves["float32"], curves["bfloat16"]
     assert sorted(fp32) == sorted(bf16) == list(range(1, 41))
     assert fp32[40] < 0.5 * fp32[1], "the run must learn for the comparison to mean anything"

@@ -11,8 +11,9 @@ import torch
 from aligner.config import OptimConfig, ParallelConfig
 from aligner.parallel.dims import ParallelDims
 from aligner.runtime.train_runtime import TrainRuntime
-from tests._spawn import run_distributed
-from tests.parallel.test_data_parallel import OPTIM, batches, engine_run, make_engine, model_cfg
+from tests.toolkit.models import tiny_model_config as model_cfg
+from tests.toolkit.spawn import run_distributed
+from tests.toolkit.training import OPTIM, batches, engine_run, make_engine
 
 pytestmark = pytest.mark.distributed
 

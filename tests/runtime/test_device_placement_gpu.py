@@ -9,14 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aligner.config import AlignerConfig, DataConfig, ModelConfig, OptimConfig, ParallelConfig, RolloutConfig, SamplingConfig
+from aligner.config import AlignerConfig, DataConfig, OptimConfig, ParallelConfig, RolloutConfig, SamplingConfig
 from aligner.parallel.dims import ParallelDims
+from tests.toolkit.models import tiny_model_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-CFG = ModelConfig(
-    vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64, init_std=0.1
-)
+CFG = tiny_model_config(vocab_size=512, hidden_size=128, intermediate_size=256, max_seq_len=64, init_std=0.1)
 
 
 def _policy(device_type: str):

@@ -21,17 +21,18 @@ import torch
 import aligner.trainers.checkpointing as ckpting
 from aligner.cli import UserError
 from aligner.trainers.checkpointing import MANIFEST, CheckpointManager, load_trainer_state, verify_checkpoint
+from tests.toolkit.models import tiny_model_config
 
-TINY = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=2, max_seq_len=16)
+NARROW = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_heads=2, max_seq_len=16)  # of tiny_model_config
 
 
 @pytest.fixture(scope="module")
 def engine():
-    from aligner.config import ModelConfig, OptimConfig, ParallelConfig
+    from aligner.config import OptimConfig, ParallelConfig
     from aligner.parallel.dims import ParallelDims
     from aligner.runtime.train_runtime import TrainRuntime
 
-    return TrainRuntime(ModelConfig(**TINY), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=100)
+    return TrainRuntime(tiny_model_config(**NARROW), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=100)
 
 
 def _set_step(module, step: int) -> None:

@@ -18,21 +18,11 @@ import pytest
 
 from aligner.tracking import read_metrics
 from aligner.trainers.checkpointing import verify_checkpoint
-from tests.conftest import REPO
+from tests.toolkit.overrides import SMALL
+from tests.toolkit.paths import REPO
 
 pytestmark = pytest.mark.e2e
 
-SMALL = [
-    "conf=tiny",
-    "task.num_sft=200",
-    "task.num_pairs=200",
-    "task.num_rl=200",
-    "task.num_eval=16",
-    "trainer.global_batch_size=8",
-    "trainer.micro_batch_size=8",
-    "trainer.eval_every=0",
-    "trainer.progress=false",
-]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 

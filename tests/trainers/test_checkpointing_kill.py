@@ -32,7 +32,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-TINY = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=2, max_seq_len=16)
+NARROW = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_heads=2, max_seq_len=16)  # of tiny_model_config
 CKPT_PHASES = {  # phase -> step latest() must name when killed there while saving step s (s - 1 = previous)
     "begun": -1,  # temp dir made, nothing written
     "role_written": -1,  # dcp files written into actor.tmp, no meta.json, not renamed
@@ -53,11 +53,12 @@ def _value(step: int, index: int) -> float:
 
 
 def _engine():
-    from aligner.config import ModelConfig, OptimConfig, ParallelConfig
+    from aligner.config import OptimConfig, ParallelConfig
     from aligner.parallel.dims import ParallelDims
     from aligner.runtime.train_runtime import TrainRuntime
+    from tests.toolkit.models import tiny_model_config
 
-    return TrainRuntime(ModelConfig(**TINY), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=100)
+    return TrainRuntime(tiny_model_config(**NARROW), "lm", ParallelConfig(), OptimConfig(), ParallelDims(), total_steps=100)
 
 
 def _set_step(module, step: int) -> None:
@@ -249,7 +250,13 @@ def harness(work: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     work = tmp_path_factory.mktemp("ckpt_kill")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    repo = str(Path(__file__).resolve().parents[2])  # the harness (this file as a script) imports tests.toolkit
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
+    }
     proc = subprocess.run([sys.executable, __file__, str(work)], capture_output=True, text=True, timeout=800, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

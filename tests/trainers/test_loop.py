@@ -222,10 +222,6 @@ def test_eval_before_training_is_step_0_of_a_fresh_run_only(tmp_path):
 
 
 # ---- resume --------------------------------------------------------------------------------
-class Interrupted(Exception):
-    pass
-
-
 def test_resume_continues_from_the_latest_checkpoint_exactly(tmp_path):
     common = ["trainer.max_steps=6", "trainer.eval_every=2", "trainer.save_every=2"]
     full = Toy(_cfg(tmp_path / "full", *common))

@@ -7,12 +7,13 @@ import torch
 
 from aligner.actor.policy import Policy
 from aligner.cli import UserError, load_config
-from aligner.config import ModelConfig, OptimConfig, ParallelConfig
+from aligner.config import OptimConfig, ParallelConfig
 from aligner.parallel.dims import ParallelDims
 from aligner.protocol import build_sequences
 from aligner.trainers.ppo import PhaseTimer, PPOTrainer
+from tests.toolkit.models import tiny_model_config
 
-CFG = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32)
+CFG = tiny_model_config(vocab_size=32)
 
 
 def _policy():

@@ -23,27 +23,12 @@ import pytest
 
 from aligner.tracking import read_metrics
 from aligner.trainers.checkpointing import CheckpointManager
-from tests.conftest import REPO
+from tests.toolkit.overrides import PPO_RULE, SMALL
+from tests.toolkit.paths import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.e2e]
 
-SMALL = [
-    "conf=tiny",
-    "task.num_sft=200",
-    "task.num_pairs=200",
-    "task.num_rl=200",
-    "task.num_eval=16",
-    "trainer.global_batch_size=8",
-    "trainer.micro_batch_size=8",
-    "trainer.eval_every=0",
-    "trainer.progress=false",
-]
-PPO = [
-    "actor.init=",
-    "reward.init=",
-    "critic.init=",
-    "reward.type=rule",
-    "reward.rule=digit_fraction",
+PPO = PPO_RULE + [
     "trainer.rollout_batch_size=8",
     "trainer.mini_batch_size=8",
     "trainer.eval_every=0",

@@ -28,7 +28,7 @@ from aligner.config import ConfigError
 from aligner.tracking import MetricsLogger, read_metrics, repair_metrics
 from aligner.trainers.checkpointing import CheckpointManager
 from aligner.trainers.run_dir import LOCK_NAME, RunLock, claim_output_dir, decide, make_output_dir, previous_run_entries
-from tests.conftest import REPO
+from tests.toolkit.paths import REPO
 
 
 def _cfg(stage: str, out: Path, *extra: str):

@@ -24,22 +24,11 @@ from pathlib import Path
 import pytest
 
 from aligner.tracking import read_metrics
-from tests.conftest import REPO
+from tests.toolkit.overrides import PPO_RULE, SMALL
+from tests.toolkit.paths import REPO
 
 pytestmark = pytest.mark.e2e
 
-SMALL = [
-    "conf=tiny",
-    "task.num_sft=200",
-    "task.num_pairs=200",
-    "task.num_rl=200",
-    "task.num_eval=16",
-    "trainer.global_batch_size=8",
-    "trainer.micro_batch_size=8",
-    "trainer.eval_every=0",
-    "trainer.progress=false",
-]
-PPO_RULE = ["actor.init=", "reward.init=", "critic.init=", "reward.type=rule", "reward.rule=digit_fraction"]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 

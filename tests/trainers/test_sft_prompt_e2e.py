@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.toolkit.paths import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -15,6 +15,7 @@ from aligner.cli import load_config
 from aligner.tracking import read_metrics
 from aligner.trainers.rm import RMTrainer
 from aligner.trainers.sft import SFTTrainer
+from tests.toolkit.assertions import assert_metrics_match
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -30,15 +31,6 @@ COMMON = [
     "task.num_pairs=64",
 ]
 STAGES = {"sft": (SFTTrainer, "actor", ("loss", "eval_loss")), "rm": (RMTrainer, "reward", ("loss", "accuracy", "margin", "eval_loss"))}
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from aligner.workers.ray_runtime import init_ray, shutdown_ray
-
-    init_ray(num_cpus=6)
-    yield
-    shutdown_ray()
 
 
 def _run(stage: str, out, layout=(1, 1, 1)) -> list[dict]:
@@ -62,9 +54,4 @@ def test_layouts_match_single_worker(ray_cluster, tmp_path, monkeypatch, stage):
     assert [r["step"] for r in ref] == [1, 2, 3]
     assert ref[0]["loss"] != ref[-1]["loss"], "the reference must train (the comparison would be vacuous otherwise)"
     for name, layout in LAYOUTS.items():
-        rows = _run(stage, tmp_path / name, layout)
-        for key in keys:
-            want = [r[key] for r in ref if key in r]
-            got = [r[key] for r in rows if key in r]
-            assert len(got) == len(want) > 0, (name, key)
-            assert got == pytest.approx(want, abs=1e-4), f"{stage} {name}: {key} {got} vs single worker {want}"
+        assert_metrics_match(_run(stage, tmp_path / name, layout), ref, keys, f"{stage} {name}")

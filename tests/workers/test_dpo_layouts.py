@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._spawn import run_distributed
+from tests.toolkit.models import tiny_model_config
+from tests.toolkit.spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -28,16 +29,13 @@ def _cfg(tp: int, pp: int, dp: int):
         AlignerConfig,
         DataConfig,
         DPOConfig,
-        ModelConfig,
         OptimConfig,
         ParallelConfig,
         TrainableRoleConfig,
         TrainerConfig,
     )
 
-    model = ModelConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32, init_std=0.2
-    )
+    model = tiny_model_config(init_std=0.2)
     par = ParallelConfig(
         tp_size=tp,
         pp_size=pp,

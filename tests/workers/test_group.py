@@ -21,10 +21,9 @@ from aligner.errors import WorkerDiedError, WorkerError
 from aligner.workers.dispatch import concat_results, dispatch, dispatched_methods, split_batch
 from aligner.workers.group import CoreSharing, WorkerGroup, core_shares, get_all
 from aligner.workers.placement import PlacementError, RoleRequest, create_placement, plan_from_config, plan_node_groups
+from tests.toolkit.ray import NUM_CPUS
 
 pytestmark = pytest.mark.distributed
-
-NUM_CPUS = 8
 
 
 # ---- worker classes (plain Python; pickled by value into the actors) --------------------
@@ -98,16 +97,12 @@ class BrokenInit:
 
 # ---- fixtures ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
+def ray_local(ray_cluster):
+    """The session's Ray instance, with this module's worker classes pickled by value."""
     import ray.cloudpickle
 
-    from aligner.workers.ray_runtime import init_ray, shutdown_ray
-
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    info = init_ray(num_cpus=NUM_CPUS)
-    yield info
-    shutdown_ray()
+    yield ray_cluster
 
 
 def _pids_gone(pids: list[int], within_s: float = 10.0) -> bool:

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.toolkit.paths import REPO
+
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 RUNTIME_ENV = {"excludes": [".venv", ".git", "outputs", "runs", "*.egg-info", "__pycache__", ".pytest_cache"]}
 
