@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.toolkit.paths import REPO
+
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "benchmarks" / "RESULTS.md"]
 LINKED_DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
