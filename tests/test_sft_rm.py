@@ -109,7 +109,9 @@ def test_resume_reproduces_uninterrupted_losses(ray_cluster, tmp_path, monkeypat
 
 # ---- the tiny acceptance run -------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # the demo (its own 15-minute budget asserted below) and two more PPO seeds: more than the suite's 900 s on a loaded machine
+@pytest.mark.timeout(
+    1800
+)  # the demo (its own 15-minute budget asserted below) and two more PPO seeds: more than the suite's 900 s on a loaded machine
 def test_tiny_demo_acceptance(tmp_path):
     """`python -m aligner.demo` with the presets' own settings: SFT -> RM -> PPO as a user runs it,
     then PPO again from the same SFT policy and RM with two more trainer seeds.

@@ -12,25 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from aligner.config import ModelConfig
 from aligner.model.llama import build_model
 from aligner.nn.layers import onednn_available
-from aligner.rollout import cpu_kernels
-from aligner.rollout.cpu_kernels import load_decode_attention
+from tests.toolkit.engine import ENGINE_CFG, VARLEN, engine_model
 
-CFG = ModelConfig(
-    vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=48, init_std=0.1
-)
+CFG = ENGINE_CFG
 CANDIDATES = {"out_in", "out_in+fused", "in_out", "in_out+fused"} | ({"onednn", "onednn+fused"} if onednn_available() else set())
-VARLEN = pytest.mark.skipif(
-    load_decode_attention() is None, reason=f"aligner's decode attention kernel cannot be built here: {cpu_kernels.LOAD_ERROR}"
-)
 
 
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    return build_model(CFG, seed=1).eval()
+    return engine_model()
 
 
 def test_the_measured_layout_is_kept_per_machine(model, tmp_path):

@@ -16,26 +16,24 @@ from aligner.config import SamplingConfig
 from aligner.model.llama import build_model
 from aligner.nn.layers import ColumnParallelLinear, RowParallelLinear, onednn_available
 from aligner.nn.vocab import vocab_parallel_log_probs
-from aligner.rollout import build_engine, cpu_kernels, engine_class
+from aligner.rollout import build_engine, engine_class
 from aligner.rollout.base import Generation, generations_to_padded, mismatch_metrics
 from aligner.rollout.cpu_kernels import load_decode_attention
 from aligner.rollout.refit import iter_buckets, refit
 from aligner.rollout.sampling import filter_top_k_top_p
 from aligner.rollout.torch_engine import TorchEngine
+from tests.toolkit.engine import ENGINE_CFG, VARLEN, engine_model
 from tests.toolkit.generation import greedy_reference
 from tests.toolkit.models import tiny_model_config
 
-CFG = tiny_model_config(vocab_size=96, hidden_size=64, intermediate_size=128, max_seq_len=48, init_std=0.1)
+CFG = ENGINE_CFG
 PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12, 13], [3, 3]]
-VARLEN = pytest.mark.skipif(
-    load_decode_attention() is None, reason=f"aligner's decode attention kernel cannot be built here: {cpu_kernels.LOAD_ERROR}"
-)
 
 
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    return build_model(CFG, seed=1).eval()
+    return engine_model()
 
 
 @pytest.fixture(scope="module")

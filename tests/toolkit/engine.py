@@ -1,0 +1,23 @@
+"""The engine tests' small model and the skip marker for the CPU decode attention kernel."""
+
+from __future__ import annotations
+
+import pytest
+
+from aligner.model.llama import build_model
+from aligner.rollout import cpu_kernels
+from aligner.rollout.cpu_kernels import load_decode_attention
+from tests.toolkit.models import tiny_model_config
+
+# a 2-layer model with GQA (4 query, 2 kv heads) small enough to generate in milliseconds
+ENGINE_CFG = tiny_model_config(vocab_size=96, hidden_size=64, intermediate_size=128, max_seq_len=48, init_std=0.1)
+
+# marks a case that needs aligner's varlen decode attention kernel (built with the system compiler)
+VARLEN = pytest.mark.skipif(
+    load_decode_attention() is None, reason=f"aligner's decode attention kernel cannot be built here: {cpu_kernels.LOAD_ERROR}"
+)
+
+
+def engine_model(seed: int = 1):
+    """ENGINE_CFG's LlamaForCausalLM in eval mode, weights drawn with `seed`."""
+    return build_model(ENGINE_CFG, seed=seed).eval()
