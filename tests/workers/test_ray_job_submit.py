@@ -30,7 +30,7 @@ pytestmark = pytest.mark.e2e
 VENV_BIN = Path(sys.executable).parent
 RUNTIME_ENV = {"excludes": [".venv", ".git", "outputs", "runs", "*.egg-info", "__pycache__", ".pytest_cache"]}
 
-# The main job, 2 PPO steps, as DESIGN.md's `ray job submit --working-dir . -- python -m aligner.ppo ...`.
+# The main job, 2 PPO steps, as the README's `ray job submit --working-dir . -- python -m aligner.ppo ...`.
 # A random policy and the dense rule reward keep it independent of SFT/RM checkpoints; the run
 # joins the head through RAY_ADDRESS, which the job runtime sets.
 PPO_OVERRIDES = (
