@@ -34,7 +34,8 @@ def test_the_measured_layout_is_kept_per_machine(model, tmp_path):
     path = tmp_path / "cpu_layout.json"
     first = cached_cpu_layout(model, 4, True, path)
     assert first.info["cached"] is False and set(first.info["timings_ms"]) == CANDIDATES
-    assert first.name == min(first.info["timings_ms"], key=first.info["timings_ms"].get)  # the fastest
+    timings = first.info["timings_ms"]  # rounded to the microsecond: two candidates can tie there
+    assert timings[first.name] == min(timings.values())  # the fastest (CI chose in_out+fused over a tied out_in+fused)
     again = cached_cpu_layout(model, 4, True, path)
     assert (again.kernel, again.transposed, again.fused) == (first.kernel, first.transposed, first.fused)
     assert again.info["cached"] == str(path) and again.info["timings_ms"] == first.info["timings_ms"]
