@@ -57,7 +57,20 @@ from aligner.nn.lora import merged_state_dict
 
 META_FILE = "meta.json"
 _TIED = {"lm_head.weight": "model.embed_tokens.weight"}
-_MESHES: dict[tuple, Any] = {}
+_MESHES: dict[tuple, Any] = {}  # layout -> DeviceMesh, valid for the process group of _MESHES_WORLD
+_MESHES_WORLD: list = [None]
+
+
+def _cached_mesh(key: tuple, build) -> Any:
+    """The mesh of `key`, built by `build()` once per default process group: a process that closes
+    its group and opens another (an in-process restart) gets new meshes, not the closed group's."""
+    world = dist.group.WORLD
+    if _MESHES_WORLD[0] is not world:
+        _MESHES.clear()
+        _MESHES_WORLD[0] = world
+    if key not in _MESHES:
+        _MESHES[key] = build()
+    return _MESHES[key]
 
 
 # ---- layout helpers -------------------------------------------------------------------
@@ -101,17 +114,16 @@ def _stage_mesh(dims):
     """DeviceMesh ("tp", "dp") of this rank's pipeline stage, sliced from a ("pp","tp","dp") mesh.
 
     Built once per layout (collective: every rank of the role creates the same groups)."""
-    key = (dims.tp_size, dims.pp_size, dims.dp_size, dims.world_size)
-    if key not in _MESHES:
+    def build():
         from torch.distributed.device_mesh import DeviceMesh
 
         ranks = torch.tensor(
             [[[dims.rank_of(d, p, t) for d in range(dims.dp_size)] for t in range(dims.tp_size)] for p in range(dims.pp_size)]
         )
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        root = DeviceMesh(device, ranks, mesh_dim_names=("pp", "tp", "dp"))
-        _MESHES[key] = root["tp", "dp"]
-    return _MESHES[key]
+        return DeviceMesh(device, ranks, mesh_dim_names=("pp", "tp", "dp"))["tp", "dp"]
+
+    return _cached_mesh((dims.tp_size, dims.pp_size, dims.dp_size, dims.world_size), build)
 
 
 def _unique_params(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
@@ -160,8 +172,7 @@ def _dp_rows(n: int, dp_size: int, dp_rank: int) -> slice:
 def _expert_mesh(dims):
     """DeviceMesh ("tp", "ep", "edp") of this rank's pipeline stage (expert parallelism: dp rank =
     edp_rank * ep_size + ep_rank). Built once per layout (collective)."""
-    key = ("ep", dims.tp_size, dims.pp_size, dims.dp_size, dims.ep_size, dims.world_size)
-    if key not in _MESHES:
+    def build():
         from torch.distributed.device_mesh import DeviceMesh
 
         ep, edp = dims.ep_size, dims.dp_size // dims.ep_size
@@ -172,9 +183,9 @@ def _expert_mesh(dims):
             ]
         )
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        root = DeviceMesh(device, ranks, mesh_dim_names=("pp", "tp", "ep", "edp"))
-        _MESHES[key] = root["tp", "ep", "edp"]
-    return _MESHES[key]
+        return DeviceMesh(device, ranks, mesh_dim_names=("pp", "tp", "ep", "edp"))["tp", "ep", "edp"]
+
+    return _cached_mesh(("ep", dims.tp_size, dims.pp_size, dims.dp_size, dims.ep_size, dims.world_size), build)
 
 
 def _is_ep(owner: nn.Module) -> bool:
