@@ -114,6 +114,7 @@ def _stage_mesh(dims):
     """DeviceMesh ("tp", "dp") of this rank's pipeline stage, sliced from a ("pp","tp","dp") mesh.
 
     Built once per layout (collective: every rank of the role creates the same groups)."""
+
     def build():
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -172,6 +173,7 @@ def _dp_rows(n: int, dp_size: int, dp_rank: int) -> slice:
 def _expert_mesh(dims):
     """DeviceMesh ("tp", "ep", "edp") of this rank's pipeline stage (expert parallelism: dp rank =
     edp_rank * ep_size + ep_rank). Built once per layout (collective)."""
+
     def build():
         from torch.distributed.device_mesh import DeviceMesh
 

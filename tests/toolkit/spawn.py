@@ -46,7 +46,12 @@ def _run_one(rank: int, world_size: int, port: int, fn: Callable, args: Sequence
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(
-        OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        OMP_NUM_THREADS="1",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float32)
@@ -81,7 +86,9 @@ class _Ranks:
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
-        self.procs = [ctx.Process(target=_rank_loop, args=(r, world_size, self.tasks[r], self.results), daemon=True) for r in range(world_size)]
+        self.procs = [
+            ctx.Process(target=_rank_loop, args=(r, world_size, self.tasks[r], self.results), daemon=True) for r in range(world_size)
+        ]
         for p in self.procs:
             p.start()
 
