@@ -1,7 +1,7 @@
 """Shared pytest fixtures and the test environment; the fixtures themselves live in tests/toolkit/.
 
 - ``shared``: :func:`tests.toolkit.paths.shared_path` (../shared, skip where it is absent);
-- ``ray_cluster``: the session's local Ray instance (:mod:`tests.toolkit.ray`).
+- ``ray_cluster``: the session's local Ray instance, ``cluster_env``: a CLI subprocess's environment that joins it (:mod:`tests.toolkit.ray`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import pytest
 
 from tests.toolkit.paths import REPO, shared_path
-from tests.toolkit.ray import ray_cluster  # noqa: F401 (a session fixture, shared by every module)
+from tests.toolkit.ray import cluster_env, ray_cluster  # noqa: F401 (session fixtures, shared by every module)
 
 # Local Ray tests: no token auth files, no usage stats; DeepSpeed's JIT cache inside the repo.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")

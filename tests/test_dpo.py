@@ -60,10 +60,10 @@ def test_tiny_dpo_default_init(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_tiny_dpo_cli_outputs_and_resume(ray_cluster, tmp_path, monkeypatch):
+def test_tiny_dpo_cli_outputs_and_resume(ray_cluster, cluster_env, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     full = tmp_path / "full"
-    proc, _ = run_cli("aligner.dpo", "conf=tiny", *COMMON, f"output_dir={full}", cwd=tmp_path)
+    proc, _ = run_cli("aligner.dpo", "conf=tiny", *COMMON, f"output_dir={full}", cwd=tmp_path, env=cluster_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(full / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

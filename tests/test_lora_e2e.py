@@ -11,7 +11,6 @@ its own adapter.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -24,18 +23,18 @@ from tests.toolkit.paths import REPO
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def _cli(module: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+def _cli(env: dict, module: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**env, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_lora_sft_then_ppo_export_adapters_that_load_in_peft(tmp_path):
+def test_lora_sft_then_ppo_export_adapters_that_load_in_peft(cluster_env, tmp_path):
     peft = pytest.importorskip("peft", reason="PEFT loads the exported adapter")
     from transformers import LlamaForCausalLM
 
     sft = tmp_path / "sft"
     lora = ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.lora.target_modules=[q_proj,v_proj,down_proj]"]
-    proc = _cli("aligner.sft", "conf=tiny", *FAST, *lora, "trainer.max_steps=4", f"output_dir={sft}")
+    proc = _cli(cluster_env, "aligner.sft", "conf=tiny", *FAST, *lora, "trainer.max_steps=4", f"output_dir={sft}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     adapter = sft / "hf" / "adapter"
     cfg = json.loads((adapter / "adapter_config.json").read_text())
@@ -57,6 +56,7 @@ def test_lora_sft_then_ppo_export_adapters_that_load_in_peft(tmp_path):
 
     ppo = tmp_path / "ppo"
     proc = _cli(
+        cluster_env,
         "aligner.ppo",
         "conf=tiny",
         *FAST,

@@ -38,3 +38,12 @@ def ray_cluster():
             os.environ["PYTHONPATH"] = before
     yield info
     shutdown_ray()
+
+
+@pytest.fixture(scope="session")
+def cluster_env(ray_cluster) -> dict[str, str]:
+    """The environment for a `python -m aligner.*` subprocess that joins the session's Ray instance
+    (RAY_ADDRESS, as a job submitted to a running cluster does) instead of starting and stopping its
+    own, which costs seconds per run; this checkout first on PYTHONPATH. For runs whose processes the
+    test does not kill: a run whose driver is killed leaves its Ray workers to the shared instance."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": ray_cluster.address}

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from tests.toolkit.paths import REPO
 
@@ -19,12 +20,15 @@ def run_stage(trainer_cls, stage: str, overrides: list[str]) -> int:
     return trainer_cls(load_config(stage, overrides)).run()
 
 
-def run_cli(module: str, *args: str, cwd: Path = REPO, timeout: int = 600) -> tuple[subprocess.CompletedProcess, float]:
+def run_cli(
+    module: str, *args: str, cwd: Path = REPO, timeout: int = 600, env: Optional[dict] = None
+) -> tuple[subprocess.CompletedProcess, float]:
     """`python -m module args...` with this checkout first on PYTHONPATH: (the completed process, wall seconds).
 
-    Raises subprocess.TimeoutExpired after `timeout` seconds.
+    env: the environment (the ``cluster_env`` fixture joins the session's Ray instance); default: this
+    process's, so the run starts its own Ray instance. Raises subprocess.TimeoutExpired after `timeout` seconds.
     """
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = env or {**os.environ, "PYTHONPATH": str(REPO)}
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     return proc, time.perf_counter() - t0

@@ -9,7 +9,6 @@ file instead of restarting from step 0.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,12 +22,10 @@ from tests.toolkit.paths import REPO
 
 pytestmark = pytest.mark.e2e
 
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
-
-def _sft(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _sft(env: dict, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "aligner.sft", *SMALL, *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "aligner.sft", *SMALL, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -44,9 +41,9 @@ def _damage(ckpt: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_resume_skips_a_damaged_checkpoint(tmp_path):
+def test_resume_skips_a_damaged_checkpoint(cluster_env, tmp_path):
     out = tmp_path / "sft"
-    first = _sft("trainer.max_steps=4", "trainer.save_every=2", f"output_dir={out}")
+    first = _sft(cluster_env, "trainer.max_steps=4", "trainer.save_every=2", f"output_dir={out}")
     assert first.returncode == 0, first.stderr[-3000:]
     ckpts = out / "checkpoints"
     assert (ckpts / "latest").read_text() == "step_00000004"
@@ -54,7 +51,7 @@ def test_resume_skips_a_damaged_checkpoint(tmp_path):
     assert sorted(before) == [1, 2, 3, 4], before
     bad = _damage(ckpts / "step_00000004")
 
-    resumed = _sft("trainer.max_steps=6", "trainer.save_every=2", "resume=true", f"output_dir={out}")
+    resumed = _sft(cluster_env, "trainer.max_steps=6", "trainer.save_every=2", "resume=true", f"output_dir={out}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "Traceback" not in resumed.stderr
     warning = [ln for ln in resumed.stderr.splitlines() if "is damaged" in ln]
@@ -74,7 +71,7 @@ def test_resume_skips_a_damaged_checkpoint(tmp_path):
     # every checkpoint damaged: one error line naming the newest damaged file, exit 2, not a restart
     newest_bad = _damage(ckpts / "step_00000006")
     _damage(ckpts / "step_00000004")
-    failed = _sft("trainer.max_steps=8", "trainer.save_every=2", "resume=true", f"output_dir={out}")
+    failed = _sft(cluster_env, "trainer.max_steps=8", "trainer.save_every=2", "resume=true", f"output_dir={out}")
     assert failed.returncode == 2, failed.stderr[-3000:]
     assert "Traceback" not in failed.stderr + failed.stdout, failed.stderr[-3000:]
     lines = [ln for ln in failed.stderr.splitlines() if ln.strip() and not ln.startswith("[")]  # [..] = log lines

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -32,8 +33,11 @@ pytestmark = pytest.mark.e2e
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
-def _cli(module: str, *args: str, cwd: Path = REPO, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *SMALL, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
+def _cli(module: str, *args: str, cwd: Path = REPO, timeout: int = 300, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+    """`python -m module SMALL args`; env: cluster_env to join the session's Ray instance (default: its own)."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *SMALL, *args], cwd=cwd, env=env or ENV, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _one_error_line(proc: subprocess.CompletedProcess, stage: str) -> str:
@@ -50,10 +54,10 @@ def _snapshot(root: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def sft_run(tmp_path_factory) -> Path:
+def sft_run(tmp_path_factory, cluster_env) -> Path:
     """A finished 2-step SFT run's output_dir (not to be modified by the tests that use it)."""
     out = tmp_path_factory.mktemp("first") / "sft"
-    proc = _cli("aligner.sft", "trainer.max_steps=2", f"output_dir={out}")
+    proc = _cli("aligner.sft", "trainer.max_steps=2", f"output_dir={out}", env=cluster_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "hf" / "config.json").exists() and not (out / ".aligner.lock").exists()
     return out
@@ -79,11 +83,11 @@ def test_resume_into_another_stages_dir_is_refused(sft_run, stage, extra):
 
 
 @pytest.mark.slow
-def test_overwrite_deletes_the_previous_run_and_runs_fresh(sft_run, tmp_path):
+def test_overwrite_deletes_the_previous_run_and_runs_fresh(sft_run, cluster_env, tmp_path):
     out = tmp_path / "sft"
     shutil.copytree(sft_run, out)
     old_id = json.loads((out / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())["run_id"]
-    proc = _cli("aligner.sft", "trainer.max_steps=3", "trainer.save_every=1", "overwrite=true", f"output_dir={out}")
+    proc = _cli("aligner.sft", "trainer.max_steps=3", "trainer.save_every=1", "overwrite=true", f"output_dir={out}", env=cluster_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"overwrite=true: deleting the previous run's outputs in {out}" in proc.stderr
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]

@@ -11,19 +11,16 @@ the exported base must give the logits of the checkpointed policy exactly.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.toolkit.paths import REPO
-
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def test_sft_prompt_tuning_exports_and_reloads(tmp_path):
+def test_sft_prompt_tuning_exports_and_reloads(cluster_env, tmp_path):
     from aligner.actor.policy import Policy
     from aligner.cli import load_config
     from aligner.config import OptimConfig, ParallelConfig, PromptLearningConfig
@@ -46,8 +43,9 @@ def test_sft_prompt_tuning_exports_and_reloads(tmp_path):
         "trainer.eval_batch_size=16",
         f"output_dir={out}",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "aligner.sft", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "aligner.sft", *args], cwd=tmp_path, env=cluster_env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = read_metrics(out / "metrics.jsonl")[-1]
     assert last["step"] == 3 and last["task_n"] == 16 and 0.0 <= last["task_accuracy"] <= 1.0
