@@ -6,7 +6,8 @@ KL-coefficient controllers (``KL_CONTROLLERS``), the KL in the reward (per token
 sequence for outcome rewards) or as a loss term, GAE and the critic-free advantage
 estimators (``ADVANTAGE_ESTIMATORS``), the PPO policy / value losses and their
 aggregation (``LOSS_AGG_MODES``), truncated importance sampling against the rollout
-engine's log-probs, reward standardization, and the DPO-family preference losses
+engine's log-probs, the decoupled PPO loss of AReaL for samples from stale weights with its
+lag and staleness metrics, reward standardization, and the DPO-family preference losses
 (``DPO_LOSS_TYPES``: sigmoid DPO with cDPO label smoothing, IPO). Everything here is a pure function of tensors
 (torch only, no other aligner import, no process group): the trainer and the workers
 call it, tests check it against hand-computed and peer reference values.
@@ -70,10 +71,13 @@ from aligner.algorithms.kl import (
 from aligner.algorithms.losses import (
     LOSS_AGG_MODES,
     aggregate_loss,
+    decoupled_policy_loss,
     kl_loss,
     loss_agg_count,
+    policy_lag_metrics,
     policy_loss,
     rollout_mismatch_metrics,
+    staleness_metrics,
     standardize_scores,
     truncated_is_weights,
     value_loss,
@@ -95,6 +99,7 @@ __all__ = [
     "compute_reinforce_pp_advantages",
     "compute_rloo_advantages",
     "compute_token_rewards",
+    "decoupled_policy_loss",
     "discounted_returns",
     "dpo_loss",
     "get_advantage_estimator",
@@ -107,8 +112,10 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "policy_lag_metrics",
     "policy_loss",
     "rollout_mismatch_metrics",
+    "staleness_metrics",
     "standardize_scores",
     "truncated_is_weights",
     "value_loss",
