@@ -27,7 +27,7 @@ from aligner.config import (
 from aligner.model.llama import build_model
 from aligner.parallel.parallelize import apply_recompute
 from aligner.planner import (
-    GB,
+    GIB,
     Layout,
     LayoutEstimate,
     PlanError,
@@ -191,7 +191,7 @@ def test_70b_on_one_node_is_rejected_with_smallest_cluster():
     nodes, gpus = smallest_cluster(cfg)
     assert nodes > 1 and gpus == 8
     assert f"{nodes} nodes x 8 GPUs" in str(err.value)
-    assert "GB/GPU > 80 GB" in str(err.value)
+    assert "GiB/GPU > 80 GiB" in str(err.value)
     make_plan(dataclasses.replace(cfg, cluster=ClusterConfig(num_nodes=nodes, gpus_per_node=8, gpu_mem_gb=80)))
     assert print_plan(cfg) == 1
 
@@ -204,8 +204,8 @@ def test_tp_not_dividing_heads_is_rejected_with_reason():
     r = evaluate_layout(cfg.model, work, Layout(tp=16, pp=1, dp=1, micro_batch_size=1), cfg.cluster)
     assert isinstance(r, Rejected) and r.reason.startswith("tp=16 exceeds gpus_per_node=8")
     r = evaluate_layout(cfg.model, work, Layout(tp=1, pp=1, dp=1, micro_batch_size=1), cfg.cluster)
-    assert isinstance(r, Rejected) and r.reason.startswith("needs ") and r.reason.endswith("GB/GPU > 80 GB")
-    assert 137 < r.estimate.memory.weights / GB < 139  # 68.98e9 params * 2 B
+    assert isinstance(r, Rejected) and r.reason.startswith("needs ") and r.reason.endswith("GiB/GPU > 80 GiB")
+    assert r.estimate.memory.weights == pytest.approx(2 * 68.98e9, rel=1e-3)  # 68.98e9 params * 2 B
 
 
 def test_ranking_prefers_less_recomputation_when_memory_allows():
@@ -220,7 +220,7 @@ def test_ranking_prefers_less_recomputation_when_memory_allows():
     # when memory does not allow it, the same layout is rejected without recomputation only
     lay = Layout(tp=8, pp=1, dp=2, micro_batch_size=4, sp=True)
     sel = dataclasses.replace(lay, recompute="selective")
-    none_gb, sel_gb = (estimate_layout(cfg.model, work, x, cfg.cluster).memory.total / GB for x in (lay, sel))
+    none_gb, sel_gb = (estimate_layout(cfg.model, work, x, cfg.cluster).memory.total / GIB for x in (lay, sel))
     assert sel_gb < none_gb
     tight = dataclasses.replace(cfg.cluster, gpu_mem_gb=(none_gb + sel_gb) / 2)
     assert isinstance(evaluate_layout(cfg.model, work, lay, tight), Rejected)
@@ -237,7 +237,7 @@ def test_70b_plan_on_16_nodes_splits_nodes_and_prints_every_role(capsys):
     assert ns.step_time_s == min(feasible)
     for rp in plan.roles.values():
         for est in rp.ranked:
-            assert est.layout.devices == rp.devices and est.memory.total <= 80 * GB
+            assert est.layout.devices == rp.devices and est.memory.total <= 80 * GIB
     assert plan.roles["rollout"].best.memory.kv_cache > 0
     assert print_plan(cfg) == 0
     out = capsys.readouterr().out
@@ -258,7 +258,7 @@ def test_check_fits_names_the_role_and_what_it_lacks():
     cfg = llama2_cfg("13b", nodes=2, stage="sft")
     with pytest.raises(PlanError) as err:
         check_fits(cfg)  # tp = pp = dp = 1 with 13B under fp32-master Adam: about 210 GB
-    assert "actor: tp=1 pp=1 dp=1" in str(err.value) and "GB/GPU > 80 GB" in str(err.value)
+    assert "actor: tp=1 pp=1 dp=1" in str(err.value) and "GiB/GPU > 80 GiB" in str(err.value)
     assert "the planner suggests" in str(err.value)
     good = dataclasses.replace(
         cfg,
@@ -267,7 +267,7 @@ def test_check_fits_names_the_role_and_what_it_lacks():
         ),
     )
     fits = check_fits(good)
-    assert isinstance(fits["actor"], LayoutEstimate) and fits["actor"].memory.total < 80 * GB
+    assert isinstance(fits["actor"], LayoutEstimate) and fits["actor"].memory.total < 80 * GIB
 
 
 def test_default_cpu_config_plans_and_fits():
@@ -282,7 +282,7 @@ def test_command_line_plan_for_70b_preset(capsys):
 
     assert main(["conf=llama2_70b", "cluster.num_nodes=16", "cluster.gpus_per_node=8", "cluster.gpu_mem_gb=80"]) == 0
     out = capsys.readouterr().out
-    assert "16 nodes x 8 GPUs x 80 GB" in out and "node split: actor group" in out
+    assert "16 nodes x 8 GPUs x 80 GiB" in out and "node split: actor group" in out
     assert main(["conf=llama2_70b", "cluster.num_nodes=1", "cluster.gpus_per_node=8", "cluster.gpu_mem_gb=80"]) == 1
     err = capsys.readouterr().err
     assert "the smallest cluster that fits is" in err and "cluster.num_nodes=" in err
@@ -398,4 +398,188 @@ def test_dpo_plan_counts_the_reference_weights_and_both_sequences_of_a_pair():
     # twice the sequences trained, plus the reference's forward over them (a third of a training pass each)
     assert ed.time.compute_s == pytest.approx(2 * es.time.compute_s * (1 + 1 / 3), rel=0.05)
     plan = make_plan(dpo)  # the planner finds a layout that holds the reference too
-    assert plan.roles["actor"].ranked and plan.roles["actor"].best.memory.total <= 80 * GB
+    assert plan.roles["actor"].ranked and plan.roles["actor"].best.memory.total <= 80 * GIB
+
+
+# ---- issue 40: the four memory errors --------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rollout_engine_is_sized_at_rollout_dtype(dtype):
+    """The engine holds its weights and KV cache in rollout.dtype (aligner.workers.actor casts the
+    engine's model to it; the KV caches take the engine's parameter dtype), whatever model.dtype is:
+    a float32 engine for the llama2_70b preset (model.dtype bfloat16) is twice its bf16 size."""
+    from aligner.planner import DTYPE_BYTES, stage_num_parameters
+    from aligner.planner.report import configured_layout
+    from aligner.rollout.kv_cache import SlotKVCache
+
+    cfg = load_config("ppo", ["conf=llama2_70b", f"rollout.dtype={dtype}"])
+    assert cfg.model.dtype == "bfloat16" and cfg.rollout.dtype == dtype
+    work = next(w for w in role_works(cfg) if w.role == "rollout")
+    lay = configured_layout(cfg, work)
+    m = estimate_layout(cfg.model, work, lay, cfg.cluster).memory
+    e = DTYPE_BYTES[dtype]
+    assert m.weights == e * stage_num_parameters(cfg.model, "lm", lay.tp, lay.pp, 0)
+    seq = cfg.data.max_prompt_len + work.new_tokens
+    assert m.kv_cache == kv_cache_bytes(cfg.model, e, lay.tp, lay.pp, lay.micro_batch_size, seq)
+    # what the runtime allocates: the engine model cast to rollout.dtype, its slot pool in that dtype
+    model = build_model(TINY).to(getattr(torch, dtype))
+    tiny = dataclasses.replace(work, seq_len=8, new_tokens=8, batch=2, max_batch_size=2)
+    t = estimate_layout(TINY, tiny, Layout(tp=1, pp=1, dp=1, micro_batch_size=2), ClusterConfig(gpus_per_node=0)).memory
+    assert t.weights == storage_bytes(model.parameters())
+    pool = SlotKVCache(
+        list(range(TINY.num_layers)), 2, TINY.num_kv_heads, 16, TINY.resolved_head_dim, next(model.parameters()).dtype, "cpu"
+    )
+    assert t.kv_cache == storage_bytes([*pool.k.values(), *pool.v.values()])
+
+
+# GPT-3 530B of Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU
+# Clusters Using Megatron-LM", Table 1): 105 layers, hidden 20480, 128 heads, seq 2048, vocab 51200,
+# global batch 2240 on 560 A100s (80 GB). As a Llama layer: MHA, SwiGLU width i with 3hi = 8h^2
+# (GPT's 4h GeLU MLP), so a layer keeps GPT's 12h^2 parameters.
+GPT_530B = ModelConfig(
+    vocab_size=51200,
+    hidden_size=20480,
+    intermediate_size=54616,
+    num_layers=105,
+    num_heads=128,
+    num_kv_heads=128,
+    max_seq_len=2048,
+    dtype="float32",
+)
+
+
+def _zero3_530b(pc: ParallelConfig):
+    """ZeRO-3 without model parallelism on 70 nodes x 8 A100s: dp=560, 4 sequences per rank (the
+    paper's micro-batch 4 for ZeRO-3), full recomputation (Megatron's setting in the paper)."""
+    work = RoleWork(role="actor", kind="lm", mode="train", parallel=pc, batch=2240, batch_field="b", seq_len=2048)
+    cluster = ClusterConfig(num_nodes=70, gpus_per_node=8, gpu_mem_gb=80)
+    return work, cluster, Layout(tp=1, pp=1, dp=560, micro_batch_size=4, recompute="full")
+
+
+def test_zero3_fsdp2_counts_gathered_layers_and_their_gradients_530b_does_not_fit():
+    """FSDP2 (fully_shard per decoder layer, aligner.parallel.data_parallel.apply_fsdp2) all-gathers a
+    layer in bf16 and prefetches the next, and in backward holds the layer's unsharded bf16 gradient
+    and its fp32 reduce-scatter input (reduce_dtype=float32): GPT 530B dp-only on 560 80 GB A100s
+    does not fit (out of memory in Narayanan et al. 2021; the planner called it 55 GB)."""
+    from aligner.planner import layer_num_parameters
+
+    pc = ParallelConfig(mixed_precision="bf16")
+    work, cluster, lay = _zero3_530b(pc)
+    layer = layer_num_parameters(GPT_530B)
+    assert layer == pytest.approx(12 * 20480**2, rel=1e-4)
+    r = evaluate_layout(GPT_530B, work, lay, cluster)
+    assert isinstance(r, Rejected) and "GiB/GPU > 80 GiB" in r.reason, r
+    m = r.estimate.memory
+    p = GPT_530B.num_parameters()
+    assert m.weights == pytest.approx(4 * p / 560 + 2 * 2 * layer, rel=1e-6)  # fp32 shard + two bf16 layers
+    assert m.grads == pytest.approx(4 * p / 560 + (2 + 4) * layer, rel=1e-6)  # fp32 shard + bf16 grads + fp32 RS input
+
+
+def test_zero3_deepspeed_counts_its_gathered_parameters_and_gradient_bucket():
+    """DeepSpeed ZeRO-3 gathers each submodule's parameters as it runs and prefetches the next ones
+    (stage3_prefetch_bucket_size 5e7 elements, at least one tensor) while fewer than
+    stage3_max_live_parameters (1e9) are live; in backward a submodule's full bf16 gradient is copied
+    into the reduce bucket (reduce_bucket_size 5e8 elements). DeepSpeed 0.19 defaults,
+    deepspeed/runtime/zero/config.py and partitioned_param_coordinator.py."""
+    pc = ParallelConfig(mixed_precision="bf16", dp_backend="deepspeed", zero_stage=3)
+    work, cluster, lay = _zero3_530b(pc)
+    m = estimate_layout(GPT_530B, work, lay, cluster).memory
+    p = GPT_530B.num_parameters()
+    w = 20480 * 54616  # the largest weight (gate/up/down): 1.12e9 elements > max_live, so no prefetch
+    assert m.weights == pytest.approx((2 + 4) * p / 560 + 2 * w, rel=1e-6)
+    assert m.grads == pytest.approx(2 * p / 560 + 2 * w + 2 * 5e8, rel=1e-6)
+    # Llama 2 70B: its largest weight (embedding / lm_head, 2.6e8 elements) leaves room for a prefetch
+    m70 = ModelConfig(**LLAMA2["70b"], max_seq_len=4096)
+    w70 = 32000 * 8192
+    d = estimate_layout(m70, dataclasses.replace(work, batch=64), Layout(tp=1, pp=1, dp=64, micro_batch_size=1, recompute="full"), cluster)
+    assert d.memory.weights == pytest.approx((2 + 4) * m70.num_parameters() / 64 + 2 * 2 * w70, rel=1e-6)
+
+
+def test_autocast_caches_trainable_weight_casts_once_per_step_but_not_frozen_ones():
+    """What the dp=1 bf16 path (fp32 parameters under torch.autocast, one autocast context around a
+    pipeline step) really keeps: autocast caches the bf16 cast of a trainable fp32 leaf weight, so
+    micro-batches in flight share one copy; a frozen (LoRA base) weight is cast again by each
+    micro-batch, which saves its own copy for backward."""
+    from aligner.nn.lora import apply_lora
+
+    def saved_casts(lora: bool, micro_batches: int) -> int:
+        model = build_model(TINY)
+        if lora:
+            apply_lora(model, 4, 8.0, 0.0, ("q_proj", "v_proj"))
+        weights = {n: p for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2 and ".lora." not in n}
+        shapes = {tuple(sorted(p.shape)) for p in weights.values()}  # autograd saves W or its transpose
+        seen = {}
+
+        def pack(t):
+            if t.dtype == torch.bfloat16 and tuple(sorted(t.shape)) in shapes:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        outs = []
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            for _ in range(micro_batches):
+                outs.append(model(torch.randint(0, TINY.vocab_size, (1, 8))))
+        return sum(seen.values()), 2 * sum(p.numel() for p in weights.values())
+
+    one, casts = saved_casts(False, 1)
+    assert saved_casts(False, 3)[0] == one == casts  # trainable: one cached copy for all micro-batches
+    # frozen: one copy per micro-batch, of every base weight whose input needs a gradient (all but the
+    # first layer's q, k, v: their input, the frozen embedding's normed output, needs none)
+    h, kv = TINY.hidden_size, TINY.num_kv_heads * TINY.resolved_head_dim
+    assert saved_casts(True, 3)[0] == 3 * saved_casts(True, 1)[0] == 3 * (casts - 2 * (h * h + 2 * kv * h))
+    # the planner counts the same: a full-finetuning stage holds its layers' casts once, however
+    # many micro-batches 1F1B keeps in flight; LoRA's frozen base once per micro-batch in flight
+    from aligner.planner import layer_num_parameters, train_activation_bytes
+
+    m70 = ModelConfig(**LLAMA2["70b"], max_seq_len=4096)
+    lay = Layout(tp=4, pp=16, dp=1, micro_batch_size=1, sp=True)
+    full = train_activation_bytes(m70, "lm", lay, 2, 2048, 64, 0, "autocast")
+    lora = train_activation_bytes(m70, "lm", lay, 2, 2048, 64, 0, "autocast", frozen_base=True)
+    layer_casts = 2 * (layer_num_parameters(m70) - 2 * m70.hidden_size) / 4  # bf16 linear weights / tp
+    assert lora - full == pytest.approx(15 * 5 * layer_casts, rel=1e-6)  # 16 in flight on stage 0, 5 layers
+
+
+def _llama2_70b_lora(recompute: str) -> AlignerConfig:
+    """SFT of Llama 2 70B with LoRA r=16 on q, v (PEFT's default targets) on one 8 x 80 GB node:
+    TP2 PP4, dp 1, bf16 mixed precision (fp32 parameters under torch.autocast)."""
+    cfg = llama2_cfg("70b", nodes=1, stage="sft")
+    pc = ParallelConfig(tp_size=2, pp_size=4, sequence_parallel=True, recompute=recompute, mixed_precision="bf16")
+    actor = TrainableRoleConfig(parallel=pc)
+    actor.lora.rank = 16
+    return dataclasses.replace(cfg, actor=actor)
+
+
+def test_llama2_70b_lora_tp2_pp4_fits_one_node_with_recomputation_and_the_refusal_names_it():
+    """Llama 2 70B LoRA TP2 PP4 on one 8-GPU node. Without recomputation the runtime really needs
+    about 136 GiB on stage 0: the frozen base stays fp32 (32.4 GiB) and each of the 4 micro-batches 1F1B
+    keeps in flight saves its own bf16 casts of the stage's base weights (4 x 16 GiB); the refusal
+    says so and names parallel.recompute=full. With full recomputation it fits, within 2.5x of
+    Megatron's count for the same layout (bf16 base weights, 2 B per parameter, plus Korthikanti et
+    al. 2022's 2sbh/t bytes per layer for full recomputation with SP, 4 micro-batches in flight): the
+    factor is the fp32 base aligner keeps."""
+    from aligner.planner import stage_num_parameters
+
+    with pytest.raises(PlanError) as err:
+        check_fits(_llama2_70b_lora("none"))
+    assert "actor: tp=2 pp=4 dp=1" in str(err.value) and "actor.parallel.recompute=full" in str(err.value)
+    cfg = _llama2_70b_lora("full")
+    est = check_fits(cfg)["actor"]
+    m = est.memory
+    assert m.total <= 80 * 2**30
+    s, b, h, t, layers, in_flight = 2048, 1, 8192, 2, 20, 4
+    params = stage_num_parameters(cfg.model, "lm", 2, 4, 0)
+    megatron = 2 * params + in_flight * layers * 2 * s * b * h / t
+    assert megatron < m.total < 2.5 * megatron, (m.total / 2**30, megatron / 2**30)
+
+
+def test_gpu_mem_gb_is_gibibytes_as_gpus_are_sold():
+    """An "80 GB" H100 has 80 GiB = 85.9e9 bytes (torch.cuda reports about 85.0e9 of it): a layout
+    needing 82e9 bytes fits cluster.gpu_mem_gb=80, and the planner prints GiB."""
+    from aligner.planner import MemoryBreakdown, StepTime, memory_problem
+
+    def needing(nbytes: float) -> LayoutEstimate:
+        mem = MemoryBreakdown(weights=nbytes, grads=0.0, optimizer=0.0, activations=0.0, kv_cache=0.0)
+        return LayoutEstimate(Layout(tp=1, pp=1, dp=1, micro_batch_size=1), mem, StepTime(0.0, 0.0, 0.0, 0.0))
+
+    cluster = ClusterConfig(gpus_per_node=8, gpu_mem_gb=80)
+    assert memory_problem(needing(82e9), cluster) is None
+    assert memory_problem(needing(86e9), cluster) == "needs 80.1 GiB/GPU > 80 GiB"

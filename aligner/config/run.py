@@ -80,7 +80,7 @@ class ClusterConfig:
     address: str = ""  # Ray address; "" = RAY_ADDRESS or a new local instance, "auto" = existing cluster
     num_nodes: int = 1  # nodes
     gpus_per_node: int = 0  # GPUs per node (0 = CPU-only)
-    gpu_mem_gb: float = 80.0  # memory per GPU, GB
+    gpu_mem_gb: float = 80.0  # memory per GPU in GiB (2**30 B), as GPUs are sold: an "80 GB" H100 = 80 GiB
     cpus_per_node: int = 0  # CPUs per node; 0 = detect
     placement: str = "split"  # split (each role its own node group) | colocated (roles share bundles)
     gpu_peak_tflops: float = 989.0  # dense bf16 peak per GPU, TFLOP/s (H100 SXM), for plans

@@ -4,7 +4,9 @@ Owns: parameter counts per role and stage, the analytic memory model (weights, g
 optimizer state, activations, KV cache), the analytic step-time model, and the evaluation of one
 layout (:func:`evaluate_layout`: a :class:`LayoutEstimate`, or :class:`Rejected` with the reason).
 
-Memory model (per device, bytes):
+Memory model (per device, bytes; ``cluster.gpu_mem_gb`` and every printed figure are GiB, 2**30
+bytes, the unit GPU memory is sold in: an "80 GB" H100 or A100 has 80 GiB = 85.9e9 bytes, of
+which torch.cuda reports about 79.2 GiB = 85.0e9 as total_memory):
 - Parameters: :meth:`ModelConfig.num_parameters` (score models drop lm_head and add a [1, H]
   head). TP shards everything but the RMSNorm weights; PP splits layers evenly (the first
   ``L % pp`` stages take one more); embedding and lm_head sit on the first/last stage.
@@ -12,8 +14,12 @@ Memory model (per device, bytes):
   precision keeps a bf16 compute copy (2 B) and an fp32 master (4 B), fp32 grads (4 B; bf16
   under DeepSpeed) and Adam m, v in fp32 (8 B; 4 B with ``optim.state_dtype=bfloat16``,
   aligner.runtime.adamw) plus torch's 4 B ``step`` tensor per parameter tensor. FSDP2 shards
-  all three over dp (plus two unsharded layers in flight); DeepSpeed ZeRO-1/2/3 shards
-  optimizer (and master) / + grads / + params; DDP shards nothing.
+  all three over dp; DeepSpeed ZeRO-1/2/3 shards optimizer (and master) / + grads / + params;
+  DDP shards nothing. Sharded parameters are gathered to run (:func:`zero3_buffer_bytes`):
+  FSDP2 gathers a decoder layer and prefetches the next, and in backward holds the layer's
+  unsharded gradient and its reduce-scatter input; DeepSpeed ZeRO-3 gathers per submodule
+  (the largest weight, plus the next one while fewer than stage3_max_live_parameters are live)
+  and copies each gradient into its reduce bucket.
 - Activations: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
   Transformer Models"), Table 2, re-derived for aligner's Llama layers instead of GPT's:
   no dropout (their masks vanish); the SwiGLU MLP saves gate, up, silu(gate) and their
@@ -26,8 +32,13 @@ Memory model (per device, bytes):
   divides the norm regions; selective recomputation keeps only q, k, v (un-repeated) and the
   core output; full recomputation keeps the layer input (2sbh in the paper). The last stage
   adds the fp32 log-softmax of the logits (the paper's 4sbv/t). 1F1B keeps min(pp - i, m)
-  micro-batches in flight on stage i (the first stage holds pp).
-- KV cache (rollout engine): 2 * layers/pp * max(kv_heads/tp, 1) * head_dim * bytes * batch * seq.
+  micro-batches in flight on stage i (the first stage holds pp). Under torch.autocast (fp32
+  parameters, bf16 compute: bf16 mixed precision with DDP or one dp rank) the bf16 casts of
+  the weights are held once per stage for trainable weights (autocast caches them for its
+  context) but once per micro-batch in flight for frozen ones (a LoRA base: never cached).
+- Rollout engine: weights, KV cache and activations in ``rollout.dtype`` (the engine's model is
+  cast to it on refit; its KV caches take the model's dtype), whatever model.dtype is. KV cache:
+  2 * layers/pp * max(kv_heads/tp, 1) * head_dim * bytes * batch * seq.
 
 Step-time model (seconds): FLOPs per token 6N + 12*L*H*T for training and 2N + 4*L*H*T for
 a forward pass (Chowdhery et al. 2022, PaLM appendix B), plus one forward for full
@@ -62,10 +73,18 @@ from typing import Iterable, Optional
 from aligner.config import ClusterConfig, ModelConfig, ParallelConfig
 from aligner.parallel.memory import LayerDims, layer_activation_bytes
 
-GB = 1e9  # bytes per GB (decimal, as GPU vendors quote memory)
+GIB = 2**30  # bytes per GiB: cluster.gpu_mem_gb and every memory figure the planner prints
+GB = 1e9  # bytes per GB (decimal): bandwidths, cluster.*_gbps in GB/s
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MODEL_FLOPS_EFFICIENCY = 0.4  # fraction of peak FLOP/s a well-tuned Megatron-style step reaches (MFU)
-GPU_RESERVED_BYTES = 2.0 * GB  # CUDA context, NCCL buffers and allocator slack per GPU
+# per GPU: the ~0.8 GiB an "80 GB" GPU keeps from CUDA (80 GiB sold, 79.2 GiB total_memory on an
+# H100 SXM), the CUDA context, NCCL buffers and allocator slack
+GPU_RESERVED_BYTES = 2.0 * GIB
+# DeepSpeed ZeRO-3 defaults (deepspeed/runtime/zero/config.py, DeepSpeed 0.19): elements prefetched
+# ahead of the running submodule, elements kept gathered at most, elements per gradient reduce bucket
+DS_PREFETCH_BUCKET_SIZE = 50_000_000  # stage3_prefetch_bucket_size
+DS_MAX_LIVE_PARAMETERS = 1_000_000_000  # stage3_max_live_parameters
+DS_REDUCE_BUCKET_SIZE = 500_000_000  # reduce_bucket_size
 COLLECTIVE_LATENCY_S = 10e-6  # fixed cost of one small collective (decode steps), seconds
 
 
@@ -156,6 +175,8 @@ class RoleWork:
     (and a scalar head) have gradients and optimizer state; the frozen base holds its weights only.
     frozen_copies: frozen copies of the model's weights on the same devices and layout (DPO's
     reference: model.dtype bytes per parameter, sharded over dp where the parameters are).
+    dtype: the rollout engine's ``rollout.dtype`` (its weights, KV cache and activations); "" for
+    the other roles (their dtype follows model.dtype and the role's mixed precision).
     """
 
     role: str
@@ -174,6 +195,7 @@ class RoleWork:
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
     frozen_copies: int = 0
+    dtype: str = ""
 
 
 # --------------------------------------------------------------------------- parameter counts
@@ -236,6 +258,14 @@ def stage_num_parameters(model: ModelConfig, kind: str, tp: int, pp: int, stage:
         elif not model.tie_word_embeddings or pp > 1:
             n += v * h // tp  # lm_head (a tied copy lives on the last stage when pp > 1)
     return n
+
+
+def largest_weight_numel(model: ModelConfig, tp: int = 1, ep: int = 1) -> int:
+    """Elements of the largest weight tensor on one device: the embedding / lm_head [V/tp, H], a
+    SwiGLU weight [I/tp, H] (an MoE layer's stacked experts: E/ep of them) or q / o [q/tp, H]."""
+    h = model.hidden_size
+    mlp = h * model.intermediate_size // tp * (model.num_experts // ep if model.num_experts else 1)
+    return max(model.vocab_size * h // tp, mlp, model.num_heads * model.resolved_head_dim * h // tp)
 
 
 def lora_num_parameters(model: ModelConfig, rank: int, targets: Iterable[str], tp: int, layers: int) -> tuple[int, int]:
@@ -302,7 +332,9 @@ def train_state_bytes(
     run holds 4 + 4 + 4 = 12 B per parameter instead of 16. The fp32 master counts as optimizer
     state under DeepSpeed (sharded from ZeRO-1) and as weights otherwise. `tensors`: parameter
     tensors (a 4 B Adam ``step`` each). `layer_params`: one layer's parameters on this device
-    (FSDP2 gathers two unsharded at a time). Raises KeyError: an unknown state_dtype.
+    (0: count no gathered buffers); with sharded parameters and dp > 1 the weights add the gathered
+    parameters and the grads the unsharded gradient buffers of :func:`zero3_buffer_bytes`.
+    Raises KeyError: an unknown state_dtype.
     """
     p_sh, g_sh, o_sh = _dp_shards(pc)
 
@@ -319,12 +351,44 @@ def train_state_bytes(
         weights = sh(compute_copy if bf16 else master, p_sh) + (0 if not bf16 else sh(master, o_sh))
     else:
         weights = sh(master + compute_copy if not p_sh else master, p_sh)
-    if p_sh and dp > 1 and not deepspeed:
-        weights += 2 * layer_params * (2 if bf16 else e)  # FSDP2: current + prefetched unsharded layer
     grads = sh(params * ((2 if deepspeed else 4) if bf16 else e), g_sh)
+    if p_sh and dp > 1 and layer_params > 0:
+        gathered, grad_buffers = zero3_buffer_bytes(layer_params, params, pc, model)
+        weights, grads = weights + gathered, grads + grad_buffers
     moment = DTYPE_BYTES[state_dtype] if state_dtype != "float32" else (4 if bf16 else e)
     adam = 0 if offload else sh(params * 2 * moment, o_sh) + 4 * tensors
     return float(weights), float(grads), float(adam)
+
+
+def zero3_buffer_bytes(layer_params: int, params: int, pc: ParallelConfig, model: ModelConfig) -> tuple[float, float]:
+    """(gathered parameters, unsharded gradient buffers) bytes at the peak of a ZeRO-3-style step
+    (FSDP2, DeepSpeed stage 3), on one device of a dp > 1 group, beside the dp-sharded state.
+
+    Gathered parameters and gradients are in the compute dtype c (bf16 under bf16 mixed precision:
+    FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16), DeepSpeed's bf16 partitions; else model.dtype).
+    - FSDP2 (aligner.parallel.data_parallel.apply_fsdp2: ``fully_shard`` per decoder layer):
+      the layer running and the next one, prefetched (FSDP2's implicit prefetch in forward and
+      backward): 2 * layer_params * c; in backward the layer's unsharded gradient (c) and the
+      reduce-scatter input FSDP2 copies it into in the reduce dtype r (float32 under bf16:
+      ``reduce_dtype=float32``; else c): layer_params * (c + r).
+    - DeepSpeed ZeRO-3 (partitioned_param_coordinator, DeepSpeed 0.19 defaults): each submodule's
+      own parameters are gathered at its pre-forward hook and released after it; the next
+      parameters are prefetched, at least one tensor and up to stage3_prefetch_bucket_size (5e7)
+      elements, only while fewer than stage3_max_live_parameters (1e9) are gathered. Counted: the
+      largest weight W (:func:`largest_weight_numel`) plus, when W < 1e9, max(W, 5e7) prefetched
+      (at most the device's parameters). In backward W's full gradient (c) and the reduce bucket,
+      reduce_bucket_size (5e8) elements of c (at most the device's parameters).
+    `layer_params`: one layer's parameters on this device; `params`: the device's parameters before
+    dp sharding (bounds DeepSpeed's prefetch and bucket on small models).
+    """
+    bf16 = pc.mixed_precision == "bf16"
+    c = 2 if bf16 else DTYPE_BYTES[model.dtype]
+    if pc.dp_backend == "deepspeed":
+        w = min(largest_weight_numel(model), params)
+        prefetch = 0 if w >= DS_MAX_LIVE_PARAMETERS else min(max(w, DS_PREFETCH_BUCKET_SIZE), params)
+        return float((w + prefetch) * c), float((w + min(DS_REDUCE_BUCKET_SIZE, params)) * c)
+    r = 4 if bf16 else c
+    return float(2 * layer_params * c), float(layer_params * (c + r))
 
 
 def frozen_weight_bytes(params: int, pc: ParallelConfig, model: ModelConfig, dp: int) -> float:
@@ -386,21 +450,51 @@ def head_activation_bytes_per_token(model: ModelConfig, e: int, tp: int, sp: boo
     return norm + (4 * model.vocab_size / tp if kind == "lm" else 4)
 
 
+def autocast_weight_cast_bytes(model: ModelConfig, tp: int) -> float:
+    """Bytes of the bf16 casts of one decoder layer's linear weights on one device under
+    torch.autocast: the tokens-independent term of :func:`aligner.parallel.memory.layer_activation_bytes`
+    (2 B per q, k, v, o, gate, up, down weight element / tp), taken from it at s = 0."""
+    return layer_activation_bytes(replace(LayerDims.of(model, 1, 1, tp), s=0), "autocast", False, "none")
+
+
 def train_activation_bytes(
-    model: ModelConfig, kind: str, layout: Layout, e: int, seq_len: int, num_microbatches: int, stage: int, precision: str
+    model: ModelConfig,
+    kind: str,
+    layout: Layout,
+    e: int,
+    seq_len: int,
+    num_microbatches: int,
+    stage: int,
+    precision: str,
+    frozen_base: bool = False,
 ) -> float:
     """Activation bytes on pipeline stage `stage` under 1F1B: min(pp - stage, m) micro-batches in flight.
 
     e: activation element bytes (shared inputs, head); precision: how the layers compute (:func:`training_precision`).
+    frozen_base: the layers' linear weights are frozen (LoRA). Under "autocast" the bf16 weight casts
+    (:func:`autocast_weight_cast_bytes` per layer) are counted as the runtime holds them: torch.autocast
+    caches the cast of a trainable fp32 leaf for its whole context (the forward with pp = 1, the
+    whole 1F1B step with pp > 1; recomputation hits the cache), so a stage holds its layers' casts
+    once; a frozen weight is not cached (``requires_grad`` is False), so each micro-batch in flight
+    saves its own casts for backward, and with full recomputation only the layer being recomputed
+    holds them. tests/test_planner.py measures both on the CPU.
     """
     b, pp = layout.micro_batch_size, layout.pp
     in_flight = min(pp - stage, num_microbatches)
+    layers = layers_on_stage(model.num_layers, pp, stage)
     layer = layer_activation_bytes(LayerDims.of(model, seq_len, b, layout.tp), precision, layout.sp, layout.recompute)
-    per_mb = layers_on_stage(model.num_layers, pp, stage) * layer + shared_activation_bytes(
-        model, e, b, seq_len, layout.recompute, stage == 0
-    )
+    casts = 0.0
+    if precision == "autocast":
+        cast = autocast_weight_cast_bytes(model, layout.tp)
+        if layout.recompute != "full":
+            layer -= cast  # counted below, once per stage or per micro-batch
+        if not frozen_base:
+            casts = layers * cast
+        else:
+            casts = cast if layout.recompute == "full" else in_flight * layers * cast
+    per_mb = layers * layer + shared_activation_bytes(model, e, b, seq_len, layout.recompute, stage == 0)
     head = head_activation_bytes_per_token(model, e, layout.tp, layout.sp, kind) * b * seq_len if stage == pp - 1 else 0
-    return in_flight * per_mb + head
+    return in_flight * per_mb + head + casts
 
 
 def inference_activation_bytes(model: ModelConfig, kind: str, tp: int, e: int, tokens: int, last: bool) -> float:
@@ -532,15 +626,19 @@ def forward_step_time(model: ModelConfig, work: RoleWork, layout: Layout, cluste
     return StepTime(compute_s=c, tp_comm_s=t, dp_comm_s=0.0, bubble_s=b)
 
 
-def generate_step_time(model: ModelConfig, work: RoleWork, layout: Layout, weight_bytes: float, cluster: ClusterConfig) -> StepTime:
+def generate_step_time(
+    model: ModelConfig, work: RoleWork, layout: Layout, weight_bytes: float, cluster: ClusterConfig, e: Optional[int] = None
+) -> StepTime:
     """Seconds per step of the rollout engine: compute-bound prefill, then bandwidth-bound decode.
 
     Each decode step reads a stage's weights and (on average) half its final KV cache from HBM,
     or is compute bound if 2N*batch/(tp*pp) FLOPs take longer; a token walks the pp stages in
-    turn, and each layer does 2 TP all-reduces of batch*H elements.
+    turn, and each layer does 2 TP all-reduces of batch*H elements. e: the engine's element
+    bytes (``rollout.dtype``; None: work.dtype, else :func:`activation_dtype_bytes`).
     """
     n = role_active_parameters(model, work.kind)
-    e = activation_dtype_bytes(model, work.parallel)
+    if e is None:
+        e = DTYPE_BYTES[work.dtype] if work.dtype else activation_dtype_bytes(model, work.parallel)
     prompt = work.seq_len
     prefill = compute_seconds(forward_flops_per_token(n, model, prompt) * work.batch * prompt, layout.devices, cluster)
     per_replica = math.ceil(work.batch / layout.dp)
@@ -592,8 +690,11 @@ def layout_problem(model: ModelConfig, work: RoleWork, layout: Layout, cluster: 
 
 
 def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster: ClusterConfig) -> LayoutEstimate:
-    """Memory (worst stage, bytes) and step time (seconds) of one structurally valid layout."""
-    e = activation_dtype_bytes(model, work.parallel)
+    """Memory (worst stage, bytes) and step time (seconds) of one structurally valid layout.
+
+    The rollout engine (mode generate) holds weights, KV cache and activations in work.dtype
+    (``rollout.dtype``); the other roles' element size is :func:`activation_dtype_bytes`."""
+    e = DTYPE_BYTES[work.dtype] if work.mode == "generate" and work.dtype else activation_dtype_bytes(model, work.parallel)
     reserved = GPU_RESERVED_BYTES if cluster.gpus_per_node > 0 else 0.0
     experts_layer = expert_layer_parameters(model)
     layer_local = (layer_num_parameters(model) - 2 * model.hidden_size - experts_layer) // layout.tp + 2 * model.hidden_size
@@ -622,9 +723,8 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
                     w, g, o = w + w2, g + g2, o + o2
             w += work.frozen_copies * frozen_weight_bytes(params, work.parallel, model, layout.dp)
             m = work.batch // (layout.dp * layout.micro_batch_size)
-            act = train_activation_bytes(
-                model, work.kind, layout, e, work.seq_len, m, stage, training_precision(model, work.parallel, layout.dp)
-            )
+            precision = training_precision(model, work.parallel, layout.dp)
+            act = train_activation_bytes(model, work.kind, layout, e, work.seq_len, m, stage, precision, work.lora_rank > 0)
             kv = 0.0
             grad_bytes = max(grad_bytes, trained * (4 if work.parallel.mixed_precision == "bf16" else e))
         else:
@@ -643,15 +743,34 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
     elif work.mode == "forward":
         time = forward_step_time(model, work, layout, cluster)
     else:
-        time = generate_step_time(model, work, layout, best.weights, cluster)
+        time = generate_step_time(model, work, layout, best.weights, cluster, e)
     return LayoutEstimate(layout=layout, memory=best, time=time)
 
 
 def memory_problem(est: LayoutEstimate, cluster: ClusterConfig) -> Optional[str]:
-    """ "needs X GB/GPU > Y GB" when the worst stage does not fit, else None."""
-    if est.memory.total > cluster.gpu_mem_gb * GB:
-        return f"needs {est.memory.total / GB:.1f} GB/GPU > {cluster.gpu_mem_gb:g} GB"
+    """ "needs X GiB/GPU > Y GiB" when the worst stage does not fit in cluster.gpu_mem_gb GiB, else None."""
+    if est.memory.total > cluster.gpu_mem_gb * GIB:
+        return f"needs {est.memory.total / GIB:.1f} GiB/GPU > {cluster.gpu_mem_gb:g} GiB"
     return None
+
+
+def autocast_hint(model: ModelConfig, work: RoleWork, layout: Layout, cluster: ClusterConfig) -> str:
+    """Why a LoRA layout under torch.autocast needs its memory and the field that fixes it, or "".
+
+    The frozen base stays fp32 and each micro-batch in flight saves its own bf16 casts of it (see
+    :func:`train_activation_bytes`); full recomputation keeps only the recomputed layer's casts. The
+    hint is given when that layout fits."""
+    if work.mode != "train" or work.lora_rank <= 0 or layout.recompute == "full":
+        return ""
+    if training_precision(model, work.parallel, layout.dp) != "autocast":
+        return ""
+    full = replace(layout, recompute="full")
+    if memory_problem(estimate_layout(model, work, full, cluster), cluster):
+        return ""
+    return (
+        f" (LoRA under torch.autocast: the frozen fp32 base is cast to bf16 again by every micro-batch in flight, "
+        f"which keeps its casts for backward; {work.role}.parallel.recompute=full keeps one layer's and fits)"
+    )
 
 
 def evaluate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster: ClusterConfig) -> LayoutEstimate | Rejected:
@@ -661,4 +780,6 @@ def evaluate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
         return Rejected(layout, problem)
     est = estimate_layout(model, work, layout, cluster)
     problem = memory_problem(est, cluster)
+    if problem:
+        problem += autocast_hint(model, work, layout, cluster)
     return Rejected(layout, problem, est) if problem else est

@@ -1,4 +1,4 @@
-"""The planner's text output: per-role tables of layouts (GB per device, seconds per step), the node
+"""The planner's text output: per-role tables of layouts (GiB per device, seconds per step), the node
 split, the overrides that apply the best layouts, and the check of the configured layouts.
 
 Owns: :func:`format_plan` / :func:`print_plan` (``python -m aligner.plan`` and ``plan_only=true``)
@@ -14,7 +14,7 @@ from typing import Optional
 from aligner.config import AlignerConfig, ModelConfig
 from aligner.errors import PlanError
 from aligner.planner.cost_model import (
-    GB,
+    GIB,
     MODEL_FLOPS_EFFICIENCY,
     Layout,
     LayoutEstimate,
@@ -33,15 +33,15 @@ SHOW_REJECTED = 5  # rejected layouts per role in format_plan
 # --------------------------------------------------------------------------- output
 
 
-def _gb(x: float) -> str:
-    return f"{x / GB:7.1f}"
+def _gib(x: float) -> str:
+    return f"{x / GIB:7.1f}"
 
 
 def _layout_row(est: LayoutEstimate) -> str:
     m, t = est.memory, est.time
     return (
-        f"  {est.layout.describe():<50} {_gb(m.weights)} {_gb(m.grads)} {_gb(m.optimizer)} {_gb(m.activations)} "
-        f"{_gb(m.kv_cache)} {_gb(m.total)}  {t.total_s:9.2f} (compute {t.compute_s:.2f}, tp {t.tp_comm_s:.2f}, "
+        f"  {est.layout.describe():<50} {_gib(m.weights)} {_gib(m.grads)} {_gib(m.optimizer)} {_gib(m.activations)} "
+        f"{_gib(m.kv_cache)} {_gib(m.total)}  {t.total_s:9.2f} (compute {t.compute_s:.2f}, tp {t.tp_comm_s:.2f}, "
         f"dp {t.dp_comm_s:.2f}, bubble {t.bubble_s:.2f}, decode {t.decode_s:.2f}" + (f", all-to-all {t.a2a_s:.2f})" if t.a2a_s else ")")
     )
 
@@ -61,7 +61,7 @@ def train_state_line(work: RoleWork, model: ModelConfig) -> str:
 
 
 def format_role(plan: RolePlan, model: Optional[ModelConfig] = None) -> str:
-    """A readable table of one role's ranked layouts (GB, seconds) and best rejected layouts; with
+    """A readable table of one role's ranked layouts (GiB, seconds) and best rejected layouts; with
     `model`, a trained role's line of training-state bytes per parameter (:func:`train_state_line`)."""
     what = {"train": "training", "forward": "inference", "generate": "rollout engine"}[plan.work.mode]
     lines = [f"{plan.role} ({what}, {plan.devices} devices):"]
@@ -93,7 +93,7 @@ def recommended_overrides(plan: Plan) -> list[str]:
 
 
 def format_plan(plan: Plan) -> str:
-    """The whole plan as text: cluster, node split, per-role tables (memory in GB, time in s)."""
+    """The whole plan as text: cluster, node split, per-role tables (memory in GiB, time in s)."""
     c = plan.cluster
     lines = [
         f"plan for stage {plan.stage} on {cluster_text(c.num_nodes, c.gpus_per_node, c.gpu_mem_gb)} "
@@ -104,7 +104,7 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"node split: actor group (actor, rollout) {ns.actor_nodes} of {c.num_nodes} nodes, critic group {ns.critic_nodes}")
         tried = ", ".join(f"{a}:{t:.1f}s" if isinstance(t, float) else f"{a}:no fit" for a, t in ns.tried)
         lines.append(f"  splits tried (actor nodes: step time): {tried}")
-    lines.append(f"estimated step time: {plan.step_time_s:.2f} s (memory in GB per device, times in seconds per step)")
+    lines.append(f"estimated step time: {plan.step_time_s:.2f} s (memory in GiB per device, times in seconds per step)")
     for rp in plan.roles.values():
         lines.append("")
         lines.append(format_role(rp, plan.model))
@@ -141,7 +141,7 @@ def check_fits(cfg: AlignerConfig) -> dict[str, LayoutEstimate]:
     """Check the configured layout of every role against cfg.cluster before any weights are loaded.
 
     Returns each role's estimate. Raises PlanError listing each role that does not fit (why, in
-    GB or devices), what the planner would choose instead, or the smallest cluster that fits."""
+    GiB or devices), what the planner would choose instead, or the smallest cluster that fits."""
     c = cfg.cluster
     total = c.num_nodes * devices_per_node(c)
     out, problems = {}, []

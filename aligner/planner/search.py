@@ -150,6 +150,7 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
             new_tokens=new_tokens,
             max_batch_size=cfg.rollout.max_batch_size,
             group="actor",
+            dtype=cfg.rollout.dtype,
         ),
     ]
     roles = cfg.roles_used()
@@ -327,12 +328,13 @@ def smallest_cluster(cfg: AlignerConfig) -> tuple[int, int]:
             return n, cfg.cluster.gpus_per_node
         n *= 2
     raise PlanError(
-        f"no cluster of up to {MAX_NODES} nodes x {cfg.cluster.gpus_per_node} GPUs x {cfg.cluster.gpu_mem_gb:g} GB fits this model"
+        f"no cluster of up to {MAX_NODES} nodes x {cfg.cluster.gpus_per_node} GPUs x {cfg.cluster.gpu_mem_gb:g} GiB fits this model"
     )
 
 
 def cluster_text(nodes: int, gpus: int, mem: float) -> str:
-    return f"{nodes} node{'s' if nodes != 1 else ''} x {gpus} GPUs x {mem:g} GB"
+    """ "N nodes x G GPUs x M GiB" (cluster.gpu_mem_gb is GiB)."""
+    return f"{nodes} node{'s' if nodes != 1 else ''} x {gpus} GPUs x {mem:g} GiB"
 
 
 def make_plan(cfg: AlignerConfig) -> Plan:
