@@ -20,6 +20,12 @@ to a float in [0, 1]:
   (metadata ``instruction_id_list`` and ``kwargs``): the fraction satisfied (strict), all or
   nothing (strict), the fraction (loose) (:mod:`aligner.reward.ifeval`; ``pip install 'aligner[ifeval]'``).
   Their rows are checked before any worker starts (:func:`check_rule_rows`).
+- "code_tests": the fraction of the row's tests (metadata ``tests``: ``{"inputs": [stdin, ...],
+  "outputs": [expected stdout, ...]}``) that the response's program passes, each run in a
+  sandbox with CPU, memory, file-size, process and wall-clock limits, without network and with
+  nothing of the host writable where the host allows it; 0.0 when a run hits a limit
+  (:mod:`aligner.reward.sandbox`, which says what is enforced where). Rows checked before any
+  worker starts.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 
 from aligner.data.task import check_answer
 from aligner.reward import ifeval as _ifeval
+from aligner.reward import sandbox as _sandbox
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -93,8 +100,10 @@ def _digit_fraction(prompt: str, response: str, metadata: dict) -> float:
 
 RULES["digit_fraction"] = _digit_fraction
 RULES.update(_ifeval.RULES)
+RULES.update(_sandbox.RULES)
 # rule -> a check of the prompt examples' metadata ({"metadata", "source"} each), run before any worker starts
 ROW_CHECKS: dict[str, Callable[[list[dict]], None]] = {name: _ifeval.check_rows for name in _ifeval.RULES}
+ROW_CHECKS.update({name: _sandbox.check_rows for name in _sandbox.RULES})
 
 
 def check_rule_rows(name: str, examples: list[dict]) -> None:

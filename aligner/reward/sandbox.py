@@ -1,0 +1,602 @@
+"""Sandboxed execution of candidate programs, and the code reward ``reward.rule=code_tests``.
+
+Owns: :func:`run_program` (one Python program, one stdin, under :class:`SandboxLimits`, giving a
+:class:`SandboxResult`), :func:`isolation` (what this host enforces), and the rule
+:func:`code_tests_reward` with its row check :func:`check_rows`, registered in
+:mod:`aligner.reward.rules`. Only the standard library is imported: this file is also the
+launcher that the sandbox executes (``python -I -S sandbox.py CONFIG``).
+
+The code reward of verl (``prime_code``, ``sandbox_fusion``), TRL/open-r1, AReaL and slime runs the
+response's program on test inputs and compares what it prints with the expected output; here the
+program runs on this host, as a child process:
+
+    parent (the reward scorer)
+      -> launcher, a new session (setsid): namespaces, mounts, rlimits, then drops to ``uid``
+         -> init, pid 1 of the new pid namespace (reaps; its exit kills every process left in it)
+            -> the program: ``python -I main.py`` with stdin, stdout and stderr on files
+
+What is enforced, and where (:func:`isolation` reports it for this host, ``SandboxResult.enforced``
+for one run):
+
+- Always (any Linux): RLIMIT_CPU (``cpu_s`` seconds of CPU per process: SIGXCPU, then SIGKILL a
+  second later), RLIMIT_AS (``memory_bytes`` of address space per process: an allocation past it
+  fails, Python raises MemoryError), RLIMIT_FSIZE (``file_bytes``: no file, stdout and stderr
+  included, grows past it; Python gets EFBIG), RLIMIT_NOFILE, RLIMIT_CORE 0, a wall-clock timeout
+  (``wall_s``: the program's process group is killed with SIGKILL and reaped by the launcher), an
+  environment of PATH, HOME, TMPDIR, LANG and one-thread settings only (the parent's variables,
+  secrets included, are not passed), Python's isolated mode (``-I``: no PYTHON* variables, no
+  user site, no script directory on sys.path).
+- When the scorer runs as root (CAP_SYS_ADMIN): new network, mount, pid, IPC and UTS namespaces.
+  Network: the new namespace has only a loopback device, down, so every connect (127.0.0.1
+  included) fails with ENETUNREACH, and the host's abstract Unix sockets are out of reach. Files:
+  every mount is remounted read-only in the sandbox's mount namespace (the host's mounts are
+  untouched) and a fresh tmpfs of ``tmpfs_bytes`` is mounted on /tmp, holding the working
+  directory (``/tmp/sandbox``, also HOME and TMPDIR): the only writable place, bounded in total,
+  and the host's /tmp (Ray's sockets, other runs' files) is hidden. Processes: the program is not
+  pid 1 of its pid namespace, so all its descendants die with the namespace's init, those that
+  left the process group (setsid) too. The program then runs as ``uid``/``gid`` (default 65534,
+  ``nobody``) with no supplementary groups, which puts RLIMIT_NPROC (``max_processes``) in force
+  (the kernel does not apply it to root): a fork bomb gets EAGAIN once the uid has that many
+  processes and threads. It counts every process of ``uid`` on the host: concurrent sandboxes
+  with the same ``uid`` share the budget (give each concurrent scorer its own ``uid``).
+- Without root, where unprivileged user namespaces are allowed: new user, network, pid and IPC
+  namespaces (no network; descendants die with init; RLIMIT_NPROC counts the processes of the new
+  user namespace only). No mount isolation: the program can write wherever the scorer's user can,
+  and its working directory is a host temporary directory.
+- Without root and without user namespaces: only the "Always" list, and RLIMIT_NPROC set to
+  ``max_processes`` above the user's process count at launch. The network is open, the host is
+  writable as the scorer's user, and a descendant that calls setsid() outlives the timeout: run
+  the scorer in a container there.
+
+Not enforced anywhere: reading world-readable host files (the repository, the interpreter's
+site-packages) and connecting to Unix sockets bound on the host filesystem outside /tmp whose
+mode lets the program's user write them; system calls are not filtered (no seccomp filter).
+Measured on the development machine (Linux 6.18, Python 3.11): as root, every item of the root
+list; as an unprivileged user, the user-namespace list (RLIMIT_NPROC per namespace included).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+import re
+import resource
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional, Sequence
+
+# unshare(2) and mount(2) flags (linux/sched.h, linux/mount.h)
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+_KEEP_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
+               "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}  # fmt: skip
+SANDBOX_DIR = "/tmp/sandbox"  # the program's working directory inside the mount namespace
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxLimits:
+    """Limits of one sandboxed run.
+
+    cpu_s: CPU seconds per process (RLIMIT_CPU, whole seconds, >= 1): SIGXCPU at cpu_s, SIGKILL at
+        cpu_s + 1. wall_s: wall-clock seconds for the whole run (launch included), then SIGKILL to
+        the process group. memory_bytes: address space per process (RLIMIT_AS); the interpreter
+        alone maps about 30 MB. file_bytes: largest file the program may write (RLIMIT_FSIZE),
+        stdout and stderr included, so also the most output kept. max_processes: processes and
+        threads of ``uid`` (RLIMIT_NPROC; the launcher and init count too). max_open_files:
+        RLIMIT_NOFILE. tmpfs_bytes: size of the private /tmp holding the working directory (mount
+        namespace only). uid / gid: the unprivileged ids the program runs as when the scorer is
+        root. python: the interpreter that runs the program; None: this process's interpreter when
+        ``uid`` can execute it (every directory on its real path searchable by others), else the
+        first such of /usr/bin/python3, /usr/local/bin/python3 (:func:`program_python`).
+    """
+
+    cpu_s: int = 4
+    wall_s: float = 10.0
+    memory_bytes: int = 1 << 30
+    file_bytes: int = 16 << 20
+    max_processes: int = 32
+    max_open_files: int = 128
+    tmpfs_bytes: int = 64 << 20
+    uid: int = 65534
+    gid: int = 65534
+    python: Optional[str] = None
+
+    def __post_init__(self):
+        for name in ("cpu_s", "memory_bytes", "file_bytes", "max_processes", "max_open_files", "tmpfs_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"SandboxLimits.{name}={v!r}: give a positive integer")
+        if not self.wall_s > 0:
+            raise ValueError(f"SandboxLimits.wall_s={self.wall_s!r}: give a positive number of seconds")
+        if self.max_processes < 3:
+            raise ValueError(f"SandboxLimits.max_processes={self.max_processes}: the launcher and init count too, give at least 3")
+
+
+@dataclasses.dataclass
+class SandboxResult:
+    """What one run did.
+
+    stdout / stderr: the program's output, decoded as UTF-8 (bad bytes replaced), at most
+    ``file_bytes`` each. returncode: the program's exit status, or -N when signal N ended it, None
+    when it did not end by itself (wall timeout). killed_by: the limit the run hit, one of "cpu"
+    (SIGXCPU/SIGKILL at the CPU limit), "wall" (the timeout), "memory" (MemoryError), "fsize"
+    (EFBIG), "nproc" (fork/thread creation refused: EAGAIN), or None; the last three are read from
+    the interpreter's final error line, so a program that catches them is judged on its output.
+    wall_s: seconds from launch to the end of the run. cpu_s: CPU seconds of the program process
+    (user + system, its children excluded; None when unknown). enforced: the isolation applied
+    ("network", "pid", "filesystem", "uid", "nproc"; see :func:`isolation`).
+    """
+
+    stdout: str
+    stderr: str
+    returncode: Optional[int]
+    killed_by: Optional[str]
+    wall_s: float
+    cpu_s: Optional[float]
+    enforced: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when the program exited with status 0 and hit no limit."""
+        return self.returncode == 0 and self.killed_by is None
+
+
+def _others_can_run(path: str) -> bool:
+    real = os.path.realpath(path)
+    if not os.path.isfile(real) or not os.stat(real).st_mode & 0o001:
+        return False
+    d = os.path.dirname(real)
+    while True:
+        if not os.stat(d).st_mode & 0o001:
+            return False
+        if d == os.path.dirname(d):
+            return True
+        d = os.path.dirname(d)
+
+
+def program_python(limits: SandboxLimits) -> str:
+    """The interpreter the program runs with: ``limits.python`` when set; else ``sys.executable``
+    when the scorer is not root (no uid change) or others can execute it; else /usr/bin/python3 or
+    /usr/local/bin/python3 (the stdlib only then: the scorer's site-packages are not on its path).
+    RuntimeError when none can be run by ``limits.uid``."""
+    if limits.python:
+        return limits.python
+    if os.geteuid() != 0:
+        return sys.executable
+    for cand in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        if cand and os.path.exists(cand) and _others_can_run(cand):
+            return cand
+    raise RuntimeError(
+        f"sandbox: no Python interpreter that uid {limits.uid} can execute ({sys.executable} resolves to "
+        f"{os.path.realpath(sys.executable)}, not searchable by others): set SandboxLimits.python"
+    )
+
+
+_ERROR_LABELS = (
+    (re.compile(r"^MemoryError\b"), "memory"),
+    (re.compile(r"\[Errno 27\]"), "fsize"),  # EFBIG: File too large
+    (re.compile(r"\[Errno 11\]|can't start new thread"), "nproc"),  # EAGAIN from fork/clone
+)
+
+
+def _label(status: Optional[int], cpu_s: Optional[float], limits: SandboxLimits, stderr: str) -> Optional[str]:
+    if status is None:
+        return None
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_s is not None and cpu_s >= limits.cpu_s):
+            return "cpu"
+        if sig == signal.SIGXFSZ:
+            return "fsize"
+        return None
+    if os.WEXITSTATUS(status) == 0:
+        return None
+    last = next((ln for ln in reversed(stderr.splitlines()) if ln.strip()), "")
+    return next((name for pat, name in _ERROR_LABELS if pat.search(last)), None)
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> bool:
+    """Wait until `proc` exits, without reaping it (so its process-group id stays ours); False on timeout."""
+    deadline = time.monotonic() + timeout
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        fd = None
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if fd is not None:
+                select.select([fd], [], [], max(left, 0))
+            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+            if left <= 0:
+                return False
+            if fd is None:
+                time.sleep(min(0.005, max(left, 0)))
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _read(path: str, limit: int) -> str:
+    with open(path, "rb") as f:
+        return f.read(limit).decode("utf-8", errors="replace")
+
+
+def run_program(source: str, stdin: str = "", limits: Optional[SandboxLimits] = None) -> SandboxResult:
+    """Run the Python program `source` on `stdin` in the sandbox (module docstring) and return what it did.
+
+    A program that loops, forks or allocates without bound is stopped by its limit and reported in
+    ``killed_by``; nothing the program does raises here. Raises RuntimeError when the sandbox
+    itself cannot be set up (the launcher fails, e.g. ``limits.python`` cannot be executed by
+    ``limits.uid`` or the mounts fail): an error of the host, not of the program.
+    """
+    limits = limits or SandboxLimits()
+    host = tempfile.mkdtemp(prefix="aligner-sandbox-")
+    try:
+        work = os.path.join(host, "work")
+        os.mkdir(work, 0o700)
+        with open(os.path.join(host, "main.py"), "w", encoding="utf-8") as f:
+            f.write(source)
+        with open(os.path.join(host, "stdin"), "w", encoding="utf-8") as f:
+            f.write(stdin)
+        cfg = dataclasses.asdict(limits)
+        cfg.update(host=host, work=work, python=program_python(limits))
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        t0 = time.monotonic()
+        with (
+            open(os.path.join(host, "stdin"), "rb") as fin,
+            open(os.path.join(host, "stdout"), "wb") as fout,
+            open(os.path.join(host, "stderr"), "wb") as ferr,
+        ):
+            try:
+                proc = subprocess.Popen(
+                    [sys.executable, "-I", "-S", os.path.abspath(__file__), json.dumps(cfg), str(w)],
+                    stdin=fin,
+                    stdout=fout,
+                    stderr=ferr,
+                    pass_fds=(w,),
+                    start_new_session=True,
+                    cwd=host,
+                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                )
+            finally:
+                os.close(w)
+            timed_out = not _wait(proc, limits.wall_s)
+            if timed_out:  # the launcher kills the program's process group and reaps it
+                try:
+                    os.kill(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+                _wait(proc, 2.0)
+            try:  # the launcher's group, if it did not end; before reaping it, so the group id is still ours
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+        wall = time.monotonic() - t0
+        lines = b""
+        while True:
+            try:
+                chunk = os.read(r, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            lines += chunk
+        os.close(r)
+        report = [ln.split(" ", 1) for ln in lines.decode().splitlines() if ln]
+        info = {k: v for k, v in (x if len(x) == 2 else (x[0], "") for x in report)}
+        stderr = _read(os.path.join(host, "stderr"), limits.file_bytes)
+        if "error" in info:
+            raise RuntimeError(f"sandbox: the launcher could not set up the run: {info['error']}")
+        if "enforced" not in info and not timed_out:
+            raise RuntimeError(f"sandbox: the launcher ended (status {proc.returncode}) before the program started: {stderr[-2000:]}")
+        status = cpu = None
+        if "exit" in info:
+            st, c = info["exit"].split()
+            status, cpu = int(st), float(c)
+        killed = "wall" if timed_out else _label(status, cpu, limits, stderr)
+        if status is None:
+            code = None
+        else:
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        return SandboxResult(
+            stdout=_read(os.path.join(host, "stdout"), limits.file_bytes),
+            stderr=stderr,
+            returncode=code,
+            killed_by=killed,
+            wall_s=wall,
+            cpu_s=cpu,
+            enforced=tuple(info.get("enforced", "").split()),
+        )
+    finally:
+        shutil.rmtree(host, ignore_errors=True)
+
+
+_ISOLATION: Optional[tuple[str, ...]] = None
+
+
+def isolation() -> tuple[str, ...]:
+    """The isolation this host applies beyond rlimits and the timeout (cached): a subset of "network"
+    (own network namespace), "pid" (own pid namespace), "filesystem" (read-only host, private
+    /tmp), "uid" (runs as SandboxLimits.uid), "nproc" (RLIMIT_NPROC in force). Runs one program.
+    RuntimeError as :func:`run_program` when the sandbox cannot run a program at all."""
+    global _ISOLATION
+    if _ISOLATION is None:
+        res = run_program("print('ok')", "", SandboxLimits(cpu_s=5, wall_s=30.0))
+        if res.stdout.strip() != "ok":
+            raise RuntimeError(
+                f"sandbox: a trivial program failed (status {res.returncode}, {res.killed_by or 'no limit hit'}): "
+                f"{res.stderr.strip()[-2000:]}: set SandboxLimits.python to an interpreter that uid {SandboxLimits.uid} can run"
+            )
+        _ISOLATION = res.enforced
+    return _ISOLATION
+
+
+# --- the launcher: runs as `python -I -S sandbox.py CONFIG STATUS_FD`, standard library only ---
+
+
+def _remount_read_only() -> None:
+    """Every mount of this (new, private) mount namespace read-only, keeping its other per-mount flags."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open("/proc/self/mountinfo") as f:
+        entries = [ln.split() for ln in f]
+    for e in entries:
+        target = e[4].encode().decode("unicode_escape").encode("latin-1")  # \040 etc. as in mountinfo
+        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
+        for opt in e[5].split(","):
+            flags |= _KEEP_FLAGS.get(opt, 0)
+        if libc.mount(None, target, None, flags, None) != 0:
+            err = ctypes.get_errno()
+            if target == b"/" or not os.path.exists(target):  # the root must be; a hidden stacked mount may fail
+                raise OSError(err, f"remount {target.decode()} read-only: {os.strerror(err)}")
+
+
+def _owner(pid: str) -> int:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return -1
+
+
+def _mount(libc, source: bytes, target: bytes, fstype: Optional[bytes], flags: int, data: Optional[bytes]) -> None:
+    if libc.mount(source, target, fstype, flags, data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {target.decode()}: {os.strerror(err)}")
+
+
+def _launch(cfg: dict, status_fd: int) -> None:
+    def say(key: str, value: str = "") -> None:
+        os.write(status_fd, f"{key} {value}\n".encode())
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    root = os.geteuid() == 0
+    enforced: list[str] = []
+    work = cfg["work"]
+    try:
+        with open(os.path.join(cfg["host"], "main.py"), "rb") as f:
+            source = f.read()
+        if root and libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS) == 0:
+            enforced += ["network", "pid"]
+            _mount(libc, None, b"/", None, MS_REC | MS_PRIVATE, None)
+            _remount_read_only()
+            opts = f"size={cfg['tmpfs_bytes']},mode=1777".encode()
+            _mount(libc, b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, opts)
+            work = SANDBOX_DIR
+            os.mkdir(work, 0o700)
+            os.chown(work, cfg["uid"], cfg["gid"])
+            enforced.append("filesystem")
+        elif not root:
+            uid, gid = os.getuid(), os.getgid()
+            if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC) == 0:
+                for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
+                    with open(f"/proc/self/{name}", "w") as f:
+                        f.write(text)
+                enforced += ["network", "pid"]  # RLIMIT_NPROC then counts the processes of this user namespace
+            else:  # RLIMIT_NPROC counts all the user's processes: leave room for those running now
+                cfg["max_processes"] += sum(1 for p in os.listdir("/proc") if p.isdigit() and _owner(p) == uid)
+        main = os.path.join(work, "main.py")
+        with open(main, "wb") as f:
+            f.write(source)
+        if root:
+            os.chown(main, cfg["uid"], cfg["gid"])
+        os.chdir(work)
+        mem, fsize = cfg["memory_bytes"], cfg["file_bytes"]
+        for lim, value in (
+            (resource.RLIMIT_CPU, (cfg["cpu_s"], cfg["cpu_s"] + 1)),
+            (resource.RLIMIT_AS, (mem, mem)),
+            (resource.RLIMIT_FSIZE, (fsize, fsize)),
+            (resource.RLIMIT_NOFILE, (cfg["max_open_files"], cfg["max_open_files"])),
+            (resource.RLIMIT_NPROC, (cfg["max_processes"], cfg["max_processes"])),
+            (resource.RLIMIT_CORE, (0, 0)),
+        ):
+            hard = resource.getrlimit(lim)[1]  # an unprivileged launcher cannot raise a hard limit
+            if hard != resource.RLIM_INFINITY and not root:
+                value = (min(value[0], hard), min(value[1], hard))
+            resource.setrlimit(lim, value)
+        if root:
+            os.setgroups([])
+            os.setgid(cfg["gid"])
+            os.setuid(cfg["uid"])
+            enforced.append("uid")
+        if os.geteuid() != 0:
+            enforced.append("nproc")
+    except (OSError, ValueError) as e:
+        say("error", f"{e} (as uid {os.geteuid()})".replace("\n", " "))
+        os._exit(3)
+    say("enforced", " ".join(enforced))
+    env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
+           "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # fmt: skip
+    # the launcher reaps what its program leaves (a subreaper), so no zombie is left to the host's pid 1
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
+    state = {"init": None, "reaped": False, "stop": False}
+
+    def stop(signum, frame):  # the parent's wall timeout: kill the program's group (its namespace with init)
+        state["stop"] = True
+        if state["init"] is not None and not state["reaped"]:  # the group id is init's until init is reaped
+            os.killpg(state["init"], signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, stop)
+    init = os.fork()
+    if init == 0:  # pid 1 of the new pid namespace where there is one; leader of the program's group
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.setpgid(0, 0)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        prog = os.fork()
+        if prog == 0:
+            os.close(status_fd)
+            for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+                signal.signal(sig, signal.SIG_DFL)
+            try:
+                os.execve(cfg["python"], [cfg["python"], "-I", "main.py"], env)
+            except OSError as e:
+                os.write(2, f"sandbox: cannot execute {cfg['python']}: {e}\n".encode())
+                os._exit(127)
+        while True:  # reap every orphan; report the program's status
+            try:
+                pid, status, ru = os.wait4(-1, 0)
+            except ChildProcessError:
+                os._exit(0)
+            if pid == prog:
+                say("exit", f"{status} {ru.ru_utime + ru.ru_stime:.3f}")
+                os._exit(0)
+    try:
+        os.setpgid(init, init)  # also here: the group must exist before a SIGTERM can name it
+    except OSError:
+        pass  # init already did it, or already exited (then waitid below returns at once)
+    state["init"] = init
+    if state["stop"]:
+        stop(signal.SIGTERM, None)
+    os.waitid(os.P_PID, init, os.WEXITED | os.WNOWAIT)
+    os.killpg(init, signal.SIGKILL)  # what is left in the program's group (without a pid namespace)
+    os.waitpid(init, 0)
+    state["reaped"] = True
+    deadline = time.monotonic() + 0.5  # reap the killed orphans handed to this subreaper
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                time.sleep(0.01)
+        except ChildProcessError:
+            break
+    os._exit(0)
+
+
+# --- the rule: reward.rule=code_tests ---
+
+_FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
+CODE_LIMITS = SandboxLimits()  # the limits the rule runs each test under
+
+
+def extract_code(response: str) -> str:
+    """The program in `response`: the last fenced block tagged python/py/python3 or untagged
+    (verl's prime_code and open-r1 take the last block too), else the whole response."""
+    blocks = _FENCE.findall(response)
+    return blocks[-1] if blocks else response
+
+
+def _tests(metadata: dict, where: str = "metadata") -> tuple[list[str], list[str]]:
+    """(inputs, outputs) of a row's ``tests`` field; ValueError naming the problem and the fix."""
+    if "tests" not in metadata:
+        raise ValueError(
+            f"{where}: reward.rule=code_tests needs a 'tests' field: "
+            '{"inputs": ["stdin of test 1", ...], "outputs": ["expected stdout of test 1", ...]}'
+        )
+    tests = metadata["tests"]
+    if isinstance(tests, str):  # APPS / TACO store it as a JSON string
+        try:
+            tests = json.loads(tests)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: field 'tests' is a string but not JSON ({e}): give an object with 'inputs' and 'outputs'") from None
+    if not isinstance(tests, dict) or not isinstance(tests.get("inputs"), list) or not isinstance(tests.get("outputs"), list):
+        raise ValueError(f"{where}: field 'tests' must be an object with lists 'inputs' and 'outputs', got {str(tests)[:80]!r}")
+    ins, outs = tests["inputs"], tests["outputs"]
+    if not ins or len(ins) != len(outs):
+        raise ValueError(
+            f"{where}: field 'tests' has {len(ins)} inputs and {len(outs)} outputs: give one expected output per input (at least one)"
+        )
+    bad = next((x for x in ins + outs if not isinstance(x, str)), None)
+    if bad is not None:
+        raise ValueError(
+            f"{where}: field 'tests' holds a {type(bad).__name__} ({str(bad)[:40]!r}): inputs and outputs are strings (stdin, stdout)"
+        )
+    return ins, outs
+
+
+def same_output(got: str, expected: str) -> bool:
+    """Output comparison as in the APPS checker's first test: lines equal after stripping trailing
+    whitespace of each line and trailing blank lines."""
+
+    def norm(s: str) -> list[str]:
+        lines = [ln.rstrip() for ln in s.replace("\r\n", "\n").split("\n")]
+        while lines and not lines[-1]:
+            lines.pop()
+        return lines
+
+    return norm(got) == norm(expected)
+
+
+def pass_fraction(source: str, inputs: Sequence[str], outputs: Sequence[str], limits: Optional[SandboxLimits] = None) -> float:
+    """The fraction of tests (stdin -> expected stdout) that `source` passes, run one at a time in
+    :func:`run_program`; a test passes when the program exits 0, hits no limit and prints the
+    expected output (:func:`same_output`). A run that hits a limit scores the whole program 0.0 and
+    stops the remaining tests (a looping program costs one ``wall_s``, not one per test)."""
+    passed = 0
+    for stdin, expected in zip(inputs, outputs):
+        res = run_program(source, stdin, limits or CODE_LIMITS)
+        if res.killed_by is not None:
+            return 0.0
+        passed += res.ok and same_output(res.stdout, expected)
+    return passed / len(inputs)
+
+
+_warned = False
+
+
+def code_tests_reward(prompt: str, response: str, metadata: dict) -> float:
+    """Rule "code_tests": the fraction of the row's tests the response's program passes, in [0, 1].
+
+    metadata["tests"]: {"inputs": [str], "outputs": [str]} (stdin and expected stdout per test,
+    the APPS / TACO / verl prime_code layout; a JSON string of it is accepted). The program is
+    :func:`extract_code` of the response, run under :data:`CODE_LIMITS`; 0.0 when any test hits a
+    limit. Warns once on the "aligner.reward" logger when this host cannot isolate network and
+    filesystem. ValueError for a row without valid tests (:func:`check_rows` finds these first).
+    """
+    global _warned
+    ins, outs = _tests(metadata)
+    if not _warned:
+        _warned = True
+        missing = [x for x in ("network", "pid", "filesystem", "uid", "nproc") if x not in isolation()]
+        if missing:
+            import logging
+
+            logging.getLogger("aligner.reward").warning(
+                "reward.rule=code_tests: this host does not enforce %s for the candidate programs "
+                "(needs root or user namespaces; see aligner/reward/sandbox.py): run the scorer in a container",
+                ", ".join(missing),
+            )
+    return pass_fraction(extract_code(response), ins, outs)
+
+
+def check_rows(examples: Sequence[dict]) -> None:
+    """Each example's ({"metadata", "source"}) tests are valid; ValueError "file:line: ..." at the first bad one."""
+    for e in examples:
+        _tests(dict(e.get("metadata") or {}), str(e.get("source", "?")))
+
+
+RULES: dict[str, Any] = {"code_tests": code_tests_reward}
+
+if __name__ == "__main__":
+    _launch(json.loads(sys.argv[1]), int(sys.argv[2]))
