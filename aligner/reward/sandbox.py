@@ -228,6 +228,22 @@ def _wait(proc: subprocess.Popen, timeout: float) -> bool:
             os.close(fd)
 
 
+def _drain(fd: int) -> bytes:
+    """Everything buffered in the non-blocking pipe `fd` (its writers have exited), then close it."""
+    out = b""
+    try:
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            out += chunk
+    except BlockingIOError:
+        pass
+    finally:
+        os.close(fd)
+    return out
+
+
 def _read(path: str, limit: int) -> str:
     with open(path, "rb") as f:
         return f.read(limit).decode("utf-8", errors="replace")
@@ -252,7 +268,7 @@ def run_program(source: str, stdin: str = "", limits: Optional[SandboxLimits] = 
             f.write(stdin)
         cfg = dataclasses.asdict(limits)
         cfg.update(host=host, work=work, python=program_python(limits))
-        r, w = os.pipe()
+        r, w = os.pipe()  # the launcher's and init's reports: "enforced ...", "exit STATUS CPU_S", "error ..."
         os.set_blocking(r, False)
         t0 = time.monotonic()
         with (
@@ -271,6 +287,9 @@ def run_program(source: str, stdin: str = "", limits: Optional[SandboxLimits] = 
                     cwd=host,
                     env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
                 )
+            except BaseException:
+                os.close(r)
+                raise
             finally:
                 os.close(w)
             timed_out = not _wait(proc, limits.wall_s)
@@ -286,16 +305,7 @@ def run_program(source: str, stdin: str = "", limits: Optional[SandboxLimits] = 
                 pass
             proc.wait()
         wall = time.monotonic() - t0
-        lines = b""
-        while True:
-            try:
-                chunk = os.read(r, 65536)
-            except BlockingIOError:
-                break
-            if not chunk:
-                break
-            lines += chunk
-        os.close(r)
+        lines = _drain(r)
         report = [ln.split(" ", 1) for ln in lines.decode().splitlines() if ln]
         info = {k: v for k, v in (x if len(x) == 2 else (x[0], "") for x in report)}
         stderr = _read(os.path.join(host, "stderr"), limits.file_bytes)
