@@ -196,7 +196,7 @@ class RemoteReward:
             f"reward.url={self.url}: no valid answer after {tries} {'try' if tries == 1 else 'tries'} in "
             f"{time.monotonic() - t0:.1f} s (reward.max_retries={self.max_retries}, backoff from reward.backoff_s="
             f"{self.backoff_s:g} s doubling): last failure: {last}; check that the server runs there "
-            "(python -m aligner.serve_rm) and answers {\"rewards\": [...]}, or raise reward.timeout_s / reward.max_retries"
+            '(python -m aligner.serve_rm) and answers {"rewards": [...]}, or raise reward.timeout_s / reward.max_retries'
         )
 
     def close(self) -> None:
@@ -218,7 +218,7 @@ class RemoteReward:
             retry = e.code >= 500 or e.code in RETRIED_STATUSES
             hint = {401: " (set reward.token or ALIGNER_RM_TOKEN to the server's token)", 413: " (lower reward.batch_size)"}.get(e.code, "")
             raise _Failure(f"HTTP {e.code}: {detail}{hint}", retry) from None
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             raise _Failure(f"no answer within reward.timeout_s={self.timeout_s:g} s", True) from None
         except urllib.error.URLError as e:
             reason = e.reason

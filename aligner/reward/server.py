@@ -108,7 +108,9 @@ def parse_request(obj: Any, max_batch: int) -> ScoreRequest:
         if (
             not isinstance(input_ids, list)
             or len(input_ids) != n
-            or not all(isinstance(row, list) and row and all(isinstance(t, int) and not isinstance(t, bool) for t in row) for row in input_ids)
+            or not all(
+                isinstance(row, list) and row and all(isinstance(t, int) and not isinstance(t, bool) for t in row) for row in input_ids
+            )
         ):
             raise ValueError(f'"input_ids" must be a list of {n} non-empty lists of token ids (ints)')
     return ScoreRequest(prompts, responses, metadata, input_ids)
@@ -302,7 +304,7 @@ class _Handler(BaseHTTPRequestHandler):
         n_bytes = int(length) if length is not None and length.strip().isdigit() else None
         if s.token:
             given = self.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode("utf-8"), f"Bearer {s.token}".encode("utf-8")):
+            if not hmac.compare_digest(given.encode("utf-8"), f"Bearer {s.token}".encode()):
                 self._discard(n_bytes, s.max_request_bytes)
                 self._reply(401, {"error": "missing or wrong token: send 'Authorization: Bearer <token>' (reward.token)"}, close=True)
                 return
@@ -313,7 +315,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._discard(n_bytes, DRAIN_FACTOR * s.max_request_bytes)
             self._reply(
                 413,
-                {"error": f"the body has {n_bytes} bytes, over this server's max_request_bytes={s.max_request_bytes}: send smaller batches"},
+                {
+                    "error": f"the body has {n_bytes} bytes, over this server's max_request_bytes={s.max_request_bytes}: send smaller batches"
+                },
                 close=True,
             )
             return
@@ -336,6 +340,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
         if len(rewards) != len(req.responses) or bad:
-            self._reply(500, {"error": f"the scorer returned {len(rewards)} rewards for {len(req.responses)} samples, non-finite at {bad[:5]}"})
+            self._reply(
+                500, {"error": f"the scorer returned {len(rewards)} rewards for {len(req.responses)} samples, non-finite at {bad[:5]}"}
+            )
             return
         self._reply(200, {"rewards": rewards})

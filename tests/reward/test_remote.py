@@ -86,7 +86,10 @@ def test_openrlhf_request_shape(serve):
     prompts = ["Q: 2+2?\n", "Q: 10-3?\n", "Q: 6*7?\n"]
     responses = ["so #### 4", "the answer is 8", "#### 42"]
     labels = ["4", "7", "42"]
-    status, ans = post(srv.url.replace("/score", "/get_reward"), {"query": [p + r for p, r in zip(prompts, responses)], "prompts": prompts, "labels": labels})
+    status, ans = post(
+        srv.url.replace("/score", "/get_reward"),
+        {"query": [p + r for p, r in zip(prompts, responses)], "prompts": prompts, "labels": labels},
+    )
     assert status == 200 and ans["rewards"] == [1.0, 0.0, 1.0]
     meta = [{"answer": a} for a in labels]
     assert RemoteReward(srv.url).score(prompts, responses, meta).tolist() == rules.score("gsm8k", prompts, responses, meta).tolist()
@@ -350,3 +353,77 @@ def test_serve_rm_command_serves_and_stops_on_sigterm():
         proc.terminate()
         code = proc.wait(timeout=20)
     assert code == 0, proc.stderr.read()
+
+
+# ---- the driver: PPO's inference phase -----------------------------------------------------------------
+class _Blocking:
+    """A rule scorer that says when a request has arrived and holds its answer until released."""
+
+    name = "rule:digit_fraction (held)"
+
+    def __init__(self) -> None:
+        self.started, self.released = threading.Event(), threading.Event()
+
+    def score(self, req):
+        self.started.set()
+        assert self.released.wait(10), "the driver never released the scorer"
+        return rules.score("digit_fraction", req.prompts, req.responses).tolist()
+
+
+class _ActorCall:
+    """The actor's old-log-prob call, running as a Ray call does from the moment it is issued: its work (a
+    thread) needs the remote request in flight, then lets the scorer answer; get() returns its result."""
+
+    def __init__(self, scorer: _Blocking, shape) -> None:
+        self.shape, self.overlapped = shape, False
+
+        def work():
+            self.overlapped = scorer.started.wait(10)
+            scorer.released.set()
+
+        self.thread = threading.Thread(target=work, daemon=True)
+        self.thread.start()
+
+    def get(self, timeout_s=None):
+        self.thread.join()
+        assert self.overlapped, "the remote reward was not in flight while the actor's call ran"
+        return torch.zeros(self.shape)
+
+
+def test_ppo_inference_overlaps_the_remote_reward_with_the_actor(serve, monkeypatch, tmp_path):
+    """PPOTrainer.infer with reward.type=remote: the HTTP requests are in flight while the actor's old-log-prob
+    call runs (neither finishes without the other), and the batch's scores are the rule's on the responses."""
+    from aligner.cli import load_config
+    from aligner.protocol import RolloutBatch, build_sequences
+    from aligner.trainers.ppo import PPOTrainer
+    from aligner.workers.reward import RemoteRewardRole
+
+    monkeypatch.chdir(tmp_path)  # the presets' relative *.init paths find no earlier run's checkpoints
+    scorer = _Blocking()
+    srv = serve(scorer)
+    cfg = load_config(
+        "ppo",
+        [
+            "reward.type=remote",
+            f"reward.url={srv.url}",
+            "reward.batch_size=2",
+            "algorithm.recompute_old_log_probs=true",
+            "actor.init=",
+            "critic.init=",
+        ],
+    )
+    seq = build_sequences([[1, 5, 6], [1, 7], [1, 3]], [[8, 9, 2], [4, 2], [2]], pad_id=0)
+    responses = ["12", "a1", "xyz"]
+    meta = [{"prompt": "p", "response": r, "metadata": {}, "finish_reason": "stop"} for r in responses]
+    batch = RolloutBatch(**seq, group_ids=torch.tensor([0, 0, 1]), rollout_log_probs=torch.zeros_like(seq["response_mask"]), meta=meta)
+
+    trainer = PPOTrainer(cfg, tokenizer=None, train_prompts=[{"prompt_ids": [1]}], eval_prompts=[])
+    actor = type("Actor", (), {"log_probs": lambda self, inputs, temp: _ActorCall(scorer, batch.response_mask.shape)})()
+    trainer.groups = {"actor": actor}
+    trainer.remote_reward = RemoteRewardRole(cfg.reward)
+    try:
+        trainer.infer(batch)
+    finally:
+        trainer.remote_reward.shutdown()
+    assert batch.scores.tolist() == [1.0, 0.5, 0.0]
+    assert torch.equal(batch.old_log_probs, torch.zeros_like(batch.response_mask))
