@@ -247,6 +247,20 @@ CASES = [
     (["dpo.loss_type=ipo", "dpo.label_smoothing=0.1"], "dpo.label_smoothing", "0.1", "sigmoid only"),
     (["dpo.rpo_alpha=-1"], "dpo.rpo_alpha", "-1.0", ">= 0"),
     (["actor.lora.rank=8", "actor.lora.alpha=0"], "actor.lora.alpha", "0.0", "must be > 0"),
+    # the remote reward (aligner.reward.remote): a malformed URL and the client's bounds
+    (["reward.type=judge"], "reward.type", "'judge'", "model, rule, remote"),
+    (["reward.type=remote"], "reward.url", "''", "needs the endpoint's URL"),
+    (["reward.type=remote", "reward.url=ftp://rm.example/score"], "reward.url", "'ftp://rm.example/score'", "http or https"),
+    (["reward.type=remote", "reward.url=localhost:5000/score"], "reward.url", "'localhost:5000/score'", "http or https"),
+    (["reward.type=remote", "reward.url=http:///score"], "reward.url", "'http:///score'", "names no host"),
+    (["reward.type=remote", "reward.url=http://rm:99999/score"], "reward.url", "'http://rm:99999/score'", "not a URL"),
+    (["reward.type=remote", "reward.url=http://rm:port/score"], "reward.url", "'http://rm:port/score'", "not a URL"),
+    (["reward.type=remote", "reward.url=http://u:pw@rm/score"], "reward.url", "'http://u:pw@rm/score'", "reward.token"),
+    (["reward.type=remote", "reward.url=http://rm:5000/score", "reward.timeout_s=0"], "reward.timeout_s", "0.0", "> 0 seconds"),
+    (["reward.type=remote", "reward.url=http://rm:5000/score", "reward.max_retries=-1"], "reward.max_retries", "-1", ">= 0"),
+    (["reward.type=remote", "reward.url=http://rm:5000/score", "reward.backoff_s=-1"], "reward.backoff_s", "-1.0", ">= 0 seconds"),
+    (["reward.type=remote", "reward.url=http://rm:5000/score", "reward.batch_size=0"], "reward.batch_size", "0", ">= 1"),
+    (["reward.type=remote", "reward.url=http://rm:5000/score", "reward.max_concurrency=0"], "reward.max_concurrency", "0", ">= 1"),
     (["actor.lora.rank=8", "actor.lora.dropout=1.0"], "actor.lora.dropout", "1.0", "[0, 1)"),
     (["actor.parallel.logprob_chunk_size=-2"], "actor.parallel.logprob_chunk_size", "-2", "must be >= -1"),
     # MoE (aligner.model.moe) and expert parallelism
@@ -409,10 +423,11 @@ def test_cli_config_error_is_one_line_exit_2(arg, field, tmp_path):
 
 
 # ---- the schema per role: a field appears only under the roles that use it ----------------------
+REMOTE_FIELDS = ("url", "token", "timeout_s", "max_retries", "backoff_s", "batch_size", "max_concurrency")  # reward.type=remote
 ROLE_FIELDS = {
     "actor": {"init", "parallel", "resources", "colocate_with", "optim", "lora", "prompt_learning"},
     "critic": {"init", "parallel", "resources", "colocate_with", "optim", "lora"},
-    "reward": {"init", "parallel", "resources", "colocate_with", "optim", "lora", "type", "rule"},  # optim: the RM stage
+    "reward": {"init", "parallel", "resources", "colocate_with", "optim", "lora", "type", "rule", *REMOTE_FIELDS},  # optim: the RM stage
     "ref": {"init", "parallel", "resources", "colocate_with"},  # frozen: no optim
 }
 
@@ -457,6 +472,31 @@ def test_reward_type_and_rule_still_set_the_reward():
     assert rm.reward.optim.lr == 2e-4
 
 
+def test_remote_reward_starts_no_reward_role():
+    """reward.type=remote: the endpoint scores, so no reward worker group starts and no reward.init is read;
+    a URL with a port and a path is accepted as given."""
+    cfg = load_config("ppo", ["reward.type=remote", "reward.url=https://rm.internal:8443/v1/score", "actor.init=", "critic.init="])
+    assert (cfg.reward.type, cfg.reward.url) == ("remote", "https://rm.internal:8443/v1/score")
+    assert "reward" not in cfg.roles_used() and cfg.init_field("critic") == "critic.init"
+
+
+@pytest.mark.parametrize("url", ["ftp://rm/score", "http:///score", "http://rm:99999/"])
+def test_cli_malformed_reward_url_is_one_line_exit_2(url, tmp_path):
+    """A malformed reward.url stops `python -m aligner.ppo` with one line naming the field, exit 2, before any
+    worker starts (no output dir is created)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "aligner.ppo", "conf=tiny", "reward.type=remote", f"reward.url={url}", f"output_dir={tmp_path}/out"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    assert lines[0].startswith(f"aligner ppo: error: reward.url='{url}' is invalid: "), lines[0]
+    assert not (tmp_path / "out").exists()
+
+
 def test_reference_worker_builds_without_optim():
     """The frozen reference has no optim: its PolicyWorker builds (its engine's optimizer, unused, from defaults)."""
     from aligner.config import OptimConfig
@@ -468,7 +508,7 @@ def test_reference_worker_builds_without_optim():
 
 
 def test_roles_with_field():
-    assert roles_with_field("type") == roles_with_field("rule") == ("reward",)
+    assert roles_with_field("type") == roles_with_field("rule") == roles_with_field("url") == ("reward",)
     assert roles_with_field("optim") == ("actor", "critic", "reward")
     assert roles_with_field("init") == ("actor", "critic", "reward", "ref")
     assert roles_with_field("nope") == ()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
+from urllib.parse import urlsplit
 
 from aligner.config.common import _check, _choice
 from aligner.config.model import ModelConfig
@@ -182,12 +183,56 @@ class ActorRoleConfig(TrainableRoleConfig):
 class RewardRoleConfig(TrainableRoleConfig):
     """The reward role: a reward model (trained by the RM stage with ``optim``, frozen in PPO) or a rule."""
 
-    type: str = "model"  # PPO's reward: model (the reward model at init) | rule (a function on the driver)
+    type: str = "model"  # PPO's reward: model (the reward model at init) | rule (a function on the driver) | remote (url)
     rule: str = "task_accuracy"  # type=rule: the rule's name in aligner.reward.rules.RULES
+    # type=remote: an HTTP scoring endpoint called from the driver (aligner.reward.remote; python -m aligner.serve_rm)
+    url: str = ""  # http(s)://host[:port]/path, e.g. http://127.0.0.1:5000/score
+    token: str = ""  # shared token sent as "Authorization: Bearer"; "" = env ALIGNER_RM_TOKEN (config.yaml keeps this field)
+    timeout_s: float = 60.0  # seconds per HTTP request (connect, send and answer)
+    max_retries: int = 3  # further tries after a failed request (connection error, timeout, 5xx, invalid answer)
+    backoff_s: float = 1.0  # seconds before the first retry, doubling for each later one
+    batch_size: int = 64  # samples per request
+    max_concurrency: int = 4  # requests in flight at once
 
     def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
         super().validate(prefix, model)
-        _choice(f"{prefix}.type", self.type, ("model", "rule"))
+        _choice(f"{prefix}.type", self.type, REWARD_TYPES)
+        if self.type != "remote":
+            return
+        problem = reward_url_problem(self.url)
+        _check(not problem, f"{prefix}.url", self.url, f"{problem} (e.g. {prefix}.url=http://127.0.0.1:5000/score)")
+        _check(self.timeout_s > 0, f"{prefix}.timeout_s", self.timeout_s, "must be > 0 seconds")
+        _check(self.max_retries >= 0, f"{prefix}.max_retries", self.max_retries, "must be >= 0 (0: a single try)")
+        _check(self.backoff_s >= 0, f"{prefix}.backoff_s", self.backoff_s, "must be >= 0 seconds")
+        _check(self.batch_size >= 1, f"{prefix}.batch_size", self.batch_size, "must be >= 1 sample per request")
+        _check(self.max_concurrency >= 1, f"{prefix}.max_concurrency", self.max_concurrency, "must be >= 1 request in flight")
+
+
+REWARD_TYPES = ("model", "rule", "remote")
+
+
+def reward_url_problem(url: str) -> str:
+    """What is wrong with a remote reward endpoint `url` ("" when nothing): it must be
+    ``http(s)://host[:port][/path]`` with a host, a port in 1..65535 if one is given, no spaces
+    and no credentials (the token goes in ``reward.token``)."""
+    if not url:
+        return "reward.type=remote needs the endpoint's URL"
+    if any(c.isspace() for c in url):
+        return "a URL has no spaces"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        return f"not a URL ({e})"
+    if parts.scheme not in ("http", "https"):
+        return f"the scheme must be http or https (got {parts.scheme or 'none'}://)"
+    if not parts.hostname:
+        return "the URL names no host"
+    if port == 0:
+        return "port 0 is not a server's port"
+    if parts.username or parts.password:
+        return "credentials do not belong in the URL: give the shared token as reward.token or ALIGNER_RM_TOKEN"
+    return ""
 
 
 @dataclass(kw_only=True)

@@ -1,13 +1,19 @@
-"""Ray worker shell of the reward role: scoring (PPO) and Bradley-Terry training (RM stage)."""
+"""Ray worker shell of the reward role: scoring (PPO) and Bradley-Terry training (RM stage); and the
+reward role of ``reward.type=remote``, which has no worker: :class:`RemoteRewardRole` calls the
+endpoint from the driver's threads, so the calls overlap the Ray futures of the inference phase."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Optional
 
 import torch
 
 from aligner.config import AlignerConfig
+from aligner.config.roles import RewardRoleConfig
 from aligner.parallel.dims import ParallelDims
+from aligner.reward.remote import RemoteReward
 from aligner.reward.reward_model import RewardModel
 from aligner.workers.dispatch import dispatch
 
@@ -48,3 +54,52 @@ class RewardWorker:
     @dispatch("broadcast")
     def export_hf(self, out_dir: str, tokenizer_path: str = "", stats: Optional[dict] = None) -> Optional[str]:
         return self.rm.export_hf(out_dir, tokenizer_path, extra_files={"reward_stats.json": stats} if stats else None)
+
+
+class RemoteScores:
+    """The pending scores of one :meth:`RemoteRewardRole.scores` call, waited on like a group's future
+    (:func:`aligner.workers.group.get_all`)."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def get(self, timeout_s: Optional[float] = None) -> torch.Tensor:
+        """Scores [B] float32; RemoteRewardError after the endpoint's retries, TimeoutError after `timeout_s`."""
+        try:
+            return self.future.result(timeout_s)
+        except FutureTimeout:
+            raise TimeoutError(f"remote reward scores not ready within {timeout_s} s") from None
+
+
+class RemoteRewardRole:
+    """``reward.type=remote``: the reward role as an HTTP endpoint (:class:`~aligner.reward.remote.RemoteReward`),
+    called from the driver; no reward model is loaded anywhere.
+
+    What overlaps: :meth:`scores` sends the batch at once, in requests of ``reward.batch_size`` with up to
+    ``reward.max_concurrency`` in flight, and returns; the driver then issues the other roles' Ray calls
+    (old and reference log-probs, values) and waits on all of them together. Generation hands over its
+    responses in one piece, so scoring starts when a step's generation ends, not during it.
+    """
+
+    def __init__(self, rc: RewardRoleConfig) -> None:
+        self.client = RemoteReward(
+            rc.url,
+            token=rc.token,
+            timeout_s=rc.timeout_s,
+            max_retries=rc.max_retries,
+            backoff_s=rc.backoff_s,
+            batch_size=rc.batch_size,
+            max_concurrency=rc.max_concurrency,
+        )
+
+    def scores(self, batch: dict, meta: list[dict]) -> RemoteScores:
+        """Start scoring B samples: `batch` has input_ids / attention_mask [B, T] (right padded; each
+        row's real tokens are sent as its input_ids), `meta` the B rows' {"prompt", "response", "metadata"}."""
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        lengths = mask.long().sum(-1).tolist()
+        rows = [ids[i, :n].tolist() for i, n in enumerate(lengths)]
+        fut = self.client.submit([m["prompt"] for m in meta], [m["response"] for m in meta], [m["metadata"] for m in meta], rows)
+        return RemoteScores(fut)
+
+    def shutdown(self) -> None:
+        self.client.close()

@@ -1,0 +1,252 @@
+"""The remote reward (``reward.type=remote``): the HTTP client of a scoring endpoint, and the wire format
+that the client and :mod:`aligner.reward.server` (``python -m aligner.serve_rm``) both follow.
+
+Wire format (JSON, UTF-8), ``POST <url>`` (the server answers at ``/score``, and at ``/get_reward`` as
+OpenRLHF's ``serve_rm`` does):
+
+    request   {"prompts": [str, ...], "responses": [str, ...],          B samples, decoded text
+               "metadata": [{...}, ...],                                optional, per sample (a rule's reference answer)
+               "input_ids": [[int, ...], ...]}                          optional, each sample's full token ids (prompt +
+                                                                        response, no padding): what a model server scores
+    or        {"query": [str, ...], "prompts": [str, ...], "labels": [...]}   OpenRLHF's shape: query = prompt + response,
+                                                                        labels[i] becomes metadata[i]["answer"]
+    answer    {"rewards": [float, ...]}                                 B finite numbers, in request order
+    error     {"error": "..."} with status 400 (malformed), 401 (token), 404, 411, 413 (too large), 500
+
+The client sends ``Authorization: Bearer <token>`` when a token is set (``reward.token``, else the
+environment variable ``ALIGNER_RM_TOKEN``).
+
+Failures never become zeros: an answer of the wrong length, with a non-number or a non-finite number,
+or that is not JSON counts as a failed try, as do connection errors, timeouts and statuses 5xx, 408
+and 429; they are retried ``max_retries`` times with exponential backoff (``backoff_s``, doubling),
+then :class:`RemoteRewardError` names the URL, the tries and the last failure. A 4xx answer (bad
+request, wrong token, too large) is not retried: it cannot succeed unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from aligner.config.roles import reward_url_problem
+from aligner.errors import UserError
+
+TOKEN_ENV = "ALIGNER_RM_TOKEN"  # the shared token's environment variable (client and server)
+RETRIED_STATUSES = (408, 429)  # 4xx statuses worth retrying (with every 5xx)
+
+
+class RemoteRewardError(UserError):
+    """The remote reward endpoint gave no valid answer: the message names the URL, the tries and the last failure."""
+
+
+class _Failure(Exception):
+    """One failed try: `retry` says whether another try may succeed."""
+
+    def __init__(self, message: str, retry: bool) -> None:
+        super().__init__(message)
+        self.retry = retry
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """`text` on one line (whitespace runs collapsed), cut to `limit` characters."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def parse_rewards(body: bytes, expected: int) -> list[float]:
+    """The rewards of an answer body: a JSON object whose "rewards" is a list of `expected` finite numbers.
+
+    Raises ValueError saying what is wrong (not JSON, no "rewards", wrong length, a non-number or a
+    non-finite number and its index)."""
+    try:
+        obj = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"the answer is not JSON ({e.__class__.__name__}: {one_line(body[:80].decode('utf-8', 'replace'))!r})") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("rewards"), list):
+        raise ValueError(f'the answer has no "rewards" list (got {one_line(json.dumps(obj)[:120])})')
+    rewards = obj["rewards"]
+    if len(rewards) != expected:
+        raise ValueError(f"the answer has {len(rewards)} rewards for {expected} samples")
+    for i, r in enumerate(rewards):
+        if isinstance(r, bool) or not isinstance(r, (int, float)):
+            raise ValueError(f"reward {i} is {r!r}, not a number")
+        if not math.isfinite(r):
+            raise ValueError(f"reward {i} is {r!r}, not finite")
+    return [float(r) for r in rewards]
+
+
+class RemoteReward:
+    """Scores (prompt, response) samples on a remote endpoint over HTTP (the wire format above).
+
+    Args:
+        url: the endpoint, ``http(s)://host[:port]/path`` (ValueError for a malformed one).
+        token: the shared token; "" reads the environment variable ``ALIGNER_RM_TOKEN`` ("" there too: none sent).
+        timeout_s: seconds each HTTP request may take (connect, send and answer).
+        max_retries: further tries after a failed one (0: a single try).
+        backoff_s: seconds before the first retry; each later retry waits twice the one before.
+        batch_size: samples per request; a larger batch is sent as several requests.
+        max_concurrency: requests in flight at once (a thread each).
+        sleep: the backoff's sleep (tests measure it).
+
+    :meth:`score` blocks; :meth:`submit` returns a Future so the caller overlaps the calls with other work.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        token: str = "",
+        timeout_s: float = 60.0,
+        max_retries: int = 3,
+        backoff_s: float = 1.0,
+        batch_size: int = 64,
+        max_concurrency: int = 4,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        problem = reward_url_problem(url)
+        if problem:
+            raise ValueError(f"reward.url={url!r} is invalid: {problem}")
+        if timeout_s <= 0 or max_retries < 0 or backoff_s < 0 or batch_size < 1 or max_concurrency < 1:
+            raise ValueError(
+                f"RemoteReward: timeout_s={timeout_s} must be > 0, max_retries={max_retries} and backoff_s={backoff_s} >= 0, "
+                f"batch_size={batch_size} and max_concurrency={max_concurrency} >= 1"
+            )
+        self.url, self.timeout_s, self.max_retries, self.backoff_s = url, float(timeout_s), int(max_retries), float(backoff_s)
+        self.batch_size, self.sleep = int(batch_size), sleep
+        self.token = token or os.environ.get(TOKEN_ENV, "")
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="remote-reward")
+
+    # ---- public -------------------------------------------------------------------------
+    def score(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        metadata: Optional[Sequence[dict]] = None,
+        input_ids: Optional[Sequence[Sequence[int]]] = None,
+    ) -> torch.Tensor:
+        """Scores [B] float32 of B samples, in order (blocks until every request has answered).
+
+        prompts / responses: decoded text; metadata: per-sample dicts (JSON-serializable); input_ids:
+        each sample's full token ids (prompt + response, unpadded), for a model server. Raises
+        ValueError for lists of different lengths, :class:`RemoteRewardError` after the retries."""
+        return self.submit(prompts, responses, metadata, input_ids).result()
+
+    def submit(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        metadata: Optional[Sequence[dict]] = None,
+        input_ids: Optional[Sequence[Sequence[int]]] = None,
+    ) -> Future:
+        """Send the samples in requests of ``batch_size`` now, on the pool's threads; a Future of
+        :meth:`score`'s tensor (its ``result()`` raises :class:`RemoteRewardError` as :meth:`score` does)."""
+        n = len(prompts)
+        if len(responses) != n or (metadata is not None and len(metadata) != n) or (input_ids is not None and len(input_ids) != n):
+            raise ValueError(
+                f"RemoteReward: {n} prompts, {len(responses)} responses, {len(metadata) if metadata is not None else '-'} metadata, "
+                f"{len(input_ids) if input_ids is not None else '-'} input_ids: give one of each per sample"
+            )
+        chunks = []
+        for lo in range(0, n, self.batch_size):
+            body: dict = {"prompts": list(prompts[lo : lo + self.batch_size]), "responses": list(responses[lo : lo + self.batch_size])}
+            if metadata is not None:
+                body["metadata"] = list(metadata[lo : lo + self.batch_size])
+            if input_ids is not None:
+                body["input_ids"] = [[int(t) for t in ids] for ids in input_ids[lo : lo + self.batch_size]]
+            chunks.append(self._pool.submit(self.post, body, len(body["prompts"])))
+        out: Future = Future()
+
+        def gather(_=None) -> None:
+            if out.done() or not all(c.done() for c in chunks):
+                return
+            try:
+                out.set_result(torch.tensor([r for c in chunks for r in c.result()], dtype=torch.float32))
+            except BaseException as e:  # noqa: BLE001 - the first chunk's error is the Future's
+                out.set_exception(e)
+
+        if not chunks:
+            out.set_result(torch.zeros(0, dtype=torch.float32))
+        for c in chunks:
+            c.add_done_callback(gather)
+        return out
+
+    def post(self, body: dict, expected: int) -> list[float]:
+        """One request with its retries: the `expected` rewards of `body`; RemoteRewardError after the last try."""
+        data = json.dumps(body).encode("utf-8")
+        t0, tries, last = time.monotonic(), 0, ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self.sleep(self.backoff_s * 2 ** (attempt - 1))
+            tries += 1
+            try:
+                return parse_rewards_or_fail(self._send(data), expected)
+            except _Failure as f:
+                last = str(f)
+                if not f.retry:
+                    break
+        raise RemoteRewardError(
+            f"reward.url={self.url}: no valid answer after {tries} {'try' if tries == 1 else 'tries'} in "
+            f"{time.monotonic() - t0:.1f} s (reward.max_retries={self.max_retries}, backoff from reward.backoff_s="
+            f"{self.backoff_s:g} s doubling): last failure: {last}; check that the server runs there "
+            '(python -m aligner.serve_rm) and answers {"rewards": [...]}, or raise reward.timeout_s / reward.max_retries'
+        )
+
+    def close(self) -> None:
+        """Stop the request threads (requests in flight finish first)."""
+        self._pool.shutdown(wait=True)
+
+    # ---- one HTTP request ---------------------------------------------------------------------
+    def _send(self, data: bytes) -> bytes:
+        """POST `data`; the answer's body on status 200, else _Failure (retry or not, by status)."""
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        req = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return resp.read()
+        except urllib.error.HTTPError as e:
+            detail = _error_text(e)
+            retry = e.code >= 500 or e.code in RETRIED_STATUSES
+            hint = {401: " (set reward.token or ALIGNER_RM_TOKEN to the server's token)", 413: " (lower reward.batch_size)"}.get(e.code, "")
+            raise _Failure(f"HTTP {e.code}: {detail}{hint}", retry) from None
+        except TimeoutError:
+            raise _Failure(f"no answer within reward.timeout_s={self.timeout_s:g} s", True) from None
+        except urllib.error.URLError as e:
+            reason = e.reason
+            if isinstance(reason, (socket.timeout, TimeoutError)):
+                raise _Failure(f"no answer within reward.timeout_s={self.timeout_s:g} s", True) from None
+            raise _Failure(f"cannot connect ({one_line(reason)})", True) from None
+        except (ConnectionError, OSError, ValueError) as e:  # reset mid-answer, a bad status line
+            raise _Failure(f"the connection failed ({e.__class__.__name__}: {one_line(e)})", True) from None
+
+
+def parse_rewards_or_fail(body: bytes, expected: int) -> list[float]:
+    """:func:`parse_rewards`, its ValueError as a retried failure."""
+    try:
+        return parse_rewards(body, expected)
+    except ValueError as e:
+        raise _Failure(f"invalid answer: {e}", True) from None
+
+
+def _error_text(e: urllib.error.HTTPError) -> str:
+    """The server's "error" message of an HTTP error, else its body's start, else the status reason."""
+    try:
+        body = e.read()
+    except OSError:
+        body = b""
+    try:
+        obj = json.loads(body.decode("utf-8"))
+        if isinstance(obj, dict) and "error" in obj:
+            return one_line(obj["error"])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        pass
+    return one_line(body.decode("utf-8", "replace")[:200]) or str(e.reason)
