@@ -187,7 +187,7 @@ class RewardRoleConfig(TrainableRoleConfig):
     rule: str = "task_accuracy"  # type=rule: the rule's name in aligner.reward.rules.RULES
     # type=remote: an HTTP scoring endpoint called from the driver (aligner.reward.remote; python -m aligner.serve_rm)
     url: str = ""  # http(s)://host[:port]/path, e.g. http://127.0.0.1:5000/score
-    token: str = ""  # shared token sent as "Authorization: Bearer"; "" = env ALIGNER_RM_TOKEN (config.yaml keeps this field)
+    token: str = ""  # shared token sent as "Authorization: Bearer"; "" = env ALIGNER_RM_TOKEN (config.yaml writes it as <redacted>)
     timeout_s: float = 60.0  # seconds per HTTP request (connect, send and answer)
     max_retries: int = 3  # further tries after a failed request (connection error, timeout, 5xx, invalid answer)
     backoff_s: float = 1.0  # seconds before the first retry, doubling for each later one

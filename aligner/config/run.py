@@ -189,11 +189,19 @@ def roles_with_field(name: str) -> tuple[str, ...]:
     return tuple(r for r in MODEL_ROLES if name in {f.name for f in fields(schemas[r])})
 
 
+REDACTED = "<redacted>"
+
+
 def config_yaml(cfg: AlignerConfig) -> str:
-    """The config as YAML text (saved beside checkpoints and printed by --cfg)."""
+    """The config as YAML text (saved beside checkpoints and printed by --cfg), with secrets
+    (``reward.token``, the remote reward server's shared token) written as ``<redacted>``: a run's
+    output_dir is shared and copied, a credential does not belong in it."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    node = OmegaConf.structured(cfg)
+    if node.reward.token:
+        node.reward.token = REDACTED
+    return OmegaConf.to_yaml(node)
 
 
 def hydra_schema():

@@ -427,3 +427,16 @@ def test_ppo_inference_overlaps_the_remote_reward_with_the_actor(serve, monkeypa
         trainer.remote_reward.shutdown()
     assert batch.scores.tolist() == [1.0, 0.5, 0.0]
     assert torch.equal(batch.old_log_probs, torch.zeros_like(batch.response_mask))
+
+
+def test_the_shared_token_is_not_written_to_config_yaml():
+    """A run's output_dir/config.yaml (aligner.config.config_yaml) holds no credential: reward.token
+    is written as <redacted>, and an unset token stays empty."""
+    from aligner.cli import load_config
+    from aligner.config import config_yaml
+
+    cfg = load_config("ppo", ["reward.type=remote", "reward.url=http://127.0.0.1:1/score", "reward.token=s3cret-value"])
+    text = config_yaml(cfg)
+    assert "s3cret-value" not in text and "token: <redacted>" in text
+    assert cfg.reward.token == "s3cret-value"  # the run itself still sends it
+    assert "<redacted>" not in config_yaml(load_config("ppo", ["reward.type=remote", "reward.url=http://127.0.0.1:1/score"]))
