@@ -620,3 +620,29 @@ def test_k3_clamp_biases_large_reference_excess_low():
     exact = torch.exp(-d) - 1 + d
     assert k3[0, 0].item() == 10.0 and exact[0, 0].item() > 140
     torch.testing.assert_close(k3[:, 1:], exact[:, 1:])
+
+
+def test_overlong_penalty_is_dapos_soft_punishment():
+    """DAPO eq. 13 (Yu et al. 2025) written out: 0 up to L_max - L_cache, then a linear ramp to -1 at
+    L_max (a response cut at the budget), times the factor."""
+    l_max, l_cache, factor = 256, 64, 0.5
+    lengths = torch.tensor([0, 100, 192, 193, 224, 255, 256])
+
+    def dapo(n: int) -> float:
+        if n <= l_max - l_cache:
+            return 0.0
+        if n <= l_max:
+            return ((l_max - l_cache) - n) / l_cache
+        return -1.0
+
+    want = torch.tensor([factor * dapo(int(n)) for n in lengths])
+    got = alg.overlong_penalty(lengths, l_max, l_cache, factor)
+    torch.testing.assert_close(got, want)
+    assert got[-1] == -factor and got[2] == 0 and got.dtype == torch.float32
+    assert alg.overlong_penalty(torch.tensor([256]), 256, 256)[0] == -1.0  # the buffer may span the whole budget
+    for bad in (dict(buffer=0), dict(buffer=257), dict(factor=-1.0)):
+        kw = {"buffer": 64, "factor": 1.0, **bad}
+        with pytest.raises(ValueError, match="buffer|factor"):
+            alg.overlong_penalty(lengths, 256, kw["buffer"], kw["factor"])
+    with pytest.raises(ValueError, match="response_lengths"):
+        alg.overlong_penalty(torch.tensor([-1]), 256, 64)

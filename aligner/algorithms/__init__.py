@@ -48,6 +48,7 @@ from aligner.algorithms.advantages import (
     get_advantage_estimator,
     kl_shaped_scores,
     last_token_index,
+    overlong_penalty,
 )
 from aligner.algorithms.core import (
     Tensor,
@@ -106,6 +107,7 @@ __all__ = [
     "kl_loss",
     "kl_penalty",
     "kl_shaped_scores",
+    "overlong_penalty",
     "last_token_index",
     "loss_agg_count",
     "masked_mean",

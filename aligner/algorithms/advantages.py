@@ -132,6 +132,43 @@ def kl_shaped_scores(scores: Tensor, kl: Optional[Tensor], response_mask: Tensor
     return (scores - kl_coef * masked_sum(kl.detach(), response_mask, dim=-1).to(scores.dtype)).detach()
 
 
+def overlong_penalty(response_lengths: Tensor, max_new_tokens: int, buffer: int, factor: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13), added to a sample's score.
+
+    With L_max = max_new_tokens and L_cache = buffer, a response of |y| tokens gets
+
+        0                                  if |y| <= L_max - L_cache
+        ((L_max - L_cache) - |y|) / L_cache  if L_max - L_cache < |y| <= L_max   (down to -1 at L_max)
+        -1                                 if |y| > L_max
+
+    times `factor`. A response cut at the limit has |y| = L_max, so it gets -factor: the length term
+    tells the policy to finish within the budget instead of letting a truncated response keep the
+    score of what it wrote (DAPO section 3.4; verl's ``overlong_buffer`` with ``penalty_factor``).
+
+    Args:
+        response_lengths: [B] int or float, response tokens per sample (>= 0).
+        max_new_tokens: L_max, the generation budget in tokens (>= 1).
+        buffer: L_cache, tokens before the budget where the penalty ramps, 1 <= buffer <= max_new_tokens.
+        factor: the penalty at the budget (>= 0).
+
+    Returns:
+        [B] float32 penalties in [-factor, 0].
+
+    Raises:
+        ValueError: a length below 0, buffer outside [1, max_new_tokens], factor below 0.
+    """
+    _check_ndim("response_lengths", response_lengths, 1, "[B]")
+    if not 1 <= buffer <= max_new_tokens:
+        raise ValueError(f"overlong_penalty: buffer={buffer} must be in [1, max_new_tokens={max_new_tokens}]")
+    if factor < 0:
+        raise ValueError(f"overlong_penalty: factor={factor} must be >= 0")
+    lengths = response_lengths.float()
+    if bool((lengths < 0).any()):
+        raise ValueError("overlong_penalty: response_lengths must be >= 0")
+    expected = max_new_tokens - buffer
+    return (((expected - lengths) / buffer).clamp(min=-1.0, max=0.0) * factor).float()
+
+
 def _group_index(batch_size: int, group_ids: Optional[Tensor], group_size: Optional[int]) -> Tensor:
     """[B] int64 dense group index 0..G-1 from ``group_ids: [B]`` or a contiguous ``group_size``."""
     if (group_ids is None) == (group_size is None):

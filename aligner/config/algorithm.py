@@ -54,6 +54,10 @@ class AlgorithmConfig:
     # The engine-vs-trainer mismatch metrics are then not measured.
     recompute_old_log_probs: bool = True
     vf_coef: float = 1.0  # value-loss weight
+    # DAPO's soft overlong punishment (Yu et al. 2025): responses longer than max_new_tokens - overlong_buffer
+    # lose up to overlong_penalty (at the budget, i.e. a cut response) from their score; 0 = off
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         resolve_kl(self)
@@ -89,6 +93,8 @@ class AlgorithmConfig:
             _check(self.dual_clip > 1, f"{prefix}.dual_clip", self.dual_clip, "must be > 1 (e.g. 3.0) or null")
         if self.tis_cap is not None:
             _check(self.tis_cap >= 1, f"{prefix}.tis_cap", self.tis_cap, "must be >= 1 (e.g. 2.0) or null")
+        _check(self.overlong_buffer >= 0, f"{prefix}.overlong_buffer", self.overlong_buffer, "must be >= 0 (tokens; 0 = off)")
+        _check(self.overlong_penalty >= 0, f"{prefix}.overlong_penalty", self.overlong_penalty, "must be >= 0 (e.g. 1.0, DAPO)")
         _check(
             self.norm_by_std or self.advantage == "grpo",
             f"{prefix}.norm_by_std",

@@ -152,6 +152,12 @@ def validate_rollout_lengths(cfg: AlignerConfig) -> None:
         f"data.max_prompt_len={d.max_prompt_len} + max_new_tokens must not exceed model.max_seq_len={m.max_seq_len}: "
         f"lower it to {max(1, m.max_seq_len - d.max_prompt_len)} or shorten data.max_prompt_len",
     )
+    _check(
+        cfg.algorithm.overlong_buffer <= s.max_new_tokens,
+        "algorithm.overlong_buffer",
+        cfg.algorithm.overlong_buffer,
+        f"must not exceed rollout.sampling.max_new_tokens={s.max_new_tokens} (the penalty ramps over the last buffer tokens of the budget)",
+    )
 
 
 def validate_cluster_devices(cfg: AlignerConfig) -> None:

@@ -373,7 +373,8 @@ class PPOTrainer(Trainer):
         )
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
-        """Rewards (standardized RM scores), per-token KL, advantages and returns.
+        """Rewards (standardized RM scores; plus DAPO's soft overlong punishment when
+        ``algorithm.overlong_buffer`` > 0, logged as overlong_penalty_mean), per-token KL, advantages and returns.
 
         The KL enters the reward with the controller's coefficient when
         ``algorithm.kl_in_reward`` (resolved) is true, and 0 otherwise; the KL loss term
@@ -387,6 +388,13 @@ class PPOTrainer(Trainer):
             if standardize
             else batch.scores.float()
         )
+        out = {}
+        if a.overlong_buffer > 0:  # DAPO's soft overlong punishment, on top of the (standardized) score
+            length_term = alg.overlong_penalty(
+                mask.sum(-1), self.cfg.rollout.sampling.max_new_tokens, a.overlong_buffer, a.overlong_penalty
+            )
+            batch.rewards = batch.rewards + length_term.to(batch.rewards.dtype)
+            out["overlong_penalty_mean"] = float(length_term.mean())
         batch.kl = alg.kl_penalty(self._policy_log_probs(batch), batch.ref_log_probs, a.kl_estimator) * mask
         estimator = alg.get_advantage_estimator(a.advantage)
         adv, ret = estimator(
@@ -404,6 +412,7 @@ class PPOTrainer(Trainer):
             adv = alg.masked_whiten(adv, mask)
         batch.advantages, batch.returns = adv * mask, ret * mask
         return {
+            **out,
             "advantages_mean": float(alg.masked_mean(batch.advantages, mask)),
             "returns_mean": float(alg.masked_mean(batch.returns, mask)),
         }

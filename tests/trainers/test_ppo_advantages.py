@@ -91,3 +91,23 @@ def test_minibatches_keep_a_prompts_samples_together_when_packing(pack_len, whol
     kept = bool((groups // n == groups[:, :1] // n).all() and (groups % n == torch.arange(n)).all())
     assert kept == whole
     assert order[:n].tolist() != list(range(n)) or order[n : 2 * n].tolist() != list(range(n, 2 * n))  # shuffled
+
+
+def test_the_overlong_penalty_reaches_the_rewards():
+    """algorithm.overlong_buffer adds DAPO's length term to each sample's score before the estimator
+    (tiny's budget is 8 new tokens: with a buffer of 4, responses of 5 tokens lose 1/4)."""
+    trainer = PPOTrainer(
+        load_config("ppo", RULE + ["algorithm.advantage=grpo", "algorithm.overlong_buffer=4", "algorithm.overlong_penalty=2.0"]),
+        None,
+        PROMPTS,
+        PROMPTS,
+    )
+    batch = _batch()
+    metrics = trainer.compute_advantages(batch)
+    lens = batch.response_mask.sum(-1)
+    want = batch.scores + alg.overlong_penalty(lens, 8, 4, 2.0)
+    torch.testing.assert_close(batch.rewards, want)
+    assert (batch.rewards < batch.scores).sum() == int((lens > 4).sum()) > 0
+    assert metrics["overlong_penalty_mean"] == pytest.approx(float(alg.overlong_penalty(lens, 8, 4, 2.0).mean()))
+    want_adv = alg.compute_grpo_advantages(want, batch.response_mask, group_size=4)
+    torch.testing.assert_close(batch.advantages, want_adv * batch.response_mask)
