@@ -24,6 +24,7 @@ from aligner.reward.remote import RemoteReward, RemoteRewardError, parse_rewards
 from aligner.reward.server import ModelScorer, RewardHTTPServer, RuleScorer
 from tests.toolkit.models import TINY
 from tests.toolkit.paths import REPO
+from tests.toolkit.spawn import free_port
 
 PROMPTS = ["What is 2+3?", "Name a colour.", "12 * 3 = ?", "Say nothing.", "Count: 1 2 3", "Last one"]
 RESPONSES = ["5", "red, 2 of them", "36 #### 36", "", "1 2 3 4", "x9y8"]
@@ -55,13 +56,6 @@ def post(url: str, body, headers: dict | None = None, raw: bytes | None = None) 
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
-
-
-def free_port() -> int:
-    """A port nothing listens on (bound, read, closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- round trips ----------------------------------------------------------------------------------

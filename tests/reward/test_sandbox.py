@@ -25,8 +25,8 @@ if not sys.platform.startswith("linux"):
 
 from aligner.reward import sandbox as S  # noqa: E402
 from aligner.reward.rules import RULES, check_rule_rows, score  # noqa: E402
+from tests.toolkit.paths import REPO  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 TIGHT = S.SandboxLimits(cpu_s=1, wall_s=2.0, memory_bytes=256 << 20, file_bytes=1 << 20, max_processes=8)
 MARGIN_S = 2.5  # launch, kill and reap on a loaded 2-core machine
 
