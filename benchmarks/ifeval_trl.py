@@ -24,7 +24,7 @@ What is measured. A training run of each side on SmolLM2-135M-Instruct (the conv
   model's chat template, the base model's tokenizer for every policy. aligner's evaluator takes
   an HF dir as ``actor.init``; aligner's checkpoints are not HF dirs (``checkpoints/step_K/actor``
   is a torch.distributed.checkpoint of model + AdamW state, ``aligner-dcp-v1``), so each is
-  converted here first (:func:`dcp_to_hf`: the ``model.*`` tensors read with ``dcp.load``,
+  converted here first (:func:`dcp_to_hf`: the ``model.*`` tensors read by aligner's ``read_model_state_dict``,
   written by ``aligner.model.hf.save_hf``) into ``<out>/aligner/step_K``; the last step also
   has the run's own export ``DIR/hf``.
 
@@ -97,7 +97,6 @@ import shutil
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -512,31 +511,22 @@ def snapshot(run_dir: Path, out: Path, poll_s: float = 20.0) -> None:
 
 
 def dcp_to_hf(actor_dir: Path, out_dir: Path, tokenizer_dir: str) -> Path:
-    """An aligner actor checkpoint (``aligner-dcp-v1``: torch.distributed.checkpoint, keys
-    ``model.<hf name>``, any layout) -> an HF dir (config.json + safetensors + tokenizer), the
-    weights only. Raises SystemExit(2) for another format."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-
+    """An aligner actor checkpoint (any layout; :func:`aligner.runtime.checkpoint.read_model_state_dict`)
+    -> an HF dir (config.json + safetensors + tokenizer), the weights only. Exits 2 for a checkpoint
+    that is not a full-weight policy's."""
     from aligner.config import ModelConfig
     from aligner.data.tokenizer import load_tokenizer
     from aligner.model.hf import save_hf
+    from aligner.runtime.checkpoint import read_model_state_dict
 
-    meta = json.loads((actor_dir / "meta.json").read_text())
-    if meta.get("format") != "aligner-dcp-v1" or meta.get("lora") or meta.get("kind") != "lm":
-        fail(
-            f"{actor_dir}: format {meta.get('format')!r}, kind {meta.get('kind')!r}, lora {meta.get('lora')!r}: only full-weight policy checkpoints (aligner-dcp-v1, kind lm) convert here"
-        )
-    saved = dcp.FileSystemReader(str(actor_dir)).read_metadata().state_dict_metadata
-    sd = {
-        k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items() if k.startswith("model.") and hasattr(m, "size")
-    }
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
-        dcp.load(sd, checkpoint_id=str(actor_dir), no_dist=True)
+    try:
+        sd, meta = read_model_state_dict(str(actor_dir))
+    except ValueError as e:
+        fail(str(e))
+    if meta.get("kind") != "lm":
+        fail(f"{actor_dir}: kind {meta.get('kind')!r}: only policy checkpoints (kind lm) convert here")
     fields = {k: v for k, v in meta["model"].items() if k in ModelConfig.__dataclass_fields__}
-    mc = ModelConfig(**fields)
-    return save_hf({k[len("model.") :]: v for k, v in sd.items()}, mc, out_dir, kind="lm", tokenizer=load_tokenizer(tokenizer_dir))
+    return save_hf(sd, ModelConfig(**fields), out_dir, kind="lm", tokenizer=load_tokenizer(tokenizer_dir))
 
 
 def aligner_policies(run_dir: Path, out: Path, s: dict) -> dict[int, Path]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -125,80 +124,70 @@ def test_tiny_demo_acceptance(tmp_path):
     learning digit addition and an RM that had never seen over-carrying rejected; with the
     2500-step SFT and the over-carry pairs, 2026-11-24 gave +31 to +32 over three seeds: docs/algorithms.md.)
     """
-    root, log = tmp_path / "demo", tmp_path / "demo.log"
-    t0 = time.perf_counter()
-    demo = start_cli("aligner.demo", f"output_dir={root}", "trainer.progress=false", log=log, cwd=tmp_path)
+    root = tmp_path / "demo"
+    proc, secs = run_cli("aligner.demo", f"output_dir={root}", "trainer.progress=false", cwd=tmp_path, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    times = dict(re.findall(r"(sft|rm|ppo) ([0-9.]+) min", proc.stdout))
+    assert set(times) == {"sft", "rm", "ppo"}, proc.stdout[-2000:]
+    assert all(float(v) < 5.0 for v in times.values()), times
+    assert secs < 15 * 60, f"the demo took {secs:.0f} s (budget 15 min)"
     sft, rm, ppo = root / "sft", root / "rm", root / "ppo"
-    # Once the demo's PPO stage starts, its SFT policy and RM are final: PPO runs from them with two
-    # more trainer seeds (sampling and data order) beside the demo's own, each its own process and
-    # Ray instance (a run's results do not depend on what else runs).
-    while demo.poll() is None and "=== aligner demo: ppo ===" not in log.read_text():
-        assert time.perf_counter() - t0 < 1500, "the demo's SFT and RM stages took over 25 min"
-        time.sleep(2)
-    runs = {seed: tmp_path / f"ppo_seed{seed}" for seed in (1, 2)}
-    procs = {}
-    if demo.poll() is None:
-        procs = {
-            seed: start_cli(
-                "aligner.ppo",
-                "conf=tiny",
-                f"output_dir={out}",
-                f"actor.init={sft}",
-                f"reward.init={rm}",
-                f"trainer.seed={seed}",
-                "trainer.progress=false",
-                log=tmp_path / f"ppo_seed{seed}.log",
-                cwd=tmp_path,
-            )
-            for seed, out in runs.items()
-        }
-    try:
-        code = demo.wait(timeout=max(1, 1500 - (time.perf_counter() - t0)))
-        secs = time.perf_counter() - t0
-        stdout = log.read_text()
-        assert code == 0 and procs, stdout[-3000:]
-        times = dict(re.findall(r"(sft|rm|ppo) ([0-9.]+) min", stdout))
-        assert set(times) == {"sft", "rm", "ppo"}, stdout[-2000:]
-        assert all(float(v) < 5.0 for v in times.values()), times
-        assert secs < 15 * 60, f"the demo took {secs:.0f} s (budget 15 min)"
-        final = read_metrics(sft / "metrics.jsonl")[-1]
-        # Carry-free problems are always demonstrated right, carry problems wrong 60% of the time.
-        assert final["task_accuracy_no_carry"] >= 0.75, final
-        assert final["task_accuracy_carry"] <= 0.6, final
-        assert 0.4 <= final["task_accuracy"] <= 0.8, final
-        for name in ("config.yaml", "curves.png", "hf/config.json", "hf/model.safetensors", "hf/tokenizer.json", "checkpoints/latest"):
-            assert (sft / name).exists(), name
-        assert list((sft / "tensorboard").glob("events.out.tfevents.*"))
-        import transformers
+    final = read_metrics(sft / "metrics.jsonl")[-1]
+    # Carry-free problems are always demonstrated right, carry problems wrong 60% of the time.
+    assert final["task_accuracy_no_carry"] >= 0.75, final
+    assert final["task_accuracy_carry"] <= 0.6, final
+    assert 0.4 <= final["task_accuracy"] <= 0.8, final
+    for name in ("config.yaml", "curves.png", "hf/config.json", "hf/model.safetensors", "hf/tokenizer.json", "checkpoints/latest"):
+        assert (sft / name).exists(), name
+    assert list((sft / "tensorboard").glob("events.out.tfevents.*"))
+    import transformers
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(sft / "hf")
-        tok = transformers.AutoTokenizer.from_pretrained(sft / "hf")
-        assert model.config.vocab_size >= len(tok)
-        final = read_metrics(rm / "metrics.jsonl")[-1]
-        assert final["eval_accuracy"] >= 0.90, final
-        assert final["eval_margin"] > 0, final
-        stats = json.loads((rm / "hf" / "reward_stats.json").read_text())
-        assert stats["std"] > 0 and stats["num_scores"] == 2 * min(MAX_STATS_PAIRS, load_config("rm", []).task.num_pairs), stats
-        summary = json.loads((ppo / "summary.json").read_text())
-        first, last = summary["initial"], summary["final"]
-        # PPO fixes what the RM's pairs teach: the dropped carries of the SFT policy, without
-        # over-carrying on the carry-free sums (the RM's pairs reject both).
-        assert last["eval_dropped_carry"] <= 0.5 * first["eval_dropped_carry"], summary
-        assert last["eval_accuracy_no_carry"] >= first["eval_accuracy_no_carry"] - 0.05, summary
-        assert summary["final"]["eval_kl_to_ref"] < 2.0, summary
-        assert summary["final"]["eval_rm_score"] > summary["initial"]["eval_rm_score"], summary
-        gains = {"default": last["eval_accuracy"] - first["eval_accuracy"]}
+    model = transformers.AutoModelForCausalLM.from_pretrained(sft / "hf")
+    tok = transformers.AutoTokenizer.from_pretrained(sft / "hf")
+    assert model.config.vocab_size >= len(tok)
+    final = read_metrics(rm / "metrics.jsonl")[-1]
+    assert final["eval_accuracy"] >= 0.90, final
+    assert final["eval_margin"] > 0, final
+    stats = json.loads((rm / "hf" / "reward_stats.json").read_text())
+    assert stats["std"] > 0 and stats["num_scores"] == 2 * min(MAX_STATS_PAIRS, load_config("rm", []).task.num_pairs), stats
+    summary = json.loads((ppo / "summary.json").read_text())
+    first, last = summary["initial"], summary["final"]
+    # PPO fixes what the RM's pairs teach: the dropped carries of the SFT policy, without
+    # over-carrying on the carry-free sums (the RM's pairs reject both).
+    assert last["eval_dropped_carry"] <= 0.5 * first["eval_dropped_carry"], summary
+    assert last["eval_accuracy_no_carry"] >= first["eval_accuracy_no_carry"] - 0.05, summary
+    assert summary["final"]["eval_kl_to_ref"] < 2.0, summary
+    assert summary["final"]["eval_rm_score"] > summary["initial"]["eval_rm_score"], summary
+    gains = {"default": last["eval_accuracy"] - first["eval_accuracy"]}
+    # the same SFT policy and RM, other trainer seeds (sampling and data order): both runs at once,
+    # each its own process and Ray instance (a run's results do not depend on what else runs)
+    runs = {seed: tmp_path / f"ppo_seed{seed}" for seed in (1, 2)}
+    procs = {
+        seed: start_cli(
+            "aligner.ppo",
+            "conf=tiny",
+            f"output_dir={out}",
+            f"actor.init={sft}",
+            f"reward.init={rm}",
+            f"trainer.seed={seed}",
+            "trainer.progress=false",
+            log=tmp_path / f"ppo_seed{seed}.log",
+            cwd=tmp_path,
+        )
+        for seed, out in runs.items()
+    }
+    try:
         for seed, p in procs.items():
             assert p.wait(timeout=900) == 0, (tmp_path / f"ppo_seed{seed}.log").read_text()[-3000:]
             s = json.loads((runs[seed] / "summary.json").read_text())
             gains[f"seed {seed}"] = s["final"]["eval_accuracy"] - s["initial"]["eval_accuracy"]
     finally:
-        for p in [demo, *procs.values()]:
+        for p in procs.values():
             if p.poll() is None:
                 p.kill()
     assert all(g >= 0.15 for g in gains.values()), gains
     assert (ppo / "ppo_report.png").stat().st_size > 10_000
-    assert "held-out accuracy (greedy, rule-checked)" in stdout
+    assert "held-out accuracy (greedy, rule-checked)" in proc.stdout
 
 
 # ---- real data ---------------------------------------------------------------------------------

@@ -143,7 +143,8 @@ def validate_prompt_learning(cfg: AlignerConfig) -> None:
 
 
 def validate_rollout_lengths(cfg: AlignerConfig) -> None:
-    """The longest prompt plus the response must fit the model (the engine's KV cache and RoPE positions)."""
+    """The longest prompt plus the response must fit the model (the engine's KV cache and RoPE positions),
+    and the overlong-penalty ramp must lie inside the response budget."""
     s, d, m = cfg.rollout.sampling, cfg.data, cfg.model
     _check(
         d.max_prompt_len + s.max_new_tokens <= m.max_seq_len,

@@ -57,17 +57,18 @@ from aligner.nn.lora import merged_state_dict
 
 META_FILE = "meta.json"
 _TIED = {"lm_head.weight": "model.embed_tokens.weight"}
-_MESHES: dict[tuple, Any] = {}  # layout -> DeviceMesh, valid for the process group of _MESHES_WORLD
-_MESHES_WORLD: list = [None]
+_MESHES: dict[tuple, Any] = {}  # layout -> DeviceMesh, valid for the process group _MESHES_WORLD
+_MESHES_WORLD: Any = None
 
 
 def _cached_mesh(key: tuple, build) -> Any:
     """The mesh of `key`, built by `build()` once per default process group: a process that closes
     its group and opens another (an in-process restart) gets new meshes, not the closed group's."""
+    global _MESHES_WORLD
     world = dist.group.WORLD
-    if _MESHES_WORLD[0] is not world:
+    if _MESHES_WORLD is not world:
         _MESHES.clear()
-        _MESHES_WORLD[0] = world
+        _MESHES_WORLD = world
     if key not in _MESHES:
         _MESHES[key] = build()
     return _MESHES[key]
@@ -395,6 +396,28 @@ def read_meta(ckpt_dir: str) -> dict:
         raise ValueError(f"checkpoint dir {ckpt_dir!r} has no {META_FILE}: not a complete aligner checkpoint (pick another dir)")
     with open(path) as f:
         return json.load(f)
+
+
+def read_model_state_dict(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """The full model weights of a checkpoint saved by any layout (tp/pp/dp, FSDP2), read in this one
+    process without building the role: ({HF-style parameter name: tensor in its saved dtype}, meta).
+
+    For tools outside a run (converting a step's checkpoint to an HF dir for evaluation); a run
+    resumes with :func:`load_checkpoint`. Raises ValueError: not a complete checkpoint
+    (:func:`read_meta`), or one holding LoRA adapters only (its model tensors are not the full weights).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    meta = read_meta(ckpt_dir)
+    if meta.get("lora"):
+        raise ValueError(f"checkpoint {ckpt_dir!r} holds LoRA adapters only: export its run's hf/ instead (adapters merged)")
+    saved = dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+    sd = {
+        k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items() if k.startswith("model.") and hasattr(m, "size")
+    }
+    with _dcp_no_dist(True):
+        dcp.load(sd, checkpoint_id=ckpt_dir, no_dist=True)
+    return {k[len("model.") :]: v for k, v in sd.items()}, meta
 
 
 def _check_compatible(runtime, meta: dict, ckpt_dir: str) -> None:

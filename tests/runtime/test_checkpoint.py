@@ -101,6 +101,13 @@ def test_checkpoint_tp2_loads_at_pp2_dp2(tmp_path):
         assert res["logits_diff"] < 1e-5, name
         assert res["losses"] == pytest.approx(saved["losses"], abs=1e-5), name
     assert got[0]["pp2_dp2_fsdp2"]["hf_diff"] == 0.0
+    # read in one process, without the role: the tp=2 shards make the full weights saved at step 2
+    from aligner.runtime.checkpoint import read_model_state_dict
+
+    sd, meta = read_model_state_dict(str(tmp_path / "ckpt"))
+    want = torch.load(tmp_path / "expected.pt")["full"]
+    assert meta["step"] == 2 and set(sd) == set(want)
+    assert all(torch.equal(sd[k].float(), want[k].float()) for k in want)  # the same values, stored and read back
     assert got[3]["pp2_dp2_fsdp2"]["losses"] == got[0]["pp2_dp2_fsdp2"]["losses"]
 
 
