@@ -14,7 +14,10 @@ could gain over HF here.
 GPU (``--gpu``, used by benchmarks/gpu_suite.sh): a ~1.1B Llama (TinyLlama-1.1B dims, GQA 32/4
 heads) in bf16 on CUDA, prompt 128, 256 new tokens, TorchEngine with CUDA-graph decode against
 HF generate (static shapes are not forced on HF: its default dynamic cache), and against the
-memory-bandwidth bound: every decode step reads every weight once, so tokens/s <= batch x
+memory-bandwidth bound. Four engine variants (``GPU_ENGINES``): the static scheduler with CUDA-graph
+decode, the continuous scheduler (the default), each also with ``compile="on"``; each gets its own
+copy of the weights and one warm-up call at the largest batch, whose time (capture, compile) is
+printed. Against the bound: every decode step reads every weight once, so tokens/s <= batch x
 (measured device copy bandwidth) / (weight bytes). KV-cache reads are not in the bound.
 
     python benchmarks/generation.py                 # CPU, batch 1, 8, 32, 128, fp32 and bf16
@@ -25,6 +28,7 @@ memory-bandwidth bound: every decode step reads every weight once, so tokens/s <
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -174,12 +178,21 @@ def copy_bandwidth(nbytes: int = 2**30) -> float:
     return 2 * 20 * nbytes / (start.elapsed_time(end) / 1e3)
 
 
+GPU_ENGINES = {  # column name -> TorchEngine options (every engine gets its own copy of the weights)
+    "static": dict(scheduler="static", cuda_graphs=True, compile="off"),
+    "continuous": dict(scheduler="continuous", compile="off"),
+    "cont+compile": dict(scheduler="continuous", compile="on"),
+    "static+compile": dict(scheduler="static", cuda_graphs=True, compile="on"),
+}
+
+
 def gpu_main(args) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("--gpu needs CUDA")
     torch.manual_seed(0)
     prompt_len, new = 128, 256
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [1, 8, 32, 64]
+    names = args.engines.split(",") if args.engines else list(GPU_ENGINES)
     cfg = ModelConfig(
         vocab_size=32000,
         hidden_size=2048,
@@ -193,20 +206,52 @@ def gpu_main(args) -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bw = copy_bandwidth()
     hf = C.hf_llama(cfg, {k: v.clone() for k, v in model.state_dict().items()})
-    engine = TorchEngine(model, max_batch_size=max(batches), cuda_graphs=True)
     print(C.env_line())
     print(f"command: {C.command_line()}")
     print(
         f"{cfg.num_parameters() / 1e9:.2f}B params, {weight_bytes / 1e9:.2f} GB of bf16 weights; copy bandwidth "
         f"{bw / 1e9:.0f} GB/s (read + write); prompt {prompt_len}, {new} new tokens, greedy, {args.repeats} repeats"
     )
-    print(f"{'batch':>5} {'bound tok/s':>12} {'ours tok/s':>11} {'of bound':>9} {'HF tok/s':>9} {'ours/HF':>8}", flush=True)
+    print("engines: " + "; ".join(f"{n} = TorchEngine({', '.join(f'{k}={v!r}' for k, v in GPU_ENGINES[n].items())})" for n in names))
+    engines, first_call = {}, {}
+    for n in names:  # build and warm each engine once at the largest batch (compile time shows here)
+        ids = torch.randint(4, cfg.vocab_size, (max(batches), prompt_len), device="cuda")
+        try:
+            eng = TorchEngine(copy.deepcopy(model), max_batch_size=max(batches), **GPU_ENGINES[n])
+            first_call[n] = time_ours(eng, ids.tolist(), new)
+            engines[n] = eng
+        except Exception as e:  # noqa: BLE001  (a variant that fails is reported; the others go on)
+            print(f"{n}: FAILED at build or first call: {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+    print(
+        "first call at batch "
+        + str(max(batches))
+        + " (includes capture / compile): "
+        + ", ".join(f"{n} {t:.1f} s" for n, t in first_call.items())
+    )
+    head = f"{'batch':>5} {'bound tok/s':>12} {'HF tok/s':>9}" + "".join(f" {n + ' tok/s':>20} {'of bound':>8} {'/HF':>6}" for n in engines)
+    print(head, flush=True)
     for b in batches:
         ids = torch.randint(4, cfg.vocab_size, (b, prompt_len), device="cuda")
-        ours, theirs = compare(engine, hf, ids, new, args.repeats)
+        rate = compare_many(engines, hf, ids, new, args.repeats)
         bound = b * bw / weight_bytes
-        print(f"{b:>5} {bound:>12,.0f} {ours:>11,.0f} {100 * ours / bound:>8.0f}% {theirs:>9,.0f} {ours / theirs:>7.2f}x", flush=True)
+        row = f"{b:>5} {bound:>12,.0f} {rate['HF']:>9,.0f}"
+        row += "".join(f" {rate[n]:>20,.0f} {100 * rate[n] / bound:>7.0f}% {rate[n] / rate['HF']:>5.2f}x" for n in engines)
+        print(row, flush=True)
     print("(times include the prefill of the prompt; the bound counts decode weight reads only)")
+
+
+def compare_many(engines: dict, hf, ids: torch.Tensor, new: int, repeats: int) -> dict[str, float]:
+    """tok/s per engine name and for "HF": medians over `repeats` runs alternating all of them, after one warm-up each."""
+    prompts = ids.tolist()
+    runs = {n: (lambda e=e: time_ours(e, prompts, new)) for n, e in engines.items()}
+    runs["HF"] = lambda: time_hf(hf, ids, new)
+    for f in runs.values():
+        f()
+    times = {n: [] for n in runs}
+    for _ in range(repeats):  # alternate so drift hits all alike
+        for n, f in runs.items():
+            times[n].append(f())
+    return {n: ids.shape[0] * new / statistics.median(t) for n, t in times.items()}
 
 
 def main() -> None:
@@ -216,6 +261,9 @@ def main() -> None:
     ap.add_argument("--batches", type=str, default="", help="comma-separated batch sizes")
     ap.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"], help="CPU rows' dtype")
     ap.add_argument("--gpu", action="store_true", help="1.1B Llama on CUDA vs the bandwidth bound and HF")
+    ap.add_argument(
+        "--engines", type=str, default="", help=f"--gpu: comma-separated engine variants of {', '.join(GPU_ENGINES)} (default all)"
+    )
     args = ap.parse_args()
     if args.gpu:
         return gpu_main(args)

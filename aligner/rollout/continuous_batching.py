@@ -15,6 +15,15 @@ at the end of the call.
 Decode attention: SDPA over each block's positions up to its longest context under a mask, or
 (``decode_attention="varlen"``, fp32 on the CPU) the kernel of :mod:`aligner.rollout.cpu_kernels`,
 each row reading its own keys only.
+
+CUDA graphs (on cuda, pp = 1, one micro-batch, a dense model: :attr:`ContinuousBatching.uses_graphs`):
+the decode step is captured once per (slots, cache length) in a :class:`SlotDecodeGraph` with
+static shapes: every slot of the pool runs (rows past the live n get token 0 at position 0: free
+rows, whose position 0 an admission rewrites before any read) and attention reads the whole cache
+under a mask built in the graph from the positions. Prefill, copies and moves stay eager between
+replays. The cache length is rounded up to a multiple of ``GRAPH_LEN_BLOCK`` so that calls whose
+longest prompt differs by a few tokens share a graph; graphs (and their pools) are kept across
+calls, as the static scheduler keeps its own, and dropped by ``TorchEngine.offload``.
 """
 
 from __future__ import annotations
@@ -35,17 +44,44 @@ if TYPE_CHECKING:
     from aligner.rollout.torch_engine import TorchEngine
 
 
+GRAPH_LEN_BLOCK = 64  # a SlotDecodeGraph's cache length is a multiple of this many positions
+
+
 class ContinuousBatching:
     """Runs generate() calls of `engine` by continuous batching over a slot pool (see the module docstring).
 
-    The pool is allocated per call and freed at its end (the actor trains in the same process
-    between calls). ``routing``: during a call on an MoE model, the [requests, max budget,
-    L_local, k] int16 buffer of every response token's experts on this stage (-1 where unset).
+    Without CUDA graphs the pool is allocated per call and freed at its end (the actor trains in
+    the same process between calls); with them (:attr:`uses_graphs`) each :class:`SlotDecodeGraph`
+    in ``graphs`` owns its pool, kept across calls. ``routing``: during a call on an MoE model, the
+    [requests, max budget, L_local, k] int16 buffer of every response token's experts on this
+    stage (-1 where unset).
     """
 
     def __init__(self, engine: TorchEngine):
         self.engine = engine
         self.routing: Optional[torch.Tensor] = None
+        self.graphs: dict[tuple[int, int], SlotDecodeGraph] = {}
+        self._graph: Optional[SlotDecodeGraph] = None  # the running call's
+
+    @property
+    def uses_graphs(self) -> bool:
+        """Decode runs in CUDA graphs: asked for (``cuda_graphs``), on cuda, one pipeline stage, one
+        micro-batch, SDPA decode attention and no MoE layer (an MoE step records its routing)."""
+        e = self.engine
+        return (
+            e.cuda_graphs
+            and e.device.type == "cuda"
+            and e.pp_size == 1
+            and e.micro_batches == 1
+            and e.decode_attention != "varlen"
+            and not e.moe_layers
+        )
+
+    def _graph_for(self, slots: int, max_len: int) -> SlotDecodeGraph:
+        key = (slots, -(-max_len // GRAPH_LEN_BLOCK) * GRAPH_LEN_BLOCK)
+        if key not in self.graphs:
+            self.graphs[key] = SlotDecodeGraph(self, *key)
+        return self.graphs[key]
 
     def generate(self, prompts: list[list[int]], budgets: list[int], sampler: Sampler, stop: list[int]) -> list[Generation]:
         """Every request of a call, in prompt order, on every pipeline stage; sets ``engine.last_stats``.
@@ -57,8 +93,9 @@ class ContinuousBatching:
         m = e.micro_batches
         capacity = max(1, min(e.max_batch_size // m, -(-len(prompts) // m)))  # no more slots than requests
         max_len = max(len(p) + n for p, n in zip(prompts, budgets))
-        # allocated per call and freed at its end: the actor trains in the same process between calls
-        pool = SlotKVCache(
+        self._graph = self._graph_for(capacity * m, max_len) if self.uses_graphs else None
+        # without graphs allocated per call and freed at its end: the actor trains in the same process between calls
+        pool = self._graph.pool if self._graph is not None else SlotKVCache(
             e.local_layers(),
             capacity * m,
             e.kv_heads_local(),
@@ -67,7 +104,7 @@ class ContinuousBatching:
             e.dtype,
             e.device,
             varlen=e.decode_attention == "varlen",
-        )
+        )  # fmt: skip
         self.routing = None
         if e.moe_layers:
             k = e.moe_layers[0].top_k
@@ -151,6 +188,10 @@ class ContinuousBatching:
             pool.copy(src, dst, n)
         for src, dst, n in meta.moves.tolist():
             pool.copy(src, dst, n)
+        if self._graph is not None:  # pp = 1: this stage is also the last
+            logits = self._graph.run(decode_x[:, 0], meta.positions.to(dev))
+            tok, lp = sampler.sample_requests(logits, meta.requests.to(dev), meta.steps.to(dev), e.tp_group)
+            return tok.cpu(), lp.float().cpu()
         positions = meta.positions.to(dev)
         length = int(meta.positions.max()) + 1
         mask = None  # the varlen kernel reads each row's own length from the pool: no mask to build
@@ -177,3 +218,64 @@ class ContinuousBatching:
         dist.broadcast_object_list(box, src=dist.get_global_rank(e.pp_group, 0), group=e.pp_group)
         gens, e.last_stats = box[0]
         return gens
+
+
+class SlotDecodeGraph:
+    """The continuous scheduler's decode step over all `slots` rows of its own pool, static shapes.
+
+    Inputs ``tok`` [slots, 1] and ``pos`` [slots] int64 are copied in before each replay; the
+    output ``out`` [slots, V/tp] fp32 is the last stage's logits (pp = 1). Attention reads all
+    `max_len` cache positions with the mask ``positions <= pos`` built inside the step, and each
+    row writes its new key/value at ``pos`` (:meth:`SlotKVCache.plan_decode` over every row).
+    Captured in a CUDA graph at construction when the engine is on cuda; elsewhere (tests on the
+    CPU) :meth:`run` calls the same step eagerly, so its static-shape arithmetic is checked
+    against the per-step path without a GPU.
+
+    Args:
+        batching: the ContinuousBatching whose engine's model it runs.
+        slots: rows of the pool (capacity x micro-batches, = 1 micro-batch here).
+        max_len: cache positions per row (a multiple of ``GRAPH_LEN_BLOCK``).
+    """
+
+    def __init__(self, batching: ContinuousBatching, slots: int, max_len: int):
+        e = batching.engine
+        dev = e.device
+        self.engine, self.slots, self.max_len = e, slots, max_len
+        self.pool = SlotKVCache(e.local_layers(), slots, e.kv_heads_local(), max_len, e.cfg.resolved_head_dim, e.dtype, dev)
+        self.tok = torch.zeros(slots, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.key_positions = torch.arange(max_len, device=dev)
+        self.graph = None
+        if dev.type != "cuda":
+            return
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up (writes position 0 of every row: no request holds a row yet)
+                self._step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self._step()
+
+    def _step(self) -> torch.Tensor:
+        e = self.engine
+        self.pool.plan_decode(0, self.pos, self.max_len)
+        mask = (self.key_positions <= self.pos.unsqueeze(1))[:, None, None, :]  # [slots, 1, 1, max_len]
+        h = e.model.model(self.tok, position_ids=self.pos.unsqueeze(1), attn_mask=mask, kv_cache=self.pool)
+        return e.model.lm_head(h[:, -1]).float()
+
+    def run(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """tok [n], pos [n] int64 of the live rows 0 .. n-1 -> their logits [n, V/tp] fp32 (a copy).
+
+        Rows n .. slots-1 run token 0 at position 0 (free rows: the next admission to one
+        prefills or copies its positions, or, for a one-token prompt, decodes position 0 first)."""
+        n = tok.shape[0]
+        self.tok.zero_()
+        self.pos.zero_()
+        self.tok[:n, 0].copy_(tok)
+        self.pos[:n].copy_(pos)
+        if self.graph is None:
+            return self._step()[:n]
+        self.graph.replay()
+        return self.out[:n].clone()

@@ -71,7 +71,8 @@ class TorchEngine(RolloutEngine):
         pp_group: the engine's pipeline group; stage index = rank in it (None: no PP).
         max_batch_size: prompts per batch (static); KV-cache slots (continuous): each of the
             ``micro_batches`` blocks gets max_batch_size // micro_batches of them (at least 1).
-        cuda_graphs: capture the decode step in CUDA graphs (static scheduler, on cuda, pp = 1).
+        cuda_graphs: capture the decode step in CUDA graphs (on cuda, pp = 1; the continuous
+            scheduler also needs one micro-batch and a dense model: ``batching.uses_graphs``).
         seed: seed of the engine RNG used when generate() gets no seeds.
         fused_decode: pack each layer's q/k/v and gate/up weights so each group runs as one GEMM
             (:func:`aligner.nn.layers.pack_linears`). None (default): on CUDA off (packing and
@@ -98,7 +99,8 @@ class TorchEngine(RolloutEngine):
         compile: torch.compile each decoder layer's forward for prefill and decode
             (:func:`compile_decode`): "on", "off", or "auto" (default): eager for now on both
             devices: measured no faster than eager on the CPU (benchmarks/RESULTS.md, "Compiled
-            decode and training"), and not yet run on CUDA; no per-machine timing is done for it.
+            decode and training"); on CUDA equal to eager (tests/rollout/test_trtllm_engine_gpu.py)
+            but its speed not yet measured; no per-machine timing is done for it.
         decode_attention: the continuous scheduler's one-token attention: "sdpa" (PyTorch's,
             every row reads the keys up to the block's longest context under a mask), "varlen"
             (fp32 on the CPU: :func:`aligner.rollout.cpu_kernels.decode_attention`, a C kernel built
@@ -204,18 +206,17 @@ class TorchEngine(RolloutEngine):
         _pack_weights(model, self.device, transposed=transposed, fuse=self.fused_decode)  # before the slots
         self._repack()
         self._params = _param_slots(model)
+        # Mixture of Experts: every response token's top-k experts per MoE layer (Generation.routed_experts)
+        self.moe_layers = moe_layers(model)
         self.batching = StaticBatching(self) if scheduler == "static" else ContinuousBatching(self)
         self.compiled = compile == "on"  # "auto": eager until compiled decode is measured faster (compile_decode)
         if self.compiled:
-            # the static scheduler's own CUDA graphs capture the compiled kernels; elsewhere on CUDA
+            # the scheduler's own CUDA graphs capture the compiled kernels; elsewhere on CUDA
             # inductor's CUDA graphs (reduce-overhead) replay them
-            own_graphs = scheduler == "static" and self.batching.uses_graphs
-            compile_decode(model, cuda_graphs=self.device.type == "cuda" and not own_graphs)
+            compile_decode(model, cuda_graphs=self.device.type == "cuda" and not self.batching.uses_graphs)
         self._full_names = {n for n, _ in build_model(self.cfg, device="meta").named_parameters(remove_duplicate=False)}
         self._received: set[str] = set()
         self._offloaded: list[torch.Tensor] = []
-        # Mixture of Experts: every response token's top-k experts per MoE layer (Generation.routed_experts)
-        self.moe_layers = moe_layers(model)
 
     # ---- properties of the local model --------------------------------------------------
     @property
@@ -284,8 +285,7 @@ class TorchEngine(RolloutEngine):
         """Move parameters to host memory and drop graphs/caches (no-op on CPU)."""
         if self.device.type != "cuda":
             return
-        if isinstance(self.batching, StaticBatching):
-            self.batching.graphs.clear()
+        self.batching.graphs.clear()  # either scheduler's captured decode steps and their caches
         _pack_weights(self.model, torch.device("cpu"), transposed=False, fuse=self.fused_decode)
         torch.cuda.empty_cache()
         self._offloaded_device = torch.device("cuda", torch.cuda.current_device())
@@ -428,9 +428,11 @@ def compile_decode(model: nn.Module, cuda_graphs: bool = False) -> None:
     (process-wide) to 4 (accumulated: 8) per layer. The weights are graph inputs, not
     constants (inductor's ``freezing`` is off), so refit's in-place ``copy_`` is what the next
     step reads: the stale-weights pitfall NeMo-RL hit with captured graphs is tested on the CPU
-    (tests/rollout/test_torch_engine.py). cuda_graphs: inductor's mode "reduce-overhead"
-    (CUDA graph trees) - unrun, no GPU here; after offload/onload moves the weights, CUDA graph
-    trees see new parameter addresses and re-record (unverified). Sets inductor's
+    (tests/rollout/test_torch_engine.py). cuda_graphs: inductor's mode "reduce-overhead" (CUDA
+    graph trees), used only where the scheduler captures no graphs of its own; on an H200 inductor
+    skipped them for the continuous scheduler's step ("mutated inputs": the KV-cache writes), which
+    now captures its own; after offload/onload moves the weights, CUDA graph trees see new
+    parameter addresses and re-record (unverified). Sets inductor's
     ``emulate_precision_casts`` (process-wide, :func:`emulate_eager_rounding`).
     """
     mode = "reduce-overhead" if cuda_graphs else None

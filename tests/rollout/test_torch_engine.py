@@ -417,6 +417,31 @@ def test_static_and_continuous_schedulers_agree(model, mixed_refs, sampling):
     assert all(len(g.token_ids) <= n for g, n in zip(want, BUDGETS))
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_continuous_graph_step_equals_the_per_step_decode(model, mixed_refs, sampling, monkeypatch):
+    """The continuous scheduler's CUDA-graph decode step (SlotDecodeGraph: every slot, the whole
+    cache under a mask, free rows at position 0) run eagerly on the CPU: the same tokens, stops and
+    log-probs (1e-5) as the per-step path, through refills, moves, shared prefixes and two calls
+    that share one graph (the capture itself needs a GPU: tests/rollout/test_trtllm_engine_gpu.py)."""
+    from aligner.rollout.continuous_batching import GRAPH_LEN_BLOCK, ContinuousBatching
+
+    _, eos = mixed_refs
+    prompts = MIXED + [MIXED[2]] * 3 + [MIXED[0]] * 2  # samples of one prompt share its prefill
+    budgets = BUDGETS + [12, 5, 9, 8, 12]
+    seeds = [11 * i + 3 for i in range(len(prompts))]
+    kw = dict(max_batch_size=4, eos_token_id=eos, decode_attention="sdpa", cpu_layout="out_in", compile="off")
+    eager = TorchEngine(model, **kw)
+    want = eager.generate(prompts, sampling, seeds=seeds, max_new_tokens=budgets)
+    monkeypatch.setattr(ContinuousBatching, "uses_graphs", property(lambda self: True))
+    graphed = TorchEngine(model, **kw)
+    for n in (len(prompts), len(prompts) - 1):  # the second call: other lengths, the same (slots, rounded length)
+        got = graphed.generate(prompts[:n], sampling, seeds=seeds[:n], max_new_tokens=budgets[:n])
+        assert_same_generations(got, want[:n])
+        assert [g.finish_reason for g in got] == [g.finish_reason for g in want[:n]]
+    assert eager.last_stats["moved_rows"] > 0 and eager.last_stats["shared_prefix_tokens"] > 0  # the premise
+    assert list(graphed.batching.graphs) == [(4, GRAPH_LEN_BLOCK)] and eager.batching.graphs == {}
+
+
 @pytest.mark.parametrize("scheduler", ["continuous", "static"])
 def test_bad_per_request_budgets_are_refused_naming_the_request(model, scheduler):
     eng = TorchEngine(model, scheduler=scheduler, cpu_layout="out_in")

@@ -35,9 +35,14 @@ PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12, 13], [3, 3]]
 
 
 @needs_cuda
-def test_cuda_graph_decode_matches_eager_and_reference():
+@pytest.mark.parametrize("scheduler", ["static", "continuous"])
+def test_cuda_graph_decode_matches_eager_and_reference(scheduler):
+    """Both schedulers' CUDA-graph decode (static: DecodeGraph, passed on an H100 and an H200;
+    continuous: SlotDecodeGraph, not yet run on a GPU) against eager decode and the no-cache
+    reference; a refit is seen by the captured graph."""
     model = build_model(CFG, seed=1, device="cuda").eval()
-    graphed, eager = TorchEngine(model, cuda_graphs=True, compile="off"), TorchEngine(model, cuda_graphs=False, compile="off")
+    kw = dict(scheduler=scheduler, compile="off")
+    graphed, eager = TorchEngine(model, cuda_graphs=True, **kw), TorchEngine(model, cuda_graphs=False, **kw)
     s = SamplingConfig(temperature=0.0, max_new_tokens=12)
     a, b = graphed.generate(PROMPTS, s), eager.generate(PROMPTS, s)
     assert graphed.batching.graphs, "no CUDA graph was captured"
@@ -52,7 +57,7 @@ def test_cuda_graph_decode_matches_eager_and_reference():
     assert [g.token_ids for g in x] == [g.token_ids for g in y]
     # refit copies in place: the captured graph sees the new weights
     refit(build_model(CFG, seed=2, device="cuda"), graphed)
-    fresh = TorchEngine(build_model(CFG, seed=2, device="cuda"), cuda_graphs=False, compile="off").generate(PROMPTS, s)
+    fresh = TorchEngine(build_model(CFG, seed=2, device="cuda"), cuda_graphs=False, **kw).generate(PROMPTS, s)
     assert [g.token_ids for g in graphed.generate(PROMPTS, s)] == [g.token_ids for g in fresh]
 
 
