@@ -72,7 +72,8 @@ def test_split_placement_tp2_actor_two_steps_and_resume(tmp_path):
     [
         # KL as a loss term (DeepSeekMath); on-policy, so the old-log-prob forward is skipped (TRL's default)
         ("grpo", ["algorithm.kl_coef=0", "algorithm.kl_loss_coef=0.05", "algorithm.recompute_old_log_probs=false"]),
-        ("rloo", ["algorithm.kl_coef=0.2"]),  # KL in the reward (TRL RLOO, OpenRLHF)
+        # KL in the reward (TRL RLOO, OpenRLHF); with DAPO's dynamic sampling (the batch is scored before inference)
+        ("rloo", ["algorithm.kl_coef=0.2", "algorithm.dynamic_sampling=true"]),
     ],
 )
 def test_critic_free_estimators_two_steps(tmp_path, advantage, kl):
@@ -95,6 +96,9 @@ def test_critic_free_estimators_two_steps(tmp_path, advantage, kl):
         assert all("log_probs_abs_diff_max" not in m and m["clipfrac"] == 0.0 for m in steps)
     else:
         assert all(m["kl_coef"] == pytest.approx(0.2) and "kl_loss" not in m for m in steps)
+        # every step kept 4 groups whose 4 scores differ, after one round or more
+        assert all(m["dynamic_sampling/kept_groups"] == 4 and m["dynamic_sampling/rounds"] >= 1 for m in steps)
+        assert all(m["dynamic_sampling/rounds"] > 1 or m["dynamic_sampling/dropped_groups"] == 0 for m in steps)
 
 
 def test_reward_rises(tmp_path):

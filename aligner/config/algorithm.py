@@ -58,6 +58,11 @@ class AlgorithmConfig:
     # lose up to overlong_penalty (at the budget, i.e. a cut response) from their score; 0 = off
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    # DAPO's dynamic sampling (Yu et al. 2025): groups whose n samples all got the same score are
+    # dropped and more prompts are generated, up to dynamic_sampling_max_rounds generation rounds a
+    # step, until rollout_batch_size groups are kept (group estimators: grpo, rloo, reinforce_pp_baseline)
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 4
 
     def __post_init__(self) -> None:
         resolve_kl(self)
@@ -96,6 +101,19 @@ class AlgorithmConfig:
         _check(self.overlong_buffer >= 0, f"{prefix}.overlong_buffer", self.overlong_buffer, "must be >= 0 (tokens; 0 = off)")
         _check(self.overlong_penalty >= 0, f"{prefix}.overlong_penalty", self.overlong_penalty, "must be >= 0 (e.g. 1.0, DAPO)")
         _check(
+            self.dynamic_sampling_max_rounds >= 1,
+            f"{prefix}.dynamic_sampling_max_rounds",
+            self.dynamic_sampling_max_rounds,
+            "must be >= 1 (generation rounds a step may take to fill the batch, e.g. 4)",
+        )
+        _check(
+            not self.dynamic_sampling or self.advantage in GROUP_ESTIMATORS,
+            f"{prefix}.dynamic_sampling",
+            self.dynamic_sampling,
+            f"drops groups of samples of one prompt, which advantage={self.advantage} has none of: "
+            f"use advantage={' / '.join(GROUP_ESTIMATORS)} or dynamic_sampling=false",
+        )
+        _check(
             self.norm_by_std or self.advantage == "grpo",
             f"{prefix}.norm_by_std",
             self.norm_by_std,
@@ -103,6 +121,7 @@ class AlgorithmConfig:
         )
 
 
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")  # baselines from a prompt's own samples
 FOLLOW_THE_ESTIMATOR = ("kl_in_reward", "kl_coef", "kl_loss_coef")  # None in the Hydra schema: resolve_kl fills them
 REWARD_KL_COEF = 0.05  # kl_coef nobody set, with the KL in the reward (gae, rloo, reinforce_pp, reinforce_pp_baseline)
 LOSS_KL_COEF = 0.04  # kl_loss_coef nobody set, with the KL out of the reward (grpo: DeepSeekMath's beta, Shao et al. 2024)

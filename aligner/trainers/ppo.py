@@ -238,14 +238,20 @@ class PPOTrainer(Trainer):
         with timer.phase("refit"):
             self.busy("actor")
             refit = self.groups["actor"].refit().get()[0]
+        sampling_metrics: dict[str, float] = {}
         with timer.phase("generate"):
-            batch = self.rollout(self.next_prompts(), self.cfg.rollout.sampling, self.step)
+            if self.cfg.algorithm.dynamic_sampling:
+                batch, sampling_metrics = self.dynamic_rollout()
+            else:
+                batch = self.rollout(self.next_prompts(), self.cfg.rollout.sampling, self.step)
+        if batch is None:
+            return {**sampling_metrics, **{f"time/{k}": v for k, v in timer.times.items()}}
         with timer.phase("inference"):
             self.infer(batch)
         if not torch.isfinite(batch.scores).all():
             return self._skip_step(timer, "reward")
         with timer.phase("advantages"):
-            adv_metrics = self.compute_advantages(batch)
+            adv_metrics = {**sampling_metrics, **self.compute_advantages(batch)}
         with timer.phase("train"):
             train_metrics = self.update(batch)
         skipped = train_metrics.get("actor/skipped", 0.0) + train_metrics.get("critic/skipped", 0.0)
@@ -290,13 +296,74 @@ class PPOTrainer(Trainer):
         return self.data.next_batch(self.cfg.trainer.rollout_batch_size)
 
     def rollout(self, prompts: list[dict], sampling: SamplingConfig, step: int, n: Optional[int] = None) -> RolloutBatch:
-        """Generate n responses per prompt on the actor's engine replicas; assemble a RolloutBatch."""
+        """Generate n responses per prompt on the actor's engine replicas (:meth:`generate`); assemble a RolloutBatch."""
         n = self.cfg.trainer.n_samples_per_prompt if n is None else n
+        return self.assemble(*self.generate(prompts, sampling, step, n), n)
+
+    def generate(self, prompts: list[dict], sampling: SamplingConfig, step: int, n: int, first_index: int = 0) -> tuple[list[dict], list]:
+        """(rows: each prompt row n times in a row, their Generations), sample i seeded by
+        ``sample_seed(trainer.seed, step, first_index + i)``."""
         rows = [p for p in prompts for _ in range(n)]
         ids = [r["prompt_ids"] for r in rows]
-        seeds = [sample_seed(self.cfg.trainer.seed, step, i) for i in range(len(rows))]
-        gens = gather_generations(self.groups["actor"].generate(ids, sampling, seeds).get())
-        return self.assemble(rows, gens, n)
+        seeds = [sample_seed(self.cfg.trainer.seed, step, first_index + i) for i in range(len(rows))]
+        return rows, gather_generations(self.groups["actor"].generate(ids, sampling, seeds).get())
+
+    def dynamic_rollout(self) -> tuple[Optional[RolloutBatch], dict[str, float]]:
+        """DAPO's dynamic sampling (Yu et al. 2025, section 3.2): generate rollout_batch_size prompts x n,
+        score them, drop every group whose n scores are all equal (its group-relative advantages are all
+        zero: no policy gradient, only the KL term), and generate further rounds of prompts (each round's
+        samples seeded after the previous round's) until rollout_batch_size groups are kept or
+        ``algorithm.dynamic_sampling_max_rounds`` rounds ran; kept groups past rollout_batch_size are
+        cut, in order. Groups are judged on the raw scores (the verifier's or reward model's), as DAPO
+        filters on accuracy: the overlong term and the KL do not count.
+
+        Returns (the kept batch with ``scores`` set, or None when no group varied in any round, and the
+        metrics ``dynamic_sampling/rounds``, ``/dropped_groups`` (all-equal groups generated this step),
+        ``/kept_groups`` (trained on; fewer than rollout_batch_size when the rounds ran out))."""
+        t, a = self.cfg.trainer, self.cfg.algorithm
+        n, target = t.n_samples_per_prompt, t.rollout_batch_size
+        rows: list[dict] = []
+        gens: list = []
+        responses: list[str] = []
+        scores: list[torch.Tensor] = []
+        dropped = rounds = 0
+        while len(rows) < target * n and rounds < a.dynamic_sampling_max_rounds:
+            got_rows, got_gens = self.generate(self.next_prompts(), self.cfg.rollout.sampling, self.step, n, rounds * target * n)
+            batch = self.assemble(got_rows, got_gens, n)
+            rounds += 1
+            s = self.score(batch).float()
+            groups = s.view(-1, n)
+            varied = (groups != groups[:, :1]).any(dim=1)  # NaN != NaN: a non-finite score is kept for the check after
+            dropped += int((~varied).sum())
+            for g in varied.nonzero().flatten().tolist():
+                idx = range(g * n, (g + 1) * n)
+                rows += [got_rows[i] for i in idx]
+                gens += [got_gens[i] for i in idx]
+                responses += [batch.meta[i]["response"] for i in idx]
+                scores.append(s[g * n : (g + 1) * n])
+        rows, gens, responses = rows[: target * n], gens[: target * n], responses[: target * n]
+        metrics = {
+            "dynamic_sampling/rounds": float(rounds),
+            "dynamic_sampling/dropped_groups": float(dropped),
+            "dynamic_sampling/kept_groups": float(len(rows) // n),
+        }
+        if not rows:
+            log.warning(
+                "step %d: dynamic sampling kept no group in %d rounds (every group's scores were equal): no update", self.step + 1, rounds
+            )
+            return None, metrics
+        kept = self.assemble(rows, gens, n, responses)
+        kept.scores = torch.cat(scores)[: len(rows)]
+        return kept, metrics
+
+    def score(self, batch: RolloutBatch) -> torch.Tensor:
+        """The raw reward [B] of every sample: the remote reward service, the reward model or the rule."""
+        if self.remote_reward is not None:
+            return get_all([self.remote_reward.scores(batch.tensors("input_ids", "attention_mask"), batch.meta)])[0]
+        if "reward" in self.groups:
+            self.busy("reward")
+            return get_all([self.groups["reward"].scores(batch.tensors("input_ids", "attention_mask"))])[0]
+        return self.rule_scores(batch)
 
     def assemble(self, rows: list[dict], gens: list, n: int, responses: Optional[list[str]] = None) -> RolloutBatch:
         """The RolloutBatch of prompt rows (each prompt n times in a row) and their generations.
@@ -333,13 +400,14 @@ class PPOTrainer(Trainer):
         routing = batch.rollout_experts is not None  # MoE: the trainer's routing too, for the mismatch metric
         actor = self.groups["actor"]
         futures = {}
-        if self.remote_reward is not None:  # first: its HTTP requests run while the Ray calls below are issued and run
+        scored = batch.scores is not None  # dynamic sampling scored the batch already
+        if self.remote_reward is not None and not scored:  # first: its HTTP requests run while the Ray calls below are issued and run
             futures["scores"] = self.remote_reward.scores(batch.tensors("input_ids", "attention_mask"), batch.meta)
         if self.cfg.algorithm.recompute_old_log_probs:  # else on-policy: the update's own forward gives them
             futures["old"] = actor.log_probs_with_routing(inputs, temp) if routing else actor.log_probs(inputs, temp)
         if "critic" in self.groups:
             futures["values"] = self.groups["critic"].values(inputs)
-        if "reward" in self.groups:
+        if "reward" in self.groups and not scored:
             futures["scores"] = self.groups["reward"].scores(batch.tensors("input_ids", "attention_mask"))
         if "ref" in self.groups:
             futures["ref"] = self.groups["ref"].log_probs(inputs, temp)
@@ -354,7 +422,8 @@ class PPOTrainer(Trainer):
         batch.old_log_probs = results["old"] * mask if "old" in results else None
         batch.ref_log_probs = results["ref"] * mask if "ref" in results else self._policy_log_probs(batch).clone()
         batch.values = results["values"] * mask if "values" in results else None
-        batch.scores = results["scores"] if "scores" in results else self.rule_scores(batch)
+        if not scored:
+            batch.scores = results["scores"] if "scores" in results else self.rule_scores(batch)
 
     @staticmethod
     def _policy_log_probs(batch: RolloutBatch) -> torch.Tensor:
