@@ -37,6 +37,7 @@ class TrainerConfig:
     num_threads: int = 0  # torch threads per CPU worker; 0 = follow the work: the workers busy in a phase share their node's cores (a role running alone gets them all)
     progress: bool = True  # show a progress bar
     preempt_grace_s: float = 25.0  # after SIGTERM: seconds to finish the step and checkpoint (below the scheduler's grace, 30 s by default)
+    max_restarts: int = 2  # a worker process that dies: stop and restart the groups, resume from the latest checkpoint, at most this many times a run; 0 = end the run (resume=true by hand)
 
     def validate(self, prefix: str = "trainer") -> None:
         for name in (
@@ -50,7 +51,7 @@ class TrainerConfig:
             "max_nonfinite",
         ):
             _check(getattr(self, name) >= 1, f"{prefix}.{name}", getattr(self, name), "must be >= 1")
-        for name in ("save_every", "eval_every", "num_threads", "shared_prompt_pack_len"):
+        for name in ("save_every", "eval_every", "num_threads", "shared_prompt_pack_len", "max_restarts"):
             _check(getattr(self, name) >= 0, f"{prefix}.{name}", getattr(self, name), "must be >= 0")
         _check(
             self.preempt_grace_s > 0,

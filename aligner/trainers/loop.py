@@ -14,6 +14,9 @@ order) and :func:`train` (the step loop, written once):
               whose own handler would turn SIGTERM into a crash dump), then the worker groups
     resume    when resume=true: the latest complete checkpoint (:class:`Checkpoints`), or a log
               line saying there is none and the run starts from step 0
+    restarts  (:func:`train_with_restarts`) a worker process that dies during the steps: the groups
+              are stopped and started again and the steps resume from the latest complete
+              checkpoint (or step 0's state), at most trainer.max_restarts times a run
     steps     (:func:`train`) a stop if SIGTERM arrived already (nothing to save), an optional eval
               before the first step (``Trainer.eval_before_training``, PPO), then per step: run_step -> eval every trainer.eval_every steps and at the last
               step (plus ``Trainer.final_metrics`` at the last step) -> metrics -> checkpoint every
@@ -35,20 +38,25 @@ load its roles and state, and finish.
 from __future__ import annotations
 
 import abc
+import copy
 import logging
+import re
+import time
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from aligner.config import AlignerConfig, config_yaml
-from aligner.errors import UserError
+from aligner.errors import UserError, WorkerDiedError
 from aligner.tracking import MetricsLogger
 from aligner.trainers import preemption
-from aligner.trainers.checkpointing import CheckpointManager, load_trainer_state
+from aligner.trainers.checkpointing import CheckpointManager, load_trainer_state, rng_state, set_rng_state
 from aligner.trainers.run_dir import claim_output_dir
 from aligner.workers.ray_runtime import init_ray, shutdown_ray
 
 log = logging.getLogger("aligner")
+RESTART_SETTLE_S = 1.0  # after a worker death, seconds to wait for a SIGTERM that may be on its way before restarting
 
 
 class Trainer(abc.ABC):
@@ -199,14 +207,22 @@ class Checkpoints:
         self.manager = CheckpointManager(trainer.out, stage=trainer.name)  # records stage + run id; resume checks them
         self.last_saved = -1
 
-    def resume(self) -> None:
-        """When resume=true: load the latest complete checkpoint and continue its run (its checkpoints
-        become this run's to prune); with none, log that the run starts from step 0."""
+    def resume(self, restart: Optional[Restarts] = None) -> None:
+        """When resume=true, or after an automatic restart: load the latest complete checkpoint and
+        continue its run (its checkpoints become this run's to prune); with none, log that the run
+        starts from step 0 (after a restart: from the state step 0 began with, ``restart.initial``)."""
         t = self.trainer
-        if not t.cfg.resume:
+        restarted = restart is not None and restart.count > 0
+        if not (t.cfg.resume or restarted):
             return
         ckpt = self.manager.latest()
         if ckpt is None:
+            if restarted and restart.initial is not None:
+                state, rng = copy.deepcopy(restart.initial)
+                t.load_state_dict(state)
+                set_rng_state(rng)
+                log.info("%s: restart %d: no complete checkpoint yet: starting again from step %d", t.name, restart.count, t.step)
+                return
             log.info("%s: resume=true but %s holds no complete checkpoint: starting from step 0", t.name, self.manager.root)
             return
         t.load(ckpt)
@@ -246,7 +262,7 @@ def run(trainer: Trainer) -> int:
         preemption.install(trainer.name, cfg.trainer.preempt_grace_s)  # after Ray: its handler would crash on SIGTERM
         try:
             trainer.start()
-            train(trainer)
+            train_with_restarts(trainer)
             trainer.finish()
         finally:
             preemption.uninstall()
@@ -255,28 +271,88 @@ def run(trainer: Trainer) -> int:
     return 0
 
 
-def train(trainer: Trainer) -> None:
+@dataclass
+class Restarts:
+    """The automatic restarts of one run: how many so far, and the driver's state (state_dict, RNG)
+    as step 1 began, for a restart that finds no checkpoint; ``evaluated`` once the eval before
+    training is logged (a restart does not repeat it)."""
+
+    count: int = 0
+    initial: Optional[tuple[dict, dict]] = None
+    evaluated: bool = False
+    where: str = "the start"  # what the loop was doing: "step N", "the eval after step N", "the checkpoint of step N"
+
+
+def train_with_restarts(trainer: Trainer) -> None:
+    """:func:`train`, started again after a worker process dies (:class:`aligner.errors.WorkerDiedError`),
+    at most ``trainer.max_restarts`` times a run (the self-healing of MegaScale's and NeMo-RL's
+    launchers, in-process): the worker groups are stopped and started again (placement waits for the
+    resources as at the start, and refuses a cluster that can no longer hold them), and the steps
+    resume from the latest complete checkpoint, or from step 0's state when none was written yet.
+    The steps past that checkpoint are run again (their metrics rows are rewritten once). Each restart
+    is logged (the dead worker's role and rank, the error's first line, the step it resumes from)
+    and every later metrics row carries ``restarts``. Not after SIGTERM (the workers ending then is
+    the preemption). Raises the WorkerDiedError once the budget is spent, its message saying so.
+    """
+    budget = trainer.cfg.trainer.max_restarts
+    restart = Restarts()
+    while True:
+        try:
+            return train(trainer, restart)
+        except WorkerDiedError as e:
+            if restart.count < budget and not preemption.was_requested():
+                time.sleep(RESTART_SETTLE_S)  # a SIGTERM sent to every process may reach the driver after a worker died of it
+            if preemption.was_requested() or restart.count >= budget:
+                if budget and not preemption.was_requested():
+                    e.args = (f"{e.args[0]}\n(trainer.max_restarts={budget}: every automatic restart was spent)",)
+                raise
+            restart.count += 1
+            log.warning(
+                "%s: %s rank %d died during %s (%s): restart %d of %d: stopping and starting the worker groups",
+                trainer.name, e.role, e.rank, restart.where, _death_summary(e.traceback_text), restart.count, budget,
+            )  # fmt: skip
+            trainer.stop()
+            trainer.start()
+
+
+def _death_summary(text: str) -> str:
+    """The first line of a dead worker's error and the ``pid:`` / ``ip:`` fields Ray's ActorDiedError lists."""
+    lines = text.strip().splitlines()
+    fields = re.findall(r"^\s*(pid|ip): *(\S+)", text, flags=re.MULTILINE)
+    return "; ".join([lines[0][:300] if lines else "", *(f"{k}: {v}" for k, v in fields)])
+
+
+def train(trainer: Trainer, restart: Optional[Restarts] = None) -> None:
     """Resume, then step to trainer.max_steps: eval, metrics, checkpoints, SIGTERM stops (module docstring).
 
     Metrics go to output_dir/metrics.jsonl one row per step (step 0: the eval before training);
-    a resumed run continues the file from its checkpoint's step.
+    a resumed run continues the file from its checkpoint's step. ``restart``: the run's
+    :class:`Restarts` when :func:`train_with_restarts` calls (None: a run without restarts).
     """
 
     t = trainer.cfg.trainer
+    restart = restart if restart is not None else Restarts()
     ckpts = Checkpoints(trainer)
-    ckpts.resume()
+    ckpts.resume(restart)
     metrics = MetricsLogger(trainer.out, trainer.name, t.max_steps, start_step=trainer.step, progress=t.progress, bar_keys=trainer.bar_keys)
     try:
         ckpts.stop_if_preempted()
-        if trainer.eval_before_training and trainer.step == 0:
+        if trainer.eval_before_training and trainer.step == 0 and not restart.evaluated:
             initial = trainer.evaluate()
             trainer.history.append({"step": 0, **initial})
             metrics.log(0, initial, advance=False)
+        restart.evaluated = True
+        if restart.initial is None and trainer.step == 0:
+            restart.initial = copy.deepcopy((trainer.state_dict(), rng_state()))
         while trainer.step < t.max_steps:
+            restart.where = f"step {trainer.step + 1}"
             row = trainer.run_step()
+            if restart.count:
+                row["restarts"] = float(restart.count)
             trainer.step += 1
             last = trainer.step == t.max_steps
             if last or _every(t.eval_every, trainer.step):
+                restart.where = f"the eval after step {trainer.step}"
                 ev = trainer.evaluate()
                 row.update(ev)
                 trainer.history.append({"step": trainer.step, **ev})
@@ -284,6 +360,7 @@ def train(trainer: Trainer) -> None:
                 row.update(trainer.final_metrics())
             metrics.log(trainer.step, row)
             if last or _every(t.save_every, trainer.step):
+                restart.where = f"the checkpoint of step {trainer.step}"
                 ckpts.save()
             ckpts.stop_if_preempted()
     finally:

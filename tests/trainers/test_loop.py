@@ -23,7 +23,7 @@ import torch
 
 from aligner.cli import load_config
 from aligner.data.sampler import DataIterator
-from aligner.errors import Preempted, UserError
+from aligner.errors import Preempted, UserError, WorkerDiedError
 from aligner.tracking import read_metrics
 from aligner.trainers import preemption
 from aligner.trainers.loop import Trainer
@@ -40,11 +40,12 @@ class Toy(Trainer):
     name = "sft"  # the config's stage: resume checks the stage recorded in the checkpoints
     bar_keys = ("loss",)
 
-    def __init__(self, cfg, eval_before: bool = False, sigterm_at: int = -1, fail_at: int = -1):
+    def __init__(self, cfg, eval_before: bool = False, sigterm_at: int = -1, fail_at: int = -1, die_at: tuple[int, ...] = ()):
         super().__init__(cfg)
         self.events: list = []
         self.eval_before_training = eval_before
         self.sigterm_at, self.fail_at = sigterm_at, fail_at
+        self.die_at = list(die_at)  # steps whose first run a worker death ends (each once)
         self.weight = 0.0
         self.it = None
 
@@ -72,6 +73,7 @@ class Toy(Trainer):
 
     def start(self):
         self.events.append(("start", preemption._STATE is not None))
+        self.weight = 0.0  # fresh workers hold the initial weights
 
     def stop(self):
         self.events.append(("stop", self._locked()))
@@ -83,6 +85,10 @@ class Toy(Trainer):
         step = self.step + 1
         if step == self.fail_at:
             raise RuntimeError(f"boom at step {step}")
+        if step in self.die_at:
+            self.die_at.remove(step)
+            self.weight += 100.0  # the lost step's work, which a restart must not keep
+            raise WorkerDiedError("actor", 1, "the worker process died or became unreachable: pid 4242 killed", "ppo_update")
         self.weight = 0.5 * self.weight + sum(self.it.next_batch(3)) + float(torch.rand(()))
         self.events.append(("step", step))
         if step == self.sigterm_at:
@@ -289,3 +295,60 @@ def test_sigterm_after_a_saved_step_does_not_save_it_again(tmp_path):
     with pytest.raises(Preempted, match=r"after step 3 .*the checkpoint of step 3 in .* is current"):
         toy.run()
     assert _of(toy.events, "save") == [3]
+
+
+# ---- automatic restarts --------------------------------------------------------------------
+RESTART = ["trainer.max_steps=6", "trainer.eval_every=2", "trainer.save_every=2"]
+
+
+def test_a_worker_death_restarts_the_groups_and_resumes_from_the_latest_checkpoint_exactly(tmp_path, caplog):
+    full = Toy(_cfg(tmp_path / "full", *RESTART))
+    assert full.run() == 0
+    out = tmp_path / "healed"
+    toy = Toy(_cfg(out, *RESTART), die_at=(5, 6))  # two deaths: the default budget (2) covers them
+    with caplog.at_level(logging.WARNING, logger="aligner"):
+        assert toy.run() == 0
+    assert _of(toy.events, "load") == ["step_00000004", "step_00000004"]
+    assert _of(toy.events, "step") == [1, 2, 3, 4, 5, 5, 6]  # step 5 again after each death; 6's first try died
+    assert [e[0] for e in toy.events if isinstance(e, tuple) and e[0] in ("start", "stop")] == [
+        "start",
+        "stop",
+        "start",
+        "stop",
+        "start",
+        "stop",
+    ]
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in _rows(tmp_path / "full")], "the same losses as the run without deaths"
+    assert [r.get("restarts") for r in rows] == [None] * 4 + [2.0, 2.0]
+    assert "actor rank 1 died during step 5" in caplog.text and "restart 1 of 2" in caplog.text and "pid 4242" in caplog.text
+
+
+def test_a_death_before_the_first_checkpoint_starts_again_from_step_0s_state(tmp_path):
+    full = Toy(_cfg(tmp_path / "full", *RESTART), eval_before=True)
+    assert full.run() == 0
+    toy = Toy(_cfg(tmp_path / "healed", *RESTART), eval_before=True, die_at=(2,))
+    assert toy.run() == 0
+    assert _of(toy.events, "load") == [] and _of(toy.events, "step") == [1, 1, 2, 3, 4, 5, 6]
+    assert _of(toy.events, "eval") == [0, 2, 4, 6], "the eval before training is not repeated"
+    assert [(r["step"], r.get("loss")) for r in _rows(tmp_path / "healed")] == [
+        (r["step"], r.get("loss")) for r in _rows(tmp_path / "full")
+    ]
+
+
+@pytest.mark.parametrize("budget,deaths", [(0, (3,)), (1, (3, 5))])
+def test_a_death_past_the_restart_budget_ends_the_run_saying_so(tmp_path, budget, deaths):
+    toy = Toy(_cfg(tmp_path / "run", *RESTART, f"trainer.max_restarts={budget}"), die_at=deaths)
+    with pytest.raises(WorkerDiedError) as err:
+        toy.run()
+    assert ("every automatic restart was spent" in str(err.value)) == (budget > 0)
+    assert toy.events[-2:] == [("stop", True), "ray_down"]
+
+
+def test_no_restart_after_sigterm(tmp_path, monkeypatch):
+    monkeypatch.setattr(preemption, "was_requested", lambda: True)
+    toy = Toy(_cfg(tmp_path / "run", *RESTART), die_at=(3,))
+    with pytest.raises(WorkerDiedError):
+        toy.run()
+    assert _of(toy.events, "step") == [1, 2]

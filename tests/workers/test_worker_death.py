@@ -1,16 +1,18 @@
-"""A worker process SIGKILLed mid-PPO-step: the run exits within seconds, non-zero, naming role and rank.
+"""A worker process SIGKILLed mid-PPO-step: the run restarts its groups by itself, once; the second kill ends it.
 
-``python -m aligner.ppo`` (rule reward, random-init actor/critic/ref, save_every=1) runs in a
-subprocess; once the first checkpoint exists, one of its Ray ``WorkerShell`` processes (found
-among the driver's descendants in /proc: the local Ray instance is the driver's child, its
-workers the raylet's children) is SIGKILLed while the next step runs. The driver must exit
-within DEADLINE_S with a non-zero code and a message naming the role and the rank, leave no
-process of the run alive, and a rerun with resume=true must continue from the last complete
-checkpoint to the end.
+``python -m aligner.ppo`` (rule reward, random-init actor/critic/ref, save_every=1,
+trainer.max_restarts=1) runs in a subprocess; once the first checkpoint exists, one of its Ray
+``WorkerShell`` processes (found among the driver's descendants in /proc: the local Ray instance
+is the driver's child, its workers the raylet's children) is SIGKILLed while the next step runs.
+The driver must log the death naming the role, the rank and the killed pid, stop the groups (the
+other workers of that generation exit), start new ones and resume from the latest complete
+checkpoint; a second kill, past the budget, must end the run within DEADLINE_S with a non-zero code,
+one message naming role and rank that says the restarts were spent, and no process of the run alive.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -94,55 +96,76 @@ def latest_step(out: Path) -> int:
     return int(ptr.read_text().strip().split("_")[1]) if ptr.exists() else 0
 
 
-def test_worker_killed_mid_step_fails_fast_then_resumes(tmp_path):
+def _workers(pid: int, wait_s: float = 120) -> list[int]:
+    """The driver's ray::WorkerShell descendants, once there are some (within wait_s)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        found = sorted(p for p in descendants(pid) if cmdline(p).startswith("ray::WorkerShell"))
+        if found:
+            return found
+        time.sleep(0.2)
+    return []
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, out: Path, after: int, wait_s: float = 400) -> int:
+    deadline = time.monotonic() + wait_s
+    while latest_step(out) <= after and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, f"the run ended early: {proc.communicate()[1][-3000:]}"
+    assert latest_step(out) > after, f"no checkpoint past step {after} within {wait_s:.0f} s"
+    return latest_step(out)
+
+
+def test_worker_killed_mid_step_restarts_once_then_fails_fast(tmp_path):
     out = tmp_path / "run"
-    proc = start_ppo(out, "trainer.max_steps=8")
+    proc = start_ppo(out, "trainer.max_steps=30", "trainer.max_restarts=1")
     try:
-        deadline = time.monotonic() + 400
-        while latest_step(out) < 1 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert proc.poll() is None, f"the run ended before its first checkpoint: {proc.communicate()[1][-3000:]}"
-        assert latest_step(out) >= 1, "no checkpoint within 400 s"
-        tree = descendants(proc.pid)
-        workers = sorted(p for p in tree if cmdline(p).startswith("ray::WorkerShell"))
-        assert workers, f"no ray::WorkerShell among the driver's descendants: {[cmdline(p)[:60] for p in tree]}"
+        first = _wait_for_checkpoint(proc, out, 0)
+        generation1 = _workers(proc.pid)
+        assert generation1, f"no ray::WorkerShell among the driver's descendants: {[cmdline(p)[:60] for p in descendants(proc.pid)]}"
         time.sleep(0.5)  # into the next step (refit / generate / inference / train)
-        victim = workers[len(workers) // 2]
-        step_at_kill = latest_step(out)
+        victim = generation1[len(generation1) // 2]
         os.kill(victim, signal.SIGKILL)
+        # healed: new workers, the old ones gone, and a checkpoint past the one the restart resumed from
+        resumed_at = latest_step(out)
+        _wait_for_checkpoint(proc, out, resumed_at)
+        generation2 = _workers(proc.pid)
+        assert generation2 and not set(generation2) & set(generation1), "the restarted groups reuse a worker of the first"
+        stray = [(p, cmdline(p)[:80]) for p in generation1 if alive(p)]
+        assert not stray, f"workers of the stopped groups still alive: {stray}"
+        victim2 = generation2[0]
+        os.kill(victim2, signal.SIGKILL)
         t0 = time.monotonic()
         try:
             _, err = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the driver hung for 120 s after worker pid {victim} was killed")
+            pytest.fail(f"the driver hung for 120 s after worker pid {victim2} was killed")
         took = time.monotonic() - t0
+        tree = generation1 + generation2
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0, err[-3000:]
-    assert took < DEADLINE_S, f"exit took {took:.1f} s after the kill"
-    named = re.findall(r"(actor|critic|ref) rank (\d+)", err)
-    assert named, f"the error does not name the role and rank: {err[-3000:]}"
-    assert "died" in err, err[-3000:]
-    assert f"pid: {victim}" in err, "the error is about another process than the one killed"
+    assert first >= 1 and proc.returncode != 0, err[-3000:]
+    assert took < DEADLINE_S, f"exit took {took:.1f} s after the second kill"
+    restart_line = next((line for line in err.splitlines() if "restart 1 of 1" in line), "")
+    assert re.search(r"(actor|critic|ref) rank \d+ died during (step|the eval after step|the checkpoint of step) \d+", restart_line), err[
+        -3000:
+    ]
+    assert f"pid: {victim}" in restart_line, "the restart names another process than the one killed"
+    assert f"resumed from {out / 'checkpoints'}" in err, "the restart did not resume from the latest checkpoint"
+    named = re.findall(r"(actor|critic|ref) rank (\d+)", err.split(restart_line, 1)[1])
+    assert named and "died" in err and f"pid: {victim2}" in err, err[-3000:]
+    assert "every automatic restart was spent" in err, err[-3000:]
     assert "Traceback" not in err and "rerun with resume=true" in err, err[-3000:]
     time.sleep(5)
     stray = [(p, cmdline(p)[:80]) for p in tree if alive(p)]
     assert not stray, f"processes of the run still alive 5 s after it exited: {stray}"
-    last = latest_step(out)
-    assert last >= step_at_kill and (out / "checkpoints" / f"step_{last:08d}" / "COMPLETE").exists()
-
-    resumed = start_ppo(out, "resume=true", f"trainer.max_steps={last + 1}")
-    try:
-        _, err2 = resumed.communicate(timeout=400)
-    finally:
-        if resumed.poll() is None:
-            os.killpg(resumed.pid, signal.SIGKILL)
-    assert resumed.returncode == 0, err2[-3000:]
-    assert f"(step {last})" in err2, "the rerun did not resume from the last checkpoint"
-    assert latest_step(out) == last + 1
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert steps == list(range(len(steps))), f"a metrics row twice or missing after the restart (step 0: the eval before training): {steps}"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert all(r.get("restarts") == 1.0 for r in rows if r["step"] > resumed_at)
     report = Path(os.environ.get("ALIGNER_RELIABILITY_OUT", tmp_path)) / "worker_death.txt"
     report.write_text(
-        f"victim={victim} workers={len(workers)} named={named[-1]} exit_s={took:.2f} rc={proc.returncode} "
-        f"ckpt_at_kill={step_at_kill} resumed_from={last}\n--- driver stderr tail ---\n{err[-2500:]}\n"
+        f"victims={victim},{victim2} workers={len(generation1)} resumed_from={resumed_at} exit_s={took:.2f} rc={proc.returncode}\n"
+        f"--- driver stderr tail ---\n{err[-2500:]}\n"
     )
