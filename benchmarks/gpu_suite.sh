@@ -15,13 +15,13 @@
 #      generate on the same weights (greedy, no stop token, prompt 128, 256 new tokens), for the
 #      static and continuous schedulers (benchmarks/generation.py --gpu --engines static,continuous;
 #      without --engines it also times both compiled, which takes longer than this step's limit).
-# Writes everything to the results file (default benchmarks/gpu_results.txt) with device, date
+# Writes everything to the results file (default benchmarks/gpu_results_<date>.txt) with device, date
 # and versions. A step that fails or times out is recorded as such; the suite goes on.
 #
 #   bash benchmarks/gpu_suite.sh [RESULTS_FILE]
 set -u
 cd "$(dirname "$0")/.."
-OUT="${1:-benchmarks/gpu_results.txt}"
+OUT="${1:-benchmarks/gpu_results_$(date -u +%F).txt}"
 PY="${PYTHON:-python}"
 # the benchmark scripts import aligner from this checkout (no pip install on the GPU machine)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
