@@ -164,18 +164,35 @@ def plan_at_split(cfg, actor_nodes: int, critic_nodes: int) -> tuple[float, floa
     return ppo_step_seconds(roles, True), rollout
 
 
+def plan_row(a: int, c: int, mean: float, mbs: int, tail: float) -> tuple[float, float]:
+    """(step, rollout) seconds planned for one published scale; tail 0 = max_length (or no length fields)."""
+    extra = [f"cluster.num_nodes={a + c}", f"rollout.max_batch_size={mbs}"]
+    if has_length_fields():
+        extra += [f"rollout.expected_response_len={mean}", f"rollout.expected_response_len_max={tail}"]
+    return plan_at_split(load_config("ppo", LLAMA3_70B + NEMO_ALIGNER_SETTINGS + extra), a, c)
+
+
 def print_validation() -> None:
-    lengths = has_length_fields()
+    """The published rows against the plan: longest response of a batch = max_length (the default),
+    and = the mean (every response equally long: the least decode a static batch can take)."""
     print("NeMo-Aligner Llama 3 70B PPO (TensorRT-LLM), published vs planned at the published split")
-    print("lengths: " + ("mean = published tokens generated, longest = max_length 2048" if lengths else "this code plans max_length (2048) for every response"))
-    print(f"{'nodes':>7} {'published s':>11} {'planned s':>9} {'ratio':>6} {'rollout s':>9} {'rollout share':>13}")
+    if has_length_fields():
+        print("mean response = published tokens generated; longest of a batch = max_length 2048 (A) or = the mean (B)")
+        cols = (0.0, None)
+    else:
+        print("this code plans max_length (2048) for every response")
+        cols = (0.0,)
+    head = f"{'nodes':>7} {'published s':>11}"
+    for name in "AB"[: len(cols)]:
+        head += f" {'planned ' + name:>9} {'ratio':>6} {'rollout':>8}"
+    print(head)
     for a, c, mean, step, mbs in PUBLISHED:
-        extra = [f"cluster.num_nodes={a + c}", f"rollout.max_batch_size={mbs}"]
-        if lengths:
-            extra.append(f"rollout.expected_response_len={mean}")
-        cfg = load_config("ppo", LLAMA3_70B + NEMO_ALIGNER_SETTINGS + extra)
-        t, roll = plan_at_split(cfg, a, c)
-        print(f"{a:>3}+{c:<3} {step:>11.1f} {t:>9.1f} {t / step:>5.2f}x {roll:>9.1f} {100 * roll / t:>12.0f}%")
+        row = f"{a:>3}+{c:<3} {step:>11.1f}"
+        for tail in cols:
+            t, roll = plan_row(a, c, mean, mbs, mean if tail is None else tail)
+            row += f" {t:>9.1f} {t / step:>5.2f}x {100 * roll / t:>7.0f}%"
+        print(row)
+    print("(rollout: the rollout engine's share of the planned step)")
 
 
 def main() -> None:
