@@ -13,7 +13,7 @@ Two parts (issue 40, "Planner II", part 2):
    constant over the eight rows (one additive unknown: the mean of the per-row constants) is what
    ``aligner.planner.cost_model.DECODE_OVERHEAD_S_PER_LAYER`` holds; the residuals are printed.
 
-2. (default) NeMo-Aligner's TensorRT-LLM PPO scaling table (docs/user-guide/rlhf.rst, "PPO Performance
+2. (default) NeMo-Aligner's TensorRT-LLM PPO scaling table (NVIDIA/NeMo-Aligner/docs/user-guide/rlhf.rst, "PPO Performance
    Results with TensorRT-LLM"): Llama 3 70B actor and reward model, Helpsteer2 prompts,
    num_rollout_samples=1024, global_batch_size=128, reshard on (inference TP only), the engine kept
    on the GPU, rollout_micro_batch_size 8 (16 at 64 + 32 nodes). Published per scale: actor + critic
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 from pathlib import Path
 
@@ -47,7 +46,6 @@ from aligner.config import ModelConfig, RolloutConfig  # noqa: E402
 from aligner.planner import (  # noqa: E402
     GB,
     MODEL_FLOPS_EFFICIENCY,
-    compute_seconds,
     forward_flops_per_token,
     kv_cache_bytes,
     plan_role,
@@ -101,9 +99,10 @@ def fit_overhead() -> tuple[float, list[tuple[str, int, float, float]]]:
 
 def print_fit() -> None:
     c, rows = fit_overhead()
-    print(f"fitted decode overhead: {c * 1e6:.1f} us per decoder layer per step ({TINY_LLAMA.num_layers * c * 1e3:.2f} ms per step of 22 layers)")
+    print(
+        f"fitted decode overhead: {c * 1e6:.1f} us per decoder layer per step ({TINY_LLAMA.num_layers * c * 1e3:.2f} ms per step of 22 layers)"
+    )
     for gpu in MEASURED:
-        sub = [r for r in rows if r[0] == gpu]
         cg = fit_one(gpu)
         print(f"{gpu}: fitted alone {cg * 1e6:.1f} us")
     print(f"{'GPU':<18} {'batch':>5} {'measured tok/s':>15} {'predicted tok/s':>16} {'residual':>9}")

@@ -649,7 +649,9 @@ def forward_step_time(model: ModelConfig, work: RoleWork, layout: Layout, cluste
     return StepTime(compute_s=c, tp_comm_s=t, dp_comm_s=0.0, bubble_s=b)
 
 
-def decode_step_seconds(model: ModelConfig, layout: Layout, weight_bytes: float, kv_bytes: float, n: int, e: int, cluster: ClusterConfig) -> float:
+def decode_step_seconds(
+    model: ModelConfig, layout: Layout, weight_bytes: float, kv_bytes: float, n: int, e: int, cluster: ClusterConfig
+) -> float:
     """Seconds of one decode step of `layout.micro_batch_size` rows on one engine replica.
 
     Each pipeline stage in turn reads its weights and its KV cache from HBM (`weight_bytes`,

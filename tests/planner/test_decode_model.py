@@ -141,7 +141,11 @@ def decode_seconds_at(model, work, est, cluster):
             "rollout.expected_response_len=6.0",
             "cannot exceed rollout.expected_response_len_max=4.0",
         ),
-        (["rollout.expected_response_len_from=/nonexistent/metrics.jsonl"], "rollout.expected_response_len_from='/nonexistent", "no such file"),
+        (
+            ["rollout.expected_response_len_from=/nonexistent/metrics.jsonl"],
+            "rollout.expected_response_len_from='/nonexistent",
+            "no such file",
+        ),
     ],
 )
 def test_bad_length_settings_refused_in_one_line(overrides, field, fix):
