@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -43,6 +44,13 @@ class RolloutConfig:
         "auto"  # torch.compile each decoder layer for generation: on | off | auto (= off for now: no faster on CPU, unrun on CUDA)
     )
     dtype: str = "float32"  # engine weights and KV cache: float32 | bfloat16 | float16 (refit casts)
+    # the planner's response lengths (tokens; read by nothing else): the mean, and the longest of a batch
+    # (static batches decode until it stops; a continuous pool drains for it). 0 = sampling.max_new_tokens,
+    # the conservative bound (a plan cannot know how long responses run)
+    expected_response_len: float = 0.0
+    expected_response_len_max: float = 0.0
+    # planner: a previous run's metrics.jsonl; the mean of its rows' response_len is the mean length
+    expected_response_len_from: str = ""
 
     def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
         _choice(f"{prefix}.backend", self.backend, ("torch", "trtllm"))
@@ -54,3 +62,37 @@ class RolloutConfig:
         self.parallel.validate(f"{prefix}.parallel", model)
         self.sampling.validate(f"{prefix}.sampling")
         _check(self.refit_bucket_mb > 0, f"{prefix}.refit_bucket_mb", self.refit_bucket_mb, "must be positive")
+        self.validate_expected_lengths(prefix)
+
+    def validate_expected_lengths(self, prefix: str) -> None:
+        """The planner's response lengths: each 0 (= max_new_tokens) or in [1, max_new_tokens], the mean
+        at most the longest, a mean given once (a number or a metrics file that exists)."""
+        new = self.sampling.max_new_tokens
+        for name in ("expected_response_len", "expected_response_len_max"):
+            v = getattr(self, name)
+            _check(
+                v == 0 or 1 <= v <= new,
+                f"{prefix}.{name}",
+                v,
+                f"give response tokens in [1, {prefix}.sampling.max_new_tokens={new}], or 0 for max_new_tokens",
+            )
+        mean, tail = self.expected_response_len, self.expected_response_len_max
+        _check(
+            not (mean and tail and mean > tail),
+            f"{prefix}.expected_response_len",
+            mean,
+            f"the mean cannot exceed {prefix}.expected_response_len_max={tail}: lower it or raise the max",
+        )
+        path = self.expected_response_len_from
+        _check(
+            not (path and mean),
+            f"{prefix}.expected_response_len_from",
+            path,
+            f"give the mean once: clear it or {prefix}.expected_response_len={mean}",
+        )
+        _check(
+            not path or os.path.isfile(path),
+            f"{prefix}.expected_response_len_from",
+            path,
+            "no such file: give a previous PPO run's metrics.jsonl (output_dir/metrics.jsonl), or clear it",
+        )

@@ -47,8 +47,14 @@ TP all-reduces (4 per layer per micro-batch in forward + backward, Shoeybi et al
 B*T*H elements over the intra-node bandwidth with ring volume 2(n-1)/n; the data-parallel
 gradient all-reduce (or FSDP's all-gather + reduce-scatter) over the inter-node bandwidth when
 the dp group spans nodes; the 1F1B bubble multiplies compute by 1 + (p-1)/m (Narayanan et al.
-2021). Decoding is memory-bandwidth bound: each token step reads the stage weights and the KV
-cache from HBM, and a token walks all pp stages in turn.
+2021). Rollout: a compute-bound prefill, then decode steps, each the larger of reading the stage
+weights and the whole KV cache from HBM and its FLOPs, plus a fixed overhead per decoder layer
+(DECODE_OVERHEAD_S_PER_LAYER, fitted to aligner's measured decode) and the TP all-reduces; a token
+walks all pp stages in turn. The steps follow ``rollout.scheduler`` and the expected response
+lengths (``rollout.expected_response_len*``): a static batch decodes until its longest response
+stops, a continuous pool refills its rows, so the mean governs it (:func:`decode_steps`). The
+engine's rows per replica (its KV cache) are the layout's micro-batch size, checked in memory like
+any other layout: a rollout batch larger than the rows that fit runs in waves.
 
 MoE (Mixtral-style layers): FLOPs follow the active parameters (router + top-k experts per token,
 :func:`role_active_parameters`), memory the total; each rank holds E / ep of every layer's experts,
@@ -86,6 +92,17 @@ DS_PREFETCH_BUCKET_SIZE = 50_000_000  # stage3_prefetch_bucket_size
 DS_MAX_LIVE_PARAMETERS = 1_000_000_000  # stage3_max_live_parameters
 DS_REDUCE_BUCKET_SIZE = 500_000_000  # reduce_bucket_size
 COLLECTIVE_LATENCY_S = 10e-6  # fixed cost of one small collective (decode steps), seconds
+# Fixed cost of one decoder layer in one decode step of aligner's TorchEngine, seconds (kernel launches,
+# the CUDA-graph replay, sampling and the host loop, spread over the layers), beyond the step's HBM /
+# FLOP roofline. Least-squares fit (benchmarks/planner_validation.py --fit) to the static scheduler's
+# CUDA-graph decode of a 1.10B Llama (22 layers) in bf16, prompt 128, 256 new tokens, batches 1, 8, 32, 64
+# (benchmarks/RESULTS.md): 126.2 us from the H200's rows alone (4,245 GB/s), 124.3 us from the H100's
+# (3,012 GB/s), 125.2 us from both; residuals in tok/s -9.5 / -0.8 / +3.5 / +8.5% (H200) and
+# -9.9 / -1.6 / +2.3 / +6.1% (H100) at batch 1 / 8 / 32 / 64 (the measured overhead grows with the batch,
+# the constant does not). It is TorchEngine's: TensorRT-LLM's C++ runtime has a lower one (not measured
+# here), and an eager step (no CUDA graphs) a much higher one (14.5 ms per 22-layer step at batch 1).
+# Only one model depth was measured: that the cost scales with the layers is assumed (kernels per layer).
+DECODE_OVERHEAD_S_PER_LAYER = 125e-6
 
 
 # --------------------------------------------------------------------------- data structures
@@ -177,6 +194,9 @@ class RoleWork:
     reference: model.dtype bytes per parameter, sharded over dp where the parameters are).
     dtype: the rollout engine's ``rollout.dtype`` (its weights, KV cache and activations); "" for
     the other roles (their dtype follows model.dtype and the role's mixed precision).
+    scheduler, mean_response_len, tail_response_len: the rollout engine's ``rollout.scheduler`` and
+    the response lengths (tokens) the decode time assumes: the mean and the longest of a batch
+    (0 = new_tokens; :func:`decode_steps`).
     """
 
     role: str
@@ -196,6 +216,9 @@ class RoleWork:
     lora_targets: tuple[str, ...] = ()
     frozen_copies: int = 0
     dtype: str = ""
+    scheduler: str = "continuous"
+    mean_response_len: float = 0.0
+    tail_response_len: float = 0.0
 
 
 # --------------------------------------------------------------------------- parameter counts
@@ -626,34 +649,72 @@ def forward_step_time(model: ModelConfig, work: RoleWork, layout: Layout, cluste
     return StepTime(compute_s=c, tp_comm_s=t, dp_comm_s=0.0, bubble_s=b)
 
 
+def decode_step_seconds(
+    model: ModelConfig, layout: Layout, weight_bytes: float, kv_bytes: float, n: int, e: int, cluster: ClusterConfig
+) -> float:
+    """Seconds of one decode step of `layout.micro_batch_size` rows on one engine replica.
+
+    Each pipeline stage in turn reads its weights and its KV cache from HBM (`weight_bytes`,
+    `kv_bytes`: one device's, bytes) or, when 2N * rows / (tp * pp) FLOPs take longer, is compute
+    bound (peak x MODEL_FLOPS_EFFICIENCY); every decoder layer adds DECODE_OVERHEAD_S_PER_LAYER
+    (the engine's fixed cost per layer per step) and, with tp > 1, 2 all-reduces of rows * H
+    elements (COLLECTIVE_LATENCY_S each plus the ring volume over the intra-node bandwidth).
+    n: the active parameters; e: element bytes of the engine's activations.
+    """
+    b = layout.micro_batch_size
+    flops_s = 2.0 * n * b / (layout.tp * layout.pp * cluster.gpu_peak_tflops * 1e12 * MODEL_FLOPS_EFFICIENCY)
+    stage_s = max((weight_bytes + kv_bytes) / (cluster.hbm_gbps * GB), flops_s)
+    comm = 0.0
+    if layout.tp > 1:
+        per = COLLECTIVE_LATENCY_S + ring_allreduce_seconds(b * model.hidden_size * e, layout.tp, cluster.intra_node_gbps)
+        comm = 2 * model.num_layers * per
+    return layout.pp * stage_s + model.num_layers * DECODE_OVERHEAD_S_PER_LAYER + comm
+
+
+def decode_steps(scheduler: str, requests: int, slots: int, mean_len: float, tail_len: float) -> float:
+    """Decode steps one engine replica runs to generate `requests` responses on `slots` KV-cache rows.
+
+    static (``rollout.scheduler=static``): ceil(requests / slots) batches in turn, each decoding until
+    its longest response stops: waves * tail_len. continuous (Orca-style, Yu et al. 2022): a row is
+    refilled as soon as its response stops, so while requests wait the slots are busy for
+    mean_len row-steps per response, and after the last admission the pool drains for up to the
+    longest response: max(requests - slots, 0) * mean_len / slots + tail_len. With mean_len =
+    tail_len (every response as long as the longest) both give requests * tail_len / slots up to
+    the static scheduler's last, partial wave. Lengths in tokens (one step per token).
+    Raises ValueError: an unknown scheduler.
+    """
+    if scheduler == "static":
+        return math.ceil(requests / slots) * tail_len
+    if scheduler == "continuous":
+        return max(requests - slots, 0) * mean_len / slots + tail_len
+    raise ValueError(f"scheduler={scheduler!r}: valid choices are static, continuous")
+
+
 def generate_step_time(
     model: ModelConfig, work: RoleWork, layout: Layout, weight_bytes: float, cluster: ClusterConfig, e: Optional[int] = None
 ) -> StepTime:
-    """Seconds per step of the rollout engine: compute-bound prefill, then bandwidth-bound decode.
+    """Seconds per step of the rollout engine: compute-bound prefill, then the decode steps.
 
-    Each decode step reads a stage's weights and (on average) half its final KV cache from HBM,
-    or is compute bound if 2N*batch/(tp*pp) FLOPs take longer; a token walks the pp stages in
-    turn, and each layer does 2 TP all-reduces of batch*H elements. e: the engine's element
-    bytes (``rollout.dtype``; None: work.dtype, else :func:`activation_dtype_bytes`).
+    Each replica (dp of them) generates ceil(batch / dp) responses on layout.micro_batch_size
+    KV-cache rows (the engine's ``rollout.max_batch_size``: the static batch or the continuous
+    pool), the rows the memory check sized the KV cache for. The steps follow work.scheduler and
+    the expected response lengths (:func:`decode_steps`; work.mean_response_len /
+    work.tail_response_len, 0 = work.new_tokens); each step costs :func:`decode_step_seconds` with
+    the whole KV cache read: aligner's graphed decode step attends over the cache's full length
+    (prompt + new_tokens) under a mask. e: the engine's element bytes (``rollout.dtype``; None:
+    work.dtype, else :func:`activation_dtype_bytes`).
     """
     n = role_active_parameters(model, work.kind)
     if e is None:
         e = DTYPE_BYTES[work.dtype] if work.dtype else activation_dtype_bytes(model, work.parallel)
     prompt = work.seq_len
     prefill = compute_seconds(forward_flops_per_token(n, model, prompt) * work.batch * prompt, layout.devices, cluster)
-    per_replica = math.ceil(work.batch / layout.dp)
-    waves = math.ceil(per_replica / layout.micro_batch_size)
     b = layout.micro_batch_size
-    kv = kv_cache_bytes(model, e, layout.tp, layout.pp, b, prompt + work.new_tokens) / 2
-    hbm = getattr(cluster, "hbm_gbps", 3350.0) * GB
-    stage_s = max(
-        (weight_bytes + kv) / hbm, 2.0 * n * b / (layout.tp * layout.pp * cluster.gpu_peak_tflops * 1e12 * MODEL_FLOPS_EFFICIENCY)
-    )
-    comm = 0.0
-    if layout.tp > 1:
-        per = COLLECTIVE_LATENCY_S + ring_allreduce_seconds(b * model.hidden_size * e, layout.tp, cluster.intra_node_gbps)
-        comm = 2 * model.num_layers * per
-    decode = waves * work.new_tokens * (layout.pp * stage_s + comm)
+    kv = kv_cache_bytes(model, e, layout.tp, layout.pp, b, prompt + work.new_tokens)
+    mean = work.mean_response_len or work.new_tokens
+    tail = work.tail_response_len or work.new_tokens
+    steps = decode_steps(work.scheduler, math.ceil(work.batch / layout.dp), b, mean, tail)
+    decode = steps * decode_step_seconds(model, layout, weight_bytes, kv, n, e, cluster)
     return StepTime(compute_s=prefill, tp_comm_s=0.0, dp_comm_s=0.0, bubble_s=0.0, decode_s=decode)
 
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
 from aligner.config import AlignerConfig, ClusterConfig, ModelConfig
-from aligner.errors import PlanError
+from aligner.errors import ConfigError, PlanError
 from aligner.planner.cost_model import Layout, LayoutEstimate, Rejected, RoleWork, devices_per_node, evaluate_layout
+from aligner.tracking import read_metrics
 
 MAX_NODES = 4096  # smallest_cluster gives up beyond this many nodes
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -64,6 +65,30 @@ class Plan:
 def _lora_fields(role_cfg) -> dict:
     """RoleWork's lora_rank / lora_targets from a trained role's ``lora`` config."""
     return {"lora_rank": role_cfg.lora.rank, "lora_targets": tuple(role_cfg.lora.target_modules)}
+
+
+def expected_response_lengths(cfg: AlignerConfig, new_tokens: int) -> tuple[float, float]:
+    """(mean, longest) response tokens the rollout's decode time assumes, each at most `new_tokens`.
+
+    The mean: ``rollout.expected_response_len``, or the mean of the ``response_len`` metric over
+    the rows of ``rollout.expected_response_len_from`` (a previous run's metrics.jsonl: one mean per
+    step), else new_tokens; the longest: ``rollout.expected_response_len_max``, else new_tokens (the
+    metrics hold no tail). Raises ConfigError naming the field when the file has no response_len.
+    """
+    r = cfg.rollout
+    mean, tail = r.expected_response_len, r.expected_response_len_max
+    if r.expected_response_len_from:
+        try:
+            values = [row["response_len"] for row in read_metrics(r.expected_response_len_from) if "response_len" in row]
+        except ValueError as err:
+            raise ConfigError(f"rollout.expected_response_len_from={r.expected_response_len_from!r}: {err}") from None
+        if not values:
+            raise ConfigError(
+                f"rollout.expected_response_len_from={r.expected_response_len_from!r} is invalid: no row has a response_len "
+                "metric: give a PPO run's metrics.jsonl, or set rollout.expected_response_len instead"
+            )
+        mean = sum(values) / len(values)
+    return min(mean or new_tokens, new_tokens), min(tail or new_tokens, new_tokens)
 
 
 def role_works(cfg: AlignerConfig) -> list[RoleWork]:
@@ -116,6 +141,7 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
     samples = t.rollout_batch_size * t.n_samples_per_prompt
     opt_steps = samples // t.mini_batch_size * cfg.algorithm.ppo_epochs
     new_tokens = min(cfg.rollout.sampling.max_new_tokens, d.max_seq_len - d.max_prompt_len)
+    mean_len, tail_len = expected_response_lengths(cfg, new_tokens)
 
     def group(name: str, default: str) -> str:
         c = cfg.role(name).colocate_with
@@ -151,6 +177,9 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
             max_batch_size=cfg.rollout.max_batch_size,
             group="actor",
             dtype=cfg.rollout.dtype,
+            scheduler=cfg.rollout.scheduler,
+            mean_response_len=mean_len,
+            tail_response_len=tail_len,
         ),
     ]
     roles = cfg.roles_used()
