@@ -201,7 +201,7 @@ def call_env(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
     def target() -> None:
         try:
             box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 (reported to the caller below)
+        except BaseException as e:  # reported to the caller below
             box["error"] = e
 
     thread = threading.Thread(target=target, name=f"env-{what}", daemon=True)
@@ -226,6 +226,13 @@ def _reward(value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise EnvFailure(f"{what} gave the reward {value!r}: a finite number is needed")
     return float(value)
+
+
+def _add_counts(counts: dict[str, float], info: Any, what: str) -> None:
+    if not isinstance(info, Mapping) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in info.values()):
+        raise EnvFailure(f"{what} gave the info {info!r}: a mapping of names to numbers is needed")
+    for key, value in info.items():
+        counts[key] = counts.get(key, 0) + value
 
 
 def run_episode(
@@ -256,8 +263,7 @@ def run_episode(
             if not isinstance(result, StepResult):
                 raise EnvFailure(f"step {i + 1} returned {type(result).__name__}, not a StepResult")
             turn.reward = _reward(result.reward, f"step {i + 1}")
-            for key, value in result.info.items():
-                episode.counts[key] = episode.counts.get(key, 0) + value
+            _add_counts(episode.counts, result.info, f"step {i + 1}")
             if result.done:
                 episode.done = True
                 break
@@ -287,7 +293,7 @@ def run_episodes(
     for prompt, metadata in rows:
         try:
             env = env_factory()
-        except Exception as e:  # noqa: BLE001 (the episode fails, the step goes on)
+        except Exception as e:  # the episode fails, the step goes on
             episodes.append(
                 Episode(
                     prompt,

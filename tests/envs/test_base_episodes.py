@@ -102,9 +102,10 @@ def test_done_ends_the_episode_before_max_turns():
         (CountingEnv(raise_at=2), "step 2 raised RuntimeError: boom in step"),
         (CountingEnv(bad_at=1, bad=None), "step 1 returned NoneType, not a StepResult"),
         (CountingEnv(bad_at=1, bad=StepResult(reward=float("nan"))), "step 1 gave the reward nan"),
+        (CountingEnv(bad_at=1, bad=StepResult(info={"calls": "one"})), "step 1 gave the info {'calls': 'one'}"),
         (CountingEnv(finish_reward="high"), "finish gave the reward 'high'"),
     ],
-    ids=["raises", "returns-none", "nan-reward", "bad-final-reward"],
+    ids=["raises", "returns-none", "nan-reward", "info-not-numbers", "bad-final-reward"],
 )
 def test_an_env_that_raises_or_misbehaves_fails_its_episode_with_the_reason(env, reason):
     ep = run_episode(env, "p", {}, ScriptedPolicy(), max_turns=4, timeout_s=5)
