@@ -61,6 +61,15 @@ class WorkerDiedError(WorkerError):
     """A worker process of a group died (killed, crashed, out of memory)."""
 
 
+class ToolSchemaError(ValueError):
+    """A tool's JSON schema for its arguments is invalid (found when the tool is registered); the message names the tool and the fix."""
+
+
+class ToolCallError(ValueError):
+    """One tool call the model made cannot run (unknown tool, arguments failing the schema, a bad
+    expression): the message is what the model reads in its error observation (aligner.envs.tool_env)."""
+
+
 class Preempted(Exception):
     """The run stopped at a step boundary after SIGTERM; the message says what was saved."""
 

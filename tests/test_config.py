@@ -17,6 +17,8 @@ import pytest
 from aligner.cli import load_config
 from aligner.config import (
     DATA_FORMATS,
+    ENV_NAMES,
+    TOOL_NAMES,
     AlignerConfig,
     ConfigError,
     ModelConfig,
@@ -287,6 +289,14 @@ CASES = [
         "['q_proj', 'down_proj']",
         "experts take no LoRA adapters",
     ),
+    # the multi-turn environment (aligner.envs; not run yet: issue 38 parts 2-3)
+    (["env.name=nope"], "env.name", "'nope'", "valid environments are single_turn, tool"),
+    (["env.name=tool", "env.tools=[calculator]", "env.max_turns=0"], "env.max_turns", "0", "must be >= 1"),
+    (["env.step_timeout_s=0"], "env.step_timeout_s", "0.0", "must be > 0 seconds"),
+    (["env.name=tool", "env.tools=[abacus]"], "env.tools", "['abacus']", "valid tools are calculator"),
+    (["env.name=tool", "env.tools=[calculator,calculator]"], "env.tools", "['calculator', 'calculator']", "name each tool once"),
+    (["env.name=tool"], "env.tools", "[]", "env.name=tool needs at least one tool"),
+    (["env.name=single_turn", "env.tools=[calculator]"], "env.tools", "['calculator']", "other environments take none"),
 ]
 
 
@@ -411,7 +421,13 @@ def test_check_paths_names_field_and_path(field, value, words):
 
 
 @pytest.mark.parametrize(
-    "arg,field", [("conf=nope", "conf='nope'"), ("actor.optim.lr=-1", "actor.optim.lr=-1.0"), ("actor.type=rule", "'actor.type'")]
+    "arg,field",
+    [
+        ("conf=nope", "conf='nope'"),
+        ("actor.optim.lr=-1", "actor.optim.lr=-1.0"),
+        ("actor.type=rule", "'actor.type'"),
+        ("env.name=nope", "env.name='nope' is invalid: valid environments are single_turn, tool"),
+    ],
 )
 def test_cli_config_error_is_one_line_exit_2(arg, field, tmp_path):
     proc = subprocess.run(
@@ -522,6 +538,19 @@ def test_data_formats_match_aligner_data_formats():
     from aligner.data.formats import FORMATS
 
     assert DATA_FORMATS == tuple(FORMATS)
+
+
+def test_env_and_tool_names_match_aligner_envs():
+    from aligner.envs import ENVIRONMENTS, TOOLS
+
+    assert ENV_NAMES == tuple(ENVIRONMENTS)
+    assert TOOL_NAMES == tuple(TOOLS)
+
+
+def test_env_section_accepts_a_tool_environment():
+    cfg = load_config("ppo", ["env.name=tool", "env.tools=[calculator]", "env.max_turns=3", "env.step_timeout_s=2.5"])
+    assert (cfg.env.name, cfg.env.tools, cfg.env.max_turns, cfg.env.step_timeout_s) == ("tool", ["calculator"], 3, 2.5)
+    assert load_config("ppo", []).env.name == ""  # the default: today's single-turn rollout
 
 
 def test_config_imports_only_errors_and_algorithms():

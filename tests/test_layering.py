@@ -28,6 +28,7 @@ LAYERS = [
     ("parallel",),  # parallelize(): TP/SP, pipeline, recomputation, data parallelism; memory model
     ("planner",),  # layouts and memory plans from the config and the memory model
     ("runtime",),  # the training runtime of one role's ranks: model + optimizer + checkpoints
+    ("envs",),  # environments for multi-turn rollouts: the interface, trajectories, tools
     ("actor", "critic", "reward", "rollout"),  # role classes, and the rollout engines beside them
     ("workers",),  # all Ray code: worker groups, placement, dispatch, the role workers
     ("trainers",),  # the training loop, the SFT / RM / PPO trainers, checkpoints of a run

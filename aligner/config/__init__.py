@@ -7,6 +7,7 @@ Owns: the keyword-only dataclasses that Hydra/OmegaConf compose into, and their 
 - schemas, one group per section or role: :mod:`~aligner.config.model`, :mod:`~aligner.config.data`
   (tokenizer, data, task), :mod:`~aligner.config.parallel` (a role's layout and resources),
   :mod:`~aligner.config.roles` (actor, critic, reward, ref), :mod:`~aligner.config.rollout`,
+  :mod:`~aligner.config.env` (a multi-turn environment),
   :mod:`~aligner.config.algorithm` (PPO family, DPO), :mod:`~aligner.config.run` (trainer, cluster
   and the whole :class:`AlignerConfig`);
 - :mod:`~aligner.config.validation`: the cross-field checks of a whole run, one function per concern;
@@ -33,17 +34,20 @@ from aligner.config.algorithm import (
 )
 from aligner.config.common import (
     DATA_FORMATS,
+    ENV_NAMES,
     GROUP_ESTIMATORS,
     MODEL_ROLES,
     PRESETS,
     ROLES,
     STAGES,
+    TOOL_NAMES,
 )
 from aligner.config.data import (
     DataConfig,
     TaskConfig,
     TokenizerConfig,
 )
+from aligner.config.env import EnvConfig
 from aligner.config.model import (
     ModelConfig,
     RopeScalingConfig,
@@ -88,6 +92,8 @@ __all__ = [
     "ROLES",
     "MODEL_ROLES",
     "DATA_FORMATS",
+    "ENV_NAMES",
+    "TOOL_NAMES",
     "GROUP_ESTIMATORS",
     "RopeScalingConfig",
     "ModelConfig",
@@ -108,6 +114,7 @@ __all__ = [
     "RefRoleConfig",
     "SamplingConfig",
     "RolloutConfig",
+    "EnvConfig",
     "FOLLOW_THE_ESTIMATOR",
     "LOSS_KL_COEF",
     "REWARD_KL_COEF",

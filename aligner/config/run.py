@@ -10,6 +10,7 @@ from typing import Optional, get_type_hints
 from aligner.config.algorithm import FOLLOW_THE_ESTIMATOR, AlgorithmConfig, DPOConfig
 from aligner.config.common import MODEL_ROLES, _check, _choice
 from aligner.config.data import DataConfig, TaskConfig, TokenizerConfig
+from aligner.config.env import EnvConfig
 from aligner.config.model import ModelConfig
 from aligner.config.paths import check_paths
 from aligner.config.roles import ActorRoleConfig, RefRoleConfig, RewardRoleConfig, RoleConfig, TrainableRoleConfig
@@ -118,6 +119,7 @@ class AlignerConfig:
     reward: RewardRoleConfig = field(default_factory=RewardRoleConfig)  # reward model or rule (also the RM stage's model)
     ref: RefRoleConfig = field(default_factory=RefRoleConfig)  # frozen reference policy
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation engine
+    env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn environment (not run yet: issue 38 parts 2-3)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)  # the DPO stage's loss
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

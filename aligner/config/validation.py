@@ -58,6 +58,7 @@ def validate_sections(cfg: AlignerConfig) -> None:
         "with actor.lora.rank > 0 the reference is the actor's frozen base (actor.init); leave ref.init empty",
     )
     cfg.rollout.validate("rollout", cfg.model)
+    cfg.env.validate("env")
     cfg.algorithm.validate("algorithm")
     cfg.dpo.validate("dpo")
     cfg.cluster.validate("cluster")
