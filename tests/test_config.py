@@ -547,10 +547,13 @@ def test_env_and_tool_names_match_aligner_envs():
     assert TOOL_NAMES == tuple(TOOLS)
 
 
-def test_env_section_accepts_a_tool_environment():
-    cfg = load_config("ppo", ["env.name=tool", "env.tools=[calculator]", "env.max_turns=3", "env.step_timeout_s=2.5"])
-    assert (cfg.env.name, cfg.env.tools, cfg.env.max_turns, cfg.env.step_timeout_s) == ("tool", ["calculator"], 3, 2.5)
-    assert load_config("ppo", []).env.name == ""  # the default: today's single-turn rollout
+def test_env_section_refuses_an_environment_until_the_trainer_runs_episodes():
+    """A well-formed tool environment passes every check of its own, then is refused: the trainer
+    would roll out single turns (issue 38 parts 2-3 are not built)."""
+    with pytest.raises(ConfigError, match=r"env\.name='tool' is invalid: multi-turn episodes are not run by the trainer yet"):
+        load_config("ppo", ["env.name=tool", "env.tools=[calculator]", "env.max_turns=3", "env.step_timeout_s=2.5"])
+    cfg = load_config("ppo", ["env.max_turns=3", "env.step_timeout_s=2.5"])
+    assert (cfg.env.name, cfg.env.tools, cfg.env.max_turns, cfg.env.step_timeout_s) == ("", [], 3, 2.5)
 
 
 def test_config_imports_only_errors_and_algorithms():

@@ -37,3 +37,10 @@ class EnvConfig:
             list(self.tools),
             f"{prefix}.name=tool needs at least one tool (e.g. {prefix}.tools=[calculator]); other environments take none",
         )
+        _check(
+            self.name == "",
+            f"{prefix}.name",
+            self.name,
+            "multi-turn episodes are not run by the trainer yet (issue 38 parts 2-3; a run would silently roll out single "
+            "turns): leave env.name empty; aligner.envs.run_episode runs episodes outside a run",
+        )
