@@ -182,7 +182,8 @@ class Policy(RoleModel):
         g = prompt_groups(batch["input_ids"], batch["prompt_lens"])
         if g < 2 or micro_batch_size < g:
             return None
-        packed = pack_shared_prompts(batch, g, sample_keys, self.runner.seq_multiple, pack_len)
+        budget = self.runner.micro_batch_tokens  # a packed row must fit a token-budget micro-batch too
+        packed = pack_shared_prompts(batch, g, sample_keys, self.runner.seq_multiple, min(pack_len, budget) if budget > 0 else pack_len)
         if packed is None:
             return None
         return self._with_labels(packed, packed["labels"], temperature), micro_batch_size // g
@@ -219,10 +220,15 @@ class Policy(RoleModel):
         (dropless), as the engine's. Collective like :meth:`log_probs`; with pp > 1 each stage
         records its own layers and the stages' parts are gathered over the pp group (layer order);
         tp ranks route identically (the router is replicated, sequence parallelism gathers the
-        tokens first); expert parallelism does not change the expert ids.
+        tokens first); expert parallelism does not change the expert ids. Runs row-count
+        micro-batches even with ``trainer.micro_batch_tokens`` > 0 (the log is read as [B, T] rows).
         """
-        with record_routing(self.runtime.module) as logs:
-            lp = self.log_probs(batch, micro_batch_size, temperature)
+        budget, self.runner.micro_batch_tokens = self.runner.micro_batch_tokens, 0  # the log's [B, T] rows: row-count micro-batches
+        try:
+            with record_routing(self.runtime.module) as logs:
+                lp = self.log_probs(batch, micro_batch_size, temperature)
+        finally:
+            self.runner.micro_batch_tokens = budget
         ids, mask = batch["input_ids"], batch["response_mask"]
         b, r = mask.shape
         head_index = response_index(batch["prompt_lens"], r, ids.shape[1] - 1)  # [B, R]
@@ -252,7 +258,8 @@ class Policy(RoleModel):
 
         batch: input_ids [B, T] int64, loss_mask [B, T] (1 on tokens that are predicted, i.e.
         response tokens), optional segment_ids / position_ids [B, T] for packed rows.
-        Returns loss (global token-mean NLL, nats), tokens (global), grad_norm, lr.
+        Returns loss (global token-mean NLL, nats), tokens (global), grad_norm, lr, pad_tokens and
+        pad_fraction (:meth:`aligner.runtime.runner.ModelRunner.padding_metrics`).
         """
         target = batch["loss_mask"][:, 1:].float()
         norm = self.normalizer(target.sum())
@@ -266,6 +273,7 @@ class Policy(RoleModel):
         return {
             "loss": self.dp_mean(stats["loss"] * norm, float(target.sum())),
             "tokens": tokens,
+            **self.runner.padding_metrics(),
             "grad_norm": stats["grad_norm"],
             "lr": stats["lr"],
             "skipped": stats.get("skipped", 0.0),
@@ -301,7 +309,11 @@ class Policy(RoleModel):
         global token or sequence count, :func:`aligner.algorithms.loss_agg_count`).
 
         Returns policy_loss, kl_loss (with kl_loss_coef > 0) and entropy (aggregated by
-        ``loss_agg``), clipfrac and approx_kl (token means), grad_norm, lr, skipped.
+        ``loss_agg``), clipfrac and approx_kl (token means), grad_norm, lr, skipped, pad_tokens and
+        pad_fraction (token positions run without a real token, :meth:`ModelRunner.padding_metrics`).
+
+        With ``trainer.micro_batch_tokens`` > 0 the runner groups rows by that token budget: the
+        same loss and gradient, since every micro-batch adds its sums over the global count.
         """
         mode = algo.loss_agg
         norm = self.normalizer(alg.loss_agg_count(batch["response_mask"], mode))
@@ -360,7 +372,8 @@ class Policy(RoleModel):
         agg_count = float(alg.loss_agg_count(batch["response_mask"], mode))
         out = {k: self.dp_mean(v, counts.get(k, agg_count)) for k, v in sorted(sums.items())}
         moe = {k: v for k, v in stats.items() if k.startswith("moe_")}
-        return {**out, "grad_norm": stats["grad_norm"], "lr": stats["lr"], "skipped": stats.get("skipped", 0.0), **moe}
+        pad = self.runner.padding_metrics()
+        return {**out, "grad_norm": stats["grad_norm"], "lr": stats["lr"], "skipped": stats.get("skipped", 0.0), **pad, **moe}
 
     # ---- DPO ----------------------------------------------------------------------
     def pair_sequence_log_probs(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> dict[str, torch.Tensor]:
@@ -430,11 +443,11 @@ class Policy(RoleModel):
             return total
 
         inputs = self._response_model_inputs(rows, ("input_ids", "response_mask", "ref_logps"), 1.0)
-        stats = self.runner.optimizer_step(inputs, loss_fn, 2 * micro_batch_size)
+        stats = self.runner.optimizer_step(inputs, loss_fn, 2 * micro_batch_size, unit=2)
         sums = from_last_stage(sums, self.dims)
         out = self._dpo_metrics(sums, pairs, chosen_tokens, dpo)
         moe = {k: v for k, v in stats.items() if k.startswith("moe_")}
-        return {**out, "grad_norm": stats["grad_norm"], "lr": stats["lr"], "skipped": stats.get("skipped", 0.0), **moe}
+        return {**out, **self.runner.padding_metrics(), "grad_norm": stats["grad_norm"], "lr": stats["lr"], "skipped": stats.get("skipped", 0.0), **moe}
 
     @torch.no_grad()
     def dpo_eval(self, batch: dict[str, torch.Tensor], dpo: DPOConfig, micro_batch_size: int) -> dict[str, float]:

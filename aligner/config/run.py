@@ -29,6 +29,7 @@ class TrainerConfig:
     log_every: int = 1  # log metrics every N steps
     global_batch_size: int = 32  # SFT/RM: samples per optimizer step (over all dp ranks)
     micro_batch_size: int = 8  # samples per forward/backward per dp rank
+    micro_batch_tokens: int = 0  # > 0: micro-batches by a token budget (rows x the micro-batch's longest row <= this; sorted first-fit) instead of micro_batch_size, for every role's training and forward passes; 0 = micro_batch_size rows (aligner.runtime.runner)
     rollout_batch_size: int = 32  # PPO: prompts per step
     n_samples_per_prompt: int = 1  # PPO: responses per prompt (>= 2 for grpo, rloo, reinforce_pp_baseline)
     mini_batch_size: int = 32  # PPO: samples per optimizer step
@@ -52,7 +53,7 @@ class TrainerConfig:
             "max_nonfinite",
         ):
             _check(getattr(self, name) >= 1, f"{prefix}.{name}", getattr(self, name), "must be >= 1")
-        for name in ("save_every", "eval_every", "num_threads", "shared_prompt_pack_len", "max_restarts"):
+        for name in ("save_every", "eval_every", "num_threads", "shared_prompt_pack_len", "max_restarts", "micro_batch_tokens"):
             _check(getattr(self, name) >= 0, f"{prefix}.{name}", getattr(self, name), "must be >= 0")
         _check(
             self.preempt_grace_s > 0,

@@ -27,6 +27,8 @@ def validate_run(cfg: AlignerConfig) -> None:
     if cfg.stage == "ppo":
         validate_rollout_lengths(cfg)
     validate_cluster_devices(cfg)
+    if cfg.trainer.micro_batch_tokens > 0:
+        validate_micro_batch_tokens(cfg)
     if cfg.stage == "ppo" and cfg.rollout.backend == "trtllm":
         check_trtllm(cfg)
     if cfg.stage == "ppo" and not cfg.algorithm.recompute_old_log_probs:
@@ -180,3 +182,39 @@ def validate_cluster_devices(cfg: AlignerConfig) -> None:
 def prompt_learning_of(cfg: AlignerConfig) -> Optional[PromptLearningConfig]:
     """cfg.actor.prompt_learning, or None when the actor config has none (a plain TrainableRoleConfig built in code)."""
     return getattr(cfg.actor, "prompt_learning", None)
+
+
+def longest_row(cfg: AlignerConfig) -> tuple[int, str]:
+    """(the tokens one micro-batch must hold at least; the fields that bound it): PPO's longest row,
+    prompt + response (data.max_prompt_len + rollout.sampling.max_new_tokens); RM's and DPO's
+    pair of rows (2 x data.max_seq_len: a pair's chosen and rejected rows share a micro-batch);
+    else data.max_seq_len."""
+    if cfg.stage in ("rm", "dpo"):
+        return 2 * cfg.data.max_seq_len, f"a pair of rows, 2 x data.max_seq_len={cfg.data.max_seq_len}"
+    if cfg.stage == "ppo":
+        d, s = cfg.data, cfg.rollout.sampling
+        return d.max_prompt_len + s.max_new_tokens, f"data.max_prompt_len={d.max_prompt_len} + rollout.sampling.max_new_tokens={s.max_new_tokens}"
+    return cfg.data.max_seq_len, f"data.max_seq_len={cfg.data.max_seq_len}"
+
+
+def validate_micro_batch_tokens(cfg: AlignerConfig) -> None:
+    """A token budget must hold the longest row the stage can produce (checked here, at config time,
+    against the length bound; aligner.runtime.runner checks each batch's rows again) and runs on
+    roles without pipeline stages or DeepSpeed (one backward per step there)."""
+    budget = cfg.trainer.micro_batch_tokens
+    longest, bound = longest_row(cfg)
+    _check(
+        budget >= longest,
+        "trainer.micro_batch_tokens",
+        budget,
+        f"a micro-batch must hold the longest row, {bound} = {longest} tokens: set it to at least {longest}, or 0 for row-count micro-batches",
+    )
+    for role in MODEL_ROLES:
+        par = cfg.role(role).parallel
+        _check(
+            par.pp_size == 1 and par.dp_backend != "deepspeed",
+            "trainer.micro_batch_tokens",
+            budget,
+            f"token-budget micro-batches need pp_size=1 and dp_backend fsdp2 or ddp ({role}.parallel has pp_size={par.pp_size}, "
+            f"dp_backend={par.dp_backend}); set trainer.micro_batch_tokens=0",
+        )

@@ -33,7 +33,8 @@ class Critic(RoleModel):
         """One optimizer step of the clipped value loss.
 
         batch: input_ids, prompt_lens, response_mask, values (old, [B, R]), returns [B, R].
-        Returns value_loss, value_clipfrac (global token means), grad_norm, lr.
+        Returns value_loss, value_clipfrac (global token means), grad_norm, lr, pad_tokens and
+        pad_fraction (:meth:`aligner.runtime.runner.ModelRunner.padding_metrics`).
         """
         norm = self.normalizer(batch["response_mask"].sum())
         sums: dict[str, float] = {}
@@ -52,6 +53,7 @@ class Critic(RoleModel):
         count = float(batch["response_mask"].sum())
         return {
             **{k: self.dp_mean(v, count) for k, v in sorted(sums.items())},
+            **self.runner.padding_metrics(),
             "grad_norm": stats["grad_norm"],
             "lr": stats["lr"],
             "skipped": stats.get("skipped", 0.0),

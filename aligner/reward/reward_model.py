@@ -46,7 +46,7 @@ class RewardModel(RoleModel):
 
         batch: chosen_input_ids, chosen_attention_mask, rejected_input_ids, rejected_attention_mask
         ([B, T*] each). micro_batch_size counts pairs. Returns loss, accuracy, margin (global means
-        over pairs), grad_norm, lr.
+        over pairs), grad_norm, lr, pad_tokens and pad_fraction (:meth:`ModelRunner.padding_metrics`).
         """
         flat = interleave_pairs(batch)
         pairs = float(batch["chosen_input_ids"].shape[0])
@@ -61,9 +61,10 @@ class RewardModel(RoleModel):
                 sums[k] = sums.get(k, 0.0) + float(x.detach())
             return loss / norm
 
-        stats = self.runner.optimizer_step(flat, loss_fn, 2 * micro_batch_size)
+        stats = self.runner.optimizer_step(flat, loss_fn, 2 * micro_batch_size, unit=2)
         sums = from_last_stage(sums, self.dims)
         return {
+            **self.runner.padding_metrics(),
             **{k: self.dp_mean(v, pairs) for k, v in sorted(sums.items())},
             "grad_norm": stats["grad_norm"],
             "lr": stats["lr"],

@@ -82,6 +82,8 @@ class RoleModel:
         total_steps: optimizer steps of the run (LR schedule length). init: HF/run dir or "".
         seed: init seed for random weights.
         lora: LoRA adapters on the role's linears (rank 0 / None: full fine-tuning; see aligner.nn.lora).
+        micro_batch_tokens: ``trainer.micro_batch_tokens`` (0: row-count micro-batches; > 0: micro-batches
+            by that token budget, :class:`aligner.runtime.runner.ModelRunner`).
     """
 
     kind: str = ""
@@ -96,6 +98,7 @@ class RoleModel:
         init: str = "",
         seed: int = 0,
         lora: Optional[LoraConfig] = None,
+        micro_batch_tokens: int = 0,
     ):
         kind = self.kind
         if kind not in ("lm", "score"):
@@ -106,7 +109,7 @@ class RoleModel:
         self.init = init
         self.runtime = TrainRuntime(self.model_cfg, kind, parallel, optim, dims, max(1, total_steps), seed=seed, model=full, lora=lora)
         self.lora = self.runtime.lora
-        self.runner = ModelRunner(self.runtime, dims)
+        self.runner = ModelRunner(self.runtime, dims, micro_batch_tokens)
         self.vocab_start = vocab_start(self.runtime.module) if kind == "lm" else 0
 
     def prepare_model(self, full: torch.nn.Module, seed: int) -> torch.nn.Module:

@@ -63,6 +63,7 @@ class PolicyWorker:
             prompt_learning=prompt_learning_of(cfg) if role == "actor" else None,  # SFT prompt learning (aligner.model.prompt)
             prompt_init_ids=prompt_init_ids,
             lora=lora,
+            micro_batch_tokens=cfg.trainer.micro_batch_tokens,
         )
 
     @dispatch("dp_split")
