@@ -447,7 +447,14 @@ class Policy(RoleModel):
         sums = from_last_stage(sums, self.dims)
         out = self._dpo_metrics(sums, pairs, chosen_tokens, dpo)
         moe = {k: v for k, v in stats.items() if k.startswith("moe_")}
-        return {**out, **self.runner.padding_metrics(), "grad_norm": stats["grad_norm"], "lr": stats["lr"], "skipped": stats.get("skipped", 0.0), **moe}
+        return {
+            **out,
+            **self.runner.padding_metrics(),
+            "grad_norm": stats["grad_norm"],
+            "lr": stats["lr"],
+            "skipped": stats.get("skipped", 0.0),
+            **moe,
+        }
 
     @torch.no_grad()
     def dpo_eval(self, batch: dict[str, torch.Tensor], dpo: DPOConfig, micro_batch_size: int) -> dict[str, float]:

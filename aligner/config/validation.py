@@ -193,7 +193,10 @@ def longest_row(cfg: AlignerConfig) -> tuple[int, str]:
         return 2 * cfg.data.max_seq_len, f"a pair of rows, 2 x data.max_seq_len={cfg.data.max_seq_len}"
     if cfg.stage == "ppo":
         d, s = cfg.data, cfg.rollout.sampling
-        return d.max_prompt_len + s.max_new_tokens, f"data.max_prompt_len={d.max_prompt_len} + rollout.sampling.max_new_tokens={s.max_new_tokens}"
+        return (
+            d.max_prompt_len + s.max_new_tokens,
+            f"data.max_prompt_len={d.max_prompt_len} + rollout.sampling.max_new_tokens={s.max_new_tokens}",
+        )
     return cfg.data.max_seq_len, f"data.max_seq_len={cfg.data.max_seq_len}"
 
 

@@ -21,7 +21,14 @@ class CriticWorker:
         torch.manual_seed(cfg.trainer.seed)
         rc = cfg.critic
         self.critic = Critic(
-            cfg.model, rc.parallel, rc.optim, self.dims, total_steps, init=init or rc.init, seed=cfg.trainer.seed + 1, lora=rc.lora,
+            cfg.model,
+            rc.parallel,
+            rc.optim,
+            self.dims,
+            total_steps,
+            init=init or rc.init,
+            seed=cfg.trainer.seed + 1,
+            lora=rc.lora,
             micro_batch_tokens=cfg.trainer.micro_batch_tokens,
         )
 

@@ -43,7 +43,13 @@ class DPOWorker(ActorWorker):
             torch.manual_seed(cfg.trainer.seed)
             # the same init and seed as the policy: the reference is the policy before its first step
             self.reference = Policy(
-                cfg.model, cfg.actor.parallel, OptimConfig(), self.dims, 1, init=init or cfg.actor.init, seed=cfg.trainer.seed,
+                cfg.model,
+                cfg.actor.parallel,
+                OptimConfig(),
+                self.dims,
+                1,
+                init=init or cfg.actor.init,
+                seed=cfg.trainer.seed,
                 micro_batch_tokens=cfg.trainer.micro_batch_tokens,
             )
 

@@ -28,7 +28,14 @@ class RewardWorker:
         rc = cfg.reward
         lora = rc.lora if cfg.stage == "rm" else None  # PPO's reward model is frozen (its init is an HF export)
         self.rm = RewardModel(
-            cfg.model, rc.parallel, rc.optim, self.dims, total_steps, init=init or rc.init, seed=cfg.trainer.seed + 2, lora=lora,
+            cfg.model,
+            rc.parallel,
+            rc.optim,
+            self.dims,
+            total_steps,
+            init=init or rc.init,
+            seed=cfg.trainer.seed + 2,
+            lora=lora,
             micro_batch_tokens=cfg.trainer.micro_batch_tokens,
         )
 

@@ -71,7 +71,9 @@ def test_budget_first_fit_groups_and_row_lengths():
 
 @pytest.mark.parametrize("loss_agg", alg.LOSS_AGG_MODES)
 def test_budget_micro_batches_equal_fixed_ones(loss_agg):
-    algo = AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_loss_coef=0.0, entropy_coef=0.05, clip_eps=0.1, clip_eps_high=0.3, loss_agg=loss_agg)
+    algo = AlgorithmConfig(
+        advantage="grpo", kl_coef=0.0, kl_loss_coef=0.0, entropy_coef=0.05, clip_eps=0.1, clip_eps_high=0.3, loss_agg=loss_agg
+    )
     batch = _batch()
     lp_fixed, out_fixed, g_fixed = _update(0, batch, algo)
     lp_budget, out_budget, g_budget = _update(24, batch, algo)
