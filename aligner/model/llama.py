@@ -173,8 +173,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg) if cfg.num_experts else MLP(cfg)
 
-    def forward(self, h, cos, sin, mask, kv_cache=None, cache_positions=None):
+    def forward(self, h, cos, sin, mask, kv_cache=None, cache_positions=None, token_mask=None):
+        """token_mask: [B, T] bool (True = a real token) for an MoE block's auxiliary losses and
+        statistics (:class:`SparseMoE`); positional, so activation checkpointing passes it on."""
         h = self.self_attn(self.input_layernorm(h), cos, sin, mask, kv_cache, cache_positions, residual=h)
+        if token_mask is not None and isinstance(self.mlp, SparseMoE):
+            return self.mlp(self.post_attention_layernorm(h), residual=h, token_mask=token_mask)
         return self.mlp(self.post_attention_layernorm(h), residual=h)
 
 
@@ -229,6 +233,7 @@ class LlamaModel(nn.Module):
         kv_cache: Optional[KVCache] = None,
         cache_positions: Optional[torch.Tensor] = None,
         prompt_segments: Optional[torch.Tensor] = None,
+        token_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """x: input_ids [B, T] or hidden [B, T(/tp), H]; position_ids [B, T] (default 0..T-1, or
         restarting per segment when segment_ids is given); attn_mask [B, 1, T, Tk] bool overrides
@@ -238,12 +243,18 @@ class LlamaModel(nn.Module):
         attention is plain causal with no mask tensor. A later pipeline stage under sequence
         parallelism gets hidden states holding T / tp positions and needs `position_ids`.
         With a virtual prompt (``self.prompt``, n tokens) the output is [B, n+T, H]: the virtual
-        tokens first, at positions 0..n-1, the real ones shifted by n (aligner.model.prompt)."""
+        tokens first, at positions 0..n-1, the real ones shifted by n (aligner.model.prompt).
+        token_mask [B, T] bool (True = real token; None = all): the tokens an MoE model's router
+        losses and statistics count (padding excluded, as HF Mixtral's attention_mask does);
+        the virtual tokens count as real."""
         if self.embed_tokens is not None:
             b, t = x.shape
             h = self.embed_tokens(x)
             if self.prompt is not None:
                 h, position_ids, t = self._prepend_prompt(h, position_ids, segment_ids, attn_mask, kv_cache, prompt_segments)
+                if token_mask is not None:
+                    n = t - token_mask.shape[1]
+                    token_mask = torch.cat([token_mask.new_ones(b, n), token_mask], dim=1)
         else:
             h = x
             b = h.shape[0]
@@ -257,7 +268,7 @@ class LlamaModel(nn.Module):
             attn_mask = build_attention_mask(b, t, device, segment_ids)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, attn_mask, kv_cache, cache_positions)
+            h = layer(h, cos, sin, attn_mask, kv_cache, cache_positions, token_mask)
         return self.norm(h) if self.norm is not None else h
 
     def _prepend_prompt(

@@ -121,7 +121,11 @@ def route(
 
 
 def switch_load_balancing_loss(
-    probs: torch.Tensor, experts: torch.Tensor, num_experts: int, counts: Optional[torch.Tensor] = None
+    probs: torch.Tensor,
+    experts: torch.Tensor,
+    num_experts: int,
+    counts: Optional[torch.Tensor] = None,
+    token_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Switch Transformer load-balancing loss (Fedus et al. 2021, eq. 4-6), for top-k routing.
 
@@ -129,8 +133,13 @@ def switch_load_balancing_loss(
     scalar E * sum_i f_i * P_i with f_i the fraction of the N * k assignments that went to expert i
     and P_i the mean router probability of expert i; 1.0 when perfectly balanced. (HF's
     ``load_balancing_loss_func`` counts f_i over N, not N * k, and pools the layers: on one layer
-    it equals k times this.)
+    it equals k times this.) token_mask: [N] bool, the tokens counted (padding excluded, as HF's
+    ``attention_mask``; `counts` is then ignored); 0 (with a gradient path) when none is.
     """
+    if token_mask is not None:
+        probs, experts, counts = probs[token_mask], experts[token_mask], None
+        if experts.shape[0] == 0:
+            return probs.sum() * 0.0
     n, k = experts.shape
     if counts is None:  # counts [E]: assignments per expert, when the caller has them already
         counts = torch.bincount(experts.reshape(-1), minlength=num_experts)
@@ -139,11 +148,15 @@ def switch_load_balancing_loss(
     return num_experts * torch.sum(f * p)
 
 
-def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+def router_z_loss(logits: torch.Tensor, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """ST-MoE router z-loss (Zoph et al. 2022, eq. 5): mean over tokens of logsumexp(logits)^2.
 
-    logits: [N, E]. Returns a scalar fp32.
+    logits: [N, E]; token_mask: [N] bool, the tokens counted (0 when none is). Returns a scalar fp32.
     """
+    if token_mask is not None:
+        logits = logits[token_mask]
+        if logits.shape[0] == 0:
+            return logits.float().sum() * 0.0
     return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
 
 
@@ -297,7 +310,10 @@ class SparseMoE(nn.Module):
             return None
         return max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x [B, T(/tp), H]; token_mask [B, T] bool (the full T, also under sequence parallelism; None
+        = every token): the tokens the auxiliary losses and statistics count. Padding and
+        shared-prompt pad segments then change neither (the routing and dispatch still run on them)."""
         group = self.experts.tp_group
         sp = self.experts.sequence_parallel
         shape = x.shape
@@ -317,16 +333,18 @@ class SparseMoE(nn.Module):
         out = comm.scatter_to_sp(out.view(b, t, h), group) if sp else comm.reduce_from_tp(out.view(b, t, h), group)
         out = out.view(shape)
         if self.training:  # auxiliary losses and router statistics; none in eval (the engine's decode steps)
+            keep = token_mask.reshape(-1).bool() if token_mask is not None else None
             topk = self.router == "topk_softmax"
-            aux = switch_load_balancing_loss(probs, experts, self.num_experts, counts) if topk else probs.new_zeros(())
-            z = router_z_loss(logits) if self.z_coef else probs.new_zeros(())
+            aux = switch_load_balancing_loss(probs, experts, self.num_experts, counts, keep) if topk else probs.new_zeros(())
+            z = router_z_loss(logits, keep) if self.z_coef else probs.new_zeros(())
             if torch.is_grad_enabled():
                 if self.aux_coef and topk:
                     out = _AuxLoss.apply(out, aux, float(self.aux_coef * self.aux_scale))
                 if self.z_coef:
                     out = _AuxLoss.apply(out, z, float(self.z_coef * self.aux_scale))
-            c = counts.float()
-            self.stats.update(aux_loss=aux.detach(), z_loss=z.detach(), max_load=c.max() * self.num_experts / c.sum())
+            c = (counts if keep is None else torch.bincount(experts[keep].reshape(-1), minlength=self.num_experts)).float()
+            if c.sum() > 0:  # a filler micro-batch (no real token) leaves the statistics alone
+                self.stats.update(aux_loss=aux.detach(), z_loss=z.detach(), max_load=c.max() * self.num_experts / c.sum())
         return out if residual is None else residual + out
 
     def _dispatch(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -184,11 +184,24 @@ class ModelRunner:
             if deepspeed:
                 micro_batch_size = max(1, n)  # one backward per DeepSpeed step
             self.padding = {"tokens": float(lengths.sum()), "slots": float(n * t)}
-            return split_micro(batch, micro_batch_size), None
+            return self._token_masks(split_micro(batch, micro_batch_size)), None
         mbs, groups = self._budget_split(batch, lengths.tolist(), unit)
         mbs = self._even_out(mbs, batch, lengths, unit)
         self.padding = {"tokens": float(lengths.sum()), "slots": float(sum(mb["input_ids"].numel() for mb in mbs))}
-        return mbs, [i for g in groups for i in g]
+        return self._token_masks(mbs), [i for g in groups for i in g]
+
+    def _token_masks(self, mbs: list[dict]) -> list[dict]:
+        """For an MoE model, each micro-batch plus ``token_mask`` [b, T] bool (a model input: True on
+        the :func:`row_lengths` real tokens, none on a filler), so padding and shared-prompt pad
+        segments count in neither the router's auxiliary losses nor its statistics."""
+        if not getattr(getattr(self.runtime, "model_cfg", None), "num_experts", 0):
+            return mbs
+        out = []
+        for mb in mbs:
+            b, t = mb["input_ids"].shape[0], mb["input_ids"].shape[1]
+            mask = torch.arange(t, device=mb["input_ids"].device).unsqueeze(0) < row_lengths(mb).unsqueeze(1)
+            out.append({**mb, "token_mask": mask & (not mb.get(FILLER, False))})
+        return out
 
     def _budget_split(self, batch: dict, lengths: list[int], unit: int = 1) -> tuple[list[dict], list[list[int]]]:
         """Token-budget micro-batches of `batch` (:func:`budget_micro_batches`), each cut to its longest
