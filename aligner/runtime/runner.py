@@ -198,7 +198,7 @@ class ModelRunner:
             return mbs
         out = []
         for mb in mbs:
-            b, t = mb["input_ids"].shape[0], mb["input_ids"].shape[1]
+            t = mb["input_ids"].shape[1]
             mask = torch.arange(t, device=mb["input_ids"].device).unsqueeze(0) < row_lengths(mb).unsqueeze(1)
             out.append({**mb, "token_mask": mask & (not mb.get(FILLER, False))})
         return out
