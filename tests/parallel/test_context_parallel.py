@@ -273,3 +273,31 @@ def test_cp4_matches_one_process():
 def test_tp2_cp2_matches_one_process():
     results = run_distributed(cp_battery, world_size=4, args=(2, ["ragged right padding", "kv=1, qkv bias, tied embeddings"], False))
     _check(results, "tp=2 x cp=2", extra=False)
+
+
+# ---- config --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "override,fix",
+    [
+        ("actor.parallel.cp_size=0", "must be >= 1"),
+        ("actor.parallel.cp_size=3", "2 * cp_size = 6 divide model.max_seq_len="),
+        ("critic.parallel.cp_size=2", "not wired into the training roles yet: the CP attention exists in aligner/parallel/context_parallel.py"),
+        ("rollout.parallel.cp_size=2", "context parallelism is for training"),
+    ],
+)
+def test_bad_cp_size_is_one_config_error(override, fix, tmp_path, monkeypatch):
+    from aligner.cli import load_config
+    from aligner.config import ConfigError
+
+    monkeypatch.chdir(tmp_path)  # the presets' relative *.init paths must not find checkpoints of the checkout
+    with pytest.raises(ConfigError) as e:
+        load_config("ppo", [override])
+    msg = str(e.value)
+    field, value = override.split("=")
+    assert "\n" not in msg and f"{field}={value}" in msg and fix in msg, msg
+
+
+def test_cp_size_defaults_to_one():
+    from aligner.config import ParallelConfig
+
+    assert ParallelConfig().cp_size == 1
