@@ -51,11 +51,12 @@ models serve training forwards only.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from aligner.nn import comm
@@ -170,11 +171,13 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, group: Optional[dist.ProcessGrou
     return _GatherKV.apply(k, v, group)
 
 
-def cp_attention(core: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, group) -> torch.Tensor:
-    """Causal attention of this cp rank's queries over the whole sequence's keys.
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, group) -> torch.Tensor:
+    """Causal attention of this cp rank's queries over the whole sequence's keys: softmax(q k^T /
+    sqrt(hd)) v, the same math as :meth:`aligner.model.llama.Attention.core`, whose place it takes.
 
-    core: :meth:`aligner.model.llama.Attention.core` (softmax(q k^T / sqrt(hd)) v with GQA, mask
-        bool [B, 1, Tq, Tk] / a causal bias / None). q [B, h, 2c, hd], k, v [B, kvh, 2c, hd]: this
+    GQA runs inside SDPA (``enable_gqa``): the kv heads are never repeated, so a layer saves the
+    gathered K and V once (2 kvh S hd elements) for backward, not h / kvh copies per query chunk.
+    q [B, h, 2c, hd], k, v [B, kvh, 2c, hd]: this
         rank's tokens in zigzag order, RoPE applied with global positions. mask: None (plain
         causal: right padding needs no mask) or bool [B, 1, 2c, S] whose keys are in global order
         (:func:`cp_inputs` builds it). Returns [B, h, 2c, hd].
@@ -195,15 +198,15 @@ def cp_attention(core: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             m = mask[:, :, rows, :end]
         else:  # the last query of the chunk is key end-1: lower-right aligned causal (none for one query)
             m = causal_lower_right(c, end) if c > 1 else None
-        outs.append(core(q[:, :, rows], k[:, :, :end], v[:, :, :end], m))
+        outs.append(F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :end], v[:, :, :end], attn_mask=m, enable_gqa=True))
     return torch.cat(outs, dim=2)
 
 
 def apply_context_parallel(model: nn.Module, cp_group: Optional[dist.ProcessGroup]) -> nn.Module:
     """Make every attention layer of `model` (LlamaForCausalLM / LlamaForScore, full or a TP/PP part)
-    attend across `cp_group`, from outside the model: each ``self_attn.core`` is wrapped on the
-    instance by :func:`cp_attention` (so ``recompute=selective`` later checkpoints the wrapper,
-    all-gather included). Sets ``model.cp_group``. No-op for a group of one rank. Returns `model`.
+    attend across `cp_group`, from outside the model: each ``self_attn.core`` is replaced on the
+    instance by :func:`cp_attention` (so ``recompute=selective`` later checkpoints it, all-gather
+    included: backward gathers again instead of keeping the full K/V). Sets ``model.cp_group``. No-op for a group of one rank. Returns `model`.
 
     The model's inputs must then come from :func:`cp_inputs` (this rank's tokens, global positions,
     global-key masks). Raises ValueError: the model uses the Transformer Engine backend.
@@ -215,7 +218,7 @@ def apply_context_parallel(model: nn.Module, cp_group: Optional[dist.ProcessGrou
         raise ValueError(f"context parallelism needs model.backend=torch, not {model.cfg.backend!r}")
     for layer in model.model.layers.values():
         attn = layer.self_attn
-        attn.__dict__["core"] = functools.partial(cp_attention, type(attn).core.__get__(attn), group=cp_group)
+        attn.__dict__["core"] = functools.partial(cp_attention, group=cp_group)
         attn.cp_group = cp_group
     return model
 
