@@ -50,8 +50,8 @@ def layer_bytes(cfg, seq_len: int, batch: int, group, mode: str, recompute: str)
     import functools
 
     from aligner.model.llama import build_model, rope_cos_sin
-    from aligner.parallel.context_parallel import apply_context_parallel, cp_attention, zigzag_index
     from aligner.nn import comm
+    from aligner.parallel.context_parallel import apply_context_parallel, cp_attention, zigzag_index
     from aligner.parallel.memory import saved_bytes
     from aligner.parallel.parallelize import apply_recompute
 
@@ -129,7 +129,9 @@ def main() -> None:
     for name, r in rows.items():
         per_tok = r[s2] / s2
         linear = abs(r[s2] / r[s1] - s2 / s1) < 0.02 * s2 / s1
-        print(f"| {name} | {r[s1] / 2**20:.2f} | {r[s2] / 2**20:.2f} | {per_tok:.0f} | {'yes' if linear else 'no'} | {base / per_tok:.2f}x |")
+        print(
+            f"| {name} | {r[s1] / 2**20:.2f} | {r[s2] / 2**20:.2f} | {per_tok:.0f} | {'yes' if linear else 'no'} | {base / per_tok:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -206,7 +206,8 @@ def apply_context_parallel(model: nn.Module, cp_group: Optional[dist.ProcessGrou
     """Make every attention layer of `model` (LlamaForCausalLM / LlamaForScore, full or a TP/PP part)
     attend across `cp_group`, from outside the model: each ``self_attn.core`` is replaced on the
     instance by :func:`cp_attention` (so ``recompute=selective`` later checkpoints it, all-gather
-    included: backward gathers again instead of keeping the full K/V). Sets ``model.cp_group``. No-op for a group of one rank. Returns `model`.
+    included: backward gathers again instead of keeping the full K/V). Sets ``model.cp_group``.
+    No-op for a group of one rank. Returns `model`.
 
     The model's inputs must then come from :func:`cp_inputs` (this rank's tokens, global positions,
     global-key masks). Raises ValueError: the model uses the Transformer Engine backend.

@@ -281,7 +281,10 @@ def test_tp2_cp2_matches_one_process():
     [
         ("actor.parallel.cp_size=0", "must be >= 1"),
         ("actor.parallel.cp_size=3", "2 * cp_size = 6 divide model.max_seq_len="),
-        ("critic.parallel.cp_size=2", "not wired into the training roles yet: the CP attention exists in aligner/parallel/context_parallel.py"),
+        (
+            "critic.parallel.cp_size=2",
+            "not wired into the training roles yet: the CP attention exists in aligner/parallel/context_parallel.py",
+        ),
         ("rollout.parallel.cp_size=2", "context parallelism is for training"),
     ],
 )
@@ -301,3 +304,26 @@ def test_cp_size_defaults_to_one():
     from aligner.config import ParallelConfig
 
     assert ParallelConfig().cp_size == 1
+
+
+def test_recompute_keeps_an_instance_core_inside_and_restores_it():
+    """apply_recompute wraps a `core` set on the instance before it (the CP attention) and restores it
+    on switching back, instead of dropping it for the class's single-process core."""
+    from aligner.model.llama import build_model
+    from aligner.parallel.parallelize import apply_recompute
+
+    model = build_model(tiny_model_config(), seed=0)
+    attn = model.model.layers["0"].self_attn
+    calls = []
+
+    def cp_core(q, k, v, mask):
+        calls.append(q.shape)
+        return type(attn).core(attn, q, k, v, mask)
+
+    attn.__dict__["core"] = cp_core
+    apply_recompute(model, "selective")
+    assert attn.core is not cp_core
+    model(torch.randint(0, 64, (1, 5))).sum().backward()
+    assert len(calls) == 2  # forward, then the recomputation in backward
+    apply_recompute(model, "none")
+    assert attn.core is cp_core
