@@ -17,8 +17,9 @@ Attention: each layer all-gathers K and V (the kv heads only: GQA's num_kv_heads
 split) over the cp group and reorders them to global order; each rank's queries then attend to
 the keys with a global position <= their own: the chunk-r queries to the first (r + 1) c keys and
 the chunk-(2cp-1-r) queries to the first (2cp - r) c keys, each one SDPA call with a lower-right
-aligned causal mask (``torch.nn.attention.bias.causal_lower_right``: no mask tensor, flash /
-memory-efficient kernels on GPU). Backward reduce-scatters dK and dV (each rank's queries give a
+aligned causal mask (``torch.nn.attention.bias.causal_lower_right``: no mask tensor on CUDA, whose
+efficient-attention kernel takes it; elsewhere torch materializes a [c, end] bool mask, quadratic in
+S: benchmarks/context_parallel.py). Backward reduce-scatters dK and dV (each rank's queries give a
 partial gradient of every key). This is Llama 3's CP (Dubey et al. 2024, sec. 3.3.2).
 
 Why all-gather, per layer, for B sequences of S tokens, h query / g kv heads per tp rank, head
