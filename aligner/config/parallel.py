@@ -17,6 +17,9 @@ class ParallelConfig:
     pp_size: int = 1  # pipeline stages
     dp_size: int = 1  # data-parallel replicas
     ep_size: int = 1  # expert parallelism (MoE): each group of ep_size dp ranks splits the experts (divides dp_size)
+    # context parallelism: each sequence split over cp_size ranks in 2 * cp_size zigzag chunks, attention by
+    # all-gather of K/V (aligner.parallel.context_parallel); > 1 is refused until the training roles use it
+    cp_size: int = 1
     sequence_parallel: bool = False  # split norm regions along the sequence (needs tp_size > 1 to matter)
     recompute: str = "none"  # activation recomputation per layer: none | selective | full
     dp_backend: str = "fsdp2"  # fsdp2 | ddp | deepspeed
@@ -38,7 +41,7 @@ class ParallelConfig:
         return self.tp_size * self.pp_size * self.dp_size
 
     def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
-        for name in ("tp_size", "pp_size", "dp_size"):
+        for name in ("tp_size", "pp_size", "dp_size", "cp_size"):
             _check(getattr(self, name) >= 1, f"{prefix}.{name}", getattr(self, name), "must be >= 1")
         _choice(f"{prefix}.recompute", self.recompute, ("none", "selective", "full"))
         _choice(f"{prefix}.dp_backend", self.dp_backend, ("fsdp2", "ddp", "deepspeed"))
@@ -70,6 +73,7 @@ class ParallelConfig:
                 self.dp_backend,
                 "DeepSpeed ZeRO is supported only where tp_size = pp_size = 1; use fsdp2 or ddp",
             )
+        self.validate_cp(prefix, model)
         if model is None:
             return
         _check(
@@ -113,6 +117,32 @@ class ParallelConfig:
                 split,
                 f"needs {self.pp_size} positive entries summing to model.num_layers={model.num_layers}",
             )
+
+    def validate_cp(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
+        """cp_size: the zigzag split of the longest sequence fits the model's positions, and (for
+        now) 1, since no training role runs the context-parallel layout yet (the rollout never will)."""
+        cp = self.cp_size
+        _check(
+            cp == 1 or not prefix.startswith("rollout"),
+            f"{prefix}.cp_size",
+            cp,
+            "context parallelism is for training: the rollout engine decodes with a per-sequence KV cache; set cp_size=1",
+        )
+        _check(
+            model is None or model.max_seq_len % (2 * cp) == 0,
+            f"{prefix}.cp_size",
+            cp,
+            f"must let 2 * cp_size = {2 * cp} divide model.max_seq_len={model and model.max_seq_len} (sequences are padded to a "
+            f"multiple of 2 * cp_size for the zigzag split): choose a cp_size with 2 * cp_size dividing it",
+        )
+        _check(
+            cp == 1,
+            f"{prefix}.cp_size",
+            cp,
+            "> 1 is not wired into the training roles yet: the CP attention exists in "
+            "aligner/parallel/context_parallel.py (tested against one process), but no role builds a cp group "
+            "or feeds it cp inputs; set cp_size=1",
+        )
 
 
 @dataclass(kw_only=True)

@@ -9,6 +9,9 @@ TP x PP x DP layout, the way torchtitan's ``parallelize_llama`` does:
     2. TP / SP          shard every building-block layer over dims.tp_group
                         (:func:`aligner.parallel.tensor_parallel.apply_tensor_parallel`)
     2b. EP              MoE experts split over dims.ep_group (:func:`apply_expert_parallel`)
+    2c. CP              with a ``cp_group``: attention all-gathers K/V over it (context
+                        parallelism, :func:`aligner.parallel.context_parallel.apply_context_parallel`;
+                        not yet a ParallelDims axis: the caller builds the group)
     3. weights          a model built on the meta device is materialized on `device` and
                         loaded from a full state dict (:func:`aligner.parallel.sharding.load_full_state_dict`);
                         otherwise the sharded model moves to `device`
@@ -41,6 +44,7 @@ from aligner.config import LoraConfig, ModelConfig, ParallelConfig
 from aligner.model.llama import build_model, rope_inv_freq
 from aligner.nn.lora import apply_lora
 from aligner.parallel import data_parallel as dpmod
+from aligner.parallel.context_parallel import apply_context_parallel
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.sharding import load_full_state_dict
 from aligner.parallel.te_backend import apply_te_backend
@@ -128,10 +132,17 @@ def _checkpointed(fn: Callable) -> Callable:
 
 
 def _set_checkpointed(module: nn.Module, attr: str, on: bool) -> None:
-    current = module.__dict__.get(attr)
-    if current is not None:  # undo an earlier apply_recompute
-        del module.__dict__[attr]
+    """Wrap (on) or unwrap the instance's `attr` in :func:`_checkpointed`; a wrapper set before (the
+    context-parallel ``core`` of :func:`aligner.parallel.context_parallel.apply_context_parallel`)
+    is kept inside the checkpoint and restored on unwrapping."""
+    saved = f"_before_recompute_{attr}"
+    if saved in module.__dict__:  # undo an earlier apply_recompute
+        before = module.__dict__.pop(saved)
+        module.__dict__.pop(attr)
+        if before is not None:
+            module.__dict__[attr] = before
     if on:
+        module.__dict__[saved] = module.__dict__.get(attr)
         module.__dict__[attr] = _checkpointed(getattr(module, attr))
 
 
@@ -203,6 +214,7 @@ def build_parallel_model(
     seed: int = 0,
     full_state_dict: Optional[dict[str, torch.Tensor]] = None,
     device: Any = "cpu",
+    cp_group=None,
 ) -> nn.Module:
     """This rank's part of a TP x PP model: pipeline split, TP/SP sharding and recomputation applied.
 
@@ -216,6 +228,7 @@ def build_parallel_model(
             (the full model is built, then pruned and sliced: fine for tests and small models).
         full_state_dict: HF-named full weights; the model is built on the meta device, split and
             sharded, then materialized on `device` and loaded (no full model in memory).
+        cp_group: context-parallel group (step 2c of :func:`parallelize`); None = no CP.
     Returns: LlamaForCausalLM / LlamaForScore with this stage's layers and this rank's shards.
     Raises ValueError: a layer split or tp size the model cannot take, an unknown recompute mode.
     """
@@ -230,7 +243,7 @@ def build_parallel_model(
         recompute=recompute,
         compile=compile,
     )
-    return parallelize(model, dims, layout, full_state_dict=full_state_dict, device=device, data_parallel=False)
+    return parallelize(model, dims, layout, full_state_dict=full_state_dict, device=device, data_parallel=False, cp_group=cp_group)
 
 
 def apply_expert_parallel(model: nn.Module, ep_group) -> nn.Module:
@@ -270,6 +283,7 @@ def parallelize(
     data_parallel: bool = True,
     lora: Optional[LoraConfig] = None,
     lora_seed: int = 0,
+    cp_group=None,
 ) -> nn.Module:
     """Apply steps 1-6 of the module docstring to a full `model`, in place.
 
@@ -282,6 +296,8 @@ def parallelize(
     data_parallel: False skips step 6 (the rollout engine's layout, or a caller that wraps itself).
     lora: step 3b when ``lora.rank > 0`` (A drawn from `lora_seed` and each layer's name; a scalar-head
         model keeps its ``score`` head trainable).
+    cp_group: step 2c, context parallelism over this group (None or one rank: none); refused with
+        parallel_cfg.compile (untested) and the TE backend.
     Returns what forward runs: `model` itself, or its DDP wrapper.
     Raises ValueError: a layout the model cannot take (layer split, tp size, recompute mode, TE off GPU).
     """
@@ -290,6 +306,9 @@ def parallelize(
     prune_to_stage(model, ids, dims.is_first_stage, dims.is_last_stage)
     apply_tensor_parallel(model, dims.tp_group, parallel_cfg.sequence_parallel)
     apply_expert_parallel(model, dims.ep_group)
+    if cp_group is not None and parallel_cfg.compile:
+        raise ValueError("context parallelism with parallel.compile is untested: set parallel.compile=false")
+    apply_context_parallel(model, cp_group)
     if full_state_dict is not None:
         model.to_empty(device=device)
         model.model.inv_freq = rope_inv_freq(model.cfg).to(device)

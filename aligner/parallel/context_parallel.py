@@ -1,0 +1,324 @@
+"""Context parallelism (CP): one sequence split over a cp group, attention by all-gather of K/V.
+
+Owns the zigzag sequence layout (:func:`zigzag_index`, :func:`zigzag_split`,
+:func:`zigzag_gather`), the CP attention applied to a built model from outside
+(:func:`apply_context_parallel`), the inputs of a cp rank (:func:`cp_inputs`: globally shifted
+labels, global RoPE positions, the mask rows of packed / shared-prompt batches), the token-mean
+across cp (:func:`cp_token_mean`) and the gradient sum over cp (:func:`sync_cp_grads`).
+
+Layout (load-balanced causal CP, Megatron-LM CP / ring-attention implementations): a sequence of
+S tokens (padded to a multiple of 2 * cp) is cut into 2 * cp chunks of c = S / (2 cp); cp rank r
+holds chunks r and 2cp-1-r, so every rank does the same causal attention work (chunk j's queries
+see (j + 1) c keys; r + 1 + 2cp - r = 2cp + 1 chunks of keys per rank). Embeddings, norms, MLPs
+and the head are per token and run on the rank's 2c tokens unchanged; RoPE reads the global
+positions (:func:`cp_inputs` passes them as ``position_ids``).
+
+Attention: each layer all-gathers K and V (the kv heads only: GQA's num_kv_heads, after TP's
+split) over the cp group and reorders them to global order; each rank's queries then attend to
+the keys with a global position <= their own: the chunk-r queries to the first (r + 1) c keys and
+the chunk-(2cp-1-r) queries to the first (2cp - r) c keys, each one SDPA call with a lower-right
+aligned causal mask (``torch.nn.attention.bias.causal_lower_right``: no mask tensor on CUDA, whose
+efficient-attention kernel takes it; elsewhere torch materializes a [c, end] bool mask, quadratic in
+S: benchmarks/context_parallel.py). Backward reduce-scatters dK and dV (each rank's queries give a
+partial gradient of every key). This is Llama 3's CP (Dubey et al. 2024, sec. 3.3.2).
+
+Why all-gather, per layer, for B sequences of S tokens, h query / g kv heads per tp rank, head
+dim d, e bytes per element (Llama 3 8B at tp 1: h 32, g 8, d 128, bf16 e 2; S 128k, cp 8, B 1):
+
+    all-gather K/V   received 2 g S d e (cp-1)/cp forward, the same reduce-scattered backward
+                     (448 MiB each way); holds the full K and V, 2 g S d e (512 MiB) during
+                     the layer (re-gathered in backward under recompute=selective); the stock
+                     attention kernel, any mask (packed documents, shared prompts), no head limit.
+    ring (K/V p2p)   the same volume in cp-1 send/recv steps, overlappable with compute; holds
+                     two K/V chunks, 2 * 2 g (S/cp) d e (128 MiB); needs each step's log-sum-exp
+                     to merge partial softmaxes (not exposed by SDPA on CPU), a second ring pass
+                     for dK/dV in backward, and a per-step mask for packed documents.
+    Ulysses (a2a)    all-to-all of q, k, v and the output: 2 (h + g) (S/cp) d e (cp-1)/cp
+                     (280 MiB) forward and backward; holds (h + 2g)/cp heads of the full sequence
+                     (192 MiB); needs cp to divide h and g (per tp rank): Llama 3 8B at tp 8 has
+                     one kv head per rank, so Ulysses cannot split it at all.
+
+All-gather moves 2 g S against Ulysses' 2 (h + g) S / cp: it is the smaller exchange while
+cp < (h + g) / g (5 for Llama 3's 4:1 GQA), it is exact with the attention every layout already
+uses (the tests compare it with one process at 1e-5), it composes with TP at any head count and
+with document masks, and it has no ring's merge or second backward pass. Its cost is the full K/V
+per layer (g / h of the query size), which GQA keeps small; ring attention is the choice where
+that does not fit (cp >> 8 or MHA models).
+
+The rollout engine never uses CP (its KV cache is per sequence); :func:`apply_context_parallel`
+models serve training forwards only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from aligner.nn import comm
+
+SEQ = 1  # the sequence dim of [B, S, ...] batch tensors
+KV_SEQ = 3  # the sequence dim of stacked K/V [2, B, kvh, T, hd]
+
+
+# ---- layout ------------------------------------------------------------------------------------
+def check_cp_length(seq_len: int, cp_size: int) -> None:
+    """Raise ValueError when `seq_len` is not a multiple of 2 * cp_size (pad with :func:`pad_to_cp` first)."""
+    if seq_len % (2 * cp_size):
+        raise ValueError(
+            f"context parallelism: sequence length {seq_len} is not a multiple of 2 * cp_size = {2 * cp_size}; "
+            f"pad it to {padded_len(seq_len, cp_size)} (aligner.parallel.context_parallel.pad_to_cp)"
+        )
+
+
+def padded_len(seq_len: int, cp_size: int) -> int:
+    """The smallest multiple of 2 * cp_size that is >= seq_len."""
+    m = 2 * cp_size
+    return -(-seq_len // m) * m
+
+
+def zigzag_index(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Global positions [2c] int64 of cp rank `cp_rank`'s tokens: chunk r, then chunk 2cp-1-r (c = S / 2cp).
+
+    Raises ValueError: seq_len not a multiple of 2 * cp_size.
+    """
+    check_cp_length(seq_len, cp_size)
+    c = seq_len // (2 * cp_size)
+    a, b = cp_rank * c, (2 * cp_size - 1 - cp_rank) * c
+    return torch.cat([torch.arange(a, a + c, device=device), torch.arange(b, b + c, device=device)])
+
+
+def rank_major_order(seq_len: int, cp_size: int, device=None) -> torch.Tensor:
+    """[S] int64: the global position at each index of an all-gather over cp (rank 0's tokens, rank 1's, ...)."""
+    return torch.cat([zigzag_index(seq_len, cp_size, r, device) for r in range(cp_size)])
+
+
+def pad_to_cp(x: torch.Tensor, cp_size: int, value=0, dim: int = SEQ) -> torch.Tensor:
+    """x padded at the end of `dim` with `value` to a multiple of 2 * cp_size (x itself when it is one)."""
+    n = x.shape[dim]
+    extra = padded_len(n, cp_size) - n
+    if extra == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_full(shape, value)], dim=dim)
+
+
+def zigzag_split(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int = SEQ) -> torch.Tensor:
+    """x [B, S, ...] (any dtype, the same on every cp rank) -> this rank's [B, 2c, ...] (chunks r and 2cp-1-r).
+
+    Not differentiable through the split (inputs: ids, positions, labels, masks, per-token targets).
+    Raises ValueError: S not a multiple of 2 * cp_size.
+    """
+    cp = comm.group_size(group)
+    if cp == 1:
+        return x
+    return x.index_select(dim, zigzag_index(x.shape[dim], cp, comm.group_rank(group), x.device))
+
+
+class _ZigzagGather(torch.autograd.Function):
+    """All-gather along `dim` and reorder to global order; backward keeps this rank's positions
+    (every rank's consumer of the gathered tensor is the same replicated computation)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        cp, n = comm.group_size(group), x.shape[dim] * comm.group_size(group)
+        order = rank_major_order(n, cp, x.device)
+        ctx.group, ctx.dim, ctx.local = group, dim, zigzag_index(n, cp, comm.group_rank(group), x.device)
+        return comm._all_gather(x, group, dim).index_select(dim, torch.argsort(order))
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.index_select(ctx.dim, ctx.local), None, None
+
+
+def zigzag_gather(x: torch.Tensor, group: Optional[dist.ProcessGroup], dim: int = SEQ) -> torch.Tensor:
+    """This rank's [B, 2c, ...] -> the full [B, S, ...] in global order on every cp rank (inverse of
+    :func:`zigzag_split`). Differentiable: the gradient of a replicated consumer flows to this rank's slice."""
+    if comm.group_size(group) == 1:
+        return x
+    return _ZigzagGather.apply(x, group, dim)
+
+
+# ---- attention ---------------------------------------------------------------------------------
+class _GatherKV(torch.autograd.Function):
+    """(k, v) [B, kvh, 2c, hd] each -> (k, v) [B, kvh, S, hd] in global order; one all-gather
+    forward, one reduce-scatter (sum of every rank's partial dK, dV) backward."""
+
+    @staticmethod
+    def forward(ctx, k, v, group):
+        cp = comm.group_size(group)
+        order = rank_major_order(k.shape[2] * cp, cp, k.device)
+        ctx.group, ctx.order = group, order
+        full = comm._all_gather(torch.stack([k, v]), group, KV_SEQ).index_select(KV_SEQ, torch.argsort(order))
+        return full[0], full[1]
+
+    @staticmethod
+    def backward(ctx, gk, gv):
+        g = torch.stack([gk, gv]).index_select(KV_SEQ, ctx.order)
+        g = comm._reduce_scatter(g, ctx.group, KV_SEQ)
+        return g[0], g[1], None
+
+
+def gather_kv(k: torch.Tensor, v: torch.Tensor, group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [B, kvh, 2c, hd] of this cp rank -> [B, kvh, S, hd] each, global order (all-gather / reduce-scatter)."""
+    if comm.group_size(group) == 1:
+        return k, v
+    return _GatherKV.apply(k, v, group)
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, group) -> torch.Tensor:
+    """Causal attention of this cp rank's queries over the whole sequence's keys: softmax(q k^T /
+    sqrt(hd)) v, the same math as :meth:`aligner.model.llama.Attention.core`, whose place it takes.
+
+    GQA runs inside SDPA (``enable_gqa``): the kv heads are never repeated, so a layer saves the
+    gathered K and V once (2 kvh S hd elements) for backward, not h / kvh copies per query chunk.
+    q [B, h, 2c, hd], k, v [B, kvh, 2c, hd]: this
+        rank's tokens in zigzag order, RoPE applied with global positions. mask: None (plain
+        causal: right padding needs no mask) or bool [B, 1, 2c, S] whose keys are in global order
+        (:func:`cp_inputs` builds it). Returns [B, h, 2c, hd].
+    Raises ValueError: a mask whose key dim is not S (a local mask built without :func:`cp_inputs`).
+    """
+    cp, r = comm.group_size(group), comm.group_rank(group)
+    c = q.shape[2] // 2
+    s = 2 * c * cp
+    if mask is not None and mask.shape[-1] != s:
+        raise ValueError(
+            f"context parallelism: attn_mask has {mask.shape[-1]} keys, expected the whole sequence's {s}: "
+            "build the model inputs with aligner.parallel.context_parallel.cp_inputs"
+        )
+    k, v = gather_kv(k, v, group)
+    outs = []
+    for rows, end in ((slice(0, c), (r + 1) * c), (slice(c, 2 * c), (2 * cp - r) * c)):
+        if mask is not None:
+            m = mask[:, :, rows, :end]
+        else:  # the last query of the chunk is key end-1: lower-right aligned causal (none for one query)
+            m = causal_lower_right(c, end) if c > 1 else None
+        outs.append(F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :end], v[:, :, :end], attn_mask=m, enable_gqa=True))
+    return torch.cat(outs, dim=2)
+
+
+def apply_context_parallel(model: nn.Module, cp_group: Optional[dist.ProcessGroup]) -> nn.Module:
+    """Make every attention layer of `model` (LlamaForCausalLM / LlamaForScore, full or a TP/PP part)
+    attend across `cp_group`, from outside the model: each ``self_attn.core`` is replaced on the
+    instance by :func:`cp_attention` (so ``recompute=selective`` later checkpoints it, all-gather
+    included: backward gathers again instead of keeping the full K/V). Sets ``model.cp_group``.
+    No-op for a group of one rank. Returns `model`.
+
+    The model's inputs must then come from :func:`cp_inputs` (this rank's tokens, global positions,
+    global-key masks). Raises ValueError: the model uses the Transformer Engine backend.
+    """
+    model.cp_group = cp_group
+    if comm.group_size(cp_group) == 1:
+        return model
+    if getattr(model.cfg, "backend", "torch") != "torch":
+        raise ValueError(f"context parallelism needs model.backend=torch, not {model.cfg.backend!r}")
+    for layer in model.model.layers.values():
+        attn = layer.self_attn
+        attn.__dict__["core"] = functools.partial(cp_attention, group=cp_group)
+        attn.cp_group = cp_group
+    return model
+
+
+# ---- inputs, loss and gradients ----------------------------------------------------------------
+def shift_labels(input_ids: torch.Tensor, pad_id: int = 0) -> torch.Tensor:
+    """labels [B, S] int64: labels[:, t] = input_ids[:, t + 1], the last column `pad_id` (mask it).
+
+    Shift BEFORE :func:`zigzag_split`: a chunk's last token is scored against the first token of
+    the next chunk, which lives on another cp rank.
+    """
+    return torch.cat([input_ids[:, 1:], input_ids.new_full((input_ids.shape[0], 1), pad_id)], dim=1)
+
+
+def cp_inputs(
+    input_ids: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    *,
+    position_ids: Optional[torch.Tensor] = None,
+    segment_ids: Optional[torch.Tensor] = None,
+    prompt_segments: Optional[torch.Tensor] = None,
+    pad_id: int = 0,
+) -> dict:
+    """This cp rank's share of a batch, for a model under :func:`apply_context_parallel`.
+
+    input_ids [B, S0] int64, the whole right-padded batch (the same on every cp rank). Optional, each
+    [B, S0]: position_ids (default 0..S0-1, restarting per segment with segment_ids), segment_ids
+    (packed documents, 0 = padding: block-diagonal causal), prompt_segments (shared-prompt rows,
+    :func:`aligner.model.llama.shared_prompt_mask`; -1 = padding). S0 is padded to
+    S = :func:`padded_len` (ids with pad_id, positions continuing, segments with 0 / -1).
+
+    Returns dict: ``model`` (the forward's kwargs beyond the ids: position_ids [B, 2c], attn_mask
+    None or bool [B, 1, 2c, S] with keys in global order), ``input_ids`` [B, 2c], ``labels`` [B, 2c]
+    (shifted globally, :func:`shift_labels`), ``index`` [2c] (global positions), ``seq_len`` S.
+    Per-token tensors aligned with the labels ([B, S0 - 1], a shifted loss mask, advantages...)
+    go through :func:`split_shifted`.
+    """
+    from aligner.model.llama import default_position_ids
+
+    cp, r = comm.group_size(group), comm.group_rank(group)
+    b, s0 = input_ids.shape
+    s = padded_len(s0, cp)
+    if position_ids is None:
+        position_ids = default_position_ids(b, s, input_ids.device, pad_to_cp(segment_ids, cp) if segment_ids is not None else None)
+    else:
+        position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, s - s0 + 1, device=input_ids.device)], 1)
+    ids = pad_to_cp(input_ids, cp, pad_id)
+    idx = zigzag_index(s, cp, r, input_ids.device)
+    mask = None
+    if segment_ids is not None or prompt_segments is not None:
+        seg = pad_to_cp(segment_ids if segment_ids is not None else prompt_segments, cp, 0 if segment_ids is not None else -1)
+        qs, ks = seg[:, idx].unsqueeze(-1), seg.unsqueeze(-2)
+        causal = idx.unsqueeze(-1) >= torch.arange(s, device=idx.device)
+        allowed = (qs == ks) if segment_ids is not None else (ks == 0) | (qs == ks) | (qs == -1)
+        mask = (causal & allowed).unsqueeze(1)
+    return {
+        "input_ids": ids[:, idx],
+        "labels": shift_labels(ids, pad_id)[:, idx],
+        "model": {"position_ids": position_ids[:, idx], "attn_mask": mask},
+        "index": idx,
+        "seq_len": s,
+    }
+
+
+def split_shifted(x: torch.Tensor, group: Optional[dist.ProcessGroup], value=0) -> torch.Tensor:
+    """A per-token tensor aligned with next-token labels, [B, S0 - 1, ...] (position t scores token
+    t + 1: loss masks, advantages, old log-probs) -> this rank's [B, 2c, ...], padded with `value`
+    (0: masked) to S = padded_len(S0) first."""
+    cp = comm.group_size(group)
+    s = padded_len(x.shape[SEQ] + 1, cp)
+    shape = list(x.shape)
+    shape[SEQ] = s - x.shape[SEQ]
+    return zigzag_split(torch.cat([x, x.new_full(shape, value)], SEQ), group)
+
+
+def cp_token_mean(values: torch.Tensor, mask: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """The token-mean over every cp rank's tokens: sum(values * mask) / sum(mask), both summed over cp.
+
+    values, mask: [B, 2c] (float; mask 1 = counted). Returns a 0-dim tensor equal on every cp rank;
+    backward gives each rank the gradient of its own tokens (forward all-reduce, identity backward:
+    Megatron's g), so the parameters' grads are partial and :func:`sync_cp_grads` sums them.
+    """
+    m = mask.to(values.dtype)
+    count = comm.all_reduce_no_grad(m.sum().detach().clone(), group)
+    return comm.reduce_from_tp((values * m).sum(), group) / count.clamp_min(1.0)
+
+
+def sync_cp_grads(model: nn.Module, cp_group: Optional[dist.ProcessGroup]) -> None:
+    """Sum every parameter's gradient over `cp_group` in place (one flat all-reduce), after backward
+    and any TP gradient sync: parameters are replicated over cp and each rank's grad covers its
+    own tokens only. No-op for one rank; parameters without a grad are skipped on every rank alike."""
+    if comm.group_size(cp_group) == 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = comm.all_reduce_no_grad(torch.cat([g.reshape(-1) for g in grads]), cp_group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
