@@ -39,6 +39,7 @@ from aligner.rollout.kv_cache import SlotKVCache
 from aligner.rollout.sampling import Sampler
 from aligner.rollout.scheduler import SlotScheduler, StepPlan
 from aligner.rollout.stage_link import PlanMeta, StageLink, plan_meta
+from aligner.rollout.static_batching import capture_cuda_graph
 
 if TYPE_CHECKING:
     from aligner.rollout.torch_engine import TorchEngine
@@ -248,15 +249,8 @@ class SlotDecodeGraph:
         self.graph = None
         if dev.type != "cuda":
             return
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up (writes position 0 of every row: no request holds a row yet)
-                self._step()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = self._step()
+        # the warm-up writes position 0 of every row: no request holds a row yet
+        self.graph, self.out = capture_cuda_graph(self._step)
 
     def _step(self) -> torch.Tensor:
         e = self.engine

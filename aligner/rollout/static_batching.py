@@ -204,15 +204,8 @@ class DecodeGraph:
         self.valid = torch.ones(batch, total, dtype=torch.bool, device=dev)  # key slots holding real tokens
         self.slots = torch.arange(total, device=dev)
         self.total = total
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up (writes only slot total-1, which decode overwrites before reading)
-                self._step()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = self._step()
+        # the warm-up writes only slot total-1, which decode overwrites before reading it
+        self.graph, self.out = capture_cuda_graph(self._step)
 
     def _step(self) -> torch.Tensor:
         self.cache.length = self.total
@@ -230,3 +223,20 @@ class DecodeGraph:
         self.slot.fill_(slot)
         self.graph.replay()
         return self.out.clone()
+
+
+def capture_cuda_graph(step, warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Run `step` (a no-argument callable returning a tensor, every input a static tensor it reads)
+    `warmups` times on a side stream, then capture it: (the graph, its static output tensor).
+    The pattern of PyTorch's CUDA-graph notes (warm-up on a side stream so that lazy
+    initialization and autotuning happen outside the capture); cuda only."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
