@@ -20,6 +20,7 @@ The engine and the trainer do not run episodes yet: issue 38 parts 2-3.
 
 from __future__ import annotations
 
+import abc
 import math
 import threading
 from dataclasses import dataclass, field
@@ -106,23 +107,23 @@ class StepResult:
         return "\n".join(m.content for m in self.messages) if self.messages else None
 
 
-class Environment:
+class Environment(abc.ABC):
     """The interface. Subclasses implement :meth:`reset`, :meth:`step` and :meth:`finish`; one object per episode."""
 
     name: str = ""
 
+    @abc.abstractmethod
     def reset(self, prompt: str, metadata: dict) -> Sequence[Message]:
         """Start an episode on `prompt` (decoded text) with its data row's `metadata`; returns the
         messages to put after the prompt before the model's first turn (usually none)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def step(self, turn: str) -> StepResult:
         """The model's turn (decoded text, special tokens removed) -> the observation, reward and done."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def finish(self) -> float:
         """The episode's final reward, called once when it ends (done, or cut at max_turns)."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)

@@ -189,28 +189,33 @@ class ContinuousBatching:
             pool.copy(src, dst, n)
         for src, dst, n in meta.moves.tolist():
             pool.copy(src, dst, n)
-        if self._graph is not None:  # pp = 1: this stage is also the last
+        if self._graph is not None:  # pp = 1, a dense model: this stage is also the last, no routing to record
             logits = self._graph.run(decode_x[:, 0], meta.positions.to(dev))
-            tok, lp = sampler.sample_requests(logits, meta.requests.to(dev), meta.steps.to(dev), e.tp_group)
-            return tok.cpu(), lp.float().cpu()
+        else:
+            h = self._decode_forward(meta, decode_x, pool)
+            if self.routing is not None:  # decode row j produced token steps[j] of request requests[j]
+                self.routing[meta.requests.to(dev), meta.steps.to(dev)] = e.stage_routing()
+            if not e.is_last:
+                link.send_plan(meta, prefill_h, h)
+                return None
+            logits = e.model.lm_head(h[:, -1]).float()
+        tok, lp = sampler.sample_requests(logits, meta.requests.to(dev), meta.steps.to(dev), e.tp_group)
+        if link is not None:
+            link.send_tokens(tok, lp)
+            return None
+        return tok.cpu(), lp.float().cpu()
+
+    def _decode_forward(self, meta: PlanMeta, decode_x: torch.Tensor, pool: SlotKVCache) -> torch.Tensor:
+        """The eager decode step of rows [start, start + n): hidden states [n, 1, H] of this stage, attention
+        over each block's positions up to its longest context (masked where the rows' lengths differ)."""
+        dev = self.engine.device
         positions = meta.positions.to(dev)
         length = int(meta.positions.max()) + 1
         mask = None  # the varlen kernel reads each row's own length from the pool: no mask to build
         if not pool.varlen and not bool((meta.positions == length - 1).all()):
             mask = (torch.arange(length, device=dev) <= positions.unsqueeze(1))[:, None, None, :]
         pool.plan_decode(meta.start, positions, length)
-        h = trunk(decode_x, position_ids=positions.unsqueeze(1), attn_mask=mask, kv_cache=pool)
-        if self.routing is not None:  # decode row j produced token steps[j] of request requests[j]
-            self.routing[meta.requests.to(dev), meta.steps.to(dev)] = e.stage_routing()
-        if not e.is_last:
-            link.send_plan(meta, prefill_h, h)
-            return None
-        logits = e.model.lm_head(h[:, -1]).float()
-        tok, lp = sampler.sample_requests(logits, meta.requests.to(dev), meta.steps.to(dev), e.tp_group)
-        if link is not None:
-            link.send_tokens(tok, lp)
-            return None
-        return tok.cpu(), lp.float().cpu()
+        return self.engine.model.model(decode_x, position_ids=positions.unsqueeze(1), attn_mask=mask, kv_cache=pool)
 
     def _broadcast_generations(self, gens: Optional[list[Generation]]) -> list[Generation]:
         """Stage 0's Generations and last_stats on every pipeline stage (one object broadcast over the pp group)."""

@@ -357,13 +357,20 @@ class PPOTrainer(Trainer):
         return kept, metrics
 
     def score(self, batch: RolloutBatch) -> torch.Tensor:
-        """The raw reward [B] of every sample: the remote reward service, the reward model or the rule."""
-        if self.remote_reward is not None:
-            return get_all([self.remote_reward.scores(batch.tensors("input_ids", "attention_mask"), batch.meta)])[0]
+        """The raw reward [B] float32 of every sample: the remote reward service, the reward model or the rule."""
         if "reward" in self.groups:
             self.busy("reward")
-            return get_all([self.groups["reward"].scores(batch.tensors("input_ids", "attention_mask"))])[0]
-        return self.rule_scores(batch)
+        future = self._score_future(batch)
+        return get_all([future])[0] if future is not None else self.rule_scores(batch)
+
+    def _score_future(self, batch: RolloutBatch):
+        """The future of the batch's raw rewards [B] from the remote reward service or the reward model's
+        group; None when a rule scores it (in the driver, :meth:`rule_scores`)."""
+        if self.remote_reward is not None:
+            return self.remote_reward.scores(batch.tensors("input_ids", "attention_mask"), batch.meta)
+        if "reward" in self.groups:
+            return self.groups["reward"].scores(batch.tensors("input_ids", "attention_mask"))
+        return None
 
     def assemble(self, rows: list[dict], gens: list, n: int, responses: Optional[list[str]] = None) -> RolloutBatch:
         """The RolloutBatch of prompt rows (each prompt n times in a row) and their generations.
@@ -401,14 +408,13 @@ class PPOTrainer(Trainer):
         actor = self.groups["actor"]
         futures = {}
         scored = batch.scores is not None  # dynamic sampling scored the batch already
-        if self.remote_reward is not None and not scored:  # first: its HTTP requests run while the Ray calls below are issued and run
-            futures["scores"] = self.remote_reward.scores(batch.tensors("input_ids", "attention_mask"), batch.meta)
+        score_future = None if scored else self._score_future(batch)
+        if score_future is not None:  # first: a remote service's HTTP requests run while the Ray calls below are issued and run
+            futures["scores"] = score_future
         if self.cfg.algorithm.recompute_old_log_probs:  # else on-policy: the update's own forward gives them
             futures["old"] = actor.log_probs_with_routing(inputs, temp) if routing else actor.log_probs(inputs, temp)
         if "critic" in self.groups:
             futures["values"] = self.groups["critic"].values(inputs)
-        if "reward" in self.groups and not scored:
-            futures["scores"] = self.groups["reward"].scores(batch.tensors("input_ids", "attention_mask"))
         if "ref" in self.groups:
             futures["ref"] = self.groups["ref"].log_probs(inputs, temp)
         elif self.cfg.ref_from_actor:  # LoRA: the reference is the actor with its adapters disabled
