@@ -36,7 +36,8 @@ response tokens, R = response tokens:
   on-policy update (``algorithm.recompute_old_log_probs=false``: the update's own, detached).
 - advantages: [B, R] float32.
 - rollout_log_probs: [B, R] float32, nats, the rollout engine's; only with ``algorithm.tis_cap``
-  (truncated importance sampling).
+  (truncated importance sampling) or ``algorithm.decoupled_loss`` (the behaviour policy of samples
+  from stale weights).
 - ref_log_probs: [B, R] float32, nats, the reference policy's; only with
   ``algorithm.kl_loss_coef > 0`` (the KL loss term).
 """

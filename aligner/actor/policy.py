@@ -297,11 +297,16 @@ class Policy(RoleModel):
 
         batch: the fields of :data:`aligner.protocol.ACTOR_UPDATE_FIELDS` (shapes and dtypes there):
         input_ids, prompt_lens, response_mask, old_log_probs, advantages; rollout_log_probs when
-        algo.tis_cap is set; ref_log_probs when algo.kl_loss_coef > 0. Without old_log_probs (an on-policy update,
+        algo.tis_cap or algo.decoupled_loss is set; ref_log_probs when algo.kl_loss_coef > 0. Without old_log_probs (an on-policy update,
         ``algorithm.recompute_old_log_probs=false``) the forward's own log-probs, detached, are
         the old ones: ratio 1, gradient that of the policy gradient (TRL's GRPOTrainer does the
         same with num_iterations=1). pack_len: as :meth:`log_probs` (the samples of one prompt in
         one packed row; the same loss and gradient up to GEMM rounding).
+
+        With ``algo.decoupled_loss`` the policy loss is AReaL's decoupled objective
+        (:func:`aligner.algorithms.decoupled_policy_loss`: behaviour = rollout_log_probs, proximal =
+        old_log_probs), for samples from stale weights; the token means of its behaviour weights are
+        returned too (behavior_weight_mean, behavior_weight_capped_frac, behavior_approx_kl).
 
         The loss is ``policy_loss - entropy_coef * entropy + kl_loss_coef * kl_loss``, each
         term aggregated over the global mini-batch by ``algo.loss_agg`` (exact across
@@ -328,19 +333,24 @@ class Policy(RoleModel):
             lp = lp * mask
             weights = None
             old = mb["old_log_probs"] if "old_log_probs" in mb else lp.detach()
-            if algo.tis_cap is not None:
-                weights = alg.truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"], mask, algo.tis_cap)
-            loss, m = alg.policy_loss(
-                lp,
-                old,
-                mb["advantages"],
-                mask,
-                algo.clip_eps,
-                clip_eps_high=algo.clip_eps_high,
-                dual_clip=algo.dual_clip,
-                loss_agg=mode,
-                is_weights=weights,
-            )
+            clip = dict(clip_eps_high=algo.clip_eps_high, dual_clip=algo.dual_clip, loss_agg=mode)
+            if algo.decoupled_loss:  # AReaL: behaviour = the engine's log-probs, proximal = the recomputed old ones
+                loss, m = alg.decoupled_policy_loss(
+                    lp,
+                    old,
+                    mb["rollout_log_probs"],
+                    mb["advantages"],
+                    mask,
+                    algo.clip_eps,
+                    behavior_weight_cap=algo.behavior_weight_cap,
+                    **clip,
+                )
+                for k in ("behavior_weight_mean", "behavior_weight_capped_frac", "behavior_approx_kl"):
+                    add(k, m[k] * mask.sum())
+            else:
+                if algo.tis_cap is not None:
+                    weights = alg.truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"], mask, algo.tis_cap)
+                loss, m = alg.policy_loss(lp, old, mb["advantages"], mask, algo.clip_eps, is_weights=weights, **clip)
             count, tokens = alg.loss_agg_count(mask, mode), mask.sum()
             entropy = alg.aggregate_loss(ent_tok, mask, mode)
             total = loss * count
@@ -368,7 +378,8 @@ class Policy(RoleModel):
             inputs = self._response_model_inputs(batch, keys, temperature)
             stats = self.runner.optimizer_step(inputs, loss_fn, micro_batch_size)
         sums = from_last_stage(sums, self.dims)
-        counts = {"clipfrac": float(batch["response_mask"].sum()), "approx_kl": float(batch["response_mask"].sum())}
+        tokens = float(batch["response_mask"].sum())
+        counts = {k: tokens for k in ("clipfrac", "approx_kl", "behavior_weight_mean", "behavior_weight_capped_frac", "behavior_approx_kl")}
         agg_count = float(alg.loss_agg_count(batch["response_mask"], mode))
         out = {k: self.dp_mean(v, counts.get(k, agg_count)) for k, v in sorted(sums.items())}
         moe = {k: v for k, v in stats.items() if k.startswith("moe_")}

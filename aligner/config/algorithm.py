@@ -48,6 +48,11 @@ class AlgorithmConfig:
     critic_warmup_steps: int = 0  # steps that train only the critic
     normalize_rewards: bool = True  # standardize RM scores with the RM's saved mean/std
     tis_cap: Optional[float] = None  # truncated importance-sampling cap on exp(old - rollout); None = off
+    # AReaL's decoupled PPO objective (Fu et al. 2025) with the engine's log-probs as the behaviour policy and the
+    # recomputed old log-probs as the proximal one; None = on exactly when trainer.max_staleness > 0 (resolved
+    # when the run's config is built)
+    decoupled_loss: Optional[bool] = None
+    behavior_weight_cap: Optional[float] = None  # decoupled loss: tokens whose pi_prox / pi_behav exceeds this are left out; None = no cap
     # false: skip the actor's old-log-prob forward of the inference phase; the update uses its own
     # forward's log-probs, detached, as old (ratio 1; exact only when the update is on-policy: one
     # epoch, one mini-batch, no KL in the reward, no tis_cap; TRL GRPOTrainer with num_iterations=1).
@@ -98,6 +103,10 @@ class AlgorithmConfig:
             _check(self.dual_clip > 1, f"{prefix}.dual_clip", self.dual_clip, "must be > 1 (e.g. 3.0) or null")
         if self.tis_cap is not None:
             _check(self.tis_cap >= 1, f"{prefix}.tis_cap", self.tis_cap, "must be >= 1 (e.g. 2.0) or null")
+        if self.behavior_weight_cap is not None:
+            _check(
+                self.behavior_weight_cap > 1, f"{prefix}.behavior_weight_cap", self.behavior_weight_cap, "must be > 1 (e.g. 5.0) or null"
+            )
         _check(self.overlong_buffer >= 0, f"{prefix}.overlong_buffer", self.overlong_buffer, "must be >= 0 (tokens; 0 = off)")
         _check(self.overlong_penalty >= 0, f"{prefix}.overlong_penalty", self.overlong_penalty, "must be >= 0 (e.g. 1.0, DAPO)")
         _check(

@@ -8,7 +8,7 @@ from typing import Optional
 
 from aligner.config.common import _check, _choice
 from aligner.config.model import ModelConfig
-from aligner.config.parallel import ParallelConfig
+from aligner.config.parallel import ParallelConfig, ResourceConfig
 
 
 @dataclass(kw_only=True)
@@ -33,6 +33,11 @@ class RolloutConfig:
     """The actor's rollout engine and refit."""
 
     backend: str = "torch"  # torch (aligner's engine, CPU or CUDA) | trtllm (TensorRT-LLM 1.2 on the actor's GPUs; bf16/fp16)
+    # colocated: the engines live in the actor's processes, refit in place (NeMo-Aligner); split: the engines
+    # form their own worker group on their own node group (rollout.resources), rollout.parallel.dp_size
+    # replicas of tp = pp = 1, and receive the actor's weights by broadcast after each update (aligner.rollout.weight_sync)
+    placement: str = "colocated"
+    resources: ResourceConfig = field(default_factory=ResourceConfig)  # split: the rollout group's node group
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # engine tp/pp layout (dp = replicas)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how responses are sampled
     refit_bucket_mb: int = 256  # refit sends weights in buckets of this size, MiB
@@ -56,6 +61,7 @@ class RolloutConfig:
         _choice(f"{prefix}.backend", self.backend, ("torch", "trtllm"))
         _choice(f"{prefix}.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         _choice(f"{prefix}.scheduler", self.scheduler, ("continuous", "static"))
+        _choice(f"{prefix}.placement", self.placement, ("colocated", "split"))
         _choice(f"{prefix}.compile", self.compile, ("auto", "on", "off"))
         _check(self.max_batch_size >= 1, f"{prefix}.max_batch_size", self.max_batch_size, "must be >= 1")
         _check(self.micro_batches >= 0, f"{prefix}.micro_batches", self.micro_batches, f"must be >= 0 (0 = {prefix}.parallel.pp_size)")

@@ -39,6 +39,9 @@ class TrainerConfig:
     num_threads: int = 0  # torch threads per CPU worker; 0 = follow the work: the workers busy in a phase share their node's cores (a role running alone gets them all)
     progress: bool = True  # show a progress bar
     preempt_grace_s: float = 25.0  # after SIGTERM: seconds to finish the step and checkpoint (below the scheduler's grace, 30 s by default)
+    # PPO with rollout.placement=split: batches the rollout group may generate ahead of the update (each
+    # sample is at most this many weight versions old when trained); 0 = synchronous
+    max_staleness: int = 0
     max_restarts: int = 2  # a worker process that dies: stop and restart the groups, resume from the latest checkpoint, at most this many times a run; 0 = end the run (resume=true by hand)
 
     def validate(self, prefix: str = "trainer") -> None:
@@ -53,7 +56,15 @@ class TrainerConfig:
             "max_nonfinite",
         ):
             _check(getattr(self, name) >= 1, f"{prefix}.{name}", getattr(self, name), "must be >= 1")
-        for name in ("save_every", "eval_every", "num_threads", "shared_prompt_pack_len", "max_restarts", "micro_batch_tokens"):
+        for name in (
+            "save_every",
+            "eval_every",
+            "num_threads",
+            "shared_prompt_pack_len",
+            "max_restarts",
+            "micro_batch_tokens",
+            "max_staleness",
+        ):
             _check(getattr(self, name) >= 0, f"{prefix}.{name}", getattr(self, name), "must be >= 0")
         _check(
             self.preempt_grace_s > 0,

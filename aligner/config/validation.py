@@ -24,6 +24,7 @@ def validate_run(cfg: AlignerConfig) -> None:
     checks (and, for ``rollout.backend=trtllm``, the package probe). Raises ConfigError at the first."""
     validate_sections(cfg)
     validate_prompt_learning(cfg)
+    validate_staleness(cfg)
     if cfg.stage == "ppo":
         validate_rollout_lengths(cfg)
     validate_cluster_devices(cfg)
@@ -35,6 +36,47 @@ def validate_run(cfg: AlignerConfig) -> None:
         validate_on_policy(cfg)
     if cfg.stage == "ppo" and cfg.algorithm.advantage in GROUP_ESTIMATORS:
         validate_group_estimator(cfg)
+
+
+def validate_staleness(cfg: AlignerConfig) -> None:
+    """The split rollout placement and bounded staleness (issue 37): what they need, and the
+    decoupled loss resolved (``algorithm.decoupled_loss=None`` follows ``trainer.max_staleness > 0``)."""
+    r, t, a = cfg.rollout, cfg.trainer, cfg.algorithm
+    if a.decoupled_loss is None:
+        a.decoupled_loss = t.max_staleness > 0
+    if cfg.stage != "ppo":
+        return
+    if r.placement == "split":
+        _check(
+            r.backend == "torch",
+            "rollout.placement",
+            r.placement,
+            f"the split placement runs aligner's torch engine; rollout.backend={r.backend} is colocated only: set rollout.placement=colocated",
+        )
+        _check(
+            r.parallel.tp_size == 1 and r.parallel.pp_size == 1,
+            "rollout.parallel",
+            f"tp_size={r.parallel.tp_size}, pp_size={r.parallel.pp_size}",
+            "split rollout engines are whole replicas for now: set tp_size=1 and pp_size=1, and rollout.parallel.dp_size to the number of replicas",
+        )
+    _check(
+        t.max_staleness == 0 or r.placement == "split",
+        "trainer.max_staleness",
+        t.max_staleness,
+        "generation runs ahead of the update only on its own workers: set rollout.placement=split, or max_staleness=0",
+    )
+    _check(
+        t.max_staleness == 0 or not a.dynamic_sampling,
+        "trainer.max_staleness",
+        t.max_staleness,
+        "dynamic sampling waits for each round's scores, so it does not run ahead yet: set algorithm.dynamic_sampling=false or max_staleness=0",
+    )
+    _check(
+        not a.decoupled_loss or a.recompute_old_log_probs,
+        "algorithm.decoupled_loss",
+        a.decoupled_loss,
+        "the decoupled loss needs the proximal (old) log-probs: set algorithm.recompute_old_log_probs=true",
+    )
 
 
 def validate_sections(cfg: AlignerConfig) -> None:

@@ -65,11 +65,13 @@ from aligner.runtime.role import check_tokenizer_fits, resolve_init
 from aligner.tracking import plot_curves
 from aligner.trainers.evaluation import accuracy_rule, evaluate_greedy, gather_generations, on_builtin_task
 from aligner.trainers.loop import Trainer
+from aligner.trainers.producer import RolloutProducer
 from aligner.workers.actor import ActorWorker, PolicyWorker
 from aligner.workers.critic import CriticWorker
 from aligner.workers.group import CoreSharing, WorkerGroup, get_all, role_worker_group
-from aligner.workers.placement import describe_request, local_shortfall, placement_from_config, plan_from_config
+from aligner.workers.placement import ROLLOUT_GROUP, describe_request, local_shortfall, placement_from_config, plan_from_config
 from aligner.workers.reward import RemoteRewardRole, RewardWorker
+from aligner.workers.rollout import RolloutWorker
 
 log = logging.getLogger("aligner.ppo")
 
@@ -137,6 +139,7 @@ class PPOTrainer(Trainer):
         self.remote_reward: Optional[RemoteRewardRole] = None  # reward.type=remote: the endpoint's client
         self.cores: Optional[CoreSharing] = None  # torch threads follow the work (trainer.num_threads=0, CPU workers)
         self.placement = None
+        self.producer: Optional[RolloutProducer] = None  # rollout.placement=split: the rollout group and its queue
         self.reward_stats = {"mean": 0.0, "std": 1.0}
         self.nonfinite_in_a_row = 0  # consecutive steps whose update was skipped (NaN/Inf reward or grad norm)
         self.nonfinite_total = 0
@@ -175,7 +178,7 @@ class PPOTrainer(Trainer):
 
         cfg = self.cfg
         roles = cfg.roles_used()
-        self.placement = placement_from_config(cfg, roles)
+        self.placement = placement_from_config(cfg, placed_groups(cfg))
         steps = cfg.trainer.max_steps * cfg.algorithm.ppo_epochs * self.minibatches_per_step()
         specs = {
             "actor": (ActorWorker, dict(cfg=cfg, role="actor", total_steps=steps, eos_token_id=self.tok.eos_token_id)),
@@ -186,7 +189,14 @@ class PPOTrainer(Trainer):
         for role in roles:
             cls, kw = specs[role]
             self.groups[role] = role_worker_group(cfg, role, cls, self.placement, kwargs=kw)
-        if cfg.trainer.num_threads == 0 and all(isinstance(g, WorkerGroup) for g in self.groups.values()):
+        if cfg.rollout.placement == "split":
+            model_cfg = self.groups["actor"].model_config().get()[0]
+            kw = dict(cfg=cfg, model_cfg=model_cfg, eos_token_id=self.tok.eos_token_id)
+            rollout = WorkerGroup(ROLLOUT_GROUP, RolloutWorker, self.placement.role(ROLLOUT_GROUP), cfg.rollout.parallel, kwargs=kw)
+            self.groups[ROLLOUT_GROUP] = rollout
+            self.producer = RolloutProducer(self.groups["actor"], rollout, cfg.trainer.max_staleness)
+        # threads follow the work only when the phases run one after another (not beside a rollout group)
+        elif cfg.trainer.num_threads == 0 and all(isinstance(g, WorkerGroup) for g in self.groups.values()):
             self.cores = CoreSharing(self.groups)
         self.reward_stats = load_reward_stats(cfg)
         if cfg.reward.type == "remote":
@@ -203,6 +213,9 @@ class PPOTrainer(Trainer):
 
     def stop(self) -> None:
         """Shut every worker group down and remove the placement."""
+        if self.producer is not None:
+            self.producer.drop()
+            self.producer = None
         for g in self.groups.values():
             g.shutdown()
         self.groups.clear()
@@ -235,15 +248,18 @@ class PPOTrainer(Trainer):
         """One PPO step (refit, generate, inference, advantages, then ppo_epochs x mini-batch
         updates of actor and critic); returns its metrics (also the phase times, seconds)."""
         timer = PhaseTimer()
-        with timer.phase("refit"):
-            self.busy("actor")
-            refit = self.groups["actor"].refit().get()[0]
         sampling_metrics: dict[str, float] = {}
-        with timer.phase("generate"):
-            if self.cfg.algorithm.dynamic_sampling:
-                batch, sampling_metrics = self.dynamic_rollout()
-            else:
-                batch = self.rollout(self.next_prompts(), self.cfg.rollout.sampling, self.step)
+        if self.producer is not None:
+            batch, refit, sampling_metrics = self.produced_rollout(timer)
+        else:
+            with timer.phase("refit"):
+                self.busy("actor")
+                refit = self.groups["actor"].refit().get()[0]
+            with timer.phase("generate"):
+                if self.cfg.algorithm.dynamic_sampling:
+                    batch, sampling_metrics = self.dynamic_rollout()
+                else:
+                    batch = self.rollout(self.next_prompts(), self.cfg.rollout.sampling, self.step)
         if batch is None:
             return {**sampling_metrics, **{f"time/{k}": v for k, v in timer.times.items()}}
         with timer.phase("inference"):
@@ -295,6 +311,47 @@ class PPOTrainer(Trainer):
     def next_prompts(self) -> list[dict]:
         return self.data.next_batch(self.cfg.trainer.rollout_batch_size)
 
+    def produced_rollout(self, timer: PhaseTimer) -> tuple[Optional[RolloutBatch], dict, dict[str, float]]:
+        """The split placement's rollout (:class:`aligner.trainers.producer.RolloutProducer`): this step's
+        batch from the queue (generated now when none is queued: the first step, a resume, k = 0),
+        then the batches of the next max_staleness steps queued on the rollout group, syncing the
+        engines first where a batch would otherwise be more than k steps stale. Dynamic sampling
+        (k = 0 only) runs its rounds on the rollout group. Returns (batch, the sync's refit dict,
+        metrics: staleness in steps and the sync's seconds)."""
+        p, k, n = self.producer, self.cfg.trainer.max_staleness, self.cfg.trainer.n_samples_per_prompt
+        p.policy_version = self.step
+        refit = {"seconds": 0.0, "bytes": 0, "weight_version": p.engine_version}
+        with timer.phase("refit"):
+            if not p.pending:
+                refit = p.sync()
+        if self.cfg.algorithm.dynamic_sampling:
+            with timer.phase("generate"):
+                batch, metrics = self.dynamic_rollout()
+            return batch, refit, {**metrics, "staleness": 0.0}
+        if not p.pending:
+            self.submit_generation(self.step)
+        with timer.phase("generate"):
+            item = p.take(self.step)
+            gens = gather_generations(item.future.get())
+        with timer.phase("refit"):
+            for step in range(self.step + 1, min(self.step + k + 1, self.cfg.trainer.max_steps)):
+                if step in p.queued_steps():
+                    continue
+                if p.due(step):
+                    s = p.sync()
+                    refit = {**s, "seconds": refit["seconds"] + s["seconds"], "bytes": refit["bytes"] + s["bytes"]}
+                self.submit_generation(step)
+        metrics = {"staleness": float(self.step - item.version), "sync_seconds": refit["seconds"]}
+        return self.assemble(item.rows, gens, n), refit, metrics
+
+    def submit_generation(self, step: int) -> None:
+        """Draw step `step`'s prompts and queue their generation on the rollout group (no wait)."""
+        state = self.data.state_dict()
+        n = self.cfg.trainer.n_samples_per_prompt
+        rows = [p for p in self.next_prompts() for _ in range(n)]
+        seeds = [sample_seed(self.cfg.trainer.seed, step, i) for i in range(len(rows))]
+        self.producer.submit(step, rows, [r["prompt_ids"] for r in rows], self.cfg.rollout.sampling, seeds, state)
+
     def rollout(self, prompts: list[dict], sampling: SamplingConfig, step: int, n: Optional[int] = None) -> RolloutBatch:
         """Generate n responses per prompt on the actor's engine replicas (:meth:`generate`); assemble a RolloutBatch."""
         n = self.cfg.trainer.n_samples_per_prompt if n is None else n
@@ -306,7 +363,12 @@ class PPOTrainer(Trainer):
         rows = [p for p in prompts for _ in range(n)]
         ids = [r["prompt_ids"] for r in rows]
         seeds = [sample_seed(self.cfg.trainer.seed, step, first_index + i) for i in range(len(rows))]
-        return rows, gather_generations(self.groups["actor"].generate(ids, sampling, seeds).get())
+        return rows, gather_generations(self.generator.generate(ids, sampling, seeds).get())
+
+    @property
+    def generator(self):
+        """What generates: the actor group (colocated engines) or the split placement's producer."""
+        return self.producer if self.producer is not None else self.groups["actor"]
 
     def dynamic_rollout(self) -> tuple[Optional[RolloutBatch], dict[str, float]]:
         """DAPO's dynamic sampling (Yu et al. 2025, section 3.2): generate rollout_batch_size prompts x n,
@@ -515,7 +577,7 @@ class PPOTrainer(Trainer):
         train_actor = self.step >= a.critic_warmup_steps
         optional = {
             "old_log_probs": batch.old_log_probs is not None,  # else on-policy: ppo_update uses its own detached log-probs
-            "rollout_log_probs": a.tis_cap is not None,
+            "rollout_log_probs": a.tis_cap is not None or bool(a.decoupled_loss),
             "ref_log_probs": a.kl_loss_coef > 0,
         }
         actor_keys = [k for k in ACTOR_UPDATE_FIELDS if optional.get(k, True)]
@@ -574,7 +636,9 @@ class PPOTrainer(Trainer):
 
         prompts = self.eval_prompts[: num_prompts or self.cfg.task.num_eval]
         self.busy("actor")
-        res = evaluate_greedy(self.groups["actor"], prompts, self.tok, self.cfg)
+        if self.producer is not None:
+            self.producer.policy_version = self.step
+        res = evaluate_greedy(self.generator, prompts, self.tok, self.cfg)
         out = {"eval_accuracy": res.metrics["accuracy"], "eval_response_len": res.metrics["mean_response_len"]}
         out.update(
             {
@@ -618,7 +682,8 @@ class PPOTrainer(Trainer):
         """step, data position, KL controller, evaluations so far, non-finite step counters."""
         return {
             "step": self.step,
-            "data": self.data.state_dict(),
+            # split placement: the position before the oldest batch generated but not trained
+            "data": (self.producer and self.producer.data_state()) or self.data.state_dict(),
             "kl_ctl": self.kl_ctl.state_dict(),
             "history": self.history,
             "nonfinite_total": self.nonfinite_total,
@@ -663,7 +728,7 @@ def plan_phase(cfg: AlignerConfig) -> Optional[int]:
         check_fits(cfg)
     except PlanError as e:
         raise UserError(str(e)) from None
-    roles = cfg.roles_used()
+    roles = placed_groups(cfg)
     why = local_shortfall(cfg, roles)
     if why:
         try:
@@ -678,6 +743,11 @@ def plan_phase(cfg: AlignerConfig) -> Optional[int]:
             "or use conf=tiny on a CPU machine"
         )
     return None
+
+
+def placed_groups(cfg: AlignerConfig) -> tuple[str, ...]:
+    """The worker groups a PPO run places: its roles, and the rollout group with rollout.placement=split."""
+    return cfg.roles_used() + ((ROLLOUT_GROUP,) if cfg.rollout.placement == "split" else ())
 
 
 def load_prompts(cfg: AlignerConfig):

@@ -30,6 +30,7 @@ from aligner.parallel.dims import ParallelDims
 from aligner.parallel.parallelize import build_parallel_model, decode_layer_split
 from aligner.rollout import build_engine
 from aligner.rollout.refit import iter_buckets, refit, rollout_dims
+from aligner.rollout.weight_sync import WeightSender, free_port, join_sync_group
 from aligner.workers.dispatch import dispatch, split_batch
 
 
@@ -140,6 +141,7 @@ class ActorWorker(PolicyWorker):
         self.infer_dims = None
         self.trtllm = None  # rollout.backend=trtllm: this rank's TrtllmReplica (set with the engine)
         self._refitted = False  # a full refit has run (LoRA refits only the adapted linears after it)
+        self.sender: Optional[WeightSender] = None  # rollout.placement=split: the weight-sync group's sending end
 
     def _build_engine(self) -> None:
         """The rollout engine on the engine layout (rollout.parallel) over this group's ranks.
@@ -156,25 +158,7 @@ class ActorWorker(PolicyWorker):
             self.infer_dims = ParallelDims()
         else:
             self.infer_dims = rollout_dims(self.dims.world_size, self.dims.rank, rp.tp_size, rp.pp_size)
-        d = self.infer_dims
-        cfg = self.policy.model_cfg
-        # decode's pipeline stages balanced with the head counted (unless the config gives a split)
-        split = rp.pp_layer_split or (decode_layer_split(cfg, d.pp_size) if d.pp_size > 1 else None)
-        model = build_parallel_model(cfg, "lm", d, layer_split=split, seed=self.cfg.trainer.seed)
-        model = model.to(device=d.device, dtype=getattr(torch, self.cfg.rollout.dtype))
-        self.engine = build_engine(
-            "torch",
-            model,
-            eos_token_id=self.eos_token_id,
-            tp_group=d.tp_group,
-            pp_group=d.pp_group,
-            max_batch_size=self.cfg.rollout.max_batch_size,
-            scheduler=self.cfg.rollout.scheduler,
-            micro_batches=self.cfg.rollout.micro_batches or None,
-            cuda_graphs=self.cfg.rollout.cuda_graphs,
-            compile=self.cfg.rollout.compile,
-            seed=self.cfg.trainer.seed,
-        )
+        self.engine = torch_rollout_engine(self.cfg, self.policy.model_cfg, self.infer_dims, self.eos_token_id)
 
     def _build_trtllm_engine(self) -> None:
         """A TensorRT-LLM replica per tp * pp contiguous ranks, colocated with the trainer (GPU only).
@@ -222,31 +206,67 @@ class ActorWorker(PolicyWorker):
         trtllm = self.cfg.rollout.backend == "trtllm"
         if trtllm:
             self.engine.onload()
+        # LoRA: after the first refit only the adapted linears change (the base is frozen). Not for
+        # TensorRT-LLM, whose sleep may return weight memory without its contents (full refits there)
+        nbytes = self._push_weights(self.engine, adapted_only=self._refitted and not trtllm)
+        self._refitted = True
+        return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "weight_version": self.engine.weight_version}
+
+    def _push_weights(self, sink, adapted_only: bool) -> int:
+        """The policy's full HF tensors, in buckets of rollout.refit_bucket_mb, into `sink` (a rollout
+        engine, or the weight-sync sender of the split placement); collective over the actor's ranks.
+        LoRA: merged weights, only the adapted linears' with `adapted_only`. Returns the bytes handed over."""
         eng = self.policy.runtime
+        adapted_only = adapted_only and eng.lora is not None
         sharded = eng.fsdp or eng.backend == "deepspeed" or self.dims.ep_size > 1
-        # LoRA: merged weights; after the first refit only the adapted linears change (the base is frozen).
-        # Not for TensorRT-LLM, whose sleep may return weight memory without its contents (full refits there)
-        adapted_only = eng.lora is not None and self._refitted and not trtllm
         if not sharded:
-            stats = refit(
+            return refit(
                 eng.module,
-                self.engine,
+                sink,
                 bucket_mb=self.cfg.rollout.refit_bucket_mb,
                 tp_group=self.dims.tp_group,
                 pp_group=self.dims.pp_group,
                 adapted_only=adapted_only,
-            )
-            nbytes = stats.bytes
-        else:  # FSDP2 / DeepSpeed / expert parallel: full tensors on every rank, sent in the same buckets
-            sd = self.policy.full_state_dict()
-            if eng.lora is not None:
-                sd = merged_state_dict(sd, eng.lora.alpha / eng.lora.rank, only_adapted=adapted_only)
-            for bucket in iter_buckets(sd.items(), self.cfg.rollout.refit_bucket_mb):
-                self.engine.update_weights(bucket)
-            self.engine.finish_weight_update()
-            nbytes = sum(v.numel() * v.element_size() for v in sd.values())
-        self._refitted = True
-        return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "weight_version": self.engine.weight_version}
+            ).bytes
+        # FSDP2 / DeepSpeed / expert parallel: full tensors on every rank, sent in the same buckets
+        sd = self.policy.full_state_dict()
+        if eng.lora is not None:
+            sd = merged_state_dict(sd, eng.lora.alpha / eng.lora.rank, only_adapted=adapted_only)
+        for bucket in iter_buckets(sd.items(), self.cfg.rollout.refit_bucket_mb):
+            sink.update_weights(bucket)
+        sink.finish_weight_update()
+        return sum(v.numel() * v.element_size() for v in sd.values())
+
+    # ---- the split placement: the weights go to engines in another worker group ----------------
+    @dispatch("broadcast")
+    def model_config(self):
+        """The policy's ModelConfig (the rollout group builds its engines from it)."""
+        return self.policy.model_cfg
+
+    @dispatch("broadcast")
+    def sync_address(self, loopback: bool) -> Optional[tuple[str, int]]:
+        """Rank 0: (host, port) of the weight-sync group's store it will serve; None elsewhere."""
+        if self.dims.rank != 0:
+            return None
+        host = sync_host(loopback)
+        return host, free_port(host)
+
+    @dispatch("broadcast")
+    def join_weight_sync(self, host: str, port: int, world_size: int, loopback: bool) -> None:
+        """Rank 0 joins the sync group as its sender (rank 0 of it); the other ranks get a no-op sender
+        (they run the same collective walk of the weights)."""
+        group = None
+        if self.dims.rank == 0:
+            group = join_sync_group(host, port, 0, world_size, bind_host=sync_host(loopback), backend=sync_backend(self.dims.device))
+        self.sender = WeightSender(group, dtype=getattr(torch, self.cfg.rollout.dtype))
+
+    @dispatch("broadcast")
+    def send_weights(self) -> dict:
+        """Broadcast the current policy to the rollout group (collective with its receive_weights).
+        Returns seconds, bytes (full tensors handed over) and the number of syncs so far."""
+        t0 = time.perf_counter()
+        nbytes = self._push_weights(self.sender, adapted_only=self.sender.weight_version > 0)
+        return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "weight_version": self.sender.weight_version}
 
     @dispatch("broadcast")
     def generate(self, prompt_ids: list, sampling: SamplingConfig, seeds: list) -> Optional[tuple[int, list]]:
@@ -287,6 +307,44 @@ class ActorWorker(PolicyWorker):
         gens = self.engine.generate(share["p"], sampling, seeds=share["s"]) if r.owner and share["p"] else []
         self.engine.offload()
         return (r.replica, gens) if r.owner else None
+
+
+def torch_rollout_engine(cfg: AlignerConfig, model_cfg, dims: ParallelDims, eos_token_id: Optional[int]):
+    """aligner's TorchEngine on the engine layout `dims` (rollout.parallel over some worker group's
+    ranks): a model of `model_cfg` built with the run's seed in rollout.dtype (the first refit or
+    weight sync replaces the weights), and the engine settings of ``cfg.rollout``."""
+    rp = cfg.rollout.parallel
+    # decode's pipeline stages balanced with the head counted (unless the config gives a split)
+    split = rp.pp_layer_split or (decode_layer_split(model_cfg, dims.pp_size) if dims.pp_size > 1 else None)
+    model = build_parallel_model(model_cfg, "lm", dims, layer_split=split, seed=cfg.trainer.seed)
+    model = model.to(device=dims.device, dtype=getattr(torch, cfg.rollout.dtype))
+    return build_engine(
+        "torch",
+        model,
+        eos_token_id=eos_token_id,
+        tp_group=dims.tp_group,
+        pp_group=dims.pp_group,
+        max_batch_size=cfg.rollout.max_batch_size,
+        scheduler=cfg.rollout.scheduler,
+        micro_batches=cfg.rollout.micro_batches or None,
+        cuda_graphs=cfg.rollout.cuda_graphs,
+        compile=cfg.rollout.compile,
+        seed=cfg.trainer.seed,
+    )
+
+
+def sync_host(loopback: bool) -> str:
+    """The address this worker uses in a weight-sync group: 127.0.0.1 when every member is on this node, else its node IP."""
+    if loopback:
+        return "127.0.0.1"
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def sync_backend(device: torch.device) -> str:
+    """gloo for CPU workers, NCCL for GPU ones."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def _current_placement_group():

@@ -35,6 +35,7 @@ from aligner.errors import PlacementError
 from aligner.workers.ray_runtime import local_num_cpus
 
 PLACEMENTS = ("split", "colocated")
+ROLLOUT_GROUP = "rollout"  # the engines' worker group of rollout.placement=split (a role name in placements)
 # GPU share each TensorRT-LLM engine worker asks (RayPlacementConfig.per_worker_gpu_share); the actor
 # worker on that GPU asks this much less, so exactly one engine worker fits beside each actor rank
 TRTLLM_WORKER_GPU_SHARE = 0.1
@@ -171,7 +172,8 @@ def plan_node_groups(
 
     roles: role name -> request, in the order groups are created.
     placement: "split" (own group per role, except roles named in `colocate_with`)
-        or "colocated" (one group for all roles).
+        or "colocated" (one group for all roles); the rollout group of ``rollout.placement=split``
+        (:data:`ROLLOUT_GROUP`) gets its own group either way.
     colocate_with: role -> the role whose bundles it shares (split placement only).
     Raises ValueError for an unknown placement, an unknown colocate target, or
     colocated roles with different num_nodes / gpus_per_node.
@@ -181,6 +183,9 @@ def plan_node_groups(
     colocate_with = dict(colocate_with or {})
     owner: dict[str, str] = {}
     for name in roles:
+        if name == ROLLOUT_GROUP:  # the split rollout placement: always a node group of its own
+            owner[name] = name
+            continue
         if placement == "colocated":
             owner[name] = next(iter(roles))
             continue
@@ -394,11 +399,13 @@ def create_placement(
 
 
 def _config_requests(cfg: Any, roles: Sequence[str]) -> tuple[dict[str, RoleRequest], dict[str, str]]:
-    requests = {name: RoleRequest.from_role(name, cfg.role(name)) for name in roles}
+    requests = {name: RoleRequest.from_role(name, cfg.role(name)) for name in roles if name != ROLLOUT_GROUP}
+    if ROLLOUT_GROUP in roles:  # rollout.placement=split: the engines' own worker group
+        requests[ROLLOUT_GROUP] = RoleRequest.from_parts(ROLLOUT_GROUP, cfg.rollout.parallel, cfg.rollout.resources)
     if cfg.stage == "ppo" and cfg.rollout.backend == "trtllm" and "actor" in requests and requests["actor"].gpus_per_node:
         # the actor's ranks leave TRTLLM_WORKER_GPU_SHARE of their GPUs to the engine workers they start
         requests["actor"] = replace(requests["actor"], engine_gpu_share=TRTLLM_WORKER_GPU_SHARE)
-    colocate = {name: cfg.role(name).colocate_with for name in roles if cfg.role(name).colocate_with}
+    colocate = {name: cfg.role(name).colocate_with for name in roles if name != ROLLOUT_GROUP and cfg.role(name).colocate_with}
     return requests, colocate
 
 

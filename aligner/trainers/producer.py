@@ -1,0 +1,128 @@
+"""Generation ahead of the update under bounded staleness, for the split rollout placement (issue 37).
+
+With ``rollout.placement=split`` the engines form their own worker group (:mod:`aligner.workers.rollout`)
+and receive the actor's weights by broadcast (:mod:`aligner.rollout.weight_sync`). The
+:class:`RolloutProducer` keeps a queue of generations in flight on that group: while the actor trains
+on the batch of step t, the rollout group already generates the batches of steps t+1 .. t+k
+(``trainer.max_staleness`` = k), the one-step off-policy pipeline of NeMo-RL and verl when k = 1.
+
+Versions are counted in PPO steps: the actor's weights after t updates are version t, and the engines
+hold the version of their last sync. A batch generated with version v and trained at step t is
+t - v steps stale; before each new generation is queued the engines are synced to the actor's
+current weights when its staleness at training time would exceed k. k = 0 syncs before every
+generation: the colocated run's semantics (the same tokens: tests/trainers/test_split_placement.py).
+The lag is corrected in the update by AReaL's decoupled PPO objective
+(``algorithm.decoupled_loss``, on by default when k > 0).
+
+Simplification: a sync lands only between generations (no interruptible generation yet): Ray runs a
+worker's calls one at a time, so a sync queued behind a generation in flight waits for it. With k = 1
+the queue is empty when the sync is due and generation overlaps the whole update; with k >= 2 a
+sync that is due while batches are in flight waits for them.
+
+Resume: the data position saved with a checkpoint is the one before the oldest batch not yet trained
+(:meth:`RolloutProducer.data_state`), so a resumed run trains on the same prompts; the batches in
+flight are dropped and regenerated with the resumed weights (version t instead of t - k).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from aligner.workers.group import WorkerGroup, get_all
+
+
+@dataclass
+class Pending:
+    """A generation in flight: for training step `step`, from engines holding policy version `version`.
+
+    rows: the prompt rows (each prompt n times in a row). future: the rollout group's generate call.
+    data_state: the prompt iterator's state before this batch's prompts were drawn.
+    """
+
+    step: int
+    version: int
+    rows: list[dict]
+    future: Any
+    data_state: dict
+
+
+class _Done:
+    """A finished result with the ``get()`` of a :class:`~aligner.workers.group.GroupFuture`."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def get(self, timeout_s: Optional[float] = None) -> Any:
+        return self.value
+
+
+class RolloutProducer:
+    """The rollout group, its weight sync from the actor group and the queue of generations in flight.
+
+    actor: the actor's WorkerGroup (:class:`~aligner.workers.actor.ActorWorker`). rollout: the rollout
+    WorkerGroup (:class:`~aligner.workers.rollout.RolloutWorker`). max_staleness: k >= 0.
+    Joining the sync group happens here (every member at once). It also has the ``refit()`` /
+    ``generate()`` pair of the actor group, so the greedy evaluation runs on the rollout group.
+    """
+
+    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup, max_staleness: int) -> None:
+        if max_staleness < 0:
+            raise ValueError(f"trainer.max_staleness={max_staleness} is invalid: must be >= 0")
+        self.actor, self.rollout, self.k = actor, rollout, max_staleness
+        self.engine_version = -1  # the policy version the engines hold; -1 = their seeded init
+        self.policy_version = 0  # the actor's current version (the trainer sets it: PPO steps done)
+        self.pending: deque[Pending] = deque()
+        ips = {i["node_ip"] for i in actor.worker_info()[:1] + rollout.worker_info()}
+        loopback = len(ips) == 1
+        host, port = next(a for a in actor.sync_address(loopback).get() if a is not None)
+        world = 1 + rollout.world_size
+        get_all([actor.join_weight_sync(host, port, world, loopback), rollout.join_weight_sync(host, port, world, loopback)])
+
+    def sync(self) -> dict[str, float]:
+        """Send the actor's current weights to every engine (waits for generations in flight on the
+        rollout group). Returns {"seconds", "bytes", "weight_version"}; bytes 0 when already current."""
+        if self.engine_version == self.policy_version:
+            return {"seconds": 0.0, "bytes": 0, "weight_version": self.engine_version}
+        t0 = time.perf_counter()
+        sent, _ = get_all([self.actor.send_weights(), self.rollout.receive_weights()])
+        self.engine_version = self.policy_version
+        return {"seconds": time.perf_counter() - t0, "bytes": sent[0]["bytes"], "weight_version": self.engine_version}
+
+    def due(self, step: int) -> bool:
+        """Whether a batch for training step `step` generated now would be more than k steps stale."""
+        return step - self.engine_version > self.k
+
+    def submit(self, step: int, rows: list[dict], prompt_ids: list, sampling, seeds: list, data_state: dict) -> None:
+        """Queue the generation of step `step`'s batch on the engines as they are now (no wait)."""
+        fut = self.rollout.generate(prompt_ids, sampling, seeds)
+        self.pending.append(Pending(step, self.engine_version, rows, fut, data_state))
+
+    def take(self, step: int) -> Pending:
+        """The oldest batch in flight, which must be step `step`'s (RuntimeError otherwise)."""
+        if not self.pending or self.pending[0].step != step:
+            have = [p.step for p in self.pending]
+            raise RuntimeError(f"no generation queued for step {step} (queued: {have})")
+        return self.pending.popleft()
+
+    def queued_steps(self) -> list[int]:
+        return [p.step for p in self.pending]
+
+    def data_state(self) -> Optional[dict]:
+        """The prompt iterator's state before the oldest untrained batch in flight (None when none is)."""
+        return self.pending[0].data_state if self.pending else None
+
+    def drop(self) -> None:
+        """Forget the generations in flight (a run that stops; their results are never read)."""
+        self.pending.clear()
+
+    # ---- the actor group's evaluation interface -------------------------------------------------
+    def refit(self) -> _Done:
+        """Sync the engines to the actor's current weights (waits for generations in flight)."""
+        return _Done(self.sync())
+
+    def generate(self, prompt_ids: list, sampling, seeds: list):
+        """The rollout group's generate (behind any generation in flight)."""
+        return self.rollout.generate(prompt_ids, sampling, seeds)

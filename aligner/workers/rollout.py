@@ -1,0 +1,62 @@
+"""The rollout worker group of the split placement (``rollout.placement=split``, issue 37).
+
+Thin (docs/design.md, "Thin Ray shells over Ray-free classes"): each rank holds one whole engine
+replica (tp = pp = 1) of aligner's :class:`~aligner.rollout.torch_engine.TorchEngine`, built from
+the policy's model config with the run's seed; its weights arrive from the actor's rank 0 over the
+weight-sync group (:mod:`aligner.rollout.weight_sync`) after each update instead of by the in-place
+refit of the colocated placement. ``generate`` is broadcast like the actor's: every rank gets all
+prompts, generates its contiguous share and returns (replica, generations).
+
+The group runs on its own node group (``rollout.resources``), so while it generates the actor can
+train on the previous batch (``trainer.max_staleness`` >= 1, :mod:`aligner.trainers.producer`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from aligner.config import AlignerConfig, SamplingConfig
+from aligner.parallel.dims import ParallelDims
+from aligner.rollout.weight_sync import SyncGroup, join_sync_group, receive_weights
+from aligner.workers.actor import sync_backend, sync_host, torch_rollout_engine
+from aligner.workers.dispatch import dispatch, split_batch
+
+
+class RolloutWorker:
+    """One engine replica of the rollout group: receives weights, generates its share of the prompts.
+
+    cfg: the run's config (``rollout.*`` settings, the seed). model_cfg: the policy's ModelConfig
+    (:meth:`aligner.workers.actor.ActorWorker.model_config`). eos_token_id: the stop token.
+    dims: this rank's ParallelDims in the rollout group (dp = replicas; given by the worker shell).
+    """
+
+    def __init__(self, cfg: AlignerConfig, model_cfg, eos_token_id: Optional[int] = None, dims: Optional[ParallelDims] = None):
+        self.cfg = cfg
+        self.dims = dims or ParallelDims()
+        self.engine = torch_rollout_engine(cfg, model_cfg, ParallelDims(device_type=self.dims.device.type), eos_token_id)
+        self.group: Optional[SyncGroup] = None
+
+    @dispatch("broadcast")
+    def join_weight_sync(self, host: str, port: int, world_size: int, loopback: bool) -> None:
+        """Join the actor's weight-sync group as receiver 1 + this rank (the actor's rank 0 sends)."""
+        self.group = join_sync_group(
+            host, port, 1 + self.dims.rank, world_size, bind_host=sync_host(loopback), backend=sync_backend(self.dims.device)
+        )
+
+    @dispatch("broadcast")
+    def receive_weights(self) -> dict:
+        """One sync into the engine (collective with the actor's send_weights). Returns seconds, bytes,
+        buckets, tensors and the engine's weight_version."""
+        if self.group is None:
+            raise RuntimeError("receive_weights before join_weight_sync")
+        t0 = time.perf_counter()
+        out = receive_weights(self.group, self.engine)
+        return {**out, "seconds": time.perf_counter() - t0}
+
+    @dispatch("broadcast")
+    def generate(self, prompt_ids: list, sampling: SamplingConfig, seeds: list) -> tuple[int, list]:
+        """All prompts in; this replica's contiguous share generated: (replica, generations)."""
+        share = split_batch({"p": prompt_ids, "s": seeds}, self.dims.world_size)[self.dims.rank]
+        gens = self.engine.generate(share["p"], sampling, seeds=share["s"]) if share["p"] else []
+        return self.dims.rank, gens
