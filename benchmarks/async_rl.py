@@ -1,0 +1,162 @@
+"""Benchmark: generation overlapped with training (issue 37): the split rollout placement at
+trainer.max_staleness = 1 against 0, and against the colocated placement, on SmolLM2-135M.
+
+What is measured: samples per second of whole PPO steps (wall time of ``PPOTrainer.run_step``) of
+GRPO on SmolLM2-135M-Instruct with GSM8K chat prompts (the work of ``benchmarks/grpo_step.py
+--real``: 4 prompts x 4 samples, 128 new tokens forced (no EOS), rule reward gsm8k_format, KL loss
+0.04 against a reference role, micro-batches of 4, fp32), through Ray worker groups, three ways:
+
+- ``split k=1``: rollout.placement=split, trainer.max_staleness=1: the rollout group (one worker,
+  one CPU, one torch thread) generates step t+1's batch while the actor (one CPU) and the
+  reference (one CPU) run step t's inference and update; AReaL's decoupled loss corrects the lag;
+- ``split k=0``: the same placement and threads, synchronous (the sync, then generation, then the
+  update, one after another);
+- ``colocated k=0``: today's default: the engine in the actor's process, the workers of each
+  phase sharing both cores (trainer.num_threads=0).
+
+Every configuration does the same work per step (the old-log-prob forward too: the decoupled loss
+needs it, so the others run it as well). Blocks of --steps steps per configuration, alternating
+(A, B, C, A, B, C, ...) --rounds times; the first step of each block is dropped (it starts with
+the queue empty, or with a batch generated during the previous block's wait), and before each
+block the previous configuration's generation in flight is awaited, so none runs beside another.
+The bound of the overlap is (generate + update) / max(generate, update); the goal is >= 1.6x.
+Also printed: the weight sync's bytes and seconds per step (split) and the refit's (colocated).
+
+    python benchmarks/async_rl.py                  # 2 rounds of blocks of 4 steps
+    python benchmarks/async_rl.py --rounds 1 --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common as C  # noqa: E402
+
+CONFIGS = {
+    "split k=1": dict(placement="split", k=1),
+    "split k=0": dict(placement="split", k=0),
+    "colocated k=0": dict(placement="colocated", k=0),
+}
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=2, help="blocks per configuration")
+    ap.add_argument("--steps", type=int, default=4, help="steps per block (the first is dropped)")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    return ap.parse_args()
+
+
+def build(args: argparse.Namespace, placement: str, k: int, model_dir: str, mc, tok, prompts):
+    """A Ray PPOTrainer of the benchmark's work with this placement and staleness, started."""
+    from aligner.config import AlgorithmConfig, RewardRoleConfig
+    from aligner.config.validation import validate_run
+    from aligner.trainers.ppo import PPOTrainer
+
+    cfg = C.ppo_config(
+        advantage="grpo",
+        prompts=args.prompts,
+        n_samples=args.samples,
+        new_tokens=args.new_tokens,
+        prompt_len=args.prompt_len,
+        model_cfg=mc,
+        paths={"policy": model_dir, "tokenizer": model_dir},
+        kl_coef=0.0,
+    )
+    cfg.reward = RewardRoleConfig(type="rule", rule="gsm8k_format")
+    cfg.trainer.micro_batch_size = 4
+    cfg.algorithm = AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_loss_coef=0.04, ppo_epochs=1, normalize_rewards=False)
+    cfg.rollout.placement = placement
+    cfg.trainer.max_staleness = k
+    cfg.trainer.num_threads = 0  # colocated: threads follow the work; split: each worker its one CPU's thread
+    validate_run(cfg)  # resolves algorithm.decoupled_loss (on for k > 0)
+    trainer = PPOTrainer(cfg, NoEos(tok), prompts, prompts)
+    trainer.start()
+    return trainer
+
+
+class NoEos:
+    """The tokenizer with no EOS: every response runs to max_new_tokens (equal work on every side)."""
+
+    eos_token_id = None
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def settle(trainer) -> None:
+    """Wait for the generations a trainer left in flight (none runs beside the next block)."""
+    if trainer.producer is not None:
+        for p in trainer.producer.pending:
+            p.future.get()
+
+
+def main() -> None:
+    args = parse()
+    C.as_cpu_worker()
+    from aligner.data.tokenizer import load_tokenizer
+    from aligner.model.hf import model_config_from_hf, read_hf_config
+    from aligner.workers.ray_runtime import init_ray, shutdown_ray
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from grpo_step import real_prompts
+
+    model_dir = str(C.smollm2_dir())
+    mc = model_config_from_hf(read_hf_config(model_dir))
+    tok = load_tokenizer(model_dir)
+    prompts = [p for p in real_prompts(tok, 256) if len(p["prompt_ids"]) <= args.prompt_len]
+    print(C.env_line())
+    print(f"command: {C.command_line()}")
+    print(
+        f"work: SmolLM2-135M-Instruct GRPO, GSM8K chat prompts, {args.prompts} prompts x {args.samples} samples, "
+        f"{args.new_tokens} new tokens forced, KL loss 0.04, micro-batches of 4, fp32; blocks of {args.steps} steps "
+        f"(first dropped) x {args.rounds} rounds per configuration",
+        flush=True,
+    )
+    init_ray()
+    trainers = {name: build(args, c["placement"], c["k"], model_dir, mc, tok, prompts) for name, c in CONFIGS.items()}
+    rows: dict[str, list[dict]] = {n: [] for n in trainers}
+    try:
+        for r in range(args.rounds):
+            for name, t in trainers.items():
+                for other in trainers.values():
+                    settle(other)
+                for i in range(args.steps):
+                    t0 = time.perf_counter()
+                    m = t.run_step()
+                    wall = time.perf_counter() - t0
+                    t.step += 1
+                    if i:
+                        rows[name].append({**m, "wall": wall})
+                        print(f"  round {r} {name}: step {wall:.2f} s, staleness {m.get('staleness', 0):.0f}", flush=True)
+    finally:
+        for t in trainers.values():
+            t.stop()
+        shutdown_ray()
+    samples = args.prompts * args.samples
+    med = {n: C.median([x["wall"] for x in rows[n]]) for n in rows}
+    for n in rows:
+        gen, train = (C.median([x.get(f"time/{p}", 0.0) for x in rows[n]]) for p in ("generate", "train"))
+        sync = C.median([x.get("refit_bytes", 0.0) for x in rows[n]]) / 2**20
+        secs = C.median([x.get("sync_seconds", x.get("time/refit", 0.0)) for x in rows[n]])
+        print(
+            f"{n:>14}: step {med[n]:.2f} s = {samples / med[n]:.2f} samples/s (generate-phase wait {gen:.2f} s, train {train:.2f} s); "
+            f"weights sent {sync:.0f} MiB in {secs:.2f} s a step"
+        )
+    ratio = med["split k=0"] / med["split k=1"]
+    print(f"samples/s, split k=1 / split k=0: {ratio:.2f}x (goal >= 1.6x: {'met' if ratio >= 1.6 else 'not met'})")
+    print(f"samples/s, split k=1 / colocated k=0 (both cores): {med['colocated k=0'] / med['split k=1']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
