@@ -583,3 +583,28 @@ def test_gpu_mem_gb_is_gibibytes_as_gpus_are_sold():
     cluster = ClusterConfig(gpus_per_node=8, gpu_mem_gb=80)
     assert memory_problem(needing(82e9), cluster) is None
     assert memory_problem(needing(86e9), cluster) == "needs 80.1 GiB/GPU > 80 GiB"
+
+
+def test_split_rollout_group_gets_its_own_nodes_and_overlaps_the_update_with_staleness(capsys):
+    """rollout.placement=split (issue 37 part 1): the engines are planned on rollout.resources.num_nodes
+    nodes of their own, as whole replicas (tp = pp = 1), and the other roles on the rest; the step is
+    rollout + update when synchronous and max(rollout, update) with trainer.max_staleness >= 1."""
+    over = ["rollout.placement=split", "rollout.parallel.tp_size=1", "rollout.resources.num_nodes=2"]
+    base = ["conf=llama2_7b", "cluster.num_nodes=4", "cluster.placement=split"]
+    plans = {k: make_plan(load_config("ppo", [*base, *over, f"trainer.max_staleness={k}"])) for k in (0, 1)}
+    for plan in plans.values():
+        rollout = plan.roles["rollout"]
+        assert rollout.devices == 2 * 8 and rollout.best.layout.tp == rollout.best.layout.pp == 1
+        assert all(est.layout.tp == est.layout.pp == 1 for est in rollout.ranked)
+        assert plan.node_split.actor_nodes + plan.node_split.critic_nodes == 2  # the 4 nodes less the rollout group's
+    r0 = plans[0].roles
+    gen = r0["rollout"].best.time.total_s
+    update = max(
+        sum(p.best.time.total_s for p in r0.values() if p.work.group == g and p.work.mode != "generate") for g in ("actor", "critic")
+    )
+    assert plans[0].step_time_s == pytest.approx(gen + update)
+    assert plans[1].step_time_s == pytest.approx(max(gen, update))
+    text = format_plan(plans[1])
+    assert "rollout group (rollout.placement=split): 16 devices" in text and "generation overlaps the update" in text
+    with pytest.raises(PlanError, match="rollout.resources.num_nodes=4 leaves none of 4 nodes"):
+        make_plan(load_config("ppo", [*base, *over[:2], "rollout.resources.num_nodes=4"]))

@@ -104,6 +104,12 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"node split: actor group (actor, rollout) {ns.actor_nodes} of {c.num_nodes} nodes, critic group {ns.critic_nodes}")
         tried = ", ".join(f"{a}:{t:.1f}s" if isinstance(t, float) else f"{a}:no fit" for a, t in ns.tried)
         lines.append(f"  splits tried (actor nodes: step time): {tried}")
+    rollout = plan.roles.get("rollout")
+    if rollout is not None and rollout.work.group == "rollout":
+        lines.append(
+            f"rollout group (rollout.placement=split): {rollout.devices} devices of its own, whole engine replicas; "
+            f"trainer.max_staleness={plan.max_staleness} ({'generation overlaps the update' if plan.max_staleness else 'synchronous'})"
+        )
     lines.append(f"estimated step time: {plan.step_time_s:.2f} s (memory in GiB per device, times in seconds per step)")
     for rp in plan.roles.values():
         lines.append("")

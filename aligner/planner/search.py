@@ -36,6 +36,9 @@ class RolePlan:
         return self.ranked[0] if self.ranked else None
 
 
+ROLLOUT = "rollout"  # the rollout engines' node group of rollout.placement=split (a RoleWork group)
+
+
 @dataclass(frozen=True)
 class NodeSplit:
     """Nodes given to the actor's group (actor, rollout) and to the critic's (critic, reward, ...)."""
@@ -57,6 +60,7 @@ class Plan:
     node_split: Optional[NodeSplit]
     step_time_s: float
     model: Optional[ModelConfig] = None  # the planned model (format_plan prints training bytes per parameter)
+    max_staleness: int = 0  # trainer.max_staleness (the split rollout group overlaps the update when > 0)
 
 
 # --------------------------------------------------------------------------- roles and search
@@ -175,7 +179,7 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
             seq_len=d.max_prompt_len,
             new_tokens=new_tokens,
             max_batch_size=cfg.rollout.max_batch_size,
-            group="actor",
+            group=ROLLOUT if cfg.rollout.placement == "split" else "actor",
             dtype=cfg.rollout.dtype,
             scheduler=cfg.rollout.scheduler,
             mean_response_len=mean_len,
@@ -255,6 +259,8 @@ def candidate_layouts(model: ModelConfig, work: RoleWork, devices: int, minimal:
         for pp in _divisors(devices // tp):
             if model.num_layers % pp:
                 continue  # even stages only (pp_layer_split is for hand-made layouts)
+            if work.group == ROLLOUT and tp * pp > 1:
+                continue  # the split placement's engines are whole replicas
             dp = devices // (tp * pp)
             eps = [d for d in _divisors(dp) if model.num_experts and model.num_experts % d == 0] if work.mode == "train" else []
             for ep in eps or [1]:
@@ -293,13 +299,18 @@ def _group_time(roles: dict[str, RolePlan], group: str) -> float:
     return sum(p.best.time.total_s for p in roles.values() if p.work.group == group and p.work.mode != "generate")
 
 
-def ppo_step_seconds(roles: dict[str, RolePlan], split: bool) -> float:
+def ppo_step_seconds(roles: dict[str, RolePlan], split: bool, max_staleness: int = 0) -> float:
     """Split placement: rollout, then the actor's and the critic's groups concurrently (the slower
-    dominates). Colocated: every phase in turn."""
-    if not split:
-        return sum(p.best.time.total_s for p in roles.values())
+    dominates). Colocated: every phase in turn. With the rollout engines on a node group of their
+    own (rollout.placement=split) and trainer.max_staleness >= 1, generation overlaps the update:
+    the step is the longer of the two (the weight sync not counted)."""
     rollout = sum(p.best.time.total_s for p in roles.values() if p.work.mode == "generate")
-    return rollout + max(_group_time(roles, "actor"), _group_time(roles, "critic"))
+    if split:
+        update = max(_group_time(roles, "actor"), _group_time(roles, "critic"))
+    else:
+        update = sum(p.best.time.total_s for p in roles.values() if p.work.mode != "generate")
+    own_group = any(p.work.group == ROLLOUT for p in roles.values())
+    return max(rollout, update) if own_group and max_staleness > 0 else rollout + update
 
 
 def _plan_on(
@@ -316,12 +327,17 @@ def _plan_on(
             cache[key] = plan_role(cfg.model, work, nodes * g, cluster, minimal)
         return cache[key]
 
-    groups = {w.group for w in works}
-    split = cfg.cluster.placement == "split" and num_nodes >= 2 and len(groups) == 2
-    options = [(a, num_nodes - a) for a in range(1, num_nodes)] if split else [(num_nodes, num_nodes)]
+    groups = {w.group for w in works} - {ROLLOUT}
+    rollout_nodes = cfg.rollout.resources.num_nodes if any(w.group == ROLLOUT for w in works) else 0
+    left = num_nodes - rollout_nodes  # the rollout group's own nodes (rollout.placement=split) are not shared
+    if left < 1:
+        return None, None, f"rollout.resources.num_nodes={rollout_nodes} leaves none of {num_nodes} nodes to the other roles"
+    split = cfg.cluster.placement == "split" and left >= 2 and len(groups) == 2
+    options = [(a, left - a) for a in range(1, left)] if split else [(left, left)]
     best, best_split, tried, reason = None, None, [], ""
     for a, c in options:
-        roles = {w.role: role_plan(w, a if w.group == "actor" or not split else c) for w in works}
+        nodes = {ROLLOUT: rollout_nodes, "actor": a, "critic": c if split else a}
+        roles = {w.role: role_plan(w, nodes[w.group]) for w in works}
         missing = [p for p in roles.values() if p.best is None]
         if missing:
             p = missing[0]
@@ -329,7 +345,11 @@ def _plan_on(
             reason = f"{p.role} on {p.devices} devices: {why}"
             tried.append((a, reason))
             continue
-        t = ppo_step_seconds(roles, split) if cfg.stage in ("ppo", "plan") else sum(p.best.time.total_s for p in roles.values())
+        t = (
+            ppo_step_seconds(roles, split, cfg.trainer.max_staleness)
+            if cfg.stage in ("ppo", "plan")
+            else sum(p.best.time.total_s for p in roles.values())
+        )
         tried.append((a, t))
         if best is None or t < best_split[2]:
             best, best_split = roles, (a, c, t)
@@ -382,7 +402,7 @@ def make_plan(cfg: AlignerConfig) -> Plan:
         raise PlanError(f"no layout fits on {cluster_text(c.num_nodes, c.gpus_per_node, c.gpu_mem_gb)}: {reason}; {fix}")
     split = node_split is not None
     if cfg.stage in ("ppo", "plan"):
-        step = ppo_step_seconds(roles, split)
+        step = ppo_step_seconds(roles, split, cfg.trainer.max_staleness)
     else:
         step = sum(p.best.time.total_s for p in roles.values())
     return Plan(
@@ -393,4 +413,5 @@ def make_plan(cfg: AlignerConfig) -> Plan:
         node_split=node_split,
         step_time_s=step,
         model=cfg.model,
+        max_staleness=cfg.trainer.max_staleness,
     )
