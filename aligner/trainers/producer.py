@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from aligner.workers.group import WorkerGroup, get_all
+from aligner.workers.group import WorkerGroup, get_all_across_groups
 
 
 @dataclass
@@ -79,7 +79,7 @@ class RolloutProducer:
         loopback = len(ips) == 1
         host, port = next(a for a in actor.sync_address(loopback).get() if a is not None)
         world = 1 + rollout.world_size
-        get_all([actor.join_weight_sync(host, port, world, loopback), rollout.join_weight_sync(host, port, world, loopback)])
+        get_all_across_groups([actor.join_weight_sync(host, port, world, loopback), rollout.join_weight_sync(host, port, world, loopback)])
 
     def sync(self) -> dict[str, float]:
         """Send the actor's current weights to every engine (waits for generations in flight on the
@@ -87,7 +87,7 @@ class RolloutProducer:
         if self.engine_version == self.policy_version:
             return {"seconds": 0.0, "bytes": 0, "weight_version": self.engine_version}
         t0 = time.perf_counter()
-        sent, _ = get_all([self.actor.send_weights(), self.rollout.receive_weights()])
+        sent, _ = get_all_across_groups([self.actor.send_weights(), self.rollout.receive_weights()])
         self.engine_version = self.policy_version
         return {"seconds": time.perf_counter() - t0, "bytes": sent[0]["bytes"], "weight_version": self.engine_version}
 

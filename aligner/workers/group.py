@@ -209,6 +209,29 @@ def get_all(futures: Iterable[GroupFuture], timeout_s: Optional[float] = None) -
     return out
 
 
+def get_all_across_groups(futures: Iterable[GroupFuture], peer_timeout_s: float = 60.0) -> list[Any]:
+    """Results of the futures of one collective that spans several groups (the weight sync of the split
+    placement): every future is waited for, and when some fail a process death (WorkerDiedError) is
+    raised before the errors it caused in its peers ("connection closed by peer" in a collective), so
+    the automatic restart sees the death. peer_timeout_s bounds the wait for the others once one failed.
+    Raises the death, else the first WorkerError; TimeoutError only when none failed."""
+    out: list[Any] = []
+    errors: list[WorkerError] = []
+    for f in futures:
+        try:
+            out.append(f.get(peer_timeout_s if errors else None))
+        except WorkerError as e:
+            errors.append(e)
+            out.append(None)
+        except TimeoutError:
+            if not errors:
+                raise
+            out.append(None)
+    if errors:
+        raise next((e for e in errors if isinstance(e, WorkerDiedError)), errors[0])
+    return out
+
+
 def _cuda_available() -> bool:
     import torch
 

@@ -19,7 +19,7 @@ import torch
 from aligner.config import AlignerConfig, ClusterConfig, ParallelConfig, RefRoleConfig, ResourceConfig, TrainableRoleConfig
 from aligner.errors import WorkerDiedError, WorkerError
 from aligner.workers.dispatch import concat_results, dispatch, dispatched_methods, split_batch
-from aligner.workers.group import CoreSharing, WorkerGroup, core_shares, get_all
+from aligner.workers.group import CoreSharing, WorkerGroup, core_shares, get_all, get_all_across_groups
 from aligner.workers.placement import PlacementError, RoleRequest, create_placement, plan_from_config, plan_node_groups
 from tests.toolkit.ray import NUM_CPUS
 
@@ -340,3 +340,27 @@ def test_over_asking_placement_is_refused_before_any_actor(ray_local):
     finally:
         hold.remove()
     assert sum(s != "REMOVED" for s in _pg_states().values()) == sum(s != "REMOVED" for s in before.values())
+
+
+class _Fut:
+    """A finished call: returns `value` or raises `error` from get()."""
+
+    def __init__(self, value=None, error=None):
+        self.value, self.error = value, error
+
+    def get(self, timeout_s=None):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def test_a_death_is_reported_before_the_errors_it_caused_in_its_peers():
+    """The weight sync spans two groups: when the receiver's process dies, the sender's collective fails
+    first ("connection closed by peer"); the death must be what the driver sees, so the run restarts."""
+    peer = WorkerError("actor", 0, "RuntimeError: Connection closed by peer", "send_weights")
+    death = WorkerDiedError("rollout", 0, "the worker process died", "receive_weights")
+    with pytest.raises(WorkerDiedError, match="rollout"):
+        get_all_across_groups([_Fut(error=peer), _Fut(error=death)])
+    with pytest.raises(WorkerError, match="actor"):
+        get_all_across_groups([_Fut(error=peer), _Fut(value=1)])
+    assert get_all_across_groups([_Fut(value=1), _Fut(value=2)]) == [1, 2]
