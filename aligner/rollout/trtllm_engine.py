@@ -367,7 +367,9 @@ class TrtllmEngine(RolloutEngine):
             raise
         self._init_state(llm, runner, SamplingParams, cfg=cfg, eos_token_id=eos_token_id, max_seq_len=max_seq_len)
 
-    def _init_state(self, llm: Any, runner: _LoopThread, sampling_params_cls: Any, *, cfg: Any, eos_token_id: Optional[int], max_seq_len: int) -> None:
+    def _init_state(
+        self, llm: Any, runner: _LoopThread, sampling_params_cls: Any, *, cfg: Any, eos_token_id: Optional[int], max_seq_len: int
+    ) -> None:
         """Everything but the engine start (also how the CPU contract tests attach a recording stand-in)."""
         self.llm, self._loop, self._SamplingParams = llm, runner, sampling_params_cls
         self.cfg, self.eos_token_id, self.max_seq_len = cfg, eos_token_id, max_seq_len

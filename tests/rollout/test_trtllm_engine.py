@@ -151,8 +151,14 @@ def test_sleep_tags_are_strings_as_release_takes_them(api):
     # members of ExecutorMemoryType as TensorRT-LLM's main branch defines them (the enum is NOT in the recorded API)
     members = enum.Enum(
         "ExecutorMemoryType",
-        {"SAMPLER": "sampler", "INIT_KV_CACHE": "_no_capture_init_kv_cache", "KV_CACHE": "kv_cache",
-         "MODEL_ENGINE_MAIN": "model", "MODEL_WEIGHTS_MAIN": "model_weights", "EXTRA_RESOURCES": "executor_extra"},
+        {
+            "SAMPLER": "sampler",
+            "INIT_KV_CACHE": "_no_capture_init_kv_cache",
+            "KV_CACHE": "kv_cache",
+            "MODEL_ENGINE_MAIN": "model",
+            "MODEL_WEIGHTS_MAIN": "model_weights",
+            "EXTRA_RESOURCES": "executor_extra",
+        },
     )
     tags = memory_tags(members)
     assert tags == ["sampler", "kv_cache", "model", "model_weights", "executor_extra"]
@@ -329,13 +335,15 @@ def test_engine_calls_exactly_the_public_methods_with_their_recorded_signatures(
     engine.offload()  # asleep already: no second release
     engine.onload()
     engine.shutdown()
+
+    def params(seed):  # the SamplingParams keywords of one request (SamplingParams is `dict` here)
+        return build_sampling_kwargs(SamplingConfig(temperature=0.0, max_new_tokens=4), eos_token_id=2, seed=seed, max_new_tokens=4)
+
     assert [(name, args) for name, args, _ in calls] == [
         ("update_weights", {"weights": {"GPU-0": [("w", "handle")]}}),
         ("collective_rpc", {"method": "update_weights", "args": (None,)}),
-        ("generate_async", {"inputs": {"prompt_token_ids": [1, 2]}, "sampling_params": build_sampling_kwargs(
-            SamplingConfig(temperature=0.0, max_new_tokens=4), eos_token_id=2, seed=3, max_new_tokens=4)}),
-        ("generate_async", {"inputs": {"prompt_token_ids": [5]}, "sampling_params": build_sampling_kwargs(
-            SamplingConfig(temperature=0.0, max_new_tokens=4), eos_token_id=2, seed=4, max_new_tokens=4)}),
+        ("generate_async", {"inputs": {"prompt_token_ids": [1, 2]}, "sampling_params": params(3)}),
+        ("generate_async", {"inputs": {"prompt_token_ids": [5]}, "sampling_params": params(4)}),
         ("release", {"tags": ["model", "kv_cache"]}),
         ("resume", {"tags": ["model", "kv_cache"]}),
         ("shutdown", {}),
