@@ -6,7 +6,9 @@ return, every keyword at each ``LLM(...)`` / ``SamplingParams(...)`` / ``KvCache
 ``CudaGraphConfig(...)`` / ``RayPlacementConfig(...)`` call in trtllm_engine.py's source (found
 with ``ast``), every ``LoadFormat`` member, every ``from tensorrt_llm... import`` (recorded, or
 one of the unrecorded names the module docstring marks NOT in the recorded API), every method and
-RPC name it calls, and the output fields it reads. Then the PPO-loop wiring of rollout.backend=trtllm
+RPC name it calls, and the output fields it reads; then the engine driven against a recording
+stand-in for AsyncLLM: exactly the public methods, each call bound to its recorded 1.2.1
+signature (release / resume for sleep and wake, no private ``_collective_rpc``). Then the PPO-loop wiring of rollout.backend=trtllm
 on CPU, without TensorRT-LLM: which rank owns which replica, the placement handed to TensorRT-LLM,
 the GPU share the actor leaves it, the config.json the engine starts from, and that the actor
 builds the TensorRT-LLM engine (here it stops at the import, naming what to install).
@@ -53,10 +55,10 @@ def call_keywords(func_name: str) -> list[set[str]]:
 
 
 def rpc_method_names() -> set[str]:
-    """First argument of every ``_collective_rpc(...)`` call."""
+    """First argument of every ``collective_rpc(...)`` call (AsyncLLM's public one)."""
     names = set()
     for node in ast.walk(ast.parse(SOURCE)):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "_collective_rpc":
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "collective_rpc":
             assert isinstance(node.args[0], ast.Constant), "RPC method names must be literals"
             names.add(node.args[0].value)
     return names
@@ -77,6 +79,9 @@ def test_llm_kwargs_are_accepted(api):
     assert set(kw["kv_cache_config"]) <= field_names(api["tensorrt_llm.llmapi.llm_args.KvCacheConfig"])
     graphs = build_llm_kwargs(RolloutConfig(), "/ckpt", max_seq_len=512, enable_sleep=False)["cuda_graph_config"]
     assert graphs is not None and set(graphs) <= field_names(api["tensorrt_llm.llmapi.llm_args.CudaGraphConfig"])
+    # rollout.cuda_graphs alone decides, with or without sleep (NeMo-RL's layout; the gpu test checks refits under it)
+    assert build_llm_kwargs(RolloutConfig(), "/ckpt", max_seq_len=512, enable_sleep=True)["cuda_graph_config"] == graphs
+    assert build_llm_kwargs(RolloutConfig(cuda_graphs=False), "/ckpt", max_seq_len=512, enable_sleep=False)["cuda_graph_config"] is None
 
 
 def test_ppo_loop_llm_kwargs_are_accepted(api):
@@ -93,7 +98,11 @@ def test_ppo_loop_llm_kwargs_are_accepted(api):
     assert fields["pp_partition"]["annotation"] == "Optional[List[int]]"
     assert "LoadFormat" in fields["load_format"]["annotation"] and "RayPlacementConfig" in fields["ray_placement_config"]["annotation"]
     ray_fields = field_names(api["tensorrt_llm.llmapi.llm_args.RayPlacementConfig"])
-    assert set(place) <= ray_fields and "defer_workers_init" in ray_fields  # left at its default (False): workers start in LLM()
+    assert set(place) <= ray_fields and "defer_workers_init" in ray_fields  # AsyncLLM sets it: workers start in setup_async
+    # AsyncLLM takes the placement as its own keywords of the same names and builds the RayPlacementConfig
+    async_init = {p["name"] for p in api["tensorrt_llm.llmapi.AsyncLLM.__init__"]["params"] if p["kind"] == "POSITIONAL_OR_KEYWORD"}
+    assert set(place) == async_init
+    assert "defer_workers_init=True" in api["tensorrt_llm.llmapi.AsyncLLM.__init__"]["note"]
     plain = build_llm_kwargs(RolloutConfig(), "/ckpt", max_seq_len=512)
     assert plain["pp_partition"] is None and plain["load_format"] == "auto" and plain["ray_placement_config"] is None
 
@@ -106,7 +115,7 @@ def test_load_format_and_placement_call_sites(api):
         if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "LoadFormat"
     }
     assert used == {"DUMMY", "AUTO"} and used <= members
-    assert call_keywords("RayPlacementConfig") == [set()]  # built from build_llm_kwargs' dict (**), checked above
+    assert call_keywords("RayPlacementConfig") == []  # AsyncLLM builds it from its own three keywords
 
 
 # imports from tensorrt_llm the recorded 1.2.1 API does not hold; the module docstring marks each NOT in it
@@ -129,11 +138,32 @@ def test_every_tensorrt_llm_import_is_recorded_or_marked(api):
 
 
 def test_sleep_tags_are_strings_as_release_takes_them(api):
-    """AsyncLLM.release / resume (1.2.1) take tags: list[str] and send them as the 'sleep' / 'wakeup' RPC args."""
+    """AsyncLLM.release / resume (1.2.1) take tags: list[str] and send them as the 'sleep' / 'wakeup' RPC args;
+    the tags are ExecutorMemoryType's string values without the start-up-only "_no_capture_*" scopes."""
+    import enum
+
+    from aligner.rollout.trtllm_engine import memory_tags
+
     for method in ("release", "resume"):
         params = api[f"tensorrt_llm.llmapi.AsyncLLM.{method}"]["params"]
         assert [(p["name"], p["annotation"]) for p in params] == [("tags", "list[str]")]
-    assert "[t.value for t in ExecutorMemoryType]" in SOURCE
+        assert api[f"tensorrt_llm.llmapi.AsyncLLM.{method}"]["kind"] == "async_method"
+    # members of ExecutorMemoryType as TensorRT-LLM's main branch defines them (the enum is NOT in the recorded API)
+    members = enum.Enum(
+        "ExecutorMemoryType",
+        {
+            "SAMPLER": "sampler",
+            "INIT_KV_CACHE": "_no_capture_init_kv_cache",
+            "KV_CACHE": "kv_cache",
+            "MODEL_ENGINE_MAIN": "model",
+            "MODEL_WEIGHTS_MAIN": "model_weights",
+            "EXTRA_RESOURCES": "executor_extra",
+        },
+    )
+    tags = memory_tags(members)
+    assert tags == ["sampler", "kv_cache", "model", "model_weights", "executor_extra"]
+    assert all(isinstance(t, str) for t in tags)
+    assert "return memory_tags(ExecutorMemoryType)" in SOURCE
 
 
 def test_parallel_sizes_come_from_the_rollout_config():
@@ -144,12 +174,18 @@ def test_parallel_sizes_come_from_the_rollout_config():
 
 
 def test_llm_call_site_keywords_are_accepted(api):
-    accepted = set(api["tensorrt_llm.LLM.accepted_kwargs"]["all"])
-    calls = call_keywords("LLM")
-    assert calls, "no LLM(...) call found in trtllm_engine.py"
+    """AsyncLLM(...) takes its three placement keywords and passes the rest to LLM.__init__ (1.2.1)."""
+    init = api["tensorrt_llm.llmapi.AsyncLLM.__init__"]
+    own = {p["name"] for p in init["params"] if p["kind"] == "POSITIONAL_OR_KEYWORD"}
+    assert init["accepts_var_kwargs"] and "tensorrt_llm.llmapi.llm.LLM" in api["tensorrt_llm.llmapi.AsyncLLM"]["base_chain"]
+    accepted = set(api["tensorrt_llm.LLM.accepted_kwargs"]["all"]) | own
+    assert call_keywords("LLM") == []  # the synchronous LLM is no longer built
+    calls = call_keywords("AsyncLLM")
+    assert calls, "no AsyncLLM(...) call found in trtllm_engine.py"
     for kws in calls:
         assert kws <= accepted, kws - accepted
-        assert {"tensor_parallel_size", "pipeline_parallel_size", "orchestrator_type", "ray_worker_extension_cls"} <= kws
+        assert own <= kws and "ray_placement_config" not in kws  # AsyncLLM would replace it
+        assert {"tensor_parallel_size", "pipeline_parallel_size", "orchestrator_type", "ray_worker_extension_cls", "enable_sleep"} <= kws
     for cls, _sym in (("KvCacheConfig", "KvCacheConfig"), ("CudaGraphConfig", "CudaGraphConfig")):
         assert call_keywords(cls) == [set()]  # built from the dict of build_llm_kwargs (**kw), checked above
 
@@ -182,24 +218,153 @@ def test_bad_sampling_is_refused_before_tensorrt_llm():
 
 
 def test_methods_and_rpcs_exist(api):
-    llm = api["tensorrt_llm.LLM"]
-    assert "_collective_rpc" in llm["private_methods"] and {"generate", "shutdown"} <= set(llm["public_methods"])
-    rpc_params = [p["name"] for p in api["tensorrt_llm.LLM._collective_rpc"]["params"]]
+    """Every method the adapter calls on the engine is a public AsyncLLM method of 1.2.1 (no private
+    ``_collective_rpc`` left); the one RPC sent by name is the WorkerExtension's update_weights."""
+    allm = api["tensorrt_llm.llmapi.AsyncLLM"]
+    public = set(allm["public_methods"])
+    assert {"release", "resume", "update_weights", "collective_rpc", "setup_async", "generate_async", "shutdown"} <= public
+    called = {
+        n.func.attr
+        for n in ast.walk(ast.parse(SOURCE))
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and isinstance(n.func.value, (ast.Name, ast.Attribute))
+        and (n.func.value.id if isinstance(n.func.value, ast.Name) else n.func.value.attr) == "llm"
+    }
+    assert called == {"setup_async", "generate_async", "update_weights", "collective_rpc", "release", "resume", "shutdown"}, called
+    assert called <= public
+    assert "_collective_rpc" not in SOURCE.split('"""', 2)[2]  # only the module docstring still names it
+    # the synchronous LLM has no public sleep / wake / weight update in 1.2.1: why AsyncLLM
+    assert not {"release", "resume", "update_weights", "collective_rpc"} & set(api["tensorrt_llm.LLM"]["public_methods"])
+    rpc_params = [p["name"] for p in api["tensorrt_llm.llmapi.AsyncLLM.collective_rpc"]["params"]]
     assert rpc_params[:2] == ["method", "args"]
-    gen_params = {p["name"] for p in api["tensorrt_llm.LLM.generate"]["params"]}
-    assert {"sampling_params", "use_tqdm"} <= gen_params
+    gen_params = [p["name"] for p in api["tensorrt_llm.LLM.generate_async"]["params"]]
+    assert gen_params[:2] == ["inputs", "sampling_params"]
     ext = api["tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"]
     assert trtllm_engine.WORKER_EXTENSION in ext["import_paths"]
     assert [p["name"] for p in api["tensorrt_llm.llmapi.rlhf_utils.WorkerExtension.update_weights"]["params"]] == ["ipc_handles"]
-    rpcs = rpc_method_names()
-    assert "update_weights" in set(ext["public_methods"]) & rpcs
-    # sleep / wakeup are the worker RPCs AsyncLLM.release / resume call in 1.2.1
-    assert (
-        "'sleep'" in api["tensorrt_llm.llmapi.AsyncLLM.release"]["note"]
-        and "'wakeup'" in api["tensorrt_llm.llmapi.AsyncLLM.resume"]["note"]
-    )
-    assert rpcs == {"update_weights", "sleep", "wakeup"}
+    assert rpc_method_names() == {"update_weights"} and "update_weights" in ext["public_methods"]
+    # AsyncLLM.update_weights / release / resume send the worker RPCs update_weights / sleep / wakeup (1.2.1 bodies)
+    assert "'update_weights'" in api["tensorrt_llm.llmapi.AsyncLLM.update_weights"]["note"]
+    assert "'sleep'" in api["tensorrt_llm.llmapi.AsyncLLM.release"]["note"]
+    assert "'wakeup'" in api["tensorrt_llm.llmapi.AsyncLLM.resume"]["note"]
     assert "enable_sleep" in api["tensorrt_llm.LLM.accepted_kwargs"]["all"]
+
+
+def _recorded(api: dict, method: str) -> dict:
+    """The recorded 1.2.1 entry of AsyncLLM.`method` (its own, else the one it inherits from LLM)."""
+    return api.get(f"tensorrt_llm.llmapi.AsyncLLM.{method}") or api[f"tensorrt_llm.LLM.{method}"]
+
+
+def _signature(params: list[dict]):
+    import inspect
+
+    out = []
+    for p in params:
+        kind = getattr(inspect.Parameter, p["kind"])
+        optional = not p["required"] and kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        out.append(inspect.Parameter(p["name"], kind, default=None if optional else inspect.Parameter.empty))
+    return inspect.Signature(out)
+
+
+def _recording_async_llm(api: dict, calls: list):
+    """A stand-in for AsyncLLM whose methods exist only where 1.2.1's AsyncLLM has them publicly, are
+    coroutines exactly where the recorded ones are (``async_method``), and bind every call to the
+    recorded signature (TypeError on a keyword or arity the real method would refuse). Records
+    (method, bound arguments, thread name)."""
+    import threading
+    from types import SimpleNamespace
+
+    aresult = api["tensorrt_llm.executor.result.GenerationResult.aresult"]
+    assert aresult["kind"] == "async_method" and "aresult" in api["tensorrt_llm.llmapi.RequestOutput"]["public_methods"]
+
+    class Output:
+        def __init__(self, prompt):
+            self.prompt = prompt
+
+        async def aresult(self):
+            ids = [self.prompt[0] + 1, self.prompt[0] + 2]
+            return SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=[-0.5, -0.25], finish_reason="length")])
+
+    def make(name):
+        entry = _recorded(api, name)
+        sig = _signature(entry["params"])
+
+        def record(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs)
+            calls.append((name, dict(bound.arguments), threading.current_thread().name))
+            return bound.arguments
+
+        if entry["kind"] == "async_method":
+
+            async def method(*args, **kwargs):
+                record(*args, **kwargs)
+
+        elif name == "generate_async":
+
+            def method(*args, **kwargs):
+                return Output(record(*args, **kwargs)["inputs"]["prompt_token_ids"])
+
+        else:
+
+            def method(*args, **kwargs):
+                record(*args, **kwargs)
+
+        return method
+
+    names = ("setup_async", "generate_async", "update_weights", "collective_rpc", "release", "resume", "shutdown")
+    assert set(names) <= set(api["tensorrt_llm.llmapi.AsyncLLM"]["public_methods"])
+    return SimpleNamespace(**{n: make(n) for n in names})
+
+
+def test_engine_calls_exactly_the_public_methods_with_their_recorded_signatures(api, monkeypatch):
+    """TrtllmEngine's refit, generate, sleep, wake and shutdown against the recording stand-in: public
+    AsyncLLM methods only (a private ``_collective_rpc`` would raise AttributeError), coroutines awaited
+    on the engine's own loop thread, sleep / wake as release(tags) / resume(tags) once per transition."""
+    from aligner.rollout.trtllm_engine import TrtllmEngine, _LoopThread
+
+    calls: list = []
+    engine = object.__new__(TrtllmEngine)
+    engine._init_state(_recording_async_llm(api, calls), _LoopThread(), dict, cfg=RolloutConfig(), eos_token_id=2, max_seq_len=64)
+    monkeypatch.setattr(engine, "_memory_tags", lambda: ["model", "kv_cache"])
+    engine.onload()  # awake already: no call
+    engine.update_weights_from_handles({"GPU-0": [("w", "handle")]})
+    engine.finish_weight_update()
+    gens = engine.generate([[1, 2], [5]], SamplingConfig(temperature=0.0, max_new_tokens=4), seeds=[3, 4])
+    engine.offload()
+    engine.offload()  # asleep already: no second release
+    engine.onload()
+    engine.shutdown()
+
+    def params(seed):  # the SamplingParams keywords of one request (SamplingParams is `dict` here)
+        return build_sampling_kwargs(SamplingConfig(temperature=0.0, max_new_tokens=4), eos_token_id=2, seed=seed, max_new_tokens=4)
+
+    assert [(name, args) for name, args, _ in calls] == [
+        ("update_weights", {"weights": {"GPU-0": [("w", "handle")]}}),
+        ("collective_rpc", {"method": "update_weights", "args": (None,)}),
+        ("generate_async", {"inputs": {"prompt_token_ids": [1, 2]}, "sampling_params": params(3)}),
+        ("generate_async", {"inputs": {"prompt_token_ids": [5]}, "sampling_params": params(4)}),
+        ("release", {"tags": ["model", "kv_cache"]}),
+        ("resume", {"tags": ["model", "kv_cache"]}),
+        ("shutdown", {}),
+    ]
+    assert {thread for _, _, thread in calls} == {"aligner-trtllm-loop"}  # every call on the engine's loop
+    assert not engine._loop.thread.is_alive()  # shutdown stopped the loop
+    assert [g.token_ids for g in gens] == [[2, 3], [6, 7]] and [g.rollout_log_probs for g in gens] == [[-0.5, -0.25]] * 2
+    assert {g.weight_version for g in gens} == {1} and engine.weight_version == 1
+
+
+def test_release_and_resume_would_refuse_a_private_or_misshaped_call(api):
+    """The stand-in is strict: the synchronous LLM's private RPC does not exist on it, and a call off
+    the recorded signature raises, so the test above cannot pass with either."""
+    fake = _recording_async_llm(api, [])
+    assert not hasattr(fake, "_collective_rpc")
+    import asyncio
+
+    with pytest.raises(TypeError):
+        asyncio.run(fake.release(["model"], level=1))
+    with pytest.raises(TypeError):
+        asyncio.run(fake.resume())
 
 
 def test_output_fields_read_exist(api):

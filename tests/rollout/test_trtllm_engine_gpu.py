@@ -8,6 +8,9 @@ WorkerExtension.update_weights; the log-probs it reports for its greedy tokens m
 those of the refit weights (our fp32 model on the same tokens, within a bf16 tolerance that
 has never been measured: the TensorRT-LLM test has run nowhere), stamped weight_version 1;
 after sleep, wakeup and a second refit (the PPO loop's order) it must give the same tokens.
+TrtllmEngine with CUDA graphs: refit twice without and twice with release/resume between, its
+greedy tokens against an eager (graphs off) TrtllmEngine refit with the same weights
+(test_trtllm_cuda_graphs_see_every_refit; unrun).
 """
 
 from __future__ import annotations
@@ -103,11 +106,9 @@ def test_fused_decode_on_cuda_matches_the_module_path_eager_and_graphed():
             torch.testing.assert_close(torch.tensor(g.rollout_log_probs), torch.tensor(w.rollout_log_probs), atol=1e-4, rtol=0)
 
 
-@needs_trtllm
-def test_trtllm_engine_refit_generate_sleep(tmp_path):
+def _write_hf_checkpoint(directory) -> str:
+    """A tiny HF Llama checkpoint of our seed-1 weights (float32) for the TensorRT-LLM engine to start from."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from aligner.rollout import build_engine
 
     hf_cfg = LlamaConfig(
         vocab_size=CFG.vocab_size,
@@ -124,8 +125,27 @@ def test_trtllm_engine_refit_generate_sleep(tmp_path):
     )
     hf = LlamaForCausalLM(hf_cfg)
     hf.load_state_dict(build_model(CFG, seed=1).state_dict())
-    hf.save_pretrained(tmp_path)
-    engine = build_engine("trtllm", str(tmp_path), RolloutConfig(dtype="bfloat16"), max_seq_len=CFG.max_seq_len, dtype="bfloat16")
+    hf.save_pretrained(directory)
+    return str(directory)
+
+
+def _sampled_log_prob_gap(model, prompts, gens) -> float:
+    """Mean |engine log-prob - our fp32 `model`'s log-prob| of the engine's sampled tokens."""
+    diffs = []
+    with torch.no_grad():
+        for p, g in zip(prompts, gens):
+            full = torch.tensor([p + g.token_ids], device="cuda")
+            ref = vocab_parallel_log_probs(model(full)[:, len(p) - 1 : -1].float(), full[:, len(p) :])[0].cpu()
+            diffs.append((torch.tensor(g.rollout_log_probs) - ref).abs())
+    return torch.cat(diffs).mean().item()
+
+
+@needs_trtllm
+def test_trtllm_engine_refit_generate_sleep(tmp_path):
+    from aligner.rollout import build_engine
+
+    model_dir = _write_hf_checkpoint(tmp_path)
+    engine = build_engine("trtllm", model_dir, RolloutConfig(dtype="bfloat16"), max_seq_len=CFG.max_seq_len, dtype="bfloat16")
     try:
         trained = build_model(CFG, seed=2, device="cuda").eval()
         stats = refit(trained, engine, bucket_mb=1)
@@ -133,17 +153,61 @@ def test_trtllm_engine_refit_generate_sleep(tmp_path):
         s = SamplingConfig(temperature=0.0, max_new_tokens=8)
         got = engine.generate(PROMPTS, s)
         assert all(g.weight_version == 1 and len(g.rollout_log_probs) == len(g.token_ids) for g in got)
-        diffs = []
-        with torch.no_grad():
-            for p, g in zip(PROMPTS, got):
-                full = torch.tensor([p + g.token_ids], device="cuda")
-                ref = vocab_parallel_log_probs(trained(full)[:, len(p) - 1 : -1].float(), full[:, len(p) :])[0].cpu()
-                diffs.append((torch.tensor(g.rollout_log_probs) - ref).abs())
         # the engine sampled with the refit weights, not the checkpoint's (seed 1): bf16-close log-probs
-        assert torch.cat(diffs).mean().item() < 0.05, diffs
+        assert _sampled_log_prob_gap(trained, PROMPTS, got) < 0.05
         engine.offload()
         engine.onload()
         assert refit(trained, engine, bucket_mb=1).weight_version == 2
         assert [g.token_ids for g in engine.generate(PROMPTS, s)] == [g.token_ids for g in got]
     finally:
         engine.shutdown()
+
+
+@needs_trtllm
+def test_trtllm_cuda_graphs_see_every_refit(tmp_path):
+    """Stale CUDA graphs after a refit (decode replaying captured kernels that still read the old
+    weights, or memory that release/resume moved) give plausible tokens and no error. An engine with
+    CUDA graphs on (and release/resume enabled) is refit with weights A, then B without
+    offload/onload between, then A and B again each after offload/onload (AsyncLLM.release / resume,
+    the PPO loop's order); after every refit its greedy tokens must equal those of an eager engine
+    (CUDA graphs off, no sleep) refit with the same weights, and its log-probs be bf16-close to our
+    fp32 model's with those weights (which tells a stale graph from a near-tie between kernels).
+    A and B must give different tokens, or the check could not see a stale graph. The two engines
+    run one after the other (each takes a whole GPU in TensorRT-LLM's own placement group).
+    Unrun: no GPU with tensorrt_llm has been available (aligner/rollout/trtllm_engine.py)."""
+    from aligner.rollout import build_engine
+    from aligner.rollout.trtllm_engine import build_llm_kwargs
+
+    model_dir = _write_hf_checkpoint(tmp_path)
+    weights = {"A": build_model(CFG, seed=2, device="cuda").eval(), "B": build_model(CFG, seed=3, device="cuda").eval()}
+    s = SamplingConfig(temperature=0.0, max_new_tokens=12)
+    graphed_cfg, eager_cfg = RolloutConfig(dtype="bfloat16", cuda_graphs=True), RolloutConfig(dtype="bfloat16", cuda_graphs=False)
+    assert build_llm_kwargs(graphed_cfg, model_dir, max_seq_len=CFG.max_seq_len, enable_sleep=True)["cuda_graph_config"] is not None
+    assert build_llm_kwargs(eager_cfg, model_dir, max_seq_len=CFG.max_seq_len, enable_sleep=False)["cuda_graph_config"] is None
+    kw = dict(max_seq_len=CFG.max_seq_len, dtype="bfloat16")
+
+    eager = build_engine("trtllm", model_dir, eager_cfg, enable_sleep=False, **kw)
+    try:
+        want = {}
+        for name in ("A", "B"):
+            refit(weights[name], eager, bucket_mb=1)
+            want[name] = [g.token_ids for g in eager.generate(PROMPTS, s)]
+    finally:
+        eager.shutdown()
+    assert want["A"] != want["B"], "weights A and B give the same greedy tokens: a stale graph would go unseen"
+
+    graphed = build_engine("trtllm", model_dir, graphed_cfg, enable_sleep=True, **kw)
+    try:
+        steps = [("A", False), ("B", False), ("A", True), ("B", True)]  # (weights, offload/onload before the refit)
+        for version, (name, offload) in enumerate(steps, start=1):
+            if offload:
+                graphed.offload()
+                graphed.onload()
+            assert refit(weights[name], graphed, bucket_mb=1).weight_version == version
+            got = graphed.generate(PROMPTS, s)
+            gap = _sampled_log_prob_gap(weights[name], PROMPTS, got)
+            assert gap < 0.05, f"refit {version} (weights {name}, offload={offload}): log-probs off by {gap:.4f}: stale graph?"
+            assert [g.token_ids for g in got] == want[name], (version, name, offload, [g.token_ids for g in got], want[name])
+            assert {g.weight_version for g in got} == {version}
+    finally:
+        graphed.shutdown()
