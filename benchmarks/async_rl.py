@@ -51,6 +51,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--tiny", action="store_true", help="a tiny random Llama and random prompts instead (a smoke test of the script)")
     return ap.parse_args()
 
 
@@ -111,10 +112,16 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from grpo_step import real_prompts
 
-    model_dir = str(C.smollm2_dir())
-    mc = model_config_from_hf(read_hf_config(model_dir))
-    tok = load_tokenizer(model_dir)
-    prompts = [p for p in real_prompts(tok, 256) if len(p["prompt_ids"]) <= args.prompt_len]
+    if args.tiny:
+        mc = C.tiny_model_cfg(max_seq_len=max(256, args.prompt_len + args.new_tokens))
+        paths = C.make_checkpoints(C.CACHE / "async_rl_tiny", mc)
+        model_dir, tok = paths["policy"], load_tokenizer(paths["tokenizer"])
+        prompts = [{**p, "metadata": {"answer": "1"}} for p in C.make_prompts(256, 16, mc.vocab_size)]
+    else:
+        model_dir = str(C.smollm2_dir())
+        mc = model_config_from_hf(read_hf_config(model_dir))
+        tok = load_tokenizer(model_dir)
+        prompts = [p for p in real_prompts(tok, 256) if len(p["prompt_ids"]) <= args.prompt_len]
     print(C.env_line())
     print(f"command: {C.command_line()}")
     print(

@@ -11,7 +11,7 @@ broadcast: every rank receives all prompts, each replica generates its contiguou
 and the first rank of each replica returns it.
 
 rollout.backend=trtllm builds a TensorRT-LLM replica per tp * pp contiguous ranks instead
-(its first rank owns the ``LLM``; aligner.rollout.trtllm_engine.ColocatedTrtllmEngine), wakes
+(its first rank owns the ``AsyncLLM``; aligner.rollout.trtllm_engine.ColocatedTrtllmEngine), wakes
 it at the start of refit and puts it to sleep at the end of generate, and reports the same
 refit dict (seconds, bytes, weight_version) as the torch engine. That path has not run on a GPU.
 """
