@@ -78,21 +78,11 @@ def build(args: argparse.Namespace, placement: str, k: int, model_dir: str, mc, 
     cfg.trainer.max_staleness = k
     cfg.trainer.num_threads = 0  # colocated: threads follow the work; split: each worker its one CPU's thread
     validate_run(cfg)  # resolves algorithm.decoupled_loss (on for k > 0)
+    from grpo_step import NoEos
+
     trainer = PPOTrainer(cfg, NoEos(tok), prompts, prompts)
     trainer.start()
     return trainer
-
-
-class NoEos:
-    """The tokenizer with no EOS: every response runs to max_new_tokens (equal work on every side)."""
-
-    eos_token_id = None
-
-    def __init__(self, tok):
-        self._tok = tok
-
-    def __getattr__(self, name):
-        return getattr(self._tok, name)
 
 
 def settle(trainer) -> None:

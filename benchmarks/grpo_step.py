@@ -243,7 +243,7 @@ def real_prompts(tok, n: int) -> list[dict]:
     return out
 
 
-class _NoEos:
+class NoEos:
     """The tokenizer with ``eos_token_id`` None: PPOTrainer.start gives its actor workers no EOS, so
     every response runs to max_new_tokens, as in :func:`benchmarks.common.inprocess_trainer`."""
 
@@ -261,7 +261,7 @@ def ray_trainer(cfg, tok, prompts: list[dict]):
     from aligner.trainers.ppo import PPOTrainer
 
     cfg.trainer.num_threads = 0  # the default: CPU threads follow the work
-    trainer = PPOTrainer(cfg, _NoEos(tok), prompts, prompts)
+    trainer = PPOTrainer(cfg, NoEos(tok), prompts, prompts)
     trainer.init_ray()
     trainer.start()
     return trainer
