@@ -61,6 +61,12 @@ class WorkerDiedError(WorkerError):
     """A worker process of a group died (killed, crashed, out of memory)."""
 
 
+class WorkerHungError(WorkerDiedError):
+    """A worker made no progress in a call for ``trainer.hang_timeout_s`` (a stalled process, a peer lost
+    in a collective, an engine that stopped producing): handled as a death, so the automatic restart
+    heals it; the message carries the worker's Python stack where the driver can read it."""
+
+
 class ToolSchemaError(ValueError):
     """A tool's JSON schema for its arguments is invalid (found when the tool is registered); the message names the tool and the fix."""
 

@@ -185,6 +185,7 @@ CASES = [
     (["algorithm.behavior_weight_cap=1"], "algorithm.behavior_weight_cap", "1", "must be > 1 (e.g. 5.0) or null"),
     (["rollout.placement=sideways"], "rollout.placement", "'sideways'", "colocated, split"),
     (["trainer.max_staleness=-1"], "trainer.max_staleness", "-1", "must be >= 0"),
+    (["trainer.hang_timeout_s=-1"], "trainer.hang_timeout_s", "-1.0", "must be >= 0 seconds (0 = no hang watchdog)"),
     (["trainer.max_staleness=1"], "trainer.max_staleness", "1", "set rollout.placement=split"),
     (
         [

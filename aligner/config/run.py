@@ -42,6 +42,9 @@ class TrainerConfig:
     # PPO with rollout.placement=split: batches the rollout group may generate ahead of the update (each
     # sample is at most this many weight versions old when trained); 0 = synchronous
     max_staleness: int = 0
+    # a worker call with no result for this long is a hang: its stacks are dumped and it is handled as a
+    # death (the automatic restart); counted from the call's submission; 0 = no watchdog
+    hang_timeout_s: float = 1800.0
     max_restarts: int = 2  # a worker process that dies: stop and restart the groups, resume from the latest checkpoint, at most this many times a run; 0 = end the run (resume=true by hand)
 
     def validate(self, prefix: str = "trainer") -> None:
@@ -66,6 +69,7 @@ class TrainerConfig:
             "max_staleness",
         ):
             _check(getattr(self, name) >= 0, f"{prefix}.{name}", getattr(self, name), "must be >= 0")
+        _check(self.hang_timeout_s >= 0, f"{prefix}.hang_timeout_s", self.hang_timeout_s, "must be >= 0 seconds (0 = no hang watchdog)")
         _check(
             self.preempt_grace_s > 0,
             f"{prefix}.preempt_grace_s",

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from aligner.config import AlignerConfig, config_yaml
-from aligner.errors import UserError, WorkerDiedError
+from aligner.errors import UserError, WorkerDiedError, WorkerHungError
 from aligner.tracking import MetricsLogger
 from aligner.trainers import preemption
 from aligner.trainers.checkpointing import CheckpointManager, load_trainer_state, rng_state, set_rng_state
@@ -311,6 +311,8 @@ def train_with_restarts(trainer: Trainer) -> None:
                 "%s: %s rank %d died during %s (%s): restart %d of %d: stopping and starting the worker groups",
                 trainer.name, e.role, e.rank, restart.where, _death_summary(e.traceback_text), restart.count, budget,
             )  # fmt: skip
+            if isinstance(e, WorkerHungError):  # the stacks the hung worker wrote
+                log.warning("%s", e.traceback_text)
             trainer.stop()
             trainer.start()
 

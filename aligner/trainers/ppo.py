@@ -192,7 +192,14 @@ class PPOTrainer(Trainer):
         if cfg.rollout.placement == "split":
             model_cfg = self.groups["actor"].model_config().get()[0]
             kw = dict(cfg=cfg, model_cfg=model_cfg, eos_token_id=self.tok.eos_token_id)
-            rollout = WorkerGroup(ROLLOUT_GROUP, RolloutWorker, self.placement.role(ROLLOUT_GROUP), cfg.rollout.parallel, kwargs=kw)
+            rollout = WorkerGroup(
+                ROLLOUT_GROUP,
+                RolloutWorker,
+                self.placement.role(ROLLOUT_GROUP),
+                cfg.rollout.parallel,
+                kwargs=kw,
+                hang_timeout_s=cfg.trainer.hang_timeout_s,
+            )
             self.groups[ROLLOUT_GROUP] = rollout
             self.producer = RolloutProducer(self.groups["actor"], rollout, cfg.trainer.max_staleness)
         # threads follow the work only when the phases run one after another (not beside a rollout group)

@@ -39,11 +39,14 @@ import traceback
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from aligner.config import ParallelConfig, ResourceConfig
-from aligner.errors import WorkerDiedError, WorkerError, disk_full_path
+from aligner.errors import WorkerDiedError, WorkerError, WorkerHungError, disk_full_path
 from aligner.parallel.dims import ParallelDims
 from aligner.runtime.host import HOST_MALLOC_ENV
 from aligner.workers.dispatch import DISPATCH_MODES, concat_results, dispatched_methods, split_batch
 from aligner.workers.placement import Placement, RolePlacement, RoleRequest, create_placement, threads_per_worker
+
+# the driver declares a hang this long after the worker's own watchdog fired, so its stacks are written
+HANG_GRACE_S = 5.0
 
 
 # ---- the actor shell ---------------------------------------------------------------
@@ -65,6 +68,8 @@ class WorkerShell:
         self.worker: Any = None
         self.dims: Optional[ParallelDims] = None
         self.num_threads = 0
+        self.hang_timeout_s = 0.0
+        self.stack_file: Optional[Any] = None  # where faulthandler writes the stacks of a call past hang_timeout_s
 
     def node_id(self) -> str:
         """The Ray node id this worker runs on."""
@@ -125,13 +130,36 @@ class WorkerShell:
         self.num_threads = num_threads
         return num_threads
 
+    def watch_hangs(self, hang_timeout_s: float) -> str:
+        """Arm the hang watchdog: a call still running after `hang_timeout_s` seconds (> 0) writes the
+        Python stack of every thread of this process to a file (faulthandler); returns its path."""
+        import faulthandler
+        import tempfile
+
+        self.hang_timeout_s = float(hang_timeout_s)
+        if self.stack_file is None:
+            path = os.path.join(tempfile.gettempdir(), f"aligner-stacks-{self.role}-{self.rank}-{os.getpid()}.txt")
+            self.stack_file = open(path, "w")  # noqa: SIM115 (kept open: faulthandler writes to its descriptor)
+        faulthandler.cancel_dump_traceback_later()
+        return self.stack_file.name
+
     def call(self, method: str, packed: tuple[tuple, dict]) -> Any:
-        """Run ``worker.method(*args, **kwargs)``; an exception comes back as WorkerError."""
+        """Run ``worker.method(*args, **kwargs)``; an exception comes back as WorkerError. With the hang
+        watchdog armed, the stacks are dumped if the call outlasts hang_timeout_s (the driver reads them)."""
+        import faulthandler
+
         args, kwargs = packed
+        if self.hang_timeout_s > 0 and self.stack_file is not None:
+            self.stack_file.seek(0)
+            self.stack_file.truncate()
+            faulthandler.dump_traceback_later(self.hang_timeout_s, repeat=False, file=self.stack_file, exit=False)
         try:
             return getattr(self.worker, method)(*args, **kwargs)
         except Exception as e:
             raise WorkerError(self.role, self.rank, traceback.format_exc(), method, disk_full_path(e) or "") from None
+        finally:
+            if self.hang_timeout_s > 0:
+                faulthandler.cancel_dump_traceback_later()
 
     def info(self) -> dict[str, Any]:
         """pid, node IP, rank coordinates, env rendezvous and torch threads of this worker."""
@@ -178,6 +206,7 @@ class GroupFuture:
     def __init__(self, group: WorkerGroup, method: str, refs: dict[int, Any], collect: Callable[[dict[int, Any]], Any]) -> None:
         self.group, self.method, self._collect = group, method, collect
         self.refs_by_rank = refs
+        self.started = time.monotonic()  # the hang watchdog counts from the call
 
     @property
     def refs(self) -> list:
@@ -196,7 +225,7 @@ class GroupFuture:
         Raises WorkerError (a worker raised), WorkerDiedError (a worker process died;
         reported within ``group.poll_s`` of Ray noticing), TimeoutError after `timeout_s`.
         """
-        return self._collect(self.group._wait(self.refs_by_rank, self.method, timeout_s))
+        return self._collect(self.group._wait(self.refs_by_rank, self.method, timeout_s, self.started))
 
 
 def get_all(futures: Iterable[GroupFuture], timeout_s: Optional[float] = None) -> list[Any]:
@@ -252,6 +281,10 @@ class WorkerGroup:
     parallel: the role's tp/pp/dp sizes; its world size must equal the placement's.
     num_threads: torch threads per CPU worker; 0 = the role's resources.cpus_per_worker.
     env: extra environment variables set in every worker before it is built.
+    hang_timeout_s: > 0 arms the hang watchdog (``trainer.hang_timeout_s``): a call that returns no
+        result for this long on some rank raises WorkerHungError (a WorkerDiedError, so the automatic
+        restart handles it) naming the role, rank and method, with the Python stack the worker wrote
+        (faulthandler) when the driver can read it; 0 = off.
     Raises ValueError for mismatched sizes or a method name that clashes with the group's
     own attributes; WorkerError when a worker fails to build (the group is then shut down).
     """
@@ -269,6 +302,7 @@ class WorkerGroup:
         env: Optional[Mapping[str, str]] = None,
         setup_timeout_s: float = 300.0,
         poll_s: float = 0.2,
+        hang_timeout_s: float = 0.0,
     ) -> None:
         if parallel.world_size != placement.world_size:
             raise ValueError(
@@ -276,6 +310,8 @@ class WorkerGroup:
                 f"{parallel.world_size}, but the placement of {placement.role!r} holds {placement.world_size} workers: make them equal"
             )
         self.role, self.worker_cls, self.placement, self.poll_s = role, worker_cls, placement, poll_s
+        self.hang_timeout_s = hang_timeout_s
+        self.stack_files: dict[int, str] = {}  # rank -> the file its hang watchdog writes (hang_timeout_s > 0)
         self.dims = ParallelDims(
             tp_size=parallel.tp_size,
             pp_size=parallel.pp_size,
@@ -369,6 +405,9 @@ class WorkerGroup:
             }
             refs[rank] = actor.setup.remote(rank_env, sizes, backend, threads, self.worker_cls, init_ref)
         self._wait(refs, "setup", timeout_s)
+        if self.hang_timeout_s > 0:
+            refs = {r: a.watch_hangs.remote(self.hang_timeout_s) for r, a in enumerate(self.actors)}
+            self.stack_files = self._wait(refs, "watch_hangs", timeout_s)
 
     # ---- calls -----------------------------------------------------------------------
     def execute(self, method: str, *args: Any, mode: str = "broadcast", **kwargs: Any) -> GroupFuture:
@@ -417,7 +456,7 @@ class WorkerGroup:
         self._wait({r: self.actors[r].set_threads.remote(n) for r, n in threads.items()}, "set_threads", timeout_s)
 
     # ---- waiting and failure -----------------------------------------------------------
-    def _wait(self, refs: dict[int, Any], method: str, timeout_s: Optional[float]) -> dict[int, Any]:
+    def _wait(self, refs: dict[int, Any], method: str, timeout_s: Optional[float], started: Optional[float] = None) -> dict[int, Any]:
         import ray
         from ray.exceptions import RayError, RayTaskError
 
@@ -439,7 +478,23 @@ class WorkerGroup:
             if pending and deadline is not None and time.monotonic() > deadline:
                 ranks = sorted(pending.values())
                 raise TimeoutError(f"{self.role}.{method}() did not finish within {timeout_s:g} s on rank(s) {ranks}")
+            if pending and started is not None and self.hang_timeout_s > 0:
+                if time.monotonic() - started > self.hang_timeout_s + HANG_GRACE_S:
+                    self._fail(self._hung(min(pending.values()), method))
         return results
+
+    def _hung(self, rank: int, method: str) -> WorkerHungError:
+        """The WorkerHungError of `rank` in `method`, with the stack its watchdog wrote when readable here."""
+        stacks = ""
+        path = self.stack_files.get(rank, "")
+        try:
+            with open(path) as f:
+                stacks = f.read().strip()
+        except OSError:
+            pass
+        where = f"\nits Python stacks (faulthandler):\n{stacks}" if stacks else f" (its stacks: {path or 'not written'}, on its node)"
+        why = f"no result from {method}() for {self.hang_timeout_s:g} s (trainer.hang_timeout_s): the worker is hung{where}"
+        return WorkerHungError(self.role, rank, why, method)
 
     def _fail(self, err: WorkerError) -> None:
         self.failure = err
@@ -479,10 +534,11 @@ def role_worker_group(cfg: Any, role: str, worker_cls: type, placement: Placemen
     """The worker group of `role` from an AlignerConfig `cfg`.
 
     Uses ``cfg.<role>.parallel``, the role's share of `placement`, and torch threads per CPU
-    worker from ``cfg.trainer.num_threads`` (0 = ``cfg.<role>.resources.cpus_per_worker``).
-    Other keywords go to :class:`WorkerGroup`. Raises as WorkerGroup and ``cfg.role``.
+    worker from ``cfg.trainer.num_threads`` (0 = ``cfg.<role>.resources.cpus_per_worker``), the hang
+    watchdog from ``cfg.trainer.hang_timeout_s``. Other keywords go to :class:`WorkerGroup`. Raises as WorkerGroup and ``cfg.role``.
     """
     kw.setdefault("num_threads", cfg.trainer.num_threads)
+    kw.setdefault("hang_timeout_s", cfg.trainer.hang_timeout_s)
     return WorkerGroup(role, worker_cls, placement.role(role), cfg.role(role).parallel, **kw)
 
 

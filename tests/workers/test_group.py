@@ -364,3 +364,32 @@ def test_a_death_is_reported_before_the_errors_it_caused_in_its_peers():
     with pytest.raises(WorkerError, match="actor"):
         get_all_across_groups([_Fut(error=peer), _Fut(value=1)])
     assert get_all_across_groups([_Fut(value=1), _Fut(value=2)]) == [1, 2]
+
+
+@pytest.mark.distributed
+def test_hang_watchdog_names_the_rank_and_its_stack(ray_local):
+    """trainer.hang_timeout_s (issue 41 part 2): a call with no result for that long raises WorkerHungError,
+    a WorkerDiedError (the automatic restart handles it), naming role, rank and method, with the Python
+    stack the worker's faulthandler wrote (it shows where the worker is stuck); the group is shut down."""
+    from aligner.errors import WorkerHungError
+
+    one = ParallelConfig()
+    placed = create_placement({"actor": RoleRequest.from_parts("actor", one, ResourceConfig(cpus_per_worker=1))}, "split")
+    group = WorkerGroup("actor", SleepWorker, placed.role("actor"), one, hang_timeout_s=1.0)
+    try:
+        assert group.busy(0.1).get(timeout_s=60)[0] >= 0.1  # a call within the limit passes
+        t0 = time.monotonic()
+        with pytest.raises(WorkerHungError) as err:
+            group.busy(120.0).get(timeout_s=60)
+        took = time.monotonic() - t0
+        assert isinstance(err.value, WorkerDiedError)
+        assert (err.value.role, err.value.rank, err.value.method) == ("actor", 0, "busy")
+        text = err.value.traceback_text
+        assert "no result from busy() for 1 s (trainer.hang_timeout_s)" in text
+        assert "in busy" in text and "test_group.py" in text, text
+        assert took < 20, f"the hang was reported {took:.1f} s after the call (limit 1 s + grace)"
+        with pytest.raises(RuntimeError, match="shut down"):
+            group.busy(0.1)
+    finally:
+        group.shutdown()
+        placed.remove()
