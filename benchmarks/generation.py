@@ -181,6 +181,7 @@ def copy_bandwidth(nbytes: int = 2**30) -> float:
 GPU_ENGINES = {  # column name -> TorchEngine options (every engine gets its own copy of the weights)
     "static": dict(scheduler="static", cuda_graphs=True, compile="off"),
     "continuous": dict(scheduler="continuous", compile="off"),
+    "cont+fused": dict(scheduler="continuous", compile="off", fused_decode=True),  # packed q/k/v, gate/up (off by default on CUDA)
     "cont+compile": dict(scheduler="continuous", compile="on"),
     "static+compile": dict(scheduler="static", cuda_graphs=True, compile="on"),
 }
