@@ -75,9 +75,10 @@ class TorchEngine(RolloutEngine):
             scheduler also needs one micro-batch and a dense model: ``batching.uses_graphs``).
         seed: seed of the engine RNG used when generate() gets no seeds.
         fused_decode: pack each layer's q/k/v and gate/up weights so each group runs as one GEMM
-            (:func:`aligner.nn.layers.pack_linears`). None (default): on CUDA off (packing and
-            CUDA graphs of it have not run there: tests/rollout/test_trtllm_engine_gpu.py checks
-            it); on the CPU chosen with the weight layout by measurement (``cpu_layout``).
+            (:func:`aligner.nn.layers.pack_linears`). None (default): on CUDA on (equal to the module
+            path eager and in CUDA graphs on an H100, 1.06-1.13x its tokens/s on an H200 at batch
+            1-64, 2026-11-26: benchmarks/RESULTS.md); on the CPU chosen with the weight layout by
+            measurement (``cpu_layout``).
             Ignored for models whose layers are not aligner's own (e.g. Transformer Engine
             modules) or that use sequence parallelism.
         scheduler: "continuous" (default): a pool of max_batch_size KV-cache slots refilled as
@@ -186,7 +187,7 @@ class TorchEngine(RolloutEngine):
             kernel, transposed, self.layout = chosen.kernel, chosen.transposed, dict(chosen.info)
             fused_decode = chosen.fused if fused_decode is None else fused_decode
         if fused_decode is None:
-            fused_decode = on_cpu
+            fused_decode = True  # CUDA (the CPU's choice is measured above)
         self.fused_decode = fused_decode and fusable
         self.transposed = transposed
         self.kernel = kernel
