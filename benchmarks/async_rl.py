@@ -57,20 +57,13 @@ def parse() -> argparse.Namespace:
 
 def build(args: argparse.Namespace, placement: str, k: int, model_dir: str, mc, tok, prompts):
     """A Ray PPOTrainer of the benchmark's work with this placement and staleness, started."""
+    from grpo_step import grpo_config
+
     from aligner.config import AlgorithmConfig, RewardRoleConfig
     from aligner.config.validation import validate_run
     from aligner.trainers.ppo import PPOTrainer
 
-    cfg = C.ppo_config(
-        advantage="grpo",
-        prompts=args.prompts,
-        n_samples=args.samples,
-        new_tokens=args.new_tokens,
-        prompt_len=args.prompt_len,
-        model_cfg=mc,
-        paths={"policy": model_dir, "tokenizer": model_dir},
-        kl_coef=0.0,
-    )
+    cfg = grpo_config(args, {"policy": model_dir, "tokenizer": model_dir}, mc)
     cfg.reward = RewardRoleConfig(type="rule", rule="gsm8k_format")
     cfg.trainer.micro_batch_size = 4
     cfg.algorithm = AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_loss_coef=0.04, ppo_epochs=1, normalize_rewards=False)

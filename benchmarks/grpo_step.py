@@ -199,11 +199,9 @@ def trl_gsm8k_format(completions, answer, **kwargs) -> list[float]:
 
 
 # ---- aligner side ------------------------------------------------------------------------------
-def build_aligner(args: argparse.Namespace, paths: dict, mc, scheduler: str = "continuous", ray: bool = False):
-    from aligner.data.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(paths["tokenizer"])
-    cfg = C.ppo_config(
+def grpo_config(args: argparse.Namespace, paths: dict, mc, scheduler: str = "continuous"):
+    """The benchmark step's AlignerConfig: GRPO, --prompts x --samples, --new-tokens, no KL in the reward."""
+    return C.ppo_config(
         advantage="grpo",
         prompts=args.prompts,
         n_samples=args.samples,
@@ -214,6 +212,13 @@ def build_aligner(args: argparse.Namespace, paths: dict, mc, scheduler: str = "c
         kl_coef=0.0,
         scheduler=scheduler,
     )
+
+
+def build_aligner(args: argparse.Namespace, paths: dict, mc, scheduler: str = "continuous", ray: bool = False):
+    from aligner.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(paths["tokenizer"])
+    cfg = grpo_config(args, paths, mc, scheduler)
     if args.real:
         make_real(cfg, args)
         prompts = real_prompts(tok, args.prompts * 64)
