@@ -10,7 +10,7 @@ once for all replicas, not once per replica.
 
 Owns: the sync group (a store and a gloo or NCCL process group made apart from the default one:
 the actor's ranks already belong to their training world), the bucket's wire form (a header with
-names, shapes and dtypes, then one flat buffer) and the two ends, :class:`WeightSender` (an
+names, shapes and dtypes, then one flat buffer, each tensor at an aligned offset) and the two ends, :class:`WeightSender` (an
 object with a rollout engine's ``update_weights`` / ``finish_weight_update``, so the refit walk of
 :func:`aligner.rollout.refit.refit` drives it unchanged) and :func:`receive_weights`.
 
@@ -104,14 +104,43 @@ def join_sync_group(
 
 
 # ---- the wire form of a bucket -----------------------------------------------------------
-def _header(bucket: list[tuple[str, torch.Tensor]]) -> bytes:
-    return json.dumps([[n, list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in bucket]).encode()
+ALIGN = 16  # bytes: each tensor starts at a multiple of this in the flat buffer (a view of it needs an aligned offset)
 
 
-def _flat(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> torch.Tensor:
-    """The bucket's tensors as one uint8 buffer, in order (dtypes kept byte for byte)."""
-    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
-    return torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def pack_bucket(bucket: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[bytes, torch.Tensor]:
+    """A bucket of (name, tensor) as (header, flat): the header is JSON [[name, shape, dtype], ...] in
+    UTF-8; flat is one uint8 tensor on `device` holding every tensor's bytes in order, each padded
+    to a multiple of ALIGN bytes so that a receiver can view it in place whatever the dtypes."""
+    head = json.dumps([[n, list(t.shape), str(t.dtype).removeprefix("torch.")] for n, t in bucket]).encode()
+    parts = []
+    for _, t in bucket:
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        pad = _padded(raw.numel()) - raw.numel()
+        parts += [raw, raw.new_zeros(pad)] if pad else [raw]
+    flat = torch.cat(parts).to(device) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+    return head, flat
+
+
+def bucket_spec(head: bytes) -> tuple[list, int]:
+    """(the header's [[name, shape, dtype], ...], the flat buffer's size in bytes) of :func:`pack_bucket`."""
+    spec = json.loads(head.decode())
+    size = sum(_padded(torch.Size(shape).numel() * torch.empty((), dtype=getattr(torch, dt)).element_size()) for _, shape, dt in spec)
+    return spec, size
+
+
+def unpack_bucket(spec: list, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of a packed bucket, as views of `flat` (no copy). Inverse of :func:`pack_bucket`."""
+    out, off = [], 0
+    for name, shape, dt in spec:
+        dtype = getattr(torch, dt)
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        out.append((name, flat[off : off + n].view(dtype).reshape(shape)))
+        off += _padded(n)
+    return out
 
 
 class WeightSender:
@@ -133,14 +162,15 @@ class WeightSender:
         self.buckets_sent = 0
 
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Send one bucket: a header (names, shapes, dtypes) then one flat buffer (two broadcasts)."""
+        """Send one bucket (:func:`pack_bucket`): the header's length, the header, then the flat buffer
+        (three broadcasts). Floating tensors are cast to the sender's dtype first."""
         if self.group is None:
             return
         bucket = [(n, t.to(self.dtype) if self.dtype is not None and t.is_floating_point() else t) for n, t in named]
-        head = torch.frombuffer(bytearray(_header(bucket)), dtype=torch.uint8).to(self.group.device)
+        head_bytes, flat = pack_bucket(bucket, self.group.device)
+        head = torch.frombuffer(bytearray(head_bytes), dtype=torch.uint8).to(self.group.device)
         self.group.broadcast(torch.tensor([head.numel()], dtype=HEADER_LEN_DTYPE, device=self.group.device))
         self.group.broadcast(head)
-        flat = _flat(bucket, self.group.device)
         self.group.broadcast(flat)
         self.bytes_sent += flat.numel()
         self.buckets_sent += 1
@@ -163,15 +193,10 @@ def iter_received_buckets(group: SyncGroup) -> Iterator[list[tuple[str, torch.Te
             return
         head = torch.empty(int(n.item()), dtype=torch.uint8, device=group.device)
         group.broadcast(head)
-        spec = json.loads(head.cpu().numpy().tobytes().decode())
-        sizes = [torch.Size(shape).numel() * torch.empty((), dtype=getattr(torch, dt)).element_size() for _, shape, dt in spec]
-        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=group.device)
+        spec, size = bucket_spec(head.cpu().numpy().tobytes())
+        flat = torch.empty(size, dtype=torch.uint8, device=group.device)
         group.broadcast(flat)
-        out, off = [], 0
-        for (name, shape, dt), size in zip(spec, sizes):
-            out.append((name, flat[off : off + size].view(getattr(torch, dt)).reshape(shape)))
-            off += size
-        yield out
+        yield unpack_bucket(spec, flat)
 
 
 def receive_weights(group: SyncGroup, engine: RolloutEngine) -> dict:

@@ -354,10 +354,8 @@ class PPOTrainer(Trainer):
     def submit_generation(self, step: int) -> None:
         """Draw step `step`'s prompts and queue their generation on the rollout group (no wait)."""
         state = self.data.state_dict()
-        n = self.cfg.trainer.n_samples_per_prompt
-        rows = [p for p in self.next_prompts() for _ in range(n)]
-        seeds = [sample_seed(self.cfg.trainer.seed, step, i) for i in range(len(rows))]
-        self.producer.submit(step, rows, [r["prompt_ids"] for r in rows], self.cfg.rollout.sampling, seeds, state)
+        rows, ids, seeds = self.requests(self.next_prompts(), step, self.cfg.trainer.n_samples_per_prompt)
+        self.producer.submit(step, rows, ids, self.cfg.rollout.sampling, seeds, state)
 
     def rollout(self, prompts: list[dict], sampling: SamplingConfig, step: int, n: Optional[int] = None) -> RolloutBatch:
         """Generate n responses per prompt on the actor's engine replicas (:meth:`generate`); assemble a RolloutBatch."""
@@ -367,10 +365,15 @@ class PPOTrainer(Trainer):
     def generate(self, prompts: list[dict], sampling: SamplingConfig, step: int, n: int, first_index: int = 0) -> tuple[list[dict], list]:
         """(rows: each prompt row n times in a row, their Generations), sample i seeded by
         ``sample_seed(trainer.seed, step, first_index + i)``."""
-        rows = [p for p in prompts for _ in range(n)]
-        ids = [r["prompt_ids"] for r in rows]
-        seeds = [sample_seed(self.cfg.trainer.seed, step, first_index + i) for i in range(len(rows))]
+        rows, ids, seeds = self.requests(prompts, step, n, first_index)
         return rows, gather_generations(self.generator.generate(ids, sampling, seeds).get())
+
+    def requests(self, prompts: list[dict], step: int, n: int, first_index: int = 0) -> tuple[list[dict], list, list[int]]:
+        """(rows: each prompt row n times in a row, their prompt ids, their seeds): sample i of step
+        `step` seeded by ``sample_seed(trainer.seed, step, first_index + i)``."""
+        rows = [p for p in prompts for _ in range(n)]
+        seeds = [sample_seed(self.cfg.trainer.seed, step, first_index + i) for i in range(len(rows))]
+        return rows, [r["prompt_ids"] for r in rows], seeds
 
     @property
     def generator(self):

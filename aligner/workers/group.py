@@ -522,6 +522,11 @@ class WorkerGroup:
                     pass
         self.actors = []
         self.placement.release()
+        for path in self.stack_files.values():  # the hang watchdog's files (removable here when on this node)
+            try:
+                os.remove(path)
+            except OSError:
+                pass
 
     def __enter__(self) -> WorkerGroup:
         return self

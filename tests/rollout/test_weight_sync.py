@@ -12,7 +12,16 @@ from aligner.config import SamplingConfig
 from aligner.model.llama import build_model
 from aligner.rollout.refit import refit
 from aligner.rollout.torch_engine import TorchEngine
-from aligner.rollout.weight_sync import SyncGroup, WeightSender, free_port, join_sync_group, receive_weights
+from aligner.rollout.weight_sync import (
+    SyncGroup,
+    WeightSender,
+    bucket_spec,
+    free_port,
+    join_sync_group,
+    pack_bucket,
+    receive_weights,
+    unpack_bucket,
+)
 from tests.toolkit.engine import ENGINE_CFG
 from tests.toolkit.spawn import run_distributed
 
@@ -87,3 +96,25 @@ def test_sender_checks_and_non_sender_ranks_send_nothing():
         WeightSender(SyncGroup(pg=None, rank=1, world_size=2, device=torch.device("cpu"), store=None))
     with pytest.raises(ValueError, match="rank=3 is invalid"):
         join_sync_group("127.0.0.1", free_port(), 3, 2)
+
+
+def test_wire_form_round_trips_mixed_dtypes_at_aligned_offsets():
+    """A bucket whose tensors have odd byte sizes and different dtypes (bf16 of 3 elements, then fp32,
+    int64, a 0-d tensor, an empty one) comes back equal, dtype and shape kept, each a view of the flat
+    buffer; without the alignment padding the fp32 view after 6 bytes of bf16 would be refused."""
+    g = torch.Generator().manual_seed(0)
+    bucket = [
+        ("a", torch.randn(3, generator=g).to(torch.bfloat16)),
+        ("b", torch.randn(2, 5, generator=g)),
+        ("c", torch.arange(7, dtype=torch.int64)),
+        ("d", torch.tensor(2.5, dtype=torch.float16)),
+        ("e", torch.empty(0, 4)),
+    ]
+    head, flat = pack_bucket(bucket, torch.device("cpu"))
+    spec, size = bucket_spec(head)
+    assert flat.dtype == torch.uint8 and flat.numel() == size and size % 16 == 0
+    got = unpack_bucket(spec, flat)
+    assert [n for n, _ in got] == [n for n, _ in bucket]
+    for (_, want), (_, t) in zip(bucket, got):
+        assert t.dtype == want.dtype and t.shape == want.shape and torch.equal(t, want)
+        assert t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()  # a view, no copy

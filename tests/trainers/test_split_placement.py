@@ -14,6 +14,7 @@ import json
 import pytest
 
 from aligner.ppo import main as ppo_main
+from aligner.tracking import read_metrics
 from tests.toolkit.overrides import PPO_RULE
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.e2e, pytest.mark.usefixtures("ray_cluster")]
@@ -35,13 +36,9 @@ SPLIT = ["rollout.placement=split"]
 NOT_COMPARED = ("time/", "weight_version", "refit_bytes", "staleness", "sync_seconds")
 
 
-def metrics(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
 def run(out, *extra) -> list[dict]:
     assert ppo_main([*BASE, f"output_dir={out}", *extra]) == 0
-    return [m for m in metrics(out) if m["step"] > 0]
+    return [m for m in read_metrics(out / "metrics.jsonl") if m["step"] > 0]
 
 
 def _saved_data(out, step: int) -> dict:

@@ -390,6 +390,7 @@ def test_hang_watchdog_names_the_rank_and_its_stack(ray_local):
         assert took < 20, f"the hang was reported {took:.1f} s after the call (limit 1 s + grace)"
         with pytest.raises(RuntimeError, match="shut down"):
             group.busy(0.1)
+        assert not any(os.path.exists(p) for p in group.stack_files.values()), "the stack files outlive the group"
     finally:
         group.shutdown()
         placed.remove()
