@@ -17,7 +17,7 @@ MODEL_ROLES = ("actor", "critic", "reward", "ref")  # the roles with a RoleConfi
 DATA_FORMATS = ("prompt", "sft", "chat", "pairs", "hh", "gsm8k", "text", "prompt_completion", "unpaired")
 # the names of aligner.envs.ENVIRONMENTS and aligner.envs.TOOLS, in order (the config sits below aligner.envs;
 # tests/test_config.py asserts they agree)
-ENV_NAMES = ("single_turn", "tool")
+ENV_NAMES = ("single_turn", "retry", "tool")
 TOOL_NAMES = ("calculator",)
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")  # advantage estimators with a per-prompt group baseline
 

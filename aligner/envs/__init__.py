@@ -1,7 +1,8 @@
 """Environments for multi-turn and agentic RL (issue 38 part 1): the interface and trajectory types
-(:mod:`~aligner.envs.base`), the tool registry with the built-in calculator (:mod:`~aligner.envs.tools`)
-and the tool-calling environment (:mod:`~aligner.envs.tool_env`). docs/environments.md says what
-exists and what is not built yet: the engine and the trainer do not run episodes yet (issue 38 parts 2-3).
+(:mod:`~aligner.envs.base`), the tool registry with the built-in calculator (:mod:`~aligner.envs.tools`),
+the tool-calling and retry environments (:mod:`~aligner.envs.tool_env`, :mod:`~aligner.envs.retry_env`)
+and the token-level episodes the rollout engine plays (:mod:`~aligner.envs.episodes`, the engine's
+``turn_end`` callback). docs/environments.md is the guide.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from aligner.envs.base import (
     run_episode,
     run_episodes,
 )
+from aligner.envs.episodes import TokenEpisodes
+from aligner.envs.retry_env import RetryEnv
 from aligner.envs.tool_env import ToolCall, ToolEnv, parse_tool_calls, template_defines_tool_calls, tool_instructions
 from aligner.envs.tools import TOOLS, Tool, calculate, get_tool, make_tool, register_tool
 
@@ -38,6 +41,8 @@ __all__ = [
     "register_env",
     "run_episode",
     "run_episodes",
+    "TokenEpisodes",
+    "RetryEnv",
     "ToolCall",
     "ToolEnv",
     "parse_tool_calls",

@@ -9,13 +9,14 @@ turn's reward and whether the episode is over. Once the episode ends (done, or c
 ``max_turns``) :meth:`Environment.finish` returns its final reward. One environment object
 plays one episode; :func:`make_env` builds a fresh one per episode.
 
-:func:`run_episode` is the loop the rollout engine will follow (issue 38 part 2), with the model's
+:func:`run_episode` is the reference loop, text in and text out, with the model's
 turns from a callable here: it keeps every turn in an :class:`Episode` (role, text, whether the
 model wrote it, its reward), enforces ``max_turns`` and a per-call wall-clock timeout, and turns an
 environment that raises or hangs into a failed episode with its reason, never an exception, so
 the other episodes of a step go on (:func:`run_episodes`). :func:`episode_metrics` sums them up.
 
-The engine and the trainer do not run episodes yet: issue 38 parts 2-3.
+The rollout engine plays the same loop at the token level (:mod:`aligner.envs.episodes`, continuing
+each episode from its KV cache) and the PPO trainer trains on the model's turns only.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Message:
 class Turn:
     """One turn of an episode's trajectory.
 
-    own: True for the model's own turns (their tokens are trained, issue 38 part 3), False for the
+    own: True for the model's own turns (their tokens are trained), False for the
     prompt and the environment's observations (masked out of the loss). reward: the per-turn reward
     the environment gave for this model turn (0.0 for the turns the model did not write)."""
 

@@ -41,6 +41,10 @@ class Generation:
         produced response token i (position prompt_len + i - 1); None for a dense model or an
         engine that does not report them. Compared with the trainer's by
         :func:`aligner.model.moe.routing_mismatch`.
+    own_mask: for an episode (multi-turn, ``turn_end`` given to generate), list[bool] of length R:
+        True where the model sampled the token, False for the environment's observation tokens
+        (their rollout_log_probs are 0.0 and they are masked out of the loss); None for a
+        single-turn response (every token is the model's).
     """
 
     token_ids: list[int]
@@ -49,6 +53,7 @@ class Generation:
     weight_version: int
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific details
     routed_experts: Optional[torch.Tensor] = field(default=None, compare=False)  # a tensor: not in ==
+    own_mask: Optional[list[bool]] = None
 
 
 class RolloutEngine(abc.ABC):
@@ -167,6 +172,18 @@ def generations_to_padded(gens: Sequence[Generation], pad_id: int = 0) -> tuple[
         lp[i, :n] = torch.tensor(g.rollout_log_probs, dtype=torch.float32)
         mask[i, :n] = True
     return ids, lp, mask
+
+
+def own_tokens_mask(gens: Sequence[Generation], r: int) -> torch.Tensor:
+    """[B, r] float32: 1.0 where a generation's token is the model's own (every token of a single-turn
+    Generation, and past its end), 0.0 at an episode's observation tokens (``own_mask`` False). The
+    trainer multiplies its response mask by it, so observations are masked out of the loss, the KL and
+    the advantages (issue 38 part 3)."""
+    out = torch.ones(len(gens), r)
+    for i, g in enumerate(gens):
+        if g.own_mask is not None:
+            out[i, : len(g.own_mask)] = torch.tensor(g.own_mask, dtype=torch.float32)
+    return out
 
 
 def routed_experts_to_padded(gens: Sequence[Generation]) -> Optional[torch.Tensor]:

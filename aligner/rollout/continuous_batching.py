@@ -37,7 +37,7 @@ import torch.distributed as dist
 from aligner.rollout.base import Generation
 from aligner.rollout.kv_cache import SlotKVCache
 from aligner.rollout.sampling import Sampler
-from aligner.rollout.scheduler import SlotScheduler, StepPlan
+from aligner.rollout.scheduler import SlotScheduler, StepPlan, TurnEnd
 from aligner.rollout.stage_link import PlanMeta, StageLink, plan_meta
 from aligner.rollout.static_batching import capture_cuda_graph
 
@@ -84,8 +84,12 @@ class ContinuousBatching:
             self.graphs[key] = SlotDecodeGraph(self, *key)
         return self.graphs[key]
 
-    def generate(self, prompts: list[list[int]], budgets: list[int], sampler: Sampler, stop: list[int]) -> list[Generation]:
+    def generate(
+        self, prompts: list[list[int]], budgets: list[int], sampler: Sampler, stop: list[int], turn_end: Optional[TurnEnd] = None
+    ) -> list[Generation]:
         """Every request of a call, in prompt order, on every pipeline stage; sets ``engine.last_stats``.
+        turn_end: the episodes' callback (:data:`aligner.rollout.scheduler.TurnEnd`), run by the first
+        stage's scheduler only; None for single-turn requests.
 
         Iteration-level scheduling over a slot pool (:class:`SlotScheduler`); with pp > 1 the
         first stage schedules and sends each step down the pipeline with its hidden states, the
@@ -115,7 +119,7 @@ class ContinuousBatching:
             e.attach_routing(None, self.routing)
             self.routing = None
             return self._broadcast_generations(None)  # sets last_stats too
-        sched = SlotScheduler(prompts, budgets, capacity, m, stop)
+        sched = SlotScheduler(prompts, budgets, capacity, m, stop, turn_end)
         link = self._link() if e.pp_size > 1 else None
         in_flight: deque[tuple[int, int]] = deque()  # (micro-batch, rows) sent down the pipeline
         mb = 0
@@ -138,7 +142,10 @@ class ContinuousBatching:
             link.send_stop()
             link.wait()
         stop_set = set(stop)
-        gens = [Generation(t, lp, "stop" if t and t[-1] in stop_set else "length", e.weight_version) for t, lp in sched.outputs]
+        gens = [
+            Generation(t, lp, "stop" if t and t[-1] in stop_set else "length", e.weight_version, own_mask=own if turn_end else None)
+            for (t, lp), own in zip(sched.outputs, sched.own)
+        ]
         e.attach_routing(gens, self.routing)
         self.routing = None
         e.last_stats = {**sched.stats(), "generated_tokens": sum(len(g.token_ids) for g in gens)}

@@ -25,13 +25,29 @@ prompt prefix, e.g. the n samples of a GRPO group prefill their prompt once).
 
 Execution order of a plan on every stage: prefill, copies, moves, decode. Copies read their
 sources before moves write; a move's destination is a hole no copy reads.
+
+Episodes (multi-turn, issue 38 part 2). With a ``turn_end`` callback a request is an episode: when
+a row samples a stop token, the callback gets the turn's tokens and returns the observation's
+tokens (a tool's result, the next user message, rendered by the chat template), or None to end the
+episode. The row keeps its slot and its cache: the stop token and the observation tokens run as the
+row's next decode inputs, one per step, their samples discarded (teacher forcing), batched with the
+other rows' steps, and the model's next turn continues from there. Earlier turns are never
+prefilled again. A request's budget counts every token after its prompt, the model's and the
+observations'; ``own`` marks which are the model's.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
+
+TurnEnd = Callable[[int, list[int], int], Optional[list[int]]]
+"""``turn_end(request, turn_ids, room) -> observation ids or None``: request is the request's index in
+the call, turn_ids the model's turn just ended (its stop token last, unless the budget cut it), room
+the tokens left in the request's budget (0 when the budget cut the turn: the return value is then
+ignored). Returning None, [] or more than room - 1 ids ends the episode (one token of room must stay
+for the model's next turn)."""
 
 
 @dataclass
@@ -56,6 +72,8 @@ class Row:
     token: int
     pos: int
     step: int = 0
+    turn: list[int] = field(default_factory=list)  # the model's tokens of its current turn (episodes)
+    forced: deque = field(default_factory=deque)  # observation tokens still to feed (episodes)
 
 
 @dataclass
@@ -92,15 +110,26 @@ class SlotScheduler:
         prompts: B prompts (non-empty token-id lists). max_new_tokens: B budgets (>= 1).
         capacity: slots per micro-batch (>= 1). micro_batches: blocks (>= 1).
         stop_ids: token ids that end a response (included in it).
+        turn_end: None (one turn per request), or the episodes' :data:`TurnEnd` callback.
     Use: ``plan(m)`` -> a StepPlan or None (nothing to run in m), then ``apply(m, tokens,
     log_probs)`` with the step's sampled tokens [n] and log-probs [n], until ``done()``;
-    ``outputs`` holds each request's (token_ids, log_probs).
+    ``outputs`` holds each request's (token_ids, log_probs) and ``own`` whether each token is the
+    model's (False for observation tokens, whose log-prob is recorded as 0.0).
     Counters: ``prompt_tokens`` (sum of P), ``prefilled_tokens`` (tokens run through a
     prefill forward), ``shared_tokens`` (copied from a live row instead), ``decode_steps``
-    (decode forwards), ``decode_rows`` (rows in them), ``moved_rows``.
+    (decode forwards), ``decode_rows`` (rows in them), ``moved_rows``, ``turns`` (model turns
+    ended), ``observation_tokens`` (fed by teacher forcing).
     """
 
-    def __init__(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int], capacity: int, micro_batches: int, stop_ids):
+    def __init__(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: Sequence[int],
+        capacity: int,
+        micro_batches: int,
+        stop_ids,
+        turn_end: Optional[TurnEnd] = None,
+    ):
         if capacity < 1 or micro_batches < 1:
             raise ValueError(f"capacity={capacity}, micro_batches={micro_batches}: both must be >= 1")
         self.capacity, self.micro_batches = capacity, micro_batches
@@ -109,9 +138,12 @@ class SlotScheduler:
         self.rows: list[list[Optional[Row]]] = [[] for _ in range(micro_batches)]
         self.holders: dict[tuple[int, ...], set[int]] = {}  # prompt -> live rows whose [0, P-1) hold it
         self.outputs: list[tuple[list[int], list[float]]] = [([], []) for _ in range(len(self.pending))]
+        self.own: list[list[bool]] = [[] for _ in range(len(self.pending))]
+        self.turn_end = turn_end
         self.live = 0
         self.prompt_tokens = sum(len(r.prompt) for r in self.pending)
         self.prefilled_tokens = self.shared_tokens = self.decode_steps = self.decode_rows = self.moved_rows = 0
+        self.turns = self.observation_tokens = 0
 
     def done(self) -> bool:
         return not self.pending and self.live == 0
@@ -184,16 +216,39 @@ class SlotScheduler:
 
     def apply(self, m: int, tokens: Sequence[int], log_probs: Sequence[float]) -> None:
         """Record micro-batch m's sampled tokens [n] and log-probs [n] (its last plan's row order);
-        rows that sampled a stop token or reached their budget free their slot."""
+        rows that sampled a stop token or reached their budget free their slot, unless the episode's
+        ``turn_end`` returns an observation to feed (then the row goes on, see the module docstring).
+        A row whose input was an observation token discards its sample and takes the next one."""
         rows, base = self.rows[m], m * self.capacity
         for i, (t, lp) in enumerate(zip(tokens, log_probs)):
             r = rows[i]
             out_t, out_lp = self.outputs[r.request.index]
+            own = self.own[r.request.index]
+            if r.forced:  # this step's input was the stop token or an observation token: feed the next one
+                nxt = r.forced.popleft()
+                out_t.append(nxt)
+                out_lp.append(0.0)
+                own.append(False)
+                r.token, r.pos = nxt, r.pos + 1
+                continue
             out_t.append(int(t))
             out_lp.append(float(lp))
+            own.append(True)
             r.step += 1
             r.token, r.pos = int(t), r.pos + 1
-            if int(t) in self.stop or r.step >= r.request.max_new_tokens:
+            stopped = int(t) in self.stop
+            room = r.request.max_new_tokens - len(out_t)
+            if self.turn_end is not None:
+                r.turn.append(int(t))
+                if stopped or room <= 0:
+                    self.turns += 1
+                    obs = self.turn_end(r.request.index, r.turn, max(room, 0))
+                    r.turn = []
+                    if stopped and room > 0 and obs and len(obs) < room:
+                        r.forced.extend(int(x) for x in obs)
+                        self.observation_tokens += len(obs)
+                        continue
+            if stopped or room <= 0:
                 self._release(r.request.key, base + i)
                 rows[i] = None
                 self.live -= 1
@@ -206,4 +261,5 @@ class SlotScheduler:
             "decode_steps": self.decode_steps,
             "decode_rows": self.decode_rows,
             "moved_rows": self.moved_rows,
+            **({"turns": self.turns, "observation_tokens": self.observation_tokens} if self.turn_end is not None else {}),
         }

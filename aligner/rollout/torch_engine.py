@@ -51,6 +51,7 @@ from aligner.rollout.continuous_batching import ContinuousBatching
 from aligner.rollout.cpu_kernels import load_decode_attention
 from aligner.rollout.cpu_tuning import cached_cpu_layout, cached_decode_attention
 from aligner.rollout.sampling import Sampler
+from aligner.rollout.scheduler import TurnEnd
 from aligner.rollout.static_batching import StaticBatching
 from aligner.runtime.host import keep_freed_host_memory
 
@@ -306,6 +307,7 @@ class TorchEngine(RolloutEngine):
         sampling: Any,
         seeds: Optional[list[int]] = None,
         max_new_tokens: Optional[Sequence[int]] = None,
+        turn_end: Optional[TurnEnd] = None,
     ) -> list[Generation]:
         """Sample one response per prompt (sampling semantics: :mod:`aligner.rollout.sampling`).
 
@@ -316,25 +318,40 @@ class TorchEngine(RolloutEngine):
             seeds: list[int] of length B (per-request generators) or None (engine RNG).
             max_new_tokens: list[int] of length B, each request's own budget (None: every
                 request gets sampling.max_new_tokens).
+            turn_end: None, or each request is an episode (multi-turn, continuous scheduler only):
+                the callback (:data:`aligner.rollout.scheduler.TurnEnd`) that gets each model turn
+                and returns the observation tokens to continue with from the cached prefix; the
+                Generations then carry ``own_mask`` and their budget counts observation tokens.
         Returns:
             list[Generation] of length B, in prompt order; rollout_log_probs fp32 per response
             token. ``self.last_stats`` then holds the call's counters (prompt tokens, tokens
             prefilled, shared-prefix tokens, decode steps and rows, generated tokens).
         Raises:
             ValueError: bad sampling parameters, empty prompt, token id outside the vocabulary,
-                a budget < 1, or a prompt + its budget > model.max_seq_len.
+                a budget < 1, a prompt + its budget > model.max_seq_len, or turn_end with the
+                static scheduler.
         """
+        if turn_end is not None and self.scheduler != "continuous":
+            raise ValueError(
+                f"episodes (turn_end) need rollout.scheduler=continuous, not {self.scheduler!r}: it keeps each episode's slot between turns"
+            )
         check_sampling(sampling)
         check_prompts(prompt_ids, seeds, self.cfg.vocab_size)
         budgets = check_budgets(prompt_ids, sampling, max_new_tokens, self.cfg.max_seq_len)
         self._calls += 1
         fallback = self._rng_seed * 1_000_003 + self._calls * 7919
         sampler = Sampler(sampling, seeds, budgets, self.device, fallback)
-        stop = sorted({*sampling.stop_token_ids, *([] if self.eos_token_id is None else [self.eos_token_id])})
+        stop = self.stop_ids(sampling)
         if self._stale:  # update_weights without finish_weight_update: the prepacked copies would be old
             self._repack()
         with torch.inference_mode():
+            if turn_end is not None:
+                return self.batching.generate(prompt_ids, budgets, sampler, stop, turn_end)
             return self.batching.generate(prompt_ids, budgets, sampler, stop)
+
+    def stop_ids(self, sampling: Any) -> list[int]:
+        """The token ids that end a response (or an episode's turn): sampling.stop_token_ids and eos, sorted."""
+        return sorted({*sampling.stop_token_ids, *([] if self.eos_token_id is None else [self.eos_token_id])})
 
     def stage_routing(self) -> torch.Tensor:
         """This stage's MoE layers' experts in the last forward: [N, L_local, k] int16, sorted along k."""

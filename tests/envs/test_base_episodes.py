@@ -162,8 +162,8 @@ def test_run_episode_refuses_max_turns_below_one():
 
 
 def test_registry_by_name():
-    assert list(ENVIRONMENTS) == ["single_turn", "tool"]
-    with pytest.raises(ValueError, match=r"env.name='nope' is unknown: valid environments are single_turn, tool"):
+    assert list(ENVIRONMENTS) == ["single_turn", "retry", "tool"]
+    with pytest.raises(ValueError, match=r"env.name='nope' is unknown: valid environments are single_turn, retry, tool"):
         get_env("nope")
     with pytest.raises(ValueError, match="registered twice"):
         register_env("tool")(CountingEnv)
