@@ -314,14 +314,18 @@ CASES = [
         "['q_proj', 'down_proj']",
         "experts take no LoRA adapters",
     ),
-    # the multi-turn environment (aligner.envs; not run yet: issue 38 parts 2-3)
-    (["env.name=nope"], "env.name", "'nope'", "valid environments are single_turn, tool"),
+    # the multi-turn environment (aligner.envs) and what its episodes need of the rest of the run
+    (["env.name=nope"], "env.name", "'nope'", "valid environments are single_turn, retry, tool"),
     (["env.name=tool", "env.tools=[calculator]", "env.max_turns=0"], "env.max_turns", "0", "must be >= 1"),
     (["env.step_timeout_s=0"], "env.step_timeout_s", "0.0", "must be > 0 seconds"),
     (["env.name=tool", "env.tools=[abacus]"], "env.tools", "['abacus']", "valid tools are calculator"),
     (["env.name=tool", "env.tools=[calculator,calculator]"], "env.tools", "['calculator', 'calculator']", "name each tool once"),
     (["env.name=tool"], "env.tools", "[]", "env.name=tool needs at least one tool"),
     (["env.name=single_turn", "env.tools=[calculator]"], "env.tools", "['calculator']", "other environments take none"),
+    (["env.name=single_turn", "rollout.scheduler=static"], "rollout.scheduler", "'static'", "need the continuous scheduler"),
+    (["env.name=single_turn", "rollout.parallel.tp_size=2"], "rollout.parallel", "'tp_size=2, pp_size=1'", "engines of one rank"),
+    (["env.name=single_turn", "reward.type=model"], "reward.type", "'model'", "set reward.type=rule"),
+    (["env.name=single_turn", "rollout.backend=trtllm"], "rollout.backend", "'trtllm'", "set rollout.backend=torch"),
 ]
 
 
@@ -451,7 +455,7 @@ def test_check_paths_names_field_and_path(field, value, words):
         ("conf=nope", "conf='nope'"),
         ("actor.optim.lr=-1", "actor.optim.lr=-1.0"),
         ("actor.type=rule", "'actor.type'"),
-        ("env.name=nope", "env.name='nope' is invalid: valid environments are single_turn, tool"),
+        ("env.name=nope", "env.name='nope' is invalid: valid environments are single_turn, retry, tool"),
     ],
 )
 def test_cli_config_error_is_one_line_exit_2(arg, field, tmp_path):
@@ -572,13 +576,14 @@ def test_env_and_tool_names_match_aligner_envs():
     assert TOOL_NAMES == tuple(TOOLS)
 
 
-def test_env_section_refuses_an_environment_until_the_trainer_runs_episodes():
-    """A well-formed tool environment passes every check of its own, then is refused: the trainer
-    would roll out single turns (issue 38 parts 2-3 are not built)."""
-    with pytest.raises(ConfigError, match=r"env\.name='tool' is invalid: multi-turn episodes are not run by the trainer yet"):
-        load_config("ppo", ["env.name=tool", "env.tools=[calculator]", "env.max_turns=3", "env.step_timeout_s=2.5"])
-    cfg = load_config("ppo", ["env.max_turns=3", "env.step_timeout_s=2.5"])
-    assert (cfg.env.name, cfg.env.tools, cfg.env.max_turns, cfg.env.step_timeout_s) == ("", [], 3, 2.5)
+def test_episodes_are_refused_outside_ppo():
+    with pytest.raises(ConfigError, match=r"env\.name='single_turn' is invalid: episodes are played by the PPO stage only"):
+        load_config("sft", ["env.name=single_turn"])
+
+
+def test_env_section_is_read_as_given():
+    cfg = load_config("ppo", ["env.name=tool", "env.tools=[calculator]", "env.max_turns=3", "env.step_timeout_s=2.5", "reward.type=rule"])
+    assert (cfg.env.name, cfg.env.tools, cfg.env.max_turns, cfg.env.step_timeout_s) == ("tool", ["calculator"], 3, 2.5)
 
 
 def test_config_imports_only_errors_and_algorithms():

@@ -1,10 +1,12 @@
 """The environment section (``env.*``, issue 38 part 1): which environment plays a prompt's episode,
 for how many model turns, with which tools and how long each environment call may take.
 
-``env.name=""`` (the default) keeps today's single-turn rollout. The engine and the trainer do not
-run episodes yet (issue 38 parts 2-3): these fields are checked, and refused when wrong, but nothing
-in a run reads them. The names are checked against ENV_NAMES and TOOL_NAMES (aligner.config.common),
-which list the registries of aligner.envs (a package above the config, so it is not imported here).
+``env.name=""`` (the default) keeps today's single-turn rollout; a name makes every prompt of the PPO
+stage an episode, played by the rollout engine (aligner.workers.episodes) and trained with the
+observations masked (aligner.trainers.ppo); what a run with episodes needs of the other sections is
+checked by aligner.config.validation.validate_episodes. The names are checked against ENV_NAMES and
+TOOL_NAMES (aligner.config.common), which list the registries of aligner.envs (a package above the
+config, so it is not imported here).
 """
 
 from __future__ import annotations
@@ -36,11 +38,4 @@ class EnvConfig:
             f"{prefix}.tools",
             list(self.tools),
             f"{prefix}.name=tool needs at least one tool (e.g. {prefix}.tools=[calculator]); other environments take none",
-        )
-        _check(
-            self.name == "",
-            f"{prefix}.name",
-            self.name,
-            "multi-turn episodes are not run by the trainer yet (issue 38 parts 2-3; a run would silently roll out single "
-            "turns): leave env.name empty; aligner.envs.run_episode runs episodes outside a run",
         )

@@ -135,7 +135,7 @@ class AlignerConfig:
     reward: RewardRoleConfig = field(default_factory=RewardRoleConfig)  # reward model or rule (also the RM stage's model)
     ref: RefRoleConfig = field(default_factory=RefRoleConfig)  # frozen reference policy
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation engine
-    env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn environment (not run yet: issue 38 parts 2-3)
+    env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn episodes (env.name set: each prompt plays one)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)  # the DPO stage's loss
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

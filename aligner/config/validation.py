@@ -23,6 +23,8 @@ def validate_run(cfg: AlignerConfig) -> None:
     """Every check of a built config, in order: each section's own fields, then the cross-field
     checks (and, for ``rollout.backend=trtllm``, the package probe). Raises ConfigError at the first."""
     validate_sections(cfg)
+    if cfg.env.name:
+        validate_episodes(cfg)
     validate_prompt_learning(cfg)
     validate_staleness(cfg)
     if cfg.stage == "ppo":
@@ -111,6 +113,36 @@ def validate_sections(cfg: AlignerConfig) -> None:
         "data.max_seq_len",
         cfg.data.max_seq_len,
         f"must not exceed model.max_seq_len={cfg.model.max_seq_len}",
+    )
+
+
+def validate_episodes(cfg: AlignerConfig) -> None:
+    """env.name set: what the engine's episodes need (issue 38 parts 2-3). The environment runs between
+    the decode steps of aligner's continuous scheduler, on one engine rank per replica, and its final
+    reward is reward.rule's."""
+    r = cfg.rollout
+    _check(
+        cfg.stage == "ppo", "env.name", cfg.env.name, f"episodes are played by the PPO stage only (stage={cfg.stage}): leave env.name empty"
+    )
+    _check(r.backend == "torch", "rollout.backend", r.backend, "episodes (env.name) run on aligner's own engine: set rollout.backend=torch")
+    _check(
+        r.scheduler == "continuous",
+        "rollout.scheduler",
+        r.scheduler,
+        "episodes (env.name) need the continuous scheduler, which keeps each episode's KV-cache slot between turns",
+    )
+    _check(
+        r.parallel.tp_size == 1 and r.parallel.pp_size == 1,
+        "rollout.parallel",
+        f"tp_size={r.parallel.tp_size}, pp_size={r.parallel.pp_size}",
+        "episodes (env.name) run on engines of one rank (tp_size=pp_size=1; the environment would run on every "
+        "tensor-parallel rank): use rollout.parallel.dp_size replicas instead",
+    )
+    _check(
+        cfg.reward.type == "rule",
+        "reward.type",
+        cfg.reward.type,
+        "an episode's reward is the environment's, which scores the final turn with reward.rule: set reward.type=rule",
     )
 
 

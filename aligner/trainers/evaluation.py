@@ -100,6 +100,8 @@ def evaluate_greedy(actor_group, eval_examples: list[dict], tokenizer, cfg: Alig
     fraction ending in a ``#### <number>`` line (:func:`aligner.reward.rules.gsm8k_formatted`); on IFEval-style
     data (metadata "instruction_id_list") IFEval's "prompt_strict", "instruction_strict", "prompt_loose",
     "instruction_loose" and "cut_rows" (responses that ran to the token budget) (:func:`aligner.reward.ifeval.ifeval_metrics`).
+    With episodes (``env.name``) each prompt plays one greedily, the rule scores its last model turn,
+    "mean_response_len" counts the model's own tokens, and :func:`episode_summary`'s keys are added.
     Raises ValueError for an empty eval set or an unknown rule.
     """
     if not eval_examples:
@@ -107,11 +109,15 @@ def evaluate_greedy(actor_group, eval_examples: list[dict], tokenizer, cfg: Alig
     prompts = [list(e["prompt_ids"]) for e in eval_examples]
     sampling = greedy_sampling(cfg, max(len(p) for p in prompts))
     actor_group.refit().get()
-    gens = gather_generations(actor_group.generate(prompts, sampling, list(range(len(prompts)))).get())
+    rows = episode_rows(cfg, eval_examples)
+    gens = gather_generations(actor_group.generate(prompts, sampling, list(range(len(prompts))), *([rows] if rows else [])).get())
     if len(gens) != len(prompts):
         raise RuntimeError(f"the actor returned {len(gens)} generations for {len(prompts)} prompts")
     texts = [e["prompt"] for e in eval_examples]
-    responses = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in gens]
+    if rows:  # episodes: the answer is the model's last turn (what the environment's reward scores)
+        responses = [g.extra["episode"].model_turns[-1].text if g.extra["episode"].model_turns else "" for g in gens]
+    else:
+        responses = [tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in gens]
     scores = score(accuracy_rule(cfg), texts, responses, [dict(e.get("metadata") or {}) for e in eval_examples])
     metrics = {
         "accuracy": float(scores.mean()),
@@ -126,4 +132,30 @@ def evaluate_greedy(actor_group, eval_examples: list[dict], tokenizer, cfg: Alig
         metrics.update({k: float(res[k]) for k in ifeval.SCALAR_METRICS})
     if on_builtin_task(cfg):  # which mistakes the policy makes: carries dropped (what PPO must fix) or not
         metrics.update(mistake_breakdown(texts, responses))
+    if rows:
+        metrics.update(episode_summary([g.extra["episode"] for g in gens]))
+        metrics["mean_response_len"] = sum(sum(g.own_mask) for g in gens) / len(gens)
     return GreedyEval(prompts, gens, responses, scores, metrics)
+
+
+def episode_rows(cfg: AlignerConfig, examples: Sequence[dict]):
+    """(prompt text, metadata) per prompt row when the run plays episodes (``env.name`` set), else None."""
+    if not cfg.env.name:
+        return None
+    return [(e["prompt"], dict(e.get("metadata") or {})) for e in examples]
+
+
+def episode_summary(episodes: Sequence) -> dict[str, float]:
+    """Per-episode means of a batch of :class:`aligner.envs.Episode`: "turns" (model turns), "failed"
+    and "truncated" (fractions), "tool_call_rate" (episodes with at least one tool call), and every
+    count the environments reported (``tool_calls``, ``tool_errors``, ``retries``: per episode)."""
+    n = max(1, len(episodes))
+    out = {
+        "turns": sum(len(e.model_turns) for e in episodes) / n,
+        "failed": sum(e.failed for e in episodes) / n,
+        "truncated": sum(e.truncated for e in episodes) / n,
+        "tool_call_rate": sum(e.counts.get("tool_calls", 0) > 0 for e in episodes) / n,
+    }
+    for key in sorted({k for e in episodes for k in e.counts}):
+        out[key] = sum(e.counts.get(key, 0) for e in episodes) / n
+    return out

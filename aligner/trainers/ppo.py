@@ -60,10 +60,10 @@ from aligner.planner import PlanError, check_fits, format_plan, make_plan
 from aligner.protocol import ACTOR_UPDATE_FIELDS, RolloutBatch, build_sequences
 from aligner.reward import ifeval
 from aligner.reward.rules import check_rule_rows, score
-from aligner.rollout.base import generations_to_padded, routed_experts_to_padded
+from aligner.rollout.base import generations_to_padded, own_tokens_mask, routed_experts_to_padded
 from aligner.runtime.role import check_tokenizer_fits, resolve_init
 from aligner.tracking import plot_curves
-from aligner.trainers.evaluation import accuracy_rule, evaluate_greedy, gather_generations, on_builtin_task
+from aligner.trainers.evaluation import accuracy_rule, episode_rows, episode_summary, evaluate_greedy, gather_generations, on_builtin_task
 from aligner.trainers.loop import Trainer
 from aligner.trainers.producer import RolloutProducer
 from aligner.workers.actor import ActorWorker, PolicyWorker
@@ -180,8 +180,9 @@ class PPOTrainer(Trainer):
         roles = cfg.roles_used()
         self.placement = placement_from_config(cfg, placed_groups(cfg))
         steps = cfg.trainer.max_steps * cfg.algorithm.ppo_epochs * self.minibatches_per_step()
+        episode_kw = {"tokenizer": self.tok} if cfg.env.name else {}  # the engines render the episodes' observations
         specs = {
-            "actor": (ActorWorker, dict(cfg=cfg, role="actor", total_steps=steps, eos_token_id=self.tok.eos_token_id)),
+            "actor": (ActorWorker, dict(cfg=cfg, role="actor", total_steps=steps, eos_token_id=self.tok.eos_token_id, **episode_kw)),
             "ref": (PolicyWorker, dict(cfg=cfg, role="ref", init=cfg.init_of("ref"))),
             "critic": (CriticWorker, dict(cfg=cfg, total_steps=steps, init=cfg.init_of("critic"))),
             "reward": (RewardWorker, dict(cfg=cfg)),
@@ -191,7 +192,7 @@ class PPOTrainer(Trainer):
             self.groups[role] = role_worker_group(cfg, role, cls, self.placement, kwargs=kw)
         if cfg.rollout.placement == "split":
             model_cfg = self.groups["actor"].model_config().get()[0]
-            kw = dict(cfg=cfg, model_cfg=model_cfg, eos_token_id=self.tok.eos_token_id)
+            kw = dict(cfg=cfg, model_cfg=model_cfg, eos_token_id=self.tok.eos_token_id, **episode_kw)
             rollout = WorkerGroup(
                 ROLLOUT_GROUP,
                 RolloutWorker,
@@ -355,7 +356,7 @@ class PPOTrainer(Trainer):
         """Draw step `step`'s prompts and queue their generation on the rollout group (no wait)."""
         state = self.data.state_dict()
         rows, ids, seeds = self.requests(self.next_prompts(), step, self.cfg.trainer.n_samples_per_prompt)
-        self.producer.submit(step, rows, ids, self.cfg.rollout.sampling, seeds, state)
+        self.producer.submit(step, rows, ids, self.cfg.rollout.sampling, seeds, state, episode_rows(self.cfg, rows))
 
     def rollout(self, prompts: list[dict], sampling: SamplingConfig, step: int, n: Optional[int] = None) -> RolloutBatch:
         """Generate n responses per prompt on the actor's engine replicas (:meth:`generate`); assemble a RolloutBatch."""
@@ -366,7 +367,8 @@ class PPOTrainer(Trainer):
         """(rows: each prompt row n times in a row, their Generations), sample i seeded by
         ``sample_seed(trainer.seed, step, first_index + i)``."""
         rows, ids, seeds = self.requests(prompts, step, n, first_index)
-        return rows, gather_generations(self.generator.generate(ids, sampling, seeds).get())
+        episodes = episode_rows(self.cfg, rows)  # env.name set: each row plays an episode
+        return rows, gather_generations(self.generator.generate(ids, sampling, seeds, *([episodes] if episodes else [])).get())
 
     def requests(self, prompts: list[dict], step: int, n: int, first_index: int = 0) -> tuple[list[dict], list, list[int]]:
         """(rows: each prompt row n times in a row, their prompt ids, their seeds): sample i of step
@@ -451,10 +453,12 @@ class PPOTrainer(Trainer):
         ids = [r["prompt_ids"] for r in rows]
         seq = build_sequences(ids, [g.token_ids for g in gens], self.tok.pad_token_id)
         _, rollout_lp, _ = generations_to_padded(gens)  # [B, R], the same R as seq["response_mask"]
+        seq["response_mask"] = seq["response_mask"] * own_tokens_mask(gens, seq["response_mask"].shape[1])
         if responses is None:
             responses = [self.tok.decode(g.token_ids, skip_special_tokens=True) for g in gens]
         meta = [
             {"prompt": row["prompt"], "response": text, "metadata": row.get("metadata", {}), "finish_reason": g.finish_reason}
+            | ({"episode": g.extra["episode"]} if "episode" in g.extra else {})
             for row, g, text in zip(rows, gens, responses)
         ]
         group_ids = torch.arange(len(rows) // n).repeat_interleave(n)
@@ -511,6 +515,10 @@ class PPOTrainer(Trainer):
         return batch.old_log_probs if batch.old_log_probs is not None else batch.rollout_log_probs * batch.response_mask
 
     def rule_scores(self, batch: RolloutBatch) -> torch.Tensor:
+        """The rule's scores [B] float32; with episodes (env.name), each episode's total reward (its
+        per-turn rewards plus the final one, which the environment computed with the rule; 0 when it failed)."""
+        if self.cfg.env.name:
+            return torch.tensor([m["episode"].total_reward for m in batch.meta], dtype=torch.float32)
 
         return score(
             self.cfg.reward.rule,
@@ -630,6 +638,9 @@ class PPOTrainer(Trainer):
             out.update(alg.rollout_mismatch_metrics(batch.rollout_log_probs, batch.old_log_probs, mask))
         if batch.rollout_experts is not None and batch.old_experts is not None:
             out["moe_routing_mismatch"] = routing_mismatch(batch.rollout_experts, batch.old_experts, mask)
+        if self.cfg.env.name:  # response_len counts the model's own tokens; env/* the episodes (per episode)
+            out.update({f"env/{k}": v for k, v in episode_summary([m["episode"] for m in batch.meta]).items()})
+            out["env/observation_tokens"] = float((batch.response_lens - mask.sum(-1)).float().mean())
         return {k: float(v) for k, v in out.items()}
 
     # ---- evaluation -----------------------------------------------------------------
@@ -653,7 +664,15 @@ class PPOTrainer(Trainer):
         out.update(
             {
                 f"eval_{k}": res.metrics[k]
-                for k in ("accuracy_carry", "accuracy_no_carry", "dropped_carry", "format_rate", *ifeval.SCALAR_METRICS)
+                for k in (
+                    "accuracy_carry",
+                    "accuracy_no_carry",
+                    "dropped_carry",
+                    "format_rate",
+                    *ifeval.SCALAR_METRICS,
+                    "tool_call_rate",
+                    "turns",
+                )
                 if k in res.metrics
             }
         )

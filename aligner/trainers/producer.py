@@ -95,9 +95,10 @@ class RolloutProducer:
         """Whether a batch for training step `step` generated now would be more than k steps stale."""
         return step - self.engine_version > self.k
 
-    def submit(self, step: int, rows: list[dict], prompt_ids: list, sampling, seeds: list, data_state: dict) -> None:
-        """Queue the generation of step `step`'s batch on the engines as they are now (no wait)."""
-        fut = self.rollout.generate(prompt_ids, sampling, seeds)
+    def submit(self, step: int, rows: list[dict], prompt_ids: list, sampling, seeds: list, data_state: dict, episodes=None) -> None:
+        """Queue the generation of step `step`'s batch on the engines as they are now (no wait);
+        episodes: the rows' (prompt text, metadata) when each plays an episode (env.name), else None."""
+        fut = self.rollout.generate(prompt_ids, sampling, seeds, *([episodes] if episodes else []))
         self.pending.append(Pending(step, self.engine_version, rows, fut, data_state))
 
     def take(self, step: int) -> Pending:
@@ -123,6 +124,6 @@ class RolloutProducer:
         """Sync the engines to the actor's current weights (waits for generations in flight)."""
         return _Done(self.sync())
 
-    def generate(self, prompt_ids: list, sampling, seeds: list):
-        """The rollout group's generate (behind any generation in flight)."""
-        return self.rollout.generate(prompt_ids, sampling, seeds)
+    def generate(self, prompt_ids: list, sampling, seeds: list, *episodes):
+        """The rollout group's generate (behind any generation in flight); episodes: as submit's."""
+        return self.rollout.generate(prompt_ids, sampling, seeds, *episodes)

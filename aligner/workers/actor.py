@@ -32,6 +32,7 @@ from aligner.rollout import build_engine
 from aligner.rollout.refit import iter_buckets, refit, rollout_dims
 from aligner.rollout.weight_sync import WeightSender, free_port, join_sync_group
 from aligner.workers.dispatch import dispatch, split_batch
+from aligner.workers.episodes import generate_episodes
 
 
 class PolicyWorker:
@@ -134,9 +135,11 @@ class ActorWorker(PolicyWorker):
         eos_token_id: Optional[int] = None,
         dims: Optional[ParallelDims] = None,
         prompt_init_ids: Optional[list] = None,
+        tokenizer=None,
     ):
         super().__init__(cfg, role, total_steps, init, dims, prompt_init_ids)
         self.eos_token_id = eos_token_id
+        self.tokenizer = tokenizer  # env.name set: renders the episodes' observations (aligner.workers.episodes)
         self.engine = None
         self.infer_dims = None
         self.trtllm = None  # rollout.backend=trtllm: this rank's TrtllmReplica (set with the engine)
@@ -269,9 +272,15 @@ class ActorWorker(PolicyWorker):
         return {"seconds": time.perf_counter() - t0, "bytes": nbytes, "weight_version": self.sender.weight_version}
 
     @dispatch("broadcast")
-    def generate(self, prompt_ids: list, sampling: SamplingConfig, seeds: list) -> Optional[tuple[int, list]]:
+    def generate(
+        self, prompt_ids: list, sampling: SamplingConfig, seeds: list, episodes: Optional[list] = None
+    ) -> Optional[tuple[int, list]]:
         """All prompts in; this replica's contiguous share generated. Returns (replica, generations) on the
         replica's first rank, None elsewhere. The driver concatenates shares in replica order.
+
+        episodes: None, or one (prompt text, metadata) per prompt: each prompt plays an episode of
+        ``env.name`` (:func:`aligner.workers.episodes.generate_episodes`; torch backend, one engine
+        rank per replica, as the config check requires).
 
         With prompt learning the engine (which has no virtual-token input) is not used: every rank
         runs greedy decoding through the policy's forward (:meth:`Policy.greedy`; temperature 0
@@ -283,8 +292,8 @@ class ActorWorker(PolicyWorker):
         if self.cfg.rollout.backend == "trtllm":
             return self._generate_trtllm(prompt_ids, sampling, seeds)
         d = self.infer_dims
-        share = split_batch({"p": prompt_ids, "s": seeds}, d.dp_size)[d.dp_rank]
-        gens = self.engine.generate(share["p"], sampling, seeds=share["s"]) if share["p"] else []
+        share = split_batch({"p": prompt_ids, "s": seeds, **({"e": episodes} if episodes else {})}, d.dp_size)[d.dp_rank]
+        gens = generate_share(self.engine, self.cfg, self.tokenizer, share, sampling)
         lead = d.tp_rank == 0 and d.pp_rank == 0
         return (d.dp_rank, gens) if lead else None
 
@@ -307,6 +316,16 @@ class ActorWorker(PolicyWorker):
         gens = self.engine.generate(share["p"], sampling, seeds=share["s"]) if r.owner and share["p"] else []
         self.engine.offload()
         return (r.replica, gens) if r.owner else None
+
+
+def generate_share(engine, cfg: AlignerConfig, tokenizer, share: dict, sampling: SamplingConfig) -> list:
+    """Generate a replica's share {"p": prompt ids, "s": seeds, "e": episode rows (optional)}: plain
+    responses, or episodes when "e" is there; [] for an empty share."""
+    if not share["p"]:
+        return []
+    if "e" in share:
+        return generate_episodes(engine, cfg, tokenizer, share["p"], sampling, share["s"], share["e"])
+    return engine.generate(share["p"], sampling, seeds=share["s"])
 
 
 def torch_rollout_engine(cfg: AlignerConfig, model_cfg, dims: ParallelDims, eos_token_id: Optional[int]):

@@ -19,7 +19,7 @@ from typing import Optional
 from aligner.config import AlignerConfig, SamplingConfig
 from aligner.parallel.dims import ParallelDims
 from aligner.rollout.weight_sync import SyncGroup, join_sync_group, receive_weights
-from aligner.workers.actor import sync_backend, sync_host, torch_rollout_engine
+from aligner.workers.actor import generate_share, sync_backend, sync_host, torch_rollout_engine
 from aligner.workers.dispatch import dispatch, split_batch
 
 
@@ -31,8 +31,11 @@ class RolloutWorker:
     dims: this rank's ParallelDims in the rollout group (dp = replicas; given by the worker shell).
     """
 
-    def __init__(self, cfg: AlignerConfig, model_cfg, eos_token_id: Optional[int] = None, dims: Optional[ParallelDims] = None):
+    def __init__(
+        self, cfg: AlignerConfig, model_cfg, eos_token_id: Optional[int] = None, dims: Optional[ParallelDims] = None, tokenizer=None
+    ):
         self.cfg = cfg
+        self.tokenizer = tokenizer  # env.name set: renders the episodes' observations
         self.dims = dims or ParallelDims()
         self.engine = torch_rollout_engine(cfg, model_cfg, ParallelDims(device_type=self.dims.device.type), eos_token_id)
         self.group: Optional[SyncGroup] = None
@@ -55,8 +58,8 @@ class RolloutWorker:
         return {**out, "seconds": time.perf_counter() - t0}
 
     @dispatch("broadcast")
-    def generate(self, prompt_ids: list, sampling: SamplingConfig, seeds: list) -> tuple[int, list]:
-        """All prompts in; this replica's contiguous share generated: (replica, generations)."""
-        share = split_batch({"p": prompt_ids, "s": seeds}, self.dims.world_size)[self.dims.rank]
-        gens = self.engine.generate(share["p"], sampling, seeds=share["s"]) if share["p"] else []
-        return self.dims.rank, gens
+    def generate(self, prompt_ids: list, sampling: SamplingConfig, seeds: list, episodes: Optional[list] = None) -> tuple[int, list]:
+        """All prompts in; this replica's contiguous share generated: (replica, generations). episodes: as
+        :meth:`aligner.workers.actor.ActorWorker.generate`'s."""
+        share = split_batch({"p": prompt_ids, "s": seeds, **({"e": episodes} if episodes else {})}, self.dims.world_size)[self.dims.rank]
+        return self.dims.rank, generate_share(self.engine, self.cfg, self.tokenizer, share, sampling)
