@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import socket
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
@@ -36,13 +35,6 @@ from aligner.rollout.base import RolloutEngine
 
 HEADER_LEN_DTYPE = torch.int64
 END = 0  # a header length of 0: the sync is over
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass

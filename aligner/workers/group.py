@@ -42,6 +42,7 @@ from aligner.config import ParallelConfig, ResourceConfig
 from aligner.errors import WorkerDiedError, WorkerError, WorkerHungError, disk_full_path
 from aligner.parallel.dims import ParallelDims
 from aligner.runtime.host import HOST_MALLOC_ENV
+from aligner.runtime.ports import free_port
 from aligner.workers.dispatch import DISPATCH_MODES, concat_results, dispatched_methods, split_batch
 from aligner.workers.placement import Placement, RolePlacement, RoleRequest, create_placement, threads_per_worker
 
@@ -78,16 +79,15 @@ class WorkerShell:
         return ray.get_runtime_context().get_node_id()
 
     def rendezvous_address(self, loopback: bool) -> tuple[str, int]:
-        """An address and a port that was free on this node (rank 0 hosts the rendezvous).
+        """An address and a port that was free on this node (rank 0 hosts the rendezvous;
+        :func:`aligner.runtime.ports.free_port`).
 
         loopback: True when the whole group is on this node: 127.0.0.1 instead of the node IP.
         """
         import ray
 
         ip = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((ip, 0))
-            return ip, s.getsockname()[1]
+        return ip, free_port(ip)  # below the ephemeral range: no connection takes it before setup binds it
 
     def setup(
         self, env: dict[str, str], sizes: tuple[int, ...], backend: str, num_threads: int, worker_cls: type, packed: tuple[tuple, dict]

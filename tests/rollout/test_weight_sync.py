@@ -16,14 +16,13 @@ from aligner.rollout.weight_sync import (
     SyncGroup,
     WeightSender,
     bucket_spec,
-    free_port,
     join_sync_group,
     pack_bucket,
     receive_weights,
     unpack_bucket,
 )
 from tests.toolkit.engine import ENGINE_CFG
-from tests.toolkit.spawn import run_distributed
+from tests.toolkit.spawn import free_port, run_distributed
 
 PROMPTS = [[3, 9, 4], [7, 1], [5, 5, 5, 2]]
 

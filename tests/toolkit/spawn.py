@@ -25,18 +25,17 @@ from __future__ import annotations
 import atexit
 import os
 import queue
-import socket
 import traceback
 from typing import Any, Callable, Sequence
 
 import torch.multiprocessing as mp
 
+from aligner.runtime import ports
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 free at the time of the call."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 free at the time of the call (:func:`aligner.runtime.ports.free_port`)."""
+    return ports.free_port("127.0.0.1")
 
 
 def _run_one(rank: int, world_size: int, port: int, fn: Callable, args: Sequence, env: dict, results) -> None:
