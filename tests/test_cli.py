@@ -332,7 +332,10 @@ def test_bad_aligner_checkpoint(tmp_path, kind, words):
 @pytest.mark.parametrize(
     "overrides,words",
     [
-        (["conf=llama5"], ["conf='llama5' is not a preset", "tiny, smollm2_135m, smollm2_ifeval, llama2_7b, llama2_13b, llama2_70b"]),
+        (
+            ["conf=llama5"],
+            ["conf='llama5' is not a preset", "tiny, tiny_tools, smollm2_135m, smollm2_ifeval, llama2_7b, llama2_13b, llama2_70b"],
+        ),
         (["actor.parallel.tp_size=3"], ["actor.parallel.tp_size=3", "must divide model.num_heads=4"]),
         (["actor.optim.lr=-0.001"], ["actor.optim.lr=-0.001", "must be positive"]),
         (["algorithm.advantage=dpo"], ["algorithm.advantage='dpo'", "gae, grpo, rloo, reinforce_pp"]),

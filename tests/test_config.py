@@ -32,7 +32,7 @@ TRT_GPU = ["actor.resources.gpus_per_node=1", "cluster.gpus_per_node=1"]
 
 # (overrides, dotted field, bad value as printed, words of the fix / valid choices)
 CASES = [
-    (["conf=nope"], "conf", "'nope'", "tiny, smollm2_135m, smollm2_ifeval, llama2_7b"),
+    (["conf=nope"], "conf", "'nope'", "tiny, tiny_tools, smollm2_135m, smollm2_ifeval, llama2_7b"),
     (["model.vocab_size=0"], "model.vocab_size", "0", "positive integer"),
     (["model.hidden_size=-8"], "model.hidden_size", "-8", "positive integer"),
     (["model.intermediate_size=0"], "model.intermediate_size", "0", "positive integer"),

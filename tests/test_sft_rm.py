@@ -34,7 +34,11 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.parametrize(
     "module,args,expect",
     [
-        ("aligner.sft", ["conf=nope"], ["conf='nope'", "tiny, smollm2_135m, smollm2_ifeval, llama2_7b, llama2_13b, llama2_70b"]),
+        (
+            "aligner.sft",
+            ["conf=nope"],
+            ["conf='nope'", "tiny, tiny_tools, smollm2_135m, smollm2_ifeval, llama2_7b, llama2_13b, llama2_70b"],
+        ),
         ("aligner.sft", ["actor.parallel.tp_size=3"], ["actor.parallel.tp_size=3", "valid: 1, 2, 4"]),
         ("aligner.rm", ["data.train_path=/no/such/pairs.jsonl"], ["data.train_path='/no/such/pairs.jsonl'", "does not exist"]),
     ],

@@ -59,6 +59,7 @@ class TaskConfig:
     num_rl: int = 2000  # RL prompts, rows
     num_eval: int = 256  # held-out problems (disjoint from every train split), rows per eval split
     tokenizer_vocab_size: int = 256  # upper bound on the trained BPE vocabulary, tokens (specials included)
+    tool_demo_rate: float = 0.0  # fraction of SFT demonstrations that call the calculator (conf=tiny_tools; aligner.data.task)
 
     def validate(self, prefix: str = "task") -> None:
         _choice(f"{prefix}.name", self.name, ("addition",))
@@ -66,6 +67,7 @@ class TaskConfig:
             0 < self.min_digits <= self.max_digits <= 9, f"{prefix}.min_digits", self.min_digits, "need 0 < min_digits <= max_digits <= 9"
         )
         _check(0.0 <= self.carry_error_rate <= 1.0, f"{prefix}.carry_error_rate", self.carry_error_rate, "must be in [0, 1]")
+        _check(0.0 <= self.tool_demo_rate < 1.0, f"{prefix}.tool_demo_rate", self.tool_demo_rate, "must be in [0, 1)")
         for name in ("num_sft", "num_pairs", "num_rl", "num_eval"):
             _check(getattr(self, name) >= 1, f"{prefix}.{name}", getattr(self, name), "must be >= 1")
         _check(

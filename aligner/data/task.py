@@ -17,6 +17,15 @@ must learn when, and how many times, a carry happens. Problems
 without a carry are always demonstrated correctly, so held-out greedy accuracy of an SFT
 model is about the fraction of carry-free problems: ~47% with the default 1-2 digit operands.
 
+Tool demonstrations (``task.tool_demo_rate`` > 0, the ``tiny_tools`` preset; issue 38 part 4): that
+fraction of the SFT demonstrations, drawn uniformly over the problems, is a conversation in which
+the model calls the calculator (:func:`tool_call_text`, the Hermes tag format of
+aligner.envs.tool_env), reads its result back (:func:`tool_response_text`, the user message the
+tool environment sends for a template without a tool format) and then answers; those answers are
+always right, the direct ones keep their carry errors. An SFT model then answers directly and
+greedily (the majority) and calls the tool on a minority of samples: RL can find that the call pays
+on carry problems.
+
 Determinism: every split draws from ``random.Random(f"{seed}:{split}")`` (Python's string
 seeding is independent of PYTHONHASHSEED). The held-out problems are drawn first and
 excluded from every train split.
@@ -35,7 +44,7 @@ from aligner.config import TaskConfig
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 _PROMPT_RE = re.compile(r"^\s*(\d+)\s*\+\s*(\d+)\s*=\s*$")
 # Characters of the task tokenizer, in priority order (cut to the vocabulary budget).
-_ALPHABET = "0123456789+=-▁?\n" + "abcdefghijklmnopqrstuvwxyz" + "<|>" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ.,:!*/()#'\""
+_ALPHABET = "0123456789+=-▁?\n" + "abcdefghijklmnopqrstuvwxyz" + "<|>" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ.,:!*/()#'\"" + "{}_"
 
 
 def _draw_operand(rng: random.Random, cfg: TaskConfig) -> int:
@@ -167,16 +176,53 @@ def eval_problems(cfg: TaskConfig) -> list[tuple[int, int]]:
     return list(seen)
 
 
+def tool_call_text(a: int, b: int) -> str:
+    """The calculator call for a + b in the Hermes tag format (compact JSON), e.g.
+    ``<tool_call>{"name":"calculator","arguments":{"expression":"12+39"}}</tool_call>``."""
+    call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}+{b}"}}, separators=(",", ":"))
+    return f"<tool_call>{call}</tool_call>"
+
+
+def tool_response_text(a: int, b: int) -> str:
+    """The calculator's result as the tool environment returns it to a template without a tool format."""
+    return f"<tool_response>\n{a + b}\n</tool_response>"
+
+
+def tool_demo(a: int, b: int) -> dict:
+    """An SFT row in which the model calls the calculator, reads the result and answers (every
+    assistant turn is trained; the tool's response is not)."""
+    return {
+        "messages": [
+            {"role": "user", "content": make_prompt(a, b)},
+            {"role": "assistant", "content": tool_call_text(a, b)},
+            {"role": "user", "content": tool_response_text(a, b)},
+            {"role": "assistant", "content": str(a + b)},
+        ],
+        "correct": True,
+        "tool": True,
+    }
+
+
 def sft_records(cfg: TaskConfig, split: str = "train") -> list[dict]:
-    """SFT rows {"prompt", "response", "correct"}: train has carry errors at carry_error_rate, eval is all correct."""
+    """SFT rows {"prompt", "response", "correct"}: train has carry errors at carry_error_rate, eval is all
+    correct; with tool_demo_rate > 0 every train row is a conversation ({"messages", "correct", "tool"})
+    and that fraction of them, drawn from their own random stream, are tool conversations (:func:`tool_demo`)."""
     held = eval_problems(cfg)
     if split == "eval":
         return [{"prompt": make_prompt(a, b), "response": str(a + b), "correct": True} for a, b in held]
     rng = random.Random(f"{cfg.seed}:sft_errors")
+    tools = random.Random(f"{cfg.seed}:sft_tools")
     rows = []
     for a, b in _problems(cfg, "sft", cfg.num_sft, frozenset(held)):
         wrong = has_carry(a, b) and rng.random() < cfg.carry_error_rate
-        rows.append({"prompt": make_prompt(a, b), "response": forget_carry(a, b) if wrong else str(a + b), "correct": not wrong})
+        answer = forget_carry(a, b) if wrong else str(a + b)
+        if cfg.tool_demo_rate <= 0:
+            rows.append({"prompt": make_prompt(a, b), "response": answer, "correct": not wrong})
+        elif tools.random() < cfg.tool_demo_rate:
+            rows.append(tool_demo(a, b))
+        else:  # one file, one format: the direct answers as conversations too
+            turns = [{"role": "user", "content": make_prompt(a, b)}, {"role": "assistant", "content": answer}]
+            rows.append({"messages": turns, "correct": not wrong, "tool": False})
     return rows
 
 
@@ -273,6 +319,9 @@ def build_task_tokenizer(cfg: TaskConfig, out_dir: str, corpus: Optional[list[st
         for fn, split in TASK_SPLITS.values():
             for r in fn(cfg, split):
                 corpus.extend(str(v) for k, v in r.items() if k in ("prompt", "response", "chosen", "rejected"))
+                corpus.extend(m["content"] for m in r.get("messages", ()))
+        if cfg.tool_demo_rate > 0:  # the default chat template's role tags, which tool conversations are rendered with
+            corpus.extend(["<|user|>", "<|assistant|>"] * len(corpus))
     tok.train_from_iterator(corpus, trainer=trainer)
     vocab = tok.get_vocab_size()
     assert vocab <= cfg.tokenizer_vocab_size, (vocab, cfg.tokenizer_vocab_size)

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from aligner.config import AlignerConfig, SamplingConfig
-from aligner.data.task import mistake_breakdown
+from aligner.data.task import has_carry, mistake_breakdown, parse_prompt
 from aligner.reward import ifeval
 from aligner.reward.rules import gsm8k_formatted, score
 
@@ -101,7 +101,8 @@ def evaluate_greedy(actor_group, eval_examples: list[dict], tokenizer, cfg: Alig
     data (metadata "instruction_id_list") IFEval's "prompt_strict", "instruction_strict", "prompt_loose",
     "instruction_loose" and "cut_rows" (responses that ran to the token budget) (:func:`aligner.reward.ifeval.ifeval_metrics`).
     With episodes (``env.name``) each prompt plays one greedily, the rule scores its last model turn,
-    "mean_response_len" counts the model's own tokens, and :func:`episode_summary`'s keys are added.
+    "mean_response_len" counts the model's own tokens, and :func:`episode_summary`'s keys are added
+    (on the built-in task also "tool_call_rate_carry" and "tool_call_rate_no_carry").
     Raises ValueError for an empty eval set or an unknown rule.
     """
     if not eval_examples:
@@ -133,8 +134,15 @@ def evaluate_greedy(actor_group, eval_examples: list[dict], tokenizer, cfg: Alig
     if on_builtin_task(cfg):  # which mistakes the policy makes: carries dropped (what PPO must fix) or not
         metrics.update(mistake_breakdown(texts, responses))
     if rows:
-        metrics.update(episode_summary([g.extra["episode"] for g in gens]))
+        episodes = [g.extra["episode"] for g in gens]
+        metrics.update(episode_summary(episodes))
         metrics["mean_response_len"] = sum(sum(g.own_mask) for g in gens) / len(gens)
+        if on_builtin_task(cfg):  # where the tool is called: on the problems with a carry (where it helps) or not
+            carry = [has_carry(*parse_prompt(t)) for t in texts]
+            for name, want in (("carry", True), ("no_carry", False)):
+                group = [e for e, c in zip(episodes, carry) if c == want]
+                if group:
+                    metrics[f"tool_call_rate_{name}"] = sum(e.counts.get("tool_calls", 0) > 0 for e in group) / len(group)
     return GreedyEval(prompts, gens, responses, scores, metrics)
 
 

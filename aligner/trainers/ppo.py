@@ -670,8 +670,7 @@ class PPOTrainer(Trainer):
                     "dropped_carry",
                     "format_rate",
                     *ifeval.SCALAR_METRICS,
-                    "tool_call_rate",
-                    "turns",
+                    *EPISODE_EVAL_METRICS,
                 )
                 if k in res.metrics
             }
@@ -727,6 +726,10 @@ class PPOTrainer(Trainer):
         self.history = list(state.get("history", []))
         self.nonfinite_total = int(state.get("nonfinite_total", 0))
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
+
+
+# what the evaluation reports of its episodes (env.name set; aligner.trainers.evaluation.evaluate_greedy)
+EPISODE_EVAL_METRICS = ("turns", "tool_call_rate", "tool_call_rate_carry", "tool_call_rate_no_carry", "tool_errors")
 
 
 def first_replica(result: dict) -> dict[str, float]:
