@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import math
+import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -190,14 +191,55 @@ class EnvFailure(Exception):
     """An environment call raised, timed out or returned something invalid (caught by :func:`run_episode`)."""
 
 
-def call_env(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+class EnvRunner:
+    """Runs environment calls on one daemon worker thread, each with a wall-clock limit.
+
+    Starting a thread per call costs about 1.5 ms on a busy CPU (measured 2026-11-26 on a 2-core Xeon,
+    beside a generating engine): a batch of episodes pays it twice a turn. The runner keeps one
+    worker thread and hands it each call; a call that runs past its limit leaves its thread behind
+    (Python cannot stop a thread: it is a daemon, so it does not keep the process alive) and the
+    runner starts a fresh one for the next calls. Not for concurrent callers: one runner per
+    episode loop."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._start()
+
+    def _start(self) -> None:
+        self._queue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, args=(self._queue,), name="env-runner", daemon=True).start()
+
+    @staticmethod
+    def _serve(calls: queue.SimpleQueue) -> None:
+        while True:
+            fn, box, done = calls.get()
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # reported to the caller
+                box["error"] = e
+            done.set()
+
+    def call(self, fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+        """``fn()`` on the worker thread, as :func:`call_env` (the same errors)."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+        self._queue.put((fn, box, done))
+        if not done.wait(timeout_s):
+            self._start()  # the old thread is stuck in fn: the next calls get a fresh one
+            raise EnvFailure(f"{what} timed out after {timeout_s:g} s")
+        return _unbox(box, what)
+
+
+def call_env(fn: Callable[[], Any], timeout_s: float, what: str, runner: Optional[EnvRunner] = None) -> Any:
     """``fn()`` with a wall-clock limit of `timeout_s` seconds; raises :class:`EnvFailure` naming `what`
     when it raises or runs past the limit.
 
-    The call runs in a daemon thread: Python cannot stop a thread, so a call past its limit is left
-    running in the background (its environment object is never used again) and does not keep the
-    process alive at exit. An environment that runs untrusted code must bound it itself, in a
-    subprocess (as aligner.reward.sandbox does for code tests)."""
+    The call runs in a daemon thread (`runner`'s, or one started for it): Python cannot stop a
+    thread, so a call past its limit is left running in the background (its environment object is
+    never used again) and does not keep the process alive at exit. An environment that runs
+    untrusted code must bound it itself, in a subprocess (as aligner.reward.sandbox does for code tests)."""
+    if runner is not None:
+        return runner.call(fn, timeout_s, what)
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -211,6 +253,10 @@ def call_env(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
     thread.join(timeout_s)
     if thread.is_alive():
         raise EnvFailure(f"{what} timed out after {timeout_s:g} s")
+    return _unbox(box, what)
+
+
+def _unbox(box: dict[str, Any], what: str) -> Any:
     if "error" in box:
         e = box["error"]
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""

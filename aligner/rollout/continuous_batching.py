@@ -95,6 +95,8 @@ class ContinuousBatching:
         first stage schedules and sends each step down the pipeline with its hidden states, the
         last stage samples and sends the tokens back, and ``micro_batches`` steps are in flight."""
         e = self.engine
+        if turn_end is not None and e.pp_size > 1:
+            raise ValueError("episodes (turn_end) with a pipeline-parallel engine are not built: use pp_size=1 engines")
         m = e.micro_batches
         capacity = max(1, min(e.max_batch_size // m, -(-len(prompts) // m)))  # no more slots than requests
         max_len = max(len(p) + n for p, n in zip(prompts, budgets))
@@ -109,6 +111,7 @@ class ContinuousBatching:
             e.dtype,
             e.device,
             varlen=e.decode_attention == "varlen",
+            zeroed=turn_end is not None,
         )  # fmt: skip
         self.routing = None
         if e.moe_layers:
@@ -168,7 +171,7 @@ class ContinuousBatching:
             prefill_x = prefill_x.to(dev)
         decode_x = torch.tensor(plan.tokens, dtype=torch.long, device=dev).unsqueeze(1)
         meta = plan_meta(plan, prefill_x.shape[1] if prefill_x is not None else 0)
-        return self._stage_step(meta, prefill_x, decode_x, pool, sampler, link)
+        return self._stage_step(meta, prefill_x, decode_x, pool, sampler, link, plan.extends)
 
     def _serve_stage(self, pool: SlotKVCache, sampler: Sampler) -> None:
         """Stages after the first: run every plan the previous stage sends until it sends stop."""
@@ -181,8 +184,8 @@ class ContinuousBatching:
         link.send_stop()
         link.wait()
 
-    def _stage_step(self, meta: PlanMeta, prefill_x, decode_x, pool: SlotKVCache, sampler: Sampler, link: Optional[StageLink]):
-        """Execute a plan on this stage: prefill, copies, moves, decode (scheduler.py's order)."""
+    def _stage_step(self, meta: PlanMeta, prefill_x, decode_x, pool: SlotKVCache, sampler: Sampler, link: Optional[StageLink], extends=()):
+        """Execute a plan on this stage: prefill, copies, moves, extends (episodes, pp = 1), decode (scheduler.py's order)."""
         e = self.engine
         dev = e.device
         trunk = e.model.model
@@ -196,6 +199,8 @@ class ContinuousBatching:
             pool.copy(src, dst, n)
         for src, dst, n in meta.moves.tolist():
             pool.copy(src, dst, n)
+        if extends:
+            self._extend(extends, pool)
         if self._graph is not None:  # pp = 1, a dense model: this stage is also the last, no routing to record
             logits = self._graph.run(decode_x[:, 0], meta.positions.to(dev))
         else:
@@ -211,6 +216,23 @@ class ContinuousBatching:
             link.send_tokens(tok, lp)
             return None
         return tok.cpu(), lp.float().cpu()
+
+    def _extend(self, extends: list[tuple[int, int, list[int]]], pool: SlotKVCache) -> None:
+        """Episodes that go on after an observation: one forward of each row's new tokens (right-padded)
+        at positions [offset, offset + len), writing their k/v into the row and attending to its cache
+        before them (each query to its row's keys up to its own position); the outputs are not used."""
+        dev = self.engine.device
+        rows = torch.tensor([r for r, _, _ in extends], dtype=torch.long, device=dev)
+        offsets = torch.tensor([o for _, o, _ in extends], dtype=torch.long, device=dev)
+        lengths = torch.tensor([len(ids) for _, _, ids in extends], dtype=torch.long, device=dev)
+        t = int(lengths.max())
+        x = torch.zeros(len(extends), t, dtype=torch.long)
+        for i, (_, _, ids) in enumerate(extends):
+            x[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        positions = offsets.unsqueeze(1) + torch.arange(t, device=dev)  # [U, T]
+        length = pool.plan_extend(rows, offsets, lengths)
+        mask = (torch.arange(length, device=dev) <= positions.unsqueeze(2))[:, None]  # [U, 1, T, L]
+        self.engine.model.model(x.to(dev), position_ids=positions, attn_mask=mask, kv_cache=pool)
 
     def _decode_forward(self, meta: PlanMeta, decode_x: torch.Tensor, pool: SlotKVCache) -> torch.Tensor:
         """The eager decode step of rows [start, start + n): hidden states [n, 1, H] of this stage, attention

@@ -49,6 +49,10 @@ class SlotKVCache:
       [0, T) of those rows; attention uses the prompts' own k/v (causal, right padding).
     - :meth:`plan_decode` (start, positions [n], length): write each row's one new k/v at its own
       position in rows [start, start + n); attention reads those rows' positions [0, length).
+    - :meth:`plan_extend` (rows [U], offsets [U], lengths [U]): an episode's continuation after an
+      observation: row u's new k/v [T (right-padded), ...] are written at positions
+      [offset_u, offset_u + length_u) and attention reads its positions [0, max(offset + length))
+      under the engine's mask (each query sees its row's keys up to its own position).
     Unwritten slots are zeros (finite), so masked keys never turn into NaN (with ``varlen`` they
     are left uninitialized: nothing reads them).
     varlen: a decode step runs :func:`aligner.rollout.cpu_kernels.decode_attention` (:meth:`attend`),
@@ -57,22 +61,52 @@ class SlotKVCache:
     caches only).
     """
 
-    def __init__(self, layers: list[int], slots: int, kv_heads: int, max_len: int, head_dim: int, dtype, device, varlen: bool = False):
+    def __init__(
+        self,
+        layers: list[int],
+        slots: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype,
+        device,
+        varlen: bool = False,
+        zeroed: bool = False,
+    ):
         shape = (slots, kv_heads, max_len, head_dim)
         self.varlen = varlen and dtype == torch.float32 and torch.device(device).type == "cpu"
-        alloc = torch.empty if self.varlen else torch.zeros  # varlen reads written positions only
+        # varlen decode reads written positions only; an extension's attention reads [0, the longest row's
+        # end) of every row it extends, so with episodes (zeroed) unwritten slots must be finite zeros
+        alloc = torch.empty if self.varlen and not zeroed else torch.zeros
         self.k = {i: alloc(shape, dtype=dtype, device=device) for i in layers}
         self.v = {i: alloc(shape, dtype=dtype, device=device) for i in layers}
         self.slots, self.max_len = slots, max_len
         self._decode = False
-        self._rows = self._flat = self._lengths = None
+        self._extend = False
+        self._rows = self._flat = self._lengths = self._valid = None
         self._start = self._end = self._length = 0
 
     def plan_prefill(self, rows: torch.Tensor) -> None:
-        self._decode, self._rows = False, rows
+        self._decode, self._extend, self._rows = False, False, rows
+
+    def plan_extend(self, rows: torch.Tensor, offsets: torch.Tensor, lengths: torch.Tensor) -> int:
+        """Rows [U] take new k/v at [offsets_u, offsets_u + lengths_u) (int64 [U] each); returns the
+        key length the attention reads, max(offsets + lengths)."""
+        self._decode, self._extend, self._rows = False, True, rows
+        t = int(lengths.max())
+        kvh = next(iter(self.k.values())).shape[1]
+        j = torch.arange(t, device=rows.device)
+        self._valid = j.unsqueeze(0) < lengths.unsqueeze(1)  # [U, T]: the real (unpadded) new tokens
+        # each real token's place in the cache seen as [slots * kvh * max_len, hd], for every kv head: [N, kvh]
+        pos = (offsets.unsqueeze(1) + j)[self._valid]  # [N]
+        row = rows.unsqueeze(1).expand(-1, t)[self._valid]
+        self._flat = ((row.unsqueeze(1) * kvh + torch.arange(kvh, device=rows.device)) * self.max_len + pos.unsqueeze(1)).reshape(-1)
+        self._length = int((offsets + lengths).max())
+        return self._length
 
     def plan_decode(self, start: int, positions: torch.Tensor, length: int) -> None:
         n = positions.shape[0]
+        self._extend = False
         self._decode, self._start, self._end, self._length = True, start, start + n, length
         if self.varlen:  # the kernel writes the new k/v itself, at lengths - 1
             self._lengths = (positions + 1).to(torch.int64).contiguous()
@@ -88,6 +122,13 @@ class SlotKVCache:
         """k, v: [rows, kvh, T, hd] -> the keys and values attention reads (see the class docstring).
         A decode step with ``varlen`` never gets here: :meth:`attend` stores its k, v."""
         ck, cv = self.k[layer], self.v[layer]
+        if self._extend:
+            hd = k.shape[-1]
+            new_k = k.transpose(1, 2)[self._valid]  # [N, kvh, hd]: the real tokens' keys, row-major
+            new_v = v.transpose(1, 2)[self._valid]
+            ck.view(-1, hd).index_copy_(0, self._flat, new_k.reshape(-1, hd))
+            cv.view(-1, hd).index_copy_(0, self._flat, new_v.reshape(-1, hd))
+            return ck[self._rows, :, : self._length], cv[self._rows, :, : self._length]
         if not self._decode:
             t = k.shape[2]
             ck[self._rows, :, :t] = k

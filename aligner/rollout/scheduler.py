@@ -23,17 +23,19 @@ either prefilled (``prefill_rows``: one batched forward of the new prompts, righ
 or, when a live row already holds the same prompt, copied from it (``copies``: a shared
 prompt prefix, e.g. the n samples of a GRPO group prefill their prompt once).
 
-Execution order of a plan on every stage: prefill, copies, moves, decode. Copies read their
-sources before moves write; a move's destination is a hole no copy reads.
+Execution order of a plan on every stage: prefill, copies, moves, extends (below), decode. Copies
+read their sources before moves write; a move's destination is a hole no copy reads.
 
 Episodes (multi-turn, issue 38 part 2). With a ``turn_end`` callback a request is an episode: when
 a row samples a stop token, the callback gets the turn's tokens and returns the observation's
 tokens (a tool's result, the next user message, rendered by the chat template), or None to end the
-episode. The row keeps its slot and its cache: the stop token and the observation tokens run as the
-row's next decode inputs, one per step, their samples discarded (teacher forcing), batched with the
-other rows' steps, and the model's next turn continues from there. Earlier turns are never
-prefilled again. A request's budget counts every token after its prompt, the model's and the
-observations'; ``own`` marks which are the model's.
+episode. The row keeps its slot and its cache: in its next step the stop token and the observation
+minus its last token are written by an extension prefill (``extends``: one forward of those tokens
+at the row's positions, attending to the row's cache, batched with the other rows' extensions), and
+the observation's last token is the row's input of the same step's decode, whose sample is the
+first token of the model's next turn. Earlier turns are never prefilled again. A request's budget
+counts every token after its prompt, the model's and the observations'; ``own`` marks which are the
+model's.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ class Row:
     pos: int
     step: int = 0
     turn: list[int] = field(default_factory=list)  # the model's tokens of its current turn (episodes)
-    forced: deque = field(default_factory=deque)  # observation tokens still to feed (episodes)
+    extension: list[int] = field(default_factory=list)  # episodes: tokens to write at [pos, pos + len) next step
+    next_token: int = 0  # episodes: the input after the extension (the observation's last token)
 
 
 @dataclass
@@ -82,7 +85,10 @@ class StepPlan:
 
     prefill_rows [U] with prefill_ids [U][<= T]: rows whose prompt (minus its last token) is
     prefilled, right-padded to T = the longest. copies / moves: (src_row, dst_row, length)
-    copies of cache positions [0, length). Decode: rows ``start .. start + n - 1`` with input
+    copies of cache positions [0, length). extends: (row, offset, ids) of episodes that continue
+    after an observation: ids written at cache positions [offset, offset + len(ids)) of the row,
+    attending to its positions before them (run after the moves, with rows as they are after
+    them). Decode: rows ``start .. start + n - 1`` with input
     ``tokens`` [n] at ``positions`` [n]; ``requests`` [n] (request index) and ``steps`` [n]
     (response token index) pick each row's random draw.
     """
@@ -93,6 +99,7 @@ class StepPlan:
     prefill_ids: list[list[int]] = field(default_factory=list)
     copies: list[tuple[int, int, int]] = field(default_factory=list)
     moves: list[tuple[int, int, int]] = field(default_factory=list)
+    extends: list[tuple[int, int, list[int]]] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     requests: list[int] = field(default_factory=list)
@@ -118,7 +125,8 @@ class SlotScheduler:
     Counters: ``prompt_tokens`` (sum of P), ``prefilled_tokens`` (tokens run through a
     prefill forward), ``shared_tokens`` (copied from a live row instead), ``decode_steps``
     (decode forwards), ``decode_rows`` (rows in them), ``moved_rows``, ``turns`` (model turns
-    ended), ``observation_tokens`` (fed by teacher forcing).
+    ended), ``observation_tokens`` (the environments'), ``extended_tokens`` (run through extension
+    prefills: each continued turn's stop token and its observation but the last token).
     """
 
     def __init__(
@@ -143,7 +151,7 @@ class SlotScheduler:
         self.live = 0
         self.prompt_tokens = sum(len(r.prompt) for r in self.pending)
         self.prefilled_tokens = self.shared_tokens = self.decode_steps = self.decode_rows = self.moved_rows = 0
-        self.turns = self.observation_tokens = 0
+        self.turns = self.observation_tokens = self.extended_tokens = 0
 
     def done(self) -> bool:
         return not self.pending and self.live == 0
@@ -205,6 +213,11 @@ class SlotScheduler:
                     rows.pop()
         if not rows:
             return None
+        for i, r in enumerate(rows):
+            if r.extension:  # an episode goes on after its observation (see the module docstring)
+                plan.extends.append((base + i, r.pos, r.extension))
+                self.extended_tokens += len(r.extension)
+                r.pos, r.token, r.extension = r.pos + len(r.extension), r.next_token, []
         for r in rows:
             plan.tokens.append(r.token)
             plan.positions.append(r.pos)
@@ -217,20 +230,13 @@ class SlotScheduler:
     def apply(self, m: int, tokens: Sequence[int], log_probs: Sequence[float]) -> None:
         """Record micro-batch m's sampled tokens [n] and log-probs [n] (its last plan's row order);
         rows that sampled a stop token or reached their budget free their slot, unless the episode's
-        ``turn_end`` returns an observation to feed (then the row goes on, see the module docstring).
-        A row whose input was an observation token discards its sample and takes the next one."""
+        ``turn_end`` returns an observation (then the row goes on with an extension in its next
+        plan, see the module docstring)."""
         rows, base = self.rows[m], m * self.capacity
         for i, (t, lp) in enumerate(zip(tokens, log_probs)):
             r = rows[i]
             out_t, out_lp = self.outputs[r.request.index]
             own = self.own[r.request.index]
-            if r.forced:  # this step's input was the stop token or an observation token: feed the next one
-                nxt = r.forced.popleft()
-                out_t.append(nxt)
-                out_lp.append(0.0)
-                own.append(False)
-                r.token, r.pos = nxt, r.pos + 1
-                continue
             out_t.append(int(t))
             out_lp.append(float(lp))
             own.append(True)
@@ -245,7 +251,11 @@ class SlotScheduler:
                     obs = self.turn_end(r.request.index, r.turn, max(room, 0))
                     r.turn = []
                     if stopped and room > 0 and obs and len(obs) < room:
-                        r.forced.extend(int(x) for x in obs)
+                        obs = [int(x) for x in obs]
+                        out_t += obs
+                        out_lp += [0.0] * len(obs)
+                        own += [False] * len(obs)
+                        r.extension, r.next_token = [int(t)] + obs[:-1], obs[-1]
                         self.observation_tokens += len(obs)
                         continue
             if stopped or room <= 0:
@@ -261,5 +271,9 @@ class SlotScheduler:
             "decode_steps": self.decode_steps,
             "decode_rows": self.decode_rows,
             "moved_rows": self.moved_rows,
-            **({"turns": self.turns, "observation_tokens": self.observation_tokens} if self.turn_end is not None else {}),
+            **(
+                {"turns": self.turns, "observation_tokens": self.observation_tokens, "extended_tokens": self.extended_tokens}
+                if self.turn_end is not None
+                else {}
+            ),
         }

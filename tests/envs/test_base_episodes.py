@@ -175,3 +175,21 @@ def test_single_turn_env_is_one_turn_scored_by_the_reward_function():
     assert (ep.done, len(ep.model_turns), ep.final_reward) == (True, 1, 1.0)
     env = make_env("single_turn", EnvSpec(reward_fn=lambda prompt, response, meta: float(response == meta["answer"])))
     assert run_episode(env, "2+2=", {"answer": "4"}, lambda messages: "5", max_turns=1, timeout_s=5).final_reward == 0.0
+
+
+def test_env_runner_times_out_a_hung_call_and_serves_the_next_on_a_fresh_thread():
+    import threading
+    import time
+
+    from aligner.envs.base import EnvFailure, EnvRunner, call_env
+
+    runner = EnvRunner()
+    release = threading.Event()
+    with pytest.raises(EnvFailure, match="step 1 timed out after 0.1 s"):
+        call_env(lambda: release.wait(5), 0.1, "step 1", runner)
+    t0 = time.perf_counter()
+    assert call_env(lambda: 42, 1.0, "step 2", runner) == 42  # not queued behind the hung call
+    assert time.perf_counter() - t0 < 0.5
+    with pytest.raises(EnvFailure, match="step 3 raised ValueError: bad"):
+        call_env(lambda: (_ for _ in ()).throw(ValueError("bad")), 1.0, "step 3", runner)
+    release.set()

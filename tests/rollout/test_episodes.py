@@ -1,5 +1,6 @@
 """Episodes in the continuous scheduler (issue 38 part 2): multi-turn generation that continues each
-episode from its cached prefix equals generating every turn from the full context without a cache.
+episode from its cached prefix (the observation written by an extension prefill into the episode's
+slot) equals generating every turn from the full context without a cache.
 
 Reference: the same model run on the whole conversation so far (prompt, earlier turns, observations)
 with no KV cache, one full forward per token; greedy by argmax, sampled by the engine's documented
@@ -117,6 +118,8 @@ def test_episodes_from_the_prefix_cache_equal_full_context_generation(model, sam
     st = eng.last_stats
     observed = sum(own.count(False) for _, own in refs)
     assert st["observation_tokens"] == observed and st["turns"] == sum(len(t) for t in env.turns.values())
+    # each continued turn's stop token and its observation but the last token went through one extension forward
+    assert st["extended_tokens"] == observed
     # no earlier turn is prefilled again: the only prefill is each prompt's, once
     assert st["prefilled_tokens"] + st["shared_prefix_tokens"] == sum(len(p) - 1 for p in PROMPTS)
 
