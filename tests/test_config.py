@@ -278,7 +278,7 @@ CASES = [
     (["dpo.rpo_alpha=-1"], "dpo.rpo_alpha", "-1.0", ">= 0"),
     (["actor.lora.rank=8", "actor.lora.alpha=0"], "actor.lora.alpha", "0.0", "must be > 0"),
     # the remote reward (aligner.reward.remote): a malformed URL and the client's bounds
-    (["reward.type=judge"], "reward.type", "'judge'", "model, rule, remote"),
+    (["reward.type=critic"], "reward.type", "'critic'", "model, rule, remote, judge"),
     (["reward.type=remote"], "reward.url", "''", "needs the endpoint's URL"),
     (["reward.type=remote", "reward.url=ftp://rm.example/score"], "reward.url", "'ftp://rm.example/score'", "http or https"),
     (["reward.type=remote", "reward.url=localhost:5000/score"], "reward.url", "'localhost:5000/score'", "http or https"),
@@ -326,6 +326,22 @@ CASES = [
     (["env.name=single_turn", "rollout.parallel.tp_size=2"], "rollout.parallel", "'tp_size=2, pp_size=1'", "engines of one rank"),
     (["env.name=single_turn", "reward.type=model"], "reward.type", "'model'", "set reward.type=rule"),
     (["env.name=single_turn", "rollout.backend=trtllm"], "rollout.backend", "'trtllm'", "set rollout.backend=torch"),
+    # reward.type=judge (aligner.reward.judge); braces need quotes on Hydra's command line
+    (
+        ["reward.type=judge", "reward.init=j", "reward.judge_rubric='Rate {response}'"],
+        "reward.judge_rubric",
+        "'Rate {response}'",
+        "needs the placeholders {prompt}",
+    ),
+    (["reward.type=judge", "reward.init=j", "reward.judge_max_new_tokens=0"], "reward.judge_max_new_tokens", "0", "must be >= 1 token"),
+    (["reward.type=judge", "reward.init=j", "reward.judge_max_score=0"], "reward.judge_max_score", "0.0", "must be > 0"),
+    (["reward.type=judge", "reward.init="], "reward.init", "''", "needs the judge LLM's HF directory"),
+    (
+        ["reward.type=judge", "reward.init=j", "reward.parallel.tp_size=2"],
+        "reward.parallel",
+        "'tp_size=2, pp_size=1'",
+        "engines of one rank each",
+    ),
 ]
 
 
@@ -472,10 +488,11 @@ def test_cli_config_error_is_one_line_exit_2(arg, field, tmp_path):
 
 # ---- the schema per role: a field appears only under the roles that use it ----------------------
 REMOTE_FIELDS = ("url", "token", "timeout_s", "max_retries", "backoff_s", "batch_size", "max_concurrency")  # reward.type=remote
+JUDGE_FIELDS = ("judge_rubric", "judge_max_new_tokens", "judge_max_score")  # reward.type=judge
 ROLE_FIELDS = {
     "actor": {"init", "parallel", "resources", "colocate_with", "optim", "lora", "prompt_learning"},
     "critic": {"init", "parallel", "resources", "colocate_with", "optim", "lora"},
-    "reward": {"init", "parallel", "resources", "colocate_with", "optim", "lora", "type", "rule", *REMOTE_FIELDS},  # optim: the RM stage
+    "reward": {"init", "parallel", "resources", "colocate_with", "optim", "lora", "type", "rule", *REMOTE_FIELDS, *JUDGE_FIELDS},  # optim: the RM stage
     "ref": {"init", "parallel", "resources", "colocate_with"},  # frozen: no optim
 }
 

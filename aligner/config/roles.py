@@ -179,11 +179,20 @@ class ActorRoleConfig(TrainableRoleConfig):
         self.prompt_learning.validate(f"{prefix}.prompt_learning", model)
 
 
+# reward.judge_rubric's default (the same text as aligner.reward.judge.DEFAULT_RUBRIC, asserted by a test)
+JUDGE_RUBRIC = (
+    "Rate the response to the request on a scale from 0 (useless or wrong) to 10 (correct and helpful).\n"
+    "Request: {prompt}\nResponse: {response}\nAnswer with the number only."
+)
+
+
 @dataclass(kw_only=True)
 class RewardRoleConfig(TrainableRoleConfig):
     """The reward role: a reward model (trained by the RM stage with ``optim``, frozen in PPO) or a rule."""
 
-    type: str = "model"  # PPO's reward: model (the reward model at init) | rule (a function on the driver) | remote (url)
+    type: str = (
+        "model"  # PPO's reward: model (the reward model at init) | rule (a function on the driver) | remote (url) | judge (an LLM at init)
+    )
     rule: str = "task_accuracy"  # type=rule: the rule's name in aligner.reward.rules.RULES
     # type=remote: an HTTP scoring endpoint called from the driver (aligner.reward.remote; python -m aligner.serve_rm)
     url: str = ""  # http(s)://host[:port]/path, e.g. http://127.0.0.1:5000/score
@@ -193,10 +202,19 @@ class RewardRoleConfig(TrainableRoleConfig):
     backoff_s: float = 1.0  # seconds before the first retry, doubling for each later one
     batch_size: int = 64  # samples per request
     max_concurrency: int = 4  # requests in flight at once
+    # type=judge: a generative reward model (aligner.reward.judge): the causal LM at init, prompted with the rubric
+    judge_rubric: str = JUDGE_RUBRIC  # needs {prompt} and {response}; sent as one user message through the judge's chat template
+    judge_max_new_tokens: int = 8  # tokens the judge may write; the first number in them is the verdict
+    judge_max_score: float = 10.0  # the rubric's top verdict: score = verdict / judge_max_score, in [0, 1]
 
     def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
         super().validate(prefix, model)
         _choice(f"{prefix}.type", self.type, REWARD_TYPES)
+        if self.type == "judge":
+            missing = [p for p in ("{prompt}", "{response}") if p not in self.judge_rubric]
+            _check(not missing, f"{prefix}.judge_rubric", self.judge_rubric, f"the rubric needs the placeholders {' and '.join(missing)}")
+            _check(self.judge_max_new_tokens >= 1, f"{prefix}.judge_max_new_tokens", self.judge_max_new_tokens, "must be >= 1 token")
+            _check(self.judge_max_score > 0, f"{prefix}.judge_max_score", self.judge_max_score, "must be > 0 (the rubric's top verdict)")
         if self.type != "remote":
             return
         problem = reward_url_problem(self.url)
@@ -208,7 +226,7 @@ class RewardRoleConfig(TrainableRoleConfig):
         _check(self.max_concurrency >= 1, f"{prefix}.max_concurrency", self.max_concurrency, "must be >= 1 request in flight")
 
 
-REWARD_TYPES = ("model", "rule", "remote")
+REWARD_TYPES = ("model", "rule", "remote", "judge")
 
 
 def reward_url_problem(url: str) -> str:

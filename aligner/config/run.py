@@ -147,7 +147,7 @@ class AlignerConfig:
         """The role groups this run starts.
 
         sft and dpo: actor (DPO's reference lives in the actor's workers). rm: reward. ppo: actor always; critic for gae; reward when
-        ``reward.type=model``; ref when a KL term needs it (:attr:`AlgorithmConfig.uses_reference`).
+        ``reward.type`` is model or judge; ref when a KL term needs it (:attr:`AlgorithmConfig.uses_reference`).
         plan: the PPO roles.
         """
         if self.stage in ("sft", "dpo"):
@@ -157,7 +157,7 @@ class AlignerConfig:
         roles = ["actor"]
         if self.algorithm.advantage == "gae":
             roles.append("critic")
-        if self.reward.type == "model":
+        if self.reward.type in ("model", "judge"):
             roles.append("reward")
         if self.algorithm.uses_reference and not self.ref_from_actor:
             roles.append("ref")

@@ -25,6 +25,8 @@ def validate_run(cfg: AlignerConfig) -> None:
     validate_sections(cfg)
     if cfg.env.name:
         validate_episodes(cfg)
+    if cfg.stage == "ppo" and cfg.reward.type == "judge":
+        validate_judge(cfg)
     validate_prompt_learning(cfg)
     validate_staleness(cfg)
     if cfg.stage == "ppo":
@@ -143,6 +145,20 @@ def validate_episodes(cfg: AlignerConfig) -> None:
         "reward.type",
         cfg.reward.type,
         "an episode's reward is the environment's, which scores the final turn with reward.rule: set reward.type=rule",
+    )
+
+
+def validate_judge(cfg: AlignerConfig) -> None:
+    """reward.type=judge: the judge is a trained causal LM (reward.init) on engines of one rank each."""
+    r = cfg.reward
+    _check(
+        bool(r.init), "reward.init", r.init, "reward.type=judge needs the judge LLM's HF directory (with its tokenizer and chat template)"
+    )
+    _check(
+        r.parallel.tp_size == 1 and r.parallel.pp_size == 1,
+        "reward.parallel",
+        f"tp_size={r.parallel.tp_size}, pp_size={r.parallel.pp_size}",
+        "a judge runs on engines of one rank each (tp_size=pp_size=1): use reward.parallel.dp_size replicas",
     )
 
 

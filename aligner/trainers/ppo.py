@@ -70,7 +70,7 @@ from aligner.workers.actor import ActorWorker, PolicyWorker
 from aligner.workers.critic import CriticWorker
 from aligner.workers.group import CoreSharing, WorkerGroup, get_all, role_worker_group
 from aligner.workers.placement import ROLLOUT_GROUP, describe_request, local_shortfall, placement_from_config, plan_from_config
-from aligner.workers.reward import RemoteRewardRole, RewardWorker
+from aligner.workers.reward import JudgeScores, RemoteRewardRole, RewardWorker
 from aligner.workers.rollout import RolloutWorker
 
 log = logging.getLogger("aligner.ppo")
@@ -137,6 +137,7 @@ class PPOTrainer(Trainer):
         self.kl_ctl = alg.build_kl_controller(a.kl_controller, a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)
         self.groups: dict[str, Any] = {}
         self.remote_reward: Optional[RemoteRewardRole] = None  # reward.type=remote: the endpoint's client
+        self.judge_future: Optional[JudgeScores] = None  # reward.type=judge: the last batch's judgements
         self.cores: Optional[CoreSharing] = None  # torch threads follow the work (trainer.num_threads=0, CPU workers)
         self.placement = None
         self.producer: Optional[RolloutProducer] = None  # rollout.placement=split: the rollout group and its queue
@@ -442,6 +443,13 @@ class PPOTrainer(Trainer):
         group; None when a rule scores it (in the driver, :meth:`rule_scores`)."""
         if self.remote_reward is not None:
             return self.remote_reward.scores(batch.tensors("input_ids", "attention_mask"), batch.meta)
+        if self.cfg.reward.type == "judge":
+            self.judge_future = JudgeScores(
+                self.groups["reward"].judge_scores(
+                    {"prompt": [m["prompt"] for m in batch.meta], "response": [m["response"] for m in batch.meta]}
+                )
+            )
+            return self.judge_future
         if "reward" in self.groups:
             return self.groups["reward"].scores(batch.tensors("input_ids", "attention_mask"))
         return None
@@ -638,6 +646,8 @@ class PPOTrainer(Trainer):
             out.update(alg.rollout_mismatch_metrics(batch.rollout_log_probs, batch.old_log_probs, mask))
         if batch.rollout_experts is not None and batch.old_experts is not None:
             out["moe_routing_mismatch"] = routing_mismatch(batch.rollout_experts, batch.old_experts, mask)
+        if self.judge_future is not None and self.judge_future.unparsed is not None:  # reward.type=judge
+            out["reward/judge_unparsed"] = float(self.judge_future.unparsed.float().mean())
         if self.cfg.env.name:  # response_len counts the model's own tokens; env/* the episodes (per episode)
             out.update({f"env/{k}": v for k, v in episode_summary([m["episode"] for m in batch.meta]).items()})
             out["env/observation_tokens"] = float((batch.response_lens - mask.sum(-1)).float().mean())
@@ -682,7 +692,7 @@ class PPOTrainer(Trainer):
             futs.append(self.remote_reward.scores(batch.tensors("input_ids", "attention_mask"), batch.meta))
             names.append("scores")
         elif "reward" in self.groups:
-            futs.append(self.groups["reward"].scores(batch.tensors("input_ids", "attention_mask")))
+            futs.append(self._score_future(batch))
             names.append("scores")
         if "ref" in self.groups or self.cfg.ref_from_actor:
             ref = self.groups["ref"].log_probs if "ref" in self.groups else self.groups["actor"].ref_log_probs

@@ -13,6 +13,7 @@ import torch
 from aligner.config import AlignerConfig
 from aligner.config.roles import RewardRoleConfig
 from aligner.parallel.dims import ParallelDims
+from aligner.reward.judge import Judge
 from aligner.reward.remote import RemoteReward
 from aligner.reward.reward_model import RewardModel
 from aligner.workers.dispatch import dispatch
@@ -26,6 +27,10 @@ class RewardWorker:
         self.dims = dims or ParallelDims()
         torch.manual_seed(cfg.trainer.seed)
         rc = cfg.reward
+        self.judge: Optional[Judge] = None
+        if cfg.stage == "ppo" and rc.type == "judge":  # a generative reward model: an LLM and its engine, no scalar head
+            self.judge = build_judge(cfg, init or rc.init, self.dims)
+            return
         lora = rc.lora if cfg.stage == "rm" else None  # PPO's reward model is frozen (its init is an HF export)
         self.rm = RewardModel(
             cfg.model,
@@ -42,6 +47,14 @@ class RewardWorker:
     @dispatch("dp_split")
     def scores(self, batch: dict) -> torch.Tensor:
         return self.rm.scores(batch, self.cfg.trainer.micro_batch_size)
+
+    @dispatch("dp_split")
+    def judge_scores(self, batch: dict) -> dict:
+        """reward.type=judge: {"prompt": [B] texts, "response": [B] texts} (this replica's share) ->
+        {"scores": [B] float32 in [0, 1], "unparsed": [B] bool} (:meth:`aligner.reward.judge.Judge.scores`)."""
+        if self.judge is None:
+            raise RuntimeError("judge_scores on a reward worker that holds a reward model: set reward.type=judge")
+        return self.judge.scores(batch["prompt"], batch["response"])
 
     @dispatch("dp_split")
     def bt_step(self, batch: dict) -> dict:
@@ -62,6 +75,35 @@ class RewardWorker:
     @dispatch("broadcast")
     def export_hf(self, out_dir: str, tokenizer_path: str = "", stats: Optional[dict] = None) -> Optional[str]:
         return self.rm.export_hf(out_dir, tokenizer_path, extra_files={"reward_stats.json": stats} if stats else None)
+
+
+def build_judge(cfg: AlignerConfig, init: str, dims: ParallelDims) -> Judge:
+    """The judge of reward.type=judge: the causal LM of the HF directory `init` with its tokenizer,
+    on a TorchEngine of one rank (greedy, continuous scheduler) in rollout.dtype on this rank's device."""
+    from aligner.data.tokenizer import load_tokenizer
+    from aligner.model.hf import load_hf_model
+    from aligner.rollout.torch_engine import TorchEngine
+
+    tok = load_tokenizer(init)
+    model, model_cfg = load_hf_model(init)
+    model = model.to(device=dims.device, dtype=getattr(torch, cfg.rollout.dtype)).eval()
+    engine = TorchEngine(model, eos_token_id=tok.eos_token_id, max_batch_size=cfg.rollout.max_batch_size)
+    rc = cfg.reward
+    return Judge(engine, tok, rc.judge_rubric, rc.judge_max_new_tokens, rc.judge_max_score, model_cfg.max_seq_len)
+
+
+class JudgeScores:
+    """The pending scores of the judge group's :meth:`RewardWorker.judge_scores`, waited on like a
+    group's future: ``get`` gives the scores [B] float32 and keeps ``unparsed`` [B] bool."""
+
+    def __init__(self, future) -> None:
+        self.future = future
+        self.unparsed: Optional[torch.Tensor] = None
+
+    def get(self, timeout_s: Optional[float] = None) -> torch.Tensor:
+        out = self.future.get(timeout_s)
+        self.unparsed = out["unparsed"]
+        return out["scores"]
 
 
 class RemoteScores:
