@@ -492,7 +492,18 @@ JUDGE_FIELDS = ("judge_rubric", "judge_max_new_tokens", "judge_max_score")  # re
 ROLE_FIELDS = {
     "actor": {"init", "parallel", "resources", "colocate_with", "optim", "lora", "prompt_learning"},
     "critic": {"init", "parallel", "resources", "colocate_with", "optim", "lora"},
-    "reward": {"init", "parallel", "resources", "colocate_with", "optim", "lora", "type", "rule", *REMOTE_FIELDS, *JUDGE_FIELDS},  # optim: the RM stage
+    "reward": {
+        "init",
+        "parallel",
+        "resources",
+        "colocate_with",
+        "optim",
+        "lora",
+        "type",
+        "rule",
+        *REMOTE_FIELDS,
+        *JUDGE_FIELDS,
+    },  # optim: the RM stage
     "ref": {"init", "parallel", "resources", "colocate_with"},  # frozen: no optim
 }
 
