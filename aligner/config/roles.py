@@ -179,7 +179,7 @@ class ActorRoleConfig(TrainableRoleConfig):
         self.prompt_learning.validate(f"{prefix}.prompt_learning", model)
 
 
-# reward.judge_rubric's default (the same text as aligner.reward.judge.DEFAULT_RUBRIC, asserted by a test)
+# reward.judge_rubric's default (aligner.reward.judge)
 JUDGE_RUBRIC = (
     "Rate the response to the request on a scale from 0 (useless or wrong) to 10 (correct and helpful).\n"
     "Request: {prompt}\nResponse: {response}\nAnswer with the number only."

@@ -13,7 +13,7 @@ plays one episode; :func:`make_env` builds a fresh one per episode.
 turns from a callable here: it keeps every turn in an :class:`Episode` (role, text, whether the
 model wrote it, its reward), enforces ``max_turns`` and a per-call wall-clock timeout, and turns an
 environment that raises or hangs into a failed episode with its reason, never an exception, so
-the other episodes of a step go on (:func:`run_episodes`). :func:`episode_metrics` sums them up.
+the other episodes of a step go on (:func:`run_episodes`). :func:`episode_metrics` summarizes them.
 
 The rollout engine plays the same loop at the token level (:mod:`aligner.envs.episodes`, continuing
 each episode from its KV cache) and the PPO trainer trains on the model's turns only.
@@ -356,23 +356,25 @@ def run_episodes(
     return episodes
 
 
-def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
-    """Step metrics of a batch of episodes (names under "env/"):
+def episode_metrics(episodes: Sequence[Episode], prefix: str = "env/") -> dict[str, float]:
+    """Metrics of a batch of episodes, names under `prefix`, per episode where not said otherwise:
 
-    episodes, failed, truncated (counts); turns_mean (model turns per episode); final_reward_mean
-    (over the episodes that did not fail; absent when all failed); and every key of
-    :attr:`Episode.counts` summed over the episodes (``env/tool_calls``, ``env/tool_errors``)."""
+    episodes (the count); failed and truncated (fractions); turns (model turns, mean); tool_call_rate
+    (the fraction with at least one tool call); final_reward_mean (over the episodes that did not
+    fail; absent when all failed); and every key of :attr:`Episode.counts`, averaged over the episodes
+    (``tool_calls``, ``tool_errors``, ``retries``). Empty batch: episodes 0 and the rest 0.0."""
     n = len(episodes)
+    per = 1 / n if n else 0.0
     out: dict[str, float] = {
-        "env/episodes": float(n),
-        "env/failed": float(sum(e.failed for e in episodes)),
-        "env/truncated": float(sum(e.truncated for e in episodes)),
-        "env/turns_mean": sum(len(e.model_turns) for e in episodes) / n if n else 0.0,
+        "episodes": float(n),
+        "failed": sum(e.failed for e in episodes) * per,
+        "truncated": sum(e.truncated for e in episodes) * per,
+        "turns": sum(len(e.model_turns) for e in episodes) * per,
+        "tool_call_rate": sum(e.counts.get("tool_calls", 0) > 0 for e in episodes) * per,
     }
     ok = [e.final_reward for e in episodes if not e.failed]
     if ok:
-        out["env/final_reward_mean"] = sum(ok) / len(ok)
-    for e in episodes:
-        for key, value in e.counts.items():
-            out[f"env/{key}"] = out.get(f"env/{key}", 0.0) + float(value)
-    return out
+        out["final_reward_mean"] = sum(ok) / len(ok)
+    for key in sorted({k for e in episodes for k in e.counts}):
+        out[key] = sum(float(e.counts.get(key, 0)) for e in episodes) * per
+    return {f"{prefix}{k}": v for k, v in out.items()}

@@ -57,6 +57,7 @@ class TokenEpisodes:
             raise ValueError(f"TokenEpisodes: max_turns={max_turns!r} must be >= 1 and timeout_s={timeout_s!r} > 0")
         self.tok, self.max_turns, self.timeout_s = tokenizer, max_turns, timeout_s
         self.stop_ids = frozenset(int(t) for t in stop_ids)
+        self.stop_text: dict[int, str] = {}  # stop id -> its text, decoded once
         self.episodes = [Episode(prompt=p, metadata=dict(m), turns=[Turn("user", p, own=False)]) for p, m in rows]
         self.envs: list[Optional[Environment]] = [None] * len(rows)
         self.closed = [False] * len(rows)
@@ -134,7 +135,9 @@ class TokenEpisodes:
                 "the chat template does not render the conversation as a prefix of the conversation with the observation: "
                 "use a prefix-stable template (tokenizer.chat_template)"
             )
-        stop_text = self.tok.decode([stop_id], skip_special_tokens=False)
+        if stop_id not in self.stop_text:
+            self.stop_text[stop_id] = self.tok.decode([stop_id], skip_special_tokens=False)
+        stop_text = self.stop_text[stop_id]
         at = before.rfind(stop_text) if stop_text else -1
         rest = before[at + len(stop_text) :] if at >= 0 and ep.turns[-1].text in before[:at] else ""
         return list(self.tok.encode(rest + after[len(before) :], add_special_tokens=False))

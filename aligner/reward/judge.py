@@ -21,10 +21,8 @@ from typing import Optional, Sequence
 
 import torch
 
-DEFAULT_RUBRIC = (
-    "Rate the response to the request on a scale from 0 (useless or wrong) to 10 (correct and helpful).\n"
-    "Request: {prompt}\nResponse: {response}\nAnswer with the number only."
-)
+from aligner.config import SamplingConfig
+
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -71,8 +69,6 @@ class Judge:
 
         Raises ValueError naming the sample when a judgement's prompt and the verdict's budget do not
         fit the judge's max_seq_len (a cut judgement would judge something else)."""
-        from aligner.config import SamplingConfig
-
         if not prompts:
             return {"scores": torch.zeros(0), "unparsed": torch.zeros(0, dtype=torch.bool)}
         ids = judge_prompt_ids(self.tok, self.rubric, prompts, responses)

@@ -28,6 +28,7 @@ import torch
 
 from aligner.config import AlignerConfig, SamplingConfig
 from aligner.data.task import has_carry, mistake_breakdown, parse_prompt
+from aligner.envs import episode_metrics
 from aligner.reward import ifeval
 from aligner.reward.rules import gsm8k_formatted, score
 
@@ -101,7 +102,7 @@ def evaluate_greedy(actor_group, eval_examples: list[dict], tokenizer, cfg: Alig
     data (metadata "instruction_id_list") IFEval's "prompt_strict", "instruction_strict", "prompt_loose",
     "instruction_loose" and "cut_rows" (responses that ran to the token budget) (:func:`aligner.reward.ifeval.ifeval_metrics`).
     With episodes (``env.name``) each prompt plays one greedily, the rule scores its last model turn,
-    "mean_response_len" counts the model's own tokens, and :func:`episode_summary`'s keys are added
+    "mean_response_len" counts the model's own tokens, and the keys of :func:`aligner.envs.episode_metrics` are added
     (on the built-in task also "tool_call_rate_carry" and "tool_call_rate_no_carry").
     Raises ValueError for an empty eval set or an unknown rule.
     """
@@ -135,7 +136,7 @@ def evaluate_greedy(actor_group, eval_examples: list[dict], tokenizer, cfg: Alig
         metrics.update(mistake_breakdown(texts, responses))
     if rows:
         episodes = [g.extra["episode"] for g in gens]
-        metrics.update(episode_summary(episodes))
+        metrics.update(episode_metrics(episodes, prefix=""))
         metrics["mean_response_len"] = sum(sum(g.own_mask) for g in gens) / len(gens)
         if on_builtin_task(cfg):  # where the tool is called: on the problems with a carry (where it helps) or not
             carry = [has_carry(*parse_prompt(t)) for t in texts]
@@ -151,19 +152,3 @@ def episode_rows(cfg: AlignerConfig, examples: Sequence[dict]):
     if not cfg.env.name:
         return None
     return [(e["prompt"], dict(e.get("metadata") or {})) for e in examples]
-
-
-def episode_summary(episodes: Sequence) -> dict[str, float]:
-    """Per-episode means of a batch of :class:`aligner.envs.Episode`: "turns" (model turns), "failed"
-    and "truncated" (fractions), "tool_call_rate" (episodes with at least one tool call), and every
-    count the environments reported (``tool_calls``, ``tool_errors``, ``retries``: per episode)."""
-    n = max(1, len(episodes))
-    out = {
-        "turns": sum(len(e.model_turns) for e in episodes) / n,
-        "failed": sum(e.failed for e in episodes) / n,
-        "truncated": sum(e.truncated for e in episodes) / n,
-        "tool_call_rate": sum(e.counts.get("tool_calls", 0) > 0 for e in episodes) / n,
-    }
-    for key in sorted({k for e in episodes for k in e.counts}):
-        out[key] = sum(e.counts.get(key, 0) for e in episodes) / n
-    return out

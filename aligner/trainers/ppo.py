@@ -54,6 +54,7 @@ from aligner import algorithms as alg
 from aligner.config import AlignerConfig, ConfigError, SamplingConfig
 from aligner.data.pipeline import load_data, resolve_tokenizer
 from aligner.data.sampler import DataIterator
+from aligner.envs import episode_metrics
 from aligner.errors import UserError
 from aligner.model.moe import routing_mismatch
 from aligner.planner import PlanError, check_fits, format_plan, make_plan
@@ -63,7 +64,7 @@ from aligner.reward.rules import check_rule_rows, score
 from aligner.rollout.base import generations_to_padded, own_tokens_mask, routed_experts_to_padded
 from aligner.runtime.role import check_tokenizer_fits, resolve_init
 from aligner.tracking import plot_curves
-from aligner.trainers.evaluation import accuracy_rule, episode_rows, episode_summary, evaluate_greedy, gather_generations, on_builtin_task
+from aligner.trainers.evaluation import accuracy_rule, episode_rows, evaluate_greedy, gather_generations, on_builtin_task
 from aligner.trainers.loop import Trainer
 from aligner.trainers.producer import RolloutProducer
 from aligner.workers.actor import ActorWorker, PolicyWorker
@@ -649,7 +650,7 @@ class PPOTrainer(Trainer):
         if self.judge_future is not None and self.judge_future.unparsed is not None:  # reward.type=judge
             out["reward/judge_unparsed"] = float(self.judge_future.unparsed.float().mean())
         if self.cfg.env.name:  # response_len counts the model's own tokens; env/* the episodes (per episode)
-            out.update({f"env/{k}": v for k, v in episode_summary([m["episode"] for m in batch.meta]).items()})
+            out.update(episode_metrics([m["episode"] for m in batch.meta]))
             out["env/observation_tokens"] = float((batch.response_lens - mask.sum(-1)).float().mean())
         return {k: float(v) for k, v in out.items()}
 

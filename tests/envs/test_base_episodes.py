@@ -150,10 +150,11 @@ def test_the_other_episodes_go_on_and_the_metrics_count_the_failures():
     assert "building the environment raised OSError: no sandbox" in eps[3].failure
     assert (eps[0].done, eps[4].truncated) == (True, True)
     m = episode_metrics(eps)
-    assert m["env/episodes"] == 5 and m["env/failed"] == 3 and m["env/truncated"] == 1
-    assert m["env/turns_mean"] == pytest.approx((1 + 1 + 1 + 0 + 2) / 5)
+    assert m["env/episodes"] == 5 and m["env/failed"] == pytest.approx(3 / 5) and m["env/truncated"] == pytest.approx(1 / 5)
+    assert m["env/turns"] == pytest.approx((1 + 1 + 1 + 0 + 2) / 5)
     assert m["env/final_reward_mean"] == 1.0  # over the two that did not fail
-    assert m["env/calls"] == 1 + 2  # p0's one step and p4's two (failed steps report no info)
+    assert m["env/calls"] == pytest.approx((1 + 2) / 5)  # p0's one step and p4's two (failed steps report no info)
+    assert episode_metrics(eps, prefix="")["turns"] == m["env/turns"] and episode_metrics([])["env/episodes"] == 0
 
 
 def test_run_episode_refuses_max_turns_below_one():

@@ -138,7 +138,7 @@ def test_an_episode_on_the_addition_task_with_a_rule_as_final_reward():
     assert ep.turns[2].text == "<tool_response>\n51\n</tool_response>"
     assert "without its </tool_call>" in ep.turns[4].text
     m = episode_metrics([ep])
-    assert (m["env/tool_calls"], m["env/tool_errors"], m["env/turns_mean"]) == (2, 1, 3)
+    assert (m["env/tool_calls"], m["env/tool_errors"], m["env/turns"], m["env/tool_call_rate"]) == (2, 1, 3, 1.0)
 
 
 def test_cut_at_max_turns_scores_the_last_turn():
