@@ -1,10 +1,15 @@
-"""What a user sees while a stage runs: progress bar, metrics.jsonl, TensorBoard events, PNG curves.
+"""What a user sees while a stage runs: progress bar, metrics.jsonl, TensorBoard, W&B, MLflow, PNG curves.
 
 Owns :class:`MetricsLogger`. Every logged step is one JSON line in
 ``output_dir/metrics.jsonl`` (appended, so a resumed run continues the file; lines
-for steps past the resume point are dropped on resume), a TensorBoard scalar per
-metric, and the progress bar's postfix (loss, tokens/s, ETA from tqdm). A last line cut
-short (an append interrupted by a full disk or a kill) is dropped with a warning.
+for steps past the resume point are dropped on resume), the progress bar's postfix (loss,
+tokens/s, ETA from tqdm), and the same metrics in each logger of ``trainer.loggers``:
+TensorBoard (a scalar per metric under ``output_dir/tensorboard``), Weights & Biases (a run under
+``output_dir/wandb`` or WANDB_DIR) and MLflow (a run in MLFLOW_TRACKING_URI, else a file store at
+``output_dir/mlruns``). The W&B and MLflow runs record the run's config and are continued, not
+started again, by a resumed or restarted run: their ids are kept in ``output_dir/loggers.json``.
+A last line of metrics.jsonl cut short (an append interrupted by a full disk or a kill) is
+dropped with a warning.
 """
 
 from __future__ import annotations
@@ -13,10 +18,20 @@ import json
 import logging
 import math
 import os
+import re
+import time
 from pathlib import Path
 from typing import Iterable, Optional
 
+from aligner.errors import UserError
+
 log = logging.getLogger("aligner")
+_SETTINGS = {  # what to check when a logger cannot start its run
+    "wandb": "check W&B's settings (WANDB_API_KEY or `wandb login`, WANDB_MODE=offline for no server, WANDB_ENTITY)",
+    "mlflow": "check MLflow's settings (MLFLOW_TRACKING_URI and the server it names)",
+}
+IDS_FILE = "loggers.json"  # the W&B and MLflow run ids of the run in output_dir (a resumed run continues them)
+DEFAULT_PROJECT = "aligner"  # W&B project and MLflow experiment when neither trainer.logger_project nor the environment names one
 
 
 class MetricsLogger:
@@ -28,6 +43,13 @@ class MetricsLogger:
         total_steps: steps of the whole run; `start_step` steps already done (resume).
         progress: show the bar (off in tests and non-interactive logs if desired).
         bar_keys: metric names shown on the bar.
+        loggers: ``trainer.loggers``: any of jsonl, tensorboard, wandb, mlflow. metrics.jsonl is
+            written whether or not "jsonl" is named (resume, the plots and the summary read it).
+        config: the run's resolved config (:func:`aligner.config.config_dict`), recorded by W&B
+            (its run config) and MLflow (flattened params).
+        project: W&B project and MLflow experiment; "" = WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME,
+            else "aligner".
+        run_name: the W&B and MLflow run name; "" = WANDB_NAME, else "<stage> <output_dir>".
     """
 
     def __init__(
@@ -38,6 +60,10 @@ class MetricsLogger:
         start_step: int = 0,
         progress: bool = True,
         bar_keys: Iterable[str] = ("loss", "tokens_per_s"),
+        loggers: Iterable[str] = ("jsonl", "tensorboard"),
+        config: Optional[dict] = None,
+        project: str = "",
+        run_name: str = "",
     ):
         from tqdm.auto import tqdm
 
@@ -47,13 +73,31 @@ class MetricsLogger:
         self.stage = stage
         self.bar_keys = tuple(bar_keys)
         self._truncate_after(start_step)
+        loggers = tuple(loggers)
         self._tb = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        if "tensorboard" in loggers:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
-        except Exception:  # noqa: BLE001 - TensorBoard is optional at run time
-            self._tb = None
+                self._tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+            except Exception as e:  # noqa: BLE001 - TensorBoard is optional at run time
+                log.warning("%s: TensorBoard events are not written (%s: %s)", stage, type(e).__name__, e)
+        name = run_name or os.environ.get("WANDB_NAME") or f"{stage} {self.dir}"
+        self._backends: list = []
+        for logger, backend, env in (("wandb", _Wandb, "WANDB_PROJECT"), ("mlflow", _Mlflow, "MLFLOW_EXPERIMENT_NAME")):
+            if logger not in loggers:
+                continue
+            try:
+                self._backends.append(backend(self.dir, project or os.environ.get(env) or DEFAULT_PROJECT, name, config))
+            except BaseException as e:
+                self.close("failed")
+                if not isinstance(e, Exception):
+                    raise
+                first = (str(e).strip().splitlines() or [""])[0][:300]
+                raise UserError(
+                    f"trainer.loggers: {logger} could not start its run ({type(e).__name__}: {first}): {_SETTINGS[logger]}, "
+                    f"or remove {logger} from trainer.loggers"
+                ) from e
         self.bar = tqdm(total=total_steps, initial=start_step, desc=stage, disable=not progress, dynamic_ncols=True)
 
     def _truncate_after(self, step: int) -> None:
@@ -71,17 +115,174 @@ class MetricsLogger:
             for k, v in clean.items():
                 if isinstance(v, float) and math.isfinite(v):
                     self._tb.add_scalar(f"{self.stage}/{k}", v, step)
+        for b in self._backends:
+            b.log(step, clean)
         shown = {k: f"{clean[k]:.4g}" for k in self.bar_keys if isinstance(clean.get(k), float)}
         if shown:
             self.bar.set_postfix(shown, refresh=False)
         if advance:
             self.bar.update(1)
 
-    def close(self) -> None:
-        self.bar.close()
+    def restarted(self, count: int, what: str, step: int) -> None:
+        """Record the run's `count`-th automatic restart (`what`: the dead worker and the error's
+        first line), resuming after `step`, in every logger that keeps text: a TensorBoard text entry
+        ``{stage}/restarts``, the W&B run summary (``restarts``, ``last_restart``), MLflow tags
+        (``restarts``, ``restart_{count}``). The metrics rows of later steps carry ``restarts`` too."""
+        if self._tb is not None:
+            self._tb.add_text(f"{self.stage}/restarts", f"restart {count}: {what}", step)
+        for b in self._backends:
+            b.restarted(count, what)
+
+    def close(self, status: str = "finished") -> None:
+        """Flush and close every logger. `status`: how the steps ended (finished | failed | killed),
+        which W&B (the exit code) and MLflow (the run status) record."""
+        if getattr(self, "bar", None) is not None:
+            self.bar.close()
         if self._tb is not None:
             self._tb.flush()
             self._tb.close()
+            self._tb = None
+        backends, self._backends = self._backends, []
+        for b in backends:
+            try:
+                b.close(status)
+            except Exception as e:  # noqa: BLE001 - one logger failing to close must not hide the run's outcome
+                log.warning("%s: closing %s failed: %s: %s", self.stage, type(b).__name__.lstrip("_"), type(e).__name__, e)
+
+
+# ---- W&B and MLflow ----------------------------------------------------------------------------
+def _read_ids(out: Path) -> dict:
+    try:
+        ids = json.loads((out / IDS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return ids if isinstance(ids, dict) else {}
+
+
+def _write_id(out: Path, key: str, value: str) -> None:
+    ids = {**_read_ids(out), key: value}
+    tmp = out / (IDS_FILE + ".tmp")
+    tmp.write_text(json.dumps(ids, indent=1) + "\n")
+    os.replace(tmp, out / IDS_FILE)
+
+
+class _Wandb:
+    """A W&B run: ``wandb.init(project, name, dir, config, id, resume="allow")``. The id is kept in
+    loggers.json, so a resumed or restarted run continues the same W&B run. WANDB_MODE, WANDB_ENTITY,
+    WANDB_API_KEY and the like apply as wandb reads them; WANDB_DIR, when set, replaces output_dir."""
+
+    def __init__(self, out: Path, project: str, name: str, config: Optional[dict]):
+        import wandb
+
+        self.run = wandb.init(
+            project=project,
+            name=name,
+            dir=None if os.environ.get("WANDB_DIR") else str(out),
+            config=config or {},
+            id=_read_ids(out).get("wandb"),  # None: WANDB_RUN_ID, else a new id
+            resume="allow",
+            allow_val_change=True,  # a resumed run may change a field (trainer.max_steps, resume itself)
+        )
+        _write_id(out, "wandb", self.run.id)
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.run.log(metrics, step=step)
+
+    def restarted(self, count: int, what: str) -> None:
+        self.run.summary["restarts"] = count
+        self.run.summary["last_restart"] = what
+
+    def close(self, status: str) -> None:
+        self.run.finish(exit_code=0 if status == "finished" else 1)
+
+
+class _Mlflow:
+    """An MLflow run through ``mlflow.tracking.MlflowClient`` (no process-global active run): in
+    MLFLOW_TRACKING_URI, else a local file store at ``output_dir/mlruns`` (MLflow 3.7+ refuses a file
+    store unless MLFLOW_ALLOW_FILE_STORE=true: it is set while the client builds its store). The config is logged as
+    flattened params (values cut to MLflow's length limit; a resumed run adds only new keys: MLflow
+    params cannot change), metrics with names MLflow accepts (other characters become ``_``). The
+    run id is kept in loggers.json, so a resumed or restarted run continues the same MLflow run."""
+
+    STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
+
+    def __init__(self, out: Path, experiment: str, name: str, config: Optional[dict]):
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or (out / "mlruns").absolute().as_uri()
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        allow = "MLFLOW_ALLOW_FILE_STORE"
+        if uri.startswith("file:") and allow not in os.environ:  # for the store MLflow builds (and caches) here, not for the process
+            os.environ[allow] = "true"
+            try:
+                self.client = MlflowClient(tracking_uri=uri)
+            finally:
+                del os.environ[allow]
+        else:
+            self.client = MlflowClient(tracking_uri=uri)
+        run = None
+        stored = _read_ids(out).get("mlflow")
+        if stored:
+            try:
+                run = self.client.get_run(stored)
+                self.client.update_run(stored, status="RUNNING")
+            except MlflowException as e:
+                log.warning("MLflow run %s of %s not found in %s (%s): starting a new run", stored, out, uri, str(e).splitlines()[0])
+                run = None
+        if run is None:
+            exp = self.client.get_experiment_by_name(experiment)
+            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(experiment)
+            run = self.client.create_run(exp_id, run_name=name)
+        self.run_id = run.info.run_id
+        _write_id(out, "mlflow", self.run_id)
+        if config:
+            have = dict(run.data.params)
+            params = {k: v for k, v in mlflow_params(config).items() if k not in have}
+            if params:
+                from mlflow.entities import Param
+
+                self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items()])
+
+    def log(self, step: int, metrics: dict) -> None:
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        rows = [Metric(mlflow_key(k), v, ts, step) for k, v in metrics.items() if isinstance(v, float)]
+        if rows:
+            self.client.log_batch(self.run_id, metrics=rows)
+
+    def restarted(self, count: int, what: str) -> None:
+        self.client.set_tag(self.run_id, "restarts", str(count))
+        self.client.set_tag(self.run_id, f"restart_{count}", what[:5000])
+
+    def close(self, status: str) -> None:
+        self.client.set_terminated(self.run_id, status=self.STATUS.get(status, "FAILED"))
+
+
+def mlflow_key(name: str) -> str:
+    """`name` as an MLflow metric or param name: characters other than alphanumerics and ``_ - . space
+    / :`` become ``_``; empty, ``.`` and ``..`` path parts are dropped (MLflow refuses names that
+    are not normalized paths); at most 250 characters."""
+    name = re.sub(r"[^\w\-. :/]", "_", str(name), flags=re.ASCII)
+    name = "/".join(p for p in name.split("/") if p not in ("", ".", ".."))
+    return (name or "_")[:250]
+
+
+def mlflow_params(config: dict, prefix: str = "") -> dict[str, str]:
+    """The nested config as MLflow params: dotted keys (``trainer.max_steps``), values as text cut
+    to the installed MLflow's limit (6000 characters in MLflow 3, 500 in MLflow 1)."""
+    try:
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH as limit
+    except ImportError:
+        limit = 500
+    out: dict[str, str] = {}
+    for k, v in config.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(mlflow_params(v, key + "."))
+        else:
+            out[mlflow_key(key)] = str(v)[:limit]
+    return out
 
 
 def _num(v):

@@ -186,6 +186,14 @@ CASES = [
     (["rollout.placement=sideways"], "rollout.placement", "'sideways'", "colocated, split"),
     (["trainer.max_staleness=-1"], "trainer.max_staleness", "-1", "must be >= 0"),
     (["trainer.hang_timeout_s=-1"], "trainer.hang_timeout_s", "-1.0", "must be >= 0 seconds (0 = no hang watchdog)"),
+    # trainer.loggers (aligner.tracking): the names; a logger whose package is missing is the direct case below
+    (
+        ["trainer.loggers=[jsonl,tensorbord]"],
+        "trainer.loggers",
+        "['jsonl', 'tensorbord']",
+        "unknown loggers ['tensorbord']: valid loggers are jsonl, tensorboard, wandb, mlflow",
+    ),
+    (["trainer.loggers=[jsonl,wandb,wandb]"], "trainer.loggers", "['jsonl', 'wandb', 'wandb']", "name each logger once"),
     (["trainer.max_staleness=1"], "trainer.max_staleness", "1", "set rollout.placement=split"),
     (
         [
@@ -380,8 +388,9 @@ def test_every_validation_in_the_config_package_has_a_case():
         for src in _config_sources()
         for n in ast.walk(ast.parse(src))
     )
-    # loops validate several fields per call site (positive sizes, batch sizes): cases >= call sites
-    assert len(CASES) + len(ROPE_CASES) + 1 >= n_calls, (len(CASES), n_calls)
+    # loops validate several fields per call site (positive sizes, batch sizes): cases >= call sites; the two
+    # package probes (tensorrt_llm, the loggers' packages) are the direct tests below
+    assert len(CASES) + len(ROPE_CASES) + 2 >= n_calls, (len(CASES), n_calls)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None, reason="tensorrt_llm is installed here")
@@ -403,6 +412,29 @@ def test_trtllm_backend_with_the_package_is_accepted():
 def test_trtllm_checks_only_the_ppo_stage():
     """SFT never builds a rollout engine: its config is not refused for the rollout backend."""
     assert load_config("sft", ["rollout.backend=trtllm"]).rollout.backend == "trtllm"
+
+
+@pytest.mark.parametrize(
+    "logger,module,dist",
+    [("wandb", "wandb", "wandb"), ("mlflow", "mlflow", "mlflow-skinny"), ("tensorboard", "tensorboard", "tensorboard")],
+)
+def test_a_logger_whose_package_is_missing_names_what_to_install(monkeypatch, logger, module, dist):
+    """trainer.loggers names a logger whose package is not importable: one line at config time (find_spec, no import)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == module else real(name, *a, **k))
+    with pytest.raises(ConfigError) as e:
+        load_config("sft", [f"trainer.loggers=[jsonl,{logger}]"])
+    msg = str(e.value)
+    assert "\n" not in msg and f"trainer.loggers=['jsonl', '{logger}'] is invalid" in msg, msg
+    assert f"{logger} needs the {module} package" in msg and f"pip install {dist}" in msg and "aligner[loggers]" in msg, msg
+    assert load_config("plan", [f"trainer.loggers=[jsonl,{logger}]"]).trainer.loggers == ["jsonl", logger], "the planner logs nothing"
+
+
+def test_every_logger_is_accepted_where_its_package_is_installed():
+    want = ["jsonl", "tensorboard"] + [n for n, m in (("wandb", "wandb"), ("mlflow", "mlflow")) if importlib.util.find_spec(m)]
+    assert load_config("sft", [f"trainer.loggers=[{','.join(want)}]"]).trainer.loggers == want
+    assert load_config("sft", []).trainer.loggers == ["jsonl", "tensorboard"], "the default: today's metrics.jsonl and TensorBoard"
+    assert load_config("sft", ["trainer.loggers=[]"]).trainer.loggers == [], "metrics.jsonl alone (it is always written)"
 
 
 ROPE_CASES = [  # rope_scaling cannot be set from the command line (see the xfail below): built directly

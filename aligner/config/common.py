@@ -20,6 +20,10 @@ DATA_FORMATS = ("prompt", "sft", "chat", "pairs", "hh", "gsm8k", "text", "prompt
 ENV_NAMES = ("single_turn", "retry", "tool")
 TOOL_NAMES = ("calculator",)
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")  # advantage estimators with a per-prompt group baseline
+# trainer.loggers: where metrics go (aligner.tracking.MetricsLogger); metrics.jsonl is written whatever the list says
+LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
+# logger -> (the module it imports, what pip installs it as); jsonl needs nothing
+LOGGER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow-skinny")}
 
 
 def _check(ok: bool, field_name: str, value: Any, fix: str) -> None:

@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from typing import TYPE_CHECKING
 
-from aligner.config.common import _check
+from aligner.config.common import LOGGER_PACKAGES, _check
 
 if TYPE_CHECKING:
     from aligner.config.run import AlignerConfig
@@ -52,3 +52,18 @@ def check_trtllm(cfg: AlignerConfig) -> None:
         f"tensorrt_llm is not importable by {sys.executable}: pip install 'aligner[trtllm]' "
         "(tensorrt-llm>=1.2,<2 from https://pypi.nvidia.com) on the CUDA machines, or use rollout.backend=torch",
     )
+
+
+def check_loggers(cfg: AlignerConfig) -> None:
+    """The package of each logger in ``trainer.loggers`` (tensorboard, wandb, mlflow) is importable
+    here, checked with ``importlib.util.find_spec`` (nothing is imported) before Ray starts. The
+    names themselves are checked by :meth:`aligner.config.run.TrainerConfig.validate`."""
+    for name in cfg.trainer.loggers:
+        module, dist = LOGGER_PACKAGES.get(name, (None, None))
+        _check(
+            module is None or importlib.util.find_spec(module) is not None,
+            "trainer.loggers",
+            list(cfg.trainer.loggers),
+            f"{name} needs the {module} package, which is not importable by {sys.executable}: "
+            f"pip install {dist} (or pip install 'aligner[loggers]'), or remove {name} from trainer.loggers",
+        )

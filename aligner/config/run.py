@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional, get_type_hints
 
 from aligner.config.algorithm import FOLLOW_THE_ESTIMATOR, AlgorithmConfig, DPOConfig
-from aligner.config.common import MODEL_ROLES, _check, _choice
+from aligner.config.common import LOGGERS, MODEL_ROLES, _check, _choice
 from aligner.config.data import DataConfig, TaskConfig, TokenizerConfig
 from aligner.config.env import EnvConfig
 from aligner.config.model import ModelConfig
@@ -46,6 +46,11 @@ class TrainerConfig:
     # death (the automatic restart); counted from the call's submission; 0 = no watchdog
     hang_timeout_s: float = 1800.0
     max_restarts: int = 2  # a worker process that dies: stop and restart the groups, resume from the latest checkpoint, at most this many times a run; 0 = end the run (resume=true by hand)
+    # where metrics go (aligner.tracking.MetricsLogger): jsonl | tensorboard | wandb | mlflow. output_dir/metrics.jsonl is
+    # always written (resume, the plots and the summary read it), named here or not; wandb and mlflow follow their
+    # own environment variables (WANDB_MODE=offline, WANDB_API_KEY, MLFLOW_TRACKING_URI, ...)
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    logger_project: str = ""  # the W&B project and MLflow experiment; "" = WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else "aligner"
 
     def validate(self, prefix: str = "trainer") -> None:
         for name in (
@@ -69,6 +74,14 @@ class TrainerConfig:
             "max_staleness",
         ):
             _check(getattr(self, name) >= 0, f"{prefix}.{name}", getattr(self, name), "must be >= 0")
+        unknown = [n for n in self.loggers if n not in LOGGERS]
+        _check(
+            not unknown,
+            f"{prefix}.loggers",
+            list(self.loggers),
+            f"unknown loggers {unknown}: valid loggers are {', '.join(LOGGERS)} (e.g. {prefix}.loggers=[jsonl,tensorboard,wandb])",
+        )
+        _check(len(set(self.loggers)) == len(self.loggers), f"{prefix}.loggers", list(self.loggers), "name each logger once")
         _check(self.hang_timeout_s >= 0, f"{prefix}.hang_timeout_s", self.hang_timeout_s, "must be >= 0 seconds (0 = no hang watchdog)")
         _check(
             self.preempt_grace_s > 0,
@@ -211,16 +224,30 @@ def roles_with_field(name: str) -> tuple[str, ...]:
 REDACTED = "<redacted>"
 
 
+def _redacted_node(cfg: AlignerConfig):
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(cfg)
+    if node.reward.token:
+        node.reward.token = REDACTED
+    return node
+
+
 def config_yaml(cfg: AlignerConfig) -> str:
     """The config as YAML text (saved beside checkpoints and printed by --cfg), with secrets
     (``reward.token``, the remote reward server's shared token) written as ``<redacted>``: a run's
     output_dir is shared and copied, a credential does not belong in it."""
     from omegaconf import OmegaConf
 
-    node = OmegaConf.structured(cfg)
-    if node.reward.token:
-        node.reward.token = REDACTED
-    return OmegaConf.to_yaml(node)
+    return OmegaConf.to_yaml(_redacted_node(cfg))
+
+
+def config_dict(cfg: AlignerConfig) -> dict:
+    """The config as nested plain dicts and lists, secrets redacted as in :func:`config_yaml` (what
+    the W&B and MLflow loggers record as the run's config)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(_redacted_node(cfg), resolve=True)
 
 
 def hydra_schema():

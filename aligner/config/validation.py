@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from aligner.config.common import GROUP_ESTIMATORS, MODEL_ROLES, PRESETS, STAGES, _check, _choice
-from aligner.config.probes import check_trtllm
+from aligner.config.probes import check_loggers, check_trtllm
 from aligner.config.roles import PromptLearningConfig
 
 if TYPE_CHECKING:
@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 def validate_run(cfg: AlignerConfig) -> None:
     """Every check of a built config, in order: each section's own fields, then the cross-field
-    checks (and, for ``rollout.backend=trtllm``, the package probe). Raises ConfigError at the first."""
+    checks (and the package probes: ``rollout.backend=trtllm``, the loggers of ``trainer.loggers``).
+    Raises ConfigError at the first."""
     validate_sections(cfg)
     if cfg.env.name:
         validate_episodes(cfg)
@@ -36,6 +37,8 @@ def validate_run(cfg: AlignerConfig) -> None:
         validate_micro_batch_tokens(cfg)
     if cfg.stage == "ppo" and cfg.rollout.backend == "trtllm":
         check_trtllm(cfg)
+    if cfg.stage != "plan":  # the planner logs no metrics
+        check_loggers(cfg)
     if cfg.stage == "ppo" and not cfg.algorithm.recompute_old_log_probs:
         validate_on_policy(cfg)
     if cfg.stage == "ppo" and cfg.algorithm.advantage in GROUP_ESTIMATORS:

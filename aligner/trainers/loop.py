@@ -31,8 +31,8 @@ Ray shut down (when this run started or joined it), the output_dir lock released
 The loop has one set of hooks: :class:`Checkpoints` (resume, periodic and last saves and the
 preemption save, through one :class:`aligner.trainers.checkpointing.CheckpointManager` that
 records the stage name and run id), and :class:`aligner.tracking.MetricsLogger` (metrics.jsonl,
-TensorBoard and the progress bar). A trainer only says how to take one step, evaluate, save and
-load its roles and state, and finish.
+the progress bar and the loggers of trainer.loggers: TensorBoard, W&B, MLflow). A trainer only
+says how to take one step, evaluate, save and load its roles and state, and finish.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from aligner.config import AlignerConfig, config_yaml
-from aligner.errors import UserError, WorkerDiedError, WorkerHungError
+from aligner.config import AlignerConfig, config_dict, config_yaml
+from aligner.errors import Preempted, UserError, WorkerDiedError, WorkerHungError
 from aligner.tracking import MetricsLogger
 from aligner.trainers import preemption
 from aligner.trainers.checkpointing import CheckpointManager, load_trainer_state, rng_state, set_rng_state
@@ -280,6 +280,7 @@ class Restarts:
     count: int = 0
     initial: Optional[tuple[dict, dict]] = None
     evaluated: bool = False
+    last: str = ""  # the latest restart's cause: "<role> rank <r> died during <where> (<first line of the error>)"
     where: str = "the start"  # what the loop was doing: "step N", "the eval after step N", "the checkpoint of step N"
 
 
@@ -291,7 +292,8 @@ def train_with_restarts(trainer: Trainer) -> None:
     resume from the latest complete checkpoint, or from step 0's state when none was written yet.
     The steps past that checkpoint are run again (their metrics rows are rewritten once). Each restart
     is logged (the dead worker's role and rank, the error's first line, the step it resumes from)
-    and every later metrics row carries ``restarts``. Not after SIGTERM (the workers ending then is
+    and every later metrics row carries ``restarts``; the loggers that keep text record its cause
+    (:meth:`aligner.tracking.MetricsLogger.restarted`). Not after SIGTERM (the workers ending then is
     the preemption). Raises the WorkerDiedError once the budget is spent, its message saying so.
     """
     budget = trainer.cfg.trainer.max_restarts
@@ -307,10 +309,10 @@ def train_with_restarts(trainer: Trainer) -> None:
                     e.args = (f"{e.args[0]}\n(trainer.max_restarts={budget}: every automatic restart was spent)",)
                 raise
             restart.count += 1
+            restart.last = f"{e.role} rank {e.rank} died during {restart.where} ({_death_summary(e.traceback_text)})"
             log.warning(
-                "%s: %s rank %d died during %s (%s): restart %d of %d: stopping and starting the worker groups",
-                trainer.name, e.role, e.rank, restart.where, _death_summary(e.traceback_text), restart.count, budget,
-            )  # fmt: skip
+                "%s: %s: restart %d of %d: stopping and starting the worker groups", trainer.name, restart.last, restart.count, budget
+            )
             if isinstance(e, WorkerHungError):  # the stacks the hung worker wrote
                 log.warning("%s", e.traceback_text)
             trainer.stop()
@@ -336,8 +338,21 @@ def train(trainer: Trainer, restart: Optional[Restarts] = None) -> None:
     restart = restart if restart is not None else Restarts()
     ckpts = Checkpoints(trainer)
     ckpts.resume(restart)
-    metrics = MetricsLogger(trainer.out, trainer.name, t.max_steps, start_step=trainer.step, progress=t.progress, bar_keys=trainer.bar_keys)
+    metrics = MetricsLogger(
+        trainer.out,
+        trainer.name,
+        t.max_steps,
+        start_step=trainer.step,
+        progress=t.progress,
+        bar_keys=trainer.bar_keys,
+        loggers=t.loggers,
+        config=config_dict(trainer.cfg),
+        project=t.logger_project,
+    )
+    status = "failed"
     try:
+        if restart.count:
+            metrics.restarted(restart.count, restart.last, trainer.step)
         ckpts.stop_if_preempted()
         if trainer.eval_before_training and trainer.step == 0 and not restart.evaluated:
             initial = trainer.evaluate()
@@ -365,5 +380,9 @@ def train(trainer: Trainer, restart: Optional[Restarts] = None) -> None:
                 restart.where = f"the checkpoint of step {trainer.step}"
                 ckpts.save()
             ckpts.stop_if_preempted()
+        status = "finished"
+    except Preempted:
+        status = "killed"
+        raise
     finally:
-        metrics.close()
+        metrics.close(status)

@@ -51,6 +51,10 @@ RUN_ENTRIES = (
     "ppo_report.png",
     "tokenizer",
     "task",
+    "loggers.json",  # the W&B and MLflow run ids (aligner.tracking)
+    "loggers.json.tmp",
+    "wandb",  # trainer.loggers with wandb (unless WANDB_DIR is set)
+    "mlruns",  # trainer.loggers with mlflow (unless MLFLOW_TRACKING_URI is set)
 )
 RUN_ENTRY_PATTERNS = (".hf.tmp-*", ".hf.old-*")  # an HF export killed half-way
 
