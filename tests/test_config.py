@@ -519,7 +519,7 @@ def test_cli_config_error_is_one_line_exit_2(arg, field, tmp_path):
 
 
 # ---- the schema per role: a field appears only under the roles that use it ----------------------
-REMOTE_FIELDS = ("url", "token", "timeout_s", "max_retries", "backoff_s", "batch_size", "max_concurrency")  # reward.type=remote
+REMOTE_FIELDS = ("url", "token", "timeout_s", "max_retries", "backoff_s", "batch_size", "max_concurrency", "stream")  # reward.type=remote
 JUDGE_FIELDS = ("judge_rubric", "judge_max_new_tokens", "judge_max_score")  # reward.type=judge
 ROLE_FIELDS = {
     "actor": {"init", "parallel", "resources", "colocate_with", "optim", "lora", "prompt_learning"},

@@ -194,7 +194,7 @@ class RewardRoleConfig(TrainableRoleConfig):
         "model"  # PPO's reward: model (the reward model at init) | rule (a function on the driver) | remote (url) | judge (an LLM at init)
     )
     rule: str = "task_accuracy"  # type=rule: the rule's name in aligner.reward.rules.RULES
-    # type=remote: an HTTP scoring endpoint called from the driver (aligner.reward.remote; python -m aligner.serve_rm)
+    # type=remote: an HTTP scoring endpoint (aligner.reward.remote; python -m aligner.serve_rm), called by the engines' workers (stream) or the driver
     url: str = ""  # http(s)://host[:port]/path, e.g. http://127.0.0.1:5000/score
     token: str = ""  # shared token sent as "Authorization: Bearer"; "" = env ALIGNER_RM_TOKEN (config.yaml writes it as <redacted>)
     timeout_s: float = 60.0  # seconds per HTTP request (connect, send and answer)
@@ -202,6 +202,7 @@ class RewardRoleConfig(TrainableRoleConfig):
     backoff_s: float = 1.0  # seconds before the first retry, doubling for each later one
     batch_size: int = 64  # samples per request
     max_concurrency: int = 4  # requests in flight at once
+    stream: bool = True  # the engines' workers send each response as it finishes (scoring overlaps generation); false: the driver sends the batch after generation
     # type=judge: a generative reward model (aligner.reward.judge): the causal LM at init, prompted with the rubric
     judge_rubric: str = JUDGE_RUBRIC  # needs {prompt} and {response}; sent as one user message through the judge's chat template
     judge_max_new_tokens: int = 8  # tokens the judge may write; the first number in them is the verdict

@@ -229,6 +229,82 @@ class RemoteReward:
             raise _Failure(f"the connection failed ({e.__class__.__name__}: {one_line(e)})", True) from None
 
 
+class StreamedScores:
+    """Remote scores requested while an engine generates (``reward.stream``, the default with
+    ``reward.type=remote``): the engine's ``on_finish`` callback (:meth:`finished`) queues each response
+    as its row ends, and a request goes out on the client's threads as soon as ``chunk`` responses are
+    queued, so the endpoint scores the first responses while the engine still decodes the others
+    (slime's per-sample reward calls and verl's reward loop do the same). :meth:`attach` sends what is
+    left once the engine returns, waits, and writes each Generation's score.
+
+    Args:
+        client: the :class:`RemoteReward` that sends (its batch_size, retries, token, concurrency).
+        tokenizer: decodes each response as the driver would (special tokens dropped).
+        prompt_ids: the B prompts' token ids (each request's input_ids are prompt + response).
+        rows: B dicts {"prompt": text, "metadata": dict} in request order.
+        chunk: responses per request (>= 1); :func:`stream_chunk` picks it.
+
+    Requests and answers are those of the driver-side path (the same fields, per sample), so the scores
+    are equal; only the grouping of samples into requests differs.
+    """
+
+    def __init__(self, client: RemoteReward, tokenizer, prompt_ids: Sequence[Sequence[int]], rows: Sequence[dict], chunk: int) -> None:
+        if len(prompt_ids) != len(rows) or chunk < 1:
+            raise ValueError(f"StreamedScores: {len(prompt_ids)} prompts and {len(rows)} rows must match, chunk={chunk} >= 1")
+        self.client, self.tok, self.prompt_ids, self.rows, self.chunk = client, tokenizer, prompt_ids, rows, int(chunk)
+        self.responses: dict[int, list[int]] = {}
+        self.queued: list[int] = []
+        self.sent: list[tuple[list[int], Future]] = []
+        self.sent_during_generation = 0  # responses sent before the engine returned (a measure of the overlap)
+
+    def finished(self, index: int, token_ids: Sequence[int]) -> None:
+        """The engine's on_finish: request `index` ended with `token_ids`; sends a request when `chunk` are queued."""
+        self.responses[index] = [int(t) for t in token_ids]
+        self.queued.append(index)
+        if len(self.queued) >= self.chunk:
+            self.sent_during_generation += len(self.queued)
+            self._send()
+
+    def _send(self) -> None:
+        idx, self.queued = self.queued, []
+        texts = [self.tok.decode(self.responses[i], skip_special_tokens=True) for i in idx]
+        fut = self.client.submit(
+            [self.rows[i]["prompt"] for i in idx],
+            texts,
+            [self.rows[i].get("metadata", {}) for i in idx],
+            [list(self.prompt_ids[i]) + self.responses[i] for i in idx],
+        )
+        self.sent.append((idx, fut))
+
+    def attach(self, gens: Sequence) -> None:
+        """After the engine returned its B Generations: send the responses not sent yet (those not reported
+        through on_finish too), wait for every answer, and set ``g.extra["score"]`` (float) on each; when
+        the endpoint gave no valid answer after the retries, ``g.extra["score_error"]`` (the
+        :class:`RemoteRewardError` message, raised again by the driver) on each instead."""
+        for i, g in enumerate(gens):
+            if i not in self.responses:
+                self.responses[i] = [int(t) for t in g.token_ids]
+                self.queued.append(i)
+        if self.queued:
+            self._send()
+        scores: dict[int, float] = {}
+        try:
+            for idx, fut in self.sent:
+                scores.update(zip(idx, fut.result().tolist()))
+        except RemoteRewardError as e:
+            for g in gens:
+                g.extra["score_error"] = str(e)
+            return
+        for i, g in enumerate(gens):
+            g.extra["score"] = scores[i]
+
+
+def stream_chunk(n: int, batch_size: int, max_concurrency: int) -> int:
+    """Responses per streamed request for a share of `n`: about ``max_concurrency`` requests per share
+    (each up to ``batch_size``), so the first goes out when the first n / max_concurrency rows ended."""
+    return max(1, min(batch_size, -(-n // max_concurrency)))
+
+
 def parse_rewards_or_fail(body: bytes, expected: int) -> list[float]:
     """:func:`parse_rewards`, its ValueError as a retried failure."""
     try:

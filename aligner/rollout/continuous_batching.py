@@ -37,7 +37,7 @@ import torch.distributed as dist
 from aligner.rollout.base import Generation
 from aligner.rollout.kv_cache import SlotKVCache
 from aligner.rollout.sampling import Sampler
-from aligner.rollout.scheduler import SlotScheduler, StepPlan, TurnEnd
+from aligner.rollout.scheduler import OnFinish, SlotScheduler, StepPlan, TurnEnd
 from aligner.rollout.stage_link import PlanMeta, StageLink, plan_meta
 from aligner.rollout.static_batching import capture_cuda_graph
 
@@ -85,11 +85,18 @@ class ContinuousBatching:
         return self.graphs[key]
 
     def generate(
-        self, prompts: list[list[int]], budgets: list[int], sampler: Sampler, stop: list[int], turn_end: Optional[TurnEnd] = None
+        self,
+        prompts: list[list[int]],
+        budgets: list[int],
+        sampler: Sampler,
+        stop: list[int],
+        turn_end: Optional[TurnEnd] = None,
+        on_finish: Optional[OnFinish] = None,
     ) -> list[Generation]:
         """Every request of a call, in prompt order, on every pipeline stage; sets ``engine.last_stats``.
         turn_end: the episodes' callback (:data:`aligner.rollout.scheduler.TurnEnd`), run by the first
-        stage's scheduler only; None for single-turn requests.
+        stage's scheduler only; None for single-turn requests. on_finish: run by the first stage's
+        scheduler as each request ends (:data:`aligner.rollout.scheduler.OnFinish`).
 
         Iteration-level scheduling over a slot pool (:class:`SlotScheduler`); with pp > 1 the
         first stage schedules and sends each step down the pipeline with its hidden states, the
@@ -122,7 +129,7 @@ class ContinuousBatching:
             e.attach_routing(None, self.routing)
             self.routing = None
             return self._broadcast_generations(None)  # sets last_stats too
-        sched = SlotScheduler(prompts, budgets, capacity, m, stop, turn_end)
+        sched = SlotScheduler(prompts, budgets, capacity, m, stop, turn_end, on_finish)
         link = self._link() if e.pp_size > 1 else None
         in_flight: deque[tuple[int, int]] = deque()  # (micro-batch, rows) sent down the pipeline
         mb = 0

@@ -51,6 +51,11 @@ the tokens left in the request's budget (0 when the budget cut the turn: the ret
 ignored). Returning None, [] or more than room - 1 ids ends the episode (one token of room must stay
 for the model's next turn)."""
 
+OnFinish = Callable[[int, list[int]], None]
+"""``on_finish(request, token_ids)``: request's index in the call and its whole response (observations
+included for episodes), called once per request as soon as it ends, before the call returns: what
+finished can be used (scored by a remote reward) while the other rows still decode."""
+
 
 @dataclass
 class Request:
@@ -118,6 +123,7 @@ class SlotScheduler:
         capacity: slots per micro-batch (>= 1). micro_batches: blocks (>= 1).
         stop_ids: token ids that end a response (included in it).
         turn_end: None (one turn per request), or the episodes' :data:`TurnEnd` callback.
+        on_finish: None, or the :data:`OnFinish` callback, run when a request frees its slot.
     Use: ``plan(m)`` -> a StepPlan or None (nothing to run in m), then ``apply(m, tokens,
     log_probs)`` with the step's sampled tokens [n] and log-probs [n], until ``done()``;
     ``outputs`` holds each request's (token_ids, log_probs) and ``own`` whether each token is the
@@ -137,6 +143,7 @@ class SlotScheduler:
         micro_batches: int,
         stop_ids,
         turn_end: Optional[TurnEnd] = None,
+        on_finish: Optional[OnFinish] = None,
     ):
         if capacity < 1 or micro_batches < 1:
             raise ValueError(f"capacity={capacity}, micro_batches={micro_batches}: both must be >= 1")
@@ -147,7 +154,7 @@ class SlotScheduler:
         self.holders: dict[tuple[int, ...], set[int]] = {}  # prompt -> live rows whose [0, P-1) hold it
         self.outputs: list[tuple[list[int], list[float]]] = [([], []) for _ in range(len(self.pending))]
         self.own: list[list[bool]] = [[] for _ in range(len(self.pending))]
-        self.turn_end = turn_end
+        self.turn_end, self.on_finish = turn_end, on_finish
         self.live = 0
         self.prompt_tokens = sum(len(r.prompt) for r in self.pending)
         self.prefilled_tokens = self.shared_tokens = self.decode_steps = self.decode_rows = self.moved_rows = 0
@@ -262,6 +269,8 @@ class SlotScheduler:
                 self._release(r.request.key, base + i)
                 rows[i] = None
                 self.live -= 1
+                if self.on_finish is not None:
+                    self.on_finish(r.request.index, out_t)
 
     def stats(self) -> dict[str, int]:
         return {

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from aligner.rollout.base import Generation
 from aligner.rollout.kv_cache import StaticKVCache
 from aligner.rollout.sampling import Sampler
+from aligner.rollout.scheduler import OnFinish
 
 if TYPE_CHECKING:
     from aligner.rollout.torch_engine import TorchEngine
@@ -50,13 +51,18 @@ class StaticBatching:
         e = self.engine
         return e.cuda_graphs and e.device.type == "cuda" and e.pp_size == 1
 
-    def generate(self, prompts: list[list[int]], budgets: list[int], sampler: Sampler, stop: list[int]) -> list[Generation]:
-        """Every request of a call, max_batch_size at a time, in prompt order; sets ``engine.last_stats``."""
+    def generate(
+        self, prompts: list[list[int]], budgets: list[int], sampler: Sampler, stop: list[int], on_finish: Optional[OnFinish] = None
+    ) -> list[Generation]:
+        """Every request of a call, max_batch_size at a time, in prompt order; sets ``engine.last_stats``.
+        on_finish: called for each request of a batch when the batch ends (:data:`aligner.rollout.scheduler.OnFinish`)."""
         e = self.engine
         out: list[Generation] = []
         for s in range(0, len(prompts), e.max_batch_size):
             chunk = range(s, min(len(prompts), s + e.max_batch_size))
             out.extend(self._generate_batch([prompts[i] for i in chunk], [budgets[i] for i in chunk], sampler, chunk, stop))
+            for i in chunk if on_finish is not None and e.is_first else ():
+                on_finish(i, out[i].token_ids)
         n_prompt = sum(len(p) for p in prompts)
         e.last_stats = {
             "prompt_tokens": n_prompt,

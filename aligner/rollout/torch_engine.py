@@ -51,7 +51,7 @@ from aligner.rollout.continuous_batching import ContinuousBatching
 from aligner.rollout.cpu_kernels import load_decode_attention
 from aligner.rollout.cpu_tuning import cached_cpu_layout, cached_decode_attention
 from aligner.rollout.sampling import Sampler
-from aligner.rollout.scheduler import TurnEnd
+from aligner.rollout.scheduler import OnFinish, TurnEnd
 from aligner.rollout.static_batching import StaticBatching
 from aligner.runtime.host import keep_freed_host_memory
 
@@ -308,6 +308,7 @@ class TorchEngine(RolloutEngine):
         seeds: Optional[list[int]] = None,
         max_new_tokens: Optional[Sequence[int]] = None,
         turn_end: Optional[TurnEnd] = None,
+        on_finish: Optional[OnFinish] = None,
     ) -> list[Generation]:
         """Sample one response per prompt (sampling semantics: :mod:`aligner.rollout.sampling`).
 
@@ -322,6 +323,10 @@ class TorchEngine(RolloutEngine):
                 the callback (:data:`aligner.rollout.scheduler.TurnEnd`) that gets each model turn
                 and returns the observation tokens to continue with from the cached prefix; the
                 Generations then carry ``own_mask`` and their budget counts observation tokens.
+            on_finish: None, or ``on_finish(index, token_ids)`` called once per request as soon as it
+                ends (continuous scheduler: when its row frees its slot; static: when its batch ends;
+                on the first pipeline stage): lets a caller use finished responses, e.g. send them to a
+                remote reward, while the other rows decode (:data:`aligner.rollout.scheduler.OnFinish`).
         Returns:
             list[Generation] of length B, in prompt order; rollout_log_probs fp32 per response
             token. ``self.last_stats`` then holds the call's counters (prompt tokens, tokens
@@ -346,8 +351,8 @@ class TorchEngine(RolloutEngine):
             self._repack()
         with torch.inference_mode():
             if turn_end is not None:
-                return self.batching.generate(prompt_ids, budgets, sampler, stop, turn_end)
-            return self.batching.generate(prompt_ids, budgets, sampler, stop)
+                return self.batching.generate(prompt_ids, budgets, sampler, stop, turn_end, on_finish)
+            return self.batching.generate(prompt_ids, budgets, sampler, stop, on_finish=on_finish)
 
     def stop_ids(self, sampling: Any) -> list[int]:
         """The token ids that end a response (or an episode's turn): sampling.stop_token_ids and eos, sorted."""

@@ -36,7 +36,9 @@ with the actor, time-sliced with training); the reference policy has its own gro
 shares bundles through ``ref.colocate_with``); with a LoRA actor (``actor.lora.rank > 0``) it is the
 actor itself with its adapters disabled (``ActorWorker.ref_log_probs``: no second copy of the
 weights, no ref group). Rule rewards run on the driver; a remote reward (``reward.type=remote``) is
-called from the driver's threads while the other roles' inference runs (aligner.workers.reward.RemoteRewardRole).
+called by the engines' workers as each response finishes, overlapping generation (``reward.stream``,
+aligner.reward.remote.StreamedScores), or from the driver's threads while the other roles' inference
+runs (``reward.stream=false``, aligner.workers.reward.RemoteRewardRole).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from aligner.model.moe import routing_mismatch
 from aligner.planner import PlanError, check_fits, format_plan, make_plan
 from aligner.protocol import ACTOR_UPDATE_FIELDS, RolloutBatch, build_sequences
 from aligner.reward import ifeval
+from aligner.reward.remote import RemoteRewardError
 from aligner.reward.rules import check_rule_rows, score
 from aligner.rollout.base import generations_to_padded, own_tokens_mask, routed_experts_to_padded
 from aligner.runtime.role import check_tokenizer_fits, resolve_init
@@ -182,7 +185,8 @@ class PPOTrainer(Trainer):
         roles = cfg.roles_used()
         self.placement = placement_from_config(cfg, placed_groups(cfg))
         steps = cfg.trainer.max_steps * cfg.algorithm.ppo_epochs * self.minibatches_per_step()
-        episode_kw = {"tokenizer": self.tok} if cfg.env.name else {}  # the engines render the episodes' observations
+        # the engines render the episodes' observations, or decode the responses they stream to the remote reward
+        episode_kw = {"tokenizer": self.tok} if cfg.env.name or self.streams_reward else {}
         specs = {
             "actor": (ActorWorker, dict(cfg=cfg, role="actor", total_steps=steps, eos_token_id=self.tok.eos_token_id, **episode_kw)),
             "ref": (PolicyWorker, dict(cfg=cfg, role="ref", init=cfg.init_of("ref"))),
@@ -358,7 +362,7 @@ class PPOTrainer(Trainer):
         """Draw step `step`'s prompts and queue their generation on the rollout group (no wait)."""
         state = self.data.state_dict()
         rows, ids, seeds = self.requests(self.next_prompts(), step, self.cfg.trainer.n_samples_per_prompt)
-        self.producer.submit(step, rows, ids, self.cfg.rollout.sampling, seeds, state, episode_rows(self.cfg, rows))
+        self.producer.submit(step, rows, ids, self.cfg.rollout.sampling, seeds, state, episode_rows(self.cfg, rows), self.reward_rows(rows))
 
     def rollout(self, prompts: list[dict], sampling: SamplingConfig, step: int, n: Optional[int] = None) -> RolloutBatch:
         """Generate n responses per prompt on the actor's engine replicas (:meth:`generate`); assemble a RolloutBatch."""
@@ -370,7 +374,20 @@ class PPOTrainer(Trainer):
         ``sample_seed(trainer.seed, step, first_index + i)``."""
         rows, ids, seeds = self.requests(prompts, step, n, first_index)
         episodes = episode_rows(self.cfg, rows)  # env.name set: each row plays an episode
-        return rows, gather_generations(self.generator.generate(ids, sampling, seeds, *([episodes] if episodes else [])).get())
+        return rows, gather_generations(self.generator.generate(ids, sampling, seeds, episodes, self.reward_rows(rows)).get())
+
+    @property
+    def streams_reward(self) -> bool:
+        """Whether the engines send each response to the remote reward as it finishes (``reward.stream``
+        with ``reward.type=remote`` on aligner's torch engine): scoring overlaps generation."""
+        r = self.cfg.reward
+        return r.type == "remote" and r.stream and self.cfg.rollout.backend == "torch"
+
+    def reward_rows(self, rows: list[dict]) -> Optional[list[dict]]:
+        """Each row's {"prompt", "metadata"} for the engines' streamed remote scoring, or None when the driver scores."""
+        if not self.streams_reward:
+            return None
+        return [{"prompt": r["prompt"], "metadata": r.get("metadata", {})} for r in rows]
 
     def requests(self, prompts: list[dict], step: int, n: int, first_index: int = 0) -> tuple[list[dict], list, list[int]]:
         """(rows: each prompt row n times in a row, their prompt ids, their seeds): sample i of step
@@ -433,7 +450,10 @@ class PPOTrainer(Trainer):
         return kept, metrics
 
     def score(self, batch: RolloutBatch) -> torch.Tensor:
-        """The raw reward [B] float32 of every sample: the remote reward service, the reward model or the rule."""
+        """The raw reward [B] float32 of every sample: the remote reward service, the reward model or the
+        rule (the engines' streamed scores when the batch came back scored)."""
+        if batch.scores is not None:
+            return batch.scores
         if "reward" in self.groups:
             self.busy("reward")
         future = self._score_future(batch)
@@ -472,6 +492,7 @@ class PPOTrainer(Trainer):
         ]
         group_ids = torch.arange(len(rows) // n).repeat_interleave(n)
         return RolloutBatch(
+            scores=streamed_scores(gens),
             **seq,
             group_ids=group_ids,
             rollout_log_probs=rollout_lp,
@@ -741,6 +762,19 @@ class PPOTrainer(Trainer):
 
 # what the evaluation reports of its episodes (env.name set; aligner.trainers.evaluation.evaluate_greedy)
 EPISODE_EVAL_METRICS = ("turns", "tool_call_rate", "tool_call_rate_carry", "tool_call_rate_no_carry", "tool_errors")
+
+
+def streamed_scores(gens: list) -> Optional[torch.Tensor]:
+    """The remote reward's scores [B] float32 that the engines attached while generating (``reward.stream``),
+    or None when some Generation has none (the driver scores the batch). Raises
+    :class:`~aligner.reward.remote.RemoteRewardError` with the engine's message when the endpoint gave no
+    valid answer after the retries."""
+    for g in gens:
+        if "score_error" in g.extra:
+            raise RemoteRewardError(g.extra["score_error"])
+    if not gens or any("score" not in g.extra for g in gens):
+        return None
+    return torch.tensor([g.extra["score"] for g in gens], dtype=torch.float32)
 
 
 def first_replica(result: dict) -> dict[str, float]:

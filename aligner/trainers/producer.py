@@ -95,10 +95,13 @@ class RolloutProducer:
         """Whether a batch for training step `step` generated now would be more than k steps stale."""
         return step - self.engine_version > self.k
 
-    def submit(self, step: int, rows: list[dict], prompt_ids: list, sampling, seeds: list, data_state: dict, episodes=None) -> None:
+    def submit(
+        self, step: int, rows: list[dict], prompt_ids: list, sampling, seeds: list, data_state: dict, episodes=None, reward_rows=None
+    ) -> None:
         """Queue the generation of step `step`'s batch on the engines as they are now (no wait);
-        episodes: the rows' (prompt text, metadata) when each plays an episode (env.name), else None."""
-        fut = self.rollout.generate(prompt_ids, sampling, seeds, *([episodes] if episodes else []))
+        episodes: the rows' (prompt text, metadata) when each plays an episode (env.name), else None;
+        reward_rows: the rows' {"prompt", "metadata"} when the engines stream them to the remote reward."""
+        fut = self.rollout.generate(prompt_ids, sampling, seeds, episodes or None, reward_rows)
         self.pending.append(Pending(step, self.engine_version, rows, fut, data_state))
 
     def take(self, step: int) -> Pending:
@@ -124,6 +127,6 @@ class RolloutProducer:
         """Sync the engines to the actor's current weights (waits for generations in flight)."""
         return _Done(self.sync())
 
-    def generate(self, prompt_ids: list, sampling, seeds: list, *episodes):
-        """The rollout group's generate (behind any generation in flight); episodes: as submit's."""
-        return self.rollout.generate(prompt_ids, sampling, seeds, *episodes)
+    def generate(self, prompt_ids: list, sampling, seeds: list, episodes=None, reward_rows=None):
+        """The rollout group's generate (behind any generation in flight); episodes, reward_rows: as submit's."""
+        return self.rollout.generate(prompt_ids, sampling, seeds, episodes, reward_rows)

@@ -28,12 +28,14 @@ from aligner.config import AlignerConfig, OptimConfig, SamplingConfig, Trainable
 from aligner.nn.lora import disable_adapters, merged_state_dict
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.parallelize import build_parallel_model, decode_layer_split
+from aligner.reward.remote import StreamedScores, stream_chunk
 from aligner.rollout import build_engine
 from aligner.rollout.refit import iter_buckets, refit, rollout_dims
 from aligner.rollout.weight_sync import WeightSender, join_sync_group
 from aligner.runtime.ports import free_port
 from aligner.workers.dispatch import dispatch, split_batch
 from aligner.workers.episodes import generate_episodes
+from aligner.workers.reward import remote_reward_client
 
 
 class PolicyWorker:
@@ -140,7 +142,8 @@ class ActorWorker(PolicyWorker):
     ):
         super().__init__(cfg, role, total_steps, init, dims, prompt_init_ids)
         self.eos_token_id = eos_token_id
-        self.tokenizer = tokenizer  # env.name set: renders the episodes' observations (aligner.workers.episodes)
+        self.tokenizer = tokenizer  # env.name set: renders the episodes' observations (aligner.workers.episodes); reward.stream: decodes
+        self.reward_client = None  # reward.stream: the remote reward's client, made on first use
         self.engine = None
         self.infer_dims = None
         self.trtllm = None  # rollout.backend=trtllm: this rank's TrtllmReplica (set with the engine)
@@ -274,7 +277,7 @@ class ActorWorker(PolicyWorker):
 
     @dispatch("broadcast")
     def generate(
-        self, prompt_ids: list, sampling: SamplingConfig, seeds: list, episodes: Optional[list] = None
+        self, prompt_ids: list, sampling: SamplingConfig, seeds: list, episodes: Optional[list] = None, reward_rows: Optional[list] = None
     ) -> Optional[tuple[int, list]]:
         """All prompts in; this replica's contiguous share generated. Returns (replica, generations) on the
         replica's first rank, None elsewhere. The driver concatenates shares in replica order.
@@ -282,6 +285,9 @@ class ActorWorker(PolicyWorker):
         episodes: None, or one (prompt text, metadata) per prompt: each prompt plays an episode of
         ``env.name`` (:func:`aligner.workers.episodes.generate_episodes`; torch backend, one engine
         rank per replica, as the config check requires).
+        reward_rows: None, or one {"prompt": text, "metadata": dict} per prompt: the replica's lead rank
+        sends each response to the remote reward as it finishes (``reward.stream``; torch backend) and
+        its Generations come back with ``extra["score"]`` (:class:`aligner.reward.remote.StreamedScores`).
 
         With prompt learning the engine (which has no virtual-token input) is not used: every rank
         runs greedy decoding through the policy's forward (:meth:`Policy.greedy`; temperature 0
@@ -293,10 +299,16 @@ class ActorWorker(PolicyWorker):
         if self.cfg.rollout.backend == "trtllm":
             return self._generate_trtllm(prompt_ids, sampling, seeds)
         d = self.infer_dims
-        share = split_batch({"p": prompt_ids, "s": seeds, **({"e": episodes} if episodes else {})}, d.dp_size)[d.dp_rank]
-        gens = generate_share(self.engine, self.cfg, self.tokenizer, share, sampling)
         lead = d.tp_rank == 0 and d.pp_rank == 0
+        share = split_batch(request_share(prompt_ids, seeds, episodes, reward_rows if lead else None), d.dp_size)[d.dp_rank]
+        gens = generate_share(self.engine, self.cfg, self.tokenizer, share, sampling, self._reward_client)
         return (d.dp_rank, gens) if lead else None
+
+    def _reward_client(self):
+        """This worker's remote reward client (``reward.stream``), made on first use."""
+        if self.reward_client is None:
+            self.reward_client = remote_reward_client(self.cfg.reward)
+        return self.reward_client
 
     def _generate_prompt_learning(self, prompt_ids: list, sampling: SamplingConfig) -> Optional[tuple[int, list]]:
         """generate for prompt learning: greedy through the policy's forward (see :meth:`generate`)."""
@@ -319,14 +331,29 @@ class ActorWorker(PolicyWorker):
         return (r.replica, gens) if r.owner else None
 
 
-def generate_share(engine, cfg: AlignerConfig, tokenizer, share: dict, sampling: SamplingConfig) -> list:
-    """Generate a replica's share {"p": prompt ids, "s": seeds, "e": episode rows (optional)}: plain
-    responses, or episodes when "e" is there; [] for an empty share."""
+def request_share(prompt_ids: list, seeds: list, episodes: Optional[list], reward_rows: Optional[list]) -> dict:
+    """The requests of a generate call as one splittable dict: "p" prompt ids, "s" seeds, and "e"
+    episode rows / "r" streamed-reward rows when given."""
+    return {"p": prompt_ids, "s": seeds, **({"e": episodes} if episodes else {}), **({"r": reward_rows} if reward_rows else {})}
+
+
+def generate_share(engine, cfg: AlignerConfig, tokenizer, share: dict, sampling: SamplingConfig, reward_client=None) -> list:
+    """Generate a replica's share (:func:`request_share`): plain responses, episodes when "e" is there;
+    with "r" each response goes to the remote reward as it finishes and its Generation comes back with
+    ``extra["score"]`` (or ``extra["score_error"]``); reward_client() gives the client. [] for an empty share."""
     if not share["p"]:
         return []
     if "e" in share:
         return generate_episodes(engine, cfg, tokenizer, share["p"], sampling, share["s"], share["e"])
-    return engine.generate(share["p"], sampling, seeds=share["s"])
+    if "r" not in share:
+        return engine.generate(share["p"], sampling, seeds=share["s"])
+    rc = cfg.reward
+    streamed = StreamedScores(
+        reward_client(), tokenizer, share["p"], share["r"], stream_chunk(len(share["p"]), rc.batch_size, rc.max_concurrency)
+    )
+    gens = engine.generate(share["p"], sampling, seeds=share["s"], on_finish=streamed.finished)
+    streamed.attach(gens)
+    return gens
 
 
 def torch_rollout_engine(cfg: AlignerConfig, model_cfg, dims: ParallelDims, eos_token_id: Optional[int]):

@@ -121,26 +121,35 @@ class RemoteScores:
             raise TimeoutError(f"remote reward scores not ready within {timeout_s} s") from None
 
 
+def remote_reward_client(rc: RewardRoleConfig) -> RemoteReward:
+    """The HTTP client of ``reward.type=remote`` with the reward section's url, token, timeout, retries,
+    backoff, batch size and concurrency (the driver's :class:`RemoteRewardRole` and, with
+    ``reward.stream``, each engine replica's lead worker hold one)."""
+    return RemoteReward(
+        rc.url,
+        token=rc.token,
+        timeout_s=rc.timeout_s,
+        max_retries=rc.max_retries,
+        backoff_s=rc.backoff_s,
+        batch_size=rc.batch_size,
+        max_concurrency=rc.max_concurrency,
+    )
+
+
 class RemoteRewardRole:
     """``reward.type=remote``: the reward role as an HTTP endpoint (:class:`~aligner.reward.remote.RemoteReward`),
     called from the driver; no reward model is loaded anywhere.
 
-    What overlaps: :meth:`scores` sends the batch at once, in requests of ``reward.batch_size`` with up to
-    ``reward.max_concurrency`` in flight, and returns; the driver then issues the other roles' Ray calls
-    (old and reference log-probs, values) and waits on all of them together. Generation hands over its
-    responses in one piece, so scoring starts when a step's generation ends, not during it.
+    What overlaps: with ``reward.stream`` (the default) the engines' workers send each response as it
+    finishes (:class:`~aligner.reward.remote.StreamedScores`), so scoring overlaps generation and the
+    batch comes back scored; this role then only scores the evaluation. With ``reward.stream=false``
+    :meth:`scores` sends the batch at once after generation, in requests of ``reward.batch_size`` with up
+    to ``reward.max_concurrency`` in flight, and returns; the driver then issues the other roles' Ray
+    calls (old and reference log-probs, values) and waits on all of them together.
     """
 
     def __init__(self, rc: RewardRoleConfig) -> None:
-        self.client = RemoteReward(
-            rc.url,
-            token=rc.token,
-            timeout_s=rc.timeout_s,
-            max_retries=rc.max_retries,
-            backoff_s=rc.backoff_s,
-            batch_size=rc.batch_size,
-            max_concurrency=rc.max_concurrency,
-        )
+        self.client = remote_reward_client(rc)
 
     def scores(self, batch: dict, meta: list[dict]) -> RemoteScores:
         """Start scoring B samples: `batch` has input_ids / attention_mask [B, T] (right padded; each

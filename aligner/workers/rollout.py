@@ -19,8 +19,9 @@ from typing import Optional
 from aligner.config import AlignerConfig, SamplingConfig
 from aligner.parallel.dims import ParallelDims
 from aligner.rollout.weight_sync import SyncGroup, join_sync_group, receive_weights
-from aligner.workers.actor import generate_share, sync_backend, sync_host, torch_rollout_engine
+from aligner.workers.actor import generate_share, request_share, sync_backend, sync_host, torch_rollout_engine
 from aligner.workers.dispatch import dispatch, split_batch
+from aligner.workers.reward import remote_reward_client
 
 
 class RolloutWorker:
@@ -35,7 +36,8 @@ class RolloutWorker:
         self, cfg: AlignerConfig, model_cfg, eos_token_id: Optional[int] = None, dims: Optional[ParallelDims] = None, tokenizer=None
     ):
         self.cfg = cfg
-        self.tokenizer = tokenizer  # env.name set: renders the episodes' observations
+        self.tokenizer = tokenizer  # env.name set: renders the episodes' observations; reward.stream: decodes
+        self.reward_client = None  # reward.stream: the remote reward's client, made on first use
         self.dims = dims or ParallelDims()
         self.engine = torch_rollout_engine(cfg, model_cfg, ParallelDims(device_type=self.dims.device.type), eos_token_id)
         self.group: Optional[SyncGroup] = None
@@ -58,8 +60,16 @@ class RolloutWorker:
         return {**out, "seconds": time.perf_counter() - t0}
 
     @dispatch("broadcast")
-    def generate(self, prompt_ids: list, sampling: SamplingConfig, seeds: list, episodes: Optional[list] = None) -> tuple[int, list]:
+    def generate(
+        self, prompt_ids: list, sampling: SamplingConfig, seeds: list, episodes: Optional[list] = None, reward_rows: Optional[list] = None
+    ) -> tuple[int, list]:
         """All prompts in; this replica's contiguous share generated: (replica, generations). episodes: as
         :meth:`aligner.workers.actor.ActorWorker.generate`'s."""
-        share = split_batch({"p": prompt_ids, "s": seeds, **({"e": episodes} if episodes else {})}, self.dims.world_size)[self.dims.rank]
-        return self.dims.rank, generate_share(self.engine, self.cfg, self.tokenizer, share, sampling)
+        share = split_batch(request_share(prompt_ids, seeds, episodes, reward_rows), self.dims.world_size)[self.dims.rank]
+        return self.dims.rank, generate_share(self.engine, self.cfg, self.tokenizer, share, sampling, self._reward_client)
+
+    def _reward_client(self):
+        """This worker's remote reward client (``reward.stream``), made on first use."""
+        if self.reward_client is None:
+            self.reward_client = remote_reward_client(self.cfg.reward)
+        return self.reward_client
