@@ -202,7 +202,7 @@ class RewardRoleConfig(TrainableRoleConfig):
     backoff_s: float = 1.0  # seconds before the first retry, doubling for each later one
     batch_size: int = 64  # samples per request
     max_concurrency: int = 4  # requests in flight at once
-    stream: bool = True  # the engines' workers send each response as it finishes (scoring overlaps generation); false: the driver sends the batch after generation
+    stream: bool = True  # type=remote or judge: the engines' workers send each response as it finishes (scoring overlaps generation); false: the driver sends the batch after generation
     # type=judge: a generative reward model (aligner.reward.judge): the causal LM at init, prompted with the rubric
     judge_rubric: str = JUDGE_RUBRIC  # needs {prompt} and {response}; sent as one user message through the judge's chat template
     judge_max_new_tokens: int = 8  # tokens the judge may write; the first number in them is the verdict

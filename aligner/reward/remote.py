@@ -255,14 +255,14 @@ class StreamedScores:
         self.responses: dict[int, list[int]] = {}
         self.queued: list[int] = []
         self.sent: list[tuple[list[int], Future]] = []
-        self.sent_during_generation = 0  # responses sent before the engine returned (a measure of the overlap)
+        self.early: set[int] = set()  # responses sent before the engine returned (the overlap)
 
     def finished(self, index: int, token_ids: Sequence[int]) -> None:
         """The engine's on_finish: request `index` ended with `token_ids`; sends a request when `chunk` are queued."""
         self.responses[index] = [int(t) for t in token_ids]
         self.queued.append(index)
         if len(self.queued) >= self.chunk:
-            self.sent_during_generation += len(self.queued)
+            self.early.update(self.queued)
             self._send()
 
     def _send(self) -> None:
@@ -278,7 +278,8 @@ class StreamedScores:
 
     def attach(self, gens: Sequence) -> None:
         """After the engine returned its B Generations: send the responses not sent yet (those not reported
-        through on_finish too), wait for every answer, and set ``g.extra["score"]`` (float) on each; when
+        through on_finish too), wait for every answer, and set ``g.extra["score"]`` (float) and
+        ``g.extra["scored_while_generating"]`` (sent before the engine returned) on each; when
         the endpoint gave no valid answer after the retries, ``g.extra["score_error"]`` (the
         :class:`RemoteRewardError` message, raised again by the driver) on each instead."""
         for i, g in enumerate(gens):
@@ -296,7 +297,7 @@ class StreamedScores:
                 g.extra["score_error"] = str(e)
             return
         for i, g in enumerate(gens):
-            g.extra["score"] = scores[i]
+            g.extra["score"], g.extra["scored_while_generating"] = scores[i], i in self.early
 
 
 def stream_chunk(n: int, batch_size: int, max_concurrency: int) -> int:

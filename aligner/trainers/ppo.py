@@ -213,6 +213,9 @@ class PPOTrainer(Trainer):
         elif cfg.trainer.num_threads == 0 and all(isinstance(g, WorkerGroup) for g in self.groups.values()):
             self.cores = CoreSharing(self.groups)
         self.reward_stats = load_reward_stats(cfg)
+        if self.streams_reward and cfg.reward.type == "judge":  # the engines' workers call the judges themselves
+            engines = self.groups[ROLLOUT_GROUP] if ROLLOUT_GROUP in self.groups else self.groups["actor"]
+            engines.set_judges(self.groups["reward"].actors).get()
         if cfg.reward.type == "remote":
             self.remote_reward = RemoteRewardRole(cfg.reward)
 
@@ -267,7 +270,9 @@ class PPOTrainer(Trainer):
             batch, refit, sampling_metrics = self.produced_rollout(timer)
         else:
             with timer.phase("refit"):
-                self.busy("actor")
+                self.busy(
+                    "actor", *(("reward",) if self.streams_reward and self.cfg.reward.type == "judge" else ())
+                )  # a streamed judge works during generation
                 refit = self.groups["actor"].refit().get()[0]
             with timer.phase("generate"):
                 if self.cfg.algorithm.dynamic_sampling:
@@ -378,10 +383,11 @@ class PPOTrainer(Trainer):
 
     @property
     def streams_reward(self) -> bool:
-        """Whether the engines send each response to the remote reward as it finishes (``reward.stream``
-        with ``reward.type=remote`` on aligner's torch engine): scoring overlaps generation."""
+        """Whether the engines send each response to the remote reward or the judge as it finishes
+        (``reward.stream`` with ``reward.type=remote`` or ``judge`` on aligner's torch engine): scoring
+        overlaps generation."""
         r = self.cfg.reward
-        return r.type == "remote" and r.stream and self.cfg.rollout.backend == "torch"
+        return r.type in ("remote", "judge") and r.stream and self.cfg.rollout.backend == "torch"
 
     def reward_rows(self, rows: list[dict]) -> Optional[list[dict]]:
         """Each row's {"prompt", "metadata"} for the engines' streamed remote scoring, or None when the driver scores."""
@@ -479,6 +485,9 @@ class PPOTrainer(Trainer):
         """The RolloutBatch of prompt rows (each prompt n times in a row) and their generations.
 
         responses: the decoded responses when already at hand (else decoded here, special tokens dropped)."""
+        if any("judge_error" in g.extra for g in gens):  # a streamed judge call failed
+            self.groups["reward"].worker_info(timeout_s=60.0)  # a dead judge process: WorkerDiedError, which the restart heals
+            raise RuntimeError(next(g.extra["judge_error"] for g in gens if "judge_error" in g.extra))
         ids = [r["prompt_ids"] for r in rows]
         seq = build_sequences(ids, [g.token_ids for g in gens], self.tok.pad_token_id)
         _, rollout_lp, _ = generations_to_padded(gens)  # [B, R], the same R as seq["response_mask"]
@@ -488,6 +497,8 @@ class PPOTrainer(Trainer):
         meta = [
             {"prompt": row["prompt"], "response": text, "metadata": row.get("metadata", {}), "finish_reason": g.finish_reason}
             | ({"episode": g.extra["episode"]} if "episode" in g.extra else {})
+            | ({"judge_unparsed": g.extra["judge_unparsed"]} if "judge_unparsed" in g.extra else {})
+            | ({"scored_while_generating": g.extra["scored_while_generating"]} if "scored_while_generating" in g.extra else {})
             for row, g, text in zip(rows, gens, responses)
         ]
         group_ids = torch.arange(len(rows) // n).repeat_interleave(n)
@@ -668,7 +679,11 @@ class PPOTrainer(Trainer):
             out.update(alg.rollout_mismatch_metrics(batch.rollout_log_probs, batch.old_log_probs, mask))
         if batch.rollout_experts is not None and batch.old_experts is not None:
             out["moe_routing_mismatch"] = routing_mismatch(batch.rollout_experts, batch.old_experts, mask)
-        if self.judge_future is not None and self.judge_future.unparsed is not None:  # reward.type=judge
+        if batch.meta and "scored_while_generating" in batch.meta[0]:  # reward.stream: the share scored before generation ended
+            out["reward/scored_while_generating"] = sum(m["scored_while_generating"] for m in batch.meta) / len(batch.meta)
+        if batch.meta and "judge_unparsed" in batch.meta[0]:  # reward.type=judge, streamed
+            out["reward/judge_unparsed"] = sum(m["judge_unparsed"] for m in batch.meta) / len(batch.meta)
+        elif self.judge_future is not None and self.judge_future.unparsed is not None:  # reward.type=judge
             out["reward/judge_unparsed"] = float(self.judge_future.unparsed.float().mean())
         if self.cfg.env.name:  # response_len counts the model's own tokens; env/* the episodes (per episode)
             out.update(episode_metrics([m["episode"] for m in batch.meta]))

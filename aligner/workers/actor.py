@@ -35,7 +35,7 @@ from aligner.rollout.weight_sync import WeightSender, join_sync_group
 from aligner.runtime.ports import free_port
 from aligner.workers.dispatch import dispatch, split_batch
 from aligner.workers.episodes import generate_episodes
-from aligner.workers.reward import remote_reward_client
+from aligner.workers.reward import StreamedJudge, remote_reward_client
 
 
 class PolicyWorker:
@@ -144,6 +144,7 @@ class ActorWorker(PolicyWorker):
         self.eos_token_id = eos_token_id
         self.tokenizer = tokenizer  # env.name set: renders the episodes' observations (aligner.workers.episodes); reward.stream: decodes
         self.reward_client = None  # reward.stream: the remote reward's client, made on first use
+        self.judges: list = []  # reward.stream with a judge: the reward group's worker handles (set_judges)
         self.engine = None
         self.infer_dims = None
         self.trtllm = None  # rollout.backend=trtllm: this rank's TrtllmReplica (set with the engine)
@@ -301,14 +302,20 @@ class ActorWorker(PolicyWorker):
         d = self.infer_dims
         lead = d.tp_rank == 0 and d.pp_rank == 0
         share = split_batch(request_share(prompt_ids, seeds, episodes, reward_rows if lead else None), d.dp_size)[d.dp_rank]
-        gens = generate_share(self.engine, self.cfg, self.tokenizer, share, sampling, self._reward_client)
+        gens = generate_share(self.engine, self.cfg, self.tokenizer, share, sampling, self.streamed_reward)
         return (d.dp_rank, gens) if lead else None
 
-    def _reward_client(self):
-        """This worker's remote reward client (``reward.stream``), made on first use."""
-        if self.reward_client is None:
+    @dispatch("broadcast")
+    def set_judges(self, judges: list) -> None:
+        """``reward.stream`` with ``reward.type=judge``: the reward group's worker handles, which this
+        worker's engine sends finished responses to (:class:`aligner.workers.reward.StreamedJudge`)."""
+        self.judges = list(judges)
+
+    def streamed_reward(self, prompt_ids: list, rows: list[dict]):
+        """The scorer of a share whose responses are scored as they finish (:func:`streamed_reward`)."""
+        if self.reward_client is None and self.cfg.reward.type == "remote":
             self.reward_client = remote_reward_client(self.cfg.reward)
-        return self.reward_client
+        return streamed_reward(self.cfg, self.tokenizer, prompt_ids, rows, self.reward_client, self.judges, self.infer_dims.dp_rank)
 
     def _generate_prompt_learning(self, prompt_ids: list, sampling: SamplingConfig) -> Optional[tuple[int, list]]:
         """generate for prompt learning: greedy through the policy's forward (see :meth:`generate`)."""
@@ -337,23 +344,32 @@ def request_share(prompt_ids: list, seeds: list, episodes: Optional[list], rewar
     return {"p": prompt_ids, "s": seeds, **({"e": episodes} if episodes else {}), **({"r": reward_rows} if reward_rows else {})}
 
 
-def generate_share(engine, cfg: AlignerConfig, tokenizer, share: dict, sampling: SamplingConfig, reward_client=None) -> list:
+def generate_share(engine, cfg: AlignerConfig, tokenizer, share: dict, sampling: SamplingConfig, scorer=None) -> list:
     """Generate a replica's share (:func:`request_share`): plain responses, episodes when "e" is there;
-    with "r" each response goes to the remote reward as it finishes and its Generation comes back with
-    ``extra["score"]`` (or ``extra["score_error"]``); reward_client() gives the client. [] for an empty share."""
+    with "r" each response is scored as it finishes by the object ``scorer(prompt_ids, rows)`` returns
+    (:func:`streamed_reward`) and its Generation comes back with ``extra["score"]``. [] for an empty share."""
     if not share["p"]:
         return []
     if "e" in share:
         return generate_episodes(engine, cfg, tokenizer, share["p"], sampling, share["s"], share["e"])
-    if "r" not in share:
+    if "r" not in share or scorer is None:
         return engine.generate(share["p"], sampling, seeds=share["s"])
-    rc = cfg.reward
-    streamed = StreamedScores(
-        reward_client(), tokenizer, share["p"], share["r"], stream_chunk(len(share["p"]), rc.batch_size, rc.max_concurrency)
-    )
+    streamed = scorer(share["p"], share["r"])
     gens = engine.generate(share["p"], sampling, seeds=share["s"], on_finish=streamed.finished)
     streamed.attach(gens)
     return gens
+
+
+def streamed_reward(cfg: AlignerConfig, tokenizer, prompt_ids: list, rows: list[dict], client, judges: list, replica: int):
+    """What scores a share's responses as they finish (``reward.stream``): the remote reward's
+    :class:`~aligner.reward.remote.StreamedScores` on `client`, or the judges'
+    :class:`~aligner.workers.reward.StreamedJudge` (the first call to judge ``replica mod len(judges)``);
+    ``ceil(B / reward.max_concurrency)`` responses (at most reward.batch_size) per request or call."""
+    rc = cfg.reward
+    chunk = stream_chunk(len(rows), rc.batch_size, rc.max_concurrency)
+    if rc.type == "judge":
+        return StreamedJudge(judges, tokenizer, rows, chunk, first=replica)
+    return StreamedScores(client, tokenizer, prompt_ids, rows, chunk)
 
 
 def torch_rollout_engine(cfg: AlignerConfig, model_cfg, dims: ParallelDims, eos_token_id: Optional[int]):

@@ -121,6 +121,78 @@ class RemoteScores:
             raise TimeoutError(f"remote reward scores not ready within {timeout_s} s") from None
 
 
+class StreamedJudge:
+    """Judge verdicts requested while an engine generates (``reward.stream`` with ``reward.type=judge``):
+    the engine's ``on_finish`` callback (:meth:`finished`) queues each response as its row ends, and as
+    soon as ``chunk`` are queued they go to one judge replica of the reward group (its workers' actor
+    handles, round-robin from ``first``) as a ``judge_scores`` call, so the judge works while the
+    engine decodes the rest. :meth:`attach` sends what is left, waits, and writes each Generation's
+    ``extra["score"]`` and ``extra["judge_unparsed"]``; when a judge call fails (an error, a dead
+    worker) every Generation gets ``extra["judge_error"]`` instead (the driver checks the reward group
+    and raises).
+
+    Args:
+        judges: the reward group's worker handles (:class:`aligner.workers.group.WorkerShell` actors; one
+            judge replica each, the config keeps judges at tp = pp = 1).
+        tokenizer: decodes each response as the driver would (special tokens dropped).
+        rows: B dicts {"prompt": text, ...} in request order. chunk: responses per call (>= 1).
+        first: the replica that gets the first call (a generating replica's index spreads the load).
+    """
+
+    def __init__(self, judges: list, tokenizer, rows: list[dict], chunk: int, first: int = 0) -> None:
+        if not judges or chunk < 1:
+            raise ValueError(f"StreamedJudge: {len(judges)} judges (need >= 1), chunk={chunk} (need >= 1)")
+        self.judges, self.tok, self.rows, self.chunk, self.next = judges, tokenizer, rows, int(chunk), int(first)
+        self.responses: dict[int, list[int]] = {}
+        self.queued: list[int] = []
+        self.sent: list[tuple[list[int], int, object]] = []  # (indices, judge replica, ObjectRef)
+        self.early: set[int] = set()  # responses sent before the engine returned (the overlap)
+
+    def finished(self, index: int, token_ids) -> None:
+        """The engine's on_finish: request `index` ended with `token_ids`; calls a judge when `chunk` are queued."""
+        self.responses[index] = [int(t) for t in token_ids]
+        self.queued.append(index)
+        if len(self.queued) >= self.chunk:
+            self.early.update(self.queued)
+            self._send()
+
+    def _send(self) -> None:
+        idx, self.queued = self.queued, []
+        batch = {
+            "prompt": [self.rows[i]["prompt"] for i in idx],
+            "response": [self.tok.decode(self.responses[i], skip_special_tokens=True) for i in idx],
+        }
+        replica = self.next % len(self.judges)
+        self.next += 1
+        self.sent.append((idx, replica, self.judges[replica].call.remote("judge_scores", ((batch,), {}))))
+
+    def attach(self, gens) -> None:
+        """After the engine returned its B Generations: judge the responses not sent yet, wait for every
+        verdict, set ``score``, ``judge_unparsed`` and ``scored_while_generating`` (or ``judge_error``) in
+        each Generation's extra."""
+        import ray
+
+        for i, g in enumerate(gens):
+            if i not in self.responses:
+                self.responses[i] = [int(t) for t in g.token_ids]
+                self.queued.append(i)
+        if self.queued:
+            self._send()
+        scores: dict[int, tuple[float, bool]] = {}
+        for idx, replica, ref in self.sent:
+            try:
+                out = ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - any failure of the judge's call is reported by the driver
+                text = " ".join(str(e).split())[:300]
+                for g in gens:
+                    g.extra["judge_error"] = f"the judge (reward rank {replica}) failed while scoring streamed responses: {text}"
+                return
+            scores.update({i: (float(s), bool(u)) for i, s, u in zip(idx, out["scores"].tolist(), out["unparsed"].tolist())})
+        for i, g in enumerate(gens):
+            g.extra["score"], g.extra["judge_unparsed"] = scores[i]
+            g.extra["scored_while_generating"] = i in self.early
+
+
 def remote_reward_client(rc: RewardRoleConfig) -> RemoteReward:
     """The HTTP client of ``reward.type=remote`` with the reward section's url, token, timeout, retries,
     backoff, batch size and concurrency (the driver's :class:`RemoteRewardRole` and, with

@@ -19,7 +19,7 @@ from typing import Optional
 from aligner.config import AlignerConfig, SamplingConfig
 from aligner.parallel.dims import ParallelDims
 from aligner.rollout.weight_sync import SyncGroup, join_sync_group, receive_weights
-from aligner.workers.actor import generate_share, request_share, sync_backend, sync_host, torch_rollout_engine
+from aligner.workers.actor import generate_share, request_share, streamed_reward, sync_backend, sync_host, torch_rollout_engine
 from aligner.workers.dispatch import dispatch, split_batch
 from aligner.workers.reward import remote_reward_client
 
@@ -38,6 +38,7 @@ class RolloutWorker:
         self.cfg = cfg
         self.tokenizer = tokenizer  # env.name set: renders the episodes' observations; reward.stream: decodes
         self.reward_client = None  # reward.stream: the remote reward's client, made on first use
+        self.judges: list = []  # reward.stream with a judge: the reward group's worker handles (set_judges)
         self.dims = dims or ParallelDims()
         self.engine = torch_rollout_engine(cfg, model_cfg, ParallelDims(device_type=self.dims.device.type), eos_token_id)
         self.group: Optional[SyncGroup] = None
@@ -66,10 +67,15 @@ class RolloutWorker:
         """All prompts in; this replica's contiguous share generated: (replica, generations). episodes: as
         :meth:`aligner.workers.actor.ActorWorker.generate`'s."""
         share = split_batch(request_share(prompt_ids, seeds, episodes, reward_rows), self.dims.world_size)[self.dims.rank]
-        return self.dims.rank, generate_share(self.engine, self.cfg, self.tokenizer, share, sampling, self._reward_client)
+        return self.dims.rank, generate_share(self.engine, self.cfg, self.tokenizer, share, sampling, self.streamed_reward)
 
-    def _reward_client(self):
-        """This worker's remote reward client (``reward.stream``), made on first use."""
-        if self.reward_client is None:
+    @dispatch("broadcast")
+    def set_judges(self, judges: list) -> None:
+        """As :meth:`aligner.workers.actor.ActorWorker.set_judges`."""
+        self.judges = list(judges)
+
+    def streamed_reward(self, prompt_ids: list, rows: list[dict]):
+        """The scorer of a share whose responses are scored as they finish (:func:`aligner.workers.actor.streamed_reward`)."""
+        if self.reward_client is None and self.cfg.reward.type == "remote":
             self.reward_client = remote_reward_client(self.cfg.reward)
-        return self.reward_client
+        return streamed_reward(self.cfg, self.tokenizer, prompt_ids, rows, self.reward_client, self.judges, self.dims.rank)

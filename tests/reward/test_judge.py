@@ -119,3 +119,5 @@ def test_ppo_scores_every_step_with_the_judge(tmp_path, judge_dir):
         assert torch.isfinite(torch.tensor(m["policy_loss"]))
     # the premise: the random judge's greedy verdicts are sometimes numbers in range, so scores vary
     assert max(m["score_mean"] for m in steps) > 0 and min(m["reward/judge_unparsed"] for m in steps) < 1
+    # reward.stream (the default): the actor's engine sent responses to the judge as its rows ended
+    assert all(m["reward/scored_while_generating"] > 0 for m in steps)

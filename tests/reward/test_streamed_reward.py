@@ -112,7 +112,8 @@ def test_streamed_scores_equal_the_drivers_and_overlap_generation(server):
     gens = eng.generate(PROMPTS, s, seeds=list(range(8)), on_finish=streamed.finished)
     returned = time.monotonic()
     streamed.attach(gens)
-    assert streamed.sent_during_generation == 8 and len(scorer.requests) == 4
+    assert streamed.early == set(range(8)) and len(scorer.requests) == 4
+    assert all(g.extra["scored_while_generating"] for g in gens)
     assert min(t for t, _, _ in scorer.requests) < returned  # scoring began while the engine decoded
     responses = [Tok().decode(g.token_ids) for g in gens]
     sent = {r: ids for _, rs, idss in scorer.requests for r, ids in zip(rs, idss)}
@@ -130,7 +131,8 @@ def test_responses_not_reported_are_sent_after_the_engine_returns(server):
     gens = TorchEngine(engine_model()).generate(PROMPTS[:3], SamplingConfig(temperature=0.0, max_new_tokens=5))
     streamed = StreamedScores(client, Tok(), PROMPTS[:3], [{"prompt": "p"}] * 3, chunk=1)
     streamed.attach(gens)
-    assert streamed.sent_during_generation == 0 and len(scorer.requests) == 1
+    assert not streamed.early and len(scorer.requests) == 1
+    assert not any(g.extra["scored_while_generating"] for g in gens)
     assert streamed_scores(gens).shape == (3,)
     client.close()
 
@@ -198,3 +200,64 @@ def test_ppo_streams_remote_scores_from_the_engines(tmp_path, server):
         assert len(responses) == 16
         want = rules.score("digit_fraction", [""] * 16, responses).mean().item()
         assert m["score_mean"] == pytest.approx(want, abs=1e-6)
+        assert m["reward/scored_while_generating"] == 1.0  # chunks of 4 of a share of 16: every one sent as its row ended
+
+
+class LocalJudge:
+    """A reward-group worker handle stand-in: ``call.remote("judge_scores", ((batch,), {}))`` judges the
+    batch with a local Judge and returns an ObjectRef (needs Ray)."""
+
+    def __init__(self, judge, calls: list) -> None:
+        outer = self
+
+        class _Call:
+            def remote(self, method, packed):
+                import ray
+
+                (batch,), _ = packed
+                calls.append((method, len(batch["prompt"])))
+                return ray.put(outer.judge.scores(batch["prompt"], batch["response"]))
+
+        self.judge, self.call = judge, _Call()
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_streamed_judge_verdicts_equal_the_whole_batch_judged_at_once():
+    """StreamedJudge sends chunks to the judges round-robin as rows end; the verdicts equal one
+    Judge.scores call on the whole batch (the judge's own engine generates every judgement greedily);
+    a failing judge call marks every Generation with judge_error."""
+    from aligner.reward.judge import Judge
+    from aligner.workers.reward import StreamedJudge
+
+    judge = Judge(TorchEngine(engine_model(seed=2)), Tok(), "{prompt}={response}", max_new_tokens=3, max_score=9, max_seq_len=48)
+    judge.tok.encode = lambda text, add_special_tokens=False: [1 + (ord(c) % 90) for c in text]
+    judge.tok.apply_chat_template = lambda msgs, tokenize=False, add_generation_prompt=True: msgs[0]["content"]
+    calls: list = []
+    judges = [LocalJudge(judge, calls), LocalJudge(judge, calls)]
+    rows = [{"prompt": f"q{i}"} for i in range(6)]
+    streamed = StreamedJudge(judges, Tok(), rows, chunk=2, first=1)
+    gens = TorchEngine(engine_model(), max_batch_size=1).generate(
+        PROMPTS[:6], SamplingConfig(temperature=1.0, max_new_tokens=6), seeds=list(range(6)), on_finish=streamed.finished
+    )
+    streamed.attach(gens)
+    assert calls == [("judge_scores", 2)] * 3 and [r for _, r, _ in streamed.sent] == [1, 0, 1]
+    want = judge.scores([r["prompt"] for r in rows], [Tok().decode(g.token_ids) for g in gens])
+    assert streamed_scores(gens).tolist() == want["scores"].tolist()
+    assert [g.extra["judge_unparsed"] for g in gens] == want["unparsed"].tolist()
+
+    class Broken:
+        class call:
+            @staticmethod
+            def remote(method, packed):
+                import ray
+
+                @ray.remote
+                def fail():
+                    raise ValueError("judgement 0 is 99 tokens")
+
+                return fail.remote()
+
+    failing = StreamedJudge([Broken()], Tok(), rows[:2], chunk=2)
+    gens = TorchEngine(engine_model()).generate(PROMPTS[:2], SamplingConfig(temperature=0.0, max_new_tokens=3))
+    failing.attach(gens)
+    assert all("judgement 0 is 99 tokens" in g.extra["judge_error"] and "reward rank 0" in g.extra["judge_error"] for g in gens)
