@@ -17,7 +17,9 @@ first-fit into micro-batches whose padded size, rows x the micro-batch's longest
 within N tokens (:func:`budget_micro_batches`); each micro-batch is cut to its own longest row
 (:func:`trim_micro`) and the outputs of a forward return in the original row order. Because the
 loss of every micro-batch is already its share of the global loss, any grouping gives the same
-loss and gradient. Across dp the micro-batch count is evened out: every rank runs the dp maximum,
+loss and gradient. Across dp the micro-batch count is evened out, for token-budget and row-count
+micro-batches alike (dp shards that differ by one row can need different counts, and FSDP2's
+per-forward all-gathers and DDP's per-backward all-reduces would then hang): every rank runs the dp maximum,
 a rank with fewer adds *filler* micro-batches (one copy of its shortest row, loss ``0 * output``,
 so it joins every DDP / FSDP collective and adds nothing); the filler runs first, so the MoE
 statistics of the step come from real rows.
@@ -177,14 +179,18 @@ class ModelRunner:
         dev = self.runtime.device
         batch = {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         batch = pad_sequence_dim(batch, self.seq_multiple)
-        n, t = batch["input_ids"].shape[0], batch["input_ids"].shape[1]
+        n = batch["input_ids"].shape[0]
         lengths = row_lengths(batch) if n else torch.zeros(0, dtype=torch.long)
         deepspeed = getattr(self.runtime, "backend", None) == "deepspeed"
         if self.micro_batch_tokens <= 0 or deepspeed or n == 0:
             if deepspeed:
                 micro_batch_size = max(1, n)  # one backward per DeepSpeed step
-            self.padding = {"tokens": float(lengths.sum()), "slots": float(n * t)}
-            return self._token_masks(split_micro(batch, micro_batch_size)), None
+            mbs = split_micro(batch, micro_batch_size)
+            if not deepspeed and n > 0:  # dp ranks with different row counts can need different micro-batch counts
+                mbs = self._even_out(mbs, batch, lengths, unit, trim=False)
+            self.padding = {"tokens": float(lengths.sum()), "slots": float(sum(mb["input_ids"].numel() for mb in mbs))}
+            evened = any(mb.get(FILLER) for mb in mbs)
+            return self._token_masks(mbs), (list(range(n)) if evened else None)
         mbs, groups = self._budget_split(batch, lengths.tolist(), unit)
         mbs = self._even_out(mbs, batch, lengths, unit)
         self.padding = {"tokens": float(lengths.sum()), "slots": float(sum(mb["input_ids"].numel() for mb in mbs))}
@@ -222,9 +228,11 @@ class ModelRunner:
             mbs.append(trim_micro(mb, width + (-width) % self.seq_multiple))
         return mbs, groups
 
-    def _even_out(self, mbs: list[dict], batch: dict, lengths: torch.Tensor, unit: int = 1) -> list[dict]:
+    def _even_out(self, mbs: list[dict], batch: dict, lengths: torch.Tensor, unit: int = 1, trim: bool = True) -> list[dict]:
         """`mbs` with filler micro-batches in front so every dp rank runs the dp maximum count
-        (collective over dp; the DDP / FSDP collectives of each forward and backward then pair up)."""
+        (collective over dp; the DDP / FSDP collectives of each forward and backward then pair up).
+        A filler is the batch's shortest row (unit rows), cut to its length when `trim`, else at the
+        batch's width (row-count micro-batches all have it); its loss is 0 and its outputs are dropped."""
         if self.dims.dp_size == 1:
             return mbs
         count = torch.tensor([len(mbs)], dtype=torch.long, device=self.dims.device)
@@ -236,7 +244,7 @@ class ModelRunner:
         row = {k: v[i : i + unit] if torch.is_tensor(v) and v.dim() > 0 else v for k, v in batch.items()}
         longest = int(lengths[i : i + unit].max())
         width = longest + (-longest) % self.seq_multiple
-        filler = {**trim_micro(row, max(1, width)), FILLER: True}
+        filler = {**(trim_micro(row, max(1, width)) if trim else row), FILLER: True}
         return [filler] * missing + mbs
 
     @torch.no_grad()
@@ -253,7 +261,8 @@ class ModelRunner:
         self.runtime.train(False)
         try:
             if self.dims.pp_size > 1:  # row-count micro-batches only (the config refuses a budget with pp > 1)
-                return pipeline_forward(self.runtime.model, self.dims, mbs, output_fn, broadcast=True).cpu()
+                out = pipeline_forward(self.runtime.model, self.dims, mbs, output_fn, broadcast=True).cpu()
+                return out[sum(mb["input_ids"].shape[0] for mb in mbs if mb.get(FILLER)) :]  # fillers come first
             outs = [output_fn(self.runtime(mb["input_ids"], **model_kwargs(mb)), mb) for mb in mbs]
         finally:
             self.runtime.train(was_training)

@@ -3,7 +3,8 @@
 A ragged batch run as budget micro-batches (sorted first-fit, each cut to its longest row) must
 give the same PPO loss, every parameter's gradient (fp32, within 1e-6) and the same per-token
 log-probs as fixed micro-batches of one row; on dp=2 over gloo, where the two ranks' shards need
-different micro-batch counts, the step must not hang (filler micro-batches) and equal dp=1. The
+different micro-batch counts, the step must not hang (filler micro-batches) and equal dp=1, with
+token budgets and with row-count micro-batches (DDP and FSDP2). The
 padded-token metric is counted on a hand-made batch, and a budget below the longest row is
 refused, naming the field, the value and the fix.
 """
@@ -42,19 +43,23 @@ def _batch(seed: int = 4) -> dict[str, torch.Tensor]:
     }
 
 
-def _policy(budget: int, dims: ParallelDims = None) -> Policy:
-    par = ParallelConfig(dp_size=dims.dp_size, dp_backend="ddp") if dims is not None else ParallelConfig()
+def _policy(budget: int, dims: ParallelDims = None, backend: str = "ddp") -> Policy:
+    par = ParallelConfig(dp_size=dims.dp_size, pp_size=dims.pp_size, dp_backend=backend) if dims is not None else ParallelConfig()
     return Policy(CFG, par, OPTIM, dims or ParallelDims(device_type="cpu"), seed=0, micro_batch_tokens=budget)
 
 
-def _update(budget: int, batch: dict, algo: AlgorithmConfig, dims: ParallelDims = None):
-    """(log_probs [B, R], ppo_update metrics, {param: grad}) of one policy."""
-    pol = _policy(budget, dims)
-    lp = pol.log_probs(batch, micro_batch_size=1)
+def _update(budget: int, batch: dict, algo: AlgorithmConfig, dims: ParallelDims = None, backend: str = "ddp", micro_batch_size: int = 1):
+    """(log_probs [B, R], ppo_update metrics, {param: grad}) of one policy (full gradients: FSDP2's
+    sharded ones gathered)."""
+    pol = _policy(budget, dims, backend)
+    lp = pol.log_probs(batch, micro_batch_size=micro_batch_size)
     full = {**batch, "old_log_probs": (lp - batch["offset"]) * batch["response_mask"]}
     full.pop("offset")
-    out = pol.ppo_update(full, algo, micro_batch_size=1)
-    grads = {n: p.grad.detach().clone() for n, p in pol.runtime.module.named_parameters()}
+    out = pol.ppo_update(full, algo, micro_batch_size=micro_batch_size)
+    grads = {}
+    for n, p in pol.runtime.module.named_parameters():
+        g = p.grad.detach()
+        grads[n] = g.full_tensor() if hasattr(g, "full_tensor") else g.clone()
     return lp, out, grads
 
 
@@ -132,3 +137,46 @@ def test_dp2_uneven_micro_batch_counts_equal_dp1():
         assert res[0]["out"][k] == pytest.approx(out[k], abs=1e-6)
     for n, g in grads.items():
         torch.testing.assert_close(res[0]["grads"][n], g, atol=1e-6, rtol=1e-5, msg=n)
+
+
+def _uneven_battery(rank, world_size, backend, micro_batch_size, pp_size=1):
+    dims = ParallelDims(dp_size=world_size // pp_size, pp_size=pp_size, world_size=world_size, rank=rank).build()
+    rows = slice(0, 3) if dims.dp_rank == 0 else slice(3, 5)  # 3 rows and 2 rows: the shards of 5 over dp = 2
+    shard = {k: v[rows] for k, v in _batch().items()}
+    algo = AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_loss_coef=0.0, entropy_coef=0.05, loss_agg="token-mean")
+    lp, out, grads = _update(0, shard, algo, dims, backend, micro_batch_size)
+    return {"lp": lp, "out": out, "grads": grads, "dp": dims.dp_rank, "pp": dims.pp_rank}
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("micro_batch_size", [1, 2])
+def test_dp2_shards_of_different_row_counts_do_not_hang_and_equal_dp1(backend, micro_batch_size):
+    """Row-count micro-batches: 5 rows over dp = 2 are shards of 3 and 2, which need 3 and 2 (or 2 and 1)
+    micro-batches. Before the evening-out (issue 41 part 5) DDP's backward all-reduces and FSDP2's
+    forward all-gathers did not pair up and the step hung; now the shorter rank runs a filler
+    micro-batch first, and log-probs, loss and every gradient equal one process on the 5 rows."""
+    res = run_distributed(_uneven_battery, world_size=2, args=(backend, micro_batch_size), timeout_s=120)
+    algo = AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_loss_coef=0.0, entropy_coef=0.05, loss_agg="token-mean")
+    five = {k: v[:5] for k, v in _batch().items()}
+    lp, out, grads = _update(0, five, algo, micro_batch_size=micro_batch_size)
+    r = lp.shape[1]
+    got = torch.cat([res[0]["lp"][:, :r], res[1]["lp"][:, :r]])
+    torch.testing.assert_close(got, lp, atol=1e-6, rtol=0)
+    for k in ("policy_loss", "entropy"):
+        assert res[0]["out"][k] == pytest.approx(out[k], abs=1e-6)
+    for n, g in grads.items():
+        torch.testing.assert_close(res[0]["grads"][n], g, atol=1e-6, rtol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+def test_pp2_dp2_shards_of_different_row_counts_equal_dp1(backend):
+    """The same uneven shards through the 1F1B pipeline (pp = 2 x dp = 2, micro-batches of one row): the
+    filler runs through both stages, is dropped from the log-probs, and the step equals one process."""
+    res = run_distributed(_uneven_battery, world_size=4, args=(backend, 1, 2), timeout_s=180)
+    algo = AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_loss_coef=0.0, entropy_coef=0.05, loss_agg="token-mean")
+    lp, out, grads = _update(0, {k: v[:5] for k, v in _batch().items()}, algo)
+    r = lp.shape[1]
+    by_dp = {r["dp"]: r for r in res if r["pp"] == 0}  # log-probs are broadcast to every stage
+    assert sorted(by_dp) == [0, 1] and by_dp[0]["lp"].shape[0] == 3 and by_dp[1]["lp"].shape[0] == 2
+    torch.testing.assert_close(torch.cat([by_dp[0]["lp"][:, :r], by_dp[1]["lp"][:, :r]]), lp, atol=1e-6, rtol=0)
+    assert by_dp[0]["out"]["policy_loss"] == pytest.approx(out["policy_loss"], abs=1e-6)
