@@ -81,6 +81,8 @@ class Trainer(abc.ABC):
         self.out = Path(cfg.output_dir)
         self.step = 0
         self.history: list[dict] = []
+        self.partial_restarts = 0  # restarts of one worker group alone (PPO's split rollout group); same budget as the loop's
+        self.restart_state: Optional[Restarts] = None  # the run's whole-group restarts (train() sets it)
         self._ray = None
 
     def run(self) -> int:
@@ -286,7 +288,8 @@ class Restarts:
 
 def train_with_restarts(trainer: Trainer) -> None:
     """:func:`train`, started again after a worker process dies (:class:`aligner.errors.WorkerDiedError`),
-    at most ``trainer.max_restarts`` times a run (the self-healing of MegaScale's and NeMo-RL's
+    at most ``trainer.max_restarts`` times a run, restarts of one group alone included
+    (``trainer.partial_restarts``: PPO's split rollout group) (the self-healing of MegaScale's and NeMo-RL's
     launchers, in-process): the worker groups are stopped and started again (placement waits for the
     resources as at the start, and refuses a cluster that can no longer hold them), and the steps
     resume from the latest complete checkpoint, or from step 0's state when none was written yet.
@@ -302,16 +305,21 @@ def train_with_restarts(trainer: Trainer) -> None:
         try:
             return train(trainer, restart)
         except WorkerDiedError as e:
-            if restart.count < budget and not preemption.was_requested():
+            spent = restart.count + trainer.partial_restarts  # every automatic restart of the run, whole or of one group
+            if spent < budget and not preemption.was_requested():
                 time.sleep(RESTART_SETTLE_S)  # a SIGTERM sent to every process may reach the driver after a worker died of it
-            if preemption.was_requested() or restart.count >= budget:
+            if preemption.was_requested() or spent >= budget:
                 if budget and not preemption.was_requested():
                     e.args = (f"{e.args[0]}\n(trainer.max_restarts={budget}: every automatic restart was spent)",)
                 raise
             restart.count += 1
-            restart.last = f"{e.role} rank {e.rank} died during {restart.where} ({_death_summary(e.traceback_text)})"
+            restart.last = f"{e.role} rank {e.rank} died during {restart.where} ({death_summary(e.traceback_text)})"
             log.warning(
-                "%s: %s: restart %d of %d: stopping and starting the worker groups", trainer.name, restart.last, restart.count, budget
+                "%s: %s: restart %d of %d: stopping and starting the worker groups",
+                trainer.name,
+                restart.last,
+                restart.count + trainer.partial_restarts,
+                budget,
             )
             if isinstance(e, WorkerHungError):  # the stacks the hung worker wrote
                 log.warning("%s", e.traceback_text)
@@ -319,7 +327,7 @@ def train_with_restarts(trainer: Trainer) -> None:
             trainer.start()
 
 
-def _death_summary(text: str) -> str:
+def death_summary(text: str) -> str:
     """The first line of a dead worker's error and the ``pid:`` / ``ip:`` fields Ray's ActorDiedError lists."""
     lines = text.strip().splitlines()
     fields = re.findall(r"^\s*(pid|ip): *(\S+)", text, flags=re.MULTILINE)
@@ -336,6 +344,7 @@ def train(trainer: Trainer, restart: Optional[Restarts] = None) -> None:
 
     t = trainer.cfg.trainer
     restart = restart if restart is not None else Restarts()
+    trainer.restart_state = restart
     ckpts = Checkpoints(trainer)
     ckpts.resume(restart)
     metrics = MetricsLogger(

@@ -57,7 +57,7 @@ from aligner.config import AlignerConfig, ConfigError, SamplingConfig
 from aligner.data.pipeline import load_data, resolve_tokenizer
 from aligner.data.sampler import DataIterator
 from aligner.envs import episode_metrics
-from aligner.errors import UserError
+from aligner.errors import UserError, WorkerDiedError
 from aligner.model.moe import routing_mismatch
 from aligner.planner import PlanError, check_fits, format_plan, make_plan
 from aligner.protocol import ACTOR_UPDATE_FIELDS, RolloutBatch, build_sequences
@@ -67,8 +67,9 @@ from aligner.reward.rules import check_rule_rows, score
 from aligner.rollout.base import generations_to_padded, own_tokens_mask, routed_experts_to_padded
 from aligner.runtime.role import check_tokenizer_fits, resolve_init
 from aligner.tracking import plot_curves
+from aligner.trainers import preemption
 from aligner.trainers.evaluation import accuracy_rule, episode_rows, evaluate_greedy, gather_generations, on_builtin_task
-from aligner.trainers.loop import Trainer
+from aligner.trainers.loop import Trainer, death_summary
 from aligner.trainers.producer import RolloutProducer
 from aligner.workers.actor import ActorWorker, PolicyWorker
 from aligner.workers.critic import CriticWorker
@@ -142,6 +143,7 @@ class PPOTrainer(Trainer):
         self.groups: dict[str, Any] = {}
         self.remote_reward: Optional[RemoteRewardRole] = None  # reward.type=remote: the endpoint's client
         self.judge_future: Optional[JudgeScores] = None  # reward.type=judge: the last batch's judgements
+        self.rollout_placement = None  # the rollout group's own placement after it restarted alone
         self.cores: Optional[CoreSharing] = None  # torch threads follow the work (trainer.num_threads=0, CPU workers)
         self.placement = None
         self.producer: Optional[RolloutProducer] = None  # rollout.placement=split: the rollout group and its queue
@@ -197,27 +199,66 @@ class PPOTrainer(Trainer):
             cls, kw = specs[role]
             self.groups[role] = role_worker_group(cfg, role, cls, self.placement, kwargs=kw)
         if cfg.rollout.placement == "split":
-            model_cfg = self.groups["actor"].model_config().get()[0]
-            kw = dict(cfg=cfg, model_cfg=model_cfg, eos_token_id=self.tok.eos_token_id, **episode_kw)
-            rollout = WorkerGroup(
-                ROLLOUT_GROUP,
-                RolloutWorker,
-                self.placement.role(ROLLOUT_GROUP),
-                cfg.rollout.parallel,
-                kwargs=kw,
-                hang_timeout_s=cfg.trainer.hang_timeout_s,
-            )
-            self.groups[ROLLOUT_GROUP] = rollout
-            self.producer = RolloutProducer(self.groups["actor"], rollout, cfg.trainer.max_staleness)
+            self.start_rollout(self.placement.role(ROLLOUT_GROUP))
         # threads follow the work only when the phases run one after another (not beside a rollout group)
         elif cfg.trainer.num_threads == 0 and all(isinstance(g, WorkerGroup) for g in self.groups.values()):
             self.cores = CoreSharing(self.groups)
         self.reward_stats = load_reward_stats(cfg)
-        if self.streams_reward and cfg.reward.type == "judge":  # the engines' workers call the judges themselves
-            engines = self.groups[ROLLOUT_GROUP] if ROLLOUT_GROUP in self.groups else self.groups["actor"]
-            engines.set_judges(self.groups["reward"].actors).get()
+        if self.streams_reward and cfg.reward.type == "judge" and cfg.rollout.placement != "split":  # the engines call the judges
+            self.groups["actor"].set_judges(self.groups["reward"].actors).get()
         if cfg.reward.type == "remote":
             self.remote_reward = RemoteRewardRole(cfg.reward)
+
+    def start_rollout(self, where) -> None:
+        """The split placement's rollout group on RolePlacement `where`, its weight-sync group with the
+        actor (:class:`RolloutProducer`) and, with a streamed judge, the judges' handles."""
+        cfg = self.cfg
+        model_cfg = self.groups["actor"].model_config().get()[0]
+        kw = dict(cfg=cfg, model_cfg=model_cfg, eos_token_id=self.tok.eos_token_id)
+        if cfg.env.name or self.streams_reward:  # the engines render observations or decode streamed responses
+            kw["tokenizer"] = self.tok
+        rollout = WorkerGroup(
+            ROLLOUT_GROUP, RolloutWorker, where, cfg.rollout.parallel, kwargs=kw, hang_timeout_s=cfg.trainer.hang_timeout_s
+        )
+        self.groups[ROLLOUT_GROUP] = rollout
+        self.producer = RolloutProducer(self.groups["actor"], rollout, cfg.trainer.max_staleness)
+        if self.streams_reward and cfg.reward.type == "judge":
+            rollout.set_judges(self.groups["reward"].actors).get()
+
+    def rollout_alone(self, e: WorkerDiedError) -> bool:
+        """Whether the death `e` can be healed by restarting the split placement's rollout group alone:
+        it is that group's, every other group still runs (a death during a weight sync fails the actor's
+        side too: then the whole run restarts), the run's restart budget is not spent, no SIGTERM."""
+        if self.producer is None or e.role != ROLLOUT_GROUP or preemption.was_requested():
+            return False
+        others = [g for name, g in self.groups.items() if name != ROLLOUT_GROUP]
+        spent = self.partial_restarts + (self.restart_state.count if self.restart_state is not None else 0)
+        return spent < self.cfg.trainer.max_restarts and not any(getattr(g, "closed", False) for g in others)
+
+    def restart_rollout(self, e: WorkerDiedError) -> None:
+        """Restart the split placement's rollout group alone after its worker died (issue 41 part 1): the
+        generations in flight are dropped, the group is built again on a placement of its own, joins a
+        new weight-sync group with the actor and gets the actor's current weights at the next sync; the
+        trainer's groups, their weights and optimizer states are not touched."""
+        self.partial_restarts += 1
+        budget = self.cfg.trainer.max_restarts
+        spent = self.partial_restarts + (self.restart_state.count if self.restart_state is not None else 0)
+        log.warning(
+            "%s: rollout rank %d died during step %d (%s): restart %d of %d: the rollout group alone; the trainer's groups keep their state",
+            self.name,
+            e.rank,
+            self.step + 1,
+            death_summary(e.traceback_text),
+            spent,
+            budget,
+        )
+        self.producer.drop()
+        self.producer = None
+        self.groups.pop(ROLLOUT_GROUP).shutdown()
+        if self.rollout_placement is not None:
+            self.rollout_placement.remove()
+        self.rollout_placement = placement_from_config(self.cfg, (ROLLOUT_GROUP,))
+        self.start_rollout(self.rollout_placement.role(ROLLOUT_GROUP))
 
     def busy(self, *roles: str) -> None:
         """The next phase runs `roles` (those that have a group): their CPU workers share the node's cores."""
@@ -236,6 +277,9 @@ class PPOTrainer(Trainer):
         for g in self.groups.values():
             g.shutdown()
         self.groups.clear()
+        if self.rollout_placement is not None:
+            self.rollout_placement.remove()
+            self.rollout_placement = None
         self.cores = None
         if self.remote_reward is not None:
             self.remote_reward.shutdown()
@@ -263,7 +307,28 @@ class PPOTrainer(Trainer):
     # ---- one step -------------------------------------------------------------------
     def run_step(self) -> dict[str, float]:
         """One PPO step (refit, generate, inference, advantages, then ppo_epochs x mini-batch
-        updates of actor and critic); returns its metrics (also the phase times, seconds)."""
+        updates of actor and critic); returns its metrics (also the phase times, seconds).
+
+        On the split placement a death of the rollout group's worker (noticed while the step waits for
+        its batch, or at a weight sync) restarts that group alone (:meth:`restart_rollout`) when
+        :meth:`rollout_alone` allows, and the step runs again from its data position (the same
+        prompts, generated by the actor's current weights); the step's and every later metrics row
+        carry ``rollout_restarts``. Raises the WorkerDiedError otherwise (the loop's restart)."""
+        if self.producer is None:
+            return self._run_step()
+        restore = self.producer.data_state() or self.data.state_dict()  # before the oldest batch not yet trained
+        while True:
+            try:
+                out = self._run_step()
+            except WorkerDiedError as e:
+                if not self.rollout_alone(e):
+                    raise
+                self.restart_rollout(e)
+                self.data.load_state_dict(restore)
+                continue
+            return {**out, **({"rollout_restarts": float(self.partial_restarts)} if self.partial_restarts else {})}
+
+    def _run_step(self) -> dict[str, float]:
         timer = PhaseTimer()
         sampling_metrics: dict[str, float] = {}
         if self.producer is not None:
@@ -698,6 +763,17 @@ class PPOTrainer(Trainer):
         )
 
     def evaluate(self, num_prompts: Optional[int] = None) -> dict[str, float]:
+        """:meth:`_evaluate`, with the split placement's rollout group restarted alone when its worker
+        dies during the evaluation's generation (as in :meth:`run_step`)."""
+        while True:
+            try:
+                return self._evaluate(num_prompts)
+            except WorkerDiedError as e:
+                if not self.rollout_alone(e):
+                    raise
+                self.restart_rollout(e)
+
+    def _evaluate(self, num_prompts: Optional[int] = None) -> dict[str, float]:
         """Greedy responses to held-out prompts (:func:`aligner.trainers.evaluation.evaluate_greedy`):
         rule-checked accuracy, mean response length, on the built-in task the carry breakdown; mean RM
         score and KL to the reference of those responses."""

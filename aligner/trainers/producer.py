@@ -87,6 +87,9 @@ class RolloutProducer:
         if self.engine_version == self.policy_version:
             return {"seconds": 0.0, "bytes": 0, "weight_version": self.engine_version}
         t0 = time.perf_counter()
+        # a rollout worker that died since its last call is reported here, as the rollout group's death,
+        # before the actor enters a broadcast that would fail with it (then only the whole run restarts)
+        self.rollout.worker_info(timeout_s=60.0)
         sent, _ = get_all_across_groups([self.actor.send_weights(), self.rollout.receive_weights()])
         self.engine_version = self.policy_version
         return {"seconds": time.perf_counter() - t0, "bytes": sent[0]["bytes"], "weight_version": self.engine_version}

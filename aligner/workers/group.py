@@ -501,6 +501,11 @@ class WorkerGroup:
         self.shutdown()
         raise err
 
+    @property
+    def closed(self) -> bool:
+        """True once the group is shut down (by :meth:`shutdown`, or after a worker failed)."""
+        return self._closed
+
     def _check_open(self) -> None:
         if self._closed:
             why = f" after {self.failure.role} rank {self.failure.rank} failed" if self.failure else ""

@@ -346,6 +346,17 @@ def test_a_death_past_the_restart_budget_ends_the_run_saying_so(tmp_path, budget
     assert toy.events[-2:] == [("stop", True), "ray_down"]
 
 
+def test_restarts_of_one_group_alone_count_in_the_same_budget(tmp_path):
+    """A run that already restarted one group alone (trainer.partial_restarts: PPO's split rollout
+    group) has that restart counted: with max_restarts=1 the next death ends it, saying so."""
+    toy = Toy(_cfg(tmp_path / "run", *RESTART, "trainer.max_restarts=1"), die_at=(3,))
+    toy.partial_restarts = 1
+    with pytest.raises(WorkerDiedError) as err:
+        toy.run()
+    assert "every automatic restart was spent" in str(err.value)
+    assert _of(toy.events, "load") == [] and _of(toy.events, "step") == [1, 2]  # step 3 died: no restart
+
+
 def test_no_restart_after_sigterm(tmp_path, monkeypatch):
     monkeypatch.setattr(preemption, "was_requested", lambda: True)
     toy = Toy(_cfg(tmp_path / "run", *RESTART), die_at=(3,))
