@@ -39,6 +39,7 @@ import torch
 
 from aligner.config.roles import reward_url_problem
 from aligner.errors import UserError
+from aligner.reward.streaming import StreamedResponses
 
 TOKEN_ENV = "ALIGNER_RM_TOKEN"  # the shared token's environment variable (client and server)
 RETRIED_STATUSES = (408, 429)  # 4xx statuses worth retrying (with every 5xx)
@@ -229,7 +230,7 @@ class RemoteReward:
             raise _Failure(f"the connection failed ({e.__class__.__name__}: {one_line(e)})", True) from None
 
 
-class StreamedScores:
+class StreamedScores(StreamedResponses):
     """Remote scores requested while an engine generates (``reward.stream``, the default with
     ``reward.type=remote``): the engine's ``on_finish`` callback (:meth:`finished`) queues each response
     as its row ends, and a request goes out on the client's threads as soon as ``chunk`` responses are
@@ -249,21 +250,11 @@ class StreamedScores:
     """
 
     def __init__(self, client: RemoteReward, tokenizer, prompt_ids: Sequence[Sequence[int]], rows: Sequence[dict], chunk: int) -> None:
-        if len(prompt_ids) != len(rows) or chunk < 1:
-            raise ValueError(f"StreamedScores: {len(prompt_ids)} prompts and {len(rows)} rows must match, chunk={chunk} >= 1")
-        self.client, self.tok, self.prompt_ids, self.rows, self.chunk = client, tokenizer, prompt_ids, rows, int(chunk)
-        self.responses: dict[int, list[int]] = {}
-        self.queued: list[int] = []
+        if len(prompt_ids) != len(rows):
+            raise ValueError(f"StreamedScores: {len(prompt_ids)} prompts and {len(rows)} rows must match")
+        super().__init__(chunk)
+        self.client, self.tok, self.prompt_ids, self.rows = client, tokenizer, prompt_ids, rows
         self.sent: list[tuple[list[int], Future]] = []
-        self.early: set[int] = set()  # responses sent before the engine returned (the overlap)
-
-    def finished(self, index: int, token_ids: Sequence[int]) -> None:
-        """The engine's on_finish: request `index` ended with `token_ids`; sends a request when `chunk` are queued."""
-        self.responses[index] = [int(t) for t in token_ids]
-        self.queued.append(index)
-        if len(self.queued) >= self.chunk:
-            self.early.update(self.queued)
-            self._send()
 
     def _send(self) -> None:
         idx, self.queued = self.queued, []
@@ -282,12 +273,7 @@ class StreamedScores:
         ``g.extra["scored_while_generating"]`` (sent before the engine returned) on each; when
         the endpoint gave no valid answer after the retries, ``g.extra["score_error"]`` (the
         :class:`RemoteRewardError` message, raised again by the driver) on each instead."""
-        for i, g in enumerate(gens):
-            if i not in self.responses:
-                self.responses[i] = [int(t) for t in g.token_ids]
-                self.queued.append(i)
-        if self.queued:
-            self._send()
+        self.queue_unreported(gens)
         scores: dict[int, float] = {}
         try:
             for idx, fut in self.sent:

@@ -16,6 +16,7 @@ from aligner.parallel.dims import ParallelDims
 from aligner.reward.judge import Judge
 from aligner.reward.remote import RemoteReward
 from aligner.reward.reward_model import RewardModel
+from aligner.reward.streaming import StreamedResponses
 from aligner.workers.dispatch import dispatch
 
 
@@ -121,7 +122,7 @@ class RemoteScores:
             raise TimeoutError(f"remote reward scores not ready within {timeout_s} s") from None
 
 
-class StreamedJudge:
+class StreamedJudge(StreamedResponses):
     """Judge verdicts requested while an engine generates (``reward.stream`` with ``reward.type=judge``):
     the engine's ``on_finish`` callback (:meth:`finished`) queues each response as its row ends, and as
     soon as ``chunk`` are queued they go to one judge replica of the reward group (its workers' actor
@@ -140,21 +141,11 @@ class StreamedJudge:
     """
 
     def __init__(self, judges: list, tokenizer, rows: list[dict], chunk: int, first: int = 0) -> None:
-        if not judges or chunk < 1:
-            raise ValueError(f"StreamedJudge: {len(judges)} judges (need >= 1), chunk={chunk} (need >= 1)")
-        self.judges, self.tok, self.rows, self.chunk, self.next = judges, tokenizer, rows, int(chunk), int(first)
-        self.responses: dict[int, list[int]] = {}
-        self.queued: list[int] = []
+        if not judges:
+            raise ValueError("StreamedJudge: no judges (the reward group's handles: set_judges)")
+        super().__init__(chunk)
+        self.judges, self.tok, self.rows, self.next = judges, tokenizer, rows, int(first)
         self.sent: list[tuple[list[int], int, object]] = []  # (indices, judge replica, ObjectRef)
-        self.early: set[int] = set()  # responses sent before the engine returned (the overlap)
-
-    def finished(self, index: int, token_ids) -> None:
-        """The engine's on_finish: request `index` ended with `token_ids`; calls a judge when `chunk` are queued."""
-        self.responses[index] = [int(t) for t in token_ids]
-        self.queued.append(index)
-        if len(self.queued) >= self.chunk:
-            self.early.update(self.queued)
-            self._send()
 
     def _send(self) -> None:
         idx, self.queued = self.queued, []
@@ -172,12 +163,7 @@ class StreamedJudge:
         each Generation's extra."""
         import ray
 
-        for i, g in enumerate(gens):
-            if i not in self.responses:
-                self.responses[i] = [int(t) for t in g.token_ids]
-                self.queued.append(i)
-        if self.queued:
-            self._send()
+        self.queue_unreported(gens)
         scores: dict[int, tuple[float, bool]] = {}
         for idx, replica, ref in self.sent:
             try:
