@@ -326,6 +326,7 @@ CASES = [
     (["env.name=nope"], "env.name", "'nope'", "valid environments are single_turn, retry, tool"),
     (["env.name=tool", "env.tools=[calculator]", "env.max_turns=0"], "env.max_turns", "0", "must be >= 1"),
     (["env.step_timeout_s=0"], "env.step_timeout_s", "0.0", "must be > 0 seconds"),
+    (["env.step_workers=-1"], "env.step_workers", "-1", "must be >= 0 threads (0: steps on the engine's thread)"),
     (["env.name=tool", "env.tools=[abacus]"], "env.tools", "['abacus']", "valid tools are calculator"),
     (["env.name=tool", "env.tools=[calculator,calculator]"], "env.tools", "['calculator', 'calculator']", "name each tool once"),
     (["env.name=tool"], "env.tools", "[]", "env.name=tool needs at least one tool"),

@@ -23,6 +23,7 @@ class EnvConfig:
     name: str = ""  # "" = single-turn (today's rollout) | single_turn | tool (aligner.envs.ENVIRONMENTS)
     max_turns: int = 4  # the most model turns of an episode (>= 1)
     step_timeout_s: float = 30.0  # wall-clock limit of each environment call (reset, step, finish), seconds
+    step_workers: int = 4  # threads that step environments while the engine decodes the other rows (0: on the engine's thread, in turn)
     tools: list[str] = field(default_factory=list)  # env.name=tool: the tools the model may call (aligner.envs.TOOLS)
 
     def validate(self, prefix: str = "env") -> None:
@@ -30,6 +31,9 @@ class EnvConfig:
         _check(self.name in ("",) + ENV_NAMES, f"{prefix}.name", self.name, valid)
         _check(self.max_turns >= 1, f"{prefix}.max_turns", self.max_turns, "must be >= 1 (model turns per episode)")
         _check(self.step_timeout_s > 0, f"{prefix}.step_timeout_s", self.step_timeout_s, "must be > 0 seconds")
+        _check(
+            self.step_workers >= 0, f"{prefix}.step_workers", self.step_workers, "must be >= 0 threads (0: steps on the engine's thread)"
+        )
         unknown = [t for t in self.tools if t not in TOOL_NAMES]
         _check(not unknown, f"{prefix}.tools", list(self.tools), f"unknown tools {unknown}: valid tools are {', '.join(TOOL_NAMES)}")
         _check(len(set(self.tools)) == len(self.tools), f"{prefix}.tools", list(self.tools), "name each tool once")

@@ -17,13 +17,22 @@ observation's messages and the next assistant header, tokenized alone without sp
 A template whose rendering of a conversation is not a prefix of its rendering with more messages
 fails the episode, naming the template (as :mod:`aligner.data.encode` refuses it for SFT rows).
 
+Environments stepped beside decoding. With ``step_workers`` > 0 each turn end is handed to a pool of
+that many threads and the callback returns its Future: the scheduler parks the row until the
+environment answers and keeps decoding the others (:mod:`aligner.rollout.scheduler`, "Parked rows"),
+so a slow environment (a sandboxed program, a remote tool) holds only its own episode; each thread
+has its own :class:`~aligner.envs.base.EnvRunner` for the per-call timeout. The episodes are the same
+as with ``step_workers=0`` (every call on the engine's thread, in turn).
+
 Not supported yet: an environment whose ``reset`` returns messages (they would have to enter the
 prompt before its generation prompt): such an episode fails with that reason.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional, Sequence, Union
 
 from aligner.envs.base import EnvFailure, Environment, EnvRunner, Episode, StepResult, Turn, _add_counts, _messages, _reward, call_env
 
@@ -39,8 +48,11 @@ class TokenEpisodes:
         max_turns: the most model turns of an episode (>= 1).
         timeout_s: the wall-clock limit of each environment call, seconds (> 0).
         stop_ids: the engine's stop tokens (a turn that ends with one is cut before it for its text).
-    ``episodes``: the trajectories, filled in as the engine runs. Raises ValueError for max_turns < 1
-    or timeout_s <= 0.
+        step_workers: 0 (environment steps on the engine's thread, in turn) or the threads that step
+            environments while the engine decodes other rows (the callback then returns Futures).
+    ``episodes``: the trajectories, filled in as the engine runs. Call :meth:`close` after the
+    generate call (it stops the step threads). Raises ValueError for max_turns < 1, timeout_s <= 0 or
+    step_workers < 0.
     """
 
     def __init__(
@@ -52,9 +64,12 @@ class TokenEpisodes:
         max_turns: int,
         timeout_s: float,
         stop_ids: Sequence[int],
+        step_workers: int = 0,
     ) -> None:
-        if max_turns < 1 or not timeout_s > 0:
-            raise ValueError(f"TokenEpisodes: max_turns={max_turns!r} must be >= 1 and timeout_s={timeout_s!r} > 0")
+        if max_turns < 1 or not timeout_s > 0 or step_workers < 0:
+            raise ValueError(
+                f"TokenEpisodes: max_turns={max_turns!r} must be >= 1, timeout_s={timeout_s!r} > 0 and step_workers={step_workers!r} >= 0"
+            )
         self.tok, self.max_turns, self.timeout_s = tokenizer, max_turns, timeout_s
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.stop_text: dict[int, str] = {}  # stop id -> its text, decoded once
@@ -62,6 +77,8 @@ class TokenEpisodes:
         self.envs: list[Optional[Environment]] = [None] * len(rows)
         self.closed = [False] * len(rows)
         self.runner = EnvRunner()  # one worker thread for every call (a thread per call costs ~1.5 ms)
+        self.pool = ThreadPoolExecutor(step_workers, thread_name_prefix="env-step") if step_workers else None
+        self._local = threading.local()  # each step thread's own EnvRunner
         for i, (prompt, metadata) in enumerate(rows):
             try:
                 env = env_factory()
@@ -76,8 +93,27 @@ class TokenEpisodes:
             except EnvFailure as e:
                 self._fail(i, e)
 
-    def __call__(self, request: int, turn_ids: list[int], room: int) -> Optional[list[int]]:
-        """The engine's turn_end: record the turn, step the environment; the observation's ids or None."""
+    def __call__(self, request: int, turn_ids: list[int], room: int) -> Union[Optional[list[int]], Future]:
+        """The engine's turn_end: record the turn, step the environment; the observation's ids or None
+        (with step_workers, a Future of them, run on a step thread)."""
+        if self.pool is not None:
+            return self.pool.submit(self._step, request, list(turn_ids), room)
+        return self._step(request, turn_ids, room)
+
+    def close(self) -> None:
+        """Stop the step threads (a step past its timeout is left running, as call_env says)."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)
+
+    def _runner(self) -> EnvRunner:
+        """The calling thread's EnvRunner: the engine thread's, or one per step thread."""
+        if self.pool is None:
+            return self.runner
+        if not hasattr(self._local, "runner"):
+            self._local.runner = EnvRunner()
+        return self._local.runner
+
+    def _step(self, request: int, turn_ids: list[int], room: int) -> Optional[list[int]]:
         ep, env = self.episodes[request], self.envs[request]
         stopped = bool(turn_ids) and turn_ids[-1] in self.stop_ids
         text = self.tok.decode(turn_ids[:-1] if stopped else turn_ids, skip_special_tokens=True)
@@ -86,7 +122,7 @@ class TokenEpisodes:
             return None
         n = len(ep.model_turns)
         try:
-            result = call_env(lambda: env.step(text), self.timeout_s, f"step {n}", self.runner)
+            result = call_env(lambda: env.step(text), self.timeout_s, f"step {n}", self._runner())
             if not isinstance(result, StepResult):
                 raise EnvFailure(f"step {n} returned {type(result).__name__}, not a StepResult")
             ep.model_turns[-1].reward = _reward(result.reward, f"step {n}")
@@ -108,7 +144,7 @@ class TokenEpisodes:
     def _finish(self, i: int) -> None:
         self.closed[i] = True
         try:
-            self.episodes[i].final_reward = _reward(call_env(self.envs[i].finish, self.timeout_s, "finish", self.runner), "finish")
+            self.episodes[i].final_reward = _reward(call_env(self.envs[i].finish, self.timeout_s, "finish", self._runner()), "finish")
         except EnvFailure as e:
             self._fail(i, e)
         return None

@@ -132,7 +132,7 @@ class ContinuousBatching:
         sched = SlotScheduler(prompts, budgets, capacity, m, stop, turn_end, on_finish)
         link = self._link() if e.pp_size > 1 else None
         in_flight: deque[tuple[int, int]] = deque()  # (micro-batch, rows) sent down the pipeline
-        mb = 0
+        mb = idle = 0
         while True:
             if in_flight and in_flight[0][0] == mb:
                 _, n = in_flight.popleft()
@@ -140,6 +140,7 @@ class ContinuousBatching:
             if sched.done():
                 break
             plan = sched.plan(mb)
+            idle = 0 if plan is not None else idle + 1
             if plan is not None:
                 if link is None:
                     tok, lp = self._run_plan(plan, pool, sampler, None)
@@ -147,6 +148,9 @@ class ContinuousBatching:
                 else:
                     self._run_plan(plan, pool, sampler, link)
                     in_flight.append((mb, plan.n))
+            elif idle >= m and not in_flight:  # every live row waits for its environment (parked rows)
+                sched.wait_parked(0.05)
+                idle = 0
             mb = (mb + 1) % m
         if link is not None:
             link.send_stop()

@@ -36,20 +36,31 @@ the observation's last token is the row's input of the same step's decode, whose
 first token of the model's next turn. Earlier turns are never prefilled again. A request's budget
 counts every token after its prompt, the model's and the observations'; ``own`` marks which are the
 model's.
+
+Parked rows (environments stepped beside decoding). When ``turn_end`` returns a Future, the turn
+ends of one step are waited for together up to ``turn_wait_s`` (a fast environment continues as if
+synchronous); a row whose future is still running is parked: it keeps its slot and its place in
+the block, and each step decodes it with its stop token at its next position (what that position
+holds anyway until the extension rewrites it) and drops the sample, so the other rows never wait
+for it. The plan that finds its future done continues it (an extension) or frees its slot, exactly
+as a synchronous ``turn_end`` would have. ``parked_rows`` counts the decode rows spent on parked rows.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-TurnEnd = Callable[[int, list[int], int], Optional[list[int]]]
+TurnEnd = Callable[[int, list[int], int], Any]
 """``turn_end(request, turn_ids, room) -> observation ids or None``: request is the request's index in
 the call, turn_ids the model's turn just ended (its stop token last, unless the budget cut it), room
 the tokens left in the request's budget (0 when the budget cut the turn: the return value is then
 ignored). Returning None, [] or more than room - 1 ids ends the episode (one token of room must stay
-for the model's next turn)."""
+for the model's next turn). It may instead return a ``concurrent.futures.Future`` of that value (an
+environment stepped on another thread): the row is *parked* until the future is done (see the
+module docstring) while the other rows decode."""
 
 OnFinish = Callable[[int, list[int]], None]
 """``on_finish(request, token_ids)``: request's index in the call and its whole response (observations
@@ -82,6 +93,7 @@ class Row:
     turn: list[int] = field(default_factory=list)  # the model's tokens of its current turn (episodes)
     extension: list[int] = field(default_factory=list)  # episodes: tokens to write at [pos, pos + len) next step
     next_token: int = 0  # episodes: the input after the extension (the observation's last token)
+    parked: Optional[tuple[Future, bool, int, int]] = None  # episodes: (observation future, stopped, room, stop token)
 
 
 @dataclass
@@ -124,6 +136,8 @@ class SlotScheduler:
         stop_ids: token ids that end a response (included in it).
         turn_end: None (one turn per request), or the episodes' :data:`TurnEnd` callback.
         on_finish: None, or the :data:`OnFinish` callback, run when a request frees its slot.
+        turn_wait_s: how long one step's turn ends that returned Futures are waited for before their
+            rows are parked, seconds.
     Use: ``plan(m)`` -> a StepPlan or None (nothing to run in m), then ``apply(m, tokens,
     log_probs)`` with the step's sampled tokens [n] and log-probs [n], until ``done()``;
     ``outputs`` holds each request's (token_ids, log_probs) and ``own`` whether each token is the
@@ -144,6 +158,7 @@ class SlotScheduler:
         stop_ids,
         turn_end: Optional[TurnEnd] = None,
         on_finish: Optional[OnFinish] = None,
+        turn_wait_s: float = 0.01,
     ):
         if capacity < 1 or micro_batches < 1:
             raise ValueError(f"capacity={capacity}, micro_batches={micro_batches}: both must be >= 1")
@@ -154,11 +169,11 @@ class SlotScheduler:
         self.holders: dict[tuple[int, ...], set[int]] = {}  # prompt -> live rows whose [0, P-1) hold it
         self.outputs: list[tuple[list[int], list[float]]] = [([], []) for _ in range(len(self.pending))]
         self.own: list[list[bool]] = [[] for _ in range(len(self.pending))]
-        self.turn_end, self.on_finish = turn_end, on_finish
+        self.turn_end, self.on_finish, self.turn_wait_s = turn_end, on_finish, turn_wait_s
         self.live = 0
         self.prompt_tokens = sum(len(r.prompt) for r in self.pending)
         self.prefilled_tokens = self.shared_tokens = self.decode_steps = self.decode_rows = self.moved_rows = 0
-        self.turns = self.observation_tokens = self.extended_tokens = 0
+        self.turns = self.observation_tokens = self.extended_tokens = self.parked_rows = 0
 
     def done(self) -> bool:
         return not self.pending and self.live == 0
@@ -176,6 +191,11 @@ class SlotScheduler:
     def plan(self, m: int) -> Optional[StepPlan]:
         """Refill micro-batch m's holes from the queue, compact it, and describe its next step."""
         rows, base = self.rows[m], m * self.capacity
+        for i, r in enumerate(rows):  # parked rows whose environment answered: go on or end, as in apply
+            if r is not None and r.parked is not None and r.parked[0].done():
+                fut, stopped, room, t = r.parked
+                r.parked = None
+                self._resume(rows, base, i, fut.result(), stopped, room, t)
         plan = StepPlan(m, base)
         prefilled: dict[tuple[int, ...], int] = {}  # prompt -> the row prefilling it in this plan
 
@@ -218,8 +238,8 @@ class SlotScheduler:
                 self.moved_rows += 1
                 while rows and rows[-1] is None:
                     rows.pop()
-        if not rows:
-            return None
+        if not rows or (all(r.parked is not None for r in rows) and not plan.moves):
+            return None  # nothing to run (every live row waits for its environment: see wait_parked); moves must run
         for i, r in enumerate(rows):
             if r.extension:  # an episode goes on after its observation (see the module docstring)
                 plan.extends.append((base + i, r.pos, r.extension))
@@ -232,21 +252,36 @@ class SlotScheduler:
             plan.steps.append(r.step)
         self.decode_steps += 1
         self.decode_rows += len(rows)
+        self.parked_rows += sum(r.parked is not None for r in rows)
         return plan
+
+    def parked(self) -> list[Future]:
+        """The futures of the parked rows (every micro-batch)."""
+        return [r.parked[0] for rows in self.rows for r in rows if r is not None and r.parked is not None]
+
+    def wait_parked(self, timeout_s: float) -> None:
+        """Block until a parked row's future is done or `timeout_s` passed (the engine calls it when no
+        micro-batch had anything to run)."""
+        futures = self.parked()
+        if futures:
+            wait(futures, timeout=timeout_s, return_when="FIRST_COMPLETED")
 
     def apply(self, m: int, tokens: Sequence[int], log_probs: Sequence[float]) -> None:
         """Record micro-batch m's sampled tokens [n] and log-probs [n] (its last plan's row order);
         rows that sampled a stop token or reached their budget free their slot, unless the episode's
         ``turn_end`` returns an observation (then the row goes on with an extension in its next
-        plan, see the module docstring)."""
+        plan) or a Future still running (then the row is parked; see the module docstring). A
+        parked row's sample is dropped."""
         rows, base = self.rows[m], m * self.capacity
+        ended: list[tuple[int, Any, bool, int, int]] = []  # turn ends: (row, observation or its future, stopped, room, token)
         for i, (t, lp) in enumerate(zip(tokens, log_probs)):
             r = rows[i]
+            if r.parked is not None:
+                continue
             out_t, out_lp = self.outputs[r.request.index]
-            own = self.own[r.request.index]
             out_t.append(int(t))
             out_lp.append(float(lp))
-            own.append(True)
+            self.own[r.request.index].append(True)
             r.step += 1
             r.token, r.pos = int(t), r.pos + 1
             stopped = int(t) in self.stop
@@ -255,22 +290,45 @@ class SlotScheduler:
                 r.turn.append(int(t))
                 if stopped or room <= 0:
                     self.turns += 1
-                    obs = self.turn_end(r.request.index, r.turn, max(room, 0))
+                    ended.append((i, self.turn_end(r.request.index, r.turn, max(room, 0)), stopped, room, int(t)))
                     r.turn = []
-                    if stopped and room > 0 and obs and len(obs) < room:
-                        obs = [int(x) for x in obs]
-                        out_t += obs
-                        out_lp += [0.0] * len(obs)
-                        own += [False] * len(obs)
-                        r.extension, r.next_token = [int(t)] + obs[:-1], obs[-1]
-                        self.observation_tokens += len(obs)
-                        continue
+                    continue
             if stopped or room <= 0:
-                self._release(r.request.key, base + i)
-                rows[i] = None
-                self.live -= 1
-                if self.on_finish is not None:
-                    self.on_finish(r.request.index, out_t)
+                self._end(rows, base, i)
+        futures = [obs for _, obs, _, _, _ in ended if isinstance(obs, Future)]
+        if futures:
+            wait(futures, timeout=self.turn_wait_s)
+        for i, obs, stopped, room, t in ended:
+            if isinstance(obs, Future):
+                if not obs.done():
+                    rows[i].parked = (obs, stopped, room, t)
+                    continue
+                obs = obs.result()
+            self._resume(rows, base, i, obs, stopped, room, t)
+
+    def _resume(self, rows: list, base: int, i: int, obs, stopped: bool, room: int, t: int) -> None:
+        """After row i's turn ended with stop token `t` (`stopped`) and `room` tokens of budget left: go
+        on with observation `obs` (an extension in the next plan) when it fits, else end the request."""
+        r = rows[i]
+        if stopped and room > 0 and obs and len(obs) < room:
+            obs = [int(x) for x in obs]
+            out_t, out_lp = self.outputs[r.request.index]
+            out_t += obs
+            out_lp += [0.0] * len(obs)
+            self.own[r.request.index] += [False] * len(obs)
+            r.extension, r.next_token = [t] + obs[:-1], obs[-1]
+            self.observation_tokens += len(obs)
+            return
+        self._end(rows, base, i)
+
+    def _end(self, rows: list, base: int, i: int) -> None:
+        """Request of row i is done: free its slot, report it (on_finish)."""
+        r = rows[i]
+        self._release(r.request.key, base + i)
+        rows[i] = None
+        self.live -= 1
+        if self.on_finish is not None:
+            self.on_finish(r.request.index, self.outputs[r.request.index][0])
 
     def stats(self) -> dict[str, int]:
         return {
@@ -281,7 +339,12 @@ class SlotScheduler:
             "decode_rows": self.decode_rows,
             "moved_rows": self.moved_rows,
             **(
-                {"turns": self.turns, "observation_tokens": self.observation_tokens, "extended_tokens": self.extended_tokens}
+                {
+                    "turns": self.turns,
+                    "observation_tokens": self.observation_tokens,
+                    "extended_tokens": self.extended_tokens,
+                    "parked_rows": self.parked_rows,
+                }
                 if self.turn_end is not None
                 else {}
             ),

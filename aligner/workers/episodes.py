@@ -37,8 +37,12 @@ def generate_episodes(
         max_turns=cfg.env.max_turns,
         timeout_s=cfg.env.step_timeout_s,
         stop_ids=engine.stop_ids(sampling),
+        step_workers=cfg.env.step_workers,
     )
-    gens = engine.generate(prompt_ids, sampling, seeds=seeds, turn_end=episodes)
+    try:
+        gens = engine.generate(prompt_ids, sampling, seeds=seeds, turn_end=episodes)
+    finally:
+        episodes.close()
     for g, ep in zip(gens, episodes.episodes):
         g.extra["episode"] = ep
     return gens

@@ -142,6 +142,30 @@ def test_a_failing_environment_fails_its_own_episode_only(task_tok, env_cls, fai
     assert not good.failed and good.done and good.final_reward == 1.0
 
 
+def test_step_workers_return_futures_of_the_same_observations_and_failures(task_tok):
+    """step_workers=2: each turn end comes back as a Future run on a step thread; the observations, the
+    trajectories and a hanging environment's timeout are those of the synchronous callback."""
+    from concurrent.futures import Future
+
+    eos = task_tok.eos_token_id
+    wrong = task_tok.encode("7", add_special_tokens=False) + [eos]
+    rows = [("1+1=", {"answer": "2"})] * 2
+    sync = retry_episodes(task_tok, rows)
+    spec = EnvSpec(reward_fn=exact)
+    threaded = TokenEpisodes(lambda: make_env("retry", spec), task_tok, rows, max_turns=3, timeout_s=5, stop_ids=[eos], step_workers=2)
+    futures = [threaded(i, wrong, 100) for i in range(2)]
+    assert all(isinstance(f, Future) for f in futures)
+    assert [f.result(timeout=10) for f in futures] == [sync(i, wrong, 100) for i in range(2)]
+    assert [e.turns for e in threaded.episodes] == [e.turns for e in sync.episodes]
+    threaded.close()
+    envs = iter([Hangs(), Hangs()])
+    hangs = TokenEpisodes(lambda: next(envs), task_tok, rows, max_turns=2, timeout_s=0.2, stop_ids=[2], step_workers=2)
+    right = task_tok.encode("2", add_special_tokens=False) + [2]
+    assert [hangs(i, right, 50).result(timeout=10) for i in range(2)] == [None, None]
+    assert all(e.failed and "step 1 timed out after 0.2 s" in e.failure for e in hangs.episodes)
+    hangs.close()
+
+
 def test_an_environment_that_cannot_be_built_fails_its_episode():
     def factory():
         raise ValueError("no tools")
@@ -153,3 +177,5 @@ def test_an_environment_that_cannot_be_built_fails_its_episode():
 def test_bad_limits_are_refused():
     with pytest.raises(ValueError, match="max_turns=0 must be >= 1"):
         TokenEpisodes(lambda: None, None, [], max_turns=0, timeout_s=1, stop_ids=[])
+    with pytest.raises(ValueError, match="step_workers=-1 >= 0"):
+        TokenEpisodes(lambda: None, None, [], max_turns=1, timeout_s=1, stop_ids=[], step_workers=-1)

@@ -124,6 +124,57 @@ def test_episodes_from_the_prefix_cache_equal_full_context_generation(model, sam
     assert st["prefilled_tokens"] + st["shared_prefix_tokens"] == sum(len(p) - 1 for p in PROMPTS)
 
 
+class SlowEnv(Env):
+    """:class:`Env` stepped on other threads: each observation arrives `delay_s` later (and after more for
+    the even requests), as a Future; the scheduler parks the rows meanwhile."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool, self.delay_s = ThreadPoolExecutor(4), delay_s
+
+    def __call__(self, request: int, turn: list[int], room: int):
+        import time
+
+        def step(turn: list[int]):
+            time.sleep(self.delay_s * (2 if request % 2 == 0 else 1))
+            return Env.__call__(self, request, turn, room)
+
+        return self.pool.submit(step, list(turn))
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("slots", [2, 4])
+def test_parked_rows_give_the_same_episodes_while_the_others_decode(model, sampling, slots):
+    """Environments that answer after 20-40 ms (Futures): the rows wait parked, the others go on, and
+    every episode, its own mask and its log-probs equal the synchronous run's; parked rows were
+    decoded (and their samples dropped) while the others ran. (A first version lost a parked row's
+    cache when every live row was parked and one of them had just been moved down the block.)"""
+    seeds = [100 + i for i in range(len(PROMPTS))]
+    sync = TorchEngine(model, max_batch_size=slots).generate(PROMPTS, sampling, seeds=seeds, turn_end=Env())
+    slow = SlowEnv(0.02)
+    eng = TorchEngine(model, max_batch_size=slots)
+    gens = eng.generate(PROMPTS, sampling, seeds=seeds, turn_end=slow)
+    for i, (a, b) in enumerate(zip(sync, gens)):
+        assert b.token_ids == a.token_ids and b.own_mask == a.own_mask, f"episode {i}"
+        torch.testing.assert_close(torch.tensor(b.rollout_log_probs), torch.tensor(a.rollout_log_probs), atol=1e-5, rtol=0)
+    st = eng.last_stats
+    assert st["parked_rows"] > 0 and st["turns"] == sum(len(t) for t in slow.turns.values())
+
+
+def test_a_call_whose_every_row_is_parked_waits_instead_of_spinning(model):
+    """One episode whose environment takes 0.3 s: the engine waits on the future (no decode steps spent
+    while every live row is parked beyond the few before the wait) and returns the synchronous episode."""
+    sync = TorchEngine(model).generate(PROMPTS[:1], GREEDY, turn_end=Env())
+    slow = SlowEnv(0.15)
+    eng = TorchEngine(model)
+    gens = eng.generate(PROMPTS[:1], GREEDY, turn_end=slow)
+    assert gens[0].token_ids == sync[0].token_ids
+    turns = len(slow.turns[0])
+    assert turns >= 2 and eng.last_stats["parked_rows"] == 0  # a lone parked row is never decoded
+
+
 def test_single_turn_generations_carry_no_own_mask(model):
     gens = TorchEngine(model).generate(PROMPTS[:2], GREEDY)
     assert all(g.own_mask is None for g in gens)
