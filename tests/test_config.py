@@ -186,6 +186,7 @@ CASES = [
     (["rollout.placement=sideways"], "rollout.placement", "'sideways'", "colocated, split"),
     (["trainer.max_staleness=-1"], "trainer.max_staleness", "-1", "must be >= 0"),
     (["trainer.hang_timeout_s=-1"], "trainer.hang_timeout_s", "-1.0", "must be >= 0 seconds (0 = no hang watchdog)"),
+    (["trainer.straggler_factor=0.5"], "trainer.straggler_factor", "0.5", "must be > 1 (times the group's median busy time) or 0"),
     # trainer.loggers (aligner.tracking): the names; a logger whose package is missing is the direct case below
     (
         ["trainer.loggers=[jsonl,tensorbord]"],

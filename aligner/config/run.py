@@ -45,6 +45,9 @@ class TrainerConfig:
     # a worker call with no result for this long is a hang: its stacks are dumped and it is handled as a
     # death (the automatic restart); counted from the call's submission; 0 = no watchdog
     hang_timeout_s: float = 1800.0
+    # per-rank busy seconds of each worker group are in every step's metrics (ranks/<role>/busy_s_*); a rank busy this many
+    # times its group's median in a step (of at least 1 s) is logged as a straggler; 0 = no straggler line
+    straggler_factor: float = 1.5
     max_restarts: int = 2  # a worker process that dies: stop and restart the groups, resume from the latest checkpoint, at most this many times a run; 0 = end the run (resume=true by hand)
     # where metrics go (aligner.tracking.MetricsLogger): jsonl | tensorboard | wandb | mlflow. output_dir/metrics.jsonl is
     # always written (resume, the plots and the summary read it), named here or not; wandb and mlflow follow their
@@ -83,6 +86,12 @@ class TrainerConfig:
         )
         _check(len(set(self.loggers)) == len(self.loggers), f"{prefix}.loggers", list(self.loggers), "name each logger once")
         _check(self.hang_timeout_s >= 0, f"{prefix}.hang_timeout_s", self.hang_timeout_s, "must be >= 0 seconds (0 = no hang watchdog)")
+        _check(
+            self.straggler_factor == 0 or self.straggler_factor > 1,
+            f"{prefix}.straggler_factor",
+            self.straggler_factor,
+            "must be > 1 (times the group's median busy time) or 0 for no straggler line",
+        )
         _check(
             self.preempt_grace_s > 0,
             f"{prefix}.preempt_grace_s",

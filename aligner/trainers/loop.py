@@ -53,6 +53,7 @@ from aligner.tracking import MetricsLogger
 from aligner.trainers import preemption
 from aligner.trainers.checkpointing import CheckpointManager, load_trainer_state, rng_state, set_rng_state
 from aligner.trainers.run_dir import claim_output_dir
+from aligner.workers.group import rank_busy_metrics
 from aligner.workers.ray_runtime import init_ray, shutdown_ray
 
 log = logging.getLogger("aligner")
@@ -88,6 +89,11 @@ class Trainer(abc.ABC):
     def run(self) -> int:
         """The whole stage (:func:`run`); returns the exit code."""
         return run(self)
+
+    def worker_groups(self) -> dict:
+        """{role: WorkerGroup} of the running stage (their per-rank busy seconds go in each step's
+        metrics); none by default."""
+        return {}
 
     # ---- phases ------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -373,6 +379,7 @@ def train(trainer: Trainer, restart: Optional[Restarts] = None) -> None:
         while trainer.step < t.max_steps:
             restart.where = f"step {trainer.step + 1}"
             row = trainer.run_step()
+            row.update(rank_busy_metrics(trainer.worker_groups(), t.straggler_factor, log.warning))
             if restart.count:
                 row["restarts"] = float(restart.count)
             trainer.step += 1

@@ -260,6 +260,12 @@ class PPOTrainer(Trainer):
         self.rollout_placement = placement_from_config(self.cfg, (ROLLOUT_GROUP,))
         self.start_rollout(self.rollout_placement.role(ROLLOUT_GROUP))
 
+    def worker_groups(self) -> dict:
+        """The groups whose busy seconds a step reports: every one but a rollout group with generations in
+        flight (a call to it would wait for them; its time is reported at the next step it is idle)."""
+        busy_rollout = self.producer is not None and bool(self.producer.pending)
+        return {k: g for k, g in self.groups.items() if not (k == ROLLOUT_GROUP and busy_rollout)}
+
     def busy(self, *roles: str) -> None:
         """The next phase runs `roles` (those that have a group): their CPU workers share the node's cores."""
         if self.cores is not None:

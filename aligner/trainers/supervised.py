@@ -218,6 +218,9 @@ class SupervisedTrainer(Trainer):
             raise UserError(f"no {self.data_kind} training examples left after loading (see the data: log line above): check data.*")
         self.it = DataIterator(self.data.train, seed=cfg.data.shuffle_seed)
 
+    def worker_groups(self) -> dict:
+        return {self.role: self.group} if self.group is not None else {}
+
     def start(self) -> None:
         """Place and start the role's worker group."""
 

@@ -71,6 +71,7 @@ class WorkerShell:
         self.num_threads = 0
         self.hang_timeout_s = 0.0
         self.stack_file: Optional[Any] = None  # where faulthandler writes the stacks of a call past hang_timeout_s
+        self.busy_s = 0.0  # seconds spent in calls since the last take_busy()
 
     def node_id(self) -> str:
         """The Ray node id this worker runs on."""
@@ -153,13 +154,20 @@ class WorkerShell:
             self.stack_file.seek(0)
             self.stack_file.truncate()
             faulthandler.dump_traceback_later(self.hang_timeout_s, repeat=False, file=self.stack_file, exit=False)
+        t0 = time.perf_counter()
         try:
             return getattr(self.worker, method)(*args, **kwargs)
         except Exception as e:
             raise WorkerError(self.role, self.rank, traceback.format_exc(), method, disk_full_path(e) or "") from None
         finally:
+            self.busy_s += time.perf_counter() - t0
             if self.hang_timeout_s > 0:
                 faulthandler.cancel_dump_traceback_later()
+
+    def take_busy(self) -> float:
+        """Seconds this rank spent in calls since the last take_busy() (and start counting again)."""
+        busy, self.busy_s = self.busy_s, 0.0
+        return busy
 
     def info(self) -> dict[str, Any]:
         """pid, node IP, rank coordinates, env rendezvous and torch threads of this worker."""
@@ -450,6 +458,13 @@ class WorkerGroup:
         res = self._wait({r: a.info.remote() for r, a in enumerate(self.actors)}, "info", timeout_s)
         return [res[r] for r in range(self.world_size)]
 
+    def busy_seconds(self, timeout_s: Optional[float] = 60.0) -> list[float]:
+        """Per rank, the seconds spent in calls since the last busy_seconds() (wall time inside the
+        worker's methods, waits in collectives included), by rank."""
+        self._check_open()
+        res = self._wait({r: a.take_busy.remote() for r, a in enumerate(self.actors)}, "take_busy", timeout_s)
+        return [res[r] for r in range(self.world_size)]
+
     def set_threads(self, threads: Mapping[int, int], timeout_s: Optional[float] = 60.0) -> None:
         """Set the torch threads of the ranks in `threads` ({rank: threads >= 1}) and wait."""
         self._check_open()
@@ -550,6 +565,43 @@ def role_worker_group(cfg: Any, role: str, worker_cls: type, placement: Placemen
     kw.setdefault("num_threads", cfg.trainer.num_threads)
     kw.setdefault("hang_timeout_s", cfg.trainer.hang_timeout_s)
     return WorkerGroup(role, worker_cls, placement.role(role), cfg.role(role).parallel, **kw)
+
+
+STRAGGLER_MIN_S = 1.0  # a straggler line only for a rank busy at least this long in the step
+
+
+def rank_busy_metrics(groups: Mapping[str, Any], factor: float, log_fn: Optional[Callable[[str], None]] = None) -> dict[str, float]:
+    """Per-rank busy seconds of each WorkerGroup since the last call (:meth:`WorkerGroup.busy_seconds`) as
+    metrics ``ranks/<role>/busy_s_min``, ``_median``, ``_max`` and ``ranks/<role>/slowest_rank``; with
+    `factor` > 0, `log_fn` gets one straggler line for each group whose slowest rank was busy at least
+    ``STRAGGLER_MIN_S`` and more than `factor` times the group's median (role, rank, pid, host, seconds).
+    Busy time is wall time inside the workers' methods, so a rank that waits in a collective for a slow
+    peer counts as busy too: the line finds ranks that work alone (engine replicas, dp shards without a
+    collective in the call) being slow, not the slow peer of a collective. Groups that are shut down
+    are skipped."""
+    out: dict[str, float] = {}
+    for role, g in groups.items():
+        if not isinstance(g, WorkerGroup) or g.closed:
+            continue
+        busy = g.busy_seconds()
+        ordered = sorted(busy)
+        median = ordered[len(ordered) // 2] if len(ordered) % 2 else 0.5 * (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2])
+        slowest = max(range(len(busy)), key=busy.__getitem__)
+        out.update(
+            {
+                f"ranks/{role}/busy_s_min": ordered[0],
+                f"ranks/{role}/busy_s_median": median,
+                f"ranks/{role}/busy_s_max": ordered[-1],
+                f"ranks/{role}/slowest_rank": float(slowest),
+            }
+        )
+        if factor > 0 and log_fn is not None and len(busy) > 1 and busy[slowest] >= STRAGGLER_MIN_S and busy[slowest] > factor * median:
+            info = g.worker_info()[slowest]
+            log_fn(
+                f"straggler: {role} rank {slowest} (pid {info['pid']}, {info['node_ip']}) was busy {busy[slowest]:.2f} s, "
+                f"{busy[slowest] / max(median, 1e-9):.1f}x its group's median {median:.2f} s (trainer.straggler_factor={factor:g})"
+            )
+    return out
 
 
 def core_shares(info: Mapping[str, list[dict[str, Any]]], busy: Iterable[str]) -> dict[tuple[str, int], int]:

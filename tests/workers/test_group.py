@@ -80,6 +80,12 @@ class SleepWorker:
         return time.monotonic() - t0
 
     @dispatch("broadcast")
+    def busy_by_rank(self, seconds: list) -> float:
+        """Sleep seconds[rank]: ranks that work alone at different speeds."""
+        time.sleep(seconds[self.dims.rank])
+        return seconds[self.dims.rank]
+
+    @dispatch("broadcast")
     def threads(self) -> int:
         return torch.get_num_threads()
 
@@ -391,6 +397,33 @@ def test_hang_watchdog_names_the_rank_and_its_stack(ray_local):
         with pytest.raises(RuntimeError, match="shut down"):
             group.busy(0.1)
         assert not any(os.path.exists(p) for p in group.stack_files.values()), "the stack files outlive the group"
+    finally:
+        group.shutdown()
+        placed.remove()
+
+
+def test_per_rank_busy_seconds_and_the_straggler_line(ray_local):
+    """trainer.straggler_factor (issue 41 part 2): each rank's seconds inside calls since the last look,
+    as min / median / max / slowest-rank metrics, and one straggler line naming role, rank, pid and
+    host when a rank was busy more than the factor times its group's median (and at least 1 s)."""
+    from aligner.workers.group import rank_busy_metrics
+
+    par = ParallelConfig(dp_size=3)
+    placed = create_placement({"rollout": RoleRequest.from_parts("rollout", par, ResourceConfig(cpus_per_worker=1))}, "split")
+    group = WorkerGroup("rollout", SleepWorker, placed.role("rollout"), par)
+    try:
+        lines: list[str] = []
+        group.busy_by_rank([0.3, 1.5, 0.3]).get(timeout_s=60)
+        m = rank_busy_metrics({"rollout": group}, 1.5, lines.append)
+        assert m["ranks/rollout/slowest_rank"] == 1.0
+        assert 1.5 <= m["ranks/rollout/busy_s_max"] < 2.5 and 0.3 <= m["ranks/rollout/busy_s_min"] < 1.0
+        assert m["ranks/rollout/busy_s_median"] == pytest.approx(m["ranks/rollout/busy_s_min"], abs=0.3)
+        pid = group.worker_info()[1]["pid"]
+        assert len(lines) == 1 and f"straggler: rollout rank 1 (pid {pid}," in lines[0] and "trainer.straggler_factor=1.5" in lines[0]
+        group.busy_by_rank([0.2, 0.2, 0.2]).get(timeout_s=60)  # even ranks, and the counters start again
+        m = rank_busy_metrics({"rollout": group}, 1.5, lines.append)
+        assert len(lines) == 1 and m["ranks/rollout/busy_s_max"] < 1.0
+        assert rank_busy_metrics({"rollout": group}, 0.0, lines.append)["ranks/rollout/busy_s_max"] < 0.1  # nothing ran since
     finally:
         group.shutdown()
         placed.remove()
