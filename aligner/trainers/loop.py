@@ -379,7 +379,8 @@ def train(trainer: Trainer, restart: Optional[Restarts] = None) -> None:
         while trainer.step < t.max_steps:
             restart.where = f"step {trainer.step + 1}"
             row = trainer.run_step()
-            row.update(rank_busy_metrics(trainer.worker_groups(), t.straggler_factor, log.warning))
+            if not preemption.was_requested():  # after SIGTERM no call but the checkpoint's
+                row.update(rank_busy_metrics(trainer.worker_groups(), t.straggler_factor, log.warning))
             if restart.count:
                 row["restarts"] = float(restart.count)
             trainer.step += 1
