@@ -26,7 +26,11 @@ BASE = PPO_RULE + [
     "task.num_sft=200",
     "task.num_pairs=200",
 ]
-TIMING = ("time/", "weight_version")  # wall times, and the engine's refit counter (restarts with the process)
+TIMING = (
+    "time/",
+    "ranks/",
+    "weight_version",
+)  # wall times (per phase, per rank), and the engine's refit counter (restarts with the process)
 
 
 def metrics(out) -> list[dict]:

@@ -33,7 +33,7 @@ BASE = PPO_RULE + [
 SPLIT = ["rollout.placement=split"]
 # keys that differ between placements by construction: wall times, the engines' version counters,
 # the refit/sync bytes (the split placement sends only when the engines are behind) and the split-only metrics
-NOT_COMPARED = ("time/", "weight_version", "refit_bytes", "staleness", "sync_seconds")
+NOT_COMPARED = ("time/", "ranks/", "weight_version", "refit_bytes", "staleness", "sync_seconds")
 
 
 def run(out, *extra) -> list[dict]:
