@@ -172,6 +172,27 @@ def gsm8k_prompts(tok, n: int) -> list[list[int]]:
     return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
+def tiny_tools_inputs(model_dir: str, n: int):
+    """(tokenizer, model in eval mode, the built-in task's first `n` held-out prompt texts, their ids through
+    the chat template) of a tiny_tools policy's HF export (``python -m aligner.ppo conf=tiny_tools``)."""
+    from aligner.config import TaskConfig
+    from aligner.data.task import eval_problems, make_prompt
+    from aligner.data.tokenizer import load_tokenizer
+    from aligner.model.hf import load_hf_model
+
+    tok = load_tokenizer(model_dir)
+    model, _ = load_hf_model(model_dir)
+    model.eval()
+    texts = [make_prompt(a, b) for a, b in eval_problems(TaskConfig())[:n]]
+    ids = [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True), add_special_tokens=False
+        )
+        for t in texts
+    ]
+    return tok, model, texts, ids
+
+
 # ---- in-process worker groups ---------------------------------------------------------------
 class Done:
     """An already-computed result with the GroupFuture interface (``get(timeout_s=None)``)."""

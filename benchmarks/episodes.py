@@ -36,11 +36,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 
-from aligner.config import SamplingConfig, TaskConfig  # noqa: E402
-from aligner.data.task import make_prompt  # noqa: E402
-from aligner.data.tokenizer import load_tokenizer  # noqa: E402
+from aligner.config import SamplingConfig  # noqa: E402
 from aligner.envs import EnvSpec, TokenEpisodes, make_env  # noqa: E402
-from aligner.model.hf import load_hf_model  # noqa: E402
 from aligner.reward.rules import get_rule  # noqa: E402
 from aligner.rollout.torch_engine import TorchEngine  # noqa: E402
 
@@ -56,19 +53,7 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    from aligner.data.task import eval_problems
-
-    tok = load_tokenizer(args.model)
-    model, _ = load_hf_model(args.model)
-    model.eval()
-    problems = eval_problems(TaskConfig())[: args.episodes]
-    texts = [make_prompt(a, b) for a, b in problems]
-    prompts = [
-        tok.encode(
-            tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True), add_special_tokens=False
-        )
-        for t in texts
-    ]
+    tok, model, texts, prompts = C.tiny_tools_inputs(args.model, args.episodes)
     engine = TorchEngine(model, eos_token_id=tok.eos_token_id, max_batch_size=len(prompts))
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=args.max_new_tokens)
     spec = EnvSpec(reward_fn=get_rule("task_accuracy"), tools=("calculator",), chat_template=tok.chat_template)

@@ -90,6 +90,11 @@ class Trainer(abc.ABC):
         """The whole stage (:func:`run`); returns the exit code."""
         return run(self)
 
+    def restarts_spent(self) -> int:
+        """Automatic restarts this run so far, of every group (the loop's) and of one group alone
+        (``partial_restarts``); ``trainer.max_restarts`` bounds their sum."""
+        return self.partial_restarts + (self.restart_state.count if self.restart_state is not None else 0)
+
     def worker_groups(self) -> dict:
         """{role: WorkerGroup} of the running stage (their per-rank busy seconds go in each step's
         metrics); none by default."""
@@ -311,7 +316,7 @@ def train_with_restarts(trainer: Trainer) -> None:
         try:
             return train(trainer, restart)
         except WorkerDiedError as e:
-            spent = restart.count + trainer.partial_restarts  # every automatic restart of the run, whole or of one group
+            spent = trainer.restarts_spent()
             if spent < budget and not preemption.was_requested():
                 time.sleep(RESTART_SETTLE_S)  # a SIGTERM sent to every process may reach the driver after a worker died of it
             if preemption.was_requested() or spent >= budget:
@@ -324,7 +329,7 @@ def train_with_restarts(trainer: Trainer) -> None:
                 "%s: %s: restart %d of %d: stopping and starting the worker groups",
                 trainer.name,
                 restart.last,
-                restart.count + trainer.partial_restarts,
+                trainer.restarts_spent(),
                 budget,
             )
             if isinstance(e, WorkerHungError):  # the stacks the hung worker wrote

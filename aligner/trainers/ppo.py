@@ -232,8 +232,7 @@ class PPOTrainer(Trainer):
         if self.producer is None or e.role != ROLLOUT_GROUP or preemption.was_requested():
             return False
         others = [g for name, g in self.groups.items() if name != ROLLOUT_GROUP]
-        spent = self.partial_restarts + (self.restart_state.count if self.restart_state is not None else 0)
-        return spent < self.cfg.trainer.max_restarts and not any(getattr(g, "closed", False) for g in others)
+        return self.restarts_spent() < self.cfg.trainer.max_restarts and not any(getattr(g, "closed", False) for g in others)
 
     def restart_rollout(self, e: WorkerDiedError) -> None:
         """Restart the split placement's rollout group alone after its worker died (issue 41 part 1): the
@@ -241,16 +240,14 @@ class PPOTrainer(Trainer):
         new weight-sync group with the actor and gets the actor's current weights at the next sync; the
         trainer's groups, their weights and optimizer states are not touched."""
         self.partial_restarts += 1
-        budget = self.cfg.trainer.max_restarts
-        spent = self.partial_restarts + (self.restart_state.count if self.restart_state is not None else 0)
         log.warning(
             "%s: rollout rank %d died during step %d (%s): restart %d of %d: the rollout group alone; the trainer's groups keep their state",
             self.name,
             e.rank,
             self.step + 1,
             death_summary(e.traceback_text),
-            spent,
-            budget,
+            self.restarts_spent(),
+            self.cfg.trainer.max_restarts,
         )
         self.producer.drop()
         self.producer = None
