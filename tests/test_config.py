@@ -323,6 +323,26 @@ CASES = [
         "['q_proj', 'down_proj']",
         "experts take no LoRA adapters",
     ),
+    # context parallelism (aligner.parallel.context_parallel): the training roles' layouts it runs on
+    (["rollout.parallel.cp_size=2"], "rollout.parallel.cp_size", "2", "context parallelism is for training"),
+    (["actor.parallel.cp_size=3"], "actor.parallel.cp_size", "3", "must let 2 * cp_size = 6 divide model.max_seq_len="),
+    (["critic.parallel.cp_size=2", "critic.parallel.dp_backend=deepspeed"], "critic.parallel.cp_size", "2", "not deepspeed"),
+    (["actor.parallel.cp_size=2", "actor.parallel.compile=true"], "actor.parallel.cp_size", "2", "set compile=false"),
+    (["actor.parallel.cp_size=2", "actor.parallel.logprob_chunk_size=0"], "actor.parallel.cp_size", "2", "logprob_chunk_size=-1"),
+    (
+        ["model.num_experts=4", "actor.parallel.dp_size=2", "actor.parallel.ep_size=2", "actor.parallel.cp_size=2"],
+        "actor.parallel.cp_size",
+        "2",
+        "set actor.parallel.ep_size=1",
+    ),
+    (["model.num_experts=4", "actor.parallel.cp_size=2"], "actor.parallel.cp_size", "2", "with an MoE model"),
+    (["model.backend=te", "actor.parallel.cp_size=2"], "actor.parallel.cp_size", "2", "needs model.backend=torch"),
+    (
+        ["actor.prompt_learning.type=prompt_tuning", "actor.parallel.cp_size=2"],
+        "actor.parallel.cp_size",
+        "2",
+        "needs cp_size=1 (the virtual tokens are not split)",
+    ),
     # the multi-turn environment (aligner.envs) and what its episodes need of the rest of the run
     (["env.name=nope"], "env.name", "'nope'", "valid environments are single_turn, retry, tool"),
     (["env.name=tool", "env.tools=[calculator]", "env.max_turns=0"], "env.max_turns", "0", "must be >= 1"),

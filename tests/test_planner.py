@@ -608,3 +608,51 @@ def test_split_rollout_group_gets_its_own_nodes_and_overlaps_the_update_with_sta
     assert "rollout group (rollout.placement=split): 16 devices" in text and "generation overlaps the update" in text
     with pytest.raises(PlanError, match="rollout.resources.num_nodes=4 leaves none of 4 nodes"):
         make_plan(load_config("ppo", [*base, *over[:2], "rollout.resources.num_nodes=4"]))
+
+
+def _long_work(seq: int, recompute_mp: str = "bf16") -> RoleWork:
+    return RoleWork(
+        role="actor", kind="lm", mode="train", parallel=ParallelConfig(mixed_precision=recompute_mp), batch=16, batch_field="b", seq_len=seq
+    )
+
+
+def test_cp_splits_the_layer_activations_and_pays_the_kv_exchange():
+    """A cp rank holds seq / cp tokens: with the attention core recomputed (which re-gathers K/V and
+    saves only local tensors) a layer's activations are exactly 1/cp of one process's; without it
+    the gathered whole-sequence K/V are saved (kv heads). The K/V all-gathers and the gradient sum
+    over cp are charged as cp communication."""
+    m = ModelConfig(**LLAMA2["70b"], max_seq_len=8192, dtype="bfloat16")
+    work, cluster = _long_work(8192), ClusterConfig(num_nodes=8, gpus_per_node=8, gpu_mem_gb=80)
+
+    def est(cp, rc):
+        return estimate_layout(m, work, Layout(tp=8, pp=4, dp=2 // cp, micro_batch_size=1, sp=True, recompute=rc, cp=cp), cluster)
+
+    from aligner.planner.cost_model import train_activation_bytes
+
+    def act(cp, rc):  # stage 0 of 4, 4 micro-batches in flight
+        lay = Layout(tp=8, pp=4, dp=2 // cp, micro_batch_size=1, sp=True, recompute=rc, cp=cp)
+        return train_activation_bytes(m, "lm", lay, 2, 8192, 8, 0, "bf16")
+
+    layers = m.num_layers // 4
+    per_layer = layer_activation_bytes_per_token(m, "bf16", 8, True, "selective", 8192) * 8192
+    assert act(1, "selective") - act(2, "selective") == pytest.approx(4 * layers * per_layer / 2, rel=0.01)
+    kv = m.num_kv_heads * m.resolved_head_dim // 8  # the kv heads of a tp rank
+    # without recomputation K and V of the whole sequence are saved where the recomputed core keeps the
+    # rank's own half: the other half (bf16, per layer and micro-batch in flight) plus the log-sum-exp
+    other_half = 4 * layers * 2 * 2 * 4096 * kv
+    lse = 4 * layers * 4 * (m.num_heads // 8) * 4096
+    assert act(2, "none") - act(2, "selective") == pytest.approx(other_half + lse, rel=0.01)
+    one, two = est(1, "selective"), est(2, "selective")
+    assert two.time.cp_comm_s > 0 and one.time.cp_comm_s == 0
+    assert "cp=2" in two.layout.describe()
+
+
+def test_planner_uses_cp_for_long_sequences_only():
+    """Llama 2 70B training on 64 GPUs: at 8k tokens the best layout splits the sequence over cp = 2
+    (NeMo's published Llama 3 70B layout at 8k uses CP2); at 4k cp is not tried (at least 4096 tokens per cp rank)."""
+    m = ModelConfig(**LLAMA2["70b"], max_seq_len=8192, dtype="bfloat16")
+    cluster = ClusterConfig(num_nodes=8, gpus_per_node=8, gpu_mem_gb=80)
+    assert plan_role(m, _long_work(8192), 64, cluster).best.layout.cp == 2
+    assert all(r.layout.cp == 1 for r in plan_role(m, _long_work(4096), 64, cluster).ranked)
+    moe = dataclasses.replace(m, num_experts=8, num_experts_per_tok=2)
+    assert all(r.layout.cp == 1 for r in plan_role(moe, _long_work(8192), 64, cluster).ranked), "cp does not run with MoE"

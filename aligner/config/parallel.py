@@ -17,8 +17,8 @@ class ParallelConfig:
     pp_size: int = 1  # pipeline stages
     dp_size: int = 1  # data-parallel replicas
     ep_size: int = 1  # expert parallelism (MoE): each group of ep_size dp ranks splits the experts (divides dp_size)
-    # context parallelism: each sequence split over cp_size ranks in 2 * cp_size zigzag chunks, attention by
-    # all-gather of K/V (aligner.parallel.context_parallel); > 1 is refused until the training roles use it
+    # context parallelism (training roles): each sequence split over cp_size ranks in 2 * cp_size zigzag chunks,
+    # attention by all-gather of K/V (aligner.parallel.context_parallel); per-token outputs gathered for the loss
     cp_size: int = 1
     sequence_parallel: bool = False  # split norm regions along the sequence (needs tp_size > 1 to matter)
     recompute: str = "none"  # activation recomputation per layer: none | selective | full
@@ -38,7 +38,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.pp_size * self.dp_size
+        return self.tp_size * self.cp_size * self.pp_size * self.dp_size
 
     def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
         for name in ("tp_size", "pp_size", "dp_size", "cp_size"):
@@ -119,30 +119,44 @@ class ParallelConfig:
             )
 
     def validate_cp(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
-        """cp_size: the zigzag split of the longest sequence fits the model's positions, and (for
-        now) 1, since no training role runs the context-parallel layout yet (the rollout never will)."""
+        """cp_size: a training role's layout the context-parallel runtime supports (the rollout engine
+        never splits a sequence), with the zigzag split of the longest sequence fitting the model's positions."""
         cp = self.cp_size
+        if cp == 1:
+            return
+        field = f"{prefix}.cp_size"
         _check(
-            cp == 1 or not prefix.startswith("rollout"),
-            f"{prefix}.cp_size",
+            not prefix.startswith("rollout"),
+            field,
             cp,
             "context parallelism is for training: the rollout engine decodes with a per-sequence KV cache; set cp_size=1",
         )
         _check(
             model is None or model.max_seq_len % (2 * cp) == 0,
-            f"{prefix}.cp_size",
+            field,
             cp,
             f"must let 2 * cp_size = {2 * cp} divide model.max_seq_len={model and model.max_seq_len} (sequences are padded to a "
             f"multiple of 2 * cp_size for the zigzag split): choose a cp_size with 2 * cp_size dividing it",
         )
+        _check(self.dp_backend != "deepspeed", field, cp, "context parallelism runs with dp_backend=fsdp2 or ddp, not deepspeed")
+        _check(not self.compile, field, cp, f"context parallelism with {prefix}.compile=true is untested: set compile=false")
         _check(
-            cp == 1,
-            f"{prefix}.cp_size",
+            self.logprob_chunk_size != 0,
+            field,
             cp,
-            "> 1 is not wired into the training roles yet: the CP attention exists in "
-            "aligner/parallel/context_parallel.py (tested against one process), but no role builds a cp group "
-            "or feeds it cp inputs; set cp_size=1",
+            f"context parallelism gathers per-token outputs across cp ranks, not [B, T, V] logits: set {prefix}.logprob_chunk_size=-1 "
+            "(or a positive chunk)",
         )
+        _check(self.ep_size == 1, field, cp, f"context parallelism with expert parallelism is not supported yet: set {prefix}.ep_size=1")
+        if model is not None:
+            _check(
+                model.num_experts == 0,
+                field,
+                cp,
+                f"context parallelism with an MoE model (model.num_experts={model.num_experts}) is not supported yet: the router's "
+                "auxiliary losses would count each cp rank's tokens alone; set cp_size=1",
+            )
+            _check(model.backend == "torch", field, cp, f"context parallelism needs model.backend=torch, not {model.backend!r}")
 
 
 @dataclass(kw_only=True)

@@ -216,6 +216,7 @@ def validate_prompt_learning(cfg: AlignerConfig) -> None:
         f"{f}={pl.type} supports pp_size=1 only (the virtual tokens live on the first stage, not implemented)",
     )
     _check(not p.sequence_parallel, "actor.parallel.sequence_parallel", p.sequence_parallel, f"{f}={pl.type} needs sequence_parallel=false")
+    _check(p.cp_size == 1, "actor.parallel.cp_size", p.cp_size, f"{f}={pl.type} needs cp_size=1 (the virtual tokens are not split)")
     _check(p.dp_backend != "deepspeed", "actor.parallel.dp_backend", p.dp_backend, f"{f}={pl.type} supports fsdp2 or ddp")
     _check(
         not cfg.data.packing,

@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from aligner.nn import comm
+from aligner.parallel.data_parallel import flat_all_reduce_
 
 SEQ = 1  # the sequence dim of [B, S, ...] batch tensors
 KV_SEQ = 3  # the sequence dim of stacked K/V [2, B, kvh, T, hd]
@@ -243,6 +244,7 @@ def cp_inputs(
     segment_ids: Optional[torch.Tensor] = None,
     prompt_segments: Optional[torch.Tensor] = None,
     pad_id: int = 0,
+    seq_multiple: int = 1,
 ) -> dict:
     """This cp rank's share of a batch, for a model under :func:`apply_context_parallel`.
 
@@ -250,7 +252,8 @@ def cp_inputs(
     [B, S0]: position_ids (default 0..S0-1, restarting per segment with segment_ids), segment_ids
     (packed documents, 0 = padding: block-diagonal causal), prompt_segments (shared-prompt rows,
     :func:`aligner.model.llama.shared_prompt_mask`; -1 = padding). S0 is padded to
-    S = :func:`padded_len` (ids with pad_id, positions continuing, segments with 0 / -1).
+    S = :func:`padded_len` (ids with pad_id, positions continuing, segments with 0 / -1), a multiple
+    of 2 * cp_size * seq_multiple (sequence parallelism needs each rank's 2c tokens to split over tp).
 
     Returns dict: ``model`` (the forward's kwargs beyond the ids: position_ids [B, 2c], attn_mask
     None or bool [B, 1, 2c, S] with keys in global order), ``input_ids`` [B, 2c], ``labels`` [B, 2c]
@@ -262,16 +265,16 @@ def cp_inputs(
 
     cp, r = comm.group_size(group), comm.group_rank(group)
     b, s0 = input_ids.shape
-    s = padded_len(s0, cp)
+    s = padded_len(s0, cp * seq_multiple)
     if position_ids is None:
-        position_ids = default_position_ids(b, s, input_ids.device, pad_to_cp(segment_ids, cp) if segment_ids is not None else None)
+        position_ids = default_position_ids(b, s, input_ids.device, _pad_to(segment_ids, s, 0) if segment_ids is not None else None)
     else:
         position_ids = torch.cat([position_ids, position_ids[:, -1:] + torch.arange(1, s - s0 + 1, device=input_ids.device)], 1)
-    ids = pad_to_cp(input_ids, cp, pad_id)
+    ids = _pad_to(input_ids, s, pad_id)
     idx = zigzag_index(s, cp, r, input_ids.device)
     mask = None
     if segment_ids is not None or prompt_segments is not None:
-        seg = pad_to_cp(segment_ids if segment_ids is not None else prompt_segments, cp, 0 if segment_ids is not None else -1)
+        seg = _pad_to(segment_ids if segment_ids is not None else prompt_segments, s, 0 if segment_ids is not None else -1)
         qs, ks = seg[:, idx].unsqueeze(-1), seg.unsqueeze(-2)
         causal = idx.unsqueeze(-1) >= torch.arange(s, device=idx.device)
         allowed = (qs == ks) if segment_ids is not None else (ks == 0) | (qs == ks) | (qs == -1)
@@ -283,6 +286,97 @@ def cp_inputs(
         "index": idx,
         "seq_len": s,
     }
+
+
+def _pad_to(x: torch.Tensor, s: int, value) -> torch.Tensor:
+    """x [B, S0, ...] right-padded with `value` to S = s positions."""
+    if x.shape[SEQ] == s:
+        return x
+    shape = list(x.shape)
+    shape[SEQ] = s - x.shape[SEQ]
+    return torch.cat([x, x.new_full(shape, value)], dim=SEQ)
+
+
+# ---- the runtime's micro-batches -----------------------------------------------------------------
+SOURCE = "_cp_source"  # key of a cp micro-batch holding the micro-batch it was cut from
+
+
+HELD = "_cp_held"  # key of a cp micro-batch: [b, R] bool, which head positions this rank holds
+
+
+def cp_micro_batch(mb: dict, group: Optional[dist.ProcessGroup], seq_multiple: int = 1, pad_id: int = 0) -> dict:
+    """A runtime micro-batch (:mod:`aligner.runtime.runner`: ``input_ids`` [b, T] and the model
+    inputs of ``aligner.parallel.pipeline.MODEL_INPUT_KEYS``, the same on every cp rank) -> this cp
+    rank's micro-batch: ``input_ids`` / ``position_ids`` [b, 2c] (:func:`cp_inputs`), ``attn_mask``
+    for packed documents and shared-prompt rows, and the original under :data:`SOURCE` (what the
+    loss reads). With a ``logprob`` spec the labels go too: in the response layout (``head_index``
+    [b, R], ``labels`` [b, R]: shared-prompt rows score other samples' tokens than the next one)
+    each head position becomes its index among this rank's tokens, those it does not hold marked in
+    :data:`HELD`; in the token layout, ``labels`` [b, 2c] shifted globally (:func:`shift_labels`).
+    Other keys (fillers' flags, non-tensors) are kept.
+
+    Raises ValueError: an MoE ``token_mask`` (the router would count each rank's tokens alone).
+    """
+    if comm.group_size(group) == 1:
+        return mb
+    if mb.get("token_mask") is not None:
+        raise ValueError("context parallelism with an MoE model is not supported: set cp_size=1")
+    cut = cp_inputs(
+        mb["input_ids"],
+        group,
+        position_ids=mb.get("position_ids"),
+        segment_ids=mb.get("segment_ids"),
+        prompt_segments=mb.get("prompt_segments"),
+        pad_id=pad_id,
+        seq_multiple=seq_multiple,
+    )
+    out = {k: v for k, v in mb.items() if not torch.is_tensor(v) and k != "logprob"}
+    out.update({"input_ids": cut["input_ids"], "position_ids": cut["model"]["position_ids"], SOURCE: mb})
+    if cut["model"]["attn_mask"] is not None:
+        out["attn_mask"] = cut["model"]["attn_mask"]
+    if mb.get("logprob") is None:
+        return out
+    out["logprob"] = mb["logprob"]
+    if "head_index" not in mb:
+        out["labels"] = cut["labels"]
+        return out
+    local = torch.full((cut["seq_len"],), -1, dtype=torch.long, device=cut["index"].device)
+    local[cut["index"]] = torch.arange(cut["index"].numel(), device=local.device)
+    head = local[mb["head_index"]]
+    out.update({"head_index": head.clamp(min=0), "labels": mb["labels"], HELD: head >= 0})
+    return out
+
+
+def cp_outputs(out, mb: dict, group: Optional[dist.ProcessGroup]):
+    """The model's per-token output on this cp rank's tokens -> the output the whole micro-batch
+    gives without cp, on every cp rank. Response layout (:data:`HELD` in `mb`): each [b, R] tensor
+    keeps the positions this rank holds (zeros elsewhere) and is summed over cp (forward all-reduce,
+    identity backward). Otherwise each [b, 2c] tensor (scores, or log-probs and entropy of the
+    shifted labels) is gathered to [b, S] in global order (:func:`zigzag_gather`) and cut to the
+    source's T positions.
+
+    Differentiable: every cp rank computes the same loss from these outputs and keeps the gradient
+    of its own positions, so the parameters' gradients are partial sums over the rank's tokens
+    (summed over cp by :func:`sync_cp_grads`). Raises ValueError: an output with a vocabulary dim
+    (logits; context parallelism needs the log-prob head, ``logprob_chunk_size != 0``).
+    """
+    if SOURCE not in mb:
+        return out
+    if isinstance(out, tuple):
+        return tuple(cp_outputs(o, mb, group) for o in out)
+    if out.dim() != 2:
+        raise ValueError(
+            f"context parallelism gathers per-token outputs [b, 2c], got {tuple(out.shape)} (logits?): "
+            "set parallel.logprob_chunk_size=-1 so the model returns log-probs"
+        )
+    if HELD in mb:
+        return comm.reduce_from_tp(torch.where(mb[HELD], out, torch.zeros_like(out)), group)
+    return zigzag_gather(out, group)[:, : mb[SOURCE]["input_ids"].shape[1]]
+
+
+def source_of(mb: dict) -> dict:
+    """The micro-batch a cp micro-batch was cut from (`mb` itself without cp)."""
+    return mb.get(SOURCE, mb)
 
 
 def split_shifted(x: torch.Tensor, group: Optional[dist.ProcessGroup], value=0) -> torch.Tensor:
@@ -309,16 +403,13 @@ def cp_token_mean(values: torch.Tensor, mask: torch.Tensor, group: Optional[dist
 
 
 def sync_cp_grads(model: nn.Module, cp_group: Optional[dist.ProcessGroup]) -> None:
-    """Sum every parameter's gradient over `cp_group` in place (one flat all-reduce), after backward
-    and any TP gradient sync: parameters are replicated over cp and each rank's grad covers its
-    own tokens only. No-op for one rank; parameters without a grad are skipped on every rank alike."""
+    """Sum every parameter's gradient over `cp_group` in place (one flat all-reduce per dtype), after
+    backward: parameters are replicated over cp and each rank's grad covers its own tokens only.
+    FSDP2 grads (DTensors sharded over dp) are summed as their local shards: the cp ranks of one dp
+    rank hold the same shard. Commutes with the TP and dp reductions (both linear). No-op for one
+    rank; parameters without a grad are skipped on every rank alike."""
     if comm.group_size(cp_group) == 1:
         return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return
-    flat = comm.all_reduce_no_grad(torch.cat([g.reshape(-1) for g in grads]), cp_group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in model.parameters()) if g is not None]
+    if grads:
+        flat_all_reduce_(grads, cp_group)

@@ -1,11 +1,14 @@
-"""ParallelDims: a role's TP x PP x DP layout and its process groups, built from one device mesh.
+"""ParallelDims: a role's TP x CP x PP x DP layout and its process groups, built from one device mesh.
 
 Owns: the only reads of RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT in
 aligner (docs/design.md, "Process groups are passed explicitly"), process-group initialization (gloo on CPU, NCCL on GPU), and the
-mapping from a global rank to (dp_rank, pp_rank, tp_rank).
+mapping from a global rank to (dp_rank, pp_rank, tp_rank) and cp_rank.
 
-Rank order follows Megatron: tp varies fastest, then pp, then dp, so a tp group is
-contiguous ranks (one node's GPUs) and the mesh is ``(dp, pp, tp)``. Expert parallelism (MoE)
+Rank order follows Megatron: tp varies fastest, then cp, then pp, then dp, so a tp group is
+contiguous ranks (one node's GPUs), a cp group the next closest (context parallelism exchanges
+K/V in every layer: aligner.parallel.context_parallel), and the mesh is ``(dp, pp, cp, tp)``.
+The cp ranks of one (dp, pp, tp) coordinate hold the same weights and the same rows (each a
+share of every row's tokens), so data is dispatched by dp rank exactly as without cp. Expert parallelism (MoE)
 splits the dp axis into (edp, ep): the ep group is ep_size consecutive dp ranks, which hold
 disjoint experts and exchange tokens by all-to-all; the edp group holds the same experts and
 averages their gradients (Megatron-LM's expert-data-parallel group).
@@ -67,7 +70,7 @@ def init_process_group(env: Optional[DistEnv] = None, backend: Optional[str] = N
 
 @dataclass(kw_only=True)
 class ParallelDims:
-    """tp_size x pp_size x dp_size = world_size, and the groups along each axis.
+    """tp_size x cp_size x pp_size x dp_size = world_size, and the groups along each axis.
 
     Raises ValueError naming the three sizes when their product is not the world size.
     Call :meth:`build` after the default process group exists to create the groups.
@@ -77,30 +80,36 @@ class ParallelDims:
     pp_size: int = 1
     dp_size: int = 1
     ep_size: int = 1  # expert parallelism inside dp: dp rank = edp_rank * ep_size + ep_rank
+    cp_size: int = 1  # context parallelism: each sequence split over cp ranks (zigzag chunks)
     world_size: int = 1
     rank: int = 0
     tp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
     pp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
     dp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
+    cp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
     ep_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)  # ep_size consecutive dp ranks (same pp, tp)
     edp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)  # dp ranks holding the same experts
-    mesh: object = field(default=None, repr=False)  # torch DeviceMesh ("dp", "pp", "tp")
+    mesh: object = field(default=None, repr=False)  # torch DeviceMesh ("dp", "pp", "cp", "tp")
     expert_mesh: object = field(default=None, repr=False)  # DeviceMesh ("edp", "ep", "pp", "tp") when ep_size > 1
     device_type: Optional[str] = None  # "cpu" or "cuda" to pin a single-process role; None: see `device`
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "pp_size", "dp_size", "world_size"):
+        for name in ("tp_size", "pp_size", "dp_size", "cp_size", "world_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.device_type not in (None, "cpu", "cuda"):
             raise ValueError(f"device_type={self.device_type!r} is invalid: use 'cpu', 'cuda' or None (automatic)")
         if self.ep_size < 1 or self.dp_size % self.ep_size:
             raise ValueError(f"ep_size={self.ep_size} must divide dp_size={self.dp_size}")
-        if self.tp_size * self.pp_size * self.dp_size != self.world_size:
+        if self.cp_size > 1 and self.ep_size > 1:
+            raise ValueError(f"cp_size={self.cp_size} with ep_size={self.ep_size}: context parallelism does not run with MoE yet")
+        product = self.tp_size * self.cp_size * self.pp_size * self.dp_size
+        if product != self.world_size:
+            cp = f" x cp_size={self.cp_size}" if self.cp_size > 1 else ""
             raise ValueError(
-                f"tp_size={self.tp_size} x pp_size={self.pp_size} x dp_size={self.dp_size} = "
-                f"{self.tp_size * self.pp_size * self.dp_size}, but world_size={self.world_size}: "
-                "change one of the three so their product equals the number of processes"
+                f"tp_size={self.tp_size}{cp} x pp_size={self.pp_size} x dp_size={self.dp_size} = "
+                f"{product}, but world_size={self.world_size}: "
+                "change one of them so their product equals the number of processes"
             )
 
     # ---- coordinates -------------------------------------------------------------
@@ -109,12 +118,16 @@ class ParallelDims:
         return self.rank % self.tp_size
 
     @property
+    def cp_rank(self) -> int:
+        return (self.rank // self.tp_size) % self.cp_size
+
+    @property
     def pp_rank(self) -> int:
-        return (self.rank // self.tp_size) % self.pp_size
+        return (self.rank // (self.tp_size * self.cp_size)) % self.pp_size
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // (self.tp_size * self.pp_size)
+        return self.rank // (self.tp_size * self.cp_size * self.pp_size)
 
     @property
     def ep_rank(self) -> int:
@@ -134,13 +147,14 @@ class ParallelDims:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
-    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
-        """Global rank of the process at mesh coordinates (dp, pp, tp)."""
-        return (dp_rank * self.pp_size + pp_rank) * self.tp_size + tp_rank
+    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+        """Global rank of the process at mesh coordinates (dp, pp, cp, tp)."""
+        return ((dp_rank * self.pp_size + pp_rank) * self.cp_size + cp_rank) * self.tp_size + tp_rank
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(dp_rank, pp_rank, tp_rank) of global `rank`."""
-        return rank // (self.tp_size * self.pp_size), (rank // self.tp_size) % self.pp_size, rank % self.tp_size
+        """(dp_rank, pp_rank, tp_rank) of global `rank` (its cp rank: ``rank // tp_size % cp_size``)."""
+        tc = self.tp_size * self.cp_size
+        return rank // (tc * self.pp_size), (rank // tc) % self.pp_size, rank % self.tp_size
 
     @property
     def device(self) -> torch.device:
@@ -157,14 +171,17 @@ class ParallelDims:
 
     # ---- groups ------------------------------------------------------------------
     def build(self) -> ParallelDims:
-        """Create the device mesh and tp/pp/dp groups (collective: every rank must call it)."""
+        """Create the device mesh and tp/cp/pp/dp groups (collective: every rank must call it)."""
         if self.world_size == 1:
             return self
         from torch.distributed.device_mesh import init_device_mesh
 
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        self.mesh = init_device_mesh(device, (self.dp_size, self.pp_size, self.tp_size), mesh_dim_names=("dp", "pp", "tp"))
+        self.mesh = init_device_mesh(
+            device, (self.dp_size, self.pp_size, self.cp_size, self.tp_size), mesh_dim_names=("dp", "pp", "cp", "tp")
+        )
         self.tp_group = self.mesh.get_group("tp") if self.tp_size > 1 else None
+        self.cp_group = self.mesh.get_group("cp") if self.cp_size > 1 else None
         self.pp_group = self.mesh.get_group("pp") if self.pp_size > 1 else None
         self.dp_group = self.mesh.get_group("dp") if self.dp_size > 1 else None
         if self.ep_size > 1:
@@ -178,14 +195,22 @@ class ParallelDims:
 
     @classmethod
     def from_env(
-        cls, tp_size: int = 1, pp_size: int = 1, dp_size: Optional[int] = None, backend: Optional[str] = None, ep_size: int = 1
+        cls,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        dp_size: Optional[int] = None,
+        backend: Optional[str] = None,
+        ep_size: int = 1,
+        cp_size: int = 1,
     ) -> ParallelDims:
         """Initialize the default group from the environment and build the groups.
 
-        dp_size None: world_size // (tp_size * pp_size).
+        dp_size None: world_size // (tp_size * cp_size * pp_size).
         """
         env = init_process_group(backend=backend) if int(os.environ.get("WORLD_SIZE", 1)) > 1 else DistEnv.from_environ()
         if dp_size is None:
-            dp_size = max(1, env.world_size // (tp_size * pp_size))
-        dims = cls(tp_size=tp_size, pp_size=pp_size, dp_size=dp_size, ep_size=ep_size, world_size=env.world_size, rank=env.rank)
+            dp_size = max(1, env.world_size // (tp_size * cp_size * pp_size))
+        dims = cls(
+            tp_size=tp_size, pp_size=pp_size, dp_size=dp_size, ep_size=ep_size, cp_size=cp_size, world_size=env.world_size, rank=env.rank
+        )
         return dims.build()

@@ -39,7 +39,7 @@ from aligner.model.moe import set_aux_loss_scale
 from aligner.nn import comm
 from aligner.parallel.tensor_parallel import seq_shards, sync_tp_grads
 
-MODEL_INPUT_KEYS = ("position_ids", "segment_ids", "prompt_segments", "head_index", "logprob", "token_mask")
+MODEL_INPUT_KEYS = ("position_ids", "segment_ids", "prompt_segments", "attn_mask", "head_index", "logprob", "token_mask")
 
 
 def split_microbatches(batch: dict[str, torch.Tensor], num_microbatches: int) -> list[dict[str, torch.Tensor]]:

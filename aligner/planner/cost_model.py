@@ -110,7 +110,7 @@ DECODE_OVERHEAD_S_PER_LAYER = 125e-6
 
 @dataclass(frozen=True)
 class Layout:
-    """One role's layout: tp x pp x dp devices, micro-batch size (sequences), SP, recomputation."""
+    """One role's layout: tp x cp x pp x dp devices, micro-batch size (sequences), SP, recomputation."""
 
     tp: int
     pp: int
@@ -119,15 +119,17 @@ class Layout:
     sp: bool = False
     recompute: str = "none"
     ep: int = 1  # expert parallelism inside dp (MoE)
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (training roles)
 
     @property
     def devices(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     def describe(self) -> str:
         sp = " sp" if self.sp else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
-        return f"tp={self.tp} pp={self.pp} dp={self.dp}{ep}{sp} mbs={self.micro_batch_size} recompute={self.recompute}"
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return f"tp={self.tp}{cp} pp={self.pp} dp={self.dp}{ep}{sp} mbs={self.micro_batch_size} recompute={self.recompute}"
 
 
 @dataclass(frozen=True)
@@ -156,10 +158,11 @@ class StepTime:
     bubble_s: float
     decode_s: float = 0.0
     a2a_s: float = 0.0  # expert-parallel token all-to-alls (MoE)
+    cp_comm_s: float = 0.0  # context parallelism: K/V all-gathers and reduce-scatters, the gradient sum over cp
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.tp_comm_s + self.dp_comm_s + self.bubble_s + self.decode_s + self.a2a_s
+        return self.compute_s + self.tp_comm_s + self.dp_comm_s + self.bubble_s + self.decode_s + self.a2a_s + self.cp_comm_s
 
 
 @dataclass(frozen=True)
@@ -505,7 +508,9 @@ def train_activation_bytes(
     b, pp = layout.micro_batch_size, layout.pp
     in_flight = min(pp - stage, num_microbatches)
     layers = layers_on_stage(model.num_layers, pp, stage)
+    full_len, seq_len = seq_len, seq_len // layout.cp  # a cp rank holds seq_len / cp tokens of every row
     layer = layer_activation_bytes(LayerDims.of(model, seq_len, b, layout.tp), precision, layout.sp, layout.recompute)
+    layer += cp_gathered_kv_bytes(model, layout, b, full_len, e)
     casts = 0.0
     if precision == "autocast":
         cast = autocast_weight_cast_bytes(model, layout.tp)
@@ -518,6 +523,33 @@ def train_activation_bytes(
     per_mb = layers * layer + shared_activation_bytes(model, e, b, seq_len, layout.recompute, stage == 0)
     head = head_activation_bytes_per_token(model, e, layout.tp, layout.sp, kind) * b * seq_len if stage == pp - 1 else 0
     return in_flight * per_mb + head + casts
+
+
+def cp_gathered_kv_bytes(model: ModelConfig, layout: Layout, batch: int, seq_len: int, e: int) -> float:
+    """What context parallelism changes in one layer's saved bytes on a cp rank (beyond holding
+    seq_len / cp tokens): without recomputation the attention saves the all-gathered K and V of the
+    whole sequence (kv heads, not repeated: GQA runs inside SDPA) where one process saves K and V
+    repeated to the query heads for its own tokens; recomputing the core saves only the local q, k,
+    v (as without cp). 0 for cp = 1 or recompute selective / full. Bytes, may be negative."""
+    if layout.cp == 1 or layout.recompute != "none":
+        return 0.0
+    hd, t = model.resolved_head_dim, layout.tp
+    q, kv = model.num_heads * hd / t, max(model.num_kv_heads, t) * hd / t
+    return 2.0 * e * batch * (kv * seq_len - q * seq_len / layout.cp)
+
+
+def cp_comm_seconds(model: ModelConfig, layout: Layout, batch: int, seq_len: int, e: int, passes: int, cluster: ClusterConfig) -> float:
+    """Seconds of context parallelism's K/V exchange in `passes` layer passes of one micro-batch
+    (forward all-gather, backward reduce-scatter, a recomputed core gathers again): each moves the
+    whole sequence's K and V (kv heads, tp-split), an all-gather costing half a ring all-reduce,
+    inside a node while tp * cp fits one."""
+    if layout.cp == 1:
+        return 0.0
+    kv = max(model.num_kv_heads, layout.tp) * model.resolved_head_dim / layout.tp
+    nbytes = 2 * batch * seq_len * kv * e
+    inside = cluster.gpus_per_node <= 0 or layout.tp * layout.cp <= cluster.gpus_per_node
+    gbps = cluster.intra_node_gbps if inside else cluster.inter_node_gbps
+    return passes * 0.5 * ring_allreduce_seconds(nbytes, layout.cp, gbps)
 
 
 def inference_activation_bytes(model: ModelConfig, kind: str, tp: int, e: int, tokens: int, last: bool) -> float:
@@ -598,7 +630,7 @@ def _pass_time(
 ) -> tuple[float, float, float]:
     """(compute, tp comm, bubble) seconds of `mb` micro-batches through the pipeline."""
     compute = compute_seconds(flops, layout.devices, cluster)
-    size = layout.micro_batch_size * seq * model.hidden_size * e
+    size = layout.micro_batch_size * seq // layout.cp * model.hidden_size * e  # a cp rank's tokens
     tp_comm = mb * layers * colls * ring_allreduce_seconds(size, layout.tp, cluster.intra_node_gbps)
     bubble = (compute + tp_comm) * pipeline_bubble_fraction(layout.pp, mb)
     return compute, tp_comm, bubble
@@ -629,14 +661,20 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
     dp = factor * ring_allreduce_seconds(grad_bytes, layout.dp, _dp_gbps(layout, cluster))
     steps = work.opt_steps
     a2a = _a2a_time(model, layout, m, seq, e, 6 if layout.recompute == "full" else 4, cluster)
-    c, t, b, dp, a2a = c * steps, t * steps, b * steps, dp * steps, a2a * steps
+    passes = 2 if layout.recompute == "none" else 3
+    cp = m * layers * cp_comm_seconds(model, layout, layout.micro_batch_size, seq, e, passes, cluster)
+    if layout.cp > 1:  # the gradient sum over cp (parameters are replicated over it)
+        inside = cluster.gpus_per_node <= 0 or layout.tp * layout.cp <= cluster.gpus_per_node
+        cp += ring_allreduce_seconds(grad_bytes, layout.cp, cluster.intra_node_gbps if inside else cluster.inter_node_gbps)
+    c, t, b, dp, a2a, cp = c * steps, t * steps, b * steps, dp * steps, a2a * steps, cp * steps
     if work.forward_seqs:
         mf = max(1, math.ceil(work.forward_seqs / (layout.dp * layout.micro_batch_size)))
         ff = forward_flops_per_token(n, model, seq) * work.forward_seqs * seq
         c2, t2, b2 = _pass_time(ff, mf, layers, 2, layout, model, e, seq, cluster)
         c, t, b = c + c2, t + t2, b + b2
         a2a += _a2a_time(model, layout, mf, seq, e, 2, cluster)
-    return StepTime(compute_s=c, tp_comm_s=t, dp_comm_s=dp, bubble_s=b, a2a_s=a2a)
+        cp += mf * layers * cp_comm_seconds(model, layout, layout.micro_batch_size, seq, e, 1, cluster)
+    return StepTime(compute_s=c, tp_comm_s=t, dp_comm_s=dp, bubble_s=b, a2a_s=a2a, cp_comm_s=cp)
 
 
 def forward_step_time(model: ModelConfig, work: RoleWork, layout: Layout, cluster: ClusterConfig) -> StepTime:
@@ -742,6 +780,11 @@ def layout_problem(model: ModelConfig, work: RoleWork, layout: Layout, cluster: 
             return f"ep={layout.ep} must divide dp={layout.dp} and num_experts={model.num_experts}"
         if work.parallel.dp_backend == "deepspeed" and work.mode == "train":
             return "expert parallelism needs dp_backend fsdp2 or ddp"
+    if layout.cp > 1:
+        if work.mode != "train":
+            return "context parallelism is for training roles"
+        if model.num_experts or work.parallel.dp_backend == "deepspeed":
+            return "context parallelism runs with dense models and dp_backend fsdp2 or ddp"
     if work.mode == "train":
         if work.batch % layout.dp:
             return f"{work.batch_field}={work.batch} not divisible by dp={layout.dp}"

@@ -42,7 +42,9 @@ def _layout_row(est: LayoutEstimate) -> str:
     return (
         f"  {est.layout.describe():<50} {_gib(m.weights)} {_gib(m.grads)} {_gib(m.optimizer)} {_gib(m.activations)} "
         f"{_gib(m.kv_cache)} {_gib(m.total)}  {t.total_s:9.2f} (compute {t.compute_s:.2f}, tp {t.tp_comm_s:.2f}, "
-        f"dp {t.dp_comm_s:.2f}, bubble {t.bubble_s:.2f}, decode {t.decode_s:.2f}" + (f", all-to-all {t.a2a_s:.2f})" if t.a2a_s else ")")
+        f"dp {t.dp_comm_s:.2f}, bubble {t.bubble_s:.2f}, decode {t.decode_s:.2f}"
+        + (f", all-to-all {t.a2a_s:.2f}" if t.a2a_s else "")
+        + (f", cp {t.cp_comm_s:.2f})" if t.cp_comm_s else ")")
     )
 
 
@@ -84,7 +86,8 @@ def recommended_overrides(plan: Plan) -> list[str]:
     out = []
     for name, rp in plan.roles.items():
         lay = rp.best.layout
-        out.append(f"{name}.parallel.tp_size={lay.tp} {name}.parallel.pp_size={lay.pp} {name}.parallel.dp_size={lay.dp}")
+        cp = f" {name}.parallel.cp_size={lay.cp}" if lay.cp > 1 else ""
+        out.append(f"{name}.parallel.tp_size={lay.tp}{cp} {name}.parallel.pp_size={lay.pp} {name}.parallel.dp_size={lay.dp}")
         if lay.ep > 1:
             out[-1] += f" {name}.parallel.ep_size={lay.ep}"
         if rp.work.mode == "train":
@@ -140,6 +143,7 @@ def configured_layout(cfg: AlignerConfig, work: RoleWork) -> Layout:
         sp=pc.sequence_parallel and pc.tp_size > 1,
         recompute=pc.recompute if work.mode == "train" else "none",
         ep=getattr(pc, "ep_size", 1) if work.mode == "train" else 1,
+        cp=getattr(pc, "cp_size", 1) if work.mode == "train" else 1,
     )
 
 

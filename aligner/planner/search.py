@@ -247,11 +247,22 @@ def _micro_batches(work: RoleWork, dp: int, minimal: bool) -> list[int]:
     return sizes or [1]
 
 
+def _cp_sizes(model: ModelConfig, work: RoleWork, devices: int) -> list[int]:
+    """Context-parallel sizes to try for a role on `devices` devices: 1, and for a dense training
+    role on fsdp2 / ddp the powers of two up to 16 that divide the devices and leave each rank at
+    least 4096 tokens of the sequence: cp is for long sequences (NeMo's published layouts use it
+    from 8k tokens: CP2 for Llama 3 70B at 8k), where shorter shares would trade dp's gradient
+    sharding for K/V traffic the cost model counts without overlap."""
+    if work.mode != "train" or model.num_experts or work.parallel.dp_backend == "deepspeed":
+        return [1]
+    return [c for c in (1, 2, 4, 8, 16) if devices % c == 0 and (c == 1 or work.seq_len // c >= 4096)]
+
+
 def candidate_layouts(model: ModelConfig, work: RoleWork, devices: int, minimal: bool = False) -> Iterable[Layout]:
-    """Every tp x pp x dp = devices with tp <= num_heads and pp dividing num_layers, each micro-batch
-    size, recomputation and SP (training roles, tp > 1), and for an MoE training role each ep dividing
-    dp and num_experts (the rollout engine holds every expert per replica). minimal: only the
-    least-memory choices."""
+    """Every tp x cp x pp x dp = devices with tp <= num_heads and pp dividing num_layers, each micro-batch
+    size, recomputation and SP (training roles, tp > 1), for an MoE training role each ep dividing
+    dp and num_experts (the rollout engine holds every expert per replica), and for a dense training
+    role the context-parallel sizes of :func:`_cp_sizes`. minimal: only the least-memory choices."""
     modes = (("full",) if minimal else RECOMPUTE_MODES) if work.mode == "train" else ("none",)
     for tp in _divisors(devices):
         if tp > model.num_heads:
@@ -261,13 +272,14 @@ def candidate_layouts(model: ModelConfig, work: RoleWork, devices: int, minimal:
                 continue  # even stages only (pp_layer_split is for hand-made layouts)
             if work.group == ROLLOUT and tp * pp > 1:
                 continue  # the split placement's engines are whole replicas
-            dp = devices // (tp * pp)
-            eps = [d for d in _divisors(dp) if model.num_experts and model.num_experts % d == 0] if work.mode == "train" else []
-            for ep in eps or [1]:
-                for mbs in _micro_batches(work, dp, minimal):
-                    for rc in modes:
-                        for sp in ((True,) if minimal else (False, True)) if tp > 1 and work.mode == "train" else (False,):
-                            yield Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, sp=sp, recompute=rc, ep=ep)
+            for cp in _cp_sizes(model, work, devices // (tp * pp)):
+                dp = devices // (tp * pp * cp)
+                eps = [d for d in _divisors(dp) if model.num_experts and model.num_experts % d == 0] if work.mode == "train" else []
+                for ep in eps or [1]:
+                    for mbs in _micro_batches(work, dp, minimal):
+                        for rc in modes:
+                            for sp in ((True,) if minimal else (False, True)) if tp > 1 and work.mode == "train" else (False,):
+                                yield Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, sp=sp, recompute=rc, ep=ep, cp=cp)
 
 
 def plan_role(model: ModelConfig, work: RoleWork, devices: int, cluster: ClusterConfig, minimal: bool = False) -> RolePlan:

@@ -112,7 +112,8 @@ def _dcp_no_dist(no_dist: bool) -> Iterator[None]:
 
 
 def _stage_mesh(dims):
-    """DeviceMesh ("tp", "dp") of this rank's pipeline stage, sliced from a ("pp","tp","dp") mesh.
+    """DeviceMesh ("cp", "tp", "dp") of this rank's pipeline stage, sliced from a ("pp", "cp", "tp", "dp") mesh
+    (parameters are replicated over cp).
 
     Built once per layout (collective: every rank of the role creates the same groups)."""
 
@@ -120,12 +121,15 @@ def _stage_mesh(dims):
         from torch.distributed.device_mesh import DeviceMesh
 
         ranks = torch.tensor(
-            [[[dims.rank_of(d, p, t) for d in range(dims.dp_size)] for t in range(dims.tp_size)] for p in range(dims.pp_size)]
+            [
+                [[[dims.rank_of(d, p, t, c) for d in range(dims.dp_size)] for t in range(dims.tp_size)] for c in range(dims.cp_size)]
+                for p in range(dims.pp_size)
+            ]
         )
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        return DeviceMesh(device, ranks, mesh_dim_names=("pp", "tp", "dp"))["tp", "dp"]
+        return DeviceMesh(device, ranks, mesh_dim_names=("pp", "cp", "tp", "dp"))["cp", "tp", "dp"]
 
-    return _cached_mesh((dims.tp_size, dims.pp_size, dims.dp_size, dims.world_size), build)
+    return _cached_mesh((dims.tp_size, dims.pp_size, dims.dp_size, dims.cp_size, dims.world_size), build)
 
 
 def _unique_params(module: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
@@ -218,7 +222,7 @@ class _Layout:
 
         tp = Shard(dim) if dim is not None else Replicate()
         dp = Shard(0) if self.fsdp else Replicate()
-        return [tp, dp]
+        return [Replicate(), tp, dp]
 
     def global_shape(self, p: torch.Tensor, dim: Optional[int]) -> torch.Size:
         shape = list(_tp_local_shape(p))
@@ -317,7 +321,7 @@ def _meta(runtime, extra: Optional[dict]) -> dict:
         "format": "aligner-dcp-v1",
         "step": runtime.step_count,
         "kind": runtime.kind,
-        "layout": {"tp_size": d.tp_size, "pp_size": d.pp_size, "dp_size": d.dp_size, "dp_backend": runtime.backend},
+        "layout": {"tp_size": d.tp_size, "pp_size": d.pp_size, "dp_size": d.dp_size, "cp_size": d.cp_size, "dp_backend": runtime.backend},
         "optim_state_dtype": runtime.optim_cfg.state_dtype,
         "model": dataclasses.asdict(runtime.model_cfg),
         "lora": dataclasses.asdict(runtime.lora) if getattr(runtime, "lora", None) is not None else None,

@@ -23,6 +23,14 @@ per-forward all-gathers and DDP's per-backward all-reduces would then hang): eve
 a rank with fewer adds *filler* micro-batches (one copy of its shortest row, loss ``0 * output``,
 so it joins every DDP / FSDP collective and adds nothing); the filler runs first, so the MoE
 statistics of the step come from real rows.
+
+Context parallelism (``parallel.cp_size`` > 1, :mod:`aligner.parallel.context_parallel`): the
+cp ranks of a dp replica get the same rows; each micro-batch, once formed as above, is cut to this
+rank's zigzag share of every row's tokens (:func:`cp_micro_batch`), the model runs on it, and its
+per-token outputs are gathered back to the whole micro-batch's (:func:`cp_outputs`) before
+`output_fn` / `loss_fn` read them: every role's loss is written once and runs unchanged, each cp
+rank computing the same value, and the gradients (partial per rank) are summed over cp by the
+runtime's step.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import torch.distributed as dist
 
 from aligner.errors import ConfigError
 from aligner.model.moe import global_moe_metrics
+from aligner.parallel.context_parallel import cp_micro_batch, cp_outputs, source_of
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.pipeline import model_kwargs, pipeline_forward
 
@@ -165,6 +174,7 @@ class ModelRunner:
         self.runtime, self.dims = runtime, dims
         sp = getattr(runtime.parallel, "sequence_parallel", False) and dims.tp_size > 1
         self.seq_multiple = dims.tp_size if sp else 1
+        self.cp_group = dims.cp_group
         self.micro_batch_tokens = micro_batch_tokens
         self.padding = {"tokens": 0.0, "slots": 0.0}
 
@@ -190,11 +200,24 @@ class ModelRunner:
                 mbs = self._even_out(mbs, batch, lengths, unit, trim=False)
             self.padding = {"tokens": float(lengths.sum()), "slots": float(sum(mb["input_ids"].numel() for mb in mbs))}
             evened = any(mb.get(FILLER) for mb in mbs)
-            return self._token_masks(mbs), (list(range(n)) if evened else None)
+            return self._cp(self._token_masks(mbs)), (list(range(n)) if evened else None)
         mbs, groups = self._budget_split(batch, lengths.tolist(), unit)
         mbs = self._even_out(mbs, batch, lengths, unit)
         self.padding = {"tokens": float(lengths.sum()), "slots": float(sum(mb["input_ids"].numel() for mb in mbs))}
-        return self._token_masks(mbs), [i for g in groups for i in g]
+        return self._cp(self._token_masks(mbs)), [i for g in groups for i in g]
+
+    def _cp(self, mbs: list[dict]) -> list[dict]:
+        """Each micro-batch cut to this cp rank's tokens (:func:`cp_micro_batch`; `mbs` itself without cp)."""
+        if self.dims.cp_size == 1:
+            return mbs
+        return [cp_micro_batch(mb, self.cp_group, self.seq_multiple) for mb in mbs]
+
+    def _gathered(self, fn: Callable) -> Callable:
+        """`fn(output, mb)` called with the whole micro-batch's output and the source micro-batch
+        (:func:`cp_outputs`; `fn` itself without cp)."""
+        if self.dims.cp_size == 1:
+            return fn
+        return lambda out, mb: fn(cp_outputs(out, mb, self.cp_group), source_of(mb))
 
     def _token_masks(self, mbs: list[dict]) -> list[dict]:
         """For an MoE model, each micro-batch plus ``token_mask`` [b, T] bool (a model input: True on
@@ -257,6 +280,7 @@ class ModelRunner:
         [b, T - c]."""
         t = batch["input_ids"].shape[1] + (-batch["input_ids"].shape[1]) % self.seq_multiple
         mbs, order = self._prepare(batch, micro_batch_size)
+        output_fn = self._gathered(output_fn)
         was_training = self.runtime.module.training
         self.runtime.train(False)
         try:
@@ -269,7 +293,7 @@ class ModelRunner:
         if order is None:
             return torch.cat(outs).cpu()
         real = [(o, mb) for o, mb in zip(outs, mbs) if not mb.get(FILLER)]
-        out = torch.cat([_pad_output(o, mb, t) for o, mb in real]).cpu()
+        out = torch.cat([_pad_output(o, source_of(mb), t) for o, mb in real]).cpu()
         return out[torch.argsort(torch.tensor(order))]
 
     def optimizer_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, micro_batch_size: int, unit: int = 1) -> dict[str, float]:
@@ -287,7 +311,7 @@ class ModelRunner:
         self.runtime.train(True)
         self.runtime.zero_grad()
         mbs, _ = self._prepare(batch, micro_batch_size, unit)
-        total = float(self.runtime.forward_backward(mbs, _skip_fillers(loss_fn), loss_reduction="sum").sum())
+        total = float(self.runtime.forward_backward(mbs, self._gathered(_skip_fillers(loss_fn)), loss_reduction="sum").sum())
         stats = self.runtime.step()
         return {"loss": total, **stats, **global_moe_metrics(self.runtime.module, self.dims)}
 

@@ -31,6 +31,7 @@ from aligner.model.llama import build_model
 from aligner.model.moe import set_aux_loss_scale
 from aligner.nn import comm
 from aligner.parallel import data_parallel as dpmod
+from aligner.parallel.context_parallel import sync_cp_grads
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.parallelize import parallelize
 from aligner.parallel.pipeline import model_kwargs, pipeline_train_step
@@ -72,7 +73,7 @@ def adamw_kwargs(optim: OptimConfig) -> dict:
 
 
 def _check_dims(parallel: ParallelConfig, dims: ParallelDims) -> None:
-    for name in ("tp_size", "pp_size", "dp_size", "ep_size"):
+    for name in ("tp_size", "pp_size", "dp_size", "ep_size", "cp_size"):
         if getattr(parallel, name) != getattr(dims, name):
             raise ValueError(
                 f"parallel.{name}={getattr(parallel, name)} but ParallelDims.{name}={getattr(dims, name)}: "
@@ -164,7 +165,9 @@ class TrainRuntime:
         self.bf16 = parallel_cfg.mixed_precision == "bf16"
         full = model if model is not None else build_model(model_cfg, kind, seed=seed, device=dims.device)
         self.module = full  # parallelized in place below: this rank's stage and shards (HF parameter names)
-        wrapped = parallelize(full, dims, parallel_cfg, data_parallel=self.backend != "deepspeed", lora=self.lora, lora_seed=seed)
+        wrapped = parallelize(
+            full, dims, parallel_cfg, data_parallel=self.backend != "deepspeed", lora=self.lora, lora_seed=seed, cp_group=dims.cp_group
+        )
         self.device = next(self.module.parameters()).device  # where batches must be (ModelRunner moves them)
         self.device_type = self.device.type
         if self.device_type == "cpu":
@@ -242,8 +245,10 @@ class TrainRuntime:
         """Gradient reductions left after backward: TP/SP (norms, replicated kv rows), tied
         embeddings across the first/last pp stages, and the dp all-reduce for DDP with pp > 1
         (DDP's wrapper cannot see 1F1B's interleaved forwards, so the averaged all-reduce over
-        dp is issued here, one flat buffer per dtype)."""
+        dp is issued here, one flat buffer per dtype), and the sum over cp (each cp rank's
+        gradient covers its own tokens: :func:`aligner.parallel.context_parallel.sync_cp_grads`)."""
         d = self.dims
+        sync_cp_grads(self.module, d.cp_group)
         if self.fsdp:
             dpmod.sync_tp_grads_local(self.module, d.tp_group, d.dp_rank, d.dp_size)
         elif d.tp_size > 1:

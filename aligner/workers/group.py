@@ -107,8 +107,8 @@ class WorkerShell:
                 os.environ["OMP_NUM_THREADS"] = str(num_threads)
                 torch.set_num_threads(num_threads)
                 self.num_threads = num_threads
-            tp, pp, dp, ep = sizes
-            self.dims = ParallelDims.from_env(tp_size=tp, pp_size=pp, dp_size=dp, ep_size=ep, backend=backend)
+            tp, pp, dp, ep, cp = sizes
+            self.dims = ParallelDims.from_env(tp_size=tp, pp_size=pp, dp_size=dp, ep_size=ep, cp_size=cp, backend=backend)
             if "dims" in inspect.signature(worker_cls).parameters:
                 kwargs = {**kwargs, "dims": self.dims}
             self.worker = worker_cls(*args, **kwargs)
@@ -314,7 +314,8 @@ class WorkerGroup:
     ) -> None:
         if parallel.world_size != placement.world_size:
             raise ValueError(
-                f"{role}.parallel tp_size={parallel.tp_size} x pp_size={parallel.pp_size} x dp_size={parallel.dp_size} = "
+                f"{role}.parallel tp_size={parallel.tp_size} x cp_size={getattr(parallel, 'cp_size', 1)} x pp_size={parallel.pp_size} "
+                f"x dp_size={parallel.dp_size} = "
                 f"{parallel.world_size}, but the placement of {placement.role!r} holds {placement.world_size} workers: make them equal"
             )
         self.role, self.worker_cls, self.placement, self.poll_s = role, worker_cls, placement, poll_s
@@ -325,6 +326,7 @@ class WorkerGroup:
             pp_size=parallel.pp_size,
             dp_size=parallel.dp_size,
             ep_size=getattr(parallel, "ep_size", 1),
+            cp_size=getattr(parallel, "cp_size", 1),
             world_size=parallel.world_size,
         )
         self.world_size = parallel.world_size
@@ -399,7 +401,7 @@ class WorkerGroup:
         if one_node and "GLOO_SOCKET_IFNAME" not in env and "GLOO_SOCKET_IFNAME" not in os.environ:
             env["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
         init_ref = ray.put((args, kwargs))
-        sizes = (self.dims.tp_size, self.dims.pp_size, self.dims.dp_size, self.dims.ep_size)
+        sizes = (self.dims.tp_size, self.dims.pp_size, self.dims.dp_size, self.dims.ep_size, self.dims.cp_size)
         refs = {}
         for rank, actor in enumerate(self.actors):
             rank_env = {

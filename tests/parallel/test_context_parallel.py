@@ -277,24 +277,22 @@ def test_tp2_cp2_matches_one_process():
 
 # ---- config --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "override,fix",
+    "override,fix,more",
     [
-        ("actor.parallel.cp_size=0", "must be >= 1"),
-        ("actor.parallel.cp_size=3", "2 * cp_size = 6 divide model.max_seq_len="),
-        (
-            "critic.parallel.cp_size=2",
-            "not wired into the training roles yet: the CP attention exists in aligner/parallel/context_parallel.py",
-        ),
-        ("rollout.parallel.cp_size=2", "context parallelism is for training"),
+        ("actor.parallel.cp_size=0", "must be >= 1", []),
+        ("actor.parallel.cp_size=3", "2 * cp_size = 6 divide model.max_seq_len=", []),
+        ("critic.parallel.cp_size=2", "runs with dp_backend=fsdp2 or ddp, not deepspeed", ["critic.parallel.dp_backend=deepspeed"]),
+        ("actor.parallel.cp_size=2", "set actor.parallel.logprob_chunk_size=-1", ["actor.parallel.logprob_chunk_size=0"]),
+        ("rollout.parallel.cp_size=2", "context parallelism is for training", []),
     ],
 )
-def test_bad_cp_size_is_one_config_error(override, fix, tmp_path, monkeypatch):
+def test_bad_cp_size_is_one_config_error(override, fix, more, tmp_path, monkeypatch):
     from aligner.cli import load_config
     from aligner.config import ConfigError
 
     monkeypatch.chdir(tmp_path)  # the presets' relative *.init paths must not find checkpoints of the checkout
     with pytest.raises(ConfigError) as e:
-        load_config("ppo", [override])
+        load_config("ppo", [override, *more])
     msg = str(e.value)
     field, value = override.split("=")
     assert "\n" not in msg and f"{field}={value}" in msg and fix in msg, msg

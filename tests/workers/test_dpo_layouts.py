@@ -1,12 +1,13 @@
 """The DPO worker (policy + frozen reference) on tp=2 (sequence parallel, selective recomputation), pp=2 (full
-recomputation) and dp=2 (FSDP2, the default; the reference sharded too) equals one process (CPU, gloo).
+recomputation), dp=2 (FSDP2, the default; the reference sharded too) and cp=2 (each pair's sequences split
+over two ranks) equals one process (CPU, gloo).
 
 Two DPOWorker.dpo_step calls (sigmoid DPO with RPO's NLL term; the second step has nonzero
 implicit rewards, the reference staying at the initial weights) on four preference pairs of
 different lengths in micro-batches of one pair, then dpo_eval: every metric must equal the
 single-process worker's within 1e-5, and the full policy weights after the steps within 2e-7
 (Adam eps = 1 makes the update smooth in the gradient, as in tests/actor/test_policy_layouts.py).
-The three layouts run one after another in one spawned pair of processes.
+The four layouts run one after another in one spawned pair of processes.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from tests.toolkit.spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-LAYOUTS = {"tp2-sp": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}
+LAYOUTS = {"tp2-sp": (2, 1, 1, 1), "pp2": (1, 2, 1, 1), "dp2": (1, 1, 2, 1), "cp2": (1, 1, 1, 2)}
 RECOMPUTE = {(2, 1, 1): "selective", (1, 2, 1): "full", (1, 1, 2): "none", (1, 1, 1): "none"}  # the reference runs without
 KEYS = ("loss", "dpo_loss", "nll", "rewards_chosen", "rewards_rejected", "reward_accuracy", "reward_margin", "logps_chosen")
 
 
-def _cfg(tp: int, pp: int, dp: int):
+def _cfg(tp: int, pp: int, dp: int, cp: int = 1):
     from aligner.config import (
         AlignerConfig,
         DataConfig,
@@ -40,6 +41,7 @@ def _cfg(tp: int, pp: int, dp: int):
         tp_size=tp,
         pp_size=pp,
         dp_size=dp,
+        cp_size=cp,
         sequence_parallel=tp > 1,
         dp_backend="fsdp2" if dp > 1 else "ddp",
         recompute=RECOMPUTE[(tp, pp, dp)],
@@ -84,9 +86,9 @@ def _battery(rank: int, world_size: int):
     from aligner.workers.dpo import DPOWorker
 
     out = {}
-    for name, (tp, pp, dp) in LAYOUTS.items():
-        dims = ParallelDims(tp_size=tp, pp_size=pp, dp_size=dp, world_size=world_size, rank=rank).build()
-        metrics, sd = _run(DPOWorker(_cfg(tp, pp, dp), total_steps=5, dims=dims), dp, dims.dp_rank)
+    for name, (tp, pp, dp, cp) in LAYOUTS.items():
+        dims = ParallelDims(tp_size=tp, pp_size=pp, dp_size=dp, cp_size=cp, world_size=world_size, rank=rank).build()
+        metrics, sd = _run(DPOWorker(_cfg(tp, pp, dp, cp), total_steps=5, dims=dims), dp, dims.dp_rank)
         out[name] = (metrics, {k: v.tolist() for k, v in sd.items()})
     return out
 
