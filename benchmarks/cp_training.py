@@ -3,7 +3,7 @@
 One SFT optimizer step (:meth:`aligner.actor.policy.Policy.sft_step`, the ModelRunner path every
 role uses: the micro-batch cut to the rank's zigzag tokens, per-token log-probs gathered back, the
 gradients summed over cp) on one sequence of S tokens, fp32, a 4-layer GQA Llama (H 512, 8 query
-heads over 2 kv heads, vocab 2048), recompute none, on cp gloo ranks of this machine (cp = 1: one
+heads over 2 kv heads, vocab 2048), recompute none (or ``--recompute``), on cp gloo ranks of this machine (cp = 1: one
 process with every core's threads; cp = 2: two processes with half each, so both use the same cores).
 
 Measured per cp rank:
@@ -47,7 +47,7 @@ def _policy(args, cp: int, dims):
         num_kv_heads=2,
         max_seq_len=max(args.seq),
     )
-    return Policy(cfg, ParallelConfig(cp_size=cp), OptimConfig(lr=1e-4, warmup_steps=0), dims, seed=0)
+    return Policy(cfg, ParallelConfig(cp_size=cp, recompute=args.recompute), OptimConfig(lr=1e-4, warmup_steps=0), dims, seed=0)
 
 
 def _batch(seq_len: int) -> dict[str, torch.Tensor]:
@@ -117,6 +117,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, nargs=2, default=[2048, 4096])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2, help="cp=1 and cp=2 alternate this many times")
+    ap.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     args = ap.parse_args()
     print(env_line())
     print(command_line())
@@ -126,7 +127,7 @@ def main() -> None:
             rounds[cp].append(run(cp, args))
     s1, s2 = args.seq
     base = rounds[1][0]["bytes"][s2] / s2
-    print(f"SFT step, {args.layers} layers, H={args.hidden}, 8 heads over 2 kv heads, fp32, B=1, recompute none; per cp rank")
+    print(f"SFT step, {args.layers} layers, H={args.hidden}, 8 heads over 2 kv heads, fp32, B=1, recompute {args.recompute}; per cp rank")
     print(f"| layout | saved MiB S={s1} | saved MiB S={s2} | longest S vs cp=1 | tokens/s S={s1} | tokens/s S={s2} |")
     print("|---|---|---|---|---|---|")
     for cp, res in rounds.items():

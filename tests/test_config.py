@@ -343,6 +343,29 @@ CASES = [
         "2",
         "needs cp_size=1 (the virtual tokens are not split)",
     ),
+    # the interleaved pipeline schedule (aligner.parallel.pipeline, virtual pipeline stages)
+    (["actor.parallel.virtual_pp_size=0"], "actor.parallel.virtual_pp_size", "0", "must be >= 1"),
+    (["rollout.parallel.virtual_pp_size=2"], "rollout.parallel.virtual_pp_size", "2", "the interleaved schedule is for training"),
+    (["actor.parallel.virtual_pp_size=2"], "actor.parallel.virtual_pp_size", "2", "needs actor.parallel.pp_size > 1"),
+    (
+        ["actor.parallel.virtual_pp_size=2", "actor.parallel.pp_size=2", "actor.parallel.pp_layer_split=[1,3]"],
+        "actor.parallel.virtual_pp_size",
+        "2",
+        "set actor.parallel.pp_layer_split=null",
+    ),
+    (
+        ["critic.parallel.virtual_pp_size=2", "critic.parallel.pp_size=2", "critic.parallel.dp_size=2"],
+        "critic.parallel.virtual_pp_size",
+        "2",
+        "set critic.parallel.dp_backend=ddp",
+    ),
+    (["actor.parallel.virtual_pp_size=4", "actor.parallel.pp_size=2"], "actor.parallel.virtual_pp_size", "4", "8 virtual stages exceed"),
+    (
+        ["actor.parallel.virtual_pp_size=2", "actor.parallel.pp_size=2", "trainer.mini_batch_size=8", "trainer.micro_batch_size=8"],
+        "trainer.micro_batch_size",
+        "8",
+        "8 samples over dp_size=1 make 1",
+    ),
     # the multi-turn environment (aligner.envs) and what its episodes need of the rest of the run
     (["env.name=nope"], "env.name", "'nope'", "valid environments are single_turn, retry, tool"),
     (["env.name=tool", "env.tools=[calculator]", "env.max_turns=0"], "env.max_turns", "0", "must be >= 1"),

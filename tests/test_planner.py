@@ -215,7 +215,8 @@ def test_ranking_prefers_less_recomputation_when_memory_allows():
     assert plan.ranked and plan.best.layout.recompute == "none"
     times = [e.time.total_s for e in plan.ranked]
     assert times == sorted(times)
-    same = [e for e in plan.ranked if dataclasses.replace(e.layout, recompute="none") == plan.best.layout]
+    base = dataclasses.replace(plan.best.layout, vpp=1)  # the best pipeline layout may come interleaved
+    same = [e for e in plan.ranked if e.layout.vpp == 1 and dataclasses.replace(e.layout, recompute="none") == base]
     assert [e.layout.recompute for e in same] == ["none", "selective", "full"]
     # when memory does not allow it, the same layout is rejected without recomputation only
     lay = Layout(tp=8, pp=1, dp=2, micro_batch_size=4, sp=True)
@@ -656,3 +657,33 @@ def test_planner_uses_cp_for_long_sequences_only():
     assert all(r.layout.cp == 1 for r in plan_role(m, _long_work(4096), 64, cluster).ranked)
     moe = dataclasses.replace(m, num_experts=8, num_experts_per_tok=2)
     assert all(r.layout.cp == 1 for r in plan_role(moe, _long_work(8192), 64, cluster).ranked), "cp does not run with MoE"
+
+
+def test_interleaved_schedule_halves_the_bubble_for_more_activations_and_messages():
+    """v = 2 chunks per rank at pp = 4: the bubble term halves ((p - 1) / (v m)); stage 0 holds
+    1 + (p - 1) / (p v) = 1.375 times plain 1F1B's activations (Narayanan et al. 2021); the extra
+    point-to-point messages are charged; the planner tries v only where the runtime runs it (ddp or one
+    dp rank, m a multiple of pp)."""
+    from aligner.planner.cost_model import interleaved_in_flight
+
+    m = ModelConfig(**LLAMA2["7b"], max_seq_len=4096, dtype="bfloat16")
+    work = RoleWork(role="actor", kind="lm", mode="train", parallel=ParallelConfig(mixed_precision="bf16", dp_backend="ddp"),
+                    batch=16, batch_field="b", seq_len=4096)  # fmt: skip
+    cluster = ClusterConfig(num_nodes=1, gpus_per_node=8, gpu_mem_gb=80)
+
+    def est(v):
+        return estimate_layout(m, work, Layout(tp=2, pp=4, dp=1, micro_batch_size=1, recompute="full", vpp=v), cluster)
+
+    plain, inter = est(1), est(2)
+    assert inter.time.bubble_s == pytest.approx(plain.time.bubble_s / 2)
+    assert inter.time.pp_comm_s > 0 and plain.time.pp_comm_s == 0
+    assert interleaved_in_flight(4, 1, 16, 0) == 4 and interleaved_in_flight(4, 2, 16, 0) == pytest.approx(4 * (1 + 3 / 8))
+    assert interleaved_in_flight(4, 2, 16, 3) == pytest.approx(2.5)  # the last stage: (0 + 4 + 1) chunk forwards of half its layers
+    assert "vpp=2" in inter.layout.describe()
+    # the search offers interleaving as a refinement of its best pipeline layout, never of a layout without stages
+    cfg = llama2_cfg("7b", nodes=2, stage="sft")  # 7B SFT on 16 GPUs: the best layout is a pipeline (tp 2, pp 8)
+    work16 = RoleWork(role="actor", kind="lm", mode="train", parallel=cfg.actor.parallel, batch=128, batch_field="b", seq_len=2048)
+    ranked = plan_role(cfg.model, work16, 16, cfg.cluster).ranked
+    inter = [r.layout for r in ranked if r.layout.vpp > 1]
+    assert inter and all(dataclasses.replace(x, vpp=1) in [r.layout for r in ranked] for x in inter)
+    assert all(x.pp > 1 and x.dp == 1 for x in inter), "fsdp2 interleaves only with one dp rank"

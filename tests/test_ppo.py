@@ -122,18 +122,15 @@ def test_reward_rises(tmp_path):
     assert last - first >= 0.15, scores
 
 
-def test_context_parallel_actor_and_critic_equal_cp1(tmp_path):
-    """Actor and critic at cp=2 (each sequence split over two ranks; the actor's colocated engines
-    one per rank, refit from the cp layout): the engine's and the trainer's log-probs agree, and two
-    steps give the cp=1 run's losses and metrics (greedy rollouts: both runs score the same
-    responses; 1e-4, the layouts' tolerance)."""
-    common = ["trainer.max_steps=2", "rollout.sampling.temperature=0"]
-    ref = [comparable(m) for m in run(tmp_path / "cp1", *common) if m["step"] > 0]
-    got = [comparable(m) for m in run(tmp_path / "cp2", *common, "actor.parallel.cp_size=2", "critic.parallel.cp_size=2") if m["step"] > 0]
-    assert [m["step"] for m in got] == [1, 2]
-    for m in got:
+def test_context_parallel_actor_and_critic_through_ray(tmp_path):
+    """Actor and critic at cp=2 through the worker groups (each sequence split over two ranks; the
+    actor's colocated engines, one per rank, refit from the cp layout): two steps train, and the
+    trainer's cp log-probs equal the engine's, which never splits a sequence (the role-level equality
+    with cp=1 is tests/runtime/test_context_parallel_runtime.py's)."""
+    ms = [m for m in run(tmp_path, "trainer.max_steps=2", "actor.parallel.cp_size=2", "critic.parallel.cp_size=2") if m["step"] > 0]
+    assert [m["step"] for m in ms] == [1, 2]
+    for m in ms:
         assert m["log_probs_abs_diff_max"] < 1e-4, m
-    keys = ("policy_loss", "value_loss", "entropy", "kl_mean", "score_mean", "response_len", "actor/grad_norm", "critic/grad_norm")
-    for key in keys:
-        for a, b in zip(got, ref):
-            assert a[key] == pytest.approx(b[key], abs=1e-4), (key, a["step"])
+        assert all(math.isfinite(v) for v in m.values() if isinstance(v, float))
+        assert m["value_loss"] > 0 and m["actor/grad_norm"] > 0 and m["critic/grad_norm"] > 0
+    assert ms[1]["weight_version"] > ms[0]["weight_version"]

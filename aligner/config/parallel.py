@@ -28,6 +28,9 @@ class ParallelConfig:
     mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and grad reduction)
     num_microbatches: int = 0  # pipeline micro-batches per step; 0 = derive from batch sizes
     pp_layer_split: Optional[list[int]] = None  # layers per stage (uneven splits); None = even
+    # interleaved 1F1B (Narayanan et al. 2021): model chunks per pipeline rank, each rank holding v
+    # non-contiguous virtual stages of num_layers / (pp_size * v) layers; the bubble shrinks v-fold
+    virtual_pp_size: int = 1
     # policy log-probs / entropy: positions per chunk of the fused head + softmax (aligner.nn.chunked),
     # so no [B, R, V/tp] fp32 logits exist; 0 = the unchunked path (the head's logits, then aligner.nn.vocab);
     # -1 = as many positions as keep one chunk's fp32 logits within 256 MiB (aligner.nn.chunked.auto_chunk_size)
@@ -74,6 +77,7 @@ class ParallelConfig:
                 "DeepSpeed ZeRO is supported only where tp_size = pp_size = 1; use fsdp2 or ddp",
             )
         self.validate_cp(prefix, model)
+        self.validate_virtual_pp(prefix, model)
         if model is None:
             return
         _check(
@@ -117,6 +121,28 @@ class ParallelConfig:
                 split,
                 f"needs {self.pp_size} positive entries summing to model.num_layers={model.num_layers}",
             )
+
+    def validate_virtual_pp(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
+        """virtual_pp_size: >= 1; above 1, a training layout the interleaved schedule runs."""
+        v, field = self.virtual_pp_size, f"{prefix}.virtual_pp_size"
+        _check(v >= 1, field, v, "must be >= 1 (model chunks per pipeline rank; 1 = plain 1F1B)")
+        if v == 1:
+            return
+        _check(not prefix.startswith("rollout"), field, v, "the interleaved schedule is for training: set virtual_pp_size=1")
+        _check(self.pp_size > 1, field, v, f"needs {prefix}.pp_size > 1 (chunks of a pipeline)")
+        _check(self.pp_layer_split is None, field, v, f"splits the layers evenly: set {prefix}.pp_layer_split=null")
+        _check(
+            self.dp_backend == "ddp" or self.dp_size == 1,
+            field,
+            v,
+            f"runs with dp_backend=ddp or dp_size=1 (FSDP2 over chunk views is not supported yet): set {prefix}.dp_backend=ddp",
+        )
+        _check(
+            model is None or self.pp_size * v <= model.num_layers,
+            field,
+            v,
+            f"pp_size x virtual_pp_size = {self.pp_size * v} virtual stages exceed model.num_layers={model and model.num_layers}",
+        )
 
     def validate_cp(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
         """cp_size: a training role's layout the context-parallel runtime supports (the rollout engine

@@ -9,6 +9,7 @@ estimators. Every check raises :class:`ConfigError` naming the field, the bad va
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Optional
 
 from aligner.config.common import GROUP_ESTIMATORS, MODEL_ROLES, PRESETS, STAGES, _check, _choice
@@ -35,6 +36,7 @@ def validate_run(cfg: AlignerConfig) -> None:
     validate_cluster_devices(cfg)
     if cfg.trainer.micro_batch_tokens > 0:
         validate_micro_batch_tokens(cfg)
+    validate_interleaved(cfg)
     if cfg.stage == "ppo" and cfg.rollout.backend == "trtllm":
         check_trtllm(cfg)
     if cfg.stage != "plan":  # the planner logs no metrics
@@ -292,6 +294,31 @@ def longest_row(cfg: AlignerConfig) -> tuple[int, str]:
             f"data.max_prompt_len={d.max_prompt_len} + rollout.sampling.max_new_tokens={s.max_new_tokens}",
         )
     return cfg.data.max_seq_len, f"data.max_seq_len={cfg.data.max_seq_len}"
+
+
+TRAINED_ROLES = {"sft": ("actor",), "dpo": ("actor",), "rm": ("reward",), "ppo": ("actor", "critic")}
+
+
+def validate_interleaved(cfg: AlignerConfig) -> None:
+    """A trained role with ``virtual_pp_size > 1`` runs, per dp rank and optimizer step, a number of
+    micro-batches that is a multiple of its pp_size (the interleaved schedule's order needs it):
+    ceil(ceil(samples / dp) / trainer.micro_batch_size), samples the step's global_batch_size (SFT, RM,
+    DPO: rows, pairs, pairs) or mini_batch_size (PPO)."""
+    t = cfg.trainer
+    samples = t.mini_batch_size if cfg.stage == "ppo" else t.global_batch_size
+    for role in TRAINED_ROLES.get(cfg.stage, ()):
+        par = cfg.role(role).parallel
+        if par.virtual_pp_size == 1:
+            continue
+        m = math.ceil(math.ceil(samples / par.dp_size) / t.micro_batch_size)
+        _check(
+            m % par.pp_size == 0,
+            "trainer.micro_batch_size",
+            t.micro_batch_size,
+            f"{role}.parallel.virtual_pp_size={par.virtual_pp_size} needs micro-batches per dp rank and step in multiples of "
+            f"{role}.parallel.pp_size={par.pp_size}, and {samples} samples over dp_size={par.dp_size} make {m}: choose a "
+            "micro_batch_size that gives a multiple",
+        )
 
 
 def validate_micro_batch_tokens(cfg: AlignerConfig) -> None:

@@ -34,12 +34,15 @@ class CommCounter:
 
     Use as a context manager: ``with CommCounter() as c: model(x)``; then
     ``c.calls["all_reduce"]`` and ``c.elements["all_reduce"]`` (elements of the
-    full logical tensor each call reduces or produces).
+    full logical tensor each call reduces or produces), and ``c.seconds[op]`` for the
+    waits timed with :func:`record_wait` (``"pp_wait"``: a pipeline rank blocked on its
+    neighbours, the bubble).
     """
 
     def __init__(self) -> None:
         self.calls: Counter = Counter()
         self.elements: Counter = Counter()
+        self.seconds: Counter = Counter()
 
     def __enter__(self) -> CommCounter:
         _COUNTERS.append(self)
@@ -54,6 +57,12 @@ def record(op: str, numel: int) -> None:
     for c in _COUNTERS:
         c.calls[op] += 1
         c.elements[op] += numel
+
+
+def record_wait(op: str, seconds: float) -> None:
+    """Tell active CommCounters that this rank waited `seconds` (wall) on `op`."""
+    for c in _COUNTERS:
+        c.seconds[op] += seconds
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:

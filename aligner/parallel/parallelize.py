@@ -33,6 +33,7 @@ dict) and parallelizes it without data parallelism.
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any, Callable, Optional, Sequence
 
@@ -70,6 +71,51 @@ def stage_layer_ids(num_layers: int, pp_size: int, pp_rank: int, layer_split: Op
         raise ValueError(f"pp_layer_split={split} needs {pp_size} positive entries summing to num_layers={num_layers}")
     start = sum(split[:pp_rank])
     return list(range(start, start + split[pp_rank]))
+
+
+def virtual_stage_layer_ids(num_layers: int, pp_size: int, num_chunks: int, pp_rank: int) -> list[list[int]]:
+    """Global decoder-layer indices of each of rank `pp_rank`'s `num_chunks` model chunks (virtual
+    pipeline stages, Megatron's interleaved layout): chunk c is virtual stage c * pp_size + pp_rank of
+    pp_size * num_chunks even stages (:func:`stage_layer_ids`), so a rank's layers are not contiguous.
+    Raises ValueError: more virtual stages than layers."""
+    stages = pp_size * num_chunks
+    if stages > num_layers:
+        raise ValueError(f"pp_size x virtual_pp_size = {stages} exceeds num_layers={num_layers}: use at most {num_layers} virtual stages")
+    return [stage_layer_ids(num_layers, stages, c * pp_size + pp_rank) for c in range(num_chunks)]
+
+
+def chunk_views(model: nn.Module, dims: ParallelDims, num_chunks: int) -> list[nn.Module]:
+    """This rank's model chunks for the interleaved schedule: views of `model` (the rank's module,
+    holding every layer of its chunks, parallelized) that share its submodules and parameters, each
+    with only its chunk's layers; the embedding stays in the first chunk of the first rank, the
+    final norm and head in the last chunk of the last rank. Parameter names, checkpoints and the
+    optimizer stay on `model`. Returns [model] for num_chunks = 1."""
+    if num_chunks == 1:
+        return [model]
+    ids = virtual_stage_layer_ids(model.cfg.num_layers, dims.pp_size, num_chunks, dims.pp_rank)
+    views = []
+    for c, layer_ids in enumerate(ids):
+        view, trunk = _shallow(model), _shallow(model.model)
+        trunk.layers = nn.ModuleDict({str(i): model.model.layers[str(i)] for i in layer_ids})
+        if c > 0:
+            trunk.embed_tokens = None
+        if c < num_chunks - 1:
+            trunk.norm = None
+            for head in ("lm_head", "score"):
+                if getattr(view, head, None) is not None:
+                    setattr(view, head, None)
+        view.model = trunk
+        views.append(view)
+    return views
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy of `module` sharing its parameters, buffers and submodules, whose own registries can change."""
+    out = copy.copy(module)
+    out._modules = dict(module._modules)
+    out._parameters = dict(module._parameters)
+    out._buffers = dict(module._buffers)
+    return out
 
 
 def decode_layer_split(cfg: ModelConfig, pp_size: int) -> list[int]:
@@ -215,6 +261,7 @@ def build_parallel_model(
     full_state_dict: Optional[dict[str, torch.Tensor]] = None,
     device: Any = "cpu",
     cp_group=None,
+    virtual_pp_size: int = 1,
 ) -> nn.Module:
     """This rank's part of a TP x PP model: pipeline split, TP/SP sharding and recomputation applied.
 
@@ -229,6 +276,8 @@ def build_parallel_model(
         full_state_dict: HF-named full weights; the model is built on the meta device, split and
             sharded, then materialized on `device` and loaded (no full model in memory).
         cp_group: context-parallel group (step 2c of :func:`parallelize`); None = no CP.
+        virtual_pp_size: model chunks per rank (interleaved 1F1B): the rank keeps the layers of its
+            chunks (:func:`virtual_stage_layer_ids`); :func:`chunk_views` splits it for the schedule.
     Returns: LlamaForCausalLM / LlamaForScore with this stage's layers and this rank's shards.
     Raises ValueError: a layer split or tp size the model cannot take, an unknown recompute mode.
     """
@@ -242,6 +291,7 @@ def build_parallel_model(
         sequence_parallel=sequence_parallel,
         recompute=recompute,
         compile=compile,
+        virtual_pp_size=virtual_pp_size,
     )
     return parallelize(model, dims, layout, full_state_dict=full_state_dict, device=device, data_parallel=False, cp_group=cp_group)
 
@@ -302,7 +352,11 @@ def parallelize(
     Raises ValueError: a layout the model cannot take (layer split, tp size, recompute mode, TE off GPU).
     """
     device = device if device is not None else dims.device
-    ids = stage_layer_ids(model.cfg.num_layers, dims.pp_size, dims.pp_rank, parallel_cfg.pp_layer_split)
+    v = getattr(parallel_cfg, "virtual_pp_size", 1)
+    if v > 1:  # interleaved: this rank holds its v chunks' layers (:func:`chunk_views` runs them apart)
+        ids = sorted(i for chunk in virtual_stage_layer_ids(model.cfg.num_layers, dims.pp_size, v, dims.pp_rank) for i in chunk)
+    else:
+        ids = stage_layer_ids(model.cfg.num_layers, dims.pp_size, dims.pp_rank, parallel_cfg.pp_layer_split)
     prune_to_stage(model, ids, dims.is_first_stage, dims.is_last_stage)
     apply_tensor_parallel(model, dims.tp_group, parallel_cfg.sequence_parallel)
     apply_expert_parallel(model, dims.ep_group)

@@ -20,6 +20,17 @@ num_microbatches (whole-batch mean of equal-sized micro-batch means); ``"sum"`` 
 (the loss_fn already divides by a whole-batch normalizer such as the masked token count),
 so either way the accumulated gradients equal the whole-batch gradients.
 
+Interleaved 1F1B (``parallel.virtual_pp_size`` = v > 1; Narayanan et al. 2021, sec. 2.2.2, Megatron's
+``forward_backward_pipelining_with_interleaving``): each rank holds v model chunks (virtual stage
+j = chunk * pp + rank, so a rank's layers are not contiguous) and runs them in Megatron's order:
+forward k uses chunk (k mod pp v) div pp of micro-batch (k div pp v) pp + k mod pp, warm-up
+2 (pp - rank - 1) + (v - 1) pp forwards, then one forward one backward, then the remaining
+backwards (backward k runs the chunks in reverse). The bubble shrinks from (pp - 1) / m to
+(pp - 1) / (v m) of the step, at v times the point-to-point messages; it needs m to be a multiple
+of pp. Activations travel rank to rank and from the last rank back to the first for the next
+chunk; each message is tagged with its direction, micro-batch and chunk and sent asynchronously
+(:class:`_Ring`), so the order in which ranks post them never pairs the wrong tensors.
+
 Tied embeddings with pp_size > 1: the first stage holds embed_tokens and the last stage
 an lm_head sharing the same initial weight; :func:`finalize_grads` sums their grads
 between the two stages so both copies stay equal under any deterministic optimizer.
@@ -27,6 +38,7 @@ between the two stages so both copies stay equal under any deterministic optimiz
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Callable, Optional, Sequence
 
@@ -82,8 +94,10 @@ class _P2P:
                     comm.record("send", t.numel())
                 ops.append(dist.P2POp(op, t, group=self.group, group_peer=peer))
         if ops:
+            t0 = time.perf_counter()
             for req in dist.batch_isend_irecv(ops):
                 req.wait()
+            comm.record_wait("pp_wait", time.perf_counter() - t0)
 
 
 def model_kwargs(mb: dict) -> dict:
@@ -125,7 +139,8 @@ def pipeline_train_step(
     """Forward and backward over all micro-batches in the 1F1B order; gradients accumulate in .grad.
 
     Args:
-        model: this rank's stage (``build_parallel_model``).
+        model: this rank's stage (``build_parallel_model``), or the list of its chunks (virtual
+            pipeline stages, :func:`aligner.parallel.parallelize.chunk_views`): the interleaved schedule.
         dims: ParallelDims (pp_group, pp_rank, pp_size, tp_group, is_first/last_stage).
         microbatches: num_microbatches dicts, the same on every pp rank: ``input_ids`` [b, T]
             int64 (shapes on every stage, tokens on the first), optional ``position_ids`` /
@@ -138,7 +153,8 @@ def pipeline_train_step(
         finalize: run :func:`finalize_grads` after the last backward.
     Returns:
         losses: [num_microbatches] fp32, the unscaled loss_fn values, on every pp rank.
-    Raises ValueError: bad loss_reduction, no micro-batches, or T not divisible under SP.
+    Raises ValueError: bad loss_reduction, no micro-batches, T not divisible under SP, or (interleaved)
+        a number of micro-batches that is not a multiple of pp_size.
     """
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction={loss_reduction!r}: valid choices are mean, sum")
@@ -146,6 +162,15 @@ def pipeline_train_step(
     if m == 0:
         raise ValueError("pipeline_train_step: got no micro-batches")
     scale = 1.0 / m if loss_reduction == "mean" else 1.0
+    if isinstance(model, (list, tuple)):  # virtual pipeline stages: this rank's chunks
+        for chunk in model:
+            set_aux_loss_scale(chunk, 1.0 / m)
+        losses = _interleaved_train_step(model, dims, microbatches, loss_fn, scale)
+        if finalize:
+            for chunk in model:  # disjoint layers; the embedding is in the first chunk, the head in the last
+                sync_tp_grads(chunk, dims.tp_group)
+            sync_tied_embedding_grads(model[0] if dims.is_first_stage else model[-1], dims)
+        return _broadcast_from_last(torch.stack(losses) if dims.is_last_stage else None, dims)
     set_aux_loss_scale(model, 1.0 / m)
     p2p = _P2P(dims)
     losses: list[torch.Tensor] = []
@@ -219,7 +244,12 @@ def pipeline_forward(
         [b, T-1] from ``vocab_parallel_log_probs`` on logits [b, T, V/tp], or values [b, T].
     Returns: the per-micro-batch outputs concatenated on dim 0 ([B, ...]) on the last stage,
         and on every pp rank when `broadcast` (else None elsewhere).
+    model: the stage, or the list of this rank's chunks (virtual pipeline stages).
     """
+    if isinstance(model, (list, tuple)):
+        results = _interleaved_forward(model, dims, microbatches, output_fn)
+        result = torch.cat(results) if dims.is_last_stage else None
+        return _broadcast_from_last(result, dims) if broadcast else result
     p2p = _P2P(dims)
     pending, results = [], []
     for mb in microbatches:
@@ -237,6 +267,132 @@ def pipeline_forward(
         req.wait()
     result = torch.cat(results) if p2p.last else None
     return _broadcast_from_last(result, dims) if broadcast else result
+
+
+# ---- interleaved 1F1B (virtual pipeline stages) ---------------------------------------------------
+class _Ring:
+    """Tagged asynchronous point-to-point between virtual stages: rank r's chunk c feeds rank r + 1's
+    chunk c, the last rank's chunk c feeds rank 0's chunk c + 1 (gradients travel back the same way).
+    Sends are posted at once and waited at :meth:`finish`; a receive blocks until its tensor is in."""
+
+    def __init__(self, dims, num_microbatches: int, num_chunks: int):
+        self.group, self.rank, self.size = dims.pp_group, dims.pp_rank, dims.pp_size
+        self.m, self.v = num_microbatches, num_chunks
+        self.pending: list = []
+
+    def _tag(self, backward: bool, mb: int, chunk: int) -> int:
+        return 1 + (int(backward) * self.m + mb) * self.v + chunk
+
+    def next_of(self, chunk: int) -> tuple[int, int]:
+        """(rank, chunk) of the virtual stage after this rank's `chunk`."""
+        return (self.rank + 1, chunk) if self.rank < self.size - 1 else (0, chunk + 1)
+
+    def prev_of(self, chunk: int) -> tuple[int, int]:
+        """(rank, chunk) of the virtual stage before this rank's `chunk`."""
+        return (self.rank - 1, chunk) if self.rank > 0 else (self.size - 1, chunk - 1)
+
+    def send(self, t: torch.Tensor, peer: tuple[int, int], mb: int, backward: bool) -> None:
+        t = t.contiguous()
+        comm.record("send", t.numel())
+        req = dist.isend(t, group=self.group, group_dst=peer[0], tag=self._tag(backward, mb, peer[1]))
+        self.pending.append((req, t))
+
+    def recv(self, buf: torch.Tensor, peer: tuple[int, int], mb: int, chunk: int, backward: bool) -> torch.Tensor:
+        t0 = time.perf_counter()
+        dist.irecv(buf, group=self.group, group_src=peer[0], tag=self._tag(backward, mb, chunk)).wait()
+        comm.record_wait("pp_wait", time.perf_counter() - t0)
+        return buf
+
+    def finish(self) -> None:
+        t0 = time.perf_counter()
+        for req, _ in self.pending:
+            req.wait()
+        self.pending.clear()
+        comm.record_wait("pp_wait", time.perf_counter() - t0)
+
+
+def interleaved_order(num_microbatches: int, pp_size: int, num_chunks: int, pp_rank: int) -> tuple[list[tuple[int, int]], int]:
+    """Megatron's interleaved 1F1B order for one rank: ([(micro-batch, chunk)] of the m v forwards in
+    order (the backwards run the same list with each chunk reversed: v - 1 - chunk), warm-up count).
+    Raises ValueError: m not a multiple of pp."""
+    m, p, v = num_microbatches, pp_size, num_chunks
+    if m % p:
+        raise ValueError(
+            f"the interleaved pipeline schedule needs a number of micro-batches that is a multiple of pp_size={p}, got {m}: "
+            "change trainer.micro_batch_size (or the batch sizes) so each dp rank runs a multiple of pp_size micro-batches"
+        )
+    order = [((k // (p * v)) * p + k % p, (k % (p * v)) // p) for k in range(m * v)]
+    warmup = m * v if m == p else min(m * v, (p - pp_rank - 1) * 2 + (v - 1) * p)
+    return order, warmup
+
+
+def _interleaved_train_step(chunks, dims, microbatches, loss_fn, scale: float) -> list[torch.Tensor]:
+    """The interleaved 1F1B forward/backward of :func:`pipeline_train_step` over this rank's chunks;
+    returns the unscaled losses by micro-batch (last rank) or an empty list."""
+    p, r, v, m = dims.pp_size, dims.pp_rank, len(chunks), len(microbatches)
+    order, warmup = interleaved_order(m, p, v, r)
+    ring = _Ring(dims, m, v)
+    first = lambda c: r == 0 and c == 0  # noqa: E731  (the virtual stage with the embedding)
+    last = lambda c: r == p - 1 and c == v - 1  # noqa: E731  (the one with the head and the loss)
+    saved: dict[tuple[int, int], tuple] = {}
+    losses: dict[int, torch.Tensor] = {}
+
+    def forward(k: int) -> None:
+        i, c = order[k]
+        mb = microbatches[i]
+        x = None
+        if not first(c):
+            x = ring.recv(_hidden_buffer(chunks[c], mb, requires_grad=False), ring.prev_of(c), i, c, backward=False)
+            x.requires_grad_(True)
+        out = chunks[c](mb["input_ids"] if x is None else x, **model_kwargs(mb))
+        if last(c):
+            loss = loss_fn(out, mb)
+            if loss.dim() != 0:
+                raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+            losses[i] = loss.detach().float()
+            out = loss * scale
+        else:
+            ring.send(out.detach(), ring.next_of(c), i, backward=False)
+        saved[(i, c)] = (x, out)
+
+    def backward(k: int) -> None:
+        i, c = order[k][0], v - 1 - order[k][1]
+        x, y = saved.pop((i, c))
+        grad = None if last(c) else ring.recv(torch.empty_like(y), ring.next_of(c), i, c, backward=True)
+        torch.autograd.backward(y, grad_tensors=grad)
+        if not first(c):
+            ring.send(x.grad, ring.prev_of(c), i, backward=True)
+
+    for k in range(warmup):
+        forward(k)
+    for j in range(m * v - warmup):
+        forward(warmup + j)
+        backward(j)
+    for j in range(m * v - warmup, m * v):
+        backward(j)
+    ring.finish()
+    return [losses[i] for i in sorted(losses)]
+
+
+@torch.no_grad()
+def _interleaved_forward(chunks, dims, microbatches, output_fn) -> list:
+    """Forward-only over this rank's chunks, chunk by chunk (every rank finishes chunk c of every
+    micro-batch before chunk c + 1, so no wait is circular); outputs on the last rank."""
+    p, r, v, m = dims.pp_size, dims.pp_rank, len(chunks), len(microbatches)
+    ring = _Ring(dims, m, v)
+    results = []
+    for c in range(v):
+        for i, mb in enumerate(microbatches):
+            x = None
+            if not (r == 0 and c == 0):
+                x = ring.recv(_hidden_buffer(chunks[c], mb, requires_grad=False), ring.prev_of(c), i, c, backward=False)
+            out = chunks[c](mb["input_ids"] if x is None else x, **model_kwargs(mb))
+            if r == p - 1 and c == v - 1:
+                results.append(output_fn(out, mb))
+            else:
+                ring.send(out, ring.next_of(c), i, backward=False)
+    ring.finish()
+    return results
 
 
 def _broadcast_from_last(t: Optional[torch.Tensor], dims) -> torch.Tensor:

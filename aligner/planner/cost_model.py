@@ -120,6 +120,7 @@ class Layout:
     recompute: str = "none"
     ep: int = 1  # expert parallelism inside dp (MoE)
     cp: int = 1  # context parallelism: each sequence split over cp ranks (training roles)
+    vpp: int = 1  # model chunks per pipeline rank (interleaved 1F1B, training roles)
 
     @property
     def devices(self) -> int:
@@ -129,7 +130,8 @@ class Layout:
         sp = " sp" if self.sp else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
-        return f"tp={self.tp}{cp} pp={self.pp} dp={self.dp}{ep}{sp} mbs={self.micro_batch_size} recompute={self.recompute}"
+        vpp = f" vpp={self.vpp}" if self.vpp > 1 else ""
+        return f"tp={self.tp}{cp} pp={self.pp}{vpp} dp={self.dp}{ep}{sp} mbs={self.micro_batch_size} recompute={self.recompute}"
 
 
 @dataclass(frozen=True)
@@ -159,10 +161,13 @@ class StepTime:
     decode_s: float = 0.0
     a2a_s: float = 0.0  # expert-parallel token all-to-alls (MoE)
     cp_comm_s: float = 0.0  # context parallelism: K/V all-gathers and reduce-scatters, the gradient sum over cp
+    pp_comm_s: float = 0.0  # the interleaved schedule's extra point-to-point messages (plain 1F1B's are not modelled)
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.tp_comm_s + self.dp_comm_s + self.bubble_s + self.decode_s + self.a2a_s + self.cp_comm_s
+        return (
+            self.compute_s + self.tp_comm_s + self.dp_comm_s + self.bubble_s + self.decode_s + self.a2a_s + self.cp_comm_s + self.pp_comm_s
+        )
 
 
 @dataclass(frozen=True)
@@ -506,7 +511,7 @@ def train_activation_bytes(
     holds them. tests/test_planner.py measures both on the CPU.
     """
     b, pp = layout.micro_batch_size, layout.pp
-    in_flight = min(pp - stage, num_microbatches)
+    in_flight = interleaved_in_flight(pp, layout.vpp, num_microbatches, stage)
     layers = layers_on_stage(model.num_layers, pp, stage)
     full_len, seq_len = seq_len, seq_len // layout.cp  # a cp rank holds seq_len / cp tokens of every row
     layer = layer_activation_bytes(LayerDims.of(model, seq_len, b, layout.tp), precision, layout.sp, layout.recompute)
@@ -609,9 +614,31 @@ def compute_seconds(flops: float, devices: int, cluster: ClusterConfig) -> float
     return flops / (devices * cluster.gpu_peak_tflops * 1e12 * MODEL_FLOPS_EFFICIENCY)
 
 
-def pipeline_bubble_fraction(pp: int, num_microbatches: int) -> float:
-    """1F1B bubble relative to the ideal compute time: (p - 1) / m (Narayanan et al. 2021)."""
-    return (pp - 1) / max(num_microbatches, 1)
+def pipeline_bubble_fraction(pp: int, num_microbatches: int, vpp: int = 1) -> float:
+    """1F1B bubble relative to the ideal compute time: (p - 1) / m, and (p - 1) / (v m) with v model
+    chunks per rank (interleaved; Narayanan et al. 2021, sec. 2.2)."""
+    return (pp - 1) / (max(num_microbatches, 1) * vpp)
+
+
+def interleaved_in_flight(pp: int, vpp: int, num_microbatches: int, stage: int) -> float:
+    """Micro-batches' worth of stage `stage`'s layer activations held at its peak: min(pp - stage, m)
+    under 1F1B; with v chunks per rank, min(m v, 2 (pp - stage - 1) + (v - 1) pp + 1) chunk forwards of
+    1 / v of the stage's layers each (Megatron's interleaved warm-up plus the forward before the first
+    backward: on stage 0 about 1 + (p - 1) / (p v) times plain 1F1B's, Narayanan et al. 2021)."""
+    if vpp == 1:
+        return float(min(pp - stage, num_microbatches))
+    return min(num_microbatches * vpp, 2 * (pp - stage - 1) + (vpp - 1) * pp + 1) / vpp
+
+
+def interleaved_p2p_seconds(model: ModelConfig, layout: Layout, micro_batches: int, seq: int, e: int, cluster: ClusterConfig) -> float:
+    """Seconds of the point-to-point messages the interleaved schedule adds to plain 1F1B's in one
+    optimizer step: (v - 1) m more activation sends and as many gradient sends per rank, each
+    [b, seq / cp (/ tp with SP), H] elements, over the inter-node link when the pipeline spans nodes."""
+    if layout.vpp == 1:
+        return 0.0
+    nbytes = layout.micro_batch_size * seq / layout.cp * model.hidden_size * e / (layout.tp if layout.sp else 1)
+    gbps = cluster.inter_node_gbps if cluster.gpus_per_node > 0 and layout.devices > cluster.gpus_per_node else cluster.intra_node_gbps
+    return 2 * (layout.vpp - 1) * micro_batches * nbytes / (gbps * 1e9)
 
 
 def devices_per_node(cluster: ClusterConfig) -> int:
@@ -632,7 +659,7 @@ def _pass_time(
     compute = compute_seconds(flops, layout.devices, cluster)
     size = layout.micro_batch_size * seq // layout.cp * model.hidden_size * e  # a cp rank's tokens
     tp_comm = mb * layers * colls * ring_allreduce_seconds(size, layout.tp, cluster.intra_node_gbps)
-    bubble = (compute + tp_comm) * pipeline_bubble_fraction(layout.pp, mb)
+    bubble = (compute + tp_comm) * pipeline_bubble_fraction(layout.pp, mb, layout.vpp)
     return compute, tp_comm, bubble
 
 
@@ -666,7 +693,8 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
     if layout.cp > 1:  # the gradient sum over cp (parameters are replicated over it)
         inside = cluster.gpus_per_node <= 0 or layout.tp * layout.cp <= cluster.gpus_per_node
         cp += ring_allreduce_seconds(grad_bytes, layout.cp, cluster.intra_node_gbps if inside else cluster.inter_node_gbps)
-    c, t, b, dp, a2a, cp = c * steps, t * steps, b * steps, dp * steps, a2a * steps, cp * steps
+    pp = interleaved_p2p_seconds(model, layout, m, seq, e, cluster)
+    c, t, b, dp, a2a, cp, pp = c * steps, t * steps, b * steps, dp * steps, a2a * steps, cp * steps, pp * steps
     if work.forward_seqs:
         mf = max(1, math.ceil(work.forward_seqs / (layout.dp * layout.micro_batch_size)))
         ff = forward_flops_per_token(n, model, seq) * work.forward_seqs * seq
@@ -674,7 +702,7 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
         c, t, b = c + c2, t + t2, b + b2
         a2a += _a2a_time(model, layout, mf, seq, e, 2, cluster)
         cp += mf * layers * cp_comm_seconds(model, layout, layout.micro_batch_size, seq, e, 1, cluster)
-    return StepTime(compute_s=c, tp_comm_s=t, dp_comm_s=dp, bubble_s=b, a2a_s=a2a, cp_comm_s=cp)
+    return StepTime(compute_s=c, tp_comm_s=t, dp_comm_s=dp, bubble_s=b, a2a_s=a2a, cp_comm_s=cp, pp_comm_s=pp)
 
 
 def forward_step_time(model: ModelConfig, work: RoleWork, layout: Layout, cluster: ClusterConfig) -> StepTime:
@@ -780,6 +808,12 @@ def layout_problem(model: ModelConfig, work: RoleWork, layout: Layout, cluster: 
             return f"ep={layout.ep} must divide dp={layout.dp} and num_experts={model.num_experts}"
         if work.parallel.dp_backend == "deepspeed" and work.mode == "train":
             return "expert parallelism needs dp_backend fsdp2 or ddp"
+    if layout.vpp > 1:
+        m = work.batch // max(1, layout.dp * layout.micro_batch_size)
+        if work.mode != "train" or layout.pp == 1 or model.num_layers % (layout.pp * layout.vpp) or m % layout.pp:
+            return f"vpp={layout.vpp} needs a training role, pp > 1, layers divisible by pp x vpp and micro-batches by pp"
+        if work.parallel.dp_backend != "ddp" and layout.dp > 1:
+            return "the interleaved schedule runs with dp_backend=ddp or dp=1"
     if layout.cp > 1:
         if work.mode != "train":
             return "context parallelism is for training roles"

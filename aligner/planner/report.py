@@ -44,7 +44,8 @@ def _layout_row(est: LayoutEstimate) -> str:
         f"{_gib(m.kv_cache)} {_gib(m.total)}  {t.total_s:9.2f} (compute {t.compute_s:.2f}, tp {t.tp_comm_s:.2f}, "
         f"dp {t.dp_comm_s:.2f}, bubble {t.bubble_s:.2f}, decode {t.decode_s:.2f}"
         + (f", all-to-all {t.a2a_s:.2f}" if t.a2a_s else "")
-        + (f", cp {t.cp_comm_s:.2f})" if t.cp_comm_s else ")")
+        + (f", cp {t.cp_comm_s:.2f}" if t.cp_comm_s else "")
+        + (f", pp {t.pp_comm_s:.2f})" if t.pp_comm_s else ")")
     )
 
 
@@ -90,6 +91,8 @@ def recommended_overrides(plan: Plan) -> list[str]:
         out.append(f"{name}.parallel.tp_size={lay.tp}{cp} {name}.parallel.pp_size={lay.pp} {name}.parallel.dp_size={lay.dp}")
         if lay.ep > 1:
             out[-1] += f" {name}.parallel.ep_size={lay.ep}"
+        if lay.vpp > 1:
+            out[-1] += f" {name}.parallel.virtual_pp_size={lay.vpp}"
         if rp.work.mode == "train":
             out.append(f"{name}.parallel.sequence_parallel={str(lay.sp).lower()} {name}.parallel.recompute={lay.recompute}")
     return out
@@ -144,6 +147,7 @@ def configured_layout(cfg: AlignerConfig, work: RoleWork) -> Layout:
         recompute=pc.recompute if work.mode == "train" else "none",
         ep=getattr(pc, "ep_size", 1) if work.mode == "train" else 1,
         cp=getattr(pc, "cp_size", 1) if work.mode == "train" else 1,
+        vpp=getattr(pc, "virtual_pp_size", 1) if work.mode == "train" else 1,
     )
 
 

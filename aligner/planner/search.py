@@ -258,11 +258,36 @@ def _cp_sizes(model: ModelConfig, work: RoleWork, devices: int) -> list[int]:
     return [c for c in (1, 2, 4, 8, 16) if devices % c == 0 and (c == 1 or work.seq_len // c >= 4096)]
 
 
+def _vpp_sizes(model: ModelConfig, work: RoleWork, pp: int, dp: int, mbs: int) -> list[int]:
+    """Model chunks per pipeline rank to try: 1, and for a training role with pp > 1 on ddp (or one dp
+    rank) 2 and 4 where pp x v divides the layers and the micro-batches per step are a multiple of pp."""
+    if work.mode != "train" or pp == 1 or (work.parallel.dp_backend != "ddp" and dp > 1):
+        return [1]
+    m = work.batch // max(1, dp * mbs)
+    return [1] + [v for v in (2, 4) if model.num_layers % (pp * v) == 0 and m % pp == 0]
+
+
+def _try_interleaving(model: ModelConfig, work: RoleWork, cluster: ClusterConfig, plan: RolePlan) -> None:
+    """When the best layout is a pipeline, add its interleaved variants (:func:`_vpp_sizes`) that fit,
+    ranked with the rest. Interleaving refines a pipeline layout rather than being a reason to choose
+    one: the cost model counts only the messages it adds, not plain 1F1B's, so it is not offered to
+    layouts without pipeline stages."""
+    best = plan.ranked[0].layout
+    if best.pp == 1:
+        return
+    for v in _vpp_sizes(model, work, best.pp, best.dp, best.micro_batch_size)[1:]:
+        r = evaluate_layout(model, work, replace(best, vpp=v), cluster)
+        if isinstance(r, LayoutEstimate):
+            plan.ranked.append(r)
+    plan.ranked.sort(key=lambda x: (x.time.total_s, x.memory.total))
+
+
 def candidate_layouts(model: ModelConfig, work: RoleWork, devices: int, minimal: bool = False) -> Iterable[Layout]:
     """Every tp x cp x pp x dp = devices with tp <= num_heads and pp dividing num_layers, each micro-batch
     size, recomputation and SP (training roles, tp > 1), for an MoE training role each ep dividing
     dp and num_experts (the rollout engine holds every expert per replica), and for a dense training
-    role the context-parallel sizes of :func:`_cp_sizes`. minimal: only the least-memory choices."""
+    role the context-parallel sizes of :func:`_cp_sizes`. minimal: only the least-memory choices.
+    (Interleaving is tried afterwards, on the best pipeline layout: :func:`plan_role`.)"""
     modes = (("full",) if minimal else RECOMPUTE_MODES) if work.mode == "train" else ("none",)
     for tp in _divisors(devices):
         if tp > model.num_heads:
@@ -301,6 +326,8 @@ def plan_role(model: ModelConfig, work: RoleWork, devices: int, cluster: Cluster
         if old is None or (r.estimate and old.estimate and r.estimate.memory.total < old.estimate.memory.total):
             closest[key] = r
     plan.ranked.sort(key=lambda x: (x.time.total_s, x.memory.total))
+    if plan.ranked and not minimal:
+        _try_interleaving(model, work, cluster, plan)
     plan.rejected = sorted(
         closest.values(), key=lambda r: (r.estimate is None, r.estimate.time.total_s if r.estimate else 0.0, r.layout.tp, r.layout.pp)
     )

@@ -285,7 +285,7 @@ class ModelRunner:
         self.runtime.train(False)
         try:
             if self.dims.pp_size > 1:  # row-count micro-batches only (the config refuses a budget with pp > 1)
-                out = pipeline_forward(self.runtime.model, self.dims, mbs, output_fn, broadcast=True).cpu()
+                out = pipeline_forward(getattr(self.runtime, "stages", self.runtime.model), self.dims, mbs, output_fn, broadcast=True).cpu()
                 return out[sum(mb["input_ids"].shape[0] for mb in mbs if mb.get(FILLER)) :]  # fillers come first
             outs = [output_fn(self.runtime(mb["input_ids"], **model_kwargs(mb)), mb) for mb in mbs]
         finally:

@@ -33,7 +33,7 @@ from aligner.nn import comm
 from aligner.parallel import data_parallel as dpmod
 from aligner.parallel.context_parallel import sync_cp_grads
 from aligner.parallel.dims import ParallelDims
-from aligner.parallel.parallelize import parallelize
+from aligner.parallel.parallelize import chunk_views, parallelize
 from aligner.parallel.pipeline import model_kwargs, pipeline_train_step
 from aligner.parallel.tensor_parallel import sync_tp_grads
 from aligner.runtime.adamw import build_adamw
@@ -168,6 +168,8 @@ class TrainRuntime:
         wrapped = parallelize(
             full, dims, parallel_cfg, data_parallel=self.backend != "deepspeed", lora=self.lora, lora_seed=seed, cp_group=dims.cp_group
         )
+        # interleaved 1F1B: the rank's model chunks (views sharing self.module's parameters), else None
+        self.chunks = chunk_views(self.module, dims, parallel_cfg.virtual_pp_size) if parallel_cfg.virtual_pp_size > 1 else None
         self.device = next(self.module.parameters()).device  # where batches must be (ModelRunner moves them)
         self.device_type = self.device.type
         if self.device_type == "cpu":
@@ -192,6 +194,11 @@ class TrainRuntime:
             params = [p for p in self.module.parameters() if p.requires_grad]
             self.optimizer = build_adamw(params, self.optim_cfg)  # torch's fused AdamW, or bf16 moments
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.optim_cfg, self.total_steps)
+
+    @property
+    def stages(self):
+        """What the pipeline schedules run: the rank's chunks (interleaved 1F1B) or the model."""
+        return self.chunks if self.chunks is not None else self.model
 
     @property
     def uses_autocast(self) -> bool:
@@ -229,7 +236,7 @@ class TrainRuntime:
         """
         if self.dims.pp_size > 1:
             with dpmod.autocast_context(self.uses_autocast, self.device_type):
-                return pipeline_train_step(self.model, self.dims, microbatches, loss_fn, loss_reduction=loss_reduction, finalize=False)
+                return pipeline_train_step(self.stages, self.dims, microbatches, loss_fn, loss_reduction=loss_reduction, finalize=False)
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}: valid choices are mean, sum")
         scale = 1.0 / len(microbatches) if loss_reduction == "mean" else 1.0

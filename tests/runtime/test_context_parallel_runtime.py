@@ -7,7 +7,7 @@ chunked log-prob head), its PPO update's metrics and EVERY parameter's gradient,
 values, value loss and gradients, must equal one process (fp32: outputs and metrics within 1e-5, the
 issue's bound, gradients within 1e-6 + 1e-5 relative): on cp=2, cp=2 with
 tp=2 and sequence parallelism, cp=2 with dp=2 (FSDP2 and DDP), cp=2 with pp=2 (1F1B), with
-token-budget micro-batches and a sequence-level loss aggregation, and with
+token-budget micro-batches and a sequence-level loss aggregation, with LoRA adapters, and with
 shared-prompt packing (whose rows score other samples' tokens than the next one). A checkpoint saved at cp=2 resumes at cp=1 with equal weights and Adam
 moments, and a cp layout the runtime cannot run is refused by the config, naming the field.
 """
@@ -18,83 +18,36 @@ import pytest
 import torch
 
 from aligner.actor.policy import Policy
-from aligner.config import AlgorithmConfig, ConfigError, OptimConfig, ParallelConfig
+from aligner.config import ConfigError, LoraConfig, ParallelConfig
 from aligner.critic.critic import Critic
 from aligner.parallel.dims import ParallelDims
-from aligner.protocol import build_sequences
 from tests.toolkit.models import tiny_model_config
+from tests.toolkit.roles import OPTIM, full_grads, ppo_algo, rl_batch
 from tests.toolkit.spawn import run_distributed
 
 pytestmark = pytest.mark.distributed
 
 CFG = tiny_model_config(init_std=0.2)
-OPTIM = OptimConfig(lr=1e-3, warmup_steps=0, schedule="constant", grad_clip=0.0)
-PROMPTS, RESPONSES = (3, 6, 2, 4), (9, 1, 3, 12)  # rows of 12, 7, 5, 16 tokens: 16 is padded to 4 cp chunks
+LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
 
 
-def _algo(loss_agg: str = "token-mean") -> AlgorithmConfig:
-    return AlgorithmConfig(
-        advantage="grpo", kl_coef=0.0, kl_loss_coef=0.0, entropy_coef=0.05, clip_eps=0.1, clip_eps_high=0.3, loss_agg=loss_agg
-    )
-
-
-def _batch(seed: int = 4, shared_prompt: bool = False) -> dict[str, torch.Tensor]:
-    """Four rows (two groups of two samples of one prompt when `shared_prompt`)."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(4, 64, (n,), generator=g).tolist() for n in PROMPTS]
-    if shared_prompt:
-        prompts = [prompts[0], prompts[0], prompts[1], prompts[1]]
-    responses = [torch.randint(4, 64, (n,), generator=g).tolist() for n in RESPONSES]
-    seq = build_sequences(prompts, responses, pad_id=0)
-    mask = seq["response_mask"]
-    return {
-        "input_ids": seq["input_ids"],
-        "prompt_lens": seq["prompt_lens"],
-        "response_mask": mask,
-        "advantages": torch.randn(mask.shape, generator=g) * mask,
-        "offset": torch.randn(mask.shape, generator=g) * 0.3,
-        "returns": torch.randn(mask.shape, generator=g) * mask,
-    }
-
-
-def _grads(runtime) -> dict[str, torch.Tensor]:
-    """Every parameter's full gradient (HF names): FSDP2's gathered, TP shards and PP stages through
-    the checkpoint's gather (the gradients swapped into the parameters' place for it)."""
-    from aligner.runtime.checkpoint import gather_full_state_dict_any
-
-    params = list(runtime.module.parameters())
-    if runtime.dims.tp_size == 1 and runtime.dims.pp_size == 1:
-        out = {}
-        for n, p in runtime.module.named_parameters():
-            g = p.grad.detach()
-            out[n] = g.full_tensor() if hasattr(g, "full_tensor") else g.clone()
-        return out
-    for p in params:
-        p.data, p.grad = p.grad, p.data
-    try:
-        return gather_full_state_dict_any(runtime)
-    finally:
-        for p in params:
-            p.data, p.grad = p.grad, p.data
-
-
-def _policy_step(par: ParallelConfig, dims: ParallelDims, batch: dict, budget: int = 0, loss_agg: str = "token-mean", pack_len: int = 0):
+def _policy_step(par: ParallelConfig, dims: ParallelDims, batch: dict, budget: int = 0, loss_agg: str = "token-mean", lora: bool = False):
     """(log_probs [B, R], ppo_update metrics, grads) of one policy update on `batch` (this rank's dp shard)."""
-    pol = Policy(CFG, par, OPTIM, dims, seed=0, micro_batch_tokens=budget)
+    pol = Policy(CFG, par, OPTIM, dims, seed=0, micro_batch_tokens=budget, lora=LORA if lora else None)
     assert getattr(pol.runtime.module, "cp_group", None) is dims.cp_group  # the attention runs across cp
-    lp = pol.log_probs(batch, micro_batch_size=2, pack_len=pack_len)
+    lp = pol.log_probs(batch, micro_batch_size=2)
     full = {k: v for k, v in batch.items() if k not in ("offset", "returns")}
     full["old_log_probs"] = (lp - batch["offset"]) * batch["response_mask"]
-    out = pol.ppo_update(full, _algo(loss_agg), micro_batch_size=2)
-    return lp, out, _grads(pol.runtime)
+    out = pol.ppo_update(full, ppo_algo(loss_agg), micro_batch_size=2)
+    return lp, out, full_grads(pol.runtime)
 
 
-def _critic_step(par: ParallelConfig, dims: ParallelDims, batch: dict):
-    critic = Critic(CFG, par, OPTIM, dims, seed=1)
+def _critic_step(par: ParallelConfig, dims: ParallelDims, batch: dict, lora: bool = False):
+    critic = Critic(CFG, par, OPTIM, dims, seed=1, lora=LORA if lora else None)
     values = critic.values(batch, micro_batch_size=2)
     keys = ("input_ids", "prompt_lens", "response_mask", "returns")
-    out = critic.value_step({**{k: batch[k] for k in keys}, "values": values}, _algo(), micro_batch_size=2)
-    return values, out, _grads(critic.runtime)
+    out = critic.value_step({**{k: batch[k] for k in keys}, "values": values}, ppo_algo(), micro_batch_size=2)
+    return values, out, full_grads(critic.runtime)
 
 
 LAYOUTS = {  # name: (world size, ParallelConfig fields)
@@ -106,23 +59,23 @@ LAYOUTS = {  # name: (world size, ParallelConfig fields)
 }
 
 
-def _battery(rank, world_size, fields, budget, loss_agg):
+def _battery(rank, world_size, fields, budget, loss_agg, lora):
     par = ParallelConfig(**fields)
     dims = ParallelDims(
         tp_size=par.tp_size, pp_size=par.pp_size, dp_size=par.dp_size, cp_size=par.cp_size, world_size=world_size, rank=rank
     ).build()
-    batch = _batch()
+    batch = rl_batch()
     rows = slice(2 * dims.dp_rank, 2 * dims.dp_rank + 2) if dims.dp_size == 2 else slice(None)
     shard = {k: v[rows] for k, v in batch.items()}
-    policy = _policy_step(par, dims, shard, budget, loss_agg)
-    critic = _critic_step(par, dims, shard)
+    policy = _policy_step(par, dims, shard, budget, loss_agg, lora)
+    critic = _critic_step(par, dims, shard, lora)
     return {"dp": dims.dp_rank, "pp": dims.pp_rank, "policy": policy, "critic": critic}
 
 
-def _reference(budget: int = 0, loss_agg: str = "token-mean"):
+def _reference(budget: int = 0, loss_agg: str = "token-mean", lora: bool = False):
     dims = ParallelDims(device_type="cpu")
-    batch = _batch()
-    return _policy_step(ParallelConfig(), dims, batch, budget, loss_agg), _critic_step(ParallelConfig(), dims, batch)
+    batch = rl_batch()
+    return _policy_step(ParallelConfig(), dims, batch, budget, loss_agg, lora), _critic_step(ParallelConfig(), dims, batch, lora)
 
 
 def _assert_equal(got: tuple, want: tuple, keys: tuple[str, ...], what: str) -> None:
@@ -136,23 +89,24 @@ def _assert_equal(got: tuple, want: tuple, keys: tuple[str, ...], what: str) -> 
 
 
 @pytest.mark.parametrize(
-    "layout, budget, loss_agg",
+    "layout, budget, loss_agg, lora",
     [
-        ("cp2", 0, "token-mean"),
-        ("cp2", 24, "seq-mean-token-mean"),
-        ("cp2 tp2 sp", 0, "token-mean"),
-        ("cp2 dp2 fsdp2", 0, "token-mean"),
-        ("cp2 dp2 ddp", 0, "token-mean"),
-        ("cp2 pp2", 0, "token-mean"),
+        ("cp2", 0, "token-mean", False),
+        ("cp2", 24, "seq-mean-token-mean", False),
+        ("cp2", 0, "token-mean", True),
+        ("cp2 tp2 sp", 0, "token-mean", False),
+        ("cp2 dp2 fsdp2", 0, "token-mean", False),
+        ("cp2 dp2 ddp", 0, "token-mean", False),
+        ("cp2 pp2", 0, "token-mean", False),
     ],
 )
-def test_cp_layouts_equal_one_process(layout, budget, loss_agg):
+def test_cp_layouts_equal_one_process(layout, budget, loss_agg, lora):
     world, fields = LAYOUTS[layout]
     # FSDP2's gradient DTensors are gathered in fresh processes: in pooled ones their mesh's process group
     # did not resolve after earlier tests (tests/runtime/test_token_budget.py saw the same)
     fresh = fields.get("dp_backend") == "fsdp2"
-    res = run_distributed(_battery, world_size=world, args=(fields, budget, loss_agg), timeout_s=240, fresh=fresh)
-    ref_policy, ref_critic = _reference(budget, loss_agg)
+    res = run_distributed(_battery, world_size=world, args=(fields, budget, loss_agg, lora), timeout_s=240, fresh=fresh)
+    ref_policy, ref_critic = _reference(budget, loss_agg, lora)
     by_dp = {}
     for r in res:  # outputs are returned on every rank of a dp replica: every cp rank must hold the same
         by_dp.setdefault(r["dp"], []).append(r)
@@ -170,7 +124,7 @@ def test_cp_layouts_equal_one_process(layout, budget, loss_agg):
 def _packed_battery(rank, world_size):
     dims = ParallelDims(cp_size=2, world_size=world_size, rank=rank).build()
     pol = Policy(CFG, ParallelConfig(cp_size=2), OPTIM, dims, seed=0)
-    batch = _batch(shared_prompt=True)
+    batch = rl_batch(shared_prompt=True)
     return pol.log_probs(batch, micro_batch_size=4, pack_len=64), pol.log_probs(batch, micro_batch_size=4)
 
 
@@ -179,7 +133,7 @@ def test_cp2_shared_prompt_packing_equals_one_process():
     keys in global order): the log-probs equal one process's, packed or not."""
     res = run_distributed(_packed_battery, world_size=2, timeout_s=120)
     pol = Policy(CFG, ParallelConfig(), OPTIM, ParallelDims(device_type="cpu"), seed=0)
-    ref = pol.log_probs(_batch(shared_prompt=True), micro_batch_size=4)
+    ref = pol.log_probs(rl_batch(shared_prompt=True), micro_batch_size=4)
     for packed, plain in res:
         torch.testing.assert_close(packed, ref, atol=1e-5, rtol=0)
         torch.testing.assert_close(plain, ref, atol=1e-5, rtol=0)
@@ -190,12 +144,12 @@ def _checkpoint_battery(rank, world_size, path):
 
     dims = ParallelDims(cp_size=2, dp_size=world_size // 2, world_size=world_size, rank=rank).build()
     par = ParallelConfig(cp_size=2, dp_size=world_size // 2)
-    batch = _batch()
+    batch = rl_batch()
     shard = {k: v[2 * dims.dp_rank : 2 * dims.dp_rank + 2] for k, v in batch.items()}
     pol = Policy(CFG, par, OPTIM, dims, seed=0)
     lp = pol.log_probs(shard, micro_batch_size=2)
     full = {k: v for k, v in shard.items() if k not in ("offset", "returns")}
-    pol.ppo_update({**full, "old_log_probs": (lp - shard["offset"]) * shard["response_mask"]}, _algo(), micro_batch_size=2)
+    pol.ppo_update({**full, "old_log_probs": (lp - shard["offset"]) * shard["response_mask"]}, ppo_algo(), micro_batch_size=2)
     save_checkpoint(pol.runtime, path)
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in pol.runtime.module.named_parameters()}
 
@@ -214,10 +168,10 @@ def test_checkpoint_saved_at_cp2_dp2_resumes_at_cp1(tmp_path):
         assert pol.runtime.optimizer.state[p]["exp_avg"].abs().sum() > 0, n
     # the same update at cp = 1 from the same seed lands on the same weights
     ref = Policy(CFG, ParallelConfig(), OPTIM, ParallelDims(device_type="cpu"), seed=0)
-    batch = _batch()
+    batch = rl_batch()
     lp = ref.log_probs(batch, micro_batch_size=2)
     full = {k: v for k, v in batch.items() if k not in ("offset", "returns")}
-    ref.ppo_update({**full, "old_log_probs": (lp - batch["offset"]) * batch["response_mask"]}, _algo(), micro_batch_size=2)
+    ref.ppo_update({**full, "old_log_probs": (lp - batch["offset"]) * batch["response_mask"]}, ppo_algo(), micro_batch_size=2)
     for n, p in ref.runtime.module.named_parameters():
         torch.testing.assert_close(res[0][n], p.detach(), atol=1e-5, rtol=0, msg=n)
 

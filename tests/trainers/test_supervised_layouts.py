@@ -1,10 +1,10 @@
-"""The SFT and RM stages on tp=2, pp=2, dp=2 and cp=2 give the tp=pp=dp=cp=1 losses (CPU, gloo, Ray).
+"""The SFT and RM stages on tp=2, pp=2 (1F1B and interleaved, v=2), dp=2 and cp=2 give the one-worker losses (CPU, gloo, Ray).
 
 Each stage runs in-process (one local Ray instance with a few logical CPUs for the module)
 for 3 steps per layout on the built-in task, with gradient accumulation in play
 (global batch 16, micro-batches of 4 per dp rank), and the per-step metrics.jsonl losses
 (plus the RM's accuracy/margin and the SFT validation loss) must match the
-single-worker run within 1e-4. Minimum runs: one reference and four layouts per stage.
+single-worker run within 1e-4. Minimum runs: one reference and five layouts per stage.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tests.toolkit.assertions import assert_metrics_match
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-LAYOUTS = {"tp2": (2, 1, 1, 1), "pp2": (1, 2, 1, 1), "dp2": (1, 1, 2, 1), "cp2": (1, 1, 1, 2)}
+LAYOUTS = {"tp2": (2, 1, 1, 1, 1), "pp2": (1, 2, 1, 1, 1), "pp2 v2": (1, 2, 1, 1, 2), "dp2": (1, 1, 2, 1, 1), "cp2": (1, 1, 1, 2, 1)}
 COMMON = [
     "trainer.progress=false",
     "trainer.max_steps=3",
@@ -33,15 +33,16 @@ COMMON = [
 STAGES = {"sft": (SFTTrainer, "actor", ("loss", "eval_loss")), "rm": (RMTrainer, "reward", ("loss", "accuracy", "margin", "eval_loss"))}
 
 
-def _run(stage: str, out, layout=(1, 1, 1, 1)) -> list[dict]:
+def _run(stage: str, out, layout=(1, 1, 1, 1, 1)) -> list[dict]:
     trainer_cls, role, _ = STAGES[stage]
-    tp, pp, dp, cp = layout
+    tp, pp, dp, cp, v = layout
     overrides = COMMON + [
         f"output_dir={out}",
         f"{role}.parallel.tp_size={tp}",
         f"{role}.parallel.pp_size={pp}",
         f"{role}.parallel.dp_size={dp}",
         f"{role}.parallel.cp_size={cp}",
+        f"{role}.parallel.virtual_pp_size={v}",
     ]
     assert trainer_cls(load_config(stage, overrides)).run() == 0
     return read_metrics(out / "metrics.jsonl")
@@ -55,4 +56,4 @@ def test_layouts_match_single_worker(ray_cluster, tmp_path, monkeypatch, stage):
     assert [r["step"] for r in ref] == [1, 2, 3]
     assert ref[0]["loss"] != ref[-1]["loss"], "the reference must train (the comparison would be vacuous otherwise)"
     for name, layout in LAYOUTS.items():
-        assert_metrics_match(_run(stage, tmp_path / name, layout), ref, keys, f"{stage} {name}")
+        assert_metrics_match(_run(stage, tmp_path / name.replace(" ", "_"), layout), ref, keys, f"{stage} {name}")
