@@ -37,6 +37,7 @@ from aligner.nn.layers import (
     ScalarHead,
     VocabParallelEmbedding,
     column_parallel_linears,
+    swiglu,
 )
 
 
@@ -160,7 +161,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x: [B, T(/tp), H] -> [B, T(/tp), H] (plus `residual` when given)."""
         gate, up = column_parallel_linears(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(F.silu(gate) * up, residual)
+        return self.down_proj(swiglu(gate, up), residual)
 
 
 class DecoderLayer(nn.Module):

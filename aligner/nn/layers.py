@@ -403,12 +403,67 @@ class VocabParallelEmbedding(ParallelLayer):
         return comm.reduce_from_tp(out, self.tp_group)
 
 
+class _RMSNormFn(torch.autograd.Function):
+    """weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype), saving for backward only x
+    (in its own dtype) and the fp32 rsqrt per row, not the fp32 copy and the normalized tensor the
+    op-by-op graph keeps (Megatron's and Apex's fused norms save the same); backward recomputes the
+    normalized rows and runs the op-by-op graph's backward ops in its order (equal gradients)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        h = x.float()
+        r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        y = (h * r).to(x.dtype)
+        ctx.save_for_backward(x, weight, r)
+        return weight * y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, r = ctx.saved_tensors
+        h = x.float()
+        y = (h * r).to(x.dtype)
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad * y).sum_to_size(weight.shape).to(weight.dtype)
+        grad_h = (grad * weight).to(x.dtype).float()  # y's gradient in y's dtype, then through .to(dtype) back to fp32
+        grad_r = (grad_h * h).sum(-1, keepdim=True)
+        grad_m = -0.5 * grad_r * r.pow(3)  # rsqrt'(m) = -r^3 / 2, in autograd's order
+        grad_x = grad_h * r + grad_m.expand_as(h) / h.shape[-1] * (2.0 * h)
+        return grad_x.to(x.dtype), grad_w, None
+
+
+class _SwiGLUFn(torch.autograd.Function):
+    """silu(gate) * up, saving only gate and up (the op-by-op graph also keeps silu(gate)): backward
+    recomputes silu(gate) and uses the same ``aten.silu_backward`` as autograd (equal gradients)."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        grad_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
+        return grad_gate, grad_up
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (Shazeer 2020), [..., I] each -> [..., I]; under autograd only gate and up are
+    saved for backward (2 of the 3 I-wide tensors the op-by-op graph keeps)."""
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return _SwiGLUFn.apply(gate, up)
+    return F.silu(gate) * up
+
+
 class RMSNorm(ParallelLayer):
     """Root-mean-square layer norm (Zhang & Sennrich 2019), computed in fp32 as HF Llama does.
 
     Forward: x: [..., H] -> [..., H] in x's dtype. The weight is replicated over tp;
     with sequence parallelism its gradient is partial per rank and is all-reduced over
-    the tp group by ``aligner.parallel.tensor_parallel.sync_tp_grads``.
+    the tp group by ``aligner.parallel.tensor_parallel.sync_tp_grads``. Under autograd only x and
+    the fp32 rsqrt per row are saved for backward (:class:`_RMSNormFn`).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5):
@@ -419,6 +474,8 @@ class RMSNorm(ParallelLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and not torch.is_grad_enabled():
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one kernel, the same math (inference)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNormFn.apply(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

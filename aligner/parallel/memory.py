@@ -12,19 +12,21 @@ uses it, and tests/parallel/test_memory.py checks it against measured saved byte
 Derivation for our Llama layer (elements saved per layer; s seq, b micro-batch, h hidden,
 a query heads, i SwiGLU width, t tp_size), term by term against the paper's GPT layer:
 
-    RMSNorm x2          2 * (input + normalized) sbh + 2 sb (rsqrt)     paper LayerNorm: input only (fused kernel)
+    RMSNorm x2          2 * input sbh + 2 sb (rsqrt)                    paper LayerNorm: input only (fused kernel)
+                        (aligner.nn.layers._RMSNormFn recomputes the normalized rows in backward)
     linear inputs       QKV input sbh + MLP input sbh                   same as paper
     attention           q, k, v (post-RoPE; GQA k/v repeated to a heads) same as paper (QK^T inputs, V)
                         + output-projection input sbh                   same as paper
                         + logsumexp a*sb                                paper: softmax 2as^2b + its dropout
                         + additive float mask b*s^2 (packed batches only) mask and output (fused flash kernel here)
-    SwiGLU              gate, up, silu(gate), product: 4 * sbi          paper GeLU: 4h input + 4h output
+    SwiGLU              gate, up, product: 3 * sbi                      paper GeLU: 4h input + 4h output
+                        (aligner.nn.layers.swiglu recomputes silu(gate) in backward)
     dropout             none (Llama has no dropout)                     paper: 2 sbh masks + as^2b mask
 
-    none:       sbh (10 + 4i/h + (a + 2)/h) [+ b s^2 packed]
-    TP:         norms and the two linear inputs are replicated: sbh (6 + 2/h) + sbh (4 + 4i/h + a/h) / t [+ b s^2]
+    none:       sbh (8 + 3i/h + (a + 2)/h) [+ b s^2 packed]
+    TP:         norms and the two linear inputs are replicated: sbh (4 + 2/h) + sbh (4 + 3i/h + a/h) / t [+ b s^2]
     TP + SP:    everything in T/t (linear inputs saved as the local shard, re-gathered in backward):
-                [sbh (10 + 4i/h + (a + 2)/h)] / t [+ b s^2]
+                [sbh (8 + 3i/h + (a + 2)/h)] / t [+ b s^2]
     selective:  the attention core (logsumexp, float mask) is recomputed: drop a*sb/t and b s^2;
                 its saved inputs k, v are the kv-head tensors (GQA repeat happens inside the core):
                 q, k, v cost sbh (1 + 2 kv/a) instead of 3 sbh
@@ -106,7 +108,7 @@ def layer_activation_bytes(
     precision: how the layer computes.
         fp32      fp32 parameters and activations (element size e = 4).
         bf16      bf16 parameters and activations (e = 2): FSDP2's and DeepSpeed's bf16 mixed
-                  precision. RMSNorm still keeps its statistics and normalized input in fp32.
+                  precision. RMSNorm keeps its fp32 statistic (one per row).
         autocast  fp32 parameters under ``torch.autocast(bfloat16)`` (DDP, or one dp rank): the
                   residual stream and the norms stay fp32; each linear saves its own bf16 cast of
                   its input (three casts of the shared q/k/v input, two of the gate/up input) and
@@ -117,11 +119,11 @@ def layer_activation_bytes(
     Raises ValueError: an unknown precision or recompute mode.
 
     Per token (elements x bytes), t-sharded terms / t, replicated terms / t only with SP:
-        norms      2 (4h + 2eh + 4) [fp32, bf16]; 2 (8h + 4) + 10 * 2h casts [autocast]
+        norms      2 (2eh + 4): input, output, rsqrt [fp32, bf16]; 2 (4h + 4) + 10 * 2h casts [autocast]
         attention  q, k, v (k, v repeated to a heads) 3 e q + output e q + fp32 log-sum-exp 4a;
                    selective keeps the core's inputs instead (e q + 2 e kv; autocast 4q + 6kv)
                    and the output, and drops the log-sum-exp and the mask
-        SwiGLU     gate, up, silu(gate), product: 4 e i
+        SwiGLU     gate, up, product: 3 e i (silu(gate) recomputed)
         full       only the layer input: e h (4h under autocast)
     """
     if precision not in PRECISIONS:
@@ -139,23 +141,23 @@ def layer_activation_bytes(
     q = a * hd
     kv = max(d.kv or a, t) * hd  # kv heads replicated when fewer than t: each rank holds one
     if auto:
-        # fp32 input + fp32 normalized + rsqrt per norm; bf16 input casts: one per linear without SP,
-        # with SP the local fp32 shard once per linear group (re-gathered in backward)
-        replicated = 2 * (8 * h + 4) + (2 * 4 * h if sequence_parallel else 5 * 2 * h)
+        # per norm its fp32 input and fp32 rsqrt (aligner.nn.layers._RMSNormFn); bf16 input casts: one per
+        # linear without SP, with SP the local fp32 shard once per linear group (re-gathered in backward)
+        replicated = 2 * (4 * h + 4) + (2 * 4 * h if sequence_parallel else 5 * 2 * h)
         if recompute == "selective":
             attn = 4 * q + 4 * kv + 2 * kv + 2 * q  # fp32 post-RoPE q, k; bf16 v; bf16 output
         else:
             attn = 3 * 2 * q + 2 * q + 4 * a
-        sharded = attn + 4 * 2 * i
+        sharded = attn + 3 * 2 * i  # SwiGLU: gate, up (aligner.nn.layers.swiglu) and the down projection's input
         weights = 2 * ((2 * q + 2 * kv) * h + 3 * h * i) / t  # bf16 casts of q, k, v, o, gate, up, down
         body = tokens * ((replicated / split) + sharded / t) + weights
     else:
-        replicated = 2 * (4 * h + 2 * e * h + 4)
+        replicated = 2 * (2 * e * h + 4)  # per norm: its input and rsqrt, and its output (the next linears' input)
         if recompute == "selective":
             attn = e * (q + 2 * kv) + e * q
         else:
             attn = 3 * e * q + e * q + 4 * a
-        sharded = attn + 4 * e * i
+        sharded = attn + 3 * e * i
         body = tokens * (replicated / split + sharded / t)
     mask_bytes = e * b * s * s if (mask and recompute == "none") else 0
     return body + mask_bytes
