@@ -503,3 +503,39 @@ def alternate_and_compare(trainer, peer, repeats: int, name: str, peer_name: str
             f"ratio aligner / TRL: {a / t:.2f}x of medians, {paired:.2f}x median of per-repeat pairs "
             f"(goal <= 0.5x: {'met' if max(a / t, paired) <= 0.5 else 'not met'})"
         )
+
+
+def _gloo_rank(rank: int, world: int, port: int, threads: int, fn: Callable, args: tuple, queue) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        queue.put((rank, fn(rank, world, *args)))
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def run_gloo_ranks(fn: Callable, world: int, args: tuple = (), threads: int = 1, timeout_s: float = 3600) -> list:
+    """fn(rank, world, *args) on `world` fresh spawned processes joined in a gloo group (none for one
+    rank), each with `threads` torch threads; returns the results by rank. `fn` must be picklable
+    (module level). Unlike tests.toolkit.spawn's pooled ranks, every call starts clean processes, as
+    a measurement wants."""
+    import torch.multiprocessing as mp
+
+    from aligner.runtime.ports import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port("127.0.0.1")
+    procs = [ctx.Process(target=_gloo_rank, args=(r, world, port, threads, fn, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=timeout_s) for _ in procs)
+    for p in procs:
+        p.join()
+    return [results[r] for r in range(world)]

@@ -24,11 +24,9 @@ neither is the transient full K/V of the layer being computed (2 kvh S hd elemen
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 
 def model_config(args):
@@ -71,32 +69,15 @@ def layer_bytes(cfg, seq_len: int, batch: int, group, mode: str, recompute: str)
     return saved_bytes(lambda x: block(x, cos, sin, None), h, exclude=[*model.parameters(), cos, sin])
 
 
-def _rank(rank: int, world: int, port: int, args, out) -> None:
-    os.environ.update(OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        cfg = model_config(args)
-        res = {s: layer_bytes(cfg, s, args.batch, dist.group.WORLD, "cp", args.recompute) for s in args.seq}
-        if rank == 0:
-            out.put(res)
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int, world: int, args) -> dict[int, int]:
+    cfg = model_config(args)
+    return {s: layer_bytes(cfg, s, args.batch, dist.group.WORLD, "cp", args.recompute) for s in args.seq}
 
 
 def run_cp(cp: int, args) -> dict[int, int]:
-    from tests.toolkit.spawn import free_port
+    from common import run_gloo_ranks
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, cp, port, args, q)) for r in range(cp)]
-    for p in procs:
-        p.start()
-    res = q.get(timeout=600)
-    for p in procs:
-        p.join()
-    return res
+    return run_gloo_ranks(_rank, cp, (args,), threads=1, timeout_s=600)[0]
 
 
 def main() -> None:

@@ -27,8 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -75,37 +73,17 @@ def _measure(args, cp: int, dims) -> dict:
     return out
 
 
-def _rank(rank: int, world: int, port: int, args, threads: int, queue) -> None:
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
+def _rank(rank: int, world: int, args) -> dict:
     from aligner.parallel.dims import ParallelDims
 
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        dims = ParallelDims(cp_size=world, world_size=world, rank=rank).build() if world > 1 else ParallelDims(device_type="cpu")
-        res = _measure(args, world, dims)
-        if rank == 0:
-            queue.put(res)
-    finally:
-        if world > 1:
-            dist.destroy_process_group()
+    dims = ParallelDims(cp_size=world, world_size=world, rank=rank).build() if world > 1 else ParallelDims(device_type="cpu")
+    return _measure(args, world, dims)
 
 
 def run(cp: int, args) -> dict:
-    from tests.toolkit.spawn import free_port
+    from common import run_gloo_ranks
 
-    cores = os.cpu_count() or 1
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, cp, port, args, max(1, cores // cp), q)) for r in range(cp)]
-    for p in procs:
-        p.start()
-    res = q.get(timeout=3600)
-    for p in procs:
-        p.join()
-    return res
+    return run_gloo_ranks(_rank, cp, (args,), threads=max(1, (os.cpu_count() or 1) // cp))[0]
 
 
 def main() -> None:

@@ -6,9 +6,9 @@ critic / reference), the script runs ``python -m aligner.<stage>`` twice in subp
 ``trainer.save_every=1``: once uninterrupted, once with ``trainer.max_restarts=3`` and
 ``trainer.hang_timeout_s`` short, injecting, each after the next checkpoint:
 
-1. SIGKILL to a worker of the first group (a process death);
-2. SIGSTOP to a worker (a hang: no progress until the watchdog names it and the run restarts);
-3. SIGKILL to the last-started group's worker (another role's death).
+1. SIGKILL to the first worker (the first group's rank 0: a process death);
+2. SIGSTOP to the first worker (a hang: no progress until the watchdog names it and the run restarts);
+3. SIGKILL to the last-started worker (in PPO another role's group; in SFT the actor's last rank).
 
 It then checks that the faulted run ended with exit 0, counted three restarts, and that every step's
 metrics equal the uninterrupted run's (wall-time keys ``time/`` and ``ranks/`` aside, and the restart
@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: tests.toolkit
+
+from tests.toolkit.processes import worker_shells  # noqa: E402
 
 COMMON = [
     "trainer.save_every=1",
@@ -59,36 +62,7 @@ STAGES = {
         ],
     ),
 }
-SKIP = ("time/", "ranks/", "restarts", "rollout_restarts", "weight_version")
-
-
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    return kids
-
-
-def workers(pid: int) -> list[int]:
-    """The run's ray::WorkerShell processes (descendants of the driver), oldest first."""
-    kids, out, todo = _children(), [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    shells = []
-    for p in out:
-        try:
-            if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"ray::WorkerShell"):
-                shells.append(p)
-        except OSError:
-            pass
-    return sorted(shells)
+SKIP = ("time/", "ranks/", "restarts", "rollout_restarts", "weight_version", "tokens_per_s", "step_time_s")  # wall times, counters
 
 
 def latest_step(out: Path) -> int:
@@ -124,30 +98,57 @@ def wait_checkpoint_past(proc: subprocess.Popen, out: Path, step: int, limit_s: 
     return time.monotonic() - t0
 
 
+def _rows(out: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def _wait_restarted(proc: subprocess.Popen, out: Path, n: int, limit_s: float = 900) -> dict:
+    """The first metrics row the run writes after its n-th restart (rows carry ``restarts``)."""
+    t0 = time.monotonic()
+    while True:
+        rows = [r for r in _rows(out) if r.get("restarts", 0) + r.get("rollout_restarts", 0) >= n]
+        if rows:
+            return rows[0]
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"the run ended (code {proc.returncode}) before restart {n} finished a step: {proc.communicate()[1][-3000:]}"
+            )
+        if time.monotonic() - t0 > limit_s:
+            raise RuntimeError(f"restart {n} finished no step within {limit_s:.0f} s")
+        time.sleep(0.1)
+
+
 def faulted_run(stage: str, out: Path, hang_s: float) -> tuple[subprocess.Popen, list[dict], float, str]:
-    """Run `stage` with the three faults injected; (the process, one dict per fault, wall seconds, stderr)."""
+    """Run `stage` with the three faults injected; (the process, one dict per fault, wall seconds, stderr).
+    Per fault: the seconds from the fault to the first step the restarted run finishes, and the steps
+    run again (those past the checkpoint it resumed from that had finished before the fault)."""
     proc = start(stage, out, ["trainer.max_restarts=3", f"trainer.hang_timeout_s={hang_s}"])
     t_start = time.monotonic()
     steps = STAGES[stage][0]
     faults = []
+    kinds = [
+        ("SIGKILL, first group", signal.SIGKILL, 0),
+        ("SIGSTOP (hang)", signal.SIGSTOP, 0),
+        ("SIGKILL, last group", signal.SIGKILL, -1),
+    ]
     try:
-        at = [max(1, steps // 5), max(2, steps // 2), max(3, (4 * steps) // 5)]
-        kinds = [
-            ("SIGKILL, first group", signal.SIGKILL, 0),
-            ("SIGSTOP (hang)", signal.SIGSTOP, 0),
-            ("SIGKILL, last group", signal.SIGKILL, -1),
-        ]
-        for step, (what, sig, pick) in zip(at, kinds):
+        for n, (step, (what, sig, pick)) in enumerate(zip([steps // 5, steps // 2, (4 * steps) // 5], kinds), start=1):
             wait_checkpoint_past(proc, out, step - 1)
-            shells = workers(proc.pid)
+            shells = worker_shells(proc.pid)
             if not shells:
                 raise RuntimeError("no ray::WorkerShell process found under the driver")
-            victim = shells[pick]
-            ckpt = latest_step(out)
             time.sleep(0.3)  # into the next step
-            os.kill(victim, sig)
-            healed_s = wait_checkpoint_past(proc, out, ckpt)
-            faults.append({"fault": what, "pid": victim, "after checkpoint": ckpt, "to the next checkpoint s": round(healed_s, 1)})
+            done = max((r["step"] for r in _rows(out)), default=0)
+            os.kill(shells[pick], sig)
+            t0 = time.monotonic()
+            first = _wait_restarted(proc, out, n)
+            lost = max(0, done - (first["step"] - 1))
+            faults.append(
+                {"fault": what, "pid": shells[pick], "steps done": done, "recovery s": round(time.monotonic() - t0, 1), "lost": lost}
+            )
         _, err = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:
@@ -184,10 +185,10 @@ def main() -> None:
                 diffs.append((step, k, v, other.get(k)))
     restarts = max((r.get("restarts", 0) + r.get("rollout_restarts", 0) for r in got.values()), default=0)
     print(f"stage {args.stage}: {max(want)} steps; uninterrupted {clean_s:.0f} s, with faults {faulted_s:.0f} s (exit {proc.returncode})")
-    print("| fault | pid | after checkpoint | seconds to the next checkpoint |")
+    print("| fault | steps finished before it | seconds to the first step after the restart | steps run again |")
     print("|---|---|---|---|")
     for f in faults:
-        print(f"| {f['fault']} | {f['pid']} | step {f['after checkpoint']} | {f['to the next checkpoint s']} |")
+        print(f"| {f['fault']} (pid {f['pid']}) | {f['steps done']} | {f['recovery s']} | {f['lost']} |")
     print(f"restarts counted in the metrics: {restarts}; steps with metrics: {sorted(got) == sorted(want)}")
     print(f"metric values that differ from the uninterrupted run: {len(diffs)}" + (f" (first: {diffs[:3]})" if diffs else ""))
     lines = [line for line in err.splitlines() if "restart" in line]

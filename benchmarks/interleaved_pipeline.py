@@ -15,14 +15,11 @@ printed beside the schedule's ideal bubble share of a step, (p - 1) / (v m + p -
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -56,32 +53,16 @@ def _measure(args, v: int, dims) -> dict:
     return out
 
 
-def _rank(rank: int, port: int, args, v: int, queue) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+def _rank(rank: int, world: int, args, v: int) -> dict:
     from aligner.parallel.dims import ParallelDims
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        dims = ParallelDims(pp_size=2, world_size=2, rank=rank).build()
-        queue.put((rank, _measure(args, v, dims)))
-    finally:
-        dist.destroy_process_group()
+    return _measure(args, v, ParallelDims(pp_size=2, world_size=world, rank=rank).build())
 
 
-def run(v: int, args) -> dict[int, dict]:
-    from tests.toolkit.spawn import free_port
+def run(v: int, args) -> list[dict]:
+    from common import run_gloo_ranks
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, args, v, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    res = dict(q.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join()
-    return res
+    return run_gloo_ranks(_rank, 2, (args, v), threads=1)
 
 
 def main() -> None:

@@ -18,9 +18,9 @@ from aligner import algorithms as alg
 from aligner.actor.policy import Policy
 from aligner.config import AlgorithmConfig, ConfigError, OptimConfig, ParallelConfig
 from aligner.parallel.dims import ParallelDims
-from aligner.protocol import build_sequences
 from aligner.runtime.runner import budget_micro_batches, row_lengths
 from tests.toolkit.models import tiny_model_config
+from tests.toolkit.roles import rl_batch
 from tests.toolkit.spawn import run_distributed
 
 CFG = tiny_model_config(init_std=0.2)
@@ -29,18 +29,8 @@ PROMPTS, RESPONSES = (3, 6, 2, 4, 2, 5), (9, 1, 3, 12, 2, 6)  # rows of 12, 7, 5
 
 
 def _batch(seed: int = 4) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(4, 64, (n,), generator=g).tolist() for n in PROMPTS]
-    responses = [torch.randint(4, 64, (n,), generator=g).tolist() for n in RESPONSES]
-    seq = build_sequences(prompts, responses, pad_id=0)
-    mask = seq["response_mask"]
-    return {
-        "input_ids": seq["input_ids"],
-        "prompt_lens": seq["prompt_lens"],
-        "response_mask": mask,
-        "advantages": torch.randn(mask.shape, generator=g) * mask,
-        "offset": torch.randn(mask.shape, generator=g) * 0.3,
-    }
+    """The six ragged rows: input_ids, prompt_lens, response_mask, advantages and offset [B, R]."""
+    return {k: v for k, v in rl_batch(seed, prompt_lens=PROMPTS, response_lens=RESPONSES).items() if k != "returns"}
 
 
 def _policy(budget: int, dims: ParallelDims = None, backend: str = "ddp") -> Policy:

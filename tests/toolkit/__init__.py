@@ -12,5 +12,6 @@ Test modules import from here and never from each other (tests/test_toolkit.py c
 - :mod:`tests.toolkit.layouts`: tp x pp runs against the single-process model (``run_layout``);
 - :mod:`tests.toolkit.training`: seeded batches and ``TrainRuntime`` runs for the dp / ep / checkpoint tests;
 - :mod:`tests.toolkit.generation`: the no-cache greedy reference of the rollout engines;
-- :mod:`tests.toolkit.roles`: a ragged RL batch, PPO settings and full gradients for the role layout tests.
+- :mod:`tests.toolkit.roles`: a ragged RL batch, PPO settings and full gradients for the role layout tests;
+- :mod:`tests.toolkit.processes`: a driver's Ray worker processes from /proc (the fault-injection runs).
 """

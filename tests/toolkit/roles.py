@@ -19,15 +19,17 @@ def ppo_algo(loss_agg: str = "token-mean") -> AlgorithmConfig:
     )
 
 
-def rl_batch(seed: int = 4, shared_prompt: bool = False) -> dict[str, torch.Tensor]:
-    """Four right-padded prompt + response rows (two groups of two samples of one prompt when
-    `shared_prompt`): input_ids, prompt_lens, response_mask, advantages, returns [B, R], and
-    ``offset`` [B, R] (old log-probs = current - offset, so the PPO ratio is not 1)."""
+def rl_batch(
+    seed: int = 4, shared_prompt: bool = False, prompt_lens: tuple = PROMPTS, response_lens: tuple = RESPONSES
+) -> dict[str, torch.Tensor]:
+    """Right-padded prompt + response rows of the given lengths (default four; two groups of two
+    samples of one prompt when `shared_prompt`): input_ids, prompt_lens, response_mask, advantages,
+    returns [B, R], and ``offset`` [B, R] (old log-probs = current - offset, so the PPO ratio is not 1)."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(4, 64, (n,), generator=g).tolist() for n in PROMPTS]
+    prompts = [torch.randint(4, 64, (n,), generator=g).tolist() for n in prompt_lens]
     if shared_prompt:
         prompts = [prompts[0], prompts[0], prompts[1], prompts[1]]
-    responses = [torch.randint(4, 64, (n,), generator=g).tolist() for n in RESPONSES]
+    responses = [torch.randint(4, 64, (n,), generator=g).tolist() for n in response_lens]
     seq = build_sequences(prompts, responses, pad_id=0)
     mask = seq["response_mask"]
     return {

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.toolkit.processes import alive, cmdline, descendants, worker_shells
+
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 DEADLINE_S = 30.0  # from the kill to the driver's exit
@@ -54,42 +56,6 @@ ARGS = [
 ]
 
 
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    return kids
-
-
-def descendants(pid: int) -> list[int]:
-    kids, out, todo = _children(), [], [pid]
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def start_ppo(out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "aligner.ppo", *ARGS, f"output_dir={out}", *extra],
@@ -109,7 +75,7 @@ def _workers(pid: int, wait_s: float = 120) -> list[int]:
     """The driver's ray::WorkerShell descendants, once there are some (within wait_s)."""
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        found = sorted(p for p in descendants(pid) if cmdline(p).startswith("ray::WorkerShell"))
+        found = worker_shells(pid)
         if found:
             return found
         time.sleep(0.2)
