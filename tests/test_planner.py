@@ -687,3 +687,20 @@ def test_interleaved_schedule_halves_the_bubble_for_more_activations_and_message
     inter = [r.layout for r in ranked if r.layout.vpp > 1]
     assert inter and all(dataclasses.replace(x, vpp=1) in [r.layout for r in ranked] for x in inter)
     assert all(x.pp > 1 and x.dp == 1 for x in inter), "fsdp2 interleaves only with one dp rank"
+
+
+def test_nodes_left_idle_rather_than_no_plan():
+    """Llama 2 70B PPO on 3 colocated nodes: no layout uses all 24 GPUs (mini batch 128 is not divisible
+    by a dp that 24 leaves), where 16 fit; the planner used to refuse the cluster and name a smaller one
+    (2 nodes) as the smallest that fits. Now the trained roles leave a node idle, the colocated engine
+    (in the actor's processes) has the actor's devices, and the overrides say how many nodes to ask for."""
+    from aligner.planner import recommended_overrides
+
+    cfg = load_config("plan", ["conf=llama2_70b", "cluster.num_nodes=3", "cluster.placement=colocated"])
+    plan = make_plan(cfg)
+    actor = plan.roles["actor"]
+    assert actor.best is not None and actor.devices == 16 and actor.idle == 8
+    assert plan.roles["rollout"].devices == actor.devices
+    assert any("actor.resources.num_nodes=2" in o for o in recommended_overrides(plan))
+    assert "8 more of its group idle" in format_plan(plan)
+    assert plan.roles["ref"].idle == 0  # a forward-only role that fits all 24 uses them

@@ -67,7 +67,8 @@ def format_role(plan: RolePlan, model: Optional[ModelConfig] = None) -> str:
     """A readable table of one role's ranked layouts (GiB, seconds) and best rejected layouts; with
     `model`, a trained role's line of training-state bytes per parameter (:func:`train_state_line`)."""
     what = {"train": "training", "forward": "inference", "generate": "rollout engine"}[plan.work.mode]
-    lines = [f"{plan.role} ({what}, {plan.devices} devices):"]
+    idle = f", {plan.idle} more of its group idle: no layout fits them all" if plan.idle else ""
+    lines = [f"{plan.role} ({what}, {plan.devices} devices{idle}):"]
     if model is not None and plan.work.mode == "train":
         lines.append(f"  {train_state_line(plan.work, model)}")
     lines.append(f"  {'layout':<50} {'weights':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'kv':>7} {'total':>7}  {'step s':>9}")
@@ -93,6 +94,8 @@ def recommended_overrides(plan: Plan) -> list[str]:
             out[-1] += f" {name}.parallel.ep_size={lay.ep}"
         if lay.vpp > 1:
             out[-1] += f" {name}.parallel.virtual_pp_size={lay.vpp}"
+        if rp.idle and name != "rollout":  # the role's group has more nodes than its layout uses
+            out[-1] += f" {name}.resources.num_nodes={rp.devices // devices_per_node(plan.cluster)}"
         if rp.work.mode == "train":
             out.append(f"{name}.parallel.sequence_parallel={str(lay.sp).lower()} {name}.parallel.recompute={lay.recompute}")
     return out

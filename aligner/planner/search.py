@@ -30,6 +30,7 @@ class RolePlan:
     devices: int
     ranked: list[LayoutEstimate] = field(default_factory=list)
     rejected: list[Rejected] = field(default_factory=list)
+    idle: int = 0  # devices of the role's group it leaves idle (whole nodes: no layout fits them all)
 
     @property
     def best(self) -> Optional[LayoutEstimate]:
@@ -361,9 +362,19 @@ def _plan_on(
     works = role_works(cfg)
 
     def role_plan(work: RoleWork, nodes: int) -> RolePlan:
+        """The role's plan on its group's `nodes` nodes, or, when no layout uses every device, on the
+        most nodes of them some layout fits (the rest idle: 48 GPUs are 3 x 16, a factor a 70B layout
+        may not absorb where 32 of them fit)."""
         key = (work.role, nodes, minimal)
         if key not in cache:
-            cache[key] = plan_role(cfg.model, work, nodes * g, cluster, minimal)
+            plan = plan_role(cfg.model, work, nodes * g, cluster, minimal)
+            for fewer in range(nodes - 1, 0, -1) if plan.best is None and work.group != ROLLOUT else ():
+                smaller = plan_role(cfg.model, work, fewer * g, cluster, minimal)
+                if smaller.best is not None:
+                    smaller.idle = (nodes - fewer) * g
+                    plan = smaller
+                    break
+            cache[key] = plan
         return cache[key]
 
     groups = {w.group for w in works} - {ROLLOUT}
@@ -377,6 +388,11 @@ def _plan_on(
     for a, c in options:
         nodes = {ROLLOUT: rollout_nodes, "actor": a, "critic": c if split else a}
         roles = {w.role: role_plan(w, nodes[w.group]) for w in works}
+        actor = roles.get("actor")
+        for w in works:  # a colocated engine lives in the actor's processes: it has the actor's devices, idle ones too
+            if w.mode == "generate" and w.group == "actor" and actor is not None and actor.idle and actor.best is not None:
+                roles[w.role] = plan_role(cfg.model, w, actor.devices, cluster, minimal)
+                roles[w.role].idle = actor.idle
         missing = [p for p in roles.values() if p.best is None]
         if missing:
             p = missing[0]
