@@ -7,8 +7,8 @@ chunked log-prob head), its PPO update's metrics and EVERY parameter's gradient,
 values, value loss and gradients, must equal one process (fp32: outputs and metrics within 1e-5, the
 issue's bound, gradients within 1e-6 + 1e-5 relative): on cp=2, cp=2 with
 tp=2 and sequence parallelism, cp=2 with dp=2 (FSDP2 and DDP), cp=2 with pp=2 (1F1B), with
-token-budget micro-batches and a sequence-level loss aggregation, with LoRA adapters, and with
-shared-prompt packing (whose rows score other samples' tokens than the next one). A checkpoint saved at cp=2 resumes at cp=1 with equal weights and Adam
+token-budget micro-batches and a sequence-level loss aggregation, with LoRA adapters, at cp=4, with
+packed SFT rows (several documents a row) and with shared-prompt packing (whose rows score other samples' tokens than the next one). A checkpoint saved at cp=2 resumes at cp=1 with equal weights and Adam
 moments, and a cp layout the runtime cannot run is refused by the config, naming the field.
 """
 
@@ -56,6 +56,7 @@ LAYOUTS = {  # name: (world size, ParallelConfig fields)
     "cp2 dp2 fsdp2": (4, {"cp_size": 2, "dp_size": 2, "dp_backend": "fsdp2"}),
     "cp2 dp2 ddp": (4, {"cp_size": 2, "dp_size": 2, "dp_backend": "ddp"}),
     "cp2 pp2": (4, {"cp_size": 2, "pp_size": 2}),
+    "cp4": (4, {"cp_size": 4}),
 }
 
 
@@ -98,6 +99,7 @@ def _assert_equal(got: tuple, want: tuple, keys: tuple[str, ...], what: str) -> 
         ("cp2 dp2 fsdp2", 0, "token-mean", False),
         ("cp2 dp2 ddp", 0, "token-mean", False),
         ("cp2 pp2", 0, "token-mean", False),
+        ("cp4", 0, "token-mean", False),
     ],
 )
 def test_cp_layouts_equal_one_process(layout, budget, loss_agg, lora):
@@ -137,6 +139,32 @@ def test_cp2_shared_prompt_packing_equals_one_process():
     for packed, plain in res:
         torch.testing.assert_close(packed, ref, atol=1e-5, rtol=0)
         torch.testing.assert_close(plain, ref, atol=1e-5, rtol=0)
+
+
+def _packed_sft(dims: ParallelDims, cp: int) -> tuple[dict, dict]:
+    """One SFT step on packed rows (documents of 5, 7 and 4 tokens, then padding: segment_ids restart
+    the positions and block attention between documents): (metrics, every parameter's gradient)."""
+    g = torch.Generator().manual_seed(9)
+    seg = torch.tensor([[1] * 5 + [2] * 7 + [3] * 4, [1] * 9 + [2] * 4 + [0] * 3])
+    ids = torch.randint(4, 64, seg.shape, generator=g) * (seg > 0)
+    loss_mask = (seg > 0).long()
+    pol = Policy(CFG, ParallelConfig(cp_size=cp), OPTIM, dims, seed=0)
+    out = pol.sft_step({"input_ids": ids, "segment_ids": seg, "loss_mask": loss_mask}, micro_batch_size=1)
+    return out, full_grads(pol.runtime)
+
+
+def _packed_sft_battery(rank, world_size):
+    return _packed_sft(ParallelDims(cp_size=2, world_size=world_size, rank=rank).build(), 2)
+
+
+def test_cp2_packed_sft_rows_equal_one_process():
+    """Packed SFT sequences (several documents per row) through the runtime at cp = 2: the mask of the
+    documents travels with global keys, the loss and every gradient equal one process's."""
+    want, want_grads = _packed_sft(ParallelDims(device_type="cpu"), 1)
+    for got, grads in run_distributed(_packed_sft_battery, world_size=2, timeout_s=120):
+        assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
+        for n, g in want_grads.items():
+            torch.testing.assert_close(grads[n], g, atol=1e-6, rtol=1e-5, msg=n)
 
 
 def _checkpoint_battery(rank, world_size, path):
