@@ -689,18 +689,34 @@ def test_interleaved_schedule_halves_the_bubble_for_more_activations_and_message
     assert all(x.pp > 1 and x.dp == 1 for x in inter), "fsdp2 interleaves only with one dp rank"
 
 
-def test_nodes_left_idle_rather_than_no_plan():
-    """Llama 2 70B PPO on 3 colocated nodes: no layout uses all 24 GPUs (mini batch 128 is not divisible
-    by a dp that 24 leaves), where 16 fit; the planner used to refuse the cluster and name a smaller one
-    (2 nodes) as the smallest that fits. Now the trained roles leave a node idle, the colocated engine
-    (in the actor's processes) has the actor's devices, and the overrides say how many nodes to ask for."""
+def test_uneven_stages_and_idle_nodes_rather_than_no_plan():
+    """Llama 2 70B PPO on 3 colocated nodes: the planner used to refuse it ("mini_batch_size=128 not
+    divisible by dp=24"; the smallest cluster that fits: 2 nodes). Pipelines of unequal stages (80
+    layers on pp = 3: 27, 27, 26, paced by the deepest) now use all 24 GPUs. Where no layout uses every
+    device at all (the tiny model on 7 CPU nodes: 7 is prime, above its 4 heads and 4 layers, and 64
+    samples do not split 7 ways), the trained roles leave a node idle, the colocated engine (in the
+    actor's processes) gets the actor's devices, and the overrides name the nodes to ask for."""
     from aligner.planner import recommended_overrides
 
-    cfg = load_config("plan", ["conf=llama2_70b", "cluster.num_nodes=3", "cluster.placement=colocated"])
-    plan = make_plan(cfg)
+    plan = make_plan(load_config("plan", ["conf=llama2_70b", "cluster.num_nodes=3", "cluster.placement=colocated"]))
     actor = plan.roles["actor"]
-    assert actor.best is not None and actor.devices == 16 and actor.idle == 8
-    assert plan.roles["rollout"].devices == actor.devices
-    assert any("actor.resources.num_nodes=2" in o for o in recommended_overrides(plan))
-    assert "8 more of its group idle" in format_plan(plan)
-    assert plan.roles["ref"].idle == 0  # a forward-only role that fits all 24 uses them
+    assert actor.devices == 24 and actor.idle == 0 and actor.best.layout.pp == 3
+    plan = make_plan(load_config("plan", ["conf=tiny", "cluster.num_nodes=7", "cluster.placement=colocated"]))
+    actor = plan.roles["actor"]
+    assert actor.best is not None and actor.devices == 6 and actor.idle == 1
+    assert plan.roles["rollout"].devices == actor.devices and plan.roles["ref"].idle == 0
+    assert any("actor.resources.num_nodes=6" in o for o in recommended_overrides(plan))
+    assert "1 more of its group idle" in format_plan(plan)
+
+
+def test_unequal_stages_are_paced_by_the_deepest():
+    """pp = 3 over 80 layers (27, 27, 26) costs 27 * 3 / 80 of an even split's compute per device."""
+    m = ModelConfig(**LLAMA2["70b"], max_seq_len=4096, dtype="bfloat16")
+    work = RoleWork(
+        role="actor", kind="lm", mode="train", parallel=ParallelConfig(mixed_precision="bf16"), batch=16, batch_field="b", seq_len=2048
+    )
+    cluster = ClusterConfig(num_nodes=3, gpus_per_node=8, gpu_mem_gb=80)
+    three = estimate_layout(m, work, Layout(tp=8, pp=3, dp=1, micro_batch_size=1, recompute="full"), cluster)
+    four = estimate_layout(m, work, Layout(tp=8, pp=4, dp=1, micro_batch_size=1, recompute="full"), cluster)
+    # compute per device: FLOPs / devices, times 27 * 3 / 80 for the unequal split
+    assert three.time.compute_s / four.time.compute_s == pytest.approx((4 / 3) * (27 * 3 / 80))

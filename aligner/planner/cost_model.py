@@ -655,8 +655,11 @@ def _dp_gbps(layout: Layout, cluster: ClusterConfig) -> float:
 def _pass_time(
     flops: float, mb: int, layers: int, colls: int, layout: Layout, model: ModelConfig, e: int, seq: int, cluster: ClusterConfig
 ) -> tuple[float, float, float]:
-    """(compute, tp comm, bubble) seconds of `mb` micro-batches through the pipeline."""
-    compute = compute_seconds(flops, layout.devices, cluster)
+    """(compute, tp comm, bubble) seconds of `mb` micro-batches through the pipeline. `layers`: the
+    first (largest) stage's; with stages of unequal depth (num_layers not divisible by pp: the first
+    num_layers % pp stages take one more) the pipeline runs at that stage's pace, so the compute is
+    scaled by layers * pp / num_layers."""
+    compute = compute_seconds(flops, layout.devices, cluster) * layers * layout.pp / model.num_layers
     size = layout.micro_batch_size * seq // layout.cp * model.hidden_size * e  # a cp rank's tokens
     tp_comm = mb * layers * colls * ring_allreduce_seconds(size, layout.tp, cluster.intra_node_gbps)
     bubble = (compute + tp_comm) * pipeline_bubble_fraction(layout.pp, mb, layout.vpp)

@@ -294,8 +294,8 @@ def candidate_layouts(model: ModelConfig, work: RoleWork, devices: int, minimal:
         if tp > model.num_heads:
             continue
         for pp in _divisors(devices // tp):
-            if model.num_layers % pp:
-                continue  # even stages only (pp_layer_split is for hand-made layouts)
+            if pp > model.num_layers:
+                continue  # uneven stages allowed (the runtime's default split: the first num_layers % pp take one more)
             if work.group == ROLLOUT and tp * pp > 1:
                 continue  # the split placement's engines are whole replicas
             for cp in _cp_sizes(model, work, devices // (tp * pp)):
