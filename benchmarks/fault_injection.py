@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: tests.toolkit
 
+from aligner.tracking import read_metrics  # noqa: E402
 from tests.toolkit.processes import worker_shells  # noqa: E402
 
 COMMON = [
@@ -73,52 +74,53 @@ def latest_step(out: Path) -> int:
         return 0
 
 
-def metrics(out: Path) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["step"]: r for r in rows}
-
-
 def start(stage: str, out: Path, extra: list[str]) -> subprocess.Popen:
     steps, args = STAGES[stage]
     cmd = [sys.executable, "-m", f"aligner.{stage}", *COMMON, *args, f"trainer.max_steps={steps}", f"output_dir={out}", *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def wait_checkpoint_past(proc: subprocess.Popen, out: Path, step: int, limit_s: float = 900) -> float:
-    """Seconds until a checkpoint past `step` exists (the run must still be going)."""
+def _wait_for(proc: subprocess.Popen, probe, what: str, limit_s: float = 900):
+    """Poll `probe()` until it returns something other than None, while the run goes on; returns it.
+    Raises RuntimeError (with the run's stderr) when the run ends first or `limit_s` passes."""
     t0 = time.monotonic()
-    while latest_step(out) <= step:
+    while (found := probe()) is None:
         if proc.poll() is not None:
-            raise RuntimeError(
-                f"the run ended (code {proc.returncode}) before a checkpoint past step {step}: {proc.communicate()[1][-3000:]}"
-            )
+            raise RuntimeError(f"the run ended (code {proc.returncode}) before {what}: {proc.communicate()[1][-3000:]}")
         if time.monotonic() - t0 > limit_s:
-            raise RuntimeError(f"no checkpoint past step {step} within {limit_s:.0f} s")
-        time.sleep(0.2)
-    return time.monotonic() - t0
+            raise RuntimeError(f"no {what} within {limit_s:.0f} s")
+        time.sleep(0.1)
+    return found
+
+
+def wait_checkpoint_past(proc: subprocess.Popen, out: Path, step: int) -> int:
+    """The latest checkpoint's step once it is past `step`."""
+    return _wait_for(proc, lambda: latest_step(out) if latest_step(out) > step else None, f"a checkpoint past step {step}")
 
 
 def _rows(out: Path) -> list[dict]:
+    """The metrics rows written so far (a file being written: a cut last line is skipped silently)."""
     try:
-        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except OSError:
         return []
+    rows = []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass
+    return rows
 
 
-def _wait_restarted(proc: subprocess.Popen, out: Path, n: int, limit_s: float = 900) -> dict:
+def _wait_restarted(proc: subprocess.Popen, out: Path, n: int) -> dict:
     """The first metrics row the run writes after its n-th restart (rows carry ``restarts``)."""
-    t0 = time.monotonic()
-    while True:
+
+    def probe():
         rows = [r for r in _rows(out) if r.get("restarts", 0) + r.get("rollout_restarts", 0) >= n]
-        if rows:
-            return rows[0]
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"the run ended (code {proc.returncode}) before restart {n} finished a step: {proc.communicate()[1][-3000:]}"
-            )
-        if time.monotonic() - t0 > limit_s:
-            raise RuntimeError(f"restart {n} finished no step within {limit_s:.0f} s")
-        time.sleep(0.1)
+        return rows[0] if rows else None
+
+    return _wait_for(proc, probe, f"a step finished after restart {n}")
 
 
 def faulted_run(stage: str, out: Path, hang_s: float) -> tuple[subprocess.Popen, list[dict], float, str]:
@@ -130,9 +132,9 @@ def faulted_run(stage: str, out: Path, hang_s: float) -> tuple[subprocess.Popen,
     steps = STAGES[stage][0]
     faults = []
     kinds = [
-        ("SIGKILL, first group", signal.SIGKILL, 0),
-        ("SIGSTOP (hang)", signal.SIGSTOP, 0),
-        ("SIGKILL, last group", signal.SIGKILL, -1),
+        ("SIGKILL, the first worker", signal.SIGKILL, 0),
+        ("SIGSTOP (hang), the first worker", signal.SIGSTOP, 0),
+        ("SIGKILL, the last-started worker", signal.SIGKILL, -1),
     ]
     try:
         for n, (step, (what, sig, pick)) in enumerate(zip([steps // 5, steps // 2, (4 * steps) // 5], kinds), start=1):
@@ -174,7 +176,7 @@ def main() -> None:
     if clean.returncode != 0:
         raise SystemExit(f"the uninterrupted run failed (code {clean.returncode}): {err[-3000:]}")
     proc, faults, faulted_s, err = faulted_run(args.stage, root / "faulted", args.hang_timeout_s)
-    want, got = metrics(root / "clean"), metrics(root / "faulted")
+    want, got = ({r["step"]: r for r in read_metrics(root / name / "metrics.jsonl")} for name in ("clean", "faulted"))
     diffs = []
     for step, row in want.items():
         other = got.get(step, {})

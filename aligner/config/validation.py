@@ -296,7 +296,7 @@ def longest_row(cfg: AlignerConfig) -> tuple[int, str]:
     return cfg.data.max_seq_len, f"data.max_seq_len={cfg.data.max_seq_len}"
 
 
-TRAINED_ROLES = {"sft": ("actor",), "dpo": ("actor",), "rm": ("reward",), "ppo": ("actor", "critic")}
+STAGE_TRAINED_ROLES = {"sft": ("actor",), "dpo": ("actor",), "rm": ("reward",), "ppo": ("actor", "critic")}
 
 
 def validate_interleaved(cfg: AlignerConfig) -> None:
@@ -306,7 +306,7 @@ def validate_interleaved(cfg: AlignerConfig) -> None:
     DPO: rows, pairs, pairs) or mini_batch_size (PPO)."""
     t = cfg.trainer
     samples = t.mini_batch_size if cfg.stage == "ppo" else t.global_batch_size
-    for role in TRAINED_ROLES.get(cfg.stage, ()):
+    for role in STAGE_TRAINED_ROLES.get(cfg.stage, ()):
         par = cfg.role(role).parallel
         if par.virtual_pp_size == 1:
             continue

@@ -101,12 +101,15 @@ def rank_major_order(seq_len: int, cp_size: int, device=None) -> torch.Tensor:
 
 def pad_to_cp(x: torch.Tensor, cp_size: int, value=0, dim: int = SEQ) -> torch.Tensor:
     """x padded at the end of `dim` with `value` to a multiple of 2 * cp_size (x itself when it is one)."""
-    n = x.shape[dim]
-    extra = padded_len(n, cp_size) - n
-    if extra == 0:
+    return _pad_to(x, padded_len(x.shape[dim], cp_size), value, dim)
+
+
+def _pad_to(x: torch.Tensor, s: int, value, dim: int = SEQ) -> torch.Tensor:
+    """x right-padded along `dim` with `value` to `s` positions (x itself when it has them)."""
+    if x.shape[dim] == s:
         return x
     shape = list(x.shape)
-    shape[dim] = extra
+    shape[dim] = s - x.shape[dim]
     return torch.cat([x, x.new_full(shape, value)], dim=dim)
 
 
@@ -288,19 +291,8 @@ def cp_inputs(
     }
 
 
-def _pad_to(x: torch.Tensor, s: int, value) -> torch.Tensor:
-    """x [B, S0, ...] right-padded with `value` to S = s positions."""
-    if x.shape[SEQ] == s:
-        return x
-    shape = list(x.shape)
-    shape[SEQ] = s - x.shape[SEQ]
-    return torch.cat([x, x.new_full(shape, value)], dim=SEQ)
-
-
 # ---- the runtime's micro-batches -----------------------------------------------------------------
 SOURCE = "_cp_source"  # key of a cp micro-batch holding the micro-batch it was cut from
-
-
 HELD = "_cp_held"  # key of a cp micro-batch: [b, R] bool, which head positions this rank holds
 
 
@@ -383,11 +375,7 @@ def split_shifted(x: torch.Tensor, group: Optional[dist.ProcessGroup], value=0) 
     """A per-token tensor aligned with next-token labels, [B, S0 - 1, ...] (position t scores token
     t + 1: loss masks, advantages, old log-probs) -> this rank's [B, 2c, ...], padded with `value`
     (0: masked) to S = padded_len(S0) first."""
-    cp = comm.group_size(group)
-    s = padded_len(x.shape[SEQ] + 1, cp)
-    shape = list(x.shape)
-    shape[SEQ] = s - x.shape[SEQ]
-    return zigzag_split(torch.cat([x, x.new_full(shape, value)], SEQ), group)
+    return zigzag_split(_pad_to(x, padded_len(x.shape[SEQ] + 1, comm.group_size(group)), value), group)
 
 
 def cp_token_mean(values: torch.Tensor, mask: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:

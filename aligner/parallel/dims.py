@@ -8,7 +8,9 @@ Rank order follows Megatron: tp varies fastest, then cp, then pp, then dp, so a 
 contiguous ranks (one node's GPUs), a cp group the next closest (context parallelism exchanges
 K/V in every layer: aligner.parallel.context_parallel), and the mesh is ``(dp, pp, cp, tp)``.
 The cp ranks of one (dp, pp, tp) coordinate hold the same weights and the same rows (each a
-share of every row's tokens), so data is dispatched by dp rank exactly as without cp. Expert parallelism (MoE)
+share of every row's tokens), so data is dispatched by dp rank exactly as without cp.
+
+Expert parallelism (MoE)
 splits the dp axis into (edp, ep): the ep group is ep_size consecutive dp ranks, which hold
 disjoint experts and exchange tokens by all-to-all; the edp group holds the same experts and
 averages their gradients (Megatron-LM's expert-data-parallel group).

@@ -167,9 +167,7 @@ def pipeline_train_step(
             set_aux_loss_scale(chunk, 1.0 / m)
         losses = _interleaved_train_step(model, dims, microbatches, loss_fn, scale)
         if finalize:
-            for chunk in model:  # disjoint layers; the embedding is in the first chunk, the head in the last
-                sync_tp_grads(chunk, dims.tp_group)
-            sync_tied_embedding_grads(model[0] if dims.is_first_stage else model[-1], dims)
+            finalize_grads(model, dims)
         return _broadcast_from_last(torch.stack(losses) if dims.is_last_stage else None, dims)
     set_aux_loss_scale(model, 1.0 / m)
     p2p = _P2P(dims)
@@ -435,10 +433,14 @@ def sync_tied_embedding_grads(model: nn.Module, dims) -> None:
     p.grad.add_(other)
 
 
-def finalize_grads(model: nn.Module, dims) -> None:
+def finalize_grads(model, dims) -> None:
     """TP/SP grad reductions (:func:`sync_tp_grads`) then tied-embedding sync across stages.
+    `model`: the stage, or the list of this rank's chunks (disjoint layers; the embedding in the
+    first chunk, the head in the last).
 
     Data-parallel reduction is the dp backend's (FSDP2 / DDP / DeepSpeed) job, not this one's.
     """
-    sync_tp_grads(model, dims.tp_group)
-    sync_tied_embedding_grads(model, dims)
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    for chunk in chunks:
+        sync_tp_grads(chunk, dims.tp_group)
+    sync_tied_embedding_grads(chunks[0] if dims.is_first_stage else chunks[-1], dims)

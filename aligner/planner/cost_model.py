@@ -552,9 +552,13 @@ def cp_comm_seconds(model: ModelConfig, layout: Layout, batch: int, seq_len: int
         return 0.0
     kv = max(model.num_kv_heads, layout.tp) * model.resolved_head_dim / layout.tp
     nbytes = 2 * batch * seq_len * kv * e
+    return passes * 0.5 * ring_allreduce_seconds(nbytes, layout.cp, _cp_gbps(layout, cluster))
+
+
+def _cp_gbps(layout: Layout, cluster: ClusterConfig) -> float:
+    """cp groups sit next to tp in the rank order: inside a node while tp * cp fits one."""
     inside = cluster.gpus_per_node <= 0 or layout.tp * layout.cp <= cluster.gpus_per_node
-    gbps = cluster.intra_node_gbps if inside else cluster.inter_node_gbps
-    return passes * 0.5 * ring_allreduce_seconds(nbytes, layout.cp, gbps)
+    return cluster.intra_node_gbps if inside else cluster.inter_node_gbps
 
 
 def inference_activation_bytes(model: ModelConfig, kind: str, tp: int, e: int, tokens: int, last: bool) -> float:
@@ -637,8 +641,7 @@ def interleaved_p2p_seconds(model: ModelConfig, layout: Layout, micro_batches: i
     if layout.vpp == 1:
         return 0.0
     nbytes = layout.micro_batch_size * seq / layout.cp * model.hidden_size * e / (layout.tp if layout.sp else 1)
-    gbps = cluster.inter_node_gbps if cluster.gpus_per_node > 0 and layout.devices > cluster.gpus_per_node else cluster.intra_node_gbps
-    return 2 * (layout.vpp - 1) * micro_batches * nbytes / (gbps * 1e9)
+    return 2 * (layout.vpp - 1) * micro_batches * nbytes / (_dp_gbps(layout, cluster) * 1e9)
 
 
 def devices_per_node(cluster: ClusterConfig) -> int:
@@ -647,7 +650,8 @@ def devices_per_node(cluster: ClusterConfig) -> int:
 
 
 def _dp_gbps(layout: Layout, cluster: ClusterConfig) -> float:
-    """dp groups are the slowest-varying mesh axis: inside a node only if the whole mesh is."""
+    """dp groups (and the pipeline's ring of stages) are the slowest-varying mesh axes: inside a node
+    only if the whole mesh is."""
     inside = cluster.gpus_per_node > 0 and layout.devices <= cluster.gpus_per_node
     return cluster.intra_node_gbps if inside else cluster.inter_node_gbps
 
@@ -694,8 +698,7 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
     passes = 2 if layout.recompute == "none" else 3
     cp = m * layers * cp_comm_seconds(model, layout, layout.micro_batch_size, seq, e, passes, cluster)
     if layout.cp > 1:  # the gradient sum over cp (parameters are replicated over it)
-        inside = cluster.gpus_per_node <= 0 or layout.tp * layout.cp <= cluster.gpus_per_node
-        cp += ring_allreduce_seconds(grad_bytes, layout.cp, cluster.intra_node_gbps if inside else cluster.inter_node_gbps)
+        cp += ring_allreduce_seconds(grad_bytes, layout.cp, _cp_gbps(layout, cluster))
     pp = interleaved_p2p_seconds(model, layout, m, seq, e, cluster)
     c, t, b, dp, a2a, cp, pp = c * steps, t * steps, b * steps, dp * steps, a2a * steps, cp * steps, pp * steps
     if work.forward_seqs:

@@ -284,7 +284,8 @@ def _try_interleaving(model: ModelConfig, work: RoleWork, cluster: ClusterConfig
 
 
 def candidate_layouts(model: ModelConfig, work: RoleWork, devices: int, minimal: bool = False) -> Iterable[Layout]:
-    """Every tp x cp x pp x dp = devices with tp <= num_heads and pp dividing num_layers, each micro-batch
+    """Every tp x cp x pp x dp = devices with tp <= num_heads and pp <= num_layers (unequal stages
+    allowed: the runtime's default split), each micro-batch
     size, recomputation and SP (training roles, tp > 1), for an MoE training role each ep dividing
     dp and num_experts (the rollout engine holds every expert per replica), and for a dense training
     role the context-parallel sizes of :func:`_cp_sizes`. minimal: only the least-memory choices.
