@@ -32,7 +32,7 @@ from aligner.config import (
     roles_with_field,
 )
 from aligner.errors import UserError
-from aligner.trainers import preemption
+from aligner.trainers import preemption, supervisor
 from aligner.trainers.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from aligner.trainers.preemption import Preempted
 
@@ -261,6 +261,15 @@ def check_role_checkpoints(cfg: AlignerConfig) -> None:
             )
 
 
+def _output_dir(stage: str, argv: Sequence[str]) -> Optional[str]:
+    """The output_dir the command line `argv` gives `stage` (the preset's default unless overridden);
+    None when it does not compose."""
+    try:
+        return str(compose(stage, [a for a in argv if a != "--cfg"]).output_dir)
+    except Exception:  # noqa: BLE001 - the caller's message goes on without it
+        return None
+
+
 def setup_logging() -> None:
     """Log lines "[time logger] message" to stderr: aligner's loggers at ALIGNER_LOG_LEVEL (default
     INFO), every other library's at WARNING and above (their INFO lines, such as matplotlib's
@@ -275,7 +284,13 @@ def run(stage: str, main: Callable[[AlignerConfig], Optional[int]], argv: Option
 
     Returns the exit code: main's return (0 if None), 2 for configuration/user errors, 143
     after a SIGTERM that stopped the run at a step boundary (aligner.trainers.preemption).
+    On the command line (`argv` None) the process first forks: the parent supervises the driver
+    (:mod:`aligner.trainers.supervisor`) and returns the child's exit code.
     """
+    if stage != "plan" and supervisor.enabled(argv):
+        code = supervisor.fork(stage, lambda: _output_dir(stage, sys.argv[1:]))
+        if code is not None:
+            return code
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging()
     show_cfg = "--cfg" in argv

@@ -720,3 +720,24 @@ def test_unequal_stages_are_paced_by_the_deepest():
     four = estimate_layout(m, work, Layout(tp=8, pp=4, dp=1, micro_batch_size=1, recompute="full"), cluster)
     # compute per device: FLOPs / devices, times 27 * 3 / 80 for the unequal split
     assert three.time.compute_s / four.time.compute_s == pytest.approx((4 / 3) * (27 * 3 / 80))
+
+
+def test_a_hang_timeout_shorter_than_a_planned_phase_is_refused_before_ray(capsys, tmp_path, monkeypatch):
+    """trainer.hang_timeout_s below the planner's estimate of one phase (issue 41, bad input): one line
+    naming the field, the role, the estimate and the fix, exit 2, before Ray or any file; the default
+    (1800 s) and 0 (off) pass the check and stop later, at the preset's missing paths."""
+    from aligner.ppo import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["conf=llama2_70b", "cluster.num_nodes=16", "cluster.gpus_per_node=8", f"output_dir={tmp_path / 'out'}"]
+    assert main([*args, "trainer.hang_timeout_s=1"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("aligner ppo: error: trainer.hang_timeout_s=1 is shorter than the planner's estimate of one ") and (
+        "or 0 to turn the watchdog off" in line
+    ), line
+    secs = float(line.split("phase (")[1].split(" s ")[0])
+    assert secs > 1
+    for ok in ("1800", "0"):
+        assert main([*args, f"trainer.hang_timeout_s={ok}"]) == 2  # the preset's checkpoint paths are absent here
+        assert "hang_timeout_s" not in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

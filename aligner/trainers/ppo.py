@@ -896,9 +896,10 @@ def plan_phase(cfg: AlignerConfig) -> Optional[int]:
         if cfg.plan_only:
             print(format_plan(make_plan(cfg)))
             return 0
-        check_fits(cfg)
+        estimates = check_fits(cfg)
     except PlanError as e:
         raise UserError(str(e)) from None
+    check_hang_timeout(cfg, {role: est.time.total_s for role, est in estimates.items()})
     roles = placed_groups(cfg)
     why = local_shortfall(cfg, roles)
     if why:
@@ -914,6 +915,25 @@ def plan_phase(cfg: AlignerConfig) -> Optional[int]:
             "or use conf=tiny on a CPU machine"
         )
     return None
+
+
+def check_hang_timeout(cfg: AlignerConfig, phase_seconds: dict[str, float]) -> None:
+    """Refuse a ``trainer.hang_timeout_s`` that the planner expects a healthy phase to outlast.
+
+    `phase_seconds`: each role's estimated share of one step (seconds; the planner's step-time model,
+    :func:`aligner.planner.check_fits`), which bounds one of its calls. Only on a GPU cluster: the
+    step-time model has no CPU figures. Raises UserError (exit 2, before Ray) naming the longest phase.
+    """
+    limit = cfg.trainer.hang_timeout_s
+    if limit <= 0 or cfg.cluster.gpus_per_node <= 0 or not phase_seconds:
+        return
+    role, secs = max(phase_seconds.items(), key=lambda kv: kv[1])
+    if secs > limit:
+        raise UserError(
+            f"trainer.hang_timeout_s={limit:g} is shorter than the planner's estimate of one {role} phase "
+            f"({secs:.0f} s at cluster.gpu_peak_tflops={cfg.cluster.gpu_peak_tflops:g}): the watchdog would end a healthy run as hung; "
+            f"set trainer.hang_timeout_s to at least {max(2 * secs, 60):.0f} (twice the estimate), or 0 to turn the watchdog off"
+        )
 
 
 def placed_groups(cfg: AlignerConfig) -> tuple[str, ...]:

@@ -6,8 +6,9 @@ What Slurm, Kubernetes and Ray send before they kill:
   written, the run exits 143 within trainer.preempt_grace_s with one line saying what was
   saved; resume=true continues from exactly that step;
 - SIGTERM to every process of the run (driver, Ray's own processes, the workers): the
-  workers are gone, so nothing new can be saved: the driver exits 143 within the grace time
-  with one line, and the last complete checkpoint is intact and resumable.
+  workers are gone, so nothing new can be saved: the run exits 143 within the grace time
+  with one line, and the last complete checkpoint is intact and resumable (said by the driver, or by
+  its supervising parent when Ray's core worker ended the driver first: aligner.trainers.supervisor).
 """
 
 from __future__ import annotations
@@ -118,7 +119,6 @@ def test_sigterm_to_the_driver_saves_the_current_step_and_exits_143(tmp_path, mo
 
 def test_sigterm_to_every_process_exits_143_within_the_grace_time_and_keeps_the_last_checkpoint(tmp_path):
     out = tmp_path / "run"
-    started = time.time()
     proc = _start("aligner.sft", out, "trainer.max_steps=100000", "trainer.save_every=2")
     _wait_for_steps(proc, out, 4)
     saved = CheckpointManager(out).latest()
@@ -130,22 +130,13 @@ def test_sigterm_to_every_process_exits_143_within_the_grace_time_and_keeps_the_
     assert secs < GRACE_S + 30, secs
     latest = CheckpointManager(out).latest()
     assert latest is not None and int(latest.name.split("_")[1]) >= int(saved.name.split("_")[1])
-    if code == 1 and _ray_terminated_the_driver(proc.pid, started):
-        # Known limit (docs/reliability.md): the raylet got the signal too, and when the driver's next object-store
-        # call finds its plasma store gone, Ray's core worker ends the process itself (exit 1, no Python
-        # handler runs). Seen in 2 of 4 full-suite runs on 2026-11-24; the last complete checkpoint is intact.
-        return
+    # Ray's core worker can end the driver itself (_Exit(1)) once the raylet's object store is gone; the
+    # supervising parent (aligner.trainers.supervisor) then reports the preemption: 143 either way
     assert code == 143, err[-3000:]
     line = _last_line(err)
     assert line.startswith("aligner sft: ") and "SIGTERM" in line and "resume=true" in line, line
-
-
-def _ray_terminated_the_driver(pid: int, since: float) -> bool:
-    """Whether Ray's own log of driver `pid` (written after `since`, epoch s) says its core worker
-    terminated the process because its plasma store was gone."""
-    logs = Path(os.environ.get("RAY_TMPDIR", "/tmp/ray")).glob(f"session_*/logs/python-core-driver-*_{pid}.log")
-    msg = "The connection to the plasma store is failed. Terminate the process."
-    return any(p.stat().st_mtime >= since and msg in p.read_text(errors="replace") for p in logs)
+    assert "Traceback" not in err, err[-3000:]
+    print(f"exit {code} after {secs:.1f} s: {line}")  # which process said it: the driver, or its supervisor (-rP shows it)
 
 
 def test_the_watchdog_kills_the_drivers_descendants_before_it_exits(tmp_path):
