@@ -33,6 +33,7 @@ from typing import Iterator, Optional
 from aligner.config import AlignerConfig, ConfigError
 from aligner.errors import UserError
 from aligner.tracking import repair_metrics
+from aligner.trainers import supervisor
 from aligner.trainers.checkpointing import latest_checkpoint
 
 log = logging.getLogger("aligner")
@@ -136,7 +137,7 @@ class RunLock:
         raise UserError(f"output_dir={str(out)!r}: could not take {LOCK_NAME} (it keeps being replaced): retry")
 
     def _write_holder(self, stage: str) -> None:
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "stage": stage}
+        info = {"pid": supervisor.run_pid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "stage": stage}
         data = json.dumps(info).encode()
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, data, 0)

@@ -45,6 +45,13 @@ PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # linux/prctl.h
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PREEMPTED = 128 + signal.SIGTERM  # 143, aligner.trainers.preemption.EXIT_CODE
 CLEAN_EXITS = (0, 2, PREEMPTED)  # done, bad input, preempted at a step boundary: the child said why
+_SUPERVISOR_PID: Optional[int] = None  # in a supervised driver: its parent's pid
+
+
+def run_pid() -> int:
+    """The pid that stands for this run: the supervisor's in a supervised driver (the process a user
+    or scheduler started and signals), else this process's. Lock files and messages name it."""
+    return _SUPERVISOR_PID if _SUPERVISOR_PID is not None else os.getpid()
 
 
 def enabled(argv: Optional[Sequence[str]]) -> bool:
@@ -75,9 +82,11 @@ def fork(stage: str, output_dir_of: Callable[[], Optional[str]]) -> Optional[int
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     pid = os.fork()
     if pid == 0:
+        global _SUPERVISOR_PID
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:  # the parent died before prctl took effect
             os._exit(PREEMPTED)
+        _SUPERVISOR_PID = parent
         return None
     return _supervise(stage, pid, output_dir_of)
 
