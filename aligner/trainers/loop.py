@@ -308,12 +308,19 @@ def train_with_restarts(trainer: Trainer) -> None:
     is logged (the dead worker's role and rank, the error's first line, the step it resumes from)
     and every later metrics row carries ``restarts``; the loggers that keep text record its cause
     (:meth:`aligner.tracking.MetricsLogger.restarted`). Not after SIGTERM (the workers ending then is
-    the preemption). Raises the WorkerDiedError once the budget is spent, its message saying so.
+    the preemption). A worker that dies while the groups are rebuilt or the checkpoint is read
+    costs one more restart of the same budget. Raises the WorkerDiedError once the budget is spent,
+    its message saying so.
     """
     budget = trainer.cfg.trainer.max_restarts
     restart = Restarts()
+    rebuild = False
     while True:
         try:
+            if rebuild:  # a death while the groups are rebuilt is one more restart, within the same budget
+                restart.where = "the restart (stopping and starting the worker groups)"
+                trainer.stop()
+                trainer.start()
             return train(trainer, restart)
         except WorkerDiedError as e:
             spent = trainer.restarts_spent()
@@ -334,8 +341,7 @@ def train_with_restarts(trainer: Trainer) -> None:
             )
             if isinstance(e, WorkerHungError):  # the stacks the hung worker wrote
                 log.warning("%s", e.traceback_text)
-            trainer.stop()
-            trainer.start()
+            rebuild = True
 
 
 def death_summary(text: str) -> str:

@@ -40,8 +40,18 @@ class Toy(Trainer):
     name = "sft"  # the config's stage: resume checks the stage recorded in the checkpoints
     bar_keys = ("loss",)
 
-    def __init__(self, cfg, eval_before: bool = False, sigterm_at: int = -1, fail_at: int = -1, die_at: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        cfg,
+        eval_before: bool = False,
+        sigterm_at: int = -1,
+        fail_at: int = -1,
+        die_at: tuple[int, ...] = (),
+        die_in_start: int = 0,
+        die_in_load: int = 0,
+    ):
         super().__init__(cfg)
+        self.die_in_start, self.die_in_load = die_in_start, die_in_load  # deaths in the next restarts' start / checkpoint read
         self.events: list = []
         self.eval_before_training = eval_before
         self.sigterm_at, self.fail_at = sigterm_at, fail_at
@@ -74,6 +84,9 @@ class Toy(Trainer):
     def start(self):
         self.events.append(("start", preemption._STATE is not None))
         self.weight = 0.0  # fresh workers hold the initial weights
+        if self.die_in_start and len(_of(self.events, "start")) > 1:
+            self.die_in_start -= 1
+            raise WorkerDiedError("critic", 0, "the worker process died or became unreachable: pid 4343 killed", "__init__")
 
     def stop(self):
         self.events.append(("stop", self._locked()))
@@ -111,6 +124,9 @@ class Toy(Trainer):
 
     def load_roles(self, ckpt):
         self.events.append(("load", ckpt.name))
+        if self.die_in_load:
+            self.die_in_load -= 1
+            raise WorkerDiedError("actor", 0, "the worker process died or became unreachable: pid 4444 killed", "load_checkpoint")
         self.weight = json.loads((ckpt / "toy" / "weight.json").read_text())
 
     def state_dict(self):
@@ -344,6 +360,29 @@ def test_a_death_past_the_restart_budget_ends_the_run_saying_so(tmp_path, budget
         toy.run()
     assert ("every automatic restart was spent" in str(err.value)) == (budget > 0)
     assert toy.events[-2:] == [("stop", True), "ray_down"]
+
+
+@pytest.mark.parametrize("where", ["start", "load"])
+def test_a_death_during_the_restart_is_one_more_restart(tmp_path, caplog, where):
+    """A fault while the groups are rebuilt (a worker dies in start) or the checkpoint is read (in load):
+    one more restart of the same budget, and the run still ends with the uninterrupted run's losses;
+    with the budget spent by it, one line saying so."""
+    full = Toy(_cfg(tmp_path / "full", *RESTART))
+    assert full.run() == 0
+    out = tmp_path / "healed"
+    toy = Toy(_cfg(out, *RESTART), die_at=(5,), **{f"die_in_{where}": 1})
+    with caplog.at_level(logging.WARNING, logger="aligner"):
+        assert toy.run() == 0
+    assert [r["loss"] for r in _rows(out)] == [r["loss"] for r in _rows(tmp_path / "full")]
+    assert [r.get("restarts") for r in _rows(out)][-2:] == [2.0, 2.0]
+    assert "restart 2 of 2" in caplog.text
+    if where == "start":
+        assert "died during the restart (stopping and starting the worker groups)" in caplog.text, caplog.text
+    spent = Toy(_cfg(tmp_path / "spent", *RESTART, "trainer.max_restarts=1"), die_at=(5,), **{f"die_in_{where}": 1})
+    with pytest.raises(WorkerDiedError) as err:
+        spent.run()
+    assert "every automatic restart was spent" in str(err.value)
+    assert spent.events[-1] == "ray_down"
 
 
 def test_restarts_of_one_group_alone_count_in_the_same_budget(tmp_path):
