@@ -8,16 +8,21 @@ critic / reference), the script runs ``python -m aligner.<stage>`` twice in subp
 
 1. SIGKILL to the first worker (the first group's rank 0: a process death);
 2. SIGSTOP to the first worker (a hang: no progress until the watchdog names it and the run restarts);
-3. SIGKILL to the last-started worker (in PPO another role's group; in SFT the actor's last rank).
+3. SIGKILL to the last-started worker (in PPO another role's group; in SFT the actor's last rank), or
+   with ``--node-loss`` the loss of a node: both runs join a local two-node cluster (``ray start``: a
+   head with no CPUs, so every worker is on the one worker node), every process of the worker node is
+   SIGKILLed (its raylet and the workers on it) and a replacement node joins ``--replace-after-s``
+   later, as Kubernetes or an autoscaler would bring one; the restart waits for it
+   (``trainer.restart_wait_s``).
 
 It then checks that the faulted run ended with exit 0, counted three restarts, and that every step's
 metrics equal the uninterrupted run's (wall-time keys ``time/`` and ``ranks/`` aside, and the restart
 counters), and prints what each fault cost: seconds from the fault to the next step's checkpoint, and
-the steps run again. Not injected: the loss of a node (aligner's placement pins no group to a node,
-so a local two-node cluster cannot force a group onto the node it stops).
+the steps run again.
 
     python benchmarks/fault_injection.py --stage sft
     python benchmarks/fault_injection.py --stage ppo
+    python benchmarks/fault_injection.py --stage sft --node-loss
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: tests.toolkit
 
 from aligner.tracking import read_metrics  # noqa: E402
-from tests.toolkit.processes import worker_shells  # noqa: E402
+from tests.toolkit.processes import cmdline, descendants, worker_shells  # noqa: E402
+
+VENV_BIN = Path(sys.executable).parent
 
 COMMON = [
     "trainer.save_every=1",
@@ -74,10 +81,88 @@ def latest_step(out: Path) -> int:
         return 0
 
 
-def start(stage: str, out: Path, extra: list[str]) -> subprocess.Popen:
+def start(stage: str, out: Path, extra: list[str], env: dict | None = None) -> subprocess.Popen:
     steps, args = STAGES[stage]
     cmd = [sys.executable, "-m", f"aligner.{stage}", *COMMON, *args, f"trainer.max_steps={steps}", f"output_dir={out}", *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+
+
+class LocalCluster:
+    """A Ray cluster of nodes on this machine: a head with no CPUs (it places no worker) and worker nodes,
+    each a ``ray start --block`` in its own session, so one node's processes can be killed alone (never
+    ``ray stop``, which stops every Ray instance on the machine)."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir, self.nodes = log_dir, []
+        self.port = _free_port()
+        self.env = {
+            **os.environ,
+            "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PYTHONPATH": str(Path(__file__).resolve().parent.parent),  # the workers import this checkout
+            "RAY_AUTH_MODE": "disabled",
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
+        self.env.pop("RAY_ADDRESS", None)
+        self.head = self._start("head", ["--head", f"--port={self.port}", "--num-cpus=0", "--include-dashboard=false"])
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _start(self, name: str, args: list[str]) -> subprocess.Popen:
+        cmd = [str(VENV_BIN / "ray"), "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
+               "--object-store-memory=300000000", *args]  # fmt: skip
+        log = open(self.log_dir / f"ray_{name}.log", "w")
+        return subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def add_node(self, cpus: int = 8) -> subprocess.Popen:
+        """Start a worker node and wait until its raylet is up."""
+        node = self._start(f"node{len(self.nodes)}", [f"--address={self.address}", f"--num-cpus={cpus}"])
+        self.nodes.append(node)
+        t0 = time.monotonic()
+        while not any("raylet" in cmdline(p) for p in descendants(node.pid)):
+            if node.poll() is not None or time.monotonic() - t0 > 120:
+                raise RuntimeError(f"worker node did not start (see {self.log_dir})")
+            time.sleep(0.5)
+        return node
+
+    def kill_node(self, node: subprocess.Popen) -> int:
+        """SIGKILL every process of `node` (its raylet and the workers on it); returns how many."""
+        procs = [*descendants(node.pid), node.pid]
+        for pid in procs:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        node.wait(timeout=30)
+        return len(procs)
+
+    def stop(self) -> None:
+        for proc in [*self.nodes, self.head]:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    pass
+            for pid in [*descendants(proc.pid), proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_worker_shells(cluster: LocalCluster) -> list[int]:
+    """The ray::WorkerShell processes on the cluster's live worker nodes, by pid."""
+    return sorted(p for n in cluster.nodes if n.poll() is None for p in descendants(n.pid) if cmdline(p).startswith("ray::WorkerShell"))
 
 
 def _wait_for(proc: subprocess.Popen, probe, what: str, limit_s: float = 900):
@@ -123,28 +208,41 @@ def _wait_restarted(proc: subprocess.Popen, out: Path, n: int) -> dict:
     return _wait_for(proc, probe, f"a step finished after restart {n}")
 
 
-def faulted_run(stage: str, out: Path, hang_s: float) -> tuple[subprocess.Popen, list[dict], float, str]:
+def faulted_run(
+    stage: str, out: Path, hang_s: float, cluster: LocalCluster | None = None, replace_after_s: float = 20.0
+) -> tuple[subprocess.Popen, list[dict], float, str]:
     """Run `stage` with the three faults injected; (the process, one dict per fault, wall seconds, stderr).
     Per fault: the seconds from the fault to the first step the restarted run finishes, and the steps
-    run again (those past the checkpoint it resumed from that had finished before the fault)."""
-    proc = start(stage, out, ["trainer.max_restarts=3", f"trainer.hang_timeout_s={hang_s}"])
+    run again (those past the checkpoint it resumed from that had finished before the fault). With a
+    `cluster`, the third fault is the loss of its worker node, replaced `replace_after_s` later."""
+    env = None if cluster is None else {**cluster.env, "RAY_ADDRESS": cluster.address}
+    proc = start(stage, out, ["trainer.max_restarts=3", f"trainer.hang_timeout_s={hang_s}"], env=env)
     t_start = time.monotonic()
     steps = STAGES[stage][0]
     faults = []
     kinds = [
         ("SIGKILL, the first worker", signal.SIGKILL, 0),
         ("SIGSTOP (hang), the first worker", signal.SIGSTOP, 0),
-        ("SIGKILL, the last-started worker", signal.SIGKILL, -1),
+        ("SIGKILL, the last-started worker", signal.SIGKILL, -1)
+        if cluster is None
+        else (f"the worker node lost (every process SIGKILLed), a new one after {replace_after_s:g} s", None, None),
     ]
     try:
         for n, (step, (what, sig, pick)) in enumerate(zip([steps // 5, steps // 2, (4 * steps) // 5], kinds), start=1):
             wait_checkpoint_past(proc, out, step - 1)
-            shells = worker_shells(proc.pid)
+            shells = worker_shells(proc.pid) if cluster is None else node_worker_shells(cluster)
             if not shells:
-                raise RuntimeError("no ray::WorkerShell process found under the driver")
+                raise RuntimeError("no ray::WorkerShell process found under the driver or on the nodes")
             time.sleep(0.3)  # into the next step
             done = max((r["step"] for r in _rows(out)), default=0)
-            os.kill(shells[pick], sig)
+            if sig is None:
+                killed = cluster.kill_node(cluster.nodes[-1])
+                what = f"{what} ({killed} processes)"
+                time.sleep(replace_after_s)
+                cluster.add_node()
+                pick, shells = 0, [cluster.nodes[-2].pid]  # the lost node's `ray start`, for the table
+            else:
+                os.kill(shells[pick], sig)
             t0 = time.monotonic()
             first = _wait_restarted(proc, out, n)
             lost = max(0, done - (first["step"] - 1))
@@ -164,18 +262,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stage", choices=sorted(STAGES), default="sft")
     ap.add_argument("--hang-timeout-s", type=float, default=20.0)
+    ap.add_argument("--node-loss", action="store_true", help="the third fault is the loss of a node of a local two-node cluster")
+    ap.add_argument("--replace-after-s", type=float, default=20.0, help="--node-loss: seconds until the replacement node starts")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     print(env_line())
     print(command_line())
     root = Path(args.out or tempfile.mkdtemp(prefix=f"faults_{args.stage}_"))
-    t0 = time.monotonic()
-    clean = start(args.stage, root / "clean", [])
-    _, err = clean.communicate(timeout=1800)
-    clean_s = time.monotonic() - t0
-    if clean.returncode != 0:
-        raise SystemExit(f"the uninterrupted run failed (code {clean.returncode}): {err[-3000:]}")
-    proc, faults, faulted_s, err = faulted_run(args.stage, root / "faulted", args.hang_timeout_s)
+    root.mkdir(parents=True, exist_ok=True)
+    cluster = None
+    try:
+        if args.node_loss:
+            cluster = LocalCluster(root)
+            cluster.add_node()
+        env = None if cluster is None else {**cluster.env, "RAY_ADDRESS": cluster.address}
+        t0 = time.monotonic()
+        clean = start(args.stage, root / "clean", [], env=env)
+        _, err = clean.communicate(timeout=1800)
+        clean_s = time.monotonic() - t0
+        if clean.returncode != 0:
+            raise SystemExit(f"the uninterrupted run failed (code {clean.returncode}): {err[-3000:]}")
+        proc, faults, faulted_s, err = faulted_run(args.stage, root / "faulted", args.hang_timeout_s, cluster, args.replace_after_s)
+    finally:
+        if cluster is not None:
+            cluster.stop()
     want, got = ({r["step"]: r for r in read_metrics(root / name / "metrics.jsonl")} for name in ("clean", "faulted"))
     diffs = []
     for step, row in want.items():

@@ -36,8 +36,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -45,7 +48,13 @@ from aligner.cli import load_config  # noqa: E402
 from aligner.config import ModelConfig, RolloutConfig  # noqa: E402
 from aligner.planner import (  # noqa: E402
     GB,
+    GIB,
     MODEL_FLOPS_EFFICIENCY,
+    Layout,
+    LayoutEstimate,
+    RolePlan,
+    candidate_layouts,
+    evaluate_layout,
     forward_flops_per_token,
     kv_cache_bytes,
     plan_role,
@@ -194,11 +203,573 @@ def print_validation() -> None:
     print("(rollout: the rollout engine's share of the planned step)")
 
 
+# ---- part 3: the validation table (issue 40, part 4) -------------------------------------------
+#
+# Published layouts and times against the planner. For every row: the published layout evaluated by the
+# planner (the fields the source gives fixed, the others: recomputation, SP, micro-batch rows of an engine,
+# the planner's best choice for that layout), its memory per GPU against the GPU's 80 GiB, its rank among
+# the planner's feasible candidates and its predicted time relative to the planner's best, and its
+# predicted time against the published one. Nothing is fitted to these rows.
+
+GIB_PER_GPU = 80.0  # an "80 GB" H100 SXM / A100 SXM: 80 GiB (cluster.gpu_mem_gb)
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """A GPU kind as cluster.* fields: dense bf16/fp16 peak (TFLOP/s), HBM, NVLink per direction and
+    network per GPU (GB/s)."""
+
+    name: str
+    peak_tflops: float
+    hbm_gbps: float
+    intra_gbps: float
+    inter_gbps: float
+
+    def overrides(self, nodes: int) -> list[str]:
+        return [
+            f"cluster.num_nodes={nodes}",
+            "cluster.gpus_per_node=8",
+            f"cluster.gpu_mem_gb={GIB_PER_GPU:g}",
+            f"cluster.gpu_peak_tflops={self.peak_tflops:g}",
+            f"cluster.hbm_gbps={self.hbm_gbps:g}",
+            f"cluster.intra_node_gbps={self.intra_gbps:g}",
+            f"cluster.inter_node_gbps={self.inter_gbps:g}",
+        ]
+
+
+# H100 SXM: 989 TFLOP/s dense bf16, 3,350 GB/s HBM3, NVLink 4 900 GB/s (450 per direction), one 400 Gb/s NIC
+# per GPU (50 GB/s): the planner's ClusterConfig defaults (NVIDIA H100 datasheet). DGX-H100 for NeMo, NeMo-Aligner
+# and NeMo-RL.
+H100 = Gpu("H100", 989.0, 3350.0, 450.0, 50.0)
+# A100 SXM 80 GB: 312 TFLOP/s dense bf16/fp16, 2,039 GB/s HBM2e, NVLink 3 600 GB/s (300 per direction) (NVIDIA A100
+# datasheet); Selene's nodes have eight 200 Gb/s HDR InfiniBand HCAs for 8 GPUs: 25 GB/s per GPU (Narayanan et al.
+# 2021, sec. 5).
+A100 = Gpu("A100", 312.0, 2039.0, 300.0, 25.0)
+
+# Model dimensions (ModelConfig fields over conf=llama2_7b's)
+LLAMA2 = {  # conf/conf/llama2_{7b,13b,70b}.yaml (HF config.json of meta-llama/Llama-2-*-hf)
+    "7B": {},
+    "13B": {"hidden_size": 5120, "intermediate_size": 13824, "num_layers": 40, "num_heads": 40, "num_kv_heads": 40},
+    "70B": {"hidden_size": 8192, "intermediate_size": 28672, "num_layers": 80, "num_heads": 64, "num_kv_heads": 8},
+}
+LLAMA3_8B = {  # HF config.json of meta-llama/Meta-Llama-3-8B (and Llama-3.1-8B)
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_layers": 32,
+    "num_heads": 32,
+    "num_kv_heads": 8,
+    "rope_theta": 500000.0,
+}
+LLAMA3_70B = {**LLAMA2["70B"], "vocab_size": 128256, "rope_theta": 500000.0}  # HF config.json of Meta-Llama-3-70B
+LLAMA31_405B = {  # HF config.json of meta-llama/Llama-3.1-405B
+    "vocab_size": 128256,
+    "hidden_size": 16384,
+    "intermediate_size": 53248,
+    "num_layers": 126,
+    "num_heads": 128,
+    "num_kv_heads": 8,
+    "rope_theta": 500000.0,
+}
+QWEN3_32B = {  # HF config.json of Qwen/Qwen3-32B (its q/k RMSNorms, 2 x 128 weights a layer, are not modelled)
+    "vocab_size": 151936,
+    "hidden_size": 5120,
+    "intermediate_size": 25600,
+    "num_layers": 64,
+    "num_heads": 64,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+    "rope_theta": 1000000.0,
+}
+
+
+def gpt_as_llama(hidden: int, layers: int, heads: int) -> dict:
+    """A GPT-3-style model of Narayanan et al. 2021 (vocabulary 51,200, tied embeddings, multi-head attention,
+    a 4h GeLU MLP) as a Llama layer: SwiGLU width i with 3hi = 8h^2 (rounded to a multiple of 8), so a layer
+    keeps GPT's 12h^2 parameters and FLOPs; biases, LayerNorm's bias and the 2,048 x h position embeddings
+    (under 0.1% of the parameters) are left out. With full recomputation (Table 1's setting) a layer saves only
+    its input, so SwiGLU's wider activations do not change the memory."""
+    return {
+        "vocab_size": 51200,
+        "hidden_size": hidden,
+        "intermediate_size": round(8 * hidden / 3 / 8) * 8,
+        "num_layers": layers,
+        "num_heads": heads,
+        "num_kv_heads": heads,
+        "tie_word_embeddings": True,
+    }
+
+
+@dataclass(frozen=True)
+class TrainRow:
+    """One published training configuration: the model, the layout and the published iteration time.
+
+    published_s: seconds per iteration (GBS sequences of `seq` tokens). vp: the published virtual pipeline
+    size; recompute / sp: as published, or None where the source does not say (the planner's best for the
+    layout). backend: aligner's dp backend the row is evaluated with. fp8: published at FP8 (the planner's
+    time model is bf16's: its time is shown, not compared)."""
+
+    family: str
+    name: str
+    model: dict
+    gpu: Gpu
+    gpus: int
+    gbs: int
+    mbs: int
+    seq: int
+    tp: int
+    pp: int
+    published_s: float
+    published_from: str
+    cp: int = 1
+    vp: int = 1
+    recompute: Optional[str] = None
+    sp: Optional[bool] = None
+    backend: str = "fsdp2"
+    fp8: bool = False
+    lora: bool = False
+
+
+def nemo_row(family, name, model, gpus, gbs, seq, tp, pp, cp, vp, tok_s_gpu, lora=False) -> TrainRow:
+    """A NeMo 24.07 row: iteration seconds = GBS x seq / (tokens/s/GPU x GPUs); MBS 1 in every row."""
+    t = gbs * seq / (tok_s_gpu * gpus)
+    return TrainRow(family, name, model, H100, gpus, gbs, 1, seq, tp, pp, t, f"{tok_s_gpu:,} tok/s/GPU", cp=cp, vp=vp, fp8=True, lora=lora)
+
+
+# NeMo 24.07 performance summary (NVIDIA/NeMo, docs/source/performance/performance_summary.md, the version in the
+# index: commit 070a0bb168d405d653b9734c0017cf5078e77c0d, the "24.07 perf numbers" table of 2024-09-09), DGX-H100,
+# FP8, container NeMo 24.07. Columns used: #GPUs, GBS, MBS (1 in these rows), sequence length, TP, PP, CP, VP,
+# tokens/s/GPU. Fine-tuning: SQuAD v1.1 packed to 4,096 tokens. Not stated, assumed: Megatron's distributed
+# optimizer (ZeRO-1), which aligner does not run: evaluated on FSDP2 (ZeRO-3, aligner's default: less memory
+# than ZeRO-1, and more dp traffic); aligner interleaves the pipeline only on DDP or one dp rank, so a VP > 1
+# with dp > 1 is evaluated as plain 1F1B (VP -> 1); recomputation and SP are the planner's best for the layout.
+# LoRA: NeMo's default adapters (examples/nlp/language_modeling/tuning/conf/megatron_gpt_finetuning_config.yaml
+# at NeMo's 24.07-era commit 8e3d65dc: rank 32 on attention_qkv, i.e. q, k and v).
+NEMO_ROWS = [
+    nemo_row("NeMo 24.07 pre-training", "Llama 2 7B", LLAMA2["7B"], 8, 128, 4096, 1, 1, 1, 1, 16847),
+    nemo_row("NeMo 24.07 pre-training", "Llama 2 13B", LLAMA2["13B"], 16, 128, 4096, 1, 4, 1, 10, 8646),
+    nemo_row("NeMo 24.07 pre-training", "Llama 2 70B", LLAMA2["70B"], 64, 128, 4096, 4, 4, 1, 20, 1707),
+    nemo_row("NeMo 24.07 pre-training", "Llama 3 8B", LLAMA3_8B, 8, 128, 8192, 1, 1, 2, 1, 12036),
+    nemo_row("NeMo 24.07 pre-training", "Llama 3 70B", LLAMA3_70B, 64, 128, 8192, 4, 4, 2, 5, 1533),
+    nemo_row("NeMo 24.07 SFT", "Llama 2 7B", LLAMA2["7B"], 8, 32, 4096, 1, 1, 1, 1, 17120),
+    nemo_row("NeMo 24.07 SFT", "Llama 2 13B", LLAMA2["13B"], 8, 32, 4096, 1, 4, 1, 1, 9741),
+    nemo_row("NeMo 24.07 SFT", "Llama 2 70B", LLAMA2["70B"], 16, 32, 4096, 4, 4, 1, 1, 1833),
+    nemo_row("NeMo 24.07 LoRA", "Llama 2 7B", LLAMA2["7B"], 8, 32, 4096, 1, 1, 1, 1, 25206, lora=True),
+    nemo_row("NeMo 24.07 LoRA", "Llama 2 13B", LLAMA2["13B"], 8, 32, 4096, 1, 1, 1, 1, 14161, lora=True),
+    nemo_row("NeMo 24.07 LoRA", "Llama 2 70B", LLAMA2["70B"], 8, 32, 4096, 2, 4, 1, 1, 2557, lora=True),
+]
+
+
+def narayanan_row(name, hidden, layers, heads, tp, pp, gpus, gbs, mbs, vp, tflops) -> TrainRow:
+    """A row of Table 1: iteration seconds = F / (GPUs x achieved TFLOP/s), F the paper's FLOPs per iteration
+    (its eq. 3, with full recomputation): 96 B s l h^2 (1 + s / 6h + V / 16lh)."""
+    s, v = 2048, 51200
+    flops = 96 * gbs * s * layers * hidden**2 * (1 + s / (6 * hidden) + v / (16 * layers * hidden))
+    t = flops / (gpus * tflops * 1e12)
+    m = gpt_as_llama(hidden, layers, heads)
+    return TrainRow(
+        "Narayanan et al. 2021", name, m, A100, gpus, gbs, mbs, s, tp, pp, t, f"{tflops} TFLOP/s/GPU", vp=vp, recompute="full", sp=False, backend="ddp"
+    )
+
+
+# Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
+# (arXiv 2104.04473), Table 1, weak scaling on Selene's A100s (80 GB), sequence 2,048, vocabulary 51,200. Published
+# per row: hidden, layers, parameters, model-parallel size (TP x PP), GPUs, batch size, achieved TFLOP/s per GPU
+# (NVIDIA/Megatron-LM README's images/cases_april2021.png, commit 50a4b5fa, 2021-04-08, the paper's Table 1).
+# The split of the model-parallel size, heads, micro-batch size, interleaving, recomputation and DDP are the
+# authors' reproduction script: NVIDIA/Megatron-LM examples/sc21/run_table_1.sh (commit 6985e589, 2021-08-18):
+# full recomputation ("--activations-checkpoint-method uniform") in every row, --num-layers-per-virtual-pipeline-
+# stage 5 / 5 / 3 / 1 for 76B / 145B / 310B / 530B (v = 3 / 2 / 2 / 3), fp16 (examples/sc21/CONFIG.sh; evaluated as
+# bf16 mixed precision: the same bytes and peak), plain data parallelism (torch or Megatron's local DDP: DDP).
+NARAYANAN_ROWS = [
+    narayanan_row("1.7B", 2304, 24, 24, 1, 1, 32, 512, 16, 1, 137),
+    narayanan_row("3.6B", 3072, 30, 32, 2, 1, 64, 512, 16, 1, 138),
+    narayanan_row("7.5B", 4096, 36, 32, 4, 1, 128, 512, 16, 1, 142),
+    narayanan_row("18B", 6144, 40, 48, 8, 1, 256, 1024, 8, 1, 135),
+    narayanan_row("39B", 8192, 48, 64, 8, 2, 512, 1536, 4, 1, 138),
+    narayanan_row("76B", 10240, 60, 80, 8, 4, 1024, 1792, 2, 3, 140),
+    narayanan_row("145B", 12288, 80, 96, 8, 8, 1536, 2304, 2, 2, 148),
+    narayanan_row("310B", 16384, 96, 128, 8, 16, 1920, 2160, 1, 2, 155),
+    narayanan_row("530B", 20480, 105, 128, 8, 35, 2520, 2520, 1, 3, 163),
+    narayanan_row("1T", 25600, 128, 160, 8, 64, 3072, 3072, 1, 1, 163),
+]
+
+
+def model_overrides(model: dict, seq: int) -> list[str]:
+    """conf=llama2_7b with `model`'s dimensions (the 7B's where absent) and room for `seq` tokens."""
+    return ["conf=llama2_7b", f"model.max_seq_len={max(seq, 4096)}"] + [f"model.{k}={v}" for k, v in model.items()]
+
+
+def train_work(row: TrainRow):
+    """(config, RoleWork) of the row as aligner's SFT stage: GBS sequences of `seq` tokens per step."""
+    nodes = max(1, row.gpus // 8)
+    ov = model_overrides(row.model, row.seq) + row.gpu.overrides(nodes)
+    ov += [
+        f"data.max_seq_len={row.seq}",
+        f"trainer.global_batch_size={row.gbs}",
+        f"trainer.micro_batch_size={row.mbs}",
+        f"actor.parallel.dp_backend={row.backend}",
+        "actor.parallel.mixed_precision=bf16",
+        f"actor.resources.num_nodes={nodes}",
+    ]
+    if row.lora:
+        ov += ["actor.lora.rank=32", "actor.lora.target_modules=[q_proj,k_proj,v_proj]"]
+    cfg = load_config("sft", ov)
+    return cfg, role_works(cfg)[0]
+
+
+def best_matching(model, work, devices: int, cluster, fixed: dict, vpp: int = 1):
+    """The fastest feasible layout with the published fields `fixed` (Layout attributes), the others the
+    planner's candidates' (:func:`candidate_layouts`); `vpp` > 1 applied to each. None feasible: the Rejected
+    closest to fitting (its estimate's memory), or the first structural refusal."""
+    ok, bad = [], []
+    for lay in candidate_layouts(model, work, devices):
+        if any(getattr(lay, k) != v for k, v in fixed.items()):
+            continue
+        r = evaluate_layout(model, work, dataclasses.replace(lay, vpp=vpp), cluster)
+        (ok if isinstance(r, LayoutEstimate) else bad).append(r)
+    if ok:
+        return min(ok, key=lambda e: (e.time.total_s, e.memory.total))
+    with_est = [r for r in bad if r.estimate is not None]
+    if with_est:
+        return min(with_est, key=lambda r: r.estimate.memory.total)
+    return bad[0] if bad else None
+
+
+def rank_in(plan: RolePlan, est: LayoutEstimate) -> tuple[int, int, float]:
+    """(rank, candidates, predicted time / the planner's best) of a feasible layout among the role's ranked
+    feasible layouts (counting it once if the planner did not list it: an interleaved variant, say)."""
+    t = est.time.total_s
+    faster = sum(1 for e in plan.ranked if e.time.total_s < t * (1 - 1e-9))
+    listed = any(e.layout == est.layout for e in plan.ranked)
+    best = min(plan.best.time.total_s, t) if plan.best else t
+    return faster + 1, len(plan.ranked) + (0 if listed else 1), t / best
+
+
+def short(lay: Layout) -> str:
+    """tp4 pp4 dp4 mbs1 sp sel: a layout in a table cell."""
+    parts = [f"tp{lay.tp}"] + ([f"cp{lay.cp}"] if lay.cp > 1 else []) + [f"pp{lay.pp}"]
+    parts += [f"vp{lay.vpp}"] if lay.vpp > 1 else []
+    parts += [f"dp{lay.dp}", f"mbs{lay.micro_batch_size}"] + (["sp"] if lay.sp else [])
+    rc = {"none": "", "selective": "sel", "full": "full"}[lay.recompute]
+    return " ".join(parts + ([rc] if rc else []))
+
+
+def published_fixed(row: TrainRow) -> tuple[dict, int, str]:
+    """(Layout fields the row publishes, the vpp evaluated, a note on what could not be expressed)."""
+    dp = row.gpus // (row.tp * row.pp * row.cp)
+    fixed = {"tp": row.tp, "pp": row.pp, "cp": row.cp, "dp": dp, "micro_batch_size": row.mbs}
+    if row.recompute is not None:
+        fixed["recompute"] = row.recompute
+    if row.sp is not None:
+        fixed["sp"] = row.sp and row.tp > 1
+    vpp, note = row.vp, ""
+    if row.vp > 1 and row.backend != "ddp" and dp > 1:
+        vpp, note = 1, f"VP{row.vp} run as VP1"
+    return fixed, vpp, note
+
+
+def train_result(row: TrainRow) -> dict:
+    """The row's published layout against the planner (one table row's values)."""
+    cfg, work = train_work(row)
+    plan = plan_role(cfg.model, work, row.gpus, cfg.cluster)
+    fixed, vpp, note = published_fixed(row)
+    r = best_matching(cfg.model, work, row.gpus, cfg.cluster, fixed, vpp)
+    out = {"row": row, "plan": plan, "note": note, "est": r}
+    if isinstance(r, LayoutEstimate):
+        out["rank"] = rank_in(plan, r)
+    return out
+
+
+def fmt_train(res: dict) -> str:
+    row, plan, r = res["row"], res["plan"], res["est"]
+    pub = f"tp{row.tp}" + (f" cp{row.cp}" if row.cp > 1 else "") + f" pp{row.pp}" + (f" vp{row.vp}" if row.vp > 1 else "")
+    best = short(plan.best.layout) + f", {plan.best.time.total_s:.2f} s" if plan.best else "none fits"
+    cells = [f"{row.name}", f"{row.gpus} {row.gpu.name}", pub]
+    if isinstance(r, LayoutEstimate):
+        rank, n, rel = res["rank"]
+        t = r.time.total_s
+        ratio = f"({t / row.published_s:.2f}x, FP8)" if row.fp8 else f"{t / row.published_s:.2f}x"
+        cells += [short(r.layout) + (f" ({res['note']})" if res["note"] else ""), f"yes, {r.memory.total / GIB:.1f}"]
+        cells += [f"{rank} / {n}", f"{rel:.2f}x", f"{row.published_s:.2f}", f"{t:.2f}", ratio]
+    else:
+        mem = f"no, {r.estimate.memory.total / GIB:.1f}" if r is not None and r.estimate else f"no: {r.reason if r else '?'}"
+        cells += [short(r.layout) if r is not None else "-", mem, "-", "-", f"{row.published_s:.2f}", "-", "-"]
+    cells.append(best)
+    return "| " + " | ".join(cells) + " |"
+
+
+TRAIN_HEAD = (
+    "| row | GPUs | published | as evaluated | fits: GiB/GPU (of 80) | rank | vs best | published s | predicted s | ratio | planner's best |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+)
+
+
+def print_training() -> None:
+    """The training families' table: one iteration (GBS sequences) per row."""
+    fam = None
+    for row in NEMO_ROWS + NARAYANAN_ROWS:
+        if row.family != fam:
+            fam = row.family
+            print(f"\n{fam}\n\n{TRAIN_HEAD}")
+        print(fmt_train(train_result(row)))
+
+
+@dataclass(frozen=True)
+class RlRow:
+    """One published RL step: the config (overrides), the node groups, the published step seconds and mean
+    response tokens, and the published layouts (role -> Layout fields; {} = not published).
+
+    prompt: data.max_prompt_len; new: responses' cap (rollout.sampling.max_new_tokens); actor_nodes /
+    critic_nodes: the split placement's node groups (critic 0: colocated); rollout_nodes: the rollout
+    group's own nodes (rollout.placement=split)."""
+
+    family: str
+    name: str
+    overrides: tuple
+    nodes: int
+    published_s: float
+    mean: float
+    prompt: int
+    new: int
+    actor_nodes: int = 0
+    critic_nodes: int = 0
+    rollout_nodes: int = 0
+    layouts: tuple = ()  # ((role, {field: value}), ...)
+    reshard_off: bool = False  # the engine runs in the actor's (the planner's best) layout
+
+
+def aligner_row(name, model, actor_nodes, critic_nodes, mean, step, mbs, rollouts, gbs, reshard_off=False) -> RlRow:
+    """A NeMo-Aligner PPO row on conf=llama2_70b with NeMo-Aligner's defaults (NEMO_ALIGNER_SETTINGS, part 2)."""
+    ov = ["conf=llama2_70b", "model.max_seq_len=8192"] + [f"model.{k}={v}" for k, v in model.items()]
+    ov += [o for o in NEMO_ALIGNER_SETTINGS if not o.startswith(("trainer.rollout_batch_size", "trainer.mini_batch_size"))]
+    ov += [f"trainer.rollout_batch_size={rollouts}", f"trainer.mini_batch_size={gbs}", f"rollout.max_batch_size={mbs}"]
+    ov += H100.overrides(actor_nodes + critic_nodes)
+    nodes = actor_nodes + critic_nodes
+    return RlRow("NeMo-Aligner PPO", name, tuple(ov), nodes, step, mean, 1024, 2048, actor_nodes, critic_nodes, reshard_off=reshard_off)
+
+
+# NeMo-Aligner (NVIDIA/NeMo-Aligner docs/user-guide/rlhf.rst, "PPO Performance Results with TensorRT-LLM"): the four
+# Llama 3 70B scaling rows of part 2 (PUBLISHED), and the Llama 3.1 405B actor and reward model run on 84 actor +
+# 42 critic nodes: num_rollout_samples=128, global_batch_size=128, reshard off (generation in the training layout),
+# engine kept on the GPU, 915.6 tokens generated per response, 164.6 s per step. Not stated, assumed as in part 2:
+# NeMo-Aligner's defaults (examples/nlp/gpt/conf/gpt_ppo_actor.yaml): rollout_micro_batch_size 8 (also for the 405B
+# run), max_length 2048, max_input_len 1024. No layout is published: the planner's best at the published split;
+# the 405B run also with the engine in the planner's actor layout (reshard off: generation in the training layout).
+ALIGNER_ROWS = [aligner_row("Llama 3 70B", LLAMA3_70B, a, c, mean, step, mbs, 1024, 128) for a, c, mean, step, mbs in PUBLISHED]
+ALIGNER_ROWS.append(aligner_row("Llama 3.1 405B", LLAMA31_405B, 84, 42, 915.6, 164.6, 8, 128, 128))
+ALIGNER_ROWS.append(aligner_row("Llama 3.1 405B, reshard off", LLAMA31_405B, 84, 42, 915.6, 164.6, 8, 128, 128, reshard_off=True))
+
+
+def nemo_rl_row(name, model, nodes, mean, step, tok_s_gpu, actor: dict, engine_tp: int, rollout_nodes: int = 0) -> RlRow:
+    """A NeMo-RL GRPO row: 64 prompts x 32 generations, 512 per optimizer step, the KL to the reference (0.01,
+    k3) as a loss, a rule reward (math verification), vLLM's continuous batching; colocated generation, or
+    (rollout_nodes > 0) generation on its own nodes one step off policy. The prompt length: the published
+    tokens per sample (tokens/s/GPU x GPUs x step / 2,048 samples) less the G-average sequence length."""
+    prompt = round(tok_s_gpu * 8 * nodes * step / 2048 - mean)
+    ov = model_overrides(model, 4096) + H100.overrides(nodes)
+    ov += [
+        f"data.max_prompt_len={prompt}",
+        "data.max_seq_len=4096",
+        f"rollout.sampling.max_new_tokens={4096 - prompt}",
+        "trainer.rollout_batch_size=64",
+        "trainer.n_samples_per_prompt=32",
+        "trainer.mini_batch_size=512",
+        "trainer.micro_batch_size=1",
+        "algorithm.advantage=grpo",
+        "algorithm.kl_loss_coef=0.01",
+        "reward.type=rule",
+        "rollout.scheduler=continuous",
+        "rollout.dtype=bfloat16",
+        "cluster.placement=colocated",
+    ]
+    if rollout_nodes:
+        ov += ["rollout.placement=split", f"rollout.resources.num_nodes={rollout_nodes}", "trainer.max_staleness=1"]
+        ov += ["rollout.parallel.tp_size=1", "rollout.parallel.pp_size=1", f"rollout.parallel.dp_size={8 * rollout_nodes}"]
+    train_gpus = 8 * (nodes - rollout_nodes)
+    dp = train_gpus // (actor["tp"] * actor["pp"])
+    gen = 8 * (rollout_nodes or nodes)
+    layouts = (
+        ("actor", {**actor, "dp": dp, "cp": 1, "micro_batch_size": 1}),
+        ("ref", {"tp": actor["tp"], "pp": actor["pp"], "dp": dp}),
+        ("rollout", {"tp": engine_tp, "pp": 1, "dp": gen // engine_tp}),
+    )
+    return RlRow("NeMo-RL GRPO", name, tuple(ov), nodes, step, mean, prompt, 4096 - prompt, rollout_nodes=rollout_nodes, layouts=layouts)
+
+
+# NeMo-RL performance summary (NVIDIA-NeMo/RL docs/about/performance-summary.md, "Nemo RL v0.5", H100 BF16: the last
+# version with dense-model rows, commit 4c1a0cd49 of 2026-04-12; v0.6, commit 69c7ca117, has none), GRPO on
+# OpenMathInstruct-2, DGX-H100, bf16 training (Megatron core) and generation (vLLM), T-Max sequence length 4,096.
+# Published per row: GPUs, G-GBS 2,048, T-GBS 512, generation [TP, PP], training [TP, CP, EP, PP], G-average
+# sequence length, step seconds. The Llama row's training column is garbled ("[1,1,1,1,1,2,n/a]"); the layouts and
+# the settings are the recipes' (examples/configs/recipes/llm/performance/ at that commit, over grpo_math_1B.yaml):
+# llama3.1-8b-instruct-2n8g: 64 prompts x 32 generations, tp 1, pp 2, activation checkpointing (full), micro-batch 1,
+# colocated vLLM tp 1; its -async-1off: pp 1, one node training, one node generating (8 tp-1 engines), one step off;
+# qwen3-32b-4n8g: tp 4, pp 4, sequence parallel, no recomputation, vLLM tp 4. Not stated, derived or assumed: the
+# G-average sequence length read as the mean response (the published tokens/s/GPU x GPUs x step / 2,048 exceed it
+# by 103 to 131 tokens a sample in every row: the prompts), every prompt that long (data.max_prompt_len) and the
+# responses capped at 4,096 less it (vLLM's max_model_len); the reference log-probs in the training layout
+# (NeMo-RL computes them in the policy's workers); at most 256 sequences per engine (vLLM's max_num_seqs,
+# rollout.max_batch_size); NeMo-RL's sequence packing (training on packed 4,096-token rows) is not expressible:
+# the planner's training roles run data.max_seq_len-long rows (4,096 in A, prompt + mean in M).
+NEMO_RL_ROWS = [
+    nemo_rl_row("Llama 3.1 8B", LLAMA3_8B, 2, 1019, 92.8, 1581, {"tp": 1, "pp": 2, "recompute": "full"}, 1),
+    nemo_rl_row("Llama 3.1 8B, 1-step off", LLAMA3_8B, 2, 1123, 64.8, 2478, {"tp": 1, "pp": 1, "recompute": "full"}, 1, rollout_nodes=1),
+    nemo_rl_row("Qwen3-32B", QWEN3_32B, 4, 3251, 376.0, 571, {"tp": 4, "pp": 4, "recompute": "none", "sp": True}, 4),
+]
+
+# Published but not expressible by the planner, or left out (row, reason)
+NOT_EXPRESSIBLE = [
+    ("NeMo-RL v0.5 H100 FP8: Llama 3.1 8B, 1-step off (53.0 s)", "FP8 generation and training: the planner models bf16 only"),
+    (
+        "NeMo-RL v0.5 H100 BF16: Qwen3-32B, 1-step off (64 GPUs, 200 s)",
+        "generation on its own 4 nodes with tp-4 vLLM engines: the planner's split rollout group runs one-GPU engines only",
+    ),
+    (
+        "NeMo-RL v0.5 GB200: Llama 3.1 8B (2 rows), Qwen3-32B (2 rows)",
+        "GB200-NVL72 (4 GPUs a node, 186 GB): not evaluated, no sourced peak and bandwidth figures here",
+    ),
+    ("NeMo-RL v0.5: DeepSeek V3, Qwen3-235B, Qwen3-30B-A3B", "MoE rows: outside this table (dense models only)"),
+    ("NeMo 24.07: GPT3, Nemotron rows", "GPT-3 (GeLU, LayerNorm) and Nemotron (squared ReLU) layers: not Llama-family"),
+]
+
+
+def rl_config(row: RlRow, mean_only: bool):
+    """The row's config: A (mean_only False): mean response = the published mean, the longest = the cap,
+    training rows data.max_seq_len long; M: every response and training row at the mean (the responses'
+    cap and data.max_seq_len cut to prompt + mean)."""
+    ov = list(row.overrides) + [f"rollout.expected_response_len={row.mean}"]
+    if mean_only:
+        n = math.ceil(row.mean)
+        ov += [f"rollout.sampling.max_new_tokens={n}", f"data.max_seq_len={row.prompt + n}", f"rollout.expected_response_len_max={row.mean}"]
+    return load_config("ppo", ov)
+
+
+def role_devices(row: RlRow, work) -> int:
+    if work.group == "rollout":
+        return 8 * row.rollout_nodes
+    if row.critic_nodes:
+        return 8 * (row.actor_nodes if work.group == "actor" else row.critic_nodes)
+    return 8 * (row.nodes - row.rollout_nodes)
+
+
+def rl_step(cfg, row: RlRow, layouts: dict) -> tuple[float, dict, dict]:
+    """(step seconds, role -> RolePlan (the planner's), role -> the published layout's estimate or Rejected)
+    for one config: the planner's best layouts, or with `layouts` the published ones (the roles without one:
+    the planner's best)."""
+    plans, chosen = {}, {}
+    for w in sorted(role_works(cfg), key=lambda w: w.mode == "generate"):  # the engine after the actor
+        n = role_devices(row, w)
+        plans[w.role] = plan_role(cfg.model, w, n, cfg.cluster)
+        if w.mode == "generate" and row.reshard_off:  # generation in the actor's training layout
+            a = plans["actor"].best.layout
+            chosen[w.role] = best_matching(cfg.model, w, n, cfg.cluster, {"tp": a.tp, "pp": a.pp, "dp": a.dp})
+        elif w.role in layouts:
+            chosen[w.role] = best_matching(cfg.model, w, n, cfg.cluster, layouts[w.role])
+        elif plans[w.role].best is None:
+            raise SystemExit(f"{row.name}: {w.role} does not fit on {n} devices")
+    return plans, chosen
+
+
+def step_of(plans: dict, chosen: dict, row: RlRow, cfg) -> Optional[float]:
+    """The step with the chosen layouts (the planner's best for the others); None if one does not fit."""
+    roles = {}
+    for name, p in plans.items():
+        est = chosen.get(name, p.best)
+        if not isinstance(est, LayoutEstimate):
+            return None
+        roles[name] = RolePlan(role=name, work=p.work, devices=p.devices, ranked=[est])
+    return ppo_step_seconds(roles, row.critic_nodes > 0, cfg.trainer.max_staleness)
+
+
+def rl_result(row: RlRow) -> dict:
+    layouts = dict(row.layouts)
+    out = {"row": row}
+    for key, mean_only in (("A", False), ("M", True)):
+        cfg = rl_config(row, mean_only)
+        plans, chosen = rl_step(cfg, row, layouts)
+        out[key] = step_of(plans, chosen, row, cfg)
+        out[key + "_best"] = step_of(plans, {}, row, cfg)
+        if key == "A":
+            out["plans"], out["chosen"] = plans, chosen
+            roll = [p for p in plans.values() if p.work.mode == "generate"][0]
+            est = chosen.get(roll.role, roll.best)
+            out["rollout_share"] = est.time.total_s / out["A"] if out["A"] and isinstance(est, LayoutEstimate) else None
+    return out
+
+
+def fmt_rl(res: dict) -> str:
+    row = res["row"]
+    cells = [row.name, f"{8 * row.nodes} H100" + (f" ({row.actor_nodes}+{row.critic_nodes} nodes)" if row.critic_nodes else "")]
+    if row.rollout_nodes:
+        cells[-1] += f" ({row.nodes - row.rollout_nodes}+{row.rollout_nodes} nodes)"
+    chosen, plans = res["chosen"], res["plans"]
+    if row.reshard_off:
+        r = chosen["rollout"]
+        cells += [f"not published; engine in the actor's: {short(r.layout)}", "-", "-", "-"]
+    elif chosen:
+        lay, mem, ranks = [], [], []
+        for role in ("actor", "rollout"):
+            r = chosen[role]
+            lay.append(f"{role}: {short(r.layout)}")
+            if isinstance(r, LayoutEstimate):
+                mem.append(f"{r.memory.total / GIB:.1f}")
+                k, n, _ = rank_in(plans[role], r)
+                ranks.append(f"{k}/{n}")
+            else:
+                mem.append(f"no, {r.estimate.memory.total / GIB:.1f}" if r.estimate else "no")
+                ranks.append("-")
+        ok = all(isinstance(chosen[x], LayoutEstimate) for x in chosen)
+        cells += ["; ".join(lay), ("yes, " if ok else "") + " / ".join(mem), ", ".join(ranks)]
+        cells.append(f"{res['A'] / res['A_best']:.2f}x" if res["A"] else "-")
+    else:
+        cells += ["not published", "-", "-", "-"]
+    a, m = res["A"], res["M"]
+    cells += [f"{row.published_s:.1f}", f"{a:.1f}" if a else "-", f"{m:.1f}" if m else "-"]
+    cells += [f"{a / row.published_s:.2f}x" if a else "-", f"{m / row.published_s:.2f}x" if m else "-"]
+    cells.append(f"{100 * res['rollout_share']:.0f}%" if res["rollout_share"] else "-")
+    return "| " + " | ".join(cells) + " |"
+
+
+RL_HEAD = (
+    "| row | GPUs | published layout | fits: GiB/GPU (of 80), actor / engine | rank: actor / engine | vs best (A) "
+    "| published s | A s | M s | A ratio | M ratio | rollout share (A) |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+)
+
+
+def print_rl() -> None:
+    """The RL families' table: one PPO / GRPO step per row, A and M bounds."""
+    fam = None
+    for row in ALIGNER_ROWS + NEMO_RL_ROWS:
+        if row.family != fam:
+            fam = row.family
+            print(f"\n{fam}\n\n{RL_HEAD}")
+        print(fmt_rl(rl_result(row)))
+
+
+def print_table(family: str) -> None:
+    if family in ("all", "training"):
+        print_training()
+    if family in ("all", "rl"):
+        print_rl()
+    print("\nNot expressible or left out:\n")
+    for what, why in NOT_EXPRESSIBLE:
+        print(f"- {what}: {why}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fit", action="store_true", help="print the decode-overhead fit and its residuals")
+    ap.add_argument("--table", action="store_true", help="print the validation table of issue 40 part 4 (markdown)")
+    ap.add_argument("--family", choices=("all", "training", "rl"), default="all", help="with --table: which rows")
     args = ap.parse_args()
-    print_fit() if args.fit else print_validation()
+    if args.fit:
+        print_fit()
+    elif args.table:
+        print_table(args.family)
+    else:
+        print_validation()
 
 
 if __name__ == "__main__":

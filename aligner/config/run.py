@@ -49,6 +49,9 @@ class TrainerConfig:
     # times its group's median in a step (of at least 1 s) is logged as a straggler; 0 = no straggler line
     straggler_factor: float = 1.5
     max_restarts: int = 2  # a worker process that dies: stop and restart the groups, resume from the latest checkpoint, at most this many times a run; 0 = end the run (resume=true by hand)
+    # a restart waits this long for the cluster to hold the worker groups again (a lost node replaced, as
+    # Kubernetes or an autoscaler does), then ends the run naming the cluster it needs; 0 = no wait
+    restart_wait_s: float = 300.0
     # where metrics go (aligner.tracking.MetricsLogger): jsonl | tensorboard | wandb | mlflow. output_dir/metrics.jsonl is
     # always written (resume, the plots and the summary read it), named here or not; wandb and mlflow follow their
     # own environment variables (WANDB_MODE=offline, WANDB_API_KEY, MLFLOW_TRACKING_URI, ...)
@@ -86,6 +89,9 @@ class TrainerConfig:
         )
         _check(len(set(self.loggers)) == len(self.loggers), f"{prefix}.loggers", list(self.loggers), "name each logger once")
         _check(self.hang_timeout_s >= 0, f"{prefix}.hang_timeout_s", self.hang_timeout_s, "must be >= 0 seconds (0 = no hang watchdog)")
+        _check(
+            self.restart_wait_s >= 0, f"{prefix}.restart_wait_s", self.restart_wait_s, "must be >= 0 seconds (0 = no wait for lost nodes)"
+        )
         _check(
             self.straggler_factor == 0 or self.straggler_factor > 1,
             f"{prefix}.straggler_factor",

@@ -185,7 +185,7 @@ class PPOTrainer(Trainer):
 
         cfg = self.cfg
         roles = cfg.roles_used()
-        self.placement = placement_from_config(cfg, placed_groups(cfg))
+        self.placement = placement_from_config(cfg, placed_groups(cfg), restarting=self.restarts_spent() > 0)
         steps = cfg.trainer.max_steps * cfg.algorithm.ppo_epochs * self.minibatches_per_step()
         # the engines render the episodes' observations, or decode the responses they stream to the remote reward
         episode_kw = {"tokenizer": self.tok} if cfg.env.name or self.streams_reward else {}
@@ -254,7 +254,7 @@ class PPOTrainer(Trainer):
         self.groups.pop(ROLLOUT_GROUP).shutdown()
         if self.rollout_placement is not None:
             self.rollout_placement.remove()
-        self.rollout_placement = placement_from_config(self.cfg, (ROLLOUT_GROUP,))
+        self.rollout_placement = placement_from_config(self.cfg, (ROLLOUT_GROUP,), restarting=self.restarts_spent() > 0)
         self.start_rollout(self.rollout_placement.role(ROLLOUT_GROUP))
 
     def worker_groups(self) -> dict:

@@ -224,7 +224,7 @@ class SupervisedTrainer(Trainer):
     def start(self) -> None:
         """Place and start the role's worker group."""
 
-        self.placement = placement_from_config(self.cfg, (self.role,))
+        self.placement = placement_from_config(self.cfg, (self.role,), restarting=self.restarts_spent() > 0)
         t0 = time.perf_counter()
         self.group = role_worker_group(self.cfg, self.role, self.worker_cls(), self.placement, kwargs=self.worker_kwargs())
         if self.cfg.trainer.num_threads == 0:  # the role runs alone: its CPU workers share the node's cores

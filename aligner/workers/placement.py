@@ -26,13 +26,17 @@ before any actor starts; ``placement_group.ready()`` with a timeout is a second 
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence
 
 from aligner.config import ParallelConfig, ResourceConfig, RoleConfig
 from aligner.errors import PlacementError
 from aligner.workers.ray_runtime import local_num_cpus
+
+log = logging.getLogger("aligner")
 
 PLACEMENTS = ("split", "colocated")
 ROLLOUT_GROUP = "rollout"  # the engines' worker group of rollout.placement=split (a role name in placements)
@@ -268,6 +272,28 @@ def check_cluster(specs: Sequence[NodeGroupSpec]) -> None:
         )
 
 
+def wait_for_cluster(specs: Sequence[NodeGroupSpec], wait_s: float, poll_s: float = 2.0) -> float:
+    """:func:`check_cluster` until it passes or `wait_s` seconds have gone (0: check once); returns the
+    seconds waited. A lost node's replacement joining (Kubernetes, an autoscaler) ends the wait; the
+    PlacementError of a cluster still too small says how long it waited."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            check_cluster(specs)
+            waited = time.monotonic() - t0
+            if waited > 0.5:
+                log.warning("the cluster holds the worker groups again after %.0f s", waited)
+            return waited
+        except PlacementError as e:
+            if time.monotonic() - t0 + poll_s > wait_s:
+                if wait_s > 0:
+                    e.args = (f"{e.args[0]}\n(waited {time.monotonic() - t0:.0f} s for it: trainer.restart_wait_s={wait_s:g})",)
+                raise
+            if time.monotonic() - t0 < poll_s:
+                log.warning("the cluster cannot hold the worker groups now (a lost node?): waiting up to %g s for it", wait_s)
+        time.sleep(poll_s)
+
+
 class _SharedPG:
     """A placement group with a count of the worker groups using it; removed at zero."""
 
@@ -354,18 +380,24 @@ def create_placement(
     placement: str = "split",
     colocate_with: Optional[Mapping[str, str]] = None,
     timeout_s: float = 60.0,
+    wait_for_nodes_s: float = 0.0,
 ) -> Placement:
     """Check the cluster, then create and wait for one placement group per node group.
 
+    wait_for_nodes_s: a restart after a lost node (``trainer.restart_wait_s``): how long the
+        cluster may lack the resources before that is an error (polled every 2 s; the groups'
+        ``ready()`` then waits up to the larger of `timeout_s` and what is left of it).
     Raises PlacementError when the cluster lacks the resources (checked before anything
-    is created) or a group is not ready within `timeout_s` (resources in use elsewhere);
-    in the second case every group created so far is removed.
+    is created; after `wait_for_nodes_s`) or a group is not ready within `timeout_s`
+    (resources in use elsewhere); in the second case every group created so far is removed.
     """
     import ray
     from ray.util.placement_group import placement_group
 
     specs = plan_node_groups(roles, placement, colocate_with)
-    check_cluster(specs)
+    deadline = time.monotonic() + wait_for_nodes_s
+    wait_for_cluster(specs, wait_for_nodes_s)
+    timeout_s = max(timeout_s, deadline - time.monotonic())
     created: list[_SharedPG] = []
     out: dict[str, RolePlacement] = {}
     try:
@@ -419,14 +451,16 @@ def plan_from_config(cfg: Any, roles: Sequence[str]) -> list[NodeGroupSpec]:
     return plan_node_groups(requests, cfg.cluster.placement, colocate)
 
 
-def placement_from_config(cfg: Any, roles: Sequence[str], timeout_s: float = 60.0) -> Placement:
+def placement_from_config(cfg: Any, roles: Sequence[str], timeout_s: float = 60.0, restarting: bool = False) -> Placement:
     """Create the placement of `roles` (names of RoleConfigs on an AlignerConfig `cfg`).
 
-    Uses ``cfg.cluster.placement`` and each role's ``colocate_with``.
+    Uses ``cfg.cluster.placement`` and each role's ``colocate_with``; `restarting` (an automatic
+    restart): waits up to ``trainer.restart_wait_s`` for the cluster to hold the groups again.
     Raises ValueError/PlacementError as :func:`create_placement`.
     """
     requests, colocate = _config_requests(cfg, roles)
-    return create_placement(requests, cfg.cluster.placement, colocate, timeout_s)
+    wait = cfg.trainer.restart_wait_s if restarting else 0.0
+    return create_placement(requests, cfg.cluster.placement, colocate, timeout_s, wait_for_nodes_s=wait)
 
 
 def threads_per_worker(num_threads: int, cpus_per_worker: float) -> int:

@@ -7,6 +7,7 @@ The pure helpers (batch split / concat, node-group planning) are tested without 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -175,6 +176,38 @@ def test_dispatch_declarations_and_node_group_plans():
         RoleRequest(role="actor", world_size=6, num_nodes=1, gpus_per_node=8)
     with pytest.raises(ValueError, match="ref.colocate_with='nobody'"):
         plan_node_groups({"actor": a, "ref": ref}, "split", {"ref": "nobody"})
+
+
+def test_a_restart_waits_for_the_cluster_to_hold_the_groups_again(monkeypatch, caplog):
+    """After a lost node (trainer.restart_wait_s): the cluster check is polled until a replacement joins;
+    a cluster still too small after the wait is the usual PlacementError, saying how long it waited."""
+    from aligner.workers import placement
+
+    specs = plan_node_groups({"actor": RoleRequest(role="actor", world_size=2, cpus_per_worker=1)}, "split")
+    checks = []
+
+    def short_until_the_third_check(s):
+        checks.append(s)
+        if len(checks) < 3:
+            raise PlacementError("the cluster cannot hold the requested placement (actor: 2 CPU asked, 0 alive)")
+
+    monkeypatch.setattr(placement, "check_cluster", short_until_the_third_check)
+    with caplog.at_level(logging.WARNING, logger="aligner"):
+        waited = placement.wait_for_cluster(specs, wait_s=5.0, poll_s=0.05)
+    assert len(checks) == 3 and 0.09 <= waited < 5.0
+    assert "waiting up to 5 s" in caplog.text
+    checks.clear()
+
+    def never(s):
+        checks.append(s)
+        raise PlacementError("cannot hold it")
+
+    monkeypatch.setattr(placement, "check_cluster", never)
+    with pytest.raises(PlacementError, match=r"cannot hold it\n\(waited 0 s for it: trainer.restart_wait_s=0.2\)"):
+        placement.wait_for_cluster(specs, wait_s=0.2, poll_s=0.05)
+    assert len(checks) >= 2, "polled, not checked once"
+    with pytest.raises(PlacementError, match="^cannot hold it$"):  # no wait (the first start): checked once, the message unchanged
+        placement.wait_for_cluster(specs, wait_s=0.0, poll_s=0.05)
 
 
 def test_core_shares_split_each_node_among_its_busy_cpu_workers():
