@@ -1,7 +1,7 @@
-"""The planner's rollout (decode) time model against measurements: the fit of its per-step overhead, and
-NeMo-Aligner's published Llama 3 70B PPO step times.
+"""The planner against measurements and published runs: the fit of its decode overhead, NeMo-Aligner's
+published Llama 3 70B PPO step times, and the validation table of published layouts and times.
 
-Two parts (issue 40, "Planner II", part 2):
+Three parts (issue 40, "Planner II", parts 2 and 4):
 
 1. ``--fit``: the decode overhead per decoder layer per step, fitted to aligner's own GPU
    measurements (benchmarks/RESULTS.md, "GPU suite (H200, 2026-11-26)" and
@@ -25,11 +25,21 @@ Two parts (issue 40, "Planner II", part 2):
    the published tokens generated and the longest response of a batch left at max_length (the
    table gives no tail). Nothing here is fitted to these rows.
 
-Runs on the CPU in seconds; on code without ``rollout.expected_response_len`` (before issue 40
-part 2) it plans the max length, as that code did.
+3. ``--table`` (issue 40 part 4): published configurations against the planner, printed as the markdown
+   of docs/planner.md's "Validation table": NeMo 24.07's training rows, Narayanan et al. 2021's Table 1,
+   NeMo-Aligner's PPO rows (the four above and its Llama 3.1 405B run) and NeMo-RL's dense GRPO rows.
+   For each row the published layout as the planner evaluates it (the fields the source gives fixed,
+   the others the planner's best for that layout), its memory per GPU against 80 GiB, its rank among
+   the planner's feasible layouts and its time relative to the planner's best, and its predicted time
+   against the published one; then the goals met and the rows not expressible. Each row's source and
+   the settings it leaves out (stated as assumptions) are in the comments at its list below.
 
-    python benchmarks/planner_validation.py          # the validation table
-    python benchmarks/planner_validation.py --fit    # the overhead fit and its residuals
+Runs on the CPU in seconds (``--table``: about 20 s); on code without ``rollout.expected_response_len``
+(before issue 40 part 2) part 2 plans the max length, as that code did.
+
+    python benchmarks/planner_validation.py                            # part 2: the 70B PPO table
+    python benchmarks/planner_validation.py --fit                      # part 1: the overhead fit and its residuals
+    python benchmarks/planner_validation.py --table [--family training|rl]   # part 3: the validation table
 """
 
 from __future__ import annotations
@@ -237,9 +247,9 @@ class Gpu:
         ]
 
 
-# H100 SXM: 989 TFLOP/s dense bf16, 3,350 GB/s HBM3, NVLink 4 900 GB/s (450 per direction), one 400 Gb/s NIC
-# per GPU (50 GB/s): the planner's ClusterConfig defaults (NVIDIA H100 datasheet). DGX-H100 for NeMo, NeMo-Aligner
-# and NeMo-RL.
+# H100 SXM: 989 TFLOP/s dense bf16, 3,350 GB/s HBM3, NVLink 4 900 GB/s (450 per direction) (NVIDIA H100 datasheet),
+# a 400 Gb/s port per GPU (50 GB/s, DGX H100): the planner's ClusterConfig defaults. NeMo, NeMo-Aligner and NeMo-RL
+# ran on DGX-H100.
 H100 = Gpu("H100", 989.0, 3350.0, 450.0, 50.0)
 # A100 SXM 80 GB: 312 TFLOP/s dense bf16/fp16, 2,039 GB/s HBM2e, NVLink 3 600 GB/s (300 per direction) (NVIDIA A100
 # datasheet); Selene's nodes have eight 200 Gb/s HDR InfiniBand HCAs for 8 GPUs: 25 GB/s per GPU (Narayanan et al.
@@ -261,7 +271,7 @@ LLAMA3_8B = {  # HF config.json of meta-llama/Meta-Llama-3-8B (and Llama-3.1-8B)
     "num_kv_heads": 8,
     "rope_theta": 500000.0,
 }
-LLAMA3_70B = {**LLAMA2["70B"], "vocab_size": 128256, "rope_theta": 500000.0}  # HF config.json of Meta-Llama-3-70B
+LLAMA3_70B_DIMS = {**LLAMA2["70B"], "vocab_size": 128256, "rope_theta": 500000.0}  # HF config.json of Meta-Llama-3-70B
 LLAMA31_405B = {  # HF config.json of meta-llama/Llama-3.1-405B
     "vocab_size": 128256,
     "hidden_size": 16384,
@@ -350,7 +360,7 @@ NEMO_ROWS = [
     nemo_row("NeMo 24.07 pre-training", "Llama 2 13B", LLAMA2["13B"], 16, 128, 4096, 1, 4, 1, 10, 8646),
     nemo_row("NeMo 24.07 pre-training", "Llama 2 70B", LLAMA2["70B"], 64, 128, 4096, 4, 4, 1, 20, 1707),
     nemo_row("NeMo 24.07 pre-training", "Llama 3 8B", LLAMA3_8B, 8, 128, 8192, 1, 1, 2, 1, 12036),
-    nemo_row("NeMo 24.07 pre-training", "Llama 3 70B", LLAMA3_70B, 64, 128, 8192, 4, 4, 2, 5, 1533),
+    nemo_row("NeMo 24.07 pre-training", "Llama 3 70B", LLAMA3_70B_DIMS, 64, 128, 8192, 4, 4, 2, 5, 1533),
     nemo_row("NeMo 24.07 SFT", "Llama 2 7B", LLAMA2["7B"], 8, 32, 4096, 1, 1, 1, 1, 17120),
     nemo_row("NeMo 24.07 SFT", "Llama 2 13B", LLAMA2["13B"], 8, 32, 4096, 1, 4, 1, 1, 9741),
     nemo_row("NeMo 24.07 SFT", "Llama 2 70B", LLAMA2["70B"], 16, 32, 4096, 4, 4, 1, 1, 1833),
@@ -367,9 +377,8 @@ def narayanan_row(name, hidden, layers, heads, tp, pp, gpus, gbs, mbs, vp, tflop
     flops = 96 * gbs * s * layers * hidden**2 * (1 + s / (6 * hidden) + v / (16 * layers * hidden))
     t = flops / (gpus * tflops * 1e12)
     m = gpt_as_llama(hidden, layers, heads)
-    return TrainRow(
-        "Narayanan et al. 2021", name, m, A100, gpus, gbs, mbs, s, tp, pp, t, f"{tflops} TFLOP/s/GPU", vp=vp, recompute="full", sp=False, backend="ddp"
-    )
+    fam, pub = "Narayanan et al. 2021", f"{tflops} TFLOP/s/GPU"
+    return TrainRow(fam, name, m, A100, gpus, gbs, mbs, s, tp, pp, t, pub, vp=vp, recompute="full", sp=False, backend="ddp")
 
 
 # Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
@@ -478,20 +487,23 @@ def train_result(row: TrainRow) -> dict:
     out = {"row": row, "plan": plan, "note": note, "est": r}
     if isinstance(r, LayoutEstimate):
         out["rank"] = rank_in(plan, r)
+        if row.sp is False:  # a system without sequence parallelism: also against the planner's best without it
+            no_sp = [e for e in plan.ranked if not e.layout.sp]
+            out["no_sp"] = r.time.total_s / min(no_sp[0].time.total_s, r.time.total_s) if no_sp else None
     return out
 
 
 def fmt_train(res: dict) -> str:
     row, plan, r = res["row"], res["plan"], res["est"]
-    pub = f"tp{row.tp}" + (f" cp{row.cp}" if row.cp > 1 else "") + f" pp{row.pp}" + (f" vp{row.vp}" if row.vp > 1 else "")
     best = short(plan.best.layout) + f", {plan.best.time.total_s:.2f} s" if plan.best else "none fits"
-    cells = [f"{row.name}", f"{row.gpus} {row.gpu.name}", pub]
+    cells = [f"{row.name}", f"{row.gpus} {row.gpu.name}"]
     if isinstance(r, LayoutEstimate):
         rank, n, rel = res["rank"]
         t = r.time.total_s
         ratio = f"({t / row.published_s:.2f}x, FP8)" if row.fp8 else f"{t / row.published_s:.2f}x"
         cells += [short(r.layout) + (f" ({res['note']})" if res["note"] else ""), f"yes, {r.memory.total / GIB:.1f}"]
-        cells += [f"{rank} / {n}", f"{rel:.2f}x", f"{row.published_s:.2f}", f"{t:.2f}", ratio]
+        vs = f"{rel:.3f}x" + (f" ({res['no_sp']:.3f}x w/o SP)" if res.get("no_sp") else "")
+        cells += [f"{rank} / {n}", vs, f"{row.published_s:.2f}", f"{t:.2f}", ratio]
     else:
         mem = f"no, {r.estimate.memory.total / GIB:.1f}" if r is not None and r.estimate else f"no: {r.reason if r else '?'}"
         cells += [short(r.layout) if r is not None else "-", mem, "-", "-", f"{row.published_s:.2f}", "-", "-"]
@@ -500,19 +512,29 @@ def fmt_train(res: dict) -> str:
 
 
 TRAIN_HEAD = (
-    "| row | GPUs | published | as evaluated | fits: GiB/GPU (of 80) | rank | vs best | published s | predicted s | ratio | planner's best |\n"
-    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    "| row | GPUs | published layout (as evaluated) | fits: GiB/GPU of 80 | rank | vs best | published s | predicted s | ratio | planner's best |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 )
 
 
-def print_training() -> None:
-    """The training families' table: one iteration (GBS sequences) per row."""
-    fam = None
+def print_training() -> list[str]:
+    """The training families' table: one iteration (GBS sequences) per row. Returns the goal lines."""
+    fam, results = None, []
     for row in NEMO_ROWS + NARAYANAN_ROWS:
         if row.family != fam:
             fam = row.family
-            print(f"\n{fam}\n\n{TRAIN_HEAD}")
-        print(fmt_train(train_result(row)))
+            print(f"\n**{fam}**\n\n{TRAIN_HEAD}")
+        results.append(train_result(row))
+        print(fmt_train(results[-1]))
+    near = [r for r in results if "rank" in r and r["rank"][2] <= 1.05]
+    timed = [r for r in results if not r["row"].fp8 and "rank" in r]
+    in_band = [r for r in timed if abs(r["est"].time.total_s / r["row"].published_s - 1) <= 0.25]
+    name = lambda r: f"{r['row'].family.replace('NeMo 24.07 ', '').replace(' et al. 2021', '')} {r['row'].name}"  # noqa: E731
+    return [
+        f"training: published layout feasible {sum('rank' in r for r in results)} / {len(results)}, within 5% of the best "
+        f"{len(near)} / {len(results)} (missing: {', '.join(name(r) for r in results if r not in near)})",
+        f"training: time within +-25% {len(in_band)} / {len(timed)} bf16/fp16 rows (FP8 rows not compared: {len(results) - len(timed)})",
+    ]
 
 
 @dataclass(frozen=True)
@@ -520,9 +542,8 @@ class RlRow:
     """One published RL step: the config (overrides), the node groups, the published step seconds and mean
     response tokens, and the published layouts (role -> Layout fields; {} = not published).
 
-    prompt: data.max_prompt_len; new: responses' cap (rollout.sampling.max_new_tokens); actor_nodes /
-    critic_nodes: the split placement's node groups (critic 0: colocated); rollout_nodes: the rollout
-    group's own nodes (rollout.placement=split)."""
+    prompt: data.max_prompt_len; actor_nodes / critic_nodes: the split placement's node groups (critic 0:
+    colocated); rollout_nodes: the rollout group's own nodes (rollout.placement=split)."""
 
     family: str
     name: str
@@ -531,7 +552,6 @@ class RlRow:
     published_s: float
     mean: float
     prompt: int
-    new: int
     actor_nodes: int = 0
     critic_nodes: int = 0
     rollout_nodes: int = 0
@@ -546,7 +566,7 @@ def aligner_row(name, model, actor_nodes, critic_nodes, mean, step, mbs, rollout
     ov += [f"trainer.rollout_batch_size={rollouts}", f"trainer.mini_batch_size={gbs}", f"rollout.max_batch_size={mbs}"]
     ov += H100.overrides(actor_nodes + critic_nodes)
     nodes = actor_nodes + critic_nodes
-    return RlRow("NeMo-Aligner PPO", name, tuple(ov), nodes, step, mean, 1024, 2048, actor_nodes, critic_nodes, reshard_off=reshard_off)
+    return RlRow("NeMo-Aligner PPO", name, tuple(ov), nodes, step, mean, 1024, actor_nodes, critic_nodes, reshard_off=reshard_off)
 
 
 # NeMo-Aligner (NVIDIA/NeMo-Aligner docs/user-guide/rlhf.rst, "PPO Performance Results with TensorRT-LLM"): the four
@@ -556,7 +576,7 @@ def aligner_row(name, model, actor_nodes, critic_nodes, mean, step, mbs, rollout
 # NeMo-Aligner's defaults (examples/nlp/gpt/conf/gpt_ppo_actor.yaml): rollout_micro_batch_size 8 (also for the 405B
 # run), max_length 2048, max_input_len 1024. No layout is published: the planner's best at the published split;
 # the 405B run also with the engine in the planner's actor layout (reshard off: generation in the training layout).
-ALIGNER_ROWS = [aligner_row("Llama 3 70B", LLAMA3_70B, a, c, mean, step, mbs, 1024, 128) for a, c, mean, step, mbs in PUBLISHED]
+ALIGNER_ROWS = [aligner_row("Llama 3 70B", LLAMA3_70B_DIMS, a, c, mean, step, mbs, 1024, 128) for a, c, mean, step, mbs in PUBLISHED]
 ALIGNER_ROWS.append(aligner_row("Llama 3.1 405B", LLAMA31_405B, 84, 42, 915.6, 164.6, 8, 128, 128))
 ALIGNER_ROWS.append(aligner_row("Llama 3.1 405B, reshard off", LLAMA31_405B, 84, 42, 915.6, 164.6, 8, 128, 128, reshard_off=True))
 
@@ -594,7 +614,7 @@ def nemo_rl_row(name, model, nodes, mean, step, tok_s_gpu, actor: dict, engine_t
         ("ref", {"tp": actor["tp"], "pp": actor["pp"], "dp": dp}),
         ("rollout", {"tp": engine_tp, "pp": 1, "dp": gen // engine_tp}),
     )
-    return RlRow("NeMo-RL GRPO", name, tuple(ov), nodes, step, mean, prompt, 4096 - prompt, rollout_nodes=rollout_nodes, layouts=layouts)
+    return RlRow("NeMo-RL GRPO", name, tuple(ov), nodes, step, mean, prompt, rollout_nodes=rollout_nodes, layouts=layouts)
 
 
 # NeMo-RL performance summary (NVIDIA-NeMo/RL docs/about/performance-summary.md, "Nemo RL v0.5", H100 BF16: the last
@@ -627,10 +647,10 @@ NOT_EXPRESSIBLE = [
     ),
     (
         "NeMo-RL v0.5 GB200: Llama 3.1 8B (2 rows), Qwen3-32B (2 rows)",
-        "GB200-NVL72 (4 GPUs a node, 186 GB): not evaluated, no sourced peak and bandwidth figures here",
+        "GB200-NVL72 (4 GPUs a node): not evaluated, no sourced peak, HBM and bandwidth figures here",
     ),
     ("NeMo-RL v0.5: DeepSeek V3, Qwen3-235B, Qwen3-30B-A3B", "MoE rows: outside this table (dense models only)"),
-    ("NeMo 24.07: GPT3, Nemotron rows", "GPT-3 (GeLU, LayerNorm) and Nemotron (squared ReLU) layers: not Llama-family"),
+    ("NeMo 24.07: GPT3 and Nemotron rows", "left out: this table takes NeMo's Llama rows (all of its rows are FP8)"),
 ]
 
 
@@ -641,7 +661,11 @@ def rl_config(row: RlRow, mean_only: bool):
     ov = list(row.overrides) + [f"rollout.expected_response_len={row.mean}"]
     if mean_only:
         n = math.ceil(row.mean)
-        ov += [f"rollout.sampling.max_new_tokens={n}", f"data.max_seq_len={row.prompt + n}", f"rollout.expected_response_len_max={row.mean}"]
+        ov += [
+            f"rollout.sampling.max_new_tokens={n}",
+            f"data.max_seq_len={row.prompt + n}",
+            f"rollout.expected_response_len_max={row.mean}",
+        ]
     return load_config("ppo", ov)
 
 
@@ -653,10 +677,10 @@ def role_devices(row: RlRow, work) -> int:
     return 8 * (row.nodes - row.rollout_nodes)
 
 
-def rl_step(cfg, row: RlRow, layouts: dict) -> tuple[float, dict, dict]:
-    """(step seconds, role -> RolePlan (the planner's), role -> the published layout's estimate or Rejected)
-    for one config: the planner's best layouts, or with `layouts` the published ones (the roles without one:
-    the planner's best)."""
+def rl_step(cfg, row: RlRow, layouts: dict) -> tuple[dict, dict]:
+    """(role -> the planner's RolePlan, role -> the published layout's estimate or Rejected) for one config;
+    `layouts`: the published Layout fields per role (a role without: the planner's best; with reshard_off
+    the engine takes the planner's actor layout)."""
     plans, chosen = {}, {}
     for w in sorted(role_works(cfg), key=lambda w: w.mode == "generate"):  # the engine after the actor
         n = role_devices(row, w)
@@ -721,7 +745,7 @@ def fmt_rl(res: dict) -> str:
                 ranks.append("-")
         ok = all(isinstance(chosen[x], LayoutEstimate) for x in chosen)
         cells += ["; ".join(lay), ("yes, " if ok else "") + " / ".join(mem), ", ".join(ranks)]
-        cells.append(f"{res['A'] / res['A_best']:.2f}x" if res["A"] else "-")
+        cells.append(f"{res['A'] / res['A_best']:.3f}x" if res["A"] else "-")
     else:
         cells += ["not published", "-", "-", "-"]
     a, m = res["A"], res["M"]
@@ -732,28 +756,41 @@ def fmt_rl(res: dict) -> str:
 
 
 RL_HEAD = (
-    "| row | GPUs | published layout | fits: GiB/GPU (of 80), actor / engine | rank: actor / engine | vs best (A) "
+    "| row | GPUs | published layout (as evaluated) | fits: GiB/GPU of 80, actor / engine | rank: actor, engine | vs best (A) "
     "| published s | A s | M s | A ratio | M ratio | rollout share (A) |\n"
     "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 )
 
 
-def print_rl() -> None:
-    """The RL families' table: one PPO / GRPO step per row, A and M bounds."""
-    fam = None
+def print_rl() -> list[str]:
+    """The RL families' table: one PPO / GRPO step per row, A and M bounds. Returns the goal lines."""
+    fam, results = None, []
     for row in ALIGNER_ROWS + NEMO_RL_ROWS:
         if row.family != fam:
             fam = row.family
-            print(f"\n{fam}\n\n{RL_HEAD}")
-        print(fmt_rl(rl_result(row)))
+            print(f"\n**{fam}**\n\n{RL_HEAD}")
+        results.append(rl_result(row))
+        print(fmt_rl(results[-1]))
+    pub = [r for r in results if r["row"].layouts]
+    near = [r for r in pub if r["A"] and r["A"] / r["A_best"] <= 1.05]
+    band = lambda key: sum(1 for r in results if r[key] and abs(r[key] / r["row"].published_s - 1) <= 0.4)  # noqa: E731
+    between = sum(1 for r in results if r["M"] <= r["row"].published_s <= r["A"])
+    return [
+        f"RL: published layouts feasible {sum(1 for r in pub if r['A'])} / {len(pub)}, step within 5% of the planner's best {len(near)} / {len(pub)}",
+        f"RL: step within +-40%: A {band('A')} / {len(results)}, M {band('M')} / {len(results)}; published between M and A {between} / {len(results)}",
+    ]
 
 
 def print_table(family: str) -> None:
+    goals = []
     if family in ("all", "training"):
-        print_training()
+        goals += print_training()
     if family in ("all", "rl"):
-        print_rl()
-    print("\nNot expressible or left out:\n")
+        goals += print_rl()
+    print("\n**Goals**\n")
+    for line in goals:
+        print(f"- {line}")
+    print("\n**Not expressible or left out**\n")
     for what, why in NOT_EXPRESSIBLE:
         print(f"- {what}: {why}")
 

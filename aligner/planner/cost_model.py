@@ -40,7 +40,8 @@ which torch.cuda reports about 79.2 GiB = 85.0e9 as total_memory):
   cast to it on refit; its KV caches take the model's dtype), whatever model.dtype is. KV cache:
   2 * layers/pp * max(kv_heads/tp, 1) * head_dim * bytes * batch * seq.
 
-Step-time model (seconds): FLOPs per token 6N + 12*L*H*T for training and 2N + 4*L*H*T for
+Step-time model (seconds): FLOPs per token 6N + 12*L*H*T for training (4 instead of 6 per frozen
+parameter of a LoRA base: no weight gradients) and 2N + 4*L*H*T for
 a forward pass (Chowdhery et al. 2022, PaLM appendix B), plus one forward for full
 recomputation or the attention core for selective, divided by devices * peak * efficiency;
 TP all-reduces (4 per layer per micro-batch in forward + backward, Shoeybi et al. 2019) of
@@ -583,12 +584,14 @@ def kv_cache_bytes(model: ModelConfig, e: int, tp: int, pp: int, batch: int, seq
 # --------------------------------------------------------------------------- time model
 
 
-def train_flops_per_token(n_params: int, model: ModelConfig, seq_len: int, recompute: str) -> float:
+def train_flops_per_token(n_params: int, model: ModelConfig, seq_len: int, recompute: str, frozen_params: int = 0) -> float:
     """Training FLOPs per token: 6N + 12*L*H*T (PaLM, Chowdhery et al. 2022, appendix B), plus a
-    second forward (2N + 4LHT) for full recomputation or the attention core (4LHT) for selective."""
+    second forward (2N + 4LHT) for full recomputation or the attention core (4LHT) for selective.
+    frozen_params (of n_params, a LoRA base): no weight gradients, so 4 FLOPs per token each (forward
+    and input gradient) instead of 6; the attention core has no weights and keeps its 12LHT."""
     attn = 4.0 * model.num_layers * model.hidden_size * seq_len
     extra = {"none": 0.0, "selective": attn, "full": 2.0 * n_params + attn}[recompute]
-    return 6.0 * n_params + 3 * attn + extra
+    return 6.0 * n_params - 2.0 * frozen_params + 3 * attn + extra
 
 
 def forward_flops_per_token(n_params: int, model: ModelConfig, seq_len: int) -> float:
@@ -682,13 +685,18 @@ def _a2a_time(model: ModelConfig, layout: Layout, micro_batches: int, seq: int, 
 
 def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_bytes: float, cluster: ClusterConfig) -> StepTime:
     """Seconds per step of a training role: opt_steps optimizer steps (+ the forward-only passes).
-    FLOPs follow the active parameters (MoE: top-k experts per token)."""
+    FLOPs follow the active parameters (MoE: top-k experts per token); with LoRA the frozen base
+    computes no weight gradients (:func:`train_flops_per_token`) and the adapters add theirs."""
     n = role_active_parameters(model, work.kind)
+    frozen = 0
+    if work.lora_rank > 0:  # the base is frozen (a score head trains: h parameters); the adapters train
+        frozen = n - (model.hidden_size if work.kind == "score" else 0)
+        n += lora_num_parameters(model, work.lora_rank, work.lora_targets, 1, model.num_layers)[0]
     e = activation_dtype_bytes(model, work.parallel)
     seq, layers = work.seq_len, layers_on_stage(model.num_layers, layout.pp, 0)
     m = work.batch // (layout.dp * layout.micro_batch_size)
     colls = 6 if layout.recompute == "full" else 4
-    flops = train_flops_per_token(n, model, seq, layout.recompute) * work.batch * seq
+    flops = train_flops_per_token(n, model, seq, layout.recompute, frozen) * work.batch * seq
     c, t, b = _pass_time(flops, m, layers, colls, layout, model, e, seq, cluster)
     p_sh, _, _ = _dp_shards(work.parallel)
     factor = 1.5 if p_sh else 1.0  # FSDP / ZeRO-3: all-gather + reduce-scatter = 1.5 all-reduces
