@@ -117,16 +117,20 @@ def test_sigterm_to_the_driver_saves_the_current_step_and_exits_143(tmp_path, mo
         assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == steps + [last + 1, last + 2]
 
 
-def test_sigterm_to_every_process_exits_143_within_the_grace_time_and_keeps_the_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("order", ["driver first", "ray first"])
+def test_sigterm_to_every_process_exits_143_within_the_grace_time_and_keeps_the_last_checkpoint(tmp_path, order):
+    """ "driver first": the supervisor, then the rest by pid (the driver, then Ray's processes). "ray first":
+    Ray's processes newest first, the driver, the supervisor last, as a scheduler's pid order can be once pids
+    wrap (pid_max 32768 here, reached during a full suite): the raylet ends before the driver's handler runs,
+    and Ray's core worker may end the driver itself (_Exit(1)), which only the supervisor can report."""
     out = tmp_path / "run"
     proc = _start("aligner.sft", out, "trainer.max_steps=100000", "trainer.save_every=2")
     _wait_for_steps(proc, out, 4)
     saved = CheckpointManager(out).latest()
     assert saved is not None
-    # the driver first, then Ray's processes: `ps` lists by pid, and once pids wrap (pid_max 32768 here,
-    # reached during a full suite) Ray's processes can sort before the driver; a driver whose raylet died
-    # before its own SIGTERM arrived ends through Ray's handler (exit 15), which is not what this test checks
-    code, err, secs = _stop(proc, [proc.pid] + [p for p in _session_pids(os.getsid(proc.pid)) if p != proc.pid])
+    rest = [p for p in _session_pids(os.getsid(proc.pid)) if p != proc.pid]
+    pids = [proc.pid, *rest] if order == "driver first" else [*sorted(rest, reverse=True), proc.pid]
+    code, err, secs = _stop(proc, pids)
     assert secs < GRACE_S + 30, secs
     latest = CheckpointManager(out).latest()
     assert latest is not None and int(latest.name.split("_")[1]) >= int(saved.name.split("_")[1])
@@ -135,7 +139,8 @@ def test_sigterm_to_every_process_exits_143_within_the_grace_time_and_keeps_the_
     assert code == 143, err[-3000:]
     line = _last_line(err)
     assert line.startswith("aligner sft: ") and "SIGTERM" in line and "resume=true" in line, line
-    assert "Traceback" not in err, err[-3000:]
+    if order == "driver first":  # with the raylet gone first, Ray's own threads in the driver may print theirs
+        assert "Traceback" not in err, err[-3000:]
     print(f"exit {code} after {secs:.1f} s: {line}")  # which process said it: the driver, or its supervisor (-rP shows it)
 
 
