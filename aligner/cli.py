@@ -31,7 +31,7 @@ from aligner.config import (
     hydra_schema,
     roles_with_field,
 )
-from aligner.errors import UserError
+from aligner.errors import PlacementError, UserError
 from aligner.trainers import preemption, supervisor
 from aligner.trainers.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from aligner.trainers.preemption import Preempted
@@ -308,7 +308,7 @@ def run(stage: str, main: Callable[[AlignerConfig], Optional[int]], argv: Option
             return 0
         code = main(cfg)
         return 0 if code is None else int(code)
-    except (ConfigError, UserError) as e:
+    except (ConfigError, UserError, PlacementError) as e:  # PlacementError: a cluster (joined, or after a restart) too small
         print(f"aligner {stage}: error: {e}", file=sys.stderr)
         return 2
     except Preempted as e:

@@ -104,6 +104,7 @@ class LocalCluster:
         }
         self.env.pop("RAY_ADDRESS", None)
         self.head = self._start("head", ["--head", f"--port={self.port}", "--num-cpus=0", "--include-dashboard=false"])
+        self._wait_raylet(self.head, "head")
 
     @property
     def address(self) -> str:
@@ -117,14 +118,19 @@ class LocalCluster:
 
     def add_node(self, cpus: int = 8) -> subprocess.Popen:
         """Start a worker node and wait until its raylet is up."""
-        node = self._start(f"node{len(self.nodes)}", [f"--address={self.address}", f"--num-cpus={cpus}"])
+        name = f"node{len(self.nodes)}"
+        node = self._start(name, [f"--address={self.address}", f"--num-cpus={cpus}"])
         self.nodes.append(node)
-        t0 = time.monotonic()
-        while not any("raylet" in cmdline(p) for p in descendants(node.pid)):
-            if node.poll() is not None or time.monotonic() - t0 > 120:
-                raise RuntimeError(f"worker node did not start (see {self.log_dir})")
-            time.sleep(0.5)
+        self._wait_raylet(node, name)
         return node
+
+    def _wait_raylet(self, proc: subprocess.Popen, name: str) -> None:
+        """Until `proc`'s raylet runs and its ``ray start`` log (``ray_<name>.log``) says the runtime started."""
+        t0, log = time.monotonic(), self.log_dir / f"ray_{name}.log"
+        while not any("raylet" in cmdline(p) for p in descendants(proc.pid)) or "Ray runtime started" not in log.read_text():
+            if proc.poll() is not None or time.monotonic() - t0 > 120:
+                raise RuntimeError(f"ray start ({name}) did not start (see {log})")
+            time.sleep(0.5)
 
     def kill_node(self, node: subprocess.Popen) -> int:
         """SIGKILL every process of `node` (its raylet and the workers on it); returns how many."""
@@ -150,6 +156,12 @@ class LocalCluster:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        pointer = Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray" / "ray_current_cluster"  # `ray start` names its head here
+        try:
+            if pointer.read_text().strip().endswith(f":{self.port}"):
+                pointer.unlink()
+        except OSError:
+            pass
 
 
 def _free_port() -> int:
@@ -235,6 +247,7 @@ def faulted_run(
                 raise RuntimeError("no ray::WorkerShell process found under the driver or on the nodes")
             time.sleep(0.3)  # into the next step
             done = max((r["step"] for r in _rows(out)), default=0)
+            t0 = time.monotonic()
             if sig is None:
                 killed = cluster.kill_node(cluster.nodes[-1])
                 what = f"{what} ({killed} processes)"
@@ -243,7 +256,6 @@ def faulted_run(
                 pick, shells = 0, [cluster.nodes[-2].pid]  # the lost node's `ray start`, for the table
             else:
                 os.kill(shells[pick], sig)
-            t0 = time.monotonic()
             first = _wait_restarted(proc, out, n)
             lost = max(0, done - (first["step"] - 1))
             faults.append(

@@ -415,6 +415,21 @@ def test_cli_tokenizer_larger_than_model_vocab(tmp_path):
     assert "model.vocab_size=16 is smaller than the tokenizer's" in line, line
 
 
+def test_a_cluster_too_small_for_the_groups_is_an_error_line_not_a_traceback(capsys):
+    """A joined cluster (or one that lost a node and was not replaced within trainer.restart_wait_s) that cannot
+    hold the worker groups: the PlacementError's message (what was asked, what exists, the fix) after one
+    "aligner <stage>: error:" line, exit 2, no traceback."""
+    from aligner.cli import run
+    from aligner.errors import PlacementError
+
+    def main(cfg):
+        raise PlacementError("the cluster cannot hold the requested placement (2 CPU in total, the cluster has 0).\nasked: ...")
+
+    assert run("sft", main, ["conf=tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("aligner sft: error: the cluster cannot hold the requested placement (2 CPU in total") and "Traceback" not in err
+
+
 def test_a_sigterm_taken_by_rays_handler_is_the_preemption_exit(capsys):
     """Ray's driver handler turns a SIGTERM outside aligner's own handler into sys.exit(15); the entry point
     reports it as a preemption (143, one line saying the last checkpoint is intact), other exits pass through."""
