@@ -257,7 +257,7 @@ H100 = Gpu("H100", 989.0, 3350.0, 450.0, 50.0)
 A100 = Gpu("A100", 312.0, 2039.0, 300.0, 25.0)
 
 # Model dimensions (ModelConfig fields over conf=llama2_7b's)
-LLAMA2 = {  # conf/conf/llama2_{7b,13b,70b}.yaml (HF config.json of meta-llama/Llama-2-*-hf)
+LLAMA2 = {  # the presets conf/conf/llama2_7b.yaml, llama2_13b.yaml, llama2_70b.yaml (HF config.json of meta-llama/Llama-2-*-hf)
     "7B": {},
     "13B": {"hidden_size": 5120, "intermediate_size": 13824, "num_layers": 40, "num_heads": 40, "num_kv_heads": 40},
     "70B": {"hidden_size": 8192, "intermediate_size": 28672, "num_layers": 80, "num_heads": 64, "num_kv_heads": 8},
@@ -346,7 +346,7 @@ def nemo_row(family, name, model, gpus, gbs, seq, tp, pp, cp, vp, tok_s_gpu, lor
     return TrainRow(family, name, model, H100, gpus, gbs, 1, seq, tp, pp, t, f"{tok_s_gpu:,} tok/s/GPU", cp=cp, vp=vp, fp8=True, lora=lora)
 
 
-# NeMo 24.07 performance summary (NVIDIA/NeMo, docs/source/performance/performance_summary.md, the version in the
+# NeMo 24.07 performance summary (NVIDIA/NeMo/docs/source/performance/performance_summary.md, the version in the
 # index: commit 070a0bb168d405d653b9734c0017cf5078e77c0d, the "24.07 perf numbers" table of 2024-09-09), DGX-H100,
 # FP8, container NeMo 24.07. Columns used: #GPUs, GBS, MBS (1 in these rows), sequence length, TP, PP, CP, VP,
 # tokens/s/GPU. Fine-tuning: SQuAD v1.1 packed to 4,096 tokens. Not stated, assumed: Megatron's distributed
@@ -569,7 +569,7 @@ def aligner_row(name, model, actor_nodes, critic_nodes, mean, step, mbs, rollout
     return RlRow("NeMo-Aligner PPO", name, tuple(ov), nodes, step, mean, 1024, actor_nodes, critic_nodes, reshard_off=reshard_off)
 
 
-# NeMo-Aligner (NVIDIA/NeMo-Aligner docs/user-guide/rlhf.rst, "PPO Performance Results with TensorRT-LLM"): the four
+# NeMo-Aligner (NVIDIA/NeMo-Aligner/docs/user-guide/rlhf.rst, "PPO Performance Results with TensorRT-LLM"): the four
 # Llama 3 70B scaling rows of part 2 (PUBLISHED), and the Llama 3.1 405B actor and reward model run on 84 actor +
 # 42 critic nodes: num_rollout_samples=128, global_batch_size=128, reshard off (generation in the training layout),
 # engine kept on the GPU, 915.6 tokens generated per response, 164.6 s per step. Not stated, assumed as in part 2:
@@ -617,7 +617,7 @@ def nemo_rl_row(name, model, nodes, mean, step, tok_s_gpu, actor: dict, engine_t
     return RlRow("NeMo-RL GRPO", name, tuple(ov), nodes, step, mean, prompt, rollout_nodes=rollout_nodes, layouts=layouts)
 
 
-# NeMo-RL performance summary (NVIDIA-NeMo/RL docs/about/performance-summary.md, "Nemo RL v0.5", H100 BF16: the last
+# NeMo-RL performance summary (NVIDIA-NeMo/RL/docs/about/performance-summary.md, "Nemo RL v0.5", H100 BF16: the last
 # version with dense-model rows, commit 4c1a0cd49 of 2026-04-12; v0.6, commit 69c7ca117, has none), GRPO on
 # OpenMathInstruct-2, DGX-H100, bf16 training (Megatron core) and generation (vLLM), T-Max sequence length 4,096.
 # Published per row: GPUs, G-GBS 2,048, T-GBS 512, generation [TP, PP], training [TP, CP, EP, PP], G-average

@@ -32,21 +32,8 @@ def shared():
 RUN_FIRST = ("tests/test_sft_rm.py::test_tiny_demo_acceptance",)
 
 
-# Under pytest-xdist (`make test` runs two processes, `--dist loadgroup`) each test file is one group, so
-# a module's fixtures are built once; these files share one group because their sandboxed programs run as
-# the same uid (65534), whose process count the sandbox's tests assert.
-SAME_WORKER = {"tests/reward/test_sandbox.py": "sandbox", "tests/envs/test_base_episodes.py": "sandbox"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Move the tests of RUN_FIRST to the front of the run, in RUN_FIRST's order; the rest keep theirs.
-    In an xdist worker, give every test its group (RUN_FIRST's alone, else SAME_WORKER's or its file's)."""
+    """Move the tests of RUN_FIRST to the front of the run, in RUN_FIRST's order; the rest keep theirs."""
     rank = {nodeid: i for i, nodeid in enumerate(RUN_FIRST)}
     first = sorted((it for it in items if it.nodeid in rank), key=lambda it: rank[it.nodeid])
     items[:] = first + [it for it in items if it.nodeid not in rank]
-    if hasattr(config, "workerinput"):
-        for it in items:
-            path = it.nodeid.split("::", 1)[0]
-            group = "run_first" if it.nodeid in rank else SAME_WORKER.get(path, path)
-            it.add_marker(pytest.mark.xdist_group(group))
