@@ -94,7 +94,7 @@ class LocalCluster:
 
     def __init__(self, log_dir: Path):
         self.log_dir, self.nodes = log_dir, []
-        self.port = _free_port()
+        self.port = _os_port()
         self.env = {
             **os.environ,
             "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -164,7 +164,9 @@ class LocalCluster:
             pass
 
 
-def _free_port() -> int:
+def _os_port() -> int:
+    """A port the OS picks (its ephemeral range): aligner.runtime.ports.free_port draws below that range,
+    where Ray's own worker ports (10002-19999) are, and `ray start` refuses a GCS port among them."""
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

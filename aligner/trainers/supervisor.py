@@ -41,9 +41,11 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from aligner.trainers import preemption
+
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # linux/prctl.h
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-PREEMPTED = 128 + signal.SIGTERM  # 143, aligner.trainers.preemption.EXIT_CODE
+PREEMPTED = preemption.EXIT_CODE  # 143
 CLEAN_EXITS = (0, 2, PREEMPTED)  # done, bad input, preempted at a step boundary: the child said why
 _SUPERVISOR_PID: Optional[int] = None  # in a supervised driver: its parent's pid
 
@@ -107,7 +109,7 @@ def _supervise(stage: str, child: int, output_dir_of: Callable[[], Optional[str]
     code = os.waitstatus_to_exitcode(status)
     for sig in FORWARDED:  # from here on a signal ends the supervisor as it would any process
         signal.signal(sig, signal.SIG_DFL)
-    _kill_leftovers()
+    preemption.kill_descendants()  # what the driver left, re-parented to this subreaper
     sigterm = signal.SIGTERM in received or code == -signal.SIGTERM
     if code in CLEAN_EXITS:
         return code
@@ -146,17 +148,3 @@ def _last_checkpoint(output_dir_of: Callable[[], Optional[str]]) -> str:
     if latest is None:
         return "no complete checkpoint is in output_dir (saves are atomic: nothing half-written counts)"
     return f"the newest complete checkpoint, {latest}, is intact (saves are atomic)"
-
-
-def _kill_leftovers() -> int:
-    """SIGKILL the processes the driver left (re-parented to this subreaper) and reap them."""
-    import psutil  # a Ray dependency
-
-    procs = psutil.Process().children(recursive=True)
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=10)
-    return len(procs)

@@ -276,22 +276,25 @@ def wait_for_cluster(specs: Sequence[NodeGroupSpec], wait_s: float, poll_s: floa
     """:func:`check_cluster` until it passes or `wait_s` seconds have gone (0: check once); returns the
     seconds waited. A lost node's replacement joining (Kubernetes, an autoscaler) ends the wait; the
     PlacementError of a cluster still too small says how long it waited."""
-    t0 = time.monotonic()
+    t0, warned = time.monotonic(), False
     while True:
         try:
             check_cluster(specs)
-            waited = time.monotonic() - t0
-            if waited > 0.5:
-                log.warning("the cluster holds the worker groups again after %.0f s", waited)
-            return waited
         except PlacementError as e:
-            if time.monotonic() - t0 + poll_s > wait_s:
+            waited = time.monotonic() - t0
+            if waited + poll_s > wait_s:
                 if wait_s > 0:
-                    e.args = (f"{e.args[0]}\n(waited {time.monotonic() - t0:.0f} s for it: trainer.restart_wait_s={wait_s:g})",)
+                    e.args = (f"{e.args[0]}\n(waited {waited:.0f} s for it: trainer.restart_wait_s={wait_s:g})",)
                 raise
-            if time.monotonic() - t0 < poll_s:
+            if not warned:
                 log.warning("the cluster cannot hold the worker groups now (a lost node?): waiting up to %g s for it", wait_s)
-        time.sleep(poll_s)
+                warned = True
+            time.sleep(poll_s)
+            continue
+        waited = time.monotonic() - t0
+        if warned:
+            log.warning("the cluster holds the worker groups again after %.0f s", waited)
+        return waited
 
 
 class _SharedPG:
