@@ -2,7 +2,8 @@
 
 Owns: ColumnParallelLinear (and its LMHead), RowParallelLinear, VocabParallelEmbedding, RMSNorm, ScalarHead and
 the ParallelLayer protocol they share (Shoeybi et al. 2019, "Megatron-LM";
-Korthikanti et al. 2022 for sequence parallelism).
+Korthikanti et al. 2022 for sequence parallelism), and :func:`frozen_weight_casts`, the per-step
+cache of frozen weights' autocast casts that the linears' forwards read through :func:`autocast_weight`.
 
 Each layer is built at full (unsharded) shape and runs single-process until
 :meth:`ParallelLayer.shard_` is called on it from ``aligner.parallel.tensor_parallel``
@@ -17,7 +18,9 @@ used for GQA key/value heads replicated when num_kv_heads < tp_size.
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import threading
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,6 +53,65 @@ class ParallelLayer(nn.Module):
         (None: contiguous equal chunks in tp-rank order).
         """
         return None, None
+
+
+_casts = threading.local()  # .cache: {id(weight): (weight, (version, data_ptr, dtype), cast)} inside frozen_weight_casts
+
+
+@contextlib.contextmanager
+def frozen_weight_casts(enabled: bool = True) -> Iterator[None]:
+    """Share the autocast casts of frozen weights between the micro-batches run inside the block.
+
+    torch.autocast caches the cast of a trainable fp32 leaf for its whole context but casts a frozen
+    weight (requires_grad False: a LoRA base, a prompt-learning model) again at every call, and
+    F.linear saves that cast for backward, so each micro-batch in flight (1F1B) would hold its own
+    copy. Inside the block :func:`autocast_weight` makes each frozen weight's cast once and hands the
+    same tensor to every later call on this thread (a per-thread cache: gloo tests may run ranks as
+    threads), so the micro-batches save one copy; the results are bitwise those of autocast's own
+    cast (the same ``Tensor.to``). The cache is dropped when the outermost block exits; a nested
+    block, or `enabled` False, changes nothing. With full recomputation leave it off: each layer's
+    casts would then live to the end of the block where the recomputed layer holds only its own.
+    The sequence-parallel column linears (:class:`_SPGatherLinears`) save the fp32 weight, not a
+    cast, and do not use it.
+    """
+    if not enabled or getattr(_casts, "cache", None) is not None:
+        yield
+        return
+    _casts.cache = {}
+    try:
+        yield
+    finally:
+        _casts.cache = None
+
+
+def autocast_weight(w: torch.Tensor) -> torch.Tensor:
+    """The weight a linear's forward passes to F.linear: `w` itself, or inside
+    :func:`frozen_weight_casts` its shared autocast copy.
+
+    The copy ``w.detach().to(dtype)`` (same shape, the autocast dtype of w's device, e.g. bf16) is
+    returned when grad is enabled, autocast is on for w's device type, and w is a plain frozen
+    floating-point tensor (requires_grad False, not float64, not already in that dtype: the
+    tensors autocast would cast), outside a torch.compile'd region. It is made on the first call in
+    the block and made again after an in-place change of w (``w._version``: merge_adapters, a refit)
+    or a rebinding of its data."""
+    if torch.compiler.is_compiling():  # first, so a compiled block (parallel.compile) guards on nothing here: it casts as before
+        return w
+    cache = getattr(_casts, "cache", None)
+    if cache is None or w.requires_grad or not torch.is_grad_enabled() or type(w) not in (torch.Tensor, nn.Parameter):
+        return w
+    dev = w.device.type
+    if not torch.amp.is_autocast_available(dev) or not torch.is_autocast_enabled(dev):
+        return w
+    dtype = torch.get_autocast_dtype(dev)
+    if not w.is_floating_point() or w.dtype in (dtype, torch.float64):
+        return w
+    stamp = (w._version, w.data_ptr(), dtype)
+    hit = cache.get(id(w))
+    if hit is not None and hit[0] is w and hit[1] == stamp:
+        return hit[2]
+    cast = w.detach().to(dtype)
+    cache[id(w)] = (w, stamp, cast)  # holding w keeps its id from being reused inside the block
+    return cast
 
 
 def _replace_param(module: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -188,7 +250,9 @@ def column_parallel_linears(x: torch.Tensor, layers) -> tuple[torch.Tensor, ...]
         return tuple(o if a is None else o + a.column_delta(x) for o, a in zip(outs, adapters))
     x = comm.copy_to_tp(x, first.tp_group)
     if any(a is not None for a in adapters):  # LoRA: the packed GEMM is bypassed (aligner.nn.lora)
-        return tuple(F.linear(x, l.weight, l.bias) + (0 if a is None else a.column_delta(x)) for l, a in zip(layers, adapters))
+        return tuple(
+            F.linear(x, autocast_weight(l.weight), l.bias) + (0 if a is None else a.column_delta(x)) for l, a in zip(layers, adapters)
+        )
     inference = not torch.is_grad_enabled()
     packed = first.__dict__.get("packed")
     if packed is not None and packed[2] == tuple(layers) and inference:
@@ -199,7 +263,7 @@ def column_parallel_linears(x: torch.Tensor, layers) -> tuple[torch.Tensor, ...]
         return tuple(
             F.linear(x, l.weight, l.bias) if "onednn" not in l.__dict__ else onednn_linear(x, l.__dict__["onednn"], l.bias) for l in layers
         )
-    return tuple(F.linear(x, l.weight, l.bias) for l in layers)
+    return tuple(F.linear(x, autocast_weight(l.weight), l.bias) for l in layers)
 
 
 def onednn_available() -> bool:
@@ -344,7 +408,7 @@ class RowParallelLinear(ParallelLayer):
             if packed is not None:
                 return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, None, "add")
             return torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), self.weight.t()).view_as(residual)
-        y = F.linear(x, self.weight) if packed is None else onednn_linear(x, packed, None)
+        y = F.linear(x, autocast_weight(self.weight)) if packed is None else onednn_linear(x, packed, None)
         if adapter is not None:  # LoRA's partial B A_local x_local, before the reduction (aligner.nn.lora)
             y = y + adapter.row_delta(x)
         if self.sequence_parallel:
@@ -496,4 +560,4 @@ class ScalarHead(ParallelLayer):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             h = comm.gather_from_sp_replicated(h, self.tp_group)
-        return F.linear(h, self.weight).squeeze(-1).float()
+        return F.linear(h, autocast_weight(self.weight)).squeeze(-1).float()

@@ -34,8 +34,10 @@ which torch.cuda reports about 79.2 GiB = 85.0e9 as total_memory):
   adds the fp32 log-softmax of the logits (the paper's 4sbv/t). 1F1B keeps min(pp - i, m)
   micro-batches in flight on stage i (the first stage holds pp). Under torch.autocast (fp32
   parameters, bf16 compute: bf16 mixed precision with DDP or one dp rank) the bf16 casts of
-  the weights are held once per stage for trainable weights (autocast caches them for its
-  context) but once per micro-batch in flight for frozen ones (a LoRA base: never cached).
+  the weights are held once per stage, not per micro-batch in flight: autocast caches a trainable
+  weight's cast for its context, and the training step shares a frozen weight's (a LoRA base,
+  :func:`aligner.nn.layers.frozen_weight_casts`); a frozen base under full recomputation holds
+  only the recomputed layer's casts.
 - Rollout engine: weights, KV cache and activations in ``rollout.dtype`` (the engine's model is
   cast to it on refit; its KV caches take the model's dtype), whatever model.dtype is. KV cache:
   2 * layers/pp * max(kv_heads/tp, 1) * head_dim * bytes * batch * seq.
@@ -504,12 +506,14 @@ def train_activation_bytes(
 
     e: activation element bytes (shared inputs, head); precision: how the layers compute (:func:`training_precision`).
     frozen_base: the layers' linear weights are frozen (LoRA). Under "autocast" the bf16 weight casts
-    (:func:`autocast_weight_cast_bytes` per layer) are counted as the runtime holds them: torch.autocast
-    caches the cast of a trainable fp32 leaf for its whole context (the forward with pp = 1, the
-    whole 1F1B step with pp > 1; recomputation hits the cache), so a stage holds its layers' casts
-    once; a frozen weight is not cached (``requires_grad`` is False), so each micro-batch in flight
-    saves its own casts for backward, and with full recomputation only the layer being recomputed
-    holds them. tests/test_planner.py measures both on the CPU.
+    (:func:`autocast_weight_cast_bytes` per layer) are counted as the runtime holds them: once per
+    stage, whatever the micro-batches in flight. torch.autocast caches the cast of a trainable fp32
+    leaf for its whole context (the forward with pp = 1, the whole 1F1B step with pp > 1;
+    recomputation hits the cache); it never caches a frozen weight's, but
+    ``TrainRuntime.forward_backward`` makes each frozen cast once per step and shares it between the
+    micro-batches (:func:`aligner.nn.layers.frozen_weight_casts`). Under full recomputation the
+    runtime does not share the frozen casts: only the layer being recomputed holds them.
+    tests/test_planner.py measures both on the CPU.
     """
     b, pp = layout.micro_batch_size, layout.pp
     in_flight = interleaved_in_flight(pp, layout.vpp, num_microbatches, stage)
@@ -521,11 +525,8 @@ def train_activation_bytes(
     if precision == "autocast":
         cast = autocast_weight_cast_bytes(model, layout.tp)
         if layout.recompute != "full":
-            layer -= cast  # counted below, once per stage or per micro-batch
-        if not frozen_base:
-            casts = layers * cast
-        else:
-            casts = cast if layout.recompute == "full" else in_flight * layers * cast
+            layer -= cast  # counted below, once per stage
+        casts = cast if frozen_base and layout.recompute == "full" else layers * cast
     per_mb = layers * layer + shared_activation_bytes(model, e, b, seq_len, layout.recompute, stage == 0)
     head = head_activation_bytes_per_token(model, e, layout.tp, layout.sp, kind) * b * seq_len if stage == pp - 1 else 0
     return in_flight * per_mb + head + casts
@@ -906,25 +907,6 @@ def memory_problem(est: LayoutEstimate, cluster: ClusterConfig) -> Optional[str]
     return None
 
 
-def autocast_hint(model: ModelConfig, work: RoleWork, layout: Layout, cluster: ClusterConfig) -> str:
-    """Why a LoRA layout under torch.autocast needs its memory and the field that fixes it, or "".
-
-    The frozen base stays fp32 and each micro-batch in flight saves its own bf16 casts of it (see
-    :func:`train_activation_bytes`); full recomputation keeps only the recomputed layer's casts. The
-    hint is given when that layout fits."""
-    if work.mode != "train" or work.lora_rank <= 0 or layout.recompute == "full":
-        return ""
-    if training_precision(model, work.parallel, layout.dp) != "autocast":
-        return ""
-    full = replace(layout, recompute="full")
-    if memory_problem(estimate_layout(model, work, full, cluster), cluster):
-        return ""
-    return (
-        f" (LoRA under torch.autocast: the frozen fp32 base is cast to bf16 again by every micro-batch in flight, "
-        f"which keeps its casts for backward; {work.role}.parallel.recompute=full keeps one layer's and fits)"
-    )
-
-
 def evaluate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster: ClusterConfig) -> LayoutEstimate | Rejected:
     """A LayoutEstimate if `layout` runs and fits in memory, else Rejected with the reason."""
     problem = layout_problem(model, work, layout, cluster)
@@ -932,6 +914,4 @@ def evaluate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
         return Rejected(layout, problem)
     est = estimate_layout(model, work, layout, cluster)
     problem = memory_problem(est, cluster)
-    if problem:
-        problem += autocast_hint(model, work, layout, cluster)
     return Rejected(layout, problem, est) if problem else est

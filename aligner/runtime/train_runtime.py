@@ -30,6 +30,7 @@ from aligner.config import LoraConfig, ModelConfig, OptimConfig, ParallelConfig
 from aligner.model.llama import build_model
 from aligner.model.moe import set_aux_loss_scale
 from aligner.nn import comm
+from aligner.nn.layers import frozen_weight_casts
 from aligner.parallel import data_parallel as dpmod
 from aligner.parallel.context_parallel import sync_cp_grads
 from aligner.parallel.dims import ParallelDims
@@ -205,6 +206,13 @@ class TrainRuntime:
         """bf16 through torch.autocast: DDP or an unwrapped model (FSDP2/DeepSpeed cast themselves)."""
         return self.bf16 and not self.fsdp and self.backend != "deepspeed"
 
+    @property
+    def shares_frozen_casts(self) -> bool:
+        """True when a training step shares its frozen weights' bf16 casts between micro-batches
+        (:func:`aligner.nn.layers.frozen_weight_casts`): under autocast, unless recompute is "full"
+        (there each recomputed layer holds only its own casts, which the shared cache would keep alive)."""
+        return self.uses_autocast and self.parallel.recompute != "full"
+
     # ---- one step ----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Run the (wrapped) model: input_ids [B, T] int64 (first stage) -> logits [B, T, V/tp]
@@ -233,20 +241,24 @@ class TrainRuntime:
         on every pp rank of a dp replica. loss_reduction: "mean" scales each loss by
         1/num_microbatches, "sum" leaves it (see aligner.parallel.pipeline).
         Returns: [num_microbatches] fp32 unscaled losses (on every pp rank).
+        Under autocast the frozen weights (a LoRA base) are cast to bf16 once for the whole step and
+        shared by every micro-batch (:attr:`shares_frozen_casts`): a stage holds one copy of those
+        casts, as autocast's own cache does for trainable weights, not one per micro-batch in flight.
         """
-        if self.dims.pp_size > 1:
-            with dpmod.autocast_context(self.uses_autocast, self.device_type):
-                return pipeline_train_step(self.stages, self.dims, microbatches, loss_fn, loss_reduction=loss_reduction, finalize=False)
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction={loss_reduction!r}: valid choices are mean, sum")
-        scale = 1.0 / len(microbatches) if loss_reduction == "mean" else 1.0
-        set_aux_loss_scale(self.model, 1.0 / len(microbatches))
-        losses = []
-        for mb in microbatches:
-            loss = loss_fn(self.forward(mb["input_ids"], **model_kwargs(mb)), mb)
-            self.backward(loss * scale)
-            losses.append(loss.detach().float())
-        return torch.stack(losses)
+        with frozen_weight_casts(self.shares_frozen_casts):
+            if self.dims.pp_size > 1:
+                with dpmod.autocast_context(self.uses_autocast, self.device_type):
+                    return pipeline_train_step(self.stages, self.dims, microbatches, loss_fn, loss_reduction=loss_reduction, finalize=False)
+            if loss_reduction not in ("mean", "sum"):
+                raise ValueError(f"loss_reduction={loss_reduction!r}: valid choices are mean, sum")
+            scale = 1.0 / len(microbatches) if loss_reduction == "mean" else 1.0
+            set_aux_loss_scale(self.model, 1.0 / len(microbatches))
+            losses = []
+            for mb in microbatches:
+                loss = loss_fn(self.forward(mb["input_ids"], **model_kwargs(mb)), mb)
+                self.backward(loss * scale)
+                losses.append(loss.detach().float())
+            return torch.stack(losses)
 
     def finalize_grads(self) -> None:
         """Gradient reductions left after backward: TP/SP (norms, replicated kv rows), tied
