@@ -208,6 +208,14 @@ class RoleWork:
     scheduler, mean_response_len, tail_response_len: the rollout engine's ``rollout.scheduler`` and
     the response lengths (tokens) the decode time assumes: the mean and the longest of a batch
     (0 = new_tokens; :func:`decode_steps`).
+    row_len: tokens per row the step time of a training or forward role assumes (0 = seq_len, which
+    the memory always assumes: a batch may hold a row that long). For PPO's roles: the rollout
+    batch's width, prompt + the longest response, under row-count micro-batches (every row is padded
+    to it); prompt + the mean response under a token budget (each micro-batch is cut to its longest
+    row, rows sorted by length: :mod:`aligner.runtime.runner`).
+    micro_batch_tokens: ``trainer.micro_batch_tokens`` (0: row-count micro-batches of
+    layout.micro_batch_size rows): micro-batches of up to this many tokens, batch * row_len / (dp *
+    micro_batch_tokens) of them per pass (:func:`micro_batch_shape`); pp must be 1.
     """
 
     role: str
@@ -230,6 +238,24 @@ class RoleWork:
     scheduler: str = "continuous"
     mean_response_len: float = 0.0
     tail_response_len: float = 0.0
+    row_len: float = 0.0
+    micro_batch_tokens: int = 0
+
+
+def micro_batch_shape(work: RoleWork, layout: Layout, seqs: int) -> tuple[int, float, float]:
+    """(micro-batches per pass on one dp rank, rows per micro-batch, tokens per row) the step time of
+    `seqs` sequences of a training or forward role assumes.
+
+    Row-count micro-batches: ceil(seqs / (dp * layout.micro_batch_size)) of micro_batch_size rows.
+    A token budget (work.micro_batch_tokens = N): the pass's seqs * row_len tokens per dp rank in
+    micro-batches of N tokens, ceil(seqs * row_len / (dp * N)) of them, N / row_len rows each (a
+    sorted first-fit of rows of about equal length fills each micro-batch; verl's dynamic batch size).
+    Tokens per row: work.row_len, or work.seq_len when it is 0."""
+    row = work.row_len or work.seq_len
+    if work.micro_batch_tokens > 0:
+        m = max(1, math.ceil(seqs * row / (layout.dp * work.micro_batch_tokens)))
+        return m, max(1.0, work.micro_batch_tokens / row), row
+    return max(1, math.ceil(seqs / (layout.dp * layout.micro_batch_size))), float(layout.micro_batch_size), row
 
 
 # --------------------------------------------------------------------------- parameter counts
@@ -545,7 +571,7 @@ def cp_gathered_kv_bytes(model: ModelConfig, layout: Layout, batch: int, seq_len
     return 2.0 * e * batch * (kv * seq_len - q * seq_len / layout.cp)
 
 
-def cp_comm_seconds(model: ModelConfig, layout: Layout, batch: int, seq_len: int, e: int, passes: int, cluster: ClusterConfig) -> float:
+def cp_comm_seconds(model: ModelConfig, layout: Layout, batch: float, seq_len: float, e: int, passes: int, cluster: ClusterConfig) -> float:
     """Seconds of context parallelism's K/V exchange in `passes` layer passes of one micro-batch
     (forward all-gather, backward reduce-scatter, a recomputed core gathers again): each moves the
     whole sequence's K and V (kv heads, tp-split), an all-gather costing half a ring all-reduce,
@@ -661,26 +687,41 @@ def _dp_gbps(layout: Layout, cluster: ClusterConfig) -> float:
 
 
 def _pass_time(
-    flops: float, mb: int, layers: int, colls: int, layout: Layout, model: ModelConfig, e: int, seq: int, cluster: ClusterConfig
+    flops: float,
+    mb: int,
+    layers: int,
+    colls: int,
+    layout: Layout,
+    model: ModelConfig,
+    e: int,
+    seq: float,
+    cluster: ClusterConfig,
+    rows: Optional[float] = None,
 ) -> tuple[float, float, float]:
-    """(compute, tp comm, bubble) seconds of `mb` micro-batches through the pipeline. `layers`: the
+    """(compute, tp comm, bubble) seconds of `mb` micro-batches of `rows` rows (None:
+    layout.micro_batch_size) of `seq` tokens through the pipeline. `layers`: the
     first (largest) stage's; with stages of unequal depth (num_layers not divisible by pp: the first
     num_layers % pp stages take one more) the pipeline runs at that stage's pace, so the compute is
     scaled by layers * pp / num_layers."""
     compute = compute_seconds(flops, layout.devices, cluster) * layers * layout.pp / model.num_layers
-    size = layout.micro_batch_size * seq // layout.cp * model.hidden_size * e  # a cp rank's tokens
+    rows = layout.micro_batch_size if rows is None else rows
+    size = rows * seq / layout.cp * model.hidden_size * e  # a cp rank's tokens
     tp_comm = mb * layers * colls * ring_allreduce_seconds(size, layout.tp, cluster.intra_node_gbps)
     bubble = (compute + tp_comm) * pipeline_bubble_fraction(layout.pp, mb, layout.vpp)
     return compute, tp_comm, bubble
 
 
-def _a2a_time(model: ModelConfig, layout: Layout, micro_batches: int, seq: int, e: int, per_layer: int, cluster: ClusterConfig) -> float:
-    """Expert-parallel all-to-all seconds of `micro_batches` passes: `per_layer` all-to-alls per MoE
+def _a2a_time(
+    model: ModelConfig, layout: Layout, micro_batches: int, seq: float, e: int, per_layer: int, cluster: ClusterConfig, rows: Optional[float] = None
+) -> float:
+    """Expert-parallel all-to-all seconds of `micro_batches` passes of `rows` rows (None:
+    layout.micro_batch_size): `per_layer` all-to-alls per MoE
     layer of this stage (2 forward, 4 forward + backward, 6 with full recomputation)."""
     if layout.ep <= 1 or not model.num_experts:
         return 0.0
     layers = layers_on_stage(model.num_layers, layout.pp, 0)
-    nbytes = a2a_elements_per_layer(model, layout.micro_batch_size * seq) * e
+    rows = layout.micro_batch_size if rows is None else rows
+    nbytes = a2a_elements_per_layer(model, math.ceil(rows * seq)) * e
     return micro_batches * layers * per_layer * a2a_seconds(nbytes, layout.ep, _dp_gbps(layout, cluster))
 
 
@@ -694,29 +735,29 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
         frozen = n - (model.hidden_size if work.kind == "score" else 0)
         n += lora_num_parameters(model, work.lora_rank, work.lora_targets, 1, model.num_layers)[0]
     e = activation_dtype_bytes(model, work.parallel)
-    seq, layers = work.seq_len, layers_on_stage(model.num_layers, layout.pp, 0)
-    m = work.batch // (layout.dp * layout.micro_batch_size)
+    layers = layers_on_stage(model.num_layers, layout.pp, 0)
+    m, rows, seq = micro_batch_shape(work, layout, work.batch)
     colls = 6 if layout.recompute == "full" else 4
     flops = train_flops_per_token(n, model, seq, layout.recompute, frozen) * work.batch * seq
-    c, t, b = _pass_time(flops, m, layers, colls, layout, model, e, seq, cluster)
+    c, t, b = _pass_time(flops, m, layers, colls, layout, model, e, seq, cluster, rows)
     p_sh, _, _ = _dp_shards(work.parallel)
     factor = 1.5 if p_sh else 1.0  # FSDP / ZeRO-3: all-gather + reduce-scatter = 1.5 all-reduces
     dp = factor * ring_allreduce_seconds(grad_bytes, layout.dp, _dp_gbps(layout, cluster))
     steps = work.opt_steps
-    a2a = _a2a_time(model, layout, m, seq, e, 6 if layout.recompute == "full" else 4, cluster)
+    a2a = _a2a_time(model, layout, m, seq, e, 6 if layout.recompute == "full" else 4, cluster, rows)
     passes = 2 if layout.recompute == "none" else 3
-    cp = m * layers * cp_comm_seconds(model, layout, layout.micro_batch_size, seq, e, passes, cluster)
+    cp = m * layers * cp_comm_seconds(model, layout, rows, seq, e, passes, cluster)
     if layout.cp > 1:  # the gradient sum over cp (parameters are replicated over it)
         cp += ring_allreduce_seconds(grad_bytes, layout.cp, _cp_gbps(layout, cluster))
     pp = interleaved_p2p_seconds(model, layout, m, seq, e, cluster)
     c, t, b, dp, a2a, cp, pp = c * steps, t * steps, b * steps, dp * steps, a2a * steps, cp * steps, pp * steps
     if work.forward_seqs:
-        mf = max(1, math.ceil(work.forward_seqs / (layout.dp * layout.micro_batch_size)))
+        mf, rows_f, _ = micro_batch_shape(work, layout, work.forward_seqs)
         ff = forward_flops_per_token(n, model, seq) * work.forward_seqs * seq
-        c2, t2, b2 = _pass_time(ff, mf, layers, 2, layout, model, e, seq, cluster)
+        c2, t2, b2 = _pass_time(ff, mf, layers, 2, layout, model, e, seq, cluster, rows_f)
         c, t, b = c + c2, t + t2, b + b2
-        a2a += _a2a_time(model, layout, mf, seq, e, 2, cluster)
-        cp += mf * layers * cp_comm_seconds(model, layout, layout.micro_batch_size, seq, e, 1, cluster)
+        a2a += _a2a_time(model, layout, mf, seq, e, 2, cluster, rows_f)
+        cp += mf * layers * cp_comm_seconds(model, layout, rows_f, seq, e, 1, cluster)
     return StepTime(compute_s=c, tp_comm_s=t, dp_comm_s=dp, bubble_s=b, a2a_s=a2a, cp_comm_s=cp, pp_comm_s=pp)
 
 
@@ -724,9 +765,9 @@ def forward_step_time(model: ModelConfig, work: RoleWork, layout: Layout, cluste
     """Seconds per step of a forward-only role (reference log-probs, reward scores)."""
     n = role_active_parameters(model, work.kind)
     e = activation_dtype_bytes(model, work.parallel)
-    mb = max(1, math.ceil(work.batch / (layout.dp * layout.micro_batch_size)))
-    flops = forward_flops_per_token(n, model, work.seq_len) * work.batch * work.seq_len
-    c, t, b = _pass_time(flops, mb, layers_on_stage(model.num_layers, layout.pp, 0), 2, layout, model, e, work.seq_len, cluster)
+    mb, rows, seq = micro_batch_shape(work, layout, work.batch)
+    flops = forward_flops_per_token(n, model, seq) * work.batch * seq
+    c, t, b = _pass_time(flops, mb, layers_on_stage(model.num_layers, layout.pp, 0), 2, layout, model, e, seq, cluster, rows)
     return StepTime(compute_s=c, tp_comm_s=t, dp_comm_s=0.0, bubble_s=b)
 
 
@@ -834,10 +875,12 @@ def layout_problem(model: ModelConfig, work: RoleWork, layout: Layout, cluster: 
             return "context parallelism is for training roles"
         if model.num_experts or work.parallel.dp_backend == "deepspeed":
             return "context parallelism runs with dense models and dp_backend fsdp2 or ddp"
+    if work.micro_batch_tokens > 0 and work.mode != "generate" and (layout.pp > 1 or work.parallel.dp_backend == "deepspeed"):
+        return "token-budget micro-batches (trainer.micro_batch_tokens) need pp=1 and dp_backend fsdp2 or ddp"
     if work.mode == "train":
         if work.batch % layout.dp:
             return f"{work.batch_field}={work.batch} not divisible by dp={layout.dp}"
-        if (work.batch // layout.dp) % layout.micro_batch_size:
+        if not work.micro_batch_tokens and (work.batch // layout.dp) % layout.micro_batch_size:
             return f"{work.batch_field}/dp={work.batch // layout.dp} not divisible by micro_batch_size={layout.micro_batch_size}"
     return None
 
@@ -875,7 +918,7 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
                     w2, g2, o2 = train_state_bytes(experts, 0, 0, work.parallel, model, layout.dp // layout.ep, work.optim_state_dtype)
                     w, g, o = w + w2, g + g2, o + o2
             w += work.frozen_copies * frozen_weight_bytes(params, work.parallel, model, layout.dp)
-            m = work.batch // (layout.dp * layout.micro_batch_size)
+            m = max(1, work.batch // (layout.dp * layout.micro_batch_size))
             precision = training_precision(model, work.parallel, layout.dp)
             act = train_activation_bytes(model, work.kind, layout, e, work.seq_len, m, stage, precision, work.lora_rank > 0)
             kv = 0.0

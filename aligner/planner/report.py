@@ -133,9 +133,12 @@ def format_plan(plan: Plan) -> str:
 
 
 def configured_layout(cfg: AlignerConfig, work: RoleWork) -> Layout:
-    """The layout cfg asks for (role.parallel sizes; trainer.micro_batch_size for training roles)."""
+    """The layout cfg asks for (role.parallel sizes; trainer.micro_batch_size for training roles, or
+    under a token budget the rows at seq_len it holds, rounded up: what the memory assumes)."""
     pc = work.parallel
-    if work.mode == "train":
+    if work.micro_batch_tokens > 0 and work.mode != "generate":
+        mbs = math.ceil(work.micro_batch_tokens / work.seq_len)
+    elif work.mode == "train":
         mbs = cfg.trainer.micro_batch_size
     elif work.mode == "generate":
         mbs = min(work.max_batch_size or work.batch, math.ceil(work.batch / pc.dp_size))

@@ -109,6 +109,7 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
                 batch=t.global_batch_size,
                 batch_field="trainer.global_batch_size",
                 seq_len=d.max_seq_len,
+                micro_batch_tokens=t.micro_batch_tokens,
                 optim_state_dtype=cfg.actor.optim.state_dtype,
                 **_lora_fields(cfg.actor),
             )
@@ -124,6 +125,7 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
                 batch_field="2*trainer.global_batch_size",
                 seq_len=d.max_seq_len,
                 forward_seqs=2 * t.global_batch_size,
+                micro_batch_tokens=t.micro_batch_tokens,
                 optim_state_dtype=cfg.actor.optim.state_dtype,
                 frozen_copies=0 if cfg.actor.lora.rank > 0 else 1,  # LoRA: the reference is the adapters-off policy
                 **_lora_fields(cfg.actor),
@@ -139,6 +141,7 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
                 batch=2 * t.global_batch_size,
                 batch_field="2*trainer.global_batch_size",
                 seq_len=d.max_seq_len,
+                micro_batch_tokens=t.micro_batch_tokens,
                 optim_state_dtype=cfg.reward.optim.state_dtype,
                 **_lora_fields(cfg.reward),
             )
@@ -152,6 +155,9 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
         c = cfg.role(name).colocate_with
         return "actor" if c in ("actor", "rollout") else ("critic" if c in ("critic", "reward") else default)
 
+    # the rows the training and forward passes run: padded to the batch's width (prompt + the longest
+    # response) in row-count micro-batches, about their own length under a token budget
+    rows = dict(row_len=d.max_prompt_len + (mean_len if t.micro_batch_tokens else tail_len), micro_batch_tokens=t.micro_batch_tokens)
     train = dict(
         mode="train",
         batch=t.mini_batch_size,
@@ -159,6 +165,7 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
         seq_len=d.max_seq_len,
         opt_steps=opt_steps,
         forward_seqs=samples,
+        **rows,
     )
     works = [
         RoleWork(
@@ -211,6 +218,7 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
                 batch_field="samples",
                 seq_len=d.max_seq_len,
                 group=group("reward", "critic"),
+                **rows,
             )
         )
     if "ref" in roles:
@@ -224,6 +232,7 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
                 batch_field="samples",
                 seq_len=d.max_seq_len,
                 group=group("ref", "critic"),
+                **rows,
             )
         )
     return works
@@ -234,6 +243,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def _micro_batches(work: RoleWork, dp: int, minimal: bool) -> list[int]:
+    if work.micro_batch_tokens > 0 and work.mode != "generate":  # a token budget: its rows at seq_len, for memory
+        return [math.ceil(work.micro_batch_tokens / work.seq_len)]
     if work.mode == "train":
         local = work.batch // dp if work.batch % dp == 0 else 1
     else:
