@@ -712,7 +712,14 @@ def _pass_time(
 
 
 def _a2a_time(
-    model: ModelConfig, layout: Layout, micro_batches: int, seq: float, e: int, per_layer: int, cluster: ClusterConfig, rows: Optional[float] = None
+    model: ModelConfig,
+    layout: Layout,
+    micro_batches: int,
+    seq: float,
+    e: int,
+    per_layer: int,
+    cluster: ClusterConfig,
+    rows: Optional[float] = None,
 ) -> float:
     """Expert-parallel all-to-all seconds of `micro_batches` passes of `rows` rows (None:
     layout.micro_batch_size): `per_layer` all-to-alls per MoE
