@@ -62,6 +62,9 @@ class RolloutBatch:
             for each response token, in the rollout engine and in the trainer's old_log_probs forward
             (the routing mismatch metric, aligner.model.moe.routing_mismatch).
         weight_version: the actor weight version that generated the responses.
+        token_versions: [B, R] int64, the policy version that sampled each response token (right-padded
+            with each row's last), for interruptible generation (``rollout.interruptible``: a weight sync
+            may land mid-response); None otherwise (every token has weight_version's).
         meta: per-sample python objects (prompt text, reference answers) not sent to workers.
     """
 
@@ -83,6 +86,7 @@ class RolloutBatch:
     rollout_experts: Optional[torch.Tensor] = None
     old_experts: Optional[torch.Tensor] = None
     weight_version: int = 0
+    token_versions: Optional[torch.Tensor] = None
     meta: list[dict] = field(default_factory=list)
 
     def __len__(self) -> int:

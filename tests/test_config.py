@@ -209,6 +209,20 @@ CASES = [
         "set algorithm.dynamic_sampling=false or max_staleness=0",
     ),
     (["rollout.placement=split", "rollout.backend=trtllm"], "rollout.placement", "'split'", "colocated only"),
+    # interruptible generation (issue 37 part 4): the split placement, the continuous scheduler, k >= 1
+    (["rollout.interruptible=true"], "rollout.interruptible", "True", "set rollout.placement=split, or rollout.interruptible=false"),
+    (
+        ["rollout.placement=split", "trainer.max_staleness=1", "rollout.interruptible=true", "rollout.scheduler=static"],
+        "rollout.interruptible",
+        "True",
+        "set rollout.backend=torch and rollout.scheduler=continuous, or rollout.interruptible=false",
+    ),
+    (
+        ["rollout.placement=split", "rollout.interruptible=true"],
+        "rollout.interruptible",
+        "True",
+        "set trainer.max_staleness >= 1, or rollout.interruptible=false",
+    ),
     (["rollout.placement=split", "rollout.parallel.pp_size=2"], "rollout.parallel", "'tp_size=1, pp_size=2'", "whole replicas"),
     (
         ["algorithm.decoupled_loss=true", "algorithm.recompute_old_log_probs=false", "trainer.mini_batch_size=64", "algorithm.kl_coef=0"],

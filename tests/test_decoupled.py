@@ -279,3 +279,16 @@ def test_matches_areal_ppo_actor_loss_fn():
             behav_imp_weight_cap=cap,
         )
         torch.testing.assert_close(ours, theirs.to(ours.dtype), rtol=1e-10, atol=1e-10)
+
+
+def test_mixed_version_fraction_counts_samples_spanning_versions():
+    """Row 0 switched from version 5 to 6 mid-response (a sync landed between decode steps); row 1's
+    padding holds another version but is masked; row 2 is one version; row 3 has no response token."""
+    versions = torch.tensor([[5, 5, 6, 6], [6, 6, 0, 0], [4, 4, 4, 4], [1, 2, 3, 4]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    assert alg.mixed_version_fraction(versions, mask).item() == pytest.approx(1 / 4)
+    assert alg.mixed_version_fraction(torch.zeros(0, 3, dtype=torch.long), torch.zeros(0, 3)).item() == 0.0
+    with pytest.raises(ValueError, match="weight_versions has dtype"):
+        alg.mixed_version_fraction(versions.float(), mask)
+    with pytest.raises(ValueError, match="response_mask"):
+        alg.mixed_version_fraction(versions, mask[:, :3])

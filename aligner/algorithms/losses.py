@@ -512,6 +512,39 @@ def staleness_metrics(weight_versions: Tensor, current_version: int, response_ma
         }
 
 
+def mixed_version_fraction(weight_versions: Tensor, response_mask: Tensor) -> Tensor:
+    """The fraction of samples whose response tokens span more than one weight version.
+
+    A sample generated while a weight sync landed between two decode steps (AReaL's interruptible
+    generation, Fu et al. 2025; ``rollout.interruptible``) has tokens of two or more versions; its
+    behaviour log-probs are still per token, which is what the decoupled objective
+    (:func:`decoupled_policy_loss`) needs.
+
+    Args:
+        weight_versions: [B, R] int, the weight version of each response token.
+        response_mask: [B, R], > 0 on response tokens (padding's versions are ignored).
+
+    Returns:
+        A detached 0-dim float32 tensor in [0, 1] (0 for B = 0; a sample with no response token counts
+        as one version).
+
+    Raises:
+        ValueError: ``weight_versions`` not an integer [B, R] tensor, or ``response_mask`` of another shape.
+    """
+    if weight_versions.dtype.is_floating_point or weight_versions.dtype.is_complex or weight_versions.dtype == torch.bool:
+        raise ValueError(f"weight_versions has dtype {weight_versions.dtype}, expected an integer tensor (e.g. torch.int64)")
+    _check_ndim("weight_versions", weight_versions, 2, "[B, R]")
+    _check_same_shape("weight_versions", weight_versions, response_mask=response_mask)
+    if weight_versions.shape[0] == 0:
+        return torch.zeros((), dtype=torch.float32)
+    with torch.no_grad():
+        keep = response_mask > 0
+        big = torch.iinfo(weight_versions.dtype).max
+        low = torch.where(keep, weight_versions, big).amin(dim=1)
+        high = torch.where(keep, weight_versions, -big).amax(dim=1)
+        return ((high > low) & keep.any(dim=1)).float().mean()
+
+
 # ----------------------------------------------------------------------------------------
 # reward standardization
 # ----------------------------------------------------------------------------------------

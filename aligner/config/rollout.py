@@ -38,6 +38,9 @@ class RolloutConfig:
     # replicas of tp = pp = 1, and receive the actor's weights by broadcast after each update (aligner.rollout.weight_sync)
     placement: str = "colocated"
     resources: ResourceConfig = field(default_factory=ResourceConfig)  # split: the rollout group's node group
+    # split, max_staleness >= 1: a weight sync lands between decode steps of the generations in flight (their
+    # KV cache kept, every token records its version: AReaL's interruptible generation) instead of after them
+    interruptible: bool = False
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # engine tp/pp layout (dp = replicas)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)  # how responses are sampled
     refit_bucket_mb: int = 256  # refit sends weights in buckets of this size, MiB

@@ -68,6 +68,8 @@ def validate_staleness(cfg: AlignerConfig) -> None:
             f"tp_size={r.parallel.tp_size}, pp_size={r.parallel.pp_size}",
             "split rollout engines are whole replicas for now: set tp_size=1 and pp_size=1, and rollout.parallel.dp_size to the number of replicas",
         )
+    if r.interruptible:
+        validate_interruptible(cfg)
     _check(
         t.max_staleness == 0 or r.placement == "split",
         "trainer.max_staleness",
@@ -85,6 +87,35 @@ def validate_staleness(cfg: AlignerConfig) -> None:
         "algorithm.decoupled_loss",
         a.decoupled_loss,
         "the decoupled loss needs the proximal (old) log-probs: set algorithm.recompute_old_log_probs=true",
+    )
+
+
+def validate_interruptible(cfg: AlignerConfig) -> None:
+    """``rollout.interruptible`` (issue 37 part 4): syncs that land between decode steps need the split
+    placement's own engines, aligner's continuous scheduler (it checks for staged weights between steps)
+    and generation ahead of the update (max_staleness >= 1: with 0 no generation is in flight at a sync)."""
+    r, t = cfg.rollout, cfg.trainer
+    _check(
+        r.placement == "split",
+        "rollout.interruptible",
+        r.interruptible,
+        f"a sync lands mid-generation only on the split placement's own engines (rollout.placement={r.placement}): "
+        "set rollout.placement=split, or rollout.interruptible=false",
+    )
+    _check(
+        r.backend == "torch" and r.scheduler == "continuous",
+        "rollout.interruptible",
+        r.interruptible,
+        f"weights are swapped between the continuous scheduler's decode steps of aligner's torch engine "
+        f"(rollout.backend={r.backend}, rollout.scheduler={r.scheduler}): set rollout.backend=torch and "
+        "rollout.scheduler=continuous, or rollout.interruptible=false",
+    )
+    _check(
+        t.max_staleness >= 1,
+        "rollout.interruptible",
+        r.interruptible,
+        f"with trainer.max_staleness={t.max_staleness} no generation is in flight when a sync lands: "
+        "set trainer.max_staleness >= 1, or rollout.interruptible=false",
     )
 
 

@@ -45,6 +45,11 @@ class Generation:
         True where the model sampled the token, False for the environment's observation tokens
         (their rollout_log_probs are 0.0 and they are masked out of the loss); None for a
         single-turn response (every token is the model's).
+    token_versions: for an interruptible engine (``rollout.interruptible``, issue 37 part 4), list[int]
+        of length R: the engine's weight_version when each token was sampled (a weight sync may land
+        between decode steps, so one response can span versions; an episode's observation tokens get
+        the version of the step that ended the turn before them); None otherwise (every token has
+        ``weight_version``).
     """
 
     token_ids: list[int]
@@ -54,6 +59,7 @@ class Generation:
     extra: dict[str, Any] = field(default_factory=dict)  # backend-specific details
     routed_experts: Optional[torch.Tensor] = field(default=None, compare=False)  # a tensor: not in ==
     own_mask: Optional[list[bool]] = None
+    token_versions: Optional[list[int]] = field(default=None, compare=False)
 
 
 class RolloutEngine(abc.ABC):
@@ -183,6 +189,30 @@ def own_tokens_mask(gens: Sequence[Generation], r: int) -> torch.Tensor:
     for i, g in enumerate(gens):
         if g.own_mask is not None:
             out[i, : len(g.own_mask)] = torch.tensor(g.own_mask, dtype=torch.float32)
+    return out
+
+
+def token_versions_to_padded(gens: Sequence[Generation], r: int, versions: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """[B, r] int64: the version of each response token, right-padded with each row's last version.
+
+    gens: B Generations; a Generation without ``token_versions`` gives every token its
+    ``weight_version``. r: the padded response length (>= every len(token_ids)). versions: None (the
+    engine's weight_version numbers), or a lookup from the engine's weight_version to the caller's
+    version (e.g. :class:`aligner.trainers.producer.RolloutProducer`'s policy versions): entry v is
+    the version of engine weight_version v. Raises ValueError when a row is longer than r.
+    """
+    out = torch.zeros(len(gens), r, dtype=torch.long)
+    for i, g in enumerate(gens):
+        n = len(g.token_ids)
+        if n > r:
+            raise ValueError(f"generation {i} has {n} tokens, more than r={r}: pass the batch's longest response")
+        row = g.token_versions if g.token_versions is not None else [g.weight_version] * n
+        if versions is not None:
+            row = [versions[v] for v in row]
+        last = row[-1] if row else (versions[g.weight_version] if versions is not None else g.weight_version)
+        out[i] = last
+        if row:
+            out[i, :n] = torch.tensor(row, dtype=torch.long)
     return out
 
 

@@ -24,6 +24,12 @@ under a mask built in the graph from the positions. Prefill, copies and moves st
 replays. The cache length is rounded up to a multiple of ``GRAPH_LEN_BLOCK`` so that calls whose
 longest prompt differs by a few tokens share a graph; graphs (and their pools) are kept across
 calls, as the static scheduler keeps its own, and dropped by ``TorchEngine.offload``.
+
+Interruptible generation (``TorchEngine(interruptible=True)``, pp = 1): before each step's plan the
+loop applies the weight syncs another thread staged (:class:`aligner.rollout.weight_stage.WeightStage`)
+and goes on: the requests in flight keep their KV cache (computed with the old weights, as AReaL
+keeps it) and their next tokens are sampled with the new weights; each token is labelled with the
+engine's weight_version of the step that sampled it (``Generation.token_versions``).
 """
 
 from __future__ import annotations
@@ -132,6 +138,7 @@ class ContinuousBatching:
         sched = SlotScheduler(prompts, budgets, capacity, m, stop, turn_end, on_finish)
         link = self._link() if e.pp_size > 1 else None
         in_flight: deque[tuple[int, int]] = deque()  # (micro-batch, rows) sent down the pipeline
+        versions: Optional[list[list[int]]] = [[] for _ in prompts] if e.interruptible else None  # per request, per token
         mb = idle = 0
         while True:
             if in_flight and in_flight[0][0] == mb:
@@ -139,12 +146,16 @@ class ContinuousBatching:
                 sched.apply(mb, *link.recv_tokens(n))
             if sched.done():
                 break
+            if versions is not None:  # a step boundary (pp = 1): a sync staged by another thread lands here
+                e.weight_stage.step_boundary(e)
             plan = sched.plan(mb)
             idle = 0 if plan is not None else idle + 1
             if plan is not None:
                 if link is None:
                     tok, lp = self._run_plan(plan, pool, sampler, None)
                     sched.apply(mb, tok.tolist(), lp.tolist())
+                    if versions is not None:
+                        label_versions(versions, sched.outputs, plan.requests, e.weight_version)
                 else:
                     self._run_plan(plan, pool, sampler, link)
                     in_flight.append((mb, plan.n))
@@ -160,6 +171,10 @@ class ContinuousBatching:
             Generation(t, lp, "stop" if t and t[-1] in stop_set else "length", e.weight_version, own_mask=own if turn_end else None)
             for (t, lp), own in zip(sched.outputs, sched.own)
         ]
+        if versions is not None:  # tokens appended outside a decode step (an episode's last observation): the current version
+            label_versions(versions, sched.outputs, range(len(gens)), e.weight_version)
+            for g, v in zip(gens, versions):
+                g.token_versions = v
         e.attach_routing(gens, self.routing)
         self.routing = None
         e.last_stats = {**sched.stats(), "generated_tokens": sum(len(g.token_ids) for g in gens)}
@@ -264,6 +279,15 @@ class ContinuousBatching:
         dist.broadcast_object_list(box, src=dist.get_global_rank(e.pp_group, 0), group=e.pp_group)
         gens, e.last_stats = box[0]
         return gens
+
+
+def label_versions(versions: list[list[int]], outputs: list[tuple[list[int], list[float]]], requests, version: int) -> None:
+    """Give the tokens that `requests` (request indices) gained since their last labelling `version`:
+    versions[i] grows to len(outputs[i][0]) (the scheduler's tokens of request i)."""
+    for i in requests:
+        have, n = len(versions[i]), len(outputs[i][0])
+        if n > have:
+            versions[i].extend([version] * (n - have))
 
 
 class SlotDecodeGraph:

@@ -24,6 +24,7 @@ place. What ran on which device, and the measurements behind the defaults: bench
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -53,6 +54,7 @@ from aligner.rollout.cpu_tuning import cached_cpu_layout, cached_decode_attentio
 from aligner.rollout.sampling import Sampler
 from aligner.rollout.scheduler import OnFinish, TurnEnd
 from aligner.rollout.static_batching import StaticBatching
+from aligner.rollout.weight_stage import Bucket, WeightStage
 from aligner.runtime.host import keep_freed_host_memory
 
 SCHEDULERS = ("continuous", "static")
@@ -111,6 +113,11 @@ class TorchEngine(RolloutEngine):
             shape (:func:`cached_decode_attention`; ``self.layout["attention"]`` holds the
             timings), "sdpa" elsewhere and where the kernel cannot be built (no C compiler).
             The static scheduler always runs SDPA.
+        interruptible: weight syncs may land between decode steps (the split placement's
+            ``rollout.interruptible``, issue 37 part 4; continuous scheduler, pp = 1): a sync handed to
+            :meth:`stage_weights` while a call decodes is applied at the call's next step boundary
+            (:class:`aligner.rollout.weight_stage.WeightStage`), the requests in flight keep their KV
+            cache and go on with the new weights, and every Generation carries ``token_versions``.
     The engine owns `model`: it re-lays its linear weights out in place (see :func:`_pack_weights`).
 
     Attributes: ``batching`` runs the calls (:class:`StaticBatching` or :class:`ContinuousBatching`);
@@ -145,6 +152,7 @@ class TorchEngine(RolloutEngine):
         cpu_layout: str = "auto",
         compile: str = "auto",
         decode_attention: str = "auto",
+        interruptible: bool = False,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} is invalid: must be >= 1")
@@ -168,6 +176,13 @@ class TorchEngine(RolloutEngine):
         self.micro_batches = self.pp_size if micro_batches is None else micro_batches
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches={micro_batches} is invalid: must be >= 1")
+        if interruptible and (scheduler != "continuous" or self.pp_size > 1):
+            raise ValueError(
+                f"interruptible=True needs the continuous scheduler on one pipeline stage, not scheduler={scheduler!r} with "
+                f"pp_size={self.pp_size}: set scheduler='continuous' and pp_size=1, or interruptible=False"
+            )
+        self.interruptible = interruptible
+        self.weight_stage = WeightStage()  # interruptible: syncs received while a call decodes
         self.weight_version = 0
         self.cuda_graphs = cuda_graphs
         self._rng_seed = seed
@@ -283,6 +298,16 @@ class TorchEngine(RolloutEngine):
         self.last_update_names = set(self._received)
         self._received.clear()
 
+    def stage_weights(self, sync: list[Bucket]) -> bool:
+        """One whole sync (its buckets of (hf_name, tensor) pairs, as :meth:`update_weights` takes them,
+        the tensors owned by the engine from now on), from another thread than the one that generates:
+        applied now when no generate() call runs (returns True); else, with ``interruptible``, applied at
+        the running call's next decode step boundary (returns False; :class:`WeightStage`). A sync is
+        applied whole, with :meth:`update_weights` per bucket and one :meth:`finish_weight_update`.
+        Without ``interruptible`` no call is marked as decoding, so the sync is applied at once: the
+        caller must then not generate at the same time (the worker's calls run one at a time)."""
+        return self.weight_stage.offer(self, sync)
+
     def offload(self) -> None:
         """Move parameters to host memory and drop graphs/caches (no-op on CPU)."""
         if self.device.type != "cuda":
@@ -329,7 +354,8 @@ class TorchEngine(RolloutEngine):
                 remote reward, while the other rows decode (:data:`aligner.rollout.scheduler.OnFinish`).
         Returns:
             list[Generation] of length B, in prompt order; rollout_log_probs fp32 per response
-            token. ``self.last_stats`` then holds the call's counters (prompt tokens, tokens
+            token; with ``interruptible``, token_versions (the weight_version of each token).
+            ``self.last_stats`` then holds the call's counters (prompt tokens, tokens
             prefilled, shared-prefix tokens, decode steps and rows, generated tokens).
         Raises:
             ValueError: bad sampling parameters, empty prompt, token id outside the vocabulary,
@@ -349,7 +375,7 @@ class TorchEngine(RolloutEngine):
         stop = self.stop_ids(sampling)
         if self._stale:  # update_weights without finish_weight_update: the prepacked copies would be old
             self._repack()
-        with torch.inference_mode():
+        with torch.inference_mode(), self.weight_stage.decoding(self) if self.interruptible else nullcontext():
             if turn_end is not None:
                 return self.batching.generate(prompt_ids, budgets, sampler, stop, turn_end, on_finish)
             return self.batching.generate(prompt_ids, budgets, sampler, stop, on_finish=on_finish)

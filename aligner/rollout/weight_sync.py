@@ -15,7 +15,9 @@ object with a rollout engine's ``update_weights`` / ``finish_weight_update``, so
 :func:`aligner.rollout.refit.refit` drives it unchanged) and :func:`receive_weights`.
 
 Sizes: bytes on the wire per sync = the policy's full tensors in the engine's dtype, plus a
-header of about 100 bytes per tensor; the receivers hold one bucket at a time besides the engine.
+header of about 100 bytes per tensor; the receivers hold one bucket at a time besides the engine
+(:func:`receive_weights`), or the whole sync when it is staged for an interruptible engine
+(:func:`receive_weights_staged`: received while the engine generates, applied between decode steps).
 
 Simplification: the engines' own layout is tp = pp = 1 (each engine rank a full replica); gloo
 on CPU has run, NCCL on GPU is written against torch's ``ProcessGroupNCCL`` and has not run.
@@ -204,3 +206,19 @@ def receive_weights(group: SyncGroup, engine: RolloutEngine) -> dict:
         tensors += len(bucket)
     engine.finish_weight_update()
     return {"bytes": nbytes, "buckets": buckets, "tensors": tensors, "weight_version": engine.weight_version}
+
+
+def receive_weights_staged(group: SyncGroup, engine) -> dict:
+    """Receive one whole sync into buffers of its own, then hand it to ``engine.stage_weights`` (a
+    :class:`~aligner.rollout.torch_engine.TorchEngine` built with ``interruptible=True``): applied at once
+    when the engine is idle, else at the running generate() call's next decode step boundary
+    (:mod:`aligner.rollout.weight_stage`). Runs on a thread beside the one that generates; the receiver
+    holds the whole sync (the policy's tensors) until it is applied, not one bucket.
+
+    Returns {"bytes", "buckets", "tensors"} as :func:`receive_weights`, and "applied": True when the sync
+    was applied before returning (the engine was idle), False when it waits for a step boundary.
+    """
+    sync = list(iter_received_buckets(group))  # each bucket's tensors are views of its own flat buffer
+    applied = engine.stage_weights(sync)
+    nbytes = sum(t.numel() * t.element_size() for b in sync for _, t in b)
+    return {"bytes": nbytes, "buckets": len(sync), "tensors": sum(len(b) for b in sync), "applied": applied}

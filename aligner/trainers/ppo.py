@@ -70,7 +70,7 @@ from aligner.tracking import plot_curves
 from aligner.trainers import preemption
 from aligner.trainers.evaluation import accuracy_rule, episode_rows, evaluate_greedy, gather_generations, on_builtin_task
 from aligner.trainers.loop import Trainer, death_summary
-from aligner.trainers.producer import RolloutProducer
+from aligner.trainers.producer import RolloutProducer, token_staleness_metrics
 from aligner.workers.actor import ActorWorker, PolicyWorker
 from aligner.workers.critic import CriticWorker
 from aligner.workers.group import CoreSharing, WorkerGroup, get_all, role_worker_group
@@ -221,7 +221,7 @@ class PPOTrainer(Trainer):
             ROLLOUT_GROUP, RolloutWorker, where, cfg.rollout.parallel, kwargs=kw, hang_timeout_s=cfg.trainer.hang_timeout_s
         )
         self.groups[ROLLOUT_GROUP] = rollout
-        self.producer = RolloutProducer(self.groups["actor"], rollout, cfg.trainer.max_staleness)
+        self.producer = RolloutProducer(self.groups["actor"], rollout, cfg.trainer.max_staleness, cfg.rollout.interruptible)
         if self.streams_reward and cfg.reward.type == "judge":
             rollout.set_judges(self.groups["reward"].actors).get()
 
@@ -404,7 +404,8 @@ class PPOTrainer(Trainer):
         then the batches of the next max_staleness steps queued on the rollout group, syncing the
         engines first where a batch would otherwise be more than k steps stale. Dynamic sampling
         (k = 0 only) runs its rounds on the rollout group. Returns (batch, the sync's refit dict,
-        metrics: staleness in steps and the sync's seconds)."""
+        metrics: staleness in steps and the sync's seconds; with ``rollout.interruptible`` the batch
+        carries token_versions and the staleness is per token: :func:`token_staleness_metrics`)."""
         p, k, n = self.producer, self.cfg.trainer.max_staleness, self.cfg.trainer.n_samples_per_prompt
         p.policy_version = self.step
         refit = {"seconds": 0.0, "bytes": 0, "weight_version": p.engine_version}
@@ -429,7 +430,11 @@ class PPOTrainer(Trainer):
                     refit = {**s, "seconds": refit["seconds"] + s["seconds"], "bytes": refit["bytes"] + s["bytes"]}
                 self.submit_generation(step)
         metrics = {"staleness": float(self.step - item.version), "sync_seconds": refit["seconds"]}
-        return self.assemble(item.rows, gens, n), refit, metrics
+        batch = self.assemble(item.rows, gens, n)
+        if p.interruptible:  # a sync may have landed mid-generation: staleness per token
+            batch.token_versions = p.token_versions(gens, batch.response_mask.shape[1])
+            metrics.update(token_staleness_metrics(batch.token_versions, self.step, batch.response_mask))
+        return batch, refit, metrics
 
     def submit_generation(self, step: int) -> None:
         """Draw step `step`'s prompts and queue their generation on the rollout group (no wait)."""

@@ -14,10 +14,23 @@ generation: the colocated run's semantics (the same tokens: tests/trainers/test_
 The lag is corrected in the update by AReaL's decoupled PPO objective
 (``algorithm.decoupled_loss``, on by default when k > 0).
 
-Simplification: a sync lands only between generations (no interruptible generation yet): Ray runs a
-worker's calls one at a time, so a sync queued behind a generation in flight waits for it. With k = 1
-the queue is empty when the sync is due and generation overlaps the whole update; with k >= 2 a
-sync that is due while batches are in flight waits for them.
+By default a sync lands only between generations: Ray runs a worker's calls one at a time, so a sync
+queued behind a generation in flight waits for it. With k = 1 the queue is empty when the sync is due
+and generation overlaps the whole update; with k >= 2 a sync that is due while batches are in flight
+waits for them.
+
+Interruptible generation (``rollout.interruptible=true``, k >= 1; AReaL's interruptible rollout workers,
+NeMo-RL's in-flight weight updates): the sync is issued when due without waiting for the generations in
+flight. The rollout workers receive it beside the generate call (a concurrent call on a thread of their
+own, :meth:`aligner.workers.rollout.RolloutWorker.receive_weights_beside`) into buffers, and the engine's
+decode loop swaps it in at its next step boundary, keeping the KV cache of the requests in flight
+(:mod:`aligner.rollout.weight_stage`); every token records the version that sampled it. The sync is
+still exact (the engines hold the actor's weights bit for bit once it lands) and a batch's tokens are
+never older than its version at submission, so the staleness bound holds per token; a response can
+span versions (``mixed_version_frac``), and the decoupled loss handles it with the engine's per-token
+behaviour log-probs. Where the swap lands depends on timing, so such a run is not reproducible token
+for token from its seed. Versions: the engines count syncs (their ``weight_version``); the producer
+maps that count to the policy version each sync carried (:attr:`RolloutProducer.versions`).
 
 Resume: the data position saved with a checkpoint is the one before the oldest batch not yet trained
 (:meth:`RolloutProducer.data_state`), so a resumed run trains on the same prompts; the batches in
@@ -31,7 +44,29 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
+
+from aligner import algorithms as alg
+from aligner.rollout.base import token_versions_to_padded
 from aligner.workers.group import WorkerGroup, get_all_across_groups
+
+
+def token_staleness_metrics(token_versions: torch.Tensor, step: int, response_mask: torch.Tensor) -> dict[str, float]:
+    """A batch's staleness counted per token, for interruptible generation (a sync may land mid-response).
+
+    token_versions: [B, R] int64, the policy version of each response token. step: the PPO step that
+    trains on the batch (the actor's current version, >= every version). response_mask: [B, R].
+    Returns {"staleness": mean of step - version over response tokens, "staleness_max": its max,
+    "mixed_version_frac": the fraction of samples whose tokens span more than one version}, in steps
+    (the last: a fraction in [0, 1]). Raises ValueError as :func:`aligner.algorithms.staleness_metrics`
+    (a version newer than `step`, bad shapes or dtypes).
+    """
+    m = alg.staleness_metrics(token_versions, step, response_mask)
+    return {
+        "staleness": float(m["staleness_mean"]),
+        "staleness_max": float(m["staleness_max"]),
+        "mixed_version_frac": float(alg.mixed_version_fraction(token_versions, response_mask)),
+    }
 
 
 @dataclass
@@ -64,16 +99,18 @@ class RolloutProducer:
 
     actor: the actor's WorkerGroup (:class:`~aligner.workers.actor.ActorWorker`). rollout: the rollout
     WorkerGroup (:class:`~aligner.workers.rollout.RolloutWorker`). max_staleness: k >= 0.
+    interruptible: syncs land between decode steps of the generations in flight (see the module docstring).
     Joining the sync group happens here (every member at once). It also has the ``refit()`` /
     ``generate()`` pair of the actor group, so the greedy evaluation runs on the rollout group.
     """
 
-    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup, max_staleness: int) -> None:
+    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup, max_staleness: int, interruptible: bool = False) -> None:
         if max_staleness < 0:
             raise ValueError(f"trainer.max_staleness={max_staleness} is invalid: must be >= 0")
-        self.actor, self.rollout, self.k = actor, rollout, max_staleness
-        self.engine_version = -1  # the policy version the engines hold; -1 = their seeded init
+        self.actor, self.rollout, self.k, self.interruptible = actor, rollout, max_staleness, interruptible
+        self.engine_version = -1  # the policy version the engines hold (once the last sync lands); -1 = their seeded init
         self.policy_version = 0  # the actor's current version (the trainer sets it: PPO steps done)
+        self.versions: list[int] = [-1]  # entry v: the policy version of the engines' weight_version v (their v-th sync)
         self.pending: deque[Pending] = deque()
         ips = {i["node_ip"] for i in actor.worker_info()[:1] + rollout.worker_info()}
         loopback = len(ips) == 1
@@ -82,17 +119,31 @@ class RolloutProducer:
         get_all_across_groups([actor.join_weight_sync(host, port, world, loopback), rollout.join_weight_sync(host, port, world, loopback)])
 
     def sync(self) -> dict[str, float]:
-        """Send the actor's current weights to every engine (waits for generations in flight on the
-        rollout group). Returns {"seconds", "bytes", "weight_version"}; bytes 0 when already current."""
+        """Send the actor's current weights to every engine. Waits for the generations in flight on the
+        rollout group, unless interruptible: then it returns once every engine holds the sync (staged for
+        the running generation's next decode step, or applied when idle). Returns {"seconds", "bytes",
+        "weight_version"}; bytes 0 when already current."""
         if self.engine_version == self.policy_version:
             return {"seconds": 0.0, "bytes": 0, "weight_version": self.engine_version}
         t0 = time.perf_counter()
         # a rollout worker that died since its last call is reported here, as the rollout group's death,
         # before the actor enters a broadcast that would fail with it (then only the whole run restarts)
-        self.rollout.worker_info(timeout_s=60.0)
-        sent, _ = get_all_across_groups([self.actor.send_weights(), self.rollout.receive_weights()])
+        if self.interruptible:
+            self.rollout.alive().get(timeout_s=60.0)  # answered beside the generation in flight
+            receive = self.rollout.receive_weights_beside()
+        else:
+            self.rollout.worker_info(timeout_s=60.0)
+            receive = self.rollout.receive_weights()
+        sent, _ = get_all_across_groups([self.actor.send_weights(), receive])
         self.engine_version = self.policy_version
+        self.versions.append(self.policy_version)
         return {"seconds": time.perf_counter() - t0, "bytes": sent[0]["bytes"], "weight_version": self.engine_version}
+
+    def token_versions(self, gens: list, r: int) -> torch.Tensor:
+        """[B, r] int64: the policy version of each response token of `gens` (right-padded with each
+        row's last), from the engines' per-token ``token_versions`` (interruptible) or each Generation's
+        weight_version, mapped through :attr:`versions`. r: the batch's padded response length."""
+        return token_versions_to_padded(gens, r, self.versions)
 
     def due(self, step: int) -> bool:
         """Whether a batch for training step `step` generated now would be more than k steps stale."""

@@ -372,10 +372,11 @@ def streamed_reward(cfg: AlignerConfig, tokenizer, prompt_ids: list, rows: list[
     return StreamedScores(client, tokenizer, prompt_ids, rows, chunk)
 
 
-def torch_rollout_engine(cfg: AlignerConfig, model_cfg, dims: ParallelDims, eos_token_id: Optional[int]):
+def torch_rollout_engine(cfg: AlignerConfig, model_cfg, dims: ParallelDims, eos_token_id: Optional[int], interruptible: bool = False):
     """aligner's TorchEngine on the engine layout `dims` (rollout.parallel over some worker group's
     ranks): a model of `model_cfg` built with the run's seed in rollout.dtype (the first refit or
-    weight sync replaces the weights), and the engine settings of ``cfg.rollout``."""
+    weight sync replaces the weights), and the engine settings of ``cfg.rollout``. interruptible: weight
+    syncs may land between decode steps (the split placement's ``rollout.interruptible``)."""
     rp = cfg.rollout.parallel
     # decode's pipeline stages balanced with the head counted (unless the config gives a split)
     split = rp.pp_layer_split or (decode_layer_split(model_cfg, dims.pp_size) if dims.pp_size > 1 else None)
@@ -393,6 +394,7 @@ def torch_rollout_engine(cfg: AlignerConfig, model_cfg, dims: ParallelDims, eos_
         cuda_graphs=cfg.rollout.cuda_graphs,
         compile=cfg.rollout.compile,
         seed=cfg.trainer.seed,
+        interruptible=interruptible,
     )
 
 

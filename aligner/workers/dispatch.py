@@ -9,6 +9,10 @@ reads the marks and does the Ray calls; everything here runs without Ray.
                 dataclass) split into dp_size contiguous chunks by dp_rank (:func:`split_batch`);
                 results from each replica concatenated in order (:func:`concat_results`)
     rank0       called on rank 0 only; result: rank 0's return value
+
+A method marked ``concurrent=True`` runs beside the worker's other calls (on a thread of its own,
+one such call at a time) instead of after them: the rollout worker's staged weight receive of
+interruptible generation (issue 37 part 4), which must not wait for the generate call in flight.
 """
 
 from __future__ import annotations
@@ -19,21 +23,27 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 DISPATCH_MODES = ("broadcast", "dp_split", "rank0")
 _ATTR = "_aligner_dispatch"
+_CONCURRENT_ATTR = "_aligner_concurrent"
 
 
 # ---- declaring methods -------------------------------------------------------------
-def dispatch(mode: str) -> Callable[[Callable], Callable]:
+def dispatch(mode: str, concurrent: bool = False) -> Callable[[Callable], Callable]:
     """Mark a worker method as callable from the driver with dispatch `mode`.
 
-    mode: one of broadcast, dp_split, rank0 (see the module docstring).
+    mode: one of broadcast, dp_split, rank0 (see the module docstring). concurrent: the call runs
+    beside the worker's other calls, not queued behind them (see the module docstring); the method
+    must then be thread-safe against them.
     The method itself is unchanged (tests call it directly). Raises ValueError for an
-    unknown mode.
+    unknown mode, or concurrent with a mode other than broadcast.
     """
     if mode not in DISPATCH_MODES:
         raise ValueError(f"dispatch mode {mode!r} is invalid: valid modes are {', '.join(DISPATCH_MODES)}")
+    if concurrent and mode != "broadcast":
+        raise ValueError(f"concurrent=True with dispatch mode {mode!r} is not built: concurrent calls are broadcast")
 
     def mark(fn: Callable) -> Callable:
         setattr(fn, _ATTR, mode)
+        setattr(fn, _CONCURRENT_ATTR, bool(concurrent))
         return fn
 
     return mark
@@ -47,6 +57,11 @@ def dispatched_methods(worker_cls: type) -> dict[str, str]:
         if mode is not None:
             out[name] = mode
     return out
+
+
+def is_concurrent(worker_cls: type, method: str) -> bool:
+    """Whether `method` of `worker_cls` was marked ``dispatch(..., concurrent=True)``."""
+    return bool(getattr(getattr(worker_cls, method, None), _CONCURRENT_ATTR, False))
 
 
 # ---- batches -----------------------------------------------------------------------

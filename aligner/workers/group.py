@@ -43,7 +43,7 @@ from aligner.errors import WorkerDiedError, WorkerError, WorkerHungError, disk_f
 from aligner.parallel.dims import ParallelDims
 from aligner.runtime.host import HOST_MALLOC_ENV
 from aligner.runtime.ports import free_port
-from aligner.workers.dispatch import DISPATCH_MODES, concat_results, dispatched_methods, split_batch
+from aligner.workers.dispatch import DISPATCH_MODES, concat_results, dispatched_methods, is_concurrent, split_batch
 from aligner.workers.placement import Placement, RolePlacement, RoleRequest, create_placement, threads_per_worker
 
 # the driver declares a hang this long after the worker's own watchdog fired, so its stacks are written
@@ -164,6 +164,16 @@ class WorkerShell:
             if self.hang_timeout_s > 0:
                 faulthandler.cancel_dump_traceback_later()
 
+    def call_beside(self, method: str, packed: tuple[tuple, dict]) -> Any:
+        """Run ``worker.method(*args, **kwargs)`` on the shell's side thread, beside a :meth:`call` in
+        flight (a method marked ``dispatch(..., concurrent=True)``); neither armed by the hang watchdog
+        nor counted in busy seconds (it overlaps the call that is). Exceptions come back as WorkerError."""
+        args, kwargs = packed
+        try:
+            return getattr(self.worker, method)(*args, **kwargs)
+        except Exception as e:
+            raise WorkerError(self.role, self.rank, traceback.format_exc(), method, disk_full_path(e) or "") from None
+
     def take_busy(self) -> float:
         """Seconds this rank spent in calls since the last take_busy() (and start counting again)."""
         busy, self.busy_s = self.busy_s, 0.0
@@ -191,13 +201,21 @@ class WorkerShell:
 
 
 _REMOTE_SHELL: Any = None
+_REMOTE_SHELL_BESIDE: Any = None
+SIDE_GROUP = "beside"  # the Ray concurrency group (one thread) of calls marked dispatch(..., concurrent=True)
 
 
-def _remote_shell() -> Any:
-    global _REMOTE_SHELL
+def _remote_shell(beside: bool = False) -> Any:
+    """The Ray actor class of WorkerShell; beside=True: with a one-thread concurrency group for the
+    worker's concurrent methods (:meth:`WorkerShell.call_beside`), its other calls one at a time as before."""
+    global _REMOTE_SHELL, _REMOTE_SHELL_BESIDE
+    import ray
+
+    if beside:
+        if _REMOTE_SHELL_BESIDE is None:
+            _REMOTE_SHELL_BESIDE = ray.remote(max_restarts=0, max_task_retries=0, concurrency_groups={SIDE_GROUP: 1})(WorkerShell)
+        return _REMOTE_SHELL_BESIDE
     if _REMOTE_SHELL is None:
-        import ray
-
         _REMOTE_SHELL = ray.remote(max_restarts=0, max_task_retries=0)(WorkerShell)
     return _REMOTE_SHELL
 
@@ -381,7 +399,7 @@ class WorkerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         rp = self.placement
-        shell = _remote_shell()
+        shell = _remote_shell(beside=any(is_concurrent(self.worker_cls, m) for m in self.methods))
         for rank in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=rp.placement_group,
@@ -436,6 +454,10 @@ class WorkerGroup:
         if mode == "rank0":
             ref = self.actors[0].call.remote(method, ray.put((args, kwargs)))
             return GroupFuture(self, method, {0: ref}, lambda res: res[0])
+        if is_concurrent(self.worker_cls, method):  # beside the call in flight (broadcast)
+            packed = ray.put((args, kwargs))
+            refs = {r: a.call_beside.options(concurrency_group=SIDE_GROUP).remote(method, packed) for r, a in enumerate(self.actors)}
+            return GroupFuture(self, method, refs, lambda res: [res[r] for r in range(self.world_size)])
         if mode == "broadcast":
             packed = ray.put((args, kwargs))
             refs = {r: a.call.remote(method, packed) for r, a in enumerate(self.actors)}

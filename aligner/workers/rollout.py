@@ -9,6 +9,11 @@ prompts, generates its contiguous share and returns (replica, generations).
 
 The group runs on its own node group (``rollout.resources``), so while it generates the actor can
 train on the previous batch (``trainer.max_staleness`` >= 1, :mod:`aligner.trainers.producer`).
+
+Interruptible generation (``rollout.interruptible``, issue 37 part 4): :meth:`RolloutWorker.receive_weights_beside`
+is a concurrent call (:func:`aligner.workers.dispatch.dispatch`): it runs on the worker's side thread while
+a generate call is in flight, receives the whole sync into buffers of its own and stages it; the
+engine's decode loop applies it at its next step boundary (:mod:`aligner.rollout.weight_stage`).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Optional
 
 from aligner.config import AlignerConfig, SamplingConfig
 from aligner.parallel.dims import ParallelDims
-from aligner.rollout.weight_sync import SyncGroup, join_sync_group, receive_weights
+from aligner.rollout.weight_sync import SyncGroup, join_sync_group, receive_weights, receive_weights_staged
 from aligner.workers.actor import generate_share, request_share, streamed_reward, sync_backend, sync_host, torch_rollout_engine
 from aligner.workers.dispatch import dispatch, split_batch
 from aligner.workers.reward import remote_reward_client
@@ -40,7 +45,9 @@ class RolloutWorker:
         self.reward_client = None  # reward.stream: the remote reward's client, made on first use
         self.judges: list = []  # reward.stream with a judge: the reward group's worker handles (set_judges)
         self.dims = dims or ParallelDims()
-        self.engine = torch_rollout_engine(cfg, model_cfg, ParallelDims(device_type=self.dims.device.type), eos_token_id)
+        self.engine = torch_rollout_engine(
+            cfg, model_cfg, ParallelDims(device_type=self.dims.device.type), eos_token_id, interruptible=cfg.rollout.interruptible
+        )
         self.group: Optional[SyncGroup] = None
 
     @dispatch("broadcast")
@@ -59,6 +66,23 @@ class RolloutWorker:
         t0 = time.perf_counter()
         out = receive_weights(self.group, self.engine)
         return {**out, "seconds": time.perf_counter() - t0}
+
+    @dispatch("broadcast", concurrent=True)
+    def receive_weights_beside(self) -> dict:
+        """One sync (collective with the actor's send_weights) received beside a generate call in flight
+        (``rollout.interruptible``): staged, and applied at the engine's next decode step boundary, or at
+        once when it is idle (:func:`aligner.rollout.weight_sync.receive_weights_staged`). Returns seconds
+        (until staged), bytes, buckets, tensors and "applied"."""
+        if self.group is None:
+            raise RuntimeError("receive_weights_beside before join_weight_sync")
+        t0 = time.perf_counter()
+        out = receive_weights_staged(self.group, self.engine)
+        return {**out, "seconds": time.perf_counter() - t0}
+
+    @dispatch("broadcast", concurrent=True)
+    def alive(self) -> bool:
+        """True: answered beside a generate call in flight (the producer's liveness check before a sync)."""
+        return True
 
     @dispatch("broadcast")
     def generate(

@@ -19,6 +19,7 @@ from aligner.rollout.weight_sync import (
     join_sync_group,
     pack_bucket,
     receive_weights,
+    receive_weights_staged,
     unpack_bucket,
 )
 from tests.toolkit.engine import ENGINE_CFG
@@ -27,10 +28,13 @@ from tests.toolkit.spawn import free_port, run_distributed
 PROMPTS = [[3, 9, 4], [7, 1], [5, 5, 5, 2]]
 
 
-def _sync_battery(rank: int, world_size: int, port: int, bucket_mb: float) -> dict:
+def _sync_battery(rank: int, world_size: int, port: int, bucket_mb: float, staged: bool = False) -> dict:
     """Rank 0 trains a model one SGD step and sends it twice (the second after another step);
     ranks 1.. hold engines built from another seed and receive. Each rank returns its weights
-    after each sync and, on the receivers, the greedy tokens of the second sync."""
+    after each sync and, on the receivers, the greedy tokens of the second sync. staged: the
+    receivers' engines are interruptible and receive with receive_weights_staged, the first sync
+    while idle (applied at once), the second while a call is marked decoding (staged, applied when
+    it ends), as the rollout worker's side thread does."""
     torch.manual_seed(0)
     group = join_sync_group("127.0.0.1", port, rank, world_size)
     out: dict = {"weights": [], "stats": []}
@@ -51,9 +55,17 @@ def _sync_battery(rank: int, world_size: int, port: int, bucket_mb: float) -> di
         refit(model, local, bucket_mb=bucket_mb)
         out["tokens"] = [g.token_ids for g in local.generate(PROMPTS, SamplingConfig(temperature=0.0, max_new_tokens=6))]
     else:
-        engine = TorchEngine(build_model(ENGINE_CFG, seed=7 + rank).eval(), compile="off")
-        for _ in range(2):
-            out["stats"].append(receive_weights(group, engine))
+        engine = TorchEngine(build_model(ENGINE_CFG, seed=7 + rank).eval(), compile="off", interruptible=staged)
+        for i in range(2):
+            if not staged:
+                out["stats"].append(receive_weights(group, engine))
+            elif i == 0:
+                out["stats"].append(receive_weights_staged(group, engine))
+                assert out["stats"][-1]["applied"] is True
+            else:
+                with engine.weight_stage.decoding(engine):
+                    out["stats"].append(receive_weights_staged(group, engine))
+                    assert out["stats"][-1]["applied"] is False and engine.weight_version == 1
             out["weights"].append({k: v.detach().clone() for k, v in engine.model.state_dict().items()})
         out["tokens"] = [g.token_ids for g in engine.generate(PROMPTS, SamplingConfig(temperature=0.0, max_new_tokens=6))]
         out["version"] = engine.weight_version
@@ -62,12 +74,13 @@ def _sync_battery(rank: int, world_size: int, port: int, bucket_mb: float) -> di
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("bucket_mb", [0.01, 256])
-def test_broadcast_sync_gives_every_engine_the_trainers_weights_exactly(bucket_mb):
+@pytest.mark.parametrize("bucket_mb,staged", [(0.01, False), (256, False), (0.01, True)])
+def test_broadcast_sync_gives_every_engine_the_trainers_weights_exactly(bucket_mb, staged):
     """Two receivers, two syncs, small buckets (many) and one bucket: weights equal bit for bit
     (fp32 on both ends), every byte the sender handed over is received, and the receivers' greedy
-    tokens equal an engine refitted in the sender's own process."""
-    res = run_distributed(_sync_battery, world_size=3, args=(free_port(), bucket_mb))
+    tokens equal an engine refitted in the sender's own process. staged: the same through the
+    interruptible engines' staged receive (issue 37 part 4), idle and mid-call."""
+    res = run_distributed(_sync_battery, world_size=3, args=(free_port(), bucket_mb, staged))
     sender = res[0]
     if bucket_mb < 1:
         assert sender["stats"][0]["buckets"] > 3

@@ -4,7 +4,9 @@ The rollout engines run in their own Ray worker group and receive the actor's we
 (aligner.rollout.weight_sync); with trainer.max_staleness = k they generate up to k batches ahead of
 the update (aligner.trainers.producer). Checked here: k = 0 gives the colocated run's tokens and
 losses; k = 1 trains on batches exactly one step stale, through the decoupled loss, reproducibly
-from its seed; a resumed k = 1 run trains on the same prompts; bad settings stop before Ray starts.
+from its seed; a resumed k = 1 run trains on the same prompts; with rollout.interruptible (part 4) a sync
+lands between the decode steps of a batch in flight and the staleness is counted per token; bad settings
+stop before Ray starts.
 """
 
 from __future__ import annotations
@@ -85,13 +87,43 @@ def test_split_k0_equals_colocated_and_k1_trains_one_step_stale(tmp_path):
             assert a[k] == pytest.approx(b[k], abs=1e-6, rel=1e-6), (a["step"], k)
 
 
+def test_split_k2_interruptible_lands_syncs_mid_generation(tmp_path):
+    """rollout.interruptible with k = 2 (issue 37 part 4): from step 2 on, each step's sync (for the batch
+    two steps ahead) is issued while the next step's batch generates and lands between its decode steps.
+    The run completes and logs the per-token staleness (mean, max) and the fraction of samples spanning two
+    versions; a batch in flight at a sync holds samples whose tokens come from two versions, and no token
+    is more than k = 2 steps stale."""
+    # one KV-cache slot and 32-token responses: a batch's 8 responses decode one after another, ~256 decode
+    # steps, so generating a batch takes about as long as an update of 8 samples and a sync finds one in flight
+    slow = ["rollout.max_batch_size=1", "rollout.sampling.max_new_tokens=32", "trainer.rollout_batch_size=8"]
+    slow += ["trainer.mini_batch_size=8", "trainer.micro_batch_size=8", "trainer.max_steps=5", "task.num_eval=4"]
+    steps = run(tmp_path / "k2", *SPLIT, *slow, "trainer.max_staleness=2", "rollout.interruptible=true")
+    assert len(steps) == 5
+    for m in steps:
+        assert {"staleness", "staleness_max", "mixed_version_frac"} <= m.keys()
+        assert 0.0 <= m["staleness"] <= m["staleness_max"] <= 2.0
+    # steps 1-2 were generated from the first sync alone; steps 3 and 4 were in flight at the next syncs
+    assert [m["mixed_version_frac"] for m in steps[:2]] == [0.0, 0.0]
+    mixed = [m for m in steps[2:4] if m["mixed_version_frac"] > 0]
+    assert mixed, [(m["step"], m["staleness"], m["mixed_version_frac"]) for m in steps]
+    for m in mixed:  # its old tokens are 2 steps stale, its new ones 1
+        assert 1.0 < m["staleness"] < 2.0 == m["staleness_max"]
+
+
 def test_bad_split_settings_exit_2_before_ray(tmp_path, capsys):
-    """max_staleness without the split placement, a negative one, and tp > 1 split engines: one line, exit 2."""
+    """max_staleness without the split placement, a negative one, tp > 1 split engines, and interruptible
+    generation without the split placement, with the static scheduler or with k = 0: one line, exit 2."""
     cases = [
         (["trainer.max_staleness=1"], "trainer.max_staleness=1 is invalid: generation runs ahead"),
         ([*SPLIT, "trainer.max_staleness=-1"], "trainer.max_staleness=-1 is invalid: must be >= 0"),
         ([*SPLIT, "rollout.parallel.tp_size=2"], "split rollout engines are whole replicas"),
         ([*SPLIT, "rollout.placement=sideways"], "rollout.placement='sideways' is invalid"),
+        (["rollout.interruptible=true"], "rollout.interruptible=True is invalid: a sync lands mid-generation only on the split"),
+        (
+            [*SPLIT, "trainer.max_staleness=1", "rollout.interruptible=true", "rollout.scheduler=static"],
+            "rollout.interruptible=True is invalid: weights are swapped between the continuous scheduler's decode steps",
+        ),
+        ([*SPLIT, "rollout.interruptible=true"], "rollout.interruptible=True is invalid: with trainer.max_staleness=0 no generation"),
     ]
     for extra, want in cases:
         assert ppo_main([*BASE, f"output_dir={tmp_path / 'bad'}", *extra]) == 2

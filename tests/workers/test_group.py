@@ -97,6 +97,24 @@ class SleepWorker:
         return self.dims.rank
 
 
+class WaitWorker:
+    """A call that waits for another (concurrent) one: it would wait forever if calls ran one at a time."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.released = threading.Event()
+
+    @dispatch("broadcast")
+    def wait_released(self, timeout_s: float) -> bool:
+        return self.released.wait(timeout_s)
+
+    @dispatch("broadcast", concurrent=True)
+    def release(self) -> str:
+        self.released.set()
+        return "released"
+
+
 class BrokenInit:
     def __init__(self) -> None:
         raise RuntimeError("cannot build this worker")
@@ -326,6 +344,25 @@ def test_split_roles_run_concurrently_and_colocated_share_bundles(ray_local):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_a_concurrent_call_runs_beside_the_call_in_flight(ray_local):
+    """dispatch(..., concurrent=True) (the rollout worker's staged weight receive, issue 37 part 4): the call
+    runs on the worker's side thread while a plain call is in flight, and releases it; a second plain
+    call still waits behind the first. concurrent is broadcast only."""
+    one = ParallelConfig()
+    placed = create_placement({"w": RoleRequest.from_parts("w", one, ResourceConfig(cpus_per_worker=1))}, "split")
+    group = WorkerGroup("w", WaitWorker, placed.role("w"), one)
+    try:
+        waiting = group.wait_released(30.0)
+        queued = group.wait_released(0.0)  # behind the first: runs after it, so finds the event set
+        assert group.release().get(timeout_s=20) == ["released"]
+        assert waiting.get(timeout_s=20) == [True] and queued.get(timeout_s=20) == [True]
+    finally:
+        group.shutdown()
+        placed.remove()
+    with pytest.raises(ValueError, match="concurrent=True with dispatch mode 'rank0'"):
+        dispatch("rank0", concurrent=True)
+
+
 def test_worker_exception_reaches_driver_with_role_rank_traceback(ray_local):
     group = WorkerGroup.create("critic", SleepWorker, ParallelConfig(dp_size=2), ResourceConfig())
     with pytest.raises(WorkerError) as info:
