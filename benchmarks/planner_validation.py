@@ -581,7 +581,7 @@ ALIGNER_ROWS.append(aligner_row("Llama 3.1 405B", LLAMA31_405B, 84, 42, 915.6, 1
 ALIGNER_ROWS.append(aligner_row("Llama 3.1 405B, reshard off", LLAMA31_405B, 84, 42, 915.6, 164.6, 8, 128, 128, reshard_off=True))
 
 
-def nemo_rl_row(name, model, nodes, mean, step, tok_s_gpu, actor: dict, engine_tp: int, rollout_nodes: int = 0) -> RlRow:
+def nemo_rl_row(name, model, nodes, mean, step, tok_s_gpu, actor: dict, engine_tp: int, rollout_nodes: int = 0, packed: bool = False) -> RlRow:
     """A NeMo-RL GRPO row: 64 prompts x 32 generations, 512 per optimizer step, the KL to the reference (0.01,
     k3) as a loss, a rule reward (math verification), vLLM's continuous batching; colocated generation, or
     (rollout_nodes > 0) generation on its own nodes one step off policy. The prompt length: the published
@@ -603,6 +603,8 @@ def nemo_rl_row(name, model, nodes, mean, step, tok_s_gpu, actor: dict, engine_t
         "rollout.dtype=bfloat16",
         "cluster.placement=colocated",
     ]
+    if packed:  # NeMo-RL's sequence packing into 4,096-token rows: aligner's token budget of 4,096 (pp 1 only)
+        ov += ["trainer.micro_batch_tokens=4096"]
     if rollout_nodes:
         ov += ["rollout.placement=split", f"rollout.resources.num_nodes={rollout_nodes}", "trainer.max_staleness=1"]
         ov += ["rollout.parallel.tp_size=1", "rollout.parallel.pp_size=1", f"rollout.parallel.dp_size={8 * rollout_nodes}"]
@@ -610,7 +612,7 @@ def nemo_rl_row(name, model, nodes, mean, step, tok_s_gpu, actor: dict, engine_t
     dp = train_gpus // (actor["tp"] * actor["pp"])
     gen = 8 * (rollout_nodes or nodes)
     layouts = (
-        ("actor", {**actor, "dp": dp, "cp": 1, "micro_batch_size": 1}),
+        ("actor", {**actor, "dp": dp, "cp": 1, **({} if packed else {"micro_batch_size": 1})}),  # packed: the budget's rows
         ("ref", {"tp": actor["tp"], "pp": actor["pp"], "dp": dp}),
         ("rollout", {"tp": engine_tp, "pp": 1, "dp": gen // engine_tp}),
     )
@@ -630,11 +632,13 @@ def nemo_rl_row(name, model, nodes, mean, step, tok_s_gpu, actor: dict, engine_t
 # by 103 to 131 tokens a sample in every row: the prompts), every prompt that long (data.max_prompt_len) and the
 # responses capped at 4,096 less it (vLLM's max_model_len); the reference log-probs in the training layout
 # (NeMo-RL computes them in the policy's workers); at most 256 sequences per engine (vLLM's max_num_seqs,
-# rollout.max_batch_size); NeMo-RL's sequence packing (training on packed 4,096-token rows) is not expressible:
-# the planner's training roles run data.max_seq_len-long rows (4,096 in A, prompt + mean in M).
+# rollout.max_batch_size). NeMo-RL's sequence packing (training on packed 4,096-token rows) is evaluated as
+# aligner's token-budget micro-batches of 4,096 tokens (trainer.micro_batch_tokens; rows timed at prompt + mean)
+# where the layout has one pipeline stage (the 1-step-off row; aligner's budget needs pp 1); the pipelined rows
+# run row-count micro-batches, their rows timed at the batch's width (prompt + the cap in A, prompt + mean in M).
 NEMO_RL_ROWS = [
     nemo_rl_row("Llama 3.1 8B", LLAMA3_8B, 2, 1019, 92.8, 1581, {"tp": 1, "pp": 2, "recompute": "full"}, 1),
-    nemo_rl_row("Llama 3.1 8B, 1-step off", LLAMA3_8B, 2, 1123, 64.8, 2478, {"tp": 1, "pp": 1, "recompute": "full"}, 1, rollout_nodes=1),
+    nemo_rl_row("Llama 3.1 8B, 1-step off", LLAMA3_8B, 2, 1123, 64.8, 2478, {"tp": 1, "pp": 1, "recompute": "full"}, 1, rollout_nodes=1, packed=True),
     nemo_rl_row("Qwen3-32B", QWEN3_32B, 4, 3251, 376.0, 571, {"tp": 4, "pp": 4, "recompute": "none", "sp": True}, 4),
 ]
 
