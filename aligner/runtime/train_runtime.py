@@ -20,6 +20,7 @@ Simplifications (stated, not hidden):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable, Optional
 
@@ -254,11 +255,23 @@ class TrainRuntime:
             scale = 1.0 / len(microbatches) if loss_reduction == "mean" else 1.0
             set_aux_loss_scale(self.model, 1.0 / len(microbatches))
             losses = []
-            for mb in microbatches:
-                loss = loss_fn(self.forward(mb["input_ids"], **model_kwargs(mb)), mb)
-                self.backward(loss * scale)
+            for i, mb in enumerate(microbatches):
+                with self._accumulating(i < len(microbatches) - 1):
+                    loss = loss_fn(self.forward(mb["input_ids"], **model_kwargs(mb)), mb)
+                    self.backward(loss * scale)
                 losses.append(loss.detach().float())
             return torch.stack(losses)
+
+    def _accumulating(self, skip_sync: bool):
+        """DDP's ``no_sync()`` for a micro-batch that is not the step's last: its gradients accumulate
+        locally and the last micro-batch's backward all-reduces their sum, one dp all-reduce per
+        optimizer step instead of one per micro-batch (as Megatron's and torchtitan's DDP gradient
+        accumulation; the mean over dp of the summed gradients is the same up to the order of the fp32
+        additions). FSDP2 keeps reducing per micro-batch (skipping it would hold unsharded gradients)
+        and DeepSpeed accumulates itself; pp > 1 all-reduces once in :meth:`finalize_grads`."""
+        if skip_sync and self.backend == "ddp" and hasattr(self.model, "no_sync"):
+            return self.model.no_sync()
+        return contextlib.nullcontext()
 
     def finalize_grads(self) -> None:
         """Gradient reductions left after backward: TP/SP (norms, replicated kv rows), tied

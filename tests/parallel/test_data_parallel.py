@@ -10,34 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aligner.config import ModelConfig, OptimConfig, ParallelConfig
+from aligner.config import OptimConfig, ParallelConfig
 from aligner.parallel.dims import ParallelDims
-from aligner.runtime.train_runtime import TrainRuntime, adamw_kwargs, build_lr_scheduler, lr_lambda
+from aligner.runtime.train_runtime import TrainRuntime, lr_lambda
 from tests.toolkit.assertions import max_abs_diff as max_param_diff
 from tests.toolkit.models import tiny_model_config as model_cfg
 from tests.toolkit.spawn import run_distributed
-from tests.toolkit.training import OPTIM, STEPS, batches, engine_run, lm_loss, make_engine
+from tests.toolkit.training import OPTIM, STEPS, batches, engine_run, make_engine, reference_run
 
 pytestmark = pytest.mark.distributed
-
-
-def reference_run(cfg: ModelConfig, optim: OptimConfig, data: list[torch.Tensor], seed: int = 0):
-    """Single-process full-batch training: (losses, grad norms, final state dict)."""
-    from aligner.model.llama import build_model
-
-    model = build_model(cfg, "lm", seed=seed)
-    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(optim))
-    sched = build_lr_scheduler(opt, optim, total_steps=10)
-    losses, norms = [], []
-    for ids in data:
-        loss = lm_loss(model(ids), ids)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)))
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def dp2_battery(rank: int, world: int, ckpt_root: str) -> dict:

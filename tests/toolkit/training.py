@@ -2,7 +2,8 @@
 
 OPTIM: AdamW whose global-norm clipping is active on every step (grad_clip below the grad norms),
 with one warmup step; batches(): the seeded token batches every layout and its reference train on;
-engine_run(): a TrainRuntime trained on this dp rank's slice of each batch.
+engine_run(): a TrainRuntime trained on this dp rank's slice of each batch; reference_run(): the
+single-process full-batch reference they are compared with.
 """
 
 from __future__ import annotations
@@ -63,3 +64,23 @@ def make_engine(cfg, parallel, optim, world: int):
         rank=torch.distributed.get_rank(),
     ).build()
     return TrainRuntime(cfg, "lm", parallel, optim, dims, total_steps=10)
+
+
+def reference_run(cfg, optim, data: list[torch.Tensor], seed: int = 0):
+    """Single-process full-batch training: (losses, grad norms, final state dict)."""
+    from aligner.model.llama import build_model
+    from aligner.runtime.train_runtime import adamw_kwargs, build_lr_scheduler
+
+    model = build_model(cfg, "lm", seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), **adamw_kwargs(optim))
+    sched = build_lr_scheduler(opt, optim, total_steps=10)
+    losses, norms = [], []
+    for ids in data:
+        loss = lm_loss(model(ids), ids)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
