@@ -12,18 +12,29 @@ GRPO on SmolLM2-135M-Instruct with GSM8K chat prompts (the work of ``benchmarks/
 - ``split k=0``: the same placement and threads, synchronous (the sync, then generation, then the
   update, one after another);
 - ``colocated k=0``: today's default: the engine in the actor's process, the workers of each
-  phase sharing both cores (trainer.num_threads=0).
+  phase sharing both cores (trainer.num_threads=0);
+- ``split k=2``: as ``split k=1`` with trainer.max_staleness=2: two batches may be in flight, but a
+  sync lands only between generations (Ray runs a rollout worker's calls one at a time), so a sync
+  that falls due waits for the batches in flight before the next generation is queued;
+- ``split k=2 interruptible``: the same with rollout.interruptible=true (issue 37 part 4): the sync is
+  issued when due and lands between decode steps of the generation in flight (a response may then
+  span two weight versions: ``mixed_version_frac``; staleness is counted per token).
 
-Every configuration does the same work per step (the old-log-prob forward too: the decoupled loss
+--configs picks the configurations (comma-separated names; default: all five). Every
+configuration does the same work per step (the old-log-prob forward too: the decoupled loss
 needs it, so the others run it as well). Blocks of --steps steps per configuration, alternating
 (A, B, C, A, B, C, ...) --rounds times, each block on a trainer started for it and stopped after it
 (three SmolLM2 trainers with their AdamW state did not fit 24 GiB at once); the first step of each
-block is dropped (it starts with the queue empty), so only steady-state steps count.
+block is dropped (it starts with the queue empty), so only steady-state steps count (at k=2 the queue
+fills over two steps: the second step of a block is 1 step stale, the later ones 2).
 The bound of the overlap is (generate + update) / max(generate, update); the goal is >= 1.6x.
-Also printed: the weight sync's bytes and seconds per step (split) and the refit's (colocated).
+Also printed: the weight sync's bytes and seconds per step (split) and the refit's (colocated), and
+the mean staleness per configuration (with interruptible generation also the mean
+mixed_version_frac, the only configuration that logs it).
 
     python benchmarks/async_rl.py                  # 2 rounds of blocks of 4 steps
     python benchmarks/async_rl.py --rounds 1 --steps 3
+    python benchmarks/async_rl.py --rounds 2 --steps 3 --configs "split k=1,split k=2,split k=2 interruptible"
 """
 
 from __future__ import annotations
@@ -40,6 +51,8 @@ CONFIGS = {
     "split k=1": dict(placement="split", k=1),
     "split k=0": dict(placement="split", k=0),
     "colocated k=0": dict(placement="colocated", k=0),
+    "split k=2": dict(placement="split", k=2),
+    "split k=2 interruptible": dict(placement="split", k=2, interruptible=True),
 }
 
 
@@ -51,12 +64,21 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument(
+        "--configs", default=",".join(CONFIGS), help=f"comma-separated configurations to run, of: {', '.join(CONFIGS)} (default: all)"
+    )
     ap.add_argument("--tiny", action="store_true", help="a tiny random Llama and random prompts instead (a smoke test of the script)")
-    return ap.parse_args()
+    args = ap.parse_args()
+    args.configs = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in args.configs if n not in CONFIGS]
+    if unknown or not args.configs:
+        ap.error(f"--configs: unknown {unknown} (known: {', '.join(CONFIGS)})")
+    return args
 
 
-def build(args: argparse.Namespace, placement: str, k: int, model_dir: str, mc, tok, prompts):
-    """A Ray PPOTrainer of the benchmark's work with this placement and staleness, started."""
+def build(args: argparse.Namespace, placement: str, k: int, model_dir: str, mc, tok, prompts, interruptible: bool = False):
+    """A Ray PPOTrainer of the benchmark's work with this placement and staleness (and interruptible
+    generation), started."""
     from grpo_step import grpo_config
 
     from aligner.config import AlgorithmConfig, RewardRoleConfig
@@ -69,6 +91,7 @@ def build(args: argparse.Namespace, placement: str, k: int, model_dir: str, mc, 
     cfg.algorithm = AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_loss_coef=0.04, ppo_epochs=1, normalize_rewards=False)
     cfg.rollout.placement = placement
     cfg.trainer.max_staleness = k
+    cfg.rollout.interruptible = interruptible  # syncs land between decode steps (split, k >= 1)
     cfg.trainer.num_threads = 0  # colocated: threads follow the work; split: each worker its one CPU's thread
     validate_run(cfg)  # resolves algorithm.decoupled_loss (on for k > 0)
     from grpo_step import NoEos
@@ -114,13 +137,14 @@ def main() -> None:
         flush=True,
     )
     init_ray()
-    rows: dict[str, list[dict]] = {n: [] for n in CONFIGS}
+    rows: dict[str, list[dict]] = {n: [] for n in args.configs}
     try:
         for r in range(args.rounds):
-            for name, c in CONFIGS.items():
+            for name in args.configs:
+                c = CONFIGS[name]
                 # one trainer at a time (three SmolLM2 trainers with AdamW state do not fit 24 GiB together),
                 # started for its block and stopped after it: nothing of it runs beside the next block
-                t = build(args, c["placement"], c["k"], model_dir, mc, tok, prompts)
+                t = build(args, c["placement"], c["k"], model_dir, mc, tok, prompts, c.get("interruptible", False))
                 try:
                     for i in range(args.steps):
                         t0 = time.perf_counter()
@@ -129,7 +153,8 @@ def main() -> None:
                         t.step += 1
                         if i:
                             rows[name].append({**m, "wall": wall})
-                            print(f"  round {r} {name}: step {wall:.2f} s, staleness {m.get('staleness', 0):.0f}", flush=True)
+                            mixed = f", mixed_version_frac {m['mixed_version_frac']:.2f}" if "mixed_version_frac" in m else ""
+                            print(f"  round {r} {name}: step {wall:.2f} s, staleness {m.get('staleness', 0):.2f}{mixed}", flush=True)
                     settle(t)
                 finally:
                     t.stop()
@@ -145,9 +170,24 @@ def main() -> None:
             f"{n:>14}: step {med[n]:.2f} s = {samples / med[n]:.2f} samples/s (generate-phase wait {gen:.2f} s, train {train:.2f} s); "
             f"weights sent {sync:.0f} MiB in {secs:.2f} s a step"
         )
-    ratio = med["split k=0"] / med["split k=1"]
-    print(f"samples/s, split k=1 / split k=0: {ratio:.2f}x (goal >= 1.6x: {'met' if ratio >= 1.6 else 'not met'})")
-    print(f"samples/s, split k=1 / colocated k=0 (both cores): {med['colocated k=0'] / med['split k=1']:.2f}x")
+        stale = C.mean([x.get("staleness", 0.0) for x in rows[n]])
+        mixed = [x["mixed_version_frac"] for x in rows[n] if "mixed_version_frac" in x]
+        extra = f", mixed_version_frac mean {C.mean(mixed):.2f}" if mixed else ""
+        print(f"{'':>14}  staleness mean {stale:.2f} steps (max {max(x.get('staleness', 0.0) for x in rows[n]):.2f}){extra}")
+
+    def ratio(a: str, b: str, note: str = "") -> None:  # samples/s of a over b (step time of b over a)
+        if a in med and b in med:
+            print(f"samples/s, {a} / {b}{note}: {med[b] / med[a]:.2f}x")
+
+    if "split k=1" in med and "split k=0" in med:
+        r10 = med["split k=0"] / med["split k=1"]
+        print(f"samples/s, split k=1 / split k=0: {r10:.2f}x (goal >= 1.6x: {'met' if r10 >= 1.6 else 'not met'})")
+    ratio("split k=1", "colocated k=0", " (both cores)")
+    ratio("split k=2", "split k=1")
+    ratio("split k=2 interruptible", "split k=1")
+    ratio("split k=2 interruptible", "split k=2")
+    ratio("split k=2", "split k=0")
+    ratio("split k=2 interruptible", "split k=0")
 
 
 if __name__ == "__main__":

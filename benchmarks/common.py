@@ -435,6 +435,10 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else float("nan")
+
+
 def cpu_line() -> str:
     """The CPU model and its SIMD extensions (aligner.runtime.host.cpu_signature)."""
     from aligner.runtime.host import cpu_signature
