@@ -349,7 +349,13 @@ CASES = [
         "2",
         "set actor.parallel.ep_size=1",
     ),
-    (["model.num_experts=4", "actor.parallel.cp_size=2"], "actor.parallel.cp_size", "2", "with an MoE model"),
+    (["model.num_experts=4", "model.moe_router=sinkhorn", "actor.parallel.cp_size=2"], "actor.parallel.cp_size", "2", "set model.moe_router=topk_softmax"),
+    (
+        ["model.num_experts=4", "model.moe_capacity_factor=1.5", "actor.parallel.cp_size=2"],
+        "actor.parallel.cp_size",
+        "2",
+        "set model.moe_capacity_factor=null",
+    ),
     (["model.backend=te", "actor.parallel.cp_size=2"], "actor.parallel.cp_size", "2", "needs model.backend=torch"),
     (
         ["actor.prompt_learning.type=prompt_tuning", "actor.parallel.cp_size=2"],

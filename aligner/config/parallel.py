@@ -175,13 +175,21 @@ class ParallelConfig:
         )
         _check(self.ep_size == 1, field, cp, f"context parallelism with expert parallelism is not supported yet: set {prefix}.ep_size=1")
         if model is not None:
-            _check(
-                model.num_experts == 0,
-                field,
-                cp,
-                f"context parallelism with an MoE model (model.num_experts={model.num_experts}) is not supported yet: the router's "
-                "auxiliary losses would count each cp rank's tokens alone; set cp_size=1",
-            )
+            if model.num_experts:  # the auxiliary losses are reduced over cp; what routes a rank's tokens alone is refused
+                _check(
+                    model.moe_router == "topk_softmax",
+                    field,
+                    cp,
+                    f"context parallelism with model.moe_router={model.moe_router} is not supported: Sinkhorn balances each cp rank's "
+                    "tokens alone; set model.moe_router=topk_softmax or cp_size=1",
+                )
+                _check(
+                    model.moe_capacity_factor is None,
+                    field,
+                    cp,
+                    f"context parallelism with model.moe_capacity_factor={model.moe_capacity_factor} is not supported: the capacity "
+                    "would cut each cp rank's tokens alone; set model.moe_capacity_factor=null (dropless) or cp_size=1",
+                )
             _check(model.backend == "torch", field, cp, f"context parallelism needs model.backend=torch, not {model.backend!r}")
 
 

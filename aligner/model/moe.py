@@ -40,7 +40,10 @@ computed per micro-batch on that micro-batch's tokens (as Megatron-LM does) and 
 times their mean over its micro-batches (and over data-parallel ranks, whose gradients are
 averaged). Splitting a batch into micro-batches therefore changes the auxiliary term (a mean of
 per-micro-batch losses is not the loss of the whole batch); the language-model loss is unchanged.
-The per-micro-batch values are kept on the module for metrics (:func:`moe_metrics`).
+The per-micro-batch values are kept on the module for metrics (:func:`moe_metrics`). Under context
+parallelism (``cp_group``, one sequence split over cp ranks) the micro-batch's tokens are spread
+over the cp ranks: :func:`cp_router_losses` all-reduces the router's sums over cp before forming
+the losses and statistics, so they equal the whole micro-batch's on one rank.
 
 Engine / trainer routing: each forward keeps its expert choices (``SparseMoE.last_experts``); the
 rollout engine reports them per response token (``Generation.routed_experts``), the trainer records
@@ -158,6 +161,53 @@ def router_z_loss(logits: torch.Tensor, token_mask: Optional[torch.Tensor] = Non
         if logits.shape[0] == 0:
             return logits.float().sum() * 0.0
     return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+
+
+def cp_router_losses(
+    logits: torch.Tensor,
+    probs: torch.Tensor,
+    experts: torch.Tensor,
+    num_experts: int,
+    token_mask: Optional[torch.Tensor],
+    group,
+    load_balancing: bool = True,
+    z_loss: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router's auxiliary losses over the tokens of every rank of `group` (context parallelism:
+    one sequence split over the cp ranks), equal to :func:`switch_load_balancing_loss` and
+    :func:`router_z_loss` of the whole sequence on one rank.
+
+    logits: [N, E] router logits of this rank's N tokens (any float dtype); probs: [N, E] fp32;
+    experts: [N, k] int64; token_mask: [N] bool (the tokens counted; None = all of this rank's).
+    Each rank forms local sums (assignments per expert C_i and the token count n, no gradient;
+    sum_t probs[t, i] and sum_t logsumexp(logits[t])^2, differentiable), all-reduces them over
+    `group` (two all-reduces: one of E + 1 counts, one of E + 1 sums) and divides:
+
+    - Switch load balancing (Fedus et al. 2021, eq. 4-6): E * sum_i f_i * P_i with
+      f_i = C_i / (n k), P_i = sum_t probs[t, i] / n (0 when no token is counted on any rank);
+    - router z-loss (Zoph et al. 2022, eq. 5): sum_t logsumexp(logits[t])^2 / n.
+
+    Gradients: the sums are all-reduced by Megatron's g (forward all-reduce, identity backward).
+    Every rank computes the same loss, so the gradient reaching rank r's probs (and logits) is the
+    whole-sequence loss's partial derivative for rank r's tokens; the router gradients are then
+    partial over cp and :func:`aligner.parallel.context_parallel.sync_cp_grads` sums them, which
+    gives the one-rank gradient (a backward all-reduce would count it cp times).
+    Returns (aux, z, counts): 0-dim fp32 losses equal on every rank (`aux` 0 when not
+    `load_balancing`, `z` 0 when not `z_loss`) and the global counts [E] fp32 (no gradient).
+    Collective over `group`: every rank must call it once per MoE layer forward.
+    """
+    n_local, k = experts.shape
+    keep = token_mask.reshape(-1).bool() if token_mask is not None else torch.ones(n_local, dtype=torch.bool, device=experts.device)
+    w = keep.to(torch.float32)
+    tallies = torch.cat([torch.bincount(experts[keep].reshape(-1), minlength=num_experts).double(), w.sum().double().view(1)])
+    comm.all_reduce_no_grad(tallies, group)
+    counts, n = tallies[:num_experts].float(), tallies[num_experts].float().clamp_min(1.0)
+    p_sum = (probs * w.unsqueeze(-1)).sum(0) if load_balancing else probs.new_zeros(num_experts)
+    z_sum = (torch.logsumexp(logits.float(), dim=-1).pow(2) * w).sum().view(1) if z_loss else probs.new_zeros(1)
+    sums = comm.reduce_from_tp(torch.cat([p_sum, z_sum]), group)
+    aux = num_experts * torch.sum(counts / (n * k) * (sums[:num_experts] / n)) if load_balancing else probs.new_zeros(())
+    z = sums[num_experts] / n if z_loss else probs.new_zeros(())
+    return aux, z, counts
 
 
 class _AuxLoss(torch.autograd.Function):
@@ -303,6 +353,9 @@ class SparseMoE(nn.Module):
         self.stats: dict[str, torch.Tensor] = {}
         self.last_experts: Optional[torch.Tensor] = None
         self.aux_scale = 1.0  # 1 / micro-batches of the step (set_aux_loss_scale)
+        # context parallelism (set by aligner.parallel.context_parallel.apply_context_parallel): the
+        # auxiliary losses and statistics are reduced over this group (cp_router_losses)
+        self.cp_group: Optional[torch.distributed.ProcessGroup] = None
 
     def capacity(self, num_tokens: int) -> Optional[int]:
         """Assignments each expert takes per forward: ceil(c * N * k / E), or None (dropless)."""
@@ -335,14 +388,17 @@ class SparseMoE(nn.Module):
         if self.training:  # auxiliary losses and router statistics; none in eval (the engine's decode steps)
             keep = token_mask.reshape(-1).bool() if token_mask is not None else None
             topk = self.router == "topk_softmax"
-            aux = switch_load_balancing_loss(probs, experts, self.num_experts, counts, keep) if topk else probs.new_zeros(())
-            z = router_z_loss(logits, keep) if self.z_coef else probs.new_zeros(())
+            if comm.group_size(self.cp_group) > 1:  # context parallelism: over the whole sequence's tokens
+                aux, z, c = cp_router_losses(logits, probs, experts, self.num_experts, keep, self.cp_group, topk, bool(self.z_coef))
+            else:
+                aux = switch_load_balancing_loss(probs, experts, self.num_experts, counts, keep) if topk else probs.new_zeros(())
+                z = router_z_loss(logits, keep) if self.z_coef else probs.new_zeros(())
+                c = (counts if keep is None else torch.bincount(experts[keep].reshape(-1), minlength=self.num_experts)).float()
             if torch.is_grad_enabled():
                 if self.aux_coef and topk:
                     out = _AuxLoss.apply(out, aux, float(self.aux_coef * self.aux_scale))
                 if self.z_coef:
                     out = _AuxLoss.apply(out, z, float(self.z_coef * self.aux_scale))
-            c = (counts if keep is None else torch.bincount(experts[keep].reshape(-1), minlength=self.num_experts)).float()
             if c.sum() > 0:  # a filler micro-batch (no real token) leaves the statistics alone
                 self.stats.update(aux_loss=aux.detach(), z_loss=z.detach(), max_load=c.max() * self.num_experts / c.sum())
         return out if residual is None else residual + out

@@ -214,14 +214,30 @@ def apply_context_parallel(model: nn.Module, cp_group: Optional[dist.ProcessGrou
     included: backward gathers again instead of keeping the full K/V). Sets ``model.cp_group``.
     No-op for a group of one rank. Returns `model`.
 
+    MoE models: every :class:`aligner.model.moe.SparseMoE` block gets ``cp_group``, so its router's
+    auxiliary losses and statistics are reduced over the cp ranks (the whole sequence's tokens,
+    :func:`aligner.model.moe.cp_router_losses`); its ``token_mask`` input is this rank's share
+    (:func:`cp_micro_batch` splits it).
+
     The model's inputs must then come from :func:`cp_inputs` (this rank's tokens, global positions,
-    global-key masks). Raises ValueError: the model uses the Transformer Engine backend.
+    global-key masks). Raises ValueError: the model uses the Transformer Engine backend; an MoE
+    block with the Sinkhorn router or a capacity factor (both decide per forward from the rank's
+    tokens alone, so the routing would differ from one process).
     """
+    from aligner.model.moe import moe_layers
+
     model.cp_group = cp_group
     if comm.group_size(cp_group) == 1:
         return model
     if getattr(model.cfg, "backend", "torch") != "torch":
         raise ValueError(f"context parallelism needs model.backend=torch, not {model.cfg.backend!r}")
+    for moe in moe_layers(model):
+        if moe.router != "topk_softmax" or moe.capacity_factor is not None:
+            raise ValueError(
+                f"context parallelism with an MoE model needs model.moe_router=topk_softmax and model.moe_capacity_factor=null, "
+                f"not {moe.router!r} / {moe.capacity_factor!r}: both route each cp rank's tokens alone"
+            )
+        moe.cp_group = cp_group
     for layer in model.model.layers.values():
         attn = layer.self_attn
         attn.__dict__["core"] = functools.partial(cp_attention, group=cp_group)
@@ -305,14 +321,12 @@ def cp_micro_batch(mb: dict, group: Optional[dist.ProcessGroup], seq_multiple: i
     [b, R], ``labels`` [b, R]: shared-prompt rows score other samples' tokens than the next one)
     each head position becomes its index among this rank's tokens, those it does not hold marked in
     :data:`HELD`; in the token layout, ``labels`` [b, 2c] shifted globally (:func:`shift_labels`).
-    Other keys (fillers' flags, non-tensors) are kept.
-
-    Raises ValueError: an MoE ``token_mask`` (the router would count each rank's tokens alone).
+    An MoE ``token_mask`` [b, T] bool (the tokens the router's auxiliary losses count) becomes this
+    rank's [b, 2c] (the cp padding is not counted); the MoE blocks reduce their sums over cp
+    (:func:`aligner.model.moe.cp_router_losses`). Other keys (fillers' flags, non-tensors) are kept.
     """
     if comm.group_size(group) == 1:
         return mb
-    if mb.get("token_mask") is not None:
-        raise ValueError("context parallelism with an MoE model is not supported: set cp_size=1")
     cut = cp_inputs(
         mb["input_ids"],
         group,
@@ -326,6 +340,8 @@ def cp_micro_batch(mb: dict, group: Optional[dist.ProcessGroup], seq_multiple: i
     out.update({"input_ids": cut["input_ids"], "position_ids": cut["model"]["position_ids"], SOURCE: mb})
     if cut["model"]["attn_mask"] is not None:
         out["attn_mask"] = cut["model"]["attn_mask"]
+    if mb.get("token_mask") is not None:
+        out["token_mask"] = _pad_to(mb["token_mask"].bool(), cut["seq_len"], False)[:, cut["index"]]
     if mb.get("logprob") is None:
         return out
     out["logprob"] = mb["logprob"]

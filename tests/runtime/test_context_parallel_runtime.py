@@ -210,7 +210,9 @@ def test_checkpoint_saved_at_cp2_dp2_resumes_at_cp1(tmp_path):
         ({"dp_backend": "deepspeed"}, {}, "not deepspeed"),
         ({"logprob_chunk_size": 0}, {}, "logprob_chunk_size=-1"),
         ({"compile": True}, {}, "compile=false"),
-        ({}, {"num_experts": 4, "num_experts_per_tok": 2}, "MoE model"),
+        ({}, {"num_experts": 4, "num_experts_per_tok": 2, "moe_router": "sinkhorn"}, "moe_router=sinkhorn"),
+        ({}, {"num_experts": 4, "num_experts_per_tok": 2, "moe_capacity_factor": 1.5}, "moe_capacity_factor=1.5"),
+        ({"dp_size": 2, "ep_size": 2}, {"num_experts": 4, "num_experts_per_tok": 2}, "set actor.parallel.ep_size=1"),
         ({}, {"max_seq_len": 30}, "2 \\* cp_size = 4 divide model.max_seq_len=30"),
     ],
 )
@@ -221,3 +223,29 @@ def test_cp_layouts_the_runtime_cannot_run_are_refused(fields, model, match):
     assert str(e.value).startswith("actor.parallel.cp_size=2 is invalid") and "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="rollout engine decodes"):
         ParallelConfig(cp_size=2).validate("rollout.parallel")
+
+
+MOE_CFG = tiny_model_config(
+    init_std=0.2, intermediate_size=32, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.1, router_z_loss_coef=0.01
+)
+
+
+def _moe_policy_step(rank, world_size, cp: int):
+    """(log_probs, ppo_update metrics, grads) of an MoE policy at cp=`cp` (one process when 1)."""
+    dims = ParallelDims(cp_size=cp, world_size=world_size, rank=rank).build() if cp > 1 else ParallelDims(device_type="cpu")
+    pol = Policy(MOE_CFG, ParallelConfig(cp_size=cp), OPTIM, dims, seed=0)
+    batch = rl_batch()
+    lp = pol.log_probs(batch, micro_batch_size=2)
+    full = {k: v for k, v in batch.items() if k not in ("offset", "returns")}
+    full["old_log_probs"] = (lp - batch["offset"]) * batch["response_mask"]
+    out = pol.ppo_update(full, ppo_algo(), micro_batch_size=2)
+    return lp, out, full_grads(pol.runtime)
+
+
+def test_cp2_moe_policy_equals_one_process():
+    """An MoE policy (padded rows, the runtime's token_mask split over cp): log-probs, PPO metrics with
+    moe_aux_loss / moe_z_loss / moe_max_load, and every gradient equal one process."""
+    ref = _moe_policy_step(0, 1, 1)
+    assert ref[1]["moe_aux_loss"] > 0 and ref[1]["moe_z_loss"] > 0
+    for r in run_distributed(_moe_policy_step, world_size=2, args=(2,)):
+        _assert_equal(r, ref, ("policy_loss", "entropy", "moe_aux_loss", "moe_z_loss", "moe_max_load"), "MoE cp2 policy")
