@@ -581,7 +581,9 @@ ALIGNER_ROWS.append(aligner_row("Llama 3.1 405B", LLAMA31_405B, 84, 42, 915.6, 1
 ALIGNER_ROWS.append(aligner_row("Llama 3.1 405B, reshard off", LLAMA31_405B, 84, 42, 915.6, 164.6, 8, 128, 128, reshard_off=True))
 
 
-def nemo_rl_row(name, model, nodes, mean, step, tok_s_gpu, actor: dict, engine_tp: int, rollout_nodes: int = 0, packed: bool = False) -> RlRow:
+def nemo_rl_row(
+    name, model, nodes, mean, step, tok_s_gpu, actor: dict, engine_tp: int, rollout_nodes: int = 0, packed: bool = False
+) -> RlRow:
     """A NeMo-RL GRPO row: 64 prompts x 32 generations, 512 per optimizer step, the KL to the reference (0.01,
     k3) as a loss, a rule reward (math verification), vLLM's continuous batching; colocated generation, or
     (rollout_nodes > 0) generation on its own nodes one step off policy. The prompt length: the published
@@ -638,7 +640,9 @@ def nemo_rl_row(name, model, nodes, mean, step, tok_s_gpu, actor: dict, engine_t
 # run row-count micro-batches, their rows timed at the batch's width (prompt + the cap in A, prompt + mean in M).
 NEMO_RL_ROWS = [
     nemo_rl_row("Llama 3.1 8B", LLAMA3_8B, 2, 1019, 92.8, 1581, {"tp": 1, "pp": 2, "recompute": "full"}, 1),
-    nemo_rl_row("Llama 3.1 8B, 1-step off", LLAMA3_8B, 2, 1123, 64.8, 2478, {"tp": 1, "pp": 1, "recompute": "full"}, 1, rollout_nodes=1, packed=True),
+    nemo_rl_row(
+        "Llama 3.1 8B, 1-step off", LLAMA3_8B, 2, 1123, 64.8, 2478, {"tp": 1, "pp": 1, "recompute": "full"}, 1, rollout_nodes=1, packed=True
+    ),
     nemo_rl_row("Qwen3-32B", QWEN3_32B, 4, 3251, 376.0, 571, {"tp": 4, "pp": 4, "recompute": "none", "sp": True}, 4),
 ]
 

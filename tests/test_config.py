@@ -349,7 +349,12 @@ CASES = [
         "2",
         "set actor.parallel.ep_size=1",
     ),
-    (["model.num_experts=4", "model.moe_router=sinkhorn", "actor.parallel.cp_size=2"], "actor.parallel.cp_size", "2", "set model.moe_router=topk_softmax"),
+    (
+        ["model.num_experts=4", "model.moe_router=sinkhorn", "actor.parallel.cp_size=2"],
+        "actor.parallel.cp_size",
+        "2",
+        "set model.moe_router=topk_softmax",
+    ),
     (
         ["model.num_experts=4", "model.moe_capacity_factor=1.5", "actor.parallel.cp_size=2"],
         "actor.parallel.cp_size",
