@@ -26,7 +26,7 @@ pytestmark = pytest.mark.distributed
 MOE = tiny_model_config(intermediate_size=32, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.05)
 
 
-def reference_run(cfg: ModelConfig, optim: OptimConfig, data: list[torch.Tensor], dp: int, micro: int = 1):
+def micro_batched_reference_run(cfg: ModelConfig, optim: OptimConfig, data: list[torch.Tensor], dp: int, micro: int = 1):
     """One process; each step runs the dp slices (each cut in `micro` micro-batches) as micro-batches
     (loss and aux weighted 1 / (dp * micro))."""
     from aligner.model.llama import build_model
@@ -62,7 +62,7 @@ def ep_battery(rank: int, world: int, layouts: dict, ckpt_root: str) -> dict:
         par = ParallelConfig(**kw)
         micro = 2 if par.pp_size > 1 else 1
         if (par.dp_size, micro) not in refs:
-            refs[par.dp_size, micro] = reference_run(cfg, optim, data, par.dp_size, micro)
+            refs[par.dp_size, micro] = micro_batched_reference_run(cfg, optim, data, par.dp_size, micro)
         ref_losses, ref_norms, ref_sd = refs[par.dp_size, micro]
         eng = make_engine(cfg, par, optim, world)
         experts = [m for m in eng.module.modules() if isinstance(m, GroupedExperts)]
