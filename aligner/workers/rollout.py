@@ -61,11 +61,7 @@ class RolloutWorker:
     def receive_weights(self) -> dict:
         """One sync into the engine (collective with the actor's send_weights). Returns seconds, bytes,
         buckets, tensors and the engine's weight_version."""
-        if self.group is None:
-            raise RuntimeError("receive_weights before join_weight_sync")
-        t0 = time.perf_counter()
-        out = receive_weights(self.group, self.engine)
-        return {**out, "seconds": time.perf_counter() - t0}
+        return self._timed_receive("receive_weights", receive_weights)
 
     @dispatch("broadcast", concurrent=True)
     def receive_weights_beside(self) -> dict:
@@ -73,10 +69,14 @@ class RolloutWorker:
         (``rollout.interruptible``): staged, and applied at the engine's next decode step boundary, or at
         once when it is idle (:func:`aligner.rollout.weight_sync.receive_weights_staged`). Returns seconds
         (until staged), bytes, buckets, tensors and "applied"."""
+        return self._timed_receive("receive_weights_beside", receive_weights_staged)
+
+    def _timed_receive(self, name: str, receive) -> dict:
+        """receive(group, engine)'s dict with its wall "seconds"; RuntimeError before join_weight_sync."""
         if self.group is None:
-            raise RuntimeError("receive_weights_beside before join_weight_sync")
+            raise RuntimeError(f"{name} before join_weight_sync")
         t0 = time.perf_counter()
-        out = receive_weights_staged(self.group, self.engine)
+        out = receive(self.group, self.engine)
         return {**out, "seconds": time.perf_counter() - t0}
 
     @dispatch("broadcast", concurrent=True)
