@@ -7,8 +7,12 @@ GRPO on SmolLM2-135M-Instruct with GSM8K chat prompts (the work of ``benchmarks/
 0.04 against a reference role, micro-batches of 4, fp32), through Ray worker groups, three ways:
 
 - ``split k=1``: rollout.placement=split, trainer.max_staleness=1: the rollout group (one worker,
-  one CPU, one torch thread) generates step t+1's batch while the actor (one CPU) and the
-  reference (one CPU) run step t's inference and update; AReaL's decoupled loss corrects the lag;
+  one CPU, one torch thread) generates step t+1's batch while the actor (one CPU) runs step t's
+  update, and the reference (one CPU) computes step t+1's log-probs as soon as that batch is
+  generated (``trainer.ref_ahead``, on by default where the reference has devices of its own);
+  AReaL's decoupled loss corrects the lag, with the update's own forward as the proximal policy;
+- ``split k=1 ref-inline``: the same with trainer.ref_ahead=false: the reference's log-probs in the
+  inference phase of the step that trains on the batch (as at k = 0);
 - ``split k=0``: the same placement and threads, synchronous (the sync, then generation, then the
   update, one after another);
 - ``colocated k=0``: today's default: the engine in the actor's process, the workers of each
@@ -20,9 +24,12 @@ GRPO on SmolLM2-135M-Instruct with GSM8K chat prompts (the work of ``benchmarks/
   issued when due and lands between decode steps of the generation in flight (a response may then
   span two weight versions: ``mixed_version_frac``; staleness is counted per token).
 
---configs picks the configurations (comma-separated names; default: all five). Every
-configuration does the same work per step (the old-log-prob forward too: the decoupled loss
-needs it, so the others run it as well). Blocks of --steps steps per configuration, alternating
+--configs picks the configurations (comma-separated names; default: all six). Every
+configuration does the same work per step: ``grpo_step.py --real``'s, one optimizer step per batch
+with no old-log-prob forward (algorithm.recompute_old_log_probs=false: the update's own forward,
+detached, is the old policy, and with the decoupled loss the proximal one; until 2026-11-28 every
+configuration here ran that forward as well, since the decoupled loss required it; --recompute
+restores it). Blocks of --steps steps per configuration, alternating
 (A, B, C, A, B, C, ...) --rounds times, each block on a trainer started for it and stopped after it
 (three SmolLM2 trainers with their AdamW state did not fit 24 GiB at once); the first step of each
 block is dropped (it starts with the queue empty), so only steady-state steps count (at k=2 the queue
@@ -35,6 +42,7 @@ mixed_version_frac, the only configuration that logs it).
     python benchmarks/async_rl.py                  # 2 rounds of blocks of 4 steps
     python benchmarks/async_rl.py --rounds 1 --steps 3
     python benchmarks/async_rl.py --rounds 2 --steps 3 --configs "split k=1,split k=2,split k=2 interruptible"
+    python benchmarks/async_rl.py --rounds 2 --steps 3 --configs "split k=1,split k=1 ref-inline,split k=0,colocated k=0"
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import common as C  # noqa: E402
 
 CONFIGS = {
     "split k=1": dict(placement="split", k=1),
+    "split k=1 ref-inline": dict(placement="split", k=1, ref_ahead=False),
     "split k=0": dict(placement="split", k=0),
     "colocated k=0": dict(placement="colocated", k=0),
     "split k=2": dict(placement="split", k=2),
@@ -67,6 +76,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument(
         "--configs", default=",".join(CONFIGS), help=f"comma-separated configurations to run, of: {', '.join(CONFIGS)} (default: all)"
     )
+    ap.add_argument("--recompute", action="store_true", help="run the actor's old-log-prob forward in every configuration")
     ap.add_argument("--tiny", action="store_true", help="a tiny random Llama and random prompts instead (a smoke test of the script)")
     args = ap.parse_args()
     args.configs = [n.strip() for n in args.configs.split(",") if n.strip()]
@@ -76,9 +86,19 @@ def parse() -> argparse.Namespace:
     return args
 
 
-def build(args: argparse.Namespace, placement: str, k: int, model_dir: str, mc, tok, prompts, interruptible: bool = False):
-    """A Ray PPOTrainer of the benchmark's work with this placement and staleness (and interruptible
-    generation), started."""
+def build(
+    args: argparse.Namespace,
+    placement: str,
+    k: int,
+    model_dir: str,
+    mc,
+    tok,
+    prompts,
+    interruptible: bool = False,
+    ref_ahead: bool | None = None,
+):
+    """A Ray PPOTrainer of the benchmark's work with this placement and staleness (interruptible
+    generation, the reference's log-probs ahead or inline), started."""
     from grpo_step import grpo_config
 
     from aligner.config import AlgorithmConfig, RewardRoleConfig
@@ -88,10 +108,13 @@ def build(args: argparse.Namespace, placement: str, k: int, model_dir: str, mc, 
     cfg = grpo_config(args, {"policy": model_dir, "tokenizer": model_dir}, mc)
     cfg.reward = RewardRoleConfig(type="rule", rule="gsm8k_format")
     cfg.trainer.micro_batch_size = 4
-    cfg.algorithm = AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_loss_coef=0.04, ppo_epochs=1, normalize_rewards=False)
+    cfg.algorithm = AlgorithmConfig(
+        advantage="grpo", kl_coef=0.0, kl_loss_coef=0.04, ppo_epochs=1, normalize_rewards=False, recompute_old_log_probs=args.recompute
+    )
     cfg.rollout.placement = placement
     cfg.trainer.max_staleness = k
     cfg.rollout.interruptible = interruptible  # syncs land between decode steps (split, k >= 1)
+    cfg.trainer.ref_ahead = ref_ahead  # None: on where it applies (split, k >= 1, the reference on a CPU of its own)
     cfg.trainer.num_threads = 0  # colocated: threads follow the work; split: each worker its one CPU's thread
     validate_run(cfg)  # resolves algorithm.decoupled_loss (on for k > 0)
     from grpo_step import NoEos
@@ -133,7 +156,7 @@ def main() -> None:
     print(
         f"work: SmolLM2-135M-Instruct GRPO, GSM8K chat prompts, {args.prompts} prompts x {args.samples} samples, "
         f"{args.new_tokens} new tokens forced, KL loss 0.04, micro-batches of 4, fp32; blocks of {args.steps} steps "
-        f"(first dropped) x {args.rounds} rounds per configuration",
+        f"(first dropped) x {args.rounds} rounds per configuration; old-log-prob forward: {'yes' if args.recompute else 'no'}",
         flush=True,
     )
     init_ray()
@@ -144,7 +167,7 @@ def main() -> None:
                 c = CONFIGS[name]
                 # one trainer at a time (three SmolLM2 trainers with AdamW state do not fit 24 GiB together),
                 # started for its block and stopped after it: nothing of it runs beside the next block
-                t = build(args, c["placement"], c["k"], model_dir, mc, tok, prompts, c.get("interruptible", False))
+                t = build(args, c["placement"], c["k"], model_dir, mc, tok, prompts, c.get("interruptible", False), c.get("ref_ahead"))
                 try:
                     for i in range(args.steps):
                         t0 = time.perf_counter()
@@ -163,11 +186,11 @@ def main() -> None:
     samples = args.prompts * args.samples
     med = {n: C.median([x["wall"] for x in rows[n]]) for n in rows}
     for n in rows:
-        gen, train = (C.median([x.get(f"time/{p}", 0.0) for x in rows[n]]) for p in ("generate", "train"))
+        gen, infer, train = (C.median([x.get(f"time/{p}", 0.0) for x in rows[n]]) for p in ("generate", "inference", "train"))
         sync = C.median([x.get("refit_bytes", 0.0) for x in rows[n]]) / 2**20
         secs = C.median([x.get("sync_seconds", x.get("time/refit", 0.0)) for x in rows[n]])
         print(
-            f"{n:>14}: step {med[n]:.2f} s = {samples / med[n]:.2f} samples/s (generate-phase wait {gen:.2f} s, train {train:.2f} s); "
+            f"{n:>14}: step {med[n]:.2f} s = {samples / med[n]:.2f} samples/s (generate-phase wait {gen:.2f} s, inference {infer:.2f} s, train {train:.2f} s); "
             f"weights sent {sync:.0f} MiB in {secs:.2f} s a step"
         )
         stale = C.mean([x.get("staleness", 0.0) for x in rows[n]])
@@ -183,6 +206,7 @@ def main() -> None:
         r10 = med["split k=0"] / med["split k=1"]
         print(f"samples/s, split k=1 / split k=0: {r10:.2f}x (goal >= 1.6x: {'met' if r10 >= 1.6 else 'not met'})")
     ratio("split k=1", "colocated k=0", " (both cores)")
+    ratio("split k=1", "split k=1 ref-inline")
     ratio("split k=2", "split k=1")
     ratio("split k=2 interruptible", "split k=1")
     ratio("split k=2 interruptible", "split k=2")

@@ -49,13 +49,15 @@ class AlgorithmConfig:
     normalize_rewards: bool = True  # standardize RM scores with the RM's saved mean/std
     tis_cap: Optional[float] = None  # truncated importance-sampling cap on exp(old - rollout); None = off
     # AReaL's decoupled PPO objective (Fu et al. 2025) with the engine's log-probs as the behaviour policy and the
-    # recomputed old log-probs as the proximal one; None = on exactly when trainer.max_staleness > 0 (resolved
+    # recomputed old log-probs as the proximal one (with recompute_old_log_probs=false the update's own forward,
+    # detached: exact for an on-policy update); None = on exactly when trainer.max_staleness > 0 (resolved
     # when the run's config is built)
     decoupled_loss: Optional[bool] = None
     behavior_weight_cap: Optional[float] = None  # decoupled loss: tokens whose pi_prox / pi_behav exceeds this are left out; None = no cap
     # false: skip the actor's old-log-prob forward of the inference phase; the update uses its own
     # forward's log-probs, detached, as old (ratio 1; exact only when the update is on-policy: one
     # epoch, one mini-batch, no KL in the reward, no tis_cap; TRL GRPOTrainer with num_iterations=1).
+    # With the decoupled loss they are the proximal policy: pi_prox / pi_behav then weighs the policy gradient.
     # The engine-vs-trainer mismatch metrics are then not measured.
     recompute_old_log_probs: bool = True
     vf_coef: float = 1.0  # value-loss weight

@@ -42,6 +42,12 @@ class TrainerConfig:
     # PPO with rollout.placement=split: batches the rollout group may generate ahead of the update (each
     # sample is at most this many weight versions old when trained); 0 = synchronous
     max_staleness: int = 0
+    # max_staleness >= 1 with a reference role: its log-probs of a queued batch are computed as soon as the
+    # batch is generated, beside the actor's update, instead of in the next step's inference phase (the
+    # reference is fixed, so they need only the batch); None = on exactly where the reference has devices
+    # of its own (no ref.colocate_with, cluster.placement=split): beside the update it would hold memory on
+    # the actor's devices otherwise
+    ref_ahead: Optional[bool] = None
     # a worker call with no result for this long is a hang: its stacks are dumped and it is handled as a
     # death (the automatic restart); counted from the call's submission; 0 = no watchdog
     hang_timeout_s: float = 1800.0

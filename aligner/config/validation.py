@@ -70,6 +70,7 @@ def validate_staleness(cfg: AlignerConfig) -> None:
         )
     if r.interruptible:
         validate_interruptible(cfg)
+    resolve_ref_ahead(cfg)
     _check(
         t.max_staleness == 0 or r.placement == "split",
         "trainer.max_staleness",
@@ -82,11 +83,27 @@ def validate_staleness(cfg: AlignerConfig) -> None:
         t.max_staleness,
         "dynamic sampling waits for each round's scores, so it does not run ahead yet: set algorithm.dynamic_sampling=false or max_staleness=0",
     )
+    # the decoupled loss without the old-log-prob forward: the proximal policy is then the update's own
+    # forward, detached, which is exact for an on-policy update (one epoch, one mini-batch:
+    # validate_on_policy refuses the rest), since every micro-batch runs the weights before the step
+
+
+def resolve_ref_ahead(cfg: AlignerConfig) -> None:
+    """``trainer.ref_ahead`` (issue 37): the reference's log-probs of a queued batch computed beside the
+    update. None resolves to on exactly where it applies (max_staleness >= 1, a reference group) and the
+    reference has devices of its own (``cluster.placement=split``, no ``ref.colocate_with``); true where it
+    cannot apply is refused."""
+    t = cfg.trainer
+    applies = t.max_staleness >= 1 and "ref" in cfg.roles_used()
+    if t.ref_ahead is None:
+        t.ref_ahead = applies and cfg.cluster.placement == "split" and not cfg.ref.colocate_with
+        return
     _check(
-        not a.decoupled_loss or a.recompute_old_log_probs,
-        "algorithm.decoupled_loss",
-        a.decoupled_loss,
-        "the decoupled loss needs the proximal (old) log-probs: set algorithm.recompute_old_log_probs=true",
+        applies or not t.ref_ahead,
+        "trainer.ref_ahead",
+        t.ref_ahead,
+        "the reference's log-probs go ahead only of a queued batch, with a reference group (a KL term, no LoRA actor): "
+        "set trainer.max_staleness >= 1 with rollout.placement=split, or trainer.ref_ahead=false",
     )
 
 

@@ -70,7 +70,7 @@ from aligner.tracking import plot_curves
 from aligner.trainers import preemption
 from aligner.trainers.evaluation import accuracy_rule, episode_rows, evaluate_greedy, gather_generations, on_builtin_task
 from aligner.trainers.loop import Trainer, death_summary
-from aligner.trainers.producer import RolloutProducer, token_staleness_metrics
+from aligner.trainers.producer import Pending, RolloutProducer, token_staleness_metrics
 from aligner.workers.actor import ActorWorker, PolicyWorker
 from aligner.workers.critic import CriticWorker
 from aligner.workers.group import CoreSharing, WorkerGroup, get_all, role_worker_group
@@ -147,6 +147,7 @@ class PPOTrainer(Trainer):
         self.cores: Optional[CoreSharing] = None  # torch threads follow the work (trainer.num_threads=0, CPU workers)
         self.placement = None
         self.producer: Optional[RolloutProducer] = None  # rollout.placement=split: the rollout group and its queue
+        self.ref_future: Any = None  # trainer.ref_ahead: the reference's log-probs of this step's batch, sent ahead
         self.reward_stats = {"mean": 0.0, "std": 1.0}
         self.nonfinite_in_a_row = 0  # consecutive steps whose update was skipped (NaN/Inf reward or grad norm)
         self.nonfinite_total = 0
@@ -334,6 +335,7 @@ class PPOTrainer(Trainer):
     def _run_step(self) -> dict[str, float]:
         timer = PhaseTimer()
         sampling_metrics: dict[str, float] = {}
+        self.ref_future = None  # set by produced_rollout with trainer.ref_ahead (never one of an earlier step's)
         if self.producer is not None:
             batch, refit, sampling_metrics = self.produced_rollout(timer)
         else:
@@ -420,7 +422,10 @@ class PPOTrainer(Trainer):
             self.submit_generation(self.step)
         with timer.phase("generate"):
             item = p.take(self.step)
-            gens = gather_generations(item.future.get())
+            if item.prepared is not None:  # trainer.ref_ahead: assembled, its reference log-probs on their way
+                gens, batch, self.ref_future = item.prepared.result()
+            else:
+                gens, batch = gather_generations(item.future.get()), None
         with timer.phase("refit"):
             for step in range(self.step + 1, min(self.step + k + 1, self.cfg.trainer.max_steps)):
                 if step in p.queued_steps():
@@ -430,7 +435,7 @@ class PPOTrainer(Trainer):
                     refit = {**s, "seconds": refit["seconds"] + s["seconds"], "bytes": refit["bytes"] + s["bytes"]}
                 self.submit_generation(step)
         metrics = {"staleness": float(self.step - item.version), "sync_seconds": refit["seconds"]}
-        batch = self.assemble(item.rows, gens, n)
+        batch = self.assemble(item.rows, gens, n) if batch is None else batch
         if p.interruptible:  # a sync may have landed mid-generation: staleness per token
             batch.token_versions = p.token_versions(gens, batch.response_mask.shape[1])
             metrics.update(token_staleness_metrics(batch.token_versions, self.step, batch.response_mask))
@@ -441,6 +446,16 @@ class PPOTrainer(Trainer):
         state = self.data.state_dict()
         rows, ids, seeds = self.requests(self.next_prompts(), step, self.cfg.trainer.n_samples_per_prompt)
         self.producer.submit(step, rows, ids, self.cfg.rollout.sampling, seeds, state, episode_rows(self.cfg, rows), self.reward_rows(rows))
+        if self.cfg.trainer.ref_ahead:
+            self.producer.prepare(self.assemble_with_ref)
+
+    def assemble_with_ref(self, item: Pending) -> tuple[list, RolloutBatch, Any]:
+        """``trainer.ref_ahead``: wait for a queued generation, assemble its batch and send its model inputs
+        to the reference group at once (runs on the producer's thread, beside the actor's update).
+        Returns (generations, batch, the reference's log_probs future: [B, R] float32 nats once got)."""
+        gens = gather_generations(item.future.get())
+        batch = self.assemble(item.rows, gens, self.cfg.trainer.n_samples_per_prompt)
+        return gens, batch, self.groups["ref"].log_probs(batch.model_inputs(), self._temperature())
 
     def rollout(self, prompts: list[dict], sampling: SamplingConfig, step: int, n: Optional[int] = None) -> RolloutBatch:
         """Generate n responses per prompt on the actor's engine replicas (:meth:`generate`); assemble a RolloutBatch."""
@@ -605,7 +620,9 @@ class PPOTrainer(Trainer):
             futures["old"] = actor.log_probs_with_routing(inputs, temp) if routing else actor.log_probs(inputs, temp)
         if "critic" in self.groups:
             futures["values"] = self.groups["critic"].values(inputs)
-        if "ref" in self.groups:
+        if self.ref_future is not None:  # trainer.ref_ahead: sent when the batch was generated
+            futures["ref"], self.ref_future = self.ref_future, None
+        elif "ref" in self.groups:
             futures["ref"] = self.groups["ref"].log_probs(inputs, temp)
         elif self.cfg.ref_from_actor:  # LoRA: the reference is the actor with its adapters disabled
             futures["ref"] = self.groups["actor"].ref_log_probs(inputs, temp)

@@ -39,10 +39,12 @@ flight are dropped and regenerated with the resumed weights (version t instead o
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -74,7 +76,8 @@ class Pending:
     """A generation in flight: for training step `step`, from engines holding policy version `version`.
 
     rows: the prompt rows (each prompt n times in a row). future: the rollout group's generate call.
-    data_state: the prompt iterator's state before this batch's prompts were drawn.
+    data_state: the prompt iterator's state before this batch's prompts were drawn. prepared: the
+    result of the work queued for it by :meth:`RolloutProducer.prepare` (None when none was).
     """
 
     step: int
@@ -82,6 +85,7 @@ class Pending:
     rows: list[dict]
     future: Any
     data_state: dict
+    prepared: Optional[Future] = None  # what :meth:`RolloutProducer.prepare` runs for it once generated
 
 
 class _Done:
@@ -158,6 +162,23 @@ class RolloutProducer:
         fut = self.rollout.generate(prompt_ids, sampling, seeds, episodes or None, reward_rows)
         self.pending.append(Pending(step, self.engine_version, rows, fut, data_state))
 
+    def prepare(self, fn: Callable[[Pending], Any]) -> None:
+        """Run ``fn(item)`` for the batch queued last on a thread of its own (a daemon: it waits for the
+        generation, so it never holds up the driver's exit), its result or exception in ``item.prepared``.
+        The trainer uses it to send a finished batch to the reference while the actor updates
+        (``trainer.ref_ahead``). Ray calls are thread-safe; fn must not touch the trainer's state."""
+        item, fut = self.pending[-1], Future()
+
+        def run() -> None:
+            fut.set_running_or_notify_cancel()
+            try:
+                fut.set_result(fn(item))
+            except BaseException as e:  # handed to the step that takes the batch (a worker death: its restart)
+                fut.set_exception(e)
+
+        item.prepared = fut
+        threading.Thread(target=run, name=f"prepare-step-{item.step}", daemon=True).start()
+
     def take(self, step: int) -> Pending:
         """The oldest batch in flight, which must be step `step`'s (RuntimeError otherwise)."""
         if not self.pending or self.pending[0].step != step:
@@ -173,7 +194,8 @@ class RolloutProducer:
         return self.pending[0].data_state if self.pending else None
 
     def drop(self) -> None:
-        """Forget the generations in flight (a run that stops; their results are never read)."""
+        """Forget the generations in flight (a run that stops; their results, and those of their
+        prepare threads, are never read)."""
         self.pending.clear()
 
     # ---- the actor group's evaluation interface -------------------------------------------------

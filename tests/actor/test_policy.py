@@ -125,3 +125,32 @@ def test_ppo_update_without_old_log_probs_is_the_on_policy_update():
     assert metrics[1]["clipfrac"] == 0.0 and abs(metrics[1]["approx_kl"]) < 1e-12
     for k in ("policy_loss", "kl_loss", "grad_norm"):
         assert metrics[1][k] == pytest.approx(metrics[0][k], rel=1e-4, abs=1e-6), k
+
+
+def test_decoupled_loss_without_old_log_probs_uses_the_update_forward_as_proximal():
+    """algorithm.decoupled_loss with recompute_old_log_probs=false (issue 37): the proximal policy is the
+    update's own forward, detached; for an on-policy step (one epoch, one mini-batch) that is the same
+    step, loss and behaviour weights as with the recomputed old log-probs, for a stale batch whose
+    behaviour log-probs differ from the current policy's."""
+    algo = AlgorithmConfig(
+        advantage="grpo", kl_coef=0.0, kl_loss_coef=0.2, clip_eps=0.1, decoupled_loss=True, recompute_old_log_probs=False
+    )
+    batch = _batch()
+    grads, metrics = [], []
+    for recompute in (True, False):
+        pol = Policy(CFG, ParallelConfig(), OPTIM, ParallelDims(device_type="cpu"), seed=0)
+        b = dict(batch)
+        with torch.no_grad():
+            current = pol.log_probs(b, micro_batch_size=3, temperature=TEMPERATURE)
+        mask = b["response_mask"]
+        b["ref_log_probs"] = (current - b.pop("ref_offset")) * mask
+        b["rollout_log_probs"] = (current - b.pop("old_offset")) * mask  # an older behaviour policy
+        if recompute:
+            b["old_log_probs"] = current * mask
+        metrics.append(pol.ppo_update(b, algo, micro_batch_size=2, temperature=TEMPERATURE))
+        grads.append({n: p.grad.clone() for n, p in pol.runtime.module.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-4, msg=name)
+    assert abs(metrics[0]["behavior_weight_mean"] - 1.0) > 1e-3  # the behaviour weights are not trivially 1
+    for k in ("policy_loss", "kl_loss", "grad_norm", "behavior_weight_mean", "behavior_approx_kl"):
+        assert metrics[1][k] == pytest.approx(metrics[0][k], rel=1e-4, abs=1e-6), k

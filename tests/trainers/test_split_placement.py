@@ -56,7 +56,8 @@ def test_split_k0_equals_colocated_and_k1_trains_one_step_stale(tmp_path):
     """k = 0 on the split placement: every metric of every step (scores, losses, KL, clip fractions,
     the engine-vs-trainer log-prob mismatch) equals the colocated run's within 1e-6 in fp32.
     k = 1: the first batch is fresh, every later one exactly one step stale; the decoupled loss is
-    on (its behaviour weights logged) and a second run from the same seed gives the same metrics."""
+    on (its behaviour weights logged) and a second run from the same seed, with the reference's
+    log-probs computed in the inference phase instead of ahead (trainer.ref_ahead), gives the same metrics."""
     colocated = run(tmp_path / "colocated")
     split = run(tmp_path / "split", *SPLIT)
     assert len(split) == len(colocated) == 3
@@ -80,7 +81,10 @@ def test_split_k0_equals_colocated_and_k1_trains_one_step_stale(tmp_path):
     # step 2's checkpoint keeps the data position before the batch still in flight (step 3's prompts
     # were drawn during step 2), so a run resumed there trains on the prompts the uninterrupted one does
     assert _saved_data(tmp_path / "k1", 2) == _saved_data(tmp_path / "split", 2)
-    again = run(tmp_path / "k1_again", *SPLIT, "trainer.max_staleness=1")
+    # trainer.ref_ahead (on here: the reference has a node group of its own) sends a queued batch to the
+    # reference beside the update; off, its log-probs come in the next step's inference phase: the same run
+    assert "ref_ahead: true" in (tmp_path / "k1" / "config.yaml").read_text()
+    again = run(tmp_path / "k1_again", *SPLIT, "trainer.max_staleness=1", "trainer.ref_ahead=false")
     for a, b in zip(again, k1):
         a, b = comparable(a), comparable(b)
         for k in a:
@@ -116,6 +120,7 @@ def test_bad_split_settings_exit_2_before_ray(tmp_path, capsys):
     cases = [
         (["trainer.max_staleness=1"], "trainer.max_staleness=1 is invalid: generation runs ahead"),
         ([*SPLIT, "trainer.max_staleness=-1"], "trainer.max_staleness=-1 is invalid: must be >= 0"),
+        ([*SPLIT, "trainer.ref_ahead=true"], "trainer.ref_ahead=True is invalid: the reference's log-probs go ahead only"),
         ([*SPLIT, "rollout.parallel.tp_size=2"], "split rollout engines are whole replicas"),
         ([*SPLIT, "rollout.placement=sideways"], "rollout.placement='sideways' is invalid"),
         (["rollout.interruptible=true"], "rollout.interruptible=True is invalid: a sync lands mid-generation only on the split"),
