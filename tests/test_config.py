@@ -223,7 +223,12 @@ CASES = [
         "True",
         "set trainer.max_staleness >= 1, or rollout.interruptible=false",
     ),
-    (["rollout.placement=split", "rollout.parallel.pp_size=2"], "rollout.parallel", "'tp_size=1, pp_size=2'", "whole replicas"),
+    (
+        ["rollout.placement=split", "rollout.parallel.pp_size=2", "trainer.max_staleness=1", "rollout.interruptible=true"],
+        "rollout.parallel",
+        "'tp_size=1, pp_size=2'",
+        "interruptible generation swaps weights on engines of one rank",
+    ),
     (
         ["algorithm.decoupled_loss=true", "algorithm.recompute_old_log_probs=false", "algorithm.ppo_epochs=2", "algorithm.kl_coef=0"],
         "algorithm.recompute_old_log_probs",

@@ -63,10 +63,12 @@ def validate_staleness(cfg: AlignerConfig) -> None:
             f"the split placement runs aligner's torch engine; rollout.backend={r.backend} is colocated only: set rollout.placement=colocated",
         )
         _check(
-            r.parallel.tp_size == 1 and r.parallel.pp_size == 1,
+            not r.interruptible or (r.parallel.tp_size == 1 and r.parallel.pp_size == 1),
             "rollout.parallel",
             f"tp_size={r.parallel.tp_size}, pp_size={r.parallel.pp_size}",
-            "split rollout engines are whole replicas for now: set tp_size=1 and pp_size=1, and rollout.parallel.dp_size to the number of replicas",
+            "interruptible generation swaps weights on engines of one rank (the ranks of a tp/pp engine would "
+            "swap at different decode steps): set tp_size=1 and pp_size=1 with rollout.parallel.dp_size replicas, "
+            "or rollout.interruptible=false",
         )
     if r.interruptible:
         validate_interruptible(cfg)

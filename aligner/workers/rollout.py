@@ -1,11 +1,14 @@
 """The rollout worker group of the split placement (``rollout.placement=split``, issue 37).
 
-Thin (docs/design.md, "Thin Ray shells over Ray-free classes"): each rank holds one whole engine
-replica (tp = pp = 1) of aligner's :class:`~aligner.rollout.torch_engine.TorchEngine`, built from
-the policy's model config with the run's seed; its weights arrive from the actor's rank 0 over the
-weight-sync group (:mod:`aligner.rollout.weight_sync`) after each update instead of by the in-place
-refit of the colocated placement. ``generate`` is broadcast like the actor's: every rank gets all
-prompts, generates its contiguous share and returns (replica, generations).
+Thin (docs/design.md, "Thin Ray shells over Ray-free classes"): the group's ranks form
+``rollout.parallel``'s layout, dp engine replicas of tp x pp ranks each, and every rank holds its
+shard of aligner's :class:`~aligner.rollout.torch_engine.TorchEngine`, built from the policy's model
+config with the run's seed; the weights arrive from the actor's rank 0 over the weight-sync group
+(:mod:`aligner.rollout.weight_sync`) after each update instead of by the in-place refit of the
+colocated placement: every rank receives the full tensors of the broadcast and keeps its tp shard of
+its pp stage's layers (``update_weights``). ``generate`` is broadcast like the actor's: every rank
+gets all prompts, each replica generates its contiguous share, and its lead rank returns (replica,
+generations).
 
 The group runs on its own node group (``rollout.resources``), so while it generates the actor can
 train on the previous batch (``trainer.max_staleness`` >= 1, :mod:`aligner.trainers.producer`).
@@ -45,9 +48,8 @@ class RolloutWorker:
         self.reward_client = None  # reward.stream: the remote reward's client, made on first use
         self.judges: list = []  # reward.stream with a judge: the reward group's worker handles (set_judges)
         self.dims = dims or ParallelDims()
-        self.engine = torch_rollout_engine(
-            cfg, model_cfg, ParallelDims(device_type=self.dims.device.type), eos_token_id, interruptible=cfg.rollout.interruptible
-        )
+        # the group's layout is rollout.parallel: dp replicas of tp x pp engine ranks (one rank each when tp = pp = 1)
+        self.engine = torch_rollout_engine(cfg, model_cfg, self.dims, eos_token_id, interruptible=cfg.rollout.interruptible)
         self.group: Optional[SyncGroup] = None
 
     @dispatch("broadcast")
@@ -87,11 +89,15 @@ class RolloutWorker:
     @dispatch("broadcast")
     def generate(
         self, prompt_ids: list, sampling: SamplingConfig, seeds: list, episodes: Optional[list] = None, reward_rows: Optional[list] = None
-    ) -> tuple[int, list]:
-        """All prompts in; this replica's contiguous share generated: (replica, generations). episodes: as
-        :meth:`aligner.workers.actor.ActorWorker.generate`'s."""
-        share = split_batch(request_share(prompt_ids, seeds, episodes, reward_rows), self.dims.world_size)[self.dims.rank]
-        return self.dims.rank, generate_share(self.engine, self.cfg, self.tokenizer, share, sampling, self.streamed_reward)
+    ) -> Optional[tuple[int, list]]:
+        """All prompts in; this replica's contiguous share generated: (replica, generations) on the replica's
+        lead rank (tp and pp rank 0), None on its other ranks, which run the same decode steps in step
+        with it. episodes: as :meth:`aligner.workers.actor.ActorWorker.generate`'s."""
+        d = self.dims
+        lead = d.tp_rank == 0 and d.pp_rank == 0
+        share = split_batch(request_share(prompt_ids, seeds, episodes, reward_rows if lead else None), d.dp_size)[d.dp_rank]
+        gens = generate_share(self.engine, self.cfg, self.tokenizer, share, sampling, self.streamed_reward)
+        return (d.dp_rank, gens) if lead else None
 
     @dispatch("broadcast")
     def set_judges(self, judges: list) -> None:

@@ -3,7 +3,7 @@
 The rollout engines run in their own Ray worker group and receive the actor's weights by broadcast
 (aligner.rollout.weight_sync); with trainer.max_staleness = k they generate up to k batches ahead of
 the update (aligner.trainers.producer). Checked here: k = 0 gives the colocated run's tokens and
-losses; k = 1 trains on batches exactly one step stale, through the decoupled loss, reproducibly
+losses; engines of tp = 2 or pp = 2 ranks hold the trainer's weights after every sync; k = 1 trains on batches exactly one step stale, through the decoupled loss, reproducibly
 from its seed; a resumed k = 1 run trains on the same prompts; with rollout.interruptible (part 4) a sync
 lands between the decode steps of a batch in flight and the staleness is counted per token; bad settings
 stop before Ray starts.
@@ -91,6 +91,20 @@ def test_split_k0_equals_colocated_and_k1_trains_one_step_stale(tmp_path):
             assert a[k] == pytest.approx(b[k], abs=1e-6, rel=1e-6), (a["step"], k)
 
 
+@pytest.mark.parametrize("layout", ["tp_size=2", "pp_size=2"])
+def test_split_engines_with_tp_or_pp_hold_the_trainers_weights(tmp_path, layout):
+    """rollout.parallel tp = 2 or pp = 2 on the split placement: every engine rank receives the full tensors
+    of each weight sync and keeps its tp shard of its stage's layers. At k = 0 the engine's log-probs of
+    every step's samples equal the trainer's recomputed ones within 1e-4 (fp32): after the first update
+    that holds only if each sync reached every rank's shard (the engines start from the seeded init)."""
+    steps = run(tmp_path / "split", *SPLIT, f"rollout.parallel.{layout}")
+    assert len(steps) == 3
+    assert all(m["refit_bytes"] > 0 for m in steps[1:])
+    for m in steps:
+        assert m["log_probs_abs_diff_max"] < 1e-4, (m["step"], m["log_probs_abs_diff_max"])
+        assert m["ratio_out_of_range_frac"] == 0.0
+
+
 def test_split_k2_interruptible_lands_syncs_mid_generation(tmp_path):
     """rollout.interruptible with k = 2 (issue 37 part 4): from step 2 on, each step's sync (for the batch
     two steps ahead) is issued while the next step's batch generates and lands between its decode steps.
@@ -115,13 +129,16 @@ def test_split_k2_interruptible_lands_syncs_mid_generation(tmp_path):
 
 
 def test_bad_split_settings_exit_2_before_ray(tmp_path, capsys):
-    """max_staleness without the split placement, a negative one, tp > 1 split engines, and interruptible
+    """max_staleness without the split placement, a negative one, interruptible tp > 1 split engines, and interruptible
     generation without the split placement, with the static scheduler or with k = 0: one line, exit 2."""
     cases = [
         (["trainer.max_staleness=1"], "trainer.max_staleness=1 is invalid: generation runs ahead"),
         ([*SPLIT, "trainer.max_staleness=-1"], "trainer.max_staleness=-1 is invalid: must be >= 0"),
         ([*SPLIT, "trainer.ref_ahead=true"], "trainer.ref_ahead=True is invalid: the reference's log-probs go ahead only"),
-        ([*SPLIT, "rollout.parallel.tp_size=2"], "split rollout engines are whole replicas"),
+        (
+            [*SPLIT, "rollout.parallel.tp_size=2", "trainer.max_staleness=1", "rollout.interruptible=true"],
+            "interruptible generation swaps weights on engines of one rank",
+        ),
         ([*SPLIT, "rollout.placement=sideways"], "rollout.placement='sideways' is invalid"),
         (["rollout.interruptible=true"], "rollout.interruptible=True is invalid: a sync lands mid-generation only on the split"),
         (
