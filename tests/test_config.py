@@ -199,14 +199,14 @@ CASES = [
     (
         [
             "rollout.placement=split",
-            "trainer.max_staleness=1",
+            "trainer.max_staleness=2",
             "algorithm.dynamic_sampling=true",
             "algorithm.advantage=grpo",
             "trainer.n_samples_per_prompt=2",
         ],
         "trainer.max_staleness",
-        "1",
-        "set algorithm.dynamic_sampling=false or max_staleness=0",
+        "2",
+        "set max_staleness=1 (or 0), or algorithm.dynamic_sampling=false",
     ),
     (["rollout.placement=split", "rollout.backend=trtllm"], "rollout.placement", "'split'", "colocated only"),
     # interruptible generation (issue 37 part 4): the split placement, the continuous scheduler, k >= 1

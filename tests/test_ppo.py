@@ -78,6 +78,8 @@ def test_split_placement_tp2_actor_two_steps_and_resume(tmp_path):
         ("grpo", ["algorithm.kl_coef=0", "algorithm.kl_loss_coef=0.05", "algorithm.recompute_old_log_probs=false"]),
         # KL in the reward (TRL RLOO, OpenRLHF); with DAPO's dynamic sampling (the batch is scored before inference)
         ("rloo", ["algorithm.kl_coef=0.2", "algorithm.dynamic_sampling=true"]),
+        # the same one batch ahead (issue 37): the queued batch is the first round, refills come from newer weights
+        ("rloo", ["algorithm.kl_coef=0.2", "algorithm.dynamic_sampling=true", "rollout.placement=split", "trainer.max_staleness=1"]),
     ],
 )
 def test_critic_free_estimators_two_steps(tmp_path, advantage, kl):
@@ -103,6 +105,8 @@ def test_critic_free_estimators_two_steps(tmp_path, advantage, kl):
         # every step kept 4 groups whose 4 scores differ, after one round or more
         assert all(m["dynamic_sampling/kept_groups"] == 4 and m["dynamic_sampling/rounds"] >= 1 for m in steps)
         assert all(m["dynamic_sampling/rounds"] > 1 or m["dynamic_sampling/dropped_groups"] == 0 for m in steps)
+        if "rollout.placement=split" in kl:  # tokens at most one step stale; refill rounds are fresher
+            assert steps[0]["staleness_max"] == 0.0 and all(0.0 <= m["staleness"] <= m["staleness_max"] <= 1.0 for m in steps)
 
 
 def test_reward_rises(tmp_path):

@@ -80,10 +80,11 @@ def validate_staleness(cfg: AlignerConfig) -> None:
         "generation runs ahead of the update only on its own workers: set rollout.placement=split, or max_staleness=0",
     )
     _check(
-        t.max_staleness == 0 or not a.dynamic_sampling,
+        t.max_staleness <= 1 or not a.dynamic_sampling,
         "trainer.max_staleness",
         t.max_staleness,
-        "dynamic sampling waits for each round's scores, so it does not run ahead yet: set algorithm.dynamic_sampling=false or max_staleness=0",
+        "dynamic sampling refills a batch when the step takes it, which keeps a resumed run on the same prompts "
+        "only with at most one batch queued: set max_staleness=1 (or 0), or algorithm.dynamic_sampling=false",
     )
     # the decoupled loss without the old-log-prob forward: the proximal policy is then the update's own
     # forward, detached, which is exact for an on-policy update (one epoch, one mini-batch:
@@ -96,7 +97,8 @@ def resolve_ref_ahead(cfg: AlignerConfig) -> None:
     reference has devices of its own (``cluster.placement=split``, no ``ref.colocate_with``); true where it
     cannot apply is refused."""
     t = cfg.trainer
-    applies = t.max_staleness >= 1 and "ref" in cfg.roles_used()
+    # with dynamic sampling the batch trained is assembled only when the step takes it (the kept groups)
+    applies = t.max_staleness >= 1 and "ref" in cfg.roles_used() and not cfg.algorithm.dynamic_sampling
     if t.ref_ahead is None:
         t.ref_ahead = applies and cfg.cluster.placement == "split" and not cfg.ref.colocate_with
         return
@@ -104,8 +106,8 @@ def resolve_ref_ahead(cfg: AlignerConfig) -> None:
         applies or not t.ref_ahead,
         "trainer.ref_ahead",
         t.ref_ahead,
-        "the reference's log-probs go ahead only of a queued batch, with a reference group (a KL term, no LoRA actor): "
-        "set trainer.max_staleness >= 1 with rollout.placement=split, or trainer.ref_ahead=false",
+        "the reference's log-probs go ahead only of a queued batch, with a reference group (a KL term, no LoRA actor) "
+        "and no dynamic sampling: set trainer.max_staleness >= 1 with rollout.placement=split, or trainer.ref_ahead=false",
     )
 
 

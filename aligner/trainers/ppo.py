@@ -404,8 +404,10 @@ class PPOTrainer(Trainer):
         """The split placement's rollout (:class:`aligner.trainers.producer.RolloutProducer`): this step's
         batch from the queue (generated now when none is queued: the first step, a resume, k = 0),
         then the batches of the next max_staleness steps queued on the rollout group, syncing the
-        engines first where a batch would otherwise be more than k steps stale. Dynamic sampling
-        (k = 0 only) runs its rounds on the rollout group. Returns (batch, the sync's refit dict,
+        engines first where a batch would otherwise be more than k steps stale. Dynamic sampling runs
+        its rounds on the rollout group: at k = 0 all of them now, at k = 1 the queued batch is the first
+        round and the refills run now, before the next step's batch is queued (their tokens are then
+        younger: the staleness is per token). Returns (batch, the sync's refit dict,
         metrics: staleness in steps and the sync's seconds; with ``rollout.interruptible`` the batch
         carries token_versions and the staleness is per token: :func:`token_staleness_metrics`)."""
         p, k, n = self.producer, self.cfg.trainer.max_staleness, self.cfg.trainer.n_samples_per_prompt
@@ -414,7 +416,7 @@ class PPOTrainer(Trainer):
         with timer.phase("refit"):
             if not p.pending:
                 refit = p.sync()
-        if self.cfg.algorithm.dynamic_sampling:
+        if self.cfg.algorithm.dynamic_sampling and k == 0:
             with timer.phase("generate"):
                 batch, metrics = self.dynamic_rollout()
             return batch, refit, {**metrics, "staleness": 0.0}
@@ -426,6 +428,10 @@ class PPOTrainer(Trainer):
                 gens, batch, self.ref_future = item.prepared.result()
             else:
                 gens, batch = gather_generations(item.future.get()), None
+            if self.cfg.algorithm.dynamic_sampling:  # k = 1: the queued batch is the first round, refills run now
+                batch, ds_metrics = self.dynamic_rollout(first=(item.rows, gens))
+                if batch is None:
+                    return None, refit, {**ds_metrics, "staleness": float(self.step - item.version)}
         with timer.phase("refit"):
             for step in range(self.step + 1, min(self.step + k + 1, self.cfg.trainer.max_steps)):
                 if step in p.queued_steps():
@@ -435,6 +441,9 @@ class PPOTrainer(Trainer):
                     refit = {**s, "seconds": refit["seconds"] + s["seconds"], "bytes": refit["bytes"] + s["bytes"]}
                 self.submit_generation(step)
         metrics = {"staleness": float(self.step - item.version), "sync_seconds": refit["seconds"]}
+        if self.cfg.algorithm.dynamic_sampling:  # refill rounds came from newer engines: staleness per token
+            metrics.update({**ds_metrics, **token_staleness_metrics(batch.token_versions, self.step, batch.response_mask)})
+            return batch, refit, metrics
         batch = self.assemble(item.rows, gens, n) if batch is None else batch
         if p.interruptible:  # a sync may have landed mid-generation: staleness per token
             batch.token_versions = p.token_versions(gens, batch.response_mask.shape[1])
@@ -495,7 +504,7 @@ class PPOTrainer(Trainer):
         """What generates: the actor group (colocated engines) or the split placement's producer."""
         return self.producer if self.producer is not None else self.groups["actor"]
 
-    def dynamic_rollout(self) -> tuple[Optional[RolloutBatch], dict[str, float]]:
+    def dynamic_rollout(self, first: Optional[tuple[list[dict], list]] = None) -> tuple[Optional[RolloutBatch], dict[str, float]]:
         """DAPO's dynamic sampling (Yu et al. 2025, section 3.2): generate rollout_batch_size prompts x n,
         score them, drop every group whose n scores are all equal (its group-relative advantages are all
         zero: no policy gradient, only the KL term), and generate further rounds of prompts (each round's
@@ -503,6 +512,11 @@ class PPOTrainer(Trainer):
         ``algorithm.dynamic_sampling_max_rounds`` rounds ran; kept groups past rollout_batch_size are
         cut, in order. Groups are judged on the raw scores (the verifier's or reward model's), as DAPO
         filters on accuracy: the overlong term and the KL do not count.
+
+        first: (rows, generations) of a first round generated ahead (the split placement at
+        ``trainer.max_staleness=1``: the queued batch); the further rounds are generated now, by the
+        engines' current weights, and the kept batch carries every token's policy version
+        (``token_versions``, for the per-token staleness).
 
         Returns (the kept batch with ``scores`` set, or None when no group varied in any round, and the
         metrics ``dynamic_sampling/rounds``, ``/dropped_groups`` (all-equal groups generated this step),
@@ -515,7 +529,10 @@ class PPOTrainer(Trainer):
         scores: list[torch.Tensor] = []
         dropped = rounds = 0
         while len(rows) < target * n and rounds < a.dynamic_sampling_max_rounds:
-            got_rows, got_gens = self.generate(self.next_prompts(), self.cfg.rollout.sampling, self.step, n, rounds * target * n)
+            if first is not None:
+                (got_rows, got_gens), first = first, None
+            else:
+                got_rows, got_gens = self.generate(self.next_prompts(), self.cfg.rollout.sampling, self.step, n, rounds * target * n)
             batch = self.assemble(got_rows, got_gens, n)
             rounds += 1
             s = self.score(batch).float()
@@ -541,6 +558,8 @@ class PPOTrainer(Trainer):
             return None, metrics
         kept = self.assemble(rows, gens, n, responses)
         kept.scores = torch.cat(scores)[: len(rows)]
+        if self.producer is not None and self.cfg.trainer.max_staleness > 0:  # rounds from more than one version
+            kept.token_versions = self.producer.token_versions(gens, kept.response_mask.shape[1])
         return kept, metrics
 
     def score(self, batch: RolloutBatch) -> torch.Tensor:

@@ -107,3 +107,22 @@ def test_rounds_stop_at_the_limit_and_a_step_with_no_varied_group_trains_nothing
 def test_bad_dynamic_sampling_settings_are_refused(overrides, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_config("ppo", RULE + overrides)
+
+
+def test_a_first_round_generated_ahead_is_round_one():
+    """The split placement at trainer.max_staleness=1 hands the queued batch in as the first round (issue
+    37 part 4): it is judged like a generated round, and the refills are drawn and seeded after it."""
+    t = trainer_with(lambda i: i % 3 == 0)
+    first_rows, first_gens = t.generate(PROMPTS[:TARGET], None, 0, N)  # draws 0-2 (0 all-equal), as if queued
+    t.calls.clear()
+    batch, m = t.dynamic_rollout(first=(first_rows, first_gens))
+    assert [fi for _, fi in t.calls] == [TARGET * N]  # one refill round, seeded after the first
+    assert m["dynamic_sampling/rounds"] == 2.0 and m["dynamic_sampling/dropped_groups"] == 2.0  # draws 0 and 3
+    assert [int(x["prompt"][1:]) for x in batch.meta[::N]] == [t.drawn[i] for i in (1, 2, 4)]
+    assert batch.token_versions is None  # no producer: a single version
+
+
+def test_dynamic_sampling_runs_one_batch_ahead_at_most():
+    load_config("ppo", RULE + ["rollout.placement=split", "trainer.max_staleness=1"])
+    with pytest.raises(ConfigError, match=r"trainer\.max_staleness=2 is invalid: dynamic sampling refills"):
+        load_config("ppo", RULE + ["rollout.placement=split", "trainer.max_staleness=2"])
