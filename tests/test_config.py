@@ -208,7 +208,13 @@ CASES = [
         "2",
         "set max_staleness=1 (or 0), or algorithm.dynamic_sampling=false",
     ),
-    (["rollout.placement=split", "rollout.backend=trtllm"], "rollout.placement", "'split'", "colocated only"),
+    # the split placement's TensorRT-LLM engines run on the rollout group's GPUs (issue 37 part 5)
+    (
+        ["rollout.placement=split", "rollout.backend=trtllm", *TRT_GPU],
+        "rollout.resources.gpus_per_node",
+        "0",
+        "runs TensorRT-LLM on the rollout group's CUDA GPUs",
+    ),
     # interruptible generation (issue 37 part 4): the split placement, the continuous scheduler, k >= 1
     (["rollout.interruptible=true"], "rollout.interruptible", "True", "set rollout.placement=split, or rollout.interruptible=false"),
     (

@@ -16,19 +16,23 @@ if TYPE_CHECKING:
 def check_trtllm(cfg: AlignerConfig) -> None:
     """What ``rollout.backend=trtllm`` needs, checked before Ray starts (ppo stage only).
 
-    In order: CUDA workers for the actor (the engine runs on the actor's GPUs), a 16-bit
-    rollout dtype (TensorRT-LLM's kernels do not dispatch float32, NVIDIA/TensorRT-LLM#5260),
-    engine replicas that fit one node (tp_size * pp_size divides actor.resources.gpus_per_node:
-    a replica's workers are placed in the node bundle of its owner rank and read the trainer's
-    weights through CUDA IPC, which is node-local), and last an importable ``tensorrt_llm``.
+    In order: CUDA workers for the group that runs the engines (the actor's; with
+    ``rollout.placement=split`` the rollout group's, ``rollout.resources``), a 16-bit rollout dtype
+    (TensorRT-LLM's kernels do not dispatch float32, NVIDIA/TensorRT-LLM#5260), engine replicas that
+    fit one node (tp_size * pp_size divides that group's gpus_per_node: a replica's workers are placed
+    in the node bundle of its owner rank and read the weights through CUDA IPC, which is node-local),
+    and last an importable ``tensorrt_llm``.
     """
-    gpus, rp = cfg.actor.resources.gpus_per_node, cfg.rollout.parallel
+    split = cfg.rollout.placement == "split"
+    where, res = ("rollout.resources", cfg.rollout.resources) if split else ("actor.resources", cfg.actor.resources)
+    group = "the rollout group's" if split else "the actor's"
+    gpus, rp = res.gpus_per_node, cfg.rollout.parallel
     _check(
         gpus >= 1,
-        "actor.resources.gpus_per_node",
+        f"{where}.gpus_per_node",
         gpus,
-        "rollout.backend=trtllm runs TensorRT-LLM on the actor's CUDA GPUs: give the actor GPUs "
-        "(actor.resources.gpus_per_node >= 1 and cluster.gpus_per_node), or use rollout.backend=torch",
+        f"rollout.backend=trtllm runs TensorRT-LLM on {group} CUDA GPUs: give it GPUs "
+        f"({where}.gpus_per_node >= 1 and cluster.gpus_per_node), or use rollout.backend=torch",
     )
     _check(
         cfg.rollout.dtype in ("bfloat16", "float16"),
@@ -42,7 +46,7 @@ def check_trtllm(cfg: AlignerConfig) -> None:
         gpus % engine_gpus == 0,
         "rollout.parallel.tp_size",
         rp.tp_size,
-        f"rollout.parallel.tp_size x pp_size = {engine_gpus} must divide actor.resources.gpus_per_node={gpus}: "
+        f"rollout.parallel.tp_size x pp_size = {engine_gpus} must divide {where}.gpus_per_node={gpus}: "
         "a TensorRT-LLM engine replica lives on one node's GPUs",
     )
     _check(

@@ -57,12 +57,6 @@ def validate_staleness(cfg: AlignerConfig) -> None:
         return
     if r.placement == "split":
         _check(
-            r.backend == "torch",
-            "rollout.placement",
-            r.placement,
-            f"the split placement runs aligner's torch engine; rollout.backend={r.backend} is colocated only: set rollout.placement=colocated",
-        )
-        _check(
             not r.interruptible or (r.parallel.tp_size == 1 and r.parallel.pp_size == 1),
             "rollout.parallel",
             f"tp_size={r.parallel.tp_size}, pp_size={r.parallel.pp_size}",

@@ -497,18 +497,23 @@ class TrtllmReplica:
     engine_kwargs: dict
 
 
-def trtllm_replica(cfg: Any, world_size: int, rank: int, eos_token_id: Optional[int]) -> TrtllmReplica:
-    """The TrtllmReplica of actor `rank` for an AlignerConfig `cfg` (pure: no Ray, no CUDA, no tensorrt_llm).
+def trtllm_replica(
+    cfg: Any, world_size: int, rank: int, eos_token_id: Optional[int], num_nodes: Optional[int] = None, sleep: bool = True
+) -> TrtllmReplica:
+    """The TrtllmReplica of `rank` of a worker group of `world_size` ranks on `num_nodes` nodes (default
+    the actor's, ``actor.resources.num_nodes``; the split placement's rollout group passes
+    ``rollout.resources.num_nodes``) for an AlignerConfig `cfg` (pure: no Ray, no CUDA, no tensorrt_llm).
+    sleep: the engine may sleep (``enable_sleep``; colocated with a trainer), or keeps its GPUs (split).
 
-    Raises ValueError naming rollout.parallel when tp * pp does not divide the actor's ranks on
+    Raises ValueError naming rollout.parallel when tp * pp does not divide the group's ranks on
     one node (AlignerConfig validation refuses that before this is reached).
     """
     rp = cfg.rollout.parallel
     workers = rp.tp_size * rp.pp_size
-    per_node = world_size // max(1, cfg.actor.resources.num_nodes)
+    per_node = world_size // max(1, cfg.actor.resources.num_nodes if num_nodes is None else num_nodes)
     if workers < 1 or per_node % workers or world_size % workers:
         raise ValueError(
-            f"rollout.parallel tp_size={rp.tp_size} x pp_size={rp.pp_size} must divide the actor's {per_node} "
+            f"rollout.parallel tp_size={rp.tp_size} x pp_size={rp.pp_size} must divide the group's {per_node} "
             "ranks per node: a TensorRT-LLM engine replica lives on one node"
         )
     return TrtllmReplica(
@@ -521,7 +526,7 @@ def trtllm_replica(cfg: Any, world_size: int, rank: int, eos_token_id: Optional[
             "max_seq_len": cfg.model.max_seq_len,
             "eos_token_id": eos_token_id,
             "dtype": cfg.rollout.dtype,
-            "enable_sleep": True,
+            "enable_sleep": sleep,
             "dummy_weights": True,
         },
     )

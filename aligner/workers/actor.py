@@ -169,35 +169,10 @@ class ActorWorker(PolicyWorker):
         self.engine = torch_rollout_engine(self.cfg, self.policy.model_cfg, self.infer_dims, self.eos_token_id)
 
     def _build_trtllm_engine(self) -> None:
-        """A TensorRT-LLM replica per tp * pp contiguous ranks, colocated with the trainer (GPU only).
-
-        The replica's first rank writes the policy's HF config.json to a temporary directory and
-        builds a TrtllmEngine from it with dummy weights; its Ray workers go into this rank's node
-        bundle of the actor's placement group (when the worker runs in one) with
-        TRTLLM_WORKER_GPU_SHARE of a GPU each. Every rank wraps it (or None) in a
-        ColocatedTrtllmEngine, which the refit and sleep/wake protocol runs through.
-        Nothing of this has run on a GPU (aligner/rollout/trtllm_engine.py says what has).
-        """
-        import tempfile
-
-        from aligner.rollout.trtllm_engine import (
-            ColocatedTrtllmEngine,
-            cpu_wait_group,
-            ray_placement,
-            trtllm_replica,
-            write_engine_model_dir,
-        )
-        from aligner.workers.placement import TRTLLM_WORKER_GPU_SHARE
-
-        self.trtllm = trtllm_replica(self.cfg, self.dims.world_size, self.dims.rank, self.eos_token_id)
-        group = cpu_wait_group()  # collective, before any owner starts its engine
-        engine = None
-        if self.trtllm.owner:
-            self._engine_dir = tempfile.TemporaryDirectory(prefix="aligner-trtllm-")
-            model_dir = write_engine_model_dir(self.policy.model_cfg, self._engine_dir.name)
-            placement = ray_placement(self.trtllm, _current_placement_group(), TRTLLM_WORKER_GPU_SHARE)
-            engine = build_engine("trtllm", model_dir, self.cfg.rollout, **self.trtllm.engine_kwargs, placement=placement)
-        self.engine = ColocatedTrtllmEngine(engine, dtype=self.cfg.rollout.dtype, group=group)
+        """A TensorRT-LLM replica per tp * pp contiguous ranks, colocated with the trainer (GPU only):
+        :func:`trtllm_side` over the actor's ranks and nodes, the engine asleep between generations.
+        Nothing of this has run on a GPU (aligner/rollout/trtllm_engine.py says what has)."""
+        build_trtllm_side(self, self.policy.model_cfg, self.cfg.actor.resources.num_nodes, sleep=True)
 
     @dispatch("broadcast")
     def refit(self) -> dict:
@@ -396,6 +371,36 @@ def torch_rollout_engine(cfg: AlignerConfig, model_cfg, dims: ParallelDims, eos_
         seed=cfg.trainer.seed,
         interruptible=interruptible,
     )
+
+
+def build_trtllm_side(worker, model_cfg, num_nodes: int, sleep: bool) -> None:
+    """Set ``worker.trtllm`` (its TrtllmReplica), ``worker._engine_dir`` and ``worker.engine`` (a
+    ColocatedTrtllmEngine): this rank's side of a TensorRT-LLM replica per tp * pp contiguous ranks of its
+    worker group (GPU only). worker: an ActorWorker (colocated, ``sleep=True``: the engine sleeps while
+    the trainer runs) or the split placement's RolloutWorker (``sleep=False``: its GPUs are its own); it
+    has ``cfg``, ``dims`` and ``eos_token_id``. num_nodes: the group's nodes.
+
+    The replica's first rank writes the policy's HF config.json to a temporary directory and builds a
+    TrtllmEngine from it with dummy weights; its Ray workers go into this rank's node bundle of the
+    group's placement group (when the worker runs in one) with TRTLLM_WORKER_GPU_SHARE of a GPU each.
+    Every rank wraps it (or None) in a ColocatedTrtllmEngine, which the weight updates and the sleep /
+    wake protocol run through. Collective over the group (its CPU wait group). Raises ImportError
+    without tensorrt_llm (``worker.engine`` then stays None)."""
+    import tempfile
+
+    from aligner.rollout.trtllm_engine import ColocatedTrtllmEngine, cpu_wait_group, ray_placement, trtllm_replica, write_engine_model_dir
+    from aligner.workers.placement import TRTLLM_WORKER_GPU_SHARE
+
+    cfg, dims = worker.cfg, worker.dims
+    worker.trtllm = trtllm_replica(cfg, dims.world_size, dims.rank, worker.eos_token_id, num_nodes=num_nodes, sleep=sleep)
+    group = cpu_wait_group()  # collective, before any owner starts its engine
+    engine = None
+    if worker.trtllm.owner:
+        worker._engine_dir = tempfile.TemporaryDirectory(prefix="aligner-trtllm-")
+        model_dir = write_engine_model_dir(model_cfg, worker._engine_dir.name)
+        placement = ray_placement(worker.trtllm, _current_placement_group(), TRTLLM_WORKER_GPU_SHARE)
+        engine = build_engine("trtllm", model_dir, cfg.rollout, **worker.trtllm.engine_kwargs, placement=placement)
+    worker.engine = ColocatedTrtllmEngine(engine, dtype=cfg.rollout.dtype, group=group)
 
 
 def sync_host(loopback: bool) -> str:

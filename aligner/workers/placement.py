@@ -437,9 +437,11 @@ def _config_requests(cfg: Any, roles: Sequence[str]) -> tuple[dict[str, RoleRequ
     requests = {name: RoleRequest.from_role(name, cfg.role(name)) for name in roles if name != ROLLOUT_GROUP}
     if ROLLOUT_GROUP in roles:  # rollout.placement=split: the engines' own worker group
         requests[ROLLOUT_GROUP] = RoleRequest.from_parts(ROLLOUT_GROUP, cfg.rollout.parallel, cfg.rollout.resources)
-    if cfg.stage == "ppo" and cfg.rollout.backend == "trtllm" and "actor" in requests and requests["actor"].gpus_per_node:
-        # the actor's ranks leave TRTLLM_WORKER_GPU_SHARE of their GPUs to the engine workers they start
-        requests["actor"] = replace(requests["actor"], engine_gpu_share=TRTLLM_WORKER_GPU_SHARE)
+    # the ranks that start TensorRT-LLM engines (the actor's, or the split placement's rollout group's)
+    # leave TRTLLM_WORKER_GPU_SHARE of their GPUs to the engine workers they start
+    owner = ROLLOUT_GROUP if cfg.rollout.placement == "split" else "actor"
+    if cfg.stage == "ppo" and cfg.rollout.backend == "trtllm" and owner in requests and requests[owner].gpus_per_node:
+        requests[owner] = replace(requests[owner], engine_gpu_share=TRTLLM_WORKER_GPU_SHARE)
     colocate = {name: cfg.role(name).colocate_with for name in roles if name != ROLLOUT_GROUP and cfg.role(name).colocate_with}
     return requests, colocate
 

@@ -10,6 +10,12 @@ its pp stage's layers (``update_weights``). ``generate`` is broadcast like the a
 gets all prompts, each replica generates its contiguous share, and its lead rank returns (replica,
 generations).
 
+With ``rollout.backend=trtllm`` (GPU only; nothing of it has run on a GPU) the group's ranks form
+TensorRT-LLM replicas of tp x pp ranks instead (:func:`aligner.workers.actor.build_trtllm_side`, as the
+colocated actor does, but awake: no sleep between generations): each rank receives the broadcast
+on its own GPU and offers CUDA IPC handles of its bucket, and the replica's owner sends the merged
+handles to its ``AsyncLLM`` (:class:`aligner.rollout.trtllm_engine.ColocatedTrtllmEngine`).
+
 The group runs on its own node group (``rollout.resources``), so while it generates the actor can
 train on the previous batch (``trainer.max_staleness`` >= 1, :mod:`aligner.trainers.producer`).
 
@@ -27,7 +33,15 @@ from typing import Optional
 from aligner.config import AlignerConfig, SamplingConfig
 from aligner.parallel.dims import ParallelDims
 from aligner.rollout.weight_sync import SyncGroup, join_sync_group, receive_weights, receive_weights_staged
-from aligner.workers.actor import generate_share, request_share, streamed_reward, sync_backend, sync_host, torch_rollout_engine
+from aligner.workers.actor import (
+    build_trtllm_side,
+    generate_share,
+    request_share,
+    streamed_reward,
+    sync_backend,
+    sync_host,
+    torch_rollout_engine,
+)
 from aligner.workers.dispatch import dispatch, split_batch
 from aligner.workers.reward import remote_reward_client
 
@@ -48,8 +62,13 @@ class RolloutWorker:
         self.reward_client = None  # reward.stream: the remote reward's client, made on first use
         self.judges: list = []  # reward.stream with a judge: the reward group's worker handles (set_judges)
         self.dims = dims or ParallelDims()
-        # the group's layout is rollout.parallel: dp replicas of tp x pp engine ranks (one rank each when tp = pp = 1)
-        self.engine = torch_rollout_engine(cfg, model_cfg, self.dims, eos_token_id, interruptible=cfg.rollout.interruptible)
+        self.eos_token_id = eos_token_id
+        self.trtllm = None  # rollout.backend=trtllm: this rank's TrtllmReplica
+        self.engine = None
+        if cfg.rollout.backend == "trtllm":  # a TensorRT-LLM replica per tp x pp ranks, awake: these GPUs are its own
+            build_trtllm_side(self, model_cfg, cfg.rollout.resources.num_nodes, sleep=False)
+        else:  # the group's layout is rollout.parallel: dp replicas of tp x pp engine ranks
+            self.engine = torch_rollout_engine(cfg, model_cfg, self.dims, eos_token_id, interruptible=cfg.rollout.interruptible)
         self.group: Optional[SyncGroup] = None
 
     @dispatch("broadcast")
@@ -93,6 +112,11 @@ class RolloutWorker:
         """All prompts in; this replica's contiguous share generated: (replica, generations) on the replica's
         lead rank (tp and pp rank 0), None on its other ranks, which run the same decode steps in step
         with it. episodes: as :meth:`aligner.workers.actor.ActorWorker.generate`'s."""
+        if self.trtllm is not None:  # each replica's owner generates its share through AsyncLLM
+            r = self.trtllm
+            share = split_batch({"p": prompt_ids, "s": seeds}, r.replicas)[r.replica]
+            gens = self.engine.generate(share["p"], sampling, seeds=share["s"]) if r.owner and share["p"] else []
+            return (r.replica, gens) if r.owner else None
         d = self.dims
         lead = d.tp_rank == 0 and d.pp_rank == 0
         share = split_batch(request_share(prompt_ids, seeds, episodes, reward_rows if lead else None), d.dp_size)[d.dp_rank]

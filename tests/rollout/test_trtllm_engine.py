@@ -527,3 +527,34 @@ def test_handles_of_every_rank_reach_every_owner():
     want = {"GPU-0": [("w0", 0)], "GPU-1": [("w1", 1)], "GPU-2": [("w2", 2)]}
     assert [r["merged"] for r in out] == [want] * 4
     assert {r["backend"] for r in out} == {"gloo"}
+
+
+def test_the_split_placement_runs_trtllm_replicas_on_the_rollout_group():
+    """rollout.placement=split with rollout.backend=trtllm (issue 37 part 5): the rollout group's ranks form
+    the replicas over the rollout group's nodes, awake (no sleep: its GPUs are its own), and it is that group,
+    not the actor, that leaves each GPU's share to the engine workers."""
+    from aligner.config import ResourceConfig
+    from aligner.rollout.trtllm_engine import trtllm_replica
+    from aligner.workers.placement import ROLLOUT_GROUP, TRTLLM_WORKER_GPU_SHARE, plan_from_config
+
+    cfg = _trtllm_cfg(tp_size=2, dp_size=2)  # two replicas of two GPUs on the rollout group's node
+    cfg.rollout.placement = "split"
+    cfg.rollout.resources = ResourceConfig(num_nodes=1, gpus_per_node=4)
+    rs = [trtllm_replica(cfg, 4, rank, None, num_nodes=cfg.rollout.resources.num_nodes, sleep=False) for rank in range(4)]
+    assert [r.replica for r in rs] == [0, 0, 1, 1] and [r.bundle_index for r in rs] == [0] * 4  # one node, not the actor's two
+    assert {r.engine_kwargs["enable_sleep"] for r in rs} == {False}
+    requests = {r.role: r for g in plan_from_config(cfg, ["actor", ROLLOUT_GROUP]) for r in g.requests}
+    assert requests[ROLLOUT_GROUP].engine_gpu_share == TRTLLM_WORKER_GPU_SHARE
+    assert requests["actor"].engine_gpu_share == 0.0
+
+
+def test_rollout_worker_builds_the_trtllm_replica_and_stops_at_the_import_here():
+    """The split placement's RolloutWorker with rollout.backend=trtllm (one rank, no Ray) takes the TensorRT-LLM
+    path (not aligner's torch engine): constructing it reaches TrtllmEngine, which here raises the install hint."""
+    from aligner.config import AlignerConfig, ModelConfig
+    from aligner.workers.rollout import RolloutWorker
+
+    cfg = AlignerConfig(model=ModelConfig(num_layers=2), rollout=RolloutConfig(dtype="bfloat16", placement="split"))
+    cfg.rollout.backend = "trtllm"
+    with pytest.raises(ImportError, match=r"pip install aligner\[trtllm\]"):
+        RolloutWorker(cfg, cfg.model, eos_token_id=2)
