@@ -132,10 +132,10 @@ class ParallelConfig:
         _check(self.pp_size > 1, field, v, f"needs {prefix}.pp_size > 1 (chunks of a pipeline)")
         _check(self.pp_layer_split is None, field, v, f"splits the layers evenly: set {prefix}.pp_layer_split=null")
         _check(
-            self.dp_backend == "ddp" or self.dp_size == 1,
+            self.dp_backend in ("ddp", "fsdp2") or self.dp_size == 1,
             field,
             v,
-            f"runs with dp_backend=ddp or dp_size=1 (FSDP2 over chunk views is not supported yet): set {prefix}.dp_backend=ddp",
+            f"runs with dp_backend=ddp or fsdp2 or dp_size=1 (DeepSpeed wraps the whole stage): set {prefix}.dp_backend=fsdp2",
         )
         _check(
             model is None or self.pp_size * v <= model.num_layers,

@@ -33,7 +33,6 @@ dict) and parallelizes it without data parallelism.
 
 from __future__ import annotations
 
-import copy
 import functools
 from typing import Any, Callable, Optional, Sequence
 
@@ -110,8 +109,12 @@ def chunk_views(model: nn.Module, dims: ParallelDims, num_chunks: int) -> list[n
 
 
 def _shallow(module: nn.Module) -> nn.Module:
-    """A copy of `module` sharing its parameters, buffers and submodules, whose own registries can change."""
-    out = copy.copy(module)
+    """A copy of `module` sharing its parameters, buffers and submodules, whose own registries can change.
+    Its class is `module`'s, an FSDP2 root's included (whose ``__new__`` would rebuild the model: the
+    copy is made without it), and it keeps `module`'s hooks, so a view of an FSDP2 root all-gathers
+    and reshards the root's parameters (embedding, final norm, head) as the root itself does."""
+    out = object.__new__(type(module))
+    out.__dict__.update(module.__dict__)
     out._modules = dict(module._modules)
     out._parameters = dict(module._parameters)
     out._buffers = dict(module._buffers)

@@ -123,7 +123,6 @@ def test_interleaved_equals_plain_1f1b_and_one_process(tp, dp, backend):
         ({"virtual_pp_size": 0}, "must be >= 1"),
         ({"virtual_pp_size": 2}, "needs actor.parallel.pp_size > 1"),
         ({"virtual_pp_size": 2, "pp_size": 2, "pp_layer_split": [1, 1]}, "set actor.parallel.pp_layer_split=null"),
-        ({"virtual_pp_size": 2, "pp_size": 2, "dp_size": 2}, "set actor.parallel.dp_backend=ddp"),
         ({"virtual_pp_size": 2, "pp_size": 2}, "4 virtual stages exceed model.num_layers=2"),
     ],
 )
@@ -131,5 +130,6 @@ def test_layouts_the_interleaved_schedule_cannot_run_are_refused(fields, match):
     with pytest.raises(ConfigError, match=match) as e:
         ParallelConfig(**fields).validate("actor.parallel", tiny_model_config())
     assert str(e.value).startswith(f"actor.parallel.virtual_pp_size={fields['virtual_pp_size']} is invalid") and "\n" not in str(e.value)
+    ParallelConfig(pp_size=2, dp_size=2, virtual_pp_size=2).validate("actor.parallel", tiny_model_config(num_layers=4))  # FSDP2 dp=2 runs
     with pytest.raises(ConfigError, match="interleaved schedule is for training"):
         ParallelConfig(pp_size=2, virtual_pp_size=2).validate("rollout.parallel")
