@@ -103,25 +103,35 @@ def test_kl_loss_coef_changes_the_update():
     assert (grads[1] - grads[0]).abs().max() > 1e-4
 
 
-def test_ppo_update_without_old_log_probs_is_the_on_policy_update():
-    """algorithm.recompute_old_log_probs=false: ppo_update without old_log_probs (its own forward's,
-    detached, stand in) takes the same step as with the recomputed old log-probs of an on-policy batch."""
-    algo = AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_loss_coef=0.2, clip_eps=0.1, recompute_old_log_probs=False)
-    batch = _batch()
-    batch.pop("old_offset")
+def _with_and_without_old_log_probs(algo: AlgorithmConfig, batch: dict, behaviour: bool) -> tuple[list[dict], list[dict]]:
+    """ppo_update from the same seeded policy twice: with the recomputed old log-probs (the current
+    policy's) and without them. behaviour: also give rollout_log_probs = current - old_offset (an older
+    behaviour policy). Returns ([metrics with, without], [gradients with, without])."""
     grads, metrics = [], []
     for recompute in (True, False):
         pol = Policy(CFG, ParallelConfig(), OPTIM, ParallelDims(device_type="cpu"), seed=0)
         b = dict(batch)
         with torch.no_grad():
             current = pol.log_probs(b, micro_batch_size=3, temperature=TEMPERATURE)
-        b["ref_log_probs"] = (current - b.pop("ref_offset")) * b["response_mask"]
+        mask = b["response_mask"]
+        b["ref_log_probs"] = (current - b.pop("ref_offset")) * mask
+        offset = b.pop("old_offset")
+        if behaviour:
+            b["rollout_log_probs"] = (current - offset) * mask
         if recompute:
-            b["old_log_probs"] = current * b["response_mask"]
+            b["old_log_probs"] = current * mask
         metrics.append(pol.ppo_update(b, algo, micro_batch_size=2, temperature=TEMPERATURE))
         grads.append({n: p.grad.clone() for n, p in pol.runtime.module.named_parameters()})
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-4, msg=name)
+    return metrics, grads
+
+
+def test_ppo_update_without_old_log_probs_is_the_on_policy_update():
+    """algorithm.recompute_old_log_probs=false: ppo_update without old_log_probs (its own forward's,
+    detached, stand in) takes the same step as with the recomputed old log-probs of an on-policy batch."""
+    algo = AlgorithmConfig(advantage="grpo", kl_coef=0.0, kl_loss_coef=0.2, clip_eps=0.1, recompute_old_log_probs=False)
+    metrics, _ = _with_and_without_old_log_probs(algo, _batch(), behaviour=False)
     assert metrics[1]["clipfrac"] == 0.0 and abs(metrics[1]["approx_kl"]) < 1e-12
     for k in ("policy_loss", "kl_loss", "grad_norm"):
         assert metrics[1][k] == pytest.approx(metrics[0][k], rel=1e-4, abs=1e-6), k
@@ -135,22 +145,7 @@ def test_decoupled_loss_without_old_log_probs_uses_the_update_forward_as_proxima
     algo = AlgorithmConfig(
         advantage="grpo", kl_coef=0.0, kl_loss_coef=0.2, clip_eps=0.1, decoupled_loss=True, recompute_old_log_probs=False
     )
-    batch = _batch()
-    grads, metrics = [], []
-    for recompute in (True, False):
-        pol = Policy(CFG, ParallelConfig(), OPTIM, ParallelDims(device_type="cpu"), seed=0)
-        b = dict(batch)
-        with torch.no_grad():
-            current = pol.log_probs(b, micro_batch_size=3, temperature=TEMPERATURE)
-        mask = b["response_mask"]
-        b["ref_log_probs"] = (current - b.pop("ref_offset")) * mask
-        b["rollout_log_probs"] = (current - b.pop("old_offset")) * mask  # an older behaviour policy
-        if recompute:
-            b["old_log_probs"] = current * mask
-        metrics.append(pol.ppo_update(b, algo, micro_batch_size=2, temperature=TEMPERATURE))
-        grads.append({n: p.grad.clone() for n, p in pol.runtime.module.named_parameters()})
-    for name in grads[0]:
-        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-4, msg=name)
+    metrics, _ = _with_and_without_old_log_probs(algo, _batch(), behaviour=True)
     assert abs(metrics[0]["behavior_weight_mean"] - 1.0) > 1e-3  # the behaviour weights are not trivially 1
     for k in ("policy_loss", "kl_loss", "grad_norm", "behavior_weight_mean", "behavior_approx_kl"):
         assert metrics[1][k] == pytest.approx(metrics[0][k], rel=1e-4, abs=1e-6), k
