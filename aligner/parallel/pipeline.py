@@ -124,7 +124,22 @@ def _hidden_buffer(model: nn.Module, mb: dict, requires_grad: bool) -> torch.Ten
     if t % shards:
         raise ValueError(f"sequence length T={t} must be divisible by tp_size={shards} with sequence parallelism: pad it")
     p = next(model.parameters())
-    return torch.empty(b, t // shards, model.cfg.hidden_size, dtype=p.dtype, device=p.device, requires_grad=requires_grad)
+    return torch.empty(
+        b, t // shards, model.cfg.hidden_size, dtype=_activation_dtype(model, p.dtype), device=p.device, requires_grad=requires_grad
+    )
+
+
+def _activation_dtype(model: nn.Module, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a stage's hidden states travel in: FSDP2 mixed precision's compute dtype (its
+    unsharded parameters, bf16), else the parameters' own (fp32 master weights under autocast)."""
+    from torch.distributed._composable_state import _get_module_state
+
+    for m in model.modules():
+        state = _get_module_state(m)
+        policy = getattr(state, "_mp_policy", None)
+        if policy is not None:
+            return policy.param_dtype or param_dtype
+    return param_dtype
 
 
 def pipeline_train_step(
