@@ -389,12 +389,6 @@ CASES = [
         "2",
         "set actor.parallel.pp_layer_split=null",
     ),
-    (
-        ["critic.parallel.virtual_pp_size=2", "critic.parallel.pp_size=2", "critic.parallel.dp_size=2"],
-        "critic.parallel.virtual_pp_size",
-        "2",
-        "set critic.parallel.dp_backend=ddp",
-    ),
     (["actor.parallel.virtual_pp_size=4", "actor.parallel.pp_size=2"], "actor.parallel.virtual_pp_size", "4", "8 virtual stages exceed"),
     (
         ["actor.parallel.virtual_pp_size=2", "actor.parallel.pp_size=2", "trainer.mini_batch_size=8", "trainer.micro_batch_size=8"],

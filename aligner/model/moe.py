@@ -62,7 +62,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from aligner.nn import comm
-from aligner.nn.layers import ParallelLayer
+from aligner.nn.layers import ParallelLayer, autocast_weight
 
 ROUTERS = ("topk_softmax", "sinkhorn")
 
@@ -303,8 +303,11 @@ class GroupedExperts(ParallelLayer):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Local expert `e` (global id expert_offset + e) on its tokens x [n, H] -> partial output [n, H]
-        (down(silu(gate x) * up x)); partial over tp."""
-        return F.linear(F.silu(F.linear(x, self.gate_proj[e])) * F.linear(x, self.up_proj[e]), self.down_proj[e])
+        (down(silu(gate x) * up x)); partial over tp. Frozen expert weights (a LoRA base) are read
+        through :func:`aligner.nn.layers.autocast_weight`: under autocast inside a training step each
+        stacked weight is cast once and every expert and micro-batch indexes (and saves) that cast."""
+        gate, up, down = (autocast_weight(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        return F.linear(F.silu(F.linear(x, gate[e])) * F.linear(x, up[e]), down[e])
 
     def forward(self, rows: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
         """rows [M, H] in blocks: for each source s (in order), counts[s][j] rows for local expert j

@@ -191,3 +191,47 @@ def test_shared_casts_give_bitwise_equal_losses_and_gradients_pp2():
         for name, g in g_off.items():
             assert torch.equal(torch.tensor(g_on[name]), torch.tensor(g)), (rank, name)
         assert n_on > 0 and (n_off, b_off) == (4 * n_on, 4 * b_on), (rank, n_on, n_off)
+
+
+def _expert_step(experts, xs, shared: bool) -> tuple[list, list, int]:
+    """Forward and backward of GroupedExperts on each micro-batch in xs (all forwards first, as 1F1B
+    holds them) under CPU bf16 autocast; returns (outputs, input gradients, bytes of the distinct bf16
+    storages saved for backward)."""
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.dtype == BF16:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    counts = [[x.shape[0] // experts.num_local_experts] * experts.num_local_experts for x in xs]
+    with frozen_weight_casts(shared), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=BF16):
+            outs = [experts(x, [c]) for x, c in zip(xs, counts)]
+        for o in outs:
+            o.float().square().sum().backward()
+    return [o.detach() for o in outs], [x.grad for x in xs], sum(saved.values())
+
+
+def test_frozen_expert_weights_are_cast_once_per_step():
+    """MoE experts of a LoRA base (frozen stacked weights): with the shared casts every expert and
+    micro-batch indexes one bf16 copy of each stacked weight; outputs and input gradients bitwise
+    equal to autocast's own per-call casts, and the saved bf16 weight bytes one copy, not one per
+    micro-batch."""
+    from aligner.model.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(num_experts=4, hidden_size=16, intermediate_size=32)
+    for p in experts.parameters():
+        nn.init.normal_(p, std=0.2)
+        p.requires_grad_(False)
+    weight_bytes = sum(p.numel() for p in experts.parameters()) * 2  # one bf16 copy
+    runs = {}
+    for shared in (False, True):
+        xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i), requires_grad=True) for i in range(3)]
+        runs[shared] = _expert_step(experts, xs, shared)
+    for a, b in zip(runs[False][0] + runs[False][1], runs[True][0] + runs[True][1]):
+        assert torch.equal(a, b)
+    activations = runs[True][2] - weight_bytes  # the bf16 activations saved, the same in both runs
+    assert runs[False][2] - activations == 3 * weight_bytes  # each micro-batch's own casts of every expert
+    assert 0 <= activations < weight_bytes
