@@ -473,7 +473,7 @@ def published_fixed(row: TrainRow) -> tuple[dict, int, str]:
     if row.sp is not None:
         fixed["sp"] = row.sp and row.tp > 1
     vpp, note = row.vp, ""
-    if row.vp > 1 and row.backend != "ddp" and dp > 1:
+    if row.vp > 1 and row.backend == "deepspeed" and dp > 1:  # interleaving runs on DDP and FSDP2 (2026-11-28)
         vpp, note = 1, f"VP{row.vp} run as VP1"
     return fixed, vpp, note
 

@@ -875,8 +875,8 @@ def layout_problem(model: ModelConfig, work: RoleWork, layout: Layout, cluster: 
         m = work.batch // max(1, layout.dp * layout.micro_batch_size)
         if work.mode != "train" or layout.pp == 1 or model.num_layers % (layout.pp * layout.vpp) or m % layout.pp:
             return f"vpp={layout.vpp} needs a training role, pp > 1, layers divisible by pp x vpp and micro-batches by pp"
-        if work.parallel.dp_backend != "ddp" and layout.dp > 1:
-            return "the interleaved schedule runs with dp_backend=ddp or dp=1"
+        if work.parallel.dp_backend == "deepspeed" and layout.dp > 1:
+            return "the interleaved schedule runs with dp_backend fsdp2 or ddp, or dp=1"
     if layout.cp > 1:
         if work.mode != "train":
             return "context parallelism is for training roles"
