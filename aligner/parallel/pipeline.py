@@ -131,15 +131,21 @@ def _hidden_buffer(model: nn.Module, mb: dict, requires_grad: bool) -> torch.Ten
 
 def _activation_dtype(model: nn.Module, param_dtype: torch.dtype) -> torch.dtype:
     """The dtype a stage's hidden states travel in: FSDP2 mixed precision's compute dtype (its
-    unsharded parameters, bf16), else the parameters' own (fp32 master weights under autocast)."""
+    unsharded parameters, bf16), else the parameters' own (fp32 master weights under autocast).
+    Found once per stage module (a walk of its modules) and kept on it: this runs per received micro-batch."""
+    cached = model.__dict__.get("_activation_dtype")
+    if cached is not None:
+        return cached
     from torch.distributed._composable_state import _get_module_state
 
+    dtype = param_dtype
     for m in model.modules():
-        state = _get_module_state(m)
-        policy = getattr(state, "_mp_policy", None)
+        policy = getattr(_get_module_state(m), "_mp_policy", None)
         if policy is not None:
-            return policy.param_dtype or param_dtype
-    return param_dtype
+            dtype = policy.param_dtype or param_dtype
+            break
+    model.__dict__["_activation_dtype"] = dtype
+    return dtype
 
 
 def pipeline_train_step(

@@ -170,7 +170,7 @@ class ActorWorker(PolicyWorker):
 
     def _build_trtllm_engine(self) -> None:
         """A TensorRT-LLM replica per tp * pp contiguous ranks, colocated with the trainer (GPU only):
-        :func:`trtllm_side` over the actor's ranks and nodes, the engine asleep between generations.
+        :func:`build_trtllm_side` over the actor's ranks and nodes, the engine asleep between generations.
         Nothing of this has run on a GPU (aligner/rollout/trtllm_engine.py says what has)."""
         build_trtllm_side(self, self.policy.model_cfg, self.cfg.actor.resources.num_nodes, sleep=True)
 
