@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from aligner.cli import run
 from aligner.config import AlignerConfig
-from aligner.trainers.ppo import REPORT_KEYS, PPOTrainer, summary_table
+from aligner.trainers.ppo import PPOTrainer
+from aligner.trainers.ppo_setup import REPORT_KEYS, summary_table
 
 __all__ = ["REPORT_KEYS", "main", "run_ppo", "summary_table"]
 

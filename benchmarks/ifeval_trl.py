@@ -293,7 +293,7 @@ def write_prompts(s: dict, path: Path) -> int:
     from aligner.cli import load_config
     from aligner.data.sampler import DataIterator
     from aligner.reward.rules import check_rule_rows
-    from aligner.trainers.ppo import load_prompts
+    from aligner.trainers.ppo_setup import load_prompts
 
     cfg = load_config("ppo", aligner_overrides(s, path.parent / "aligner_cfg"))
     _, splits = load_prompts(cfg)
