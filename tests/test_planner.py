@@ -660,15 +660,45 @@ def test_cp_splits_the_layer_activations_and_pays_the_kv_exchange():
     assert "cp=2" in two.layout.describe()
 
 
-def test_planner_uses_cp_for_long_sequences_only():
-    """Llama 2 70B training on 64 GPUs: at 8k tokens the best layout splits the sequence over cp = 2
-    (NeMo's published Llama 3 70B layout at 8k uses CP2); at 4k cp is not tried (at least 4096 tokens per cp rank)."""
-    m = ModelConfig(**LLAMA2["70b"], max_seq_len=8192, dtype="bfloat16")
+def test_planner_uses_cp_where_sequence_memory_requires_it():
+    """Llama 2 70B training (FSDP2, 16 sequences a step) on 64 H100s. cp splits the sequence where the
+    activations of a whole sequence per rank do not fit without recomputing them; it is not chosen where
+    they fit, and not tried under 4096 tokens per cp rank.
+
+    At 8k the best layout is cp = 1 (tp8 dp8, no pipeline). Until the DP reduction was overlapped it was
+    cp = 2 (NeMo's published Llama 3 70B 8k layout has CP2): FSDP2's gathers and reduce-scatters, charged
+    whole, made dp = 1 pipelines best, and cp = 2 halved their bubble's activations. Overlapped with the
+    step's compute (the runtime's per-layer ``fully_shard``), tp8 dp8 keeps only what exceeds the compute and
+    pays no bubble and no K/V exchange, and its 8k activations fit (about 42 GiB): cp = 2's best (tp4 cp2
+    pp2 dp4) pays a pipeline bubble. The MFU model is flat over these shapes (MFU_HALF_DIM = 0): it does not
+    decide this. At 32k no cp = 1 layout fits without full recomputation, and tp8 cp2 dp4 without any beats
+    them all. NeMo's published CP2 layout at 8k stays feasible (the validation table in docs/planner.md).
+    cp runs with MoE where the runtime runs it (top-k softmax router, no capacity factor, ep = 1) and is
+    refused where it does not (Sinkhorn routing)."""
     cluster = ClusterConfig(num_nodes=8, gpus_per_node=8, gpu_mem_gb=80)
-    assert plan_role(m, _long_work(8192), 64, cluster).best.layout.cp == 2
-    assert all(r.layout.cp == 1 for r in plan_role(m, _long_work(4096), 64, cluster).ranked)
-    moe = dataclasses.replace(m, num_experts=8, num_experts_per_tok=2)
-    assert all(r.layout.cp == 1 for r in plan_role(moe, _long_work(8192), 64, cluster).ranked), "cp does not run with MoE"
+
+    def plan(seq, **moe):
+        m = ModelConfig(**{**LLAMA2["70b"], **moe}, max_seq_len=seq, dtype="bfloat16")
+        return plan_role(m, _long_work(seq), 64, cluster)
+
+    at8k = plan(8192)
+    assert at8k.best.layout.cp == 1 and at8k.best.layout.recompute == "none" and at8k.best.layout.pp == 1
+    assert any(r.layout.cp == 2 for r in at8k.ranked), "cp = 2 is tried at 8k (4096 tokens per rank) and fits"
+    at32k = plan(32768)
+    assert all(r.layout.recompute == "full" for r in at32k.ranked if r.layout.cp == 1)
+    assert at32k.best.layout.cp == 2 and at32k.best.layout.recompute == "none"
+    assert all(r.layout.cp == 1 for r in plan(4096).ranked), "not under 4096 tokens per cp rank"
+    from aligner.planner import candidate_layouts
+
+    def moe_layouts(**router):
+        m = ModelConfig(**LLAMA2["70b"], num_experts=8, num_experts_per_tok=2, max_seq_len=8192, dtype="bfloat16", **router)
+        return list(candidate_layouts(m, _long_work(8192), 64))
+
+    topk = moe_layouts()
+    assert any(x.cp == 2 for x in topk) and all(x.ep == 1 for x in topk if x.cp > 1), "cp with MoE only at ep = 1"
+    assert any(x.ep > 1 for x in topk)
+    assert all(x.cp == 1 for x in moe_layouts(moe_router="sinkhorn")), "the runtime refuses cp with Sinkhorn routing"
+    assert all(x.cp == 1 for x in moe_layouts(moe_capacity_factor=1.25)), "and with a capacity factor"
 
 
 def test_interleaved_schedule_halves_the_bubble_for_more_activations_and_messages():
@@ -693,12 +723,19 @@ def test_interleaved_schedule_halves_the_bubble_for_more_activations_and_message
     assert interleaved_in_flight(4, 2, 16, 3) == pytest.approx(2.5)  # the last stage: (0 + 4 + 1) chunk forwards of half its layers
     assert "vpp=2" in inter.layout.describe()
     # the search offers interleaving as a refinement of its best pipeline layout, never of a layout without stages
-    cfg = llama2_cfg("7b", nodes=2, stage="sft")  # 7B SFT on 16 GPUs: the best layout is a pipeline (tp 2, pp 8)
-    work16 = RoleWork(role="actor", kind="lm", mode="train", parallel=cfg.actor.parallel, batch=128, batch_field="b", seq_len=2048)
+    # 7B SFT on 16 GPUs with DDP (no sharded state: the best layout is a pipeline, tp 1 pp 16; on FSDP2, whose
+    # reduction the planner overlaps with compute, the best is tp 2 dp 8 without stages and nothing interleaves)
+    cfg = llama2_cfg("7b", nodes=2, stage="sft")
+    par = dataclasses.replace(cfg.actor.parallel, dp_backend="ddp")
+    work16 = RoleWork(role="actor", kind="lm", mode="train", parallel=par, batch=128, batch_field="b", seq_len=2048)
     ranked = plan_role(cfg.model, work16, 16, cfg.cluster).ranked
+    assert ranked[0].layout.pp > 1
     inter = [r.layout for r in ranked if r.layout.vpp > 1]
     assert inter and all(dataclasses.replace(x, vpp=1) in [r.layout for r in ranked] for x in inter)
-    assert all(x.pp > 1 and x.dp == 1 for x in inter), "fsdp2 interleaves only with one dp rank"
+    assert all(x.pp > 1 for x in inter)
+    fsdp = RoleWork(role="actor", kind="lm", mode="train", parallel=cfg.actor.parallel, batch=128, batch_field="b", seq_len=2048)
+    best = plan_role(cfg.model, fsdp, 16, cfg.cluster).ranked
+    assert best[0].layout.pp == 1 and not any(r.layout.vpp > 1 for r in best), "no stages: nothing to interleave"
 
 
 def test_uneven_stages_and_idle_nodes_rather_than_no_plan():

@@ -85,7 +85,26 @@ from aligner.parallel.memory import LayerDims, layer_activation_bytes
 GIB = 2**30  # bytes per GiB: cluster.gpu_mem_gb and every memory figure the planner prints
 GB = 1e9  # bytes per GB (decimal): bandwidths, cluster.*_gbps in GB/s
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-MODEL_FLOPS_EFFICIENCY = 0.4  # fraction of peak FLOP/s a well-tuned Megatron-style step reaches (MFU)
+# Fraction of peak FLOP/s the rollout engine's prefill and compute-bound decode steps reach (unchanged, not
+# fitted: decode is rarely compute bound). Training and forward passes use gemm_efficiency instead.
+MODEL_FLOPS_EFFICIENCY = 0.4
+# Training / forward efficiency as a function of the per-GPU GEMM shape (gemm_efficiency):
+# MFU_MAX * x / (x + MFU_HALF_DIM), x = min(hidden / tp, tokens per micro-batch / cp), the smaller dimension of
+# a layer's per-GPU GEMMs. Both constants are one least-squares fit (benchmarks/planner_validation.py --fit-mfu,
+# on the relative error) to the efficiency that five of the ten rows of Narayanan et al. 2021, Table 1 imply
+# (1.7B, 7.5B, 39B, 145B, 530B: MFU_FIT_ROWS there; the other five are held out and reported apart in
+# docs/planner.md). Table 1: A100, fp16, full recomputation, 135-163 TFLOP/s = 43-52% of 312, which includes
+# their bubble and communication: the planner's modelled TP, DP (not overlapped, as Megatron-LM's local DDP of
+# 2021 ran it) and bubble time is taken out, leaving 0.52-0.62. The rows span x = 768-2,304 and show no trend
+# with x: the held-in fit is flat (MFU_HALF_DIM = 0; all ten rows give 0.587 and 45, equally flat above a few
+# hundred), so **the model is a constant 0.574 of peak for training and forward passes**: the saturating
+# form is kept for a fit to shapes these rows do not cover (narrow shards, short micro-batches: the GPU suite's
+# measurements, issue 40 part 2), which is where it would matter. The fit is an A100's, applied to every GPU.
+MFU_MAX = 0.574
+MFU_HALF_DIM = 0.0
+# torch DDP's default gradient bucket (bucket_cap_mb=25; aligner does not set it): the last bucket's all-reduce
+# starts when backward ends, so at least it is exposed (bytes)
+DDP_BUCKET_BYTES = 25 * 2**20
 # per GPU: the ~0.8 GiB an "80 GB" GPU keeps from CUDA (80 GiB sold, 79.2 GiB total_memory on an
 # H100 SXM), the CUDA context, NCCL buffers and allocator slack
 GPU_RESERVED_BYTES = 2.0 * GIB
@@ -643,9 +662,28 @@ def ring_allreduce_seconds(nbytes: float, n: int, gbps: float) -> float:
     return 0.0 if n <= 1 else 2.0 * (n - 1) / n * nbytes / (gbps * GB)
 
 
-def compute_seconds(flops: float, devices: int, cluster: ClusterConfig) -> float:
-    """FLOPs / (devices * peak TFLOP/s * MODEL_FLOPS_EFFICIENCY)."""
-    return flops / (devices * cluster.gpu_peak_tflops * 1e12 * MODEL_FLOPS_EFFICIENCY)
+def compute_seconds(flops: float, devices: int, cluster: ClusterConfig, efficiency: float = MODEL_FLOPS_EFFICIENCY) -> float:
+    """FLOPs / (devices * peak TFLOP/s * efficiency), seconds; efficiency defaults to
+    MODEL_FLOPS_EFFICIENCY (the rollout engine's prefill), training passes give :func:`gemm_efficiency`."""
+    return flops / (devices * cluster.gpu_peak_tflops * 1e12 * efficiency)
+
+
+def gemm_efficiency(model: ModelConfig, layout: Layout, rows: float, seq: float) -> float:
+    """Fraction of peak FLOP/s (MFU) a training or forward pass reaches on this layout's GEMMs:
+    MFU_MAX * x / (x + MFU_HALF_DIM) with x = min(hidden / tp, rows * seq / cp), the smaller dimension of
+    a layer's per-GPU GEMMs (a [tokens, H] x [H, H / tp] projection): narrow tp shards and short
+    micro-batches would run the tensor cores further from their peak. Constants fitted to half of Narayanan
+    et al. 2021, Table 1 (see MFU_MAX), whose fit is flat (MFU_HALF_DIM = 0): MFU_MAX at every shape until a
+    fit to smaller shapes sets the half-point; dimensionless, in (0, MFU_MAX]."""
+    x = min(model.hidden_size / layout.tp, rows * seq / layout.cp)
+    return MFU_MAX * x / (x + MFU_HALF_DIM) if x > 0 else 0.0
+
+
+def exposed_dp_seconds(total_s: float, window_s: float, tail_s: float) -> float:
+    """Seconds of a data-parallel gradient reduction of `total_s` seconds that the step waits for when it
+    runs beside `window_s` seconds of compute: what exceeds the window, and at least `tail_s` (the last
+    bucket or layer, reduced after the compute ends); never more than total_s."""
+    return min(total_s, max(total_s - window_s, tail_s))
 
 
 def pipeline_bubble_fraction(pp: int, num_microbatches: int, vpp: int = 1) -> float:
@@ -699,12 +737,14 @@ def _pass_time(
     rows: Optional[float] = None,
 ) -> tuple[float, float, float]:
     """(compute, tp comm, bubble) seconds of `mb` micro-batches of `rows` rows (None:
-    layout.micro_batch_size) of `seq` tokens through the pipeline. `layers`: the
+    layout.micro_batch_size) of `seq` tokens through the pipeline, the compute at
+    :func:`gemm_efficiency` of peak. `layers`: the
     first (largest) stage's; with stages of unequal depth (num_layers not divisible by pp: the first
     num_layers % pp stages take one more) the pipeline runs at that stage's pace, so the compute is
     scaled by layers * pp / num_layers."""
-    compute = compute_seconds(flops, layout.devices, cluster) * layers * layout.pp / model.num_layers
     rows = layout.micro_batch_size if rows is None else rows
+    eff = gemm_efficiency(model, layout, rows, seq)
+    compute = compute_seconds(flops, layout.devices, cluster, eff) * layers * layout.pp / model.num_layers
     size = rows * seq / layout.cp * model.hidden_size * e  # a cp rank's tokens
     tp_comm = mb * layers * colls * ring_allreduce_seconds(size, layout.tp, cluster.intra_node_gbps)
     bubble = (compute + tp_comm) * pipeline_bubble_fraction(layout.pp, mb, layout.vpp)
@@ -750,6 +790,7 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
     p_sh, _, _ = _dp_shards(work.parallel)
     factor = 1.5 if p_sh else 1.0  # FSDP / ZeRO-3: all-gather + reduce-scatter = 1.5 all-reduces
     dp = factor * ring_allreduce_seconds(grad_bytes, layout.dp, _dp_gbps(layout, cluster))
+    dp = dp_overlap_exposed(dp, c, m, layers, n, frozen, model, seq, layout, work, grad_bytes, cluster)
     steps = work.opt_steps
     a2a = _a2a_time(model, layout, m, seq, e, 6 if layout.recompute == "full" else 4, cluster, rows)
     passes = 2 if layout.recompute == "none" else 3
@@ -766,6 +807,54 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
         a2a += _a2a_time(model, layout, mf, seq, e, 2, cluster, rows_f)
         cp += mf * layers * cp_comm_seconds(model, layout, rows_f, seq, e, 1, cluster)
     return StepTime(compute_s=c, tp_comm_s=t, dp_comm_s=dp, bubble_s=b, a2a_s=a2a, cp_comm_s=cp, pp_comm_s=pp)
+
+
+def dp_overlap_exposed(
+    dp_s: float,
+    compute_s: float,
+    micro_batches: int,
+    layers: int,
+    n: int,
+    frozen: int,
+    model: ModelConfig,
+    seq: float,
+    layout: Layout,
+    work: RoleWork,
+    grad_bytes: float,
+    cluster: ClusterConfig,
+) -> float:
+    """Seconds of one optimizer step's dp gradient reduction (`dp_s` in all) left after its overlap with
+    compute, where aligner's runtime overlaps it (:mod:`aligner.runtime.train_runtime`):
+
+    - DDP with pp = 1: the bucketed all-reduce runs during the last micro-batch's backward (the earlier ones
+      accumulate under ``no_sync``): exposed is what exceeds that backward (compute_s / micro_batches times
+      the backward's share of the training FLOPs), at least the last bucket's all-reduce (DDP_BUCKET_BYTES).
+    - DDP with pp > 1: all-reduced after the pipeline's flush (``finalize_grads``): not overlapped.
+    - FSDP2 (:func:`aligner.parallel.data_parallel.apply_fsdp2`: one ``fully_shard`` per decoder layer,
+      resharded after forward; torch prefetches the next layer's all-gather and reduce-scatters each
+      layer's gradient as its backward ends, on their own streams): the gather, the backward's re-gather
+      and the reduce-scatter (`dp_s`, 1.5 all-reduces) overlapped with the step's compute (compute_s), at
+      least one layer's share (dp_s / layers: the first gather, the last reduce-scatter). **Charged once
+      per optimizer step, where the runtime gathers and reduces for every micro-batch**
+      (:meth:`TrainRuntime._accumulating`; no deferred reduce-scatter, layers resharded after forward):
+      an undercount for m > 1 left as it was (charging m of them moves the planner off FSDP2 with dp > 1
+      and many micro-batches, docs/planner.md).
+    - DeepSpeed: not overlapped (aligner's DeepSpeed config leaves ``overlap_comm`` at its default, off
+      for ZeRO-1/2), once per step.
+
+    compute_s: one optimizer step's compute on a stage (seconds, no bubble); n, frozen: the trained
+    role's active and frozen parameters (:func:`train_flops_per_token`)."""
+    if dp_s <= 0.0 or layout.dp <= 1:
+        return dp_s
+    backend = work.parallel.dp_backend
+    if backend == "ddp" and layout.pp == 1:
+        total = train_flops_per_token(n, model, seq, layout.recompute, frozen)
+        share = max(0.0, 1.0 - forward_flops_per_token(n, model, seq) / total)
+        tail = ring_allreduce_seconds(min(DDP_BUCKET_BYTES, grad_bytes), layout.dp, _dp_gbps(layout, cluster))
+        return exposed_dp_seconds(dp_s, compute_s / max(micro_batches, 1) * share, tail)
+    if backend == "fsdp2":
+        return exposed_dp_seconds(dp_s, compute_s, dp_s / max(layers, 1))
+    return dp_s
 
 
 def forward_step_time(model: ModelConfig, work: RoleWork, layout: Layout, cluster: ClusterConfig) -> StepTime:

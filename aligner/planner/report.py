@@ -15,6 +15,8 @@ from aligner.config import AlignerConfig, ModelConfig
 from aligner.errors import PlanError
 from aligner.planner.cost_model import (
     GIB,
+    MFU_HALF_DIM,
+    MFU_MAX,
     MODEL_FLOPS_EFFICIENCY,
     Layout,
     LayoutEstimate,
@@ -101,12 +103,26 @@ def recommended_overrides(plan: Plan) -> list[str]:
     return out
 
 
+def efficiency_text() -> str:
+    """The fraction of peak FLOP/s the time estimates assume, as the cost model applies it."""
+    if MFU_HALF_DIM > 0:
+        train = f"{MFU_MAX:g} x d / (d + {MFU_HALF_DIM:g}), d = min(hidden / tp, tokens per micro-batch / cp)"
+    else:
+        train = f"{MFU_MAX:g}"
+    return (
+        f"training and forward passes {train} of peak (fitted to Narayanan et al. 2021, Table 1); "
+        f"rollout prefill {MODEL_FLOPS_EFFICIENCY:g}, decode by HBM bandwidth; DP reduction overlapped with backward "
+        "where the runtime overlaps it (DDP with pp = 1, FSDP2)"
+    )
+
+
 def format_plan(plan: Plan) -> str:
     """The whole plan as text: cluster, node split, per-role tables (memory in GiB, time in s)."""
     c = plan.cluster
     lines = [
         f"plan for stage {plan.stage} on {cluster_text(c.num_nodes, c.gpus_per_node, c.gpu_mem_gb)} "
-        f"({plan.placement} placement; peak {c.gpu_peak_tflops:g} TFLOP/s x {MODEL_FLOPS_EFFICIENCY} efficiency)",
+        f"({plan.placement} placement; peak {c.gpu_peak_tflops:g} TFLOP/s)",
+        f"efficiency: {efficiency_text()}",
     ]
     if plan.node_split:
         ns = plan.node_split
