@@ -156,6 +156,20 @@ def test_building_blocks_import_no_model(module):
     assert r.returncode == 0, f"{module} imports {r.stdout.strip()} {r.stderr[-500:]}"
 
 
+# what every Ray worker and stage process imports at start; the libraries that each cost about a second
+# of CPU per process start (transformers ~0.5 s, torch._dynamo with sympy and FSDP ~1 s) load only
+# where they are used (a tokenizer loaded, a lower-right causal mask, FSDP2 applied)
+PROCESS_ENTRY_MODULES = ("aligner.workers.actor", "aligner.workers.rollout", "aligner.workers.critic", "aligner.ppo")
+
+
+@pytest.mark.parametrize("module", PROCESS_ENTRY_MODULES)
+def test_process_entry_modules_import_no_heavy_library(module):
+    """`python -c "import aligner.workers.actor"` loads neither transformers nor torch._dynamo."""
+    code = f"import sys, {module}; bad = sorted(m for m in ('transformers', 'torch._dynamo') if m in sys.modules); print(bad); sys.exit(1 if bad else 0)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"{module} imports {r.stdout.strip()} {r.stderr[-500:]}"
+
+
 def test_tests_mirror_the_packages():
     """tests/<package>/test_<module>*.py: every test folder is an aligner package, so a module's test is found by its name.
     (tests/toolkit/ holds no tests: the helpers the test modules share, tests/test_toolkit.py.)"""

@@ -16,9 +16,10 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import transformers
+if TYPE_CHECKING:  # imported where a tokenizer is loaded: transformers costs ~0.5 s of every worker's start
+    import transformers
 
 log = logging.getLogger("aligner.data")
 
@@ -58,6 +59,8 @@ def load_tokenizer(path: str, chat_template: str = "") -> transformers.PreTraine
     Raises FileNotFoundError for a missing path, ValueError for a file that is not a tokenizer
     (with the kinds accepted and how to fix it).
     """
+    import transformers
+
     if not path:
         raise ValueError("tokenizer.path is empty: give an HF tokenizer dir, a tokenizer.json or a tokenizer.model")
     if not os.path.exists(path):
@@ -87,6 +90,8 @@ def load_tokenizer(path: str, chat_template: str = "") -> transformers.PreTraine
 
 
 def _load_dir(path: str) -> transformers.PreTrainedTokenizerBase:
+    import transformers
+
     names = set(os.listdir(path))
     if "tokenizer_config.json" in names or "tokenizer.json" in names:
         return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
@@ -97,6 +102,8 @@ def _load_dir(path: str) -> transformers.PreTrainedTokenizerBase:
 
 def _load_sentencepiece(model_file: str) -> transformers.PreTrainedTokenizerBase:
     """Llama's sentencepiece tokenizer from a tokenizer.model (converted to a fast tokenizer)."""
+    import transformers
+
     with open(model_file, "rb") as f:
         head = f.read(64)
     if not head or head.lstrip()[:1] in (b"{", b"[", b"<"):

@@ -58,7 +58,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from aligner.nn import comm
 from aligner.parallel.data_parallel import flat_all_reduce_
@@ -202,6 +201,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, group)
         if mask is not None:
             m = mask[:, :, rows, :end]
         else:  # the last query of the chunk is key end-1: lower-right aligned causal (none for one query)
+            from torch.nn.attention.bias import causal_lower_right  # here, not at import: it imports torch._dynamo (~1 s per process)
+
             m = causal_lower_right(c, end) if c > 1 else None
         outs.append(F.scaled_dot_product_attention(q[:, :, rows], k[:, :, :end], v[:, :, :end], attn_mask=m, enable_gqa=True))
     return torch.cat(outs, dim=2)
