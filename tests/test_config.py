@@ -355,10 +355,10 @@ CASES = [
     (["actor.parallel.cp_size=2", "actor.parallel.compile=true"], "actor.parallel.cp_size", "2", "set compile=false"),
     (["actor.parallel.cp_size=2", "actor.parallel.logprob_chunk_size=0"], "actor.parallel.cp_size", "2", "logprob_chunk_size=-1"),
     (
-        ["model.num_experts=4", "actor.parallel.dp_size=2", "actor.parallel.ep_size=2", "actor.parallel.cp_size=2"],
+        ["model.num_experts=4", "actor.parallel.dp_size=4", "actor.parallel.ep_size=2", "actor.parallel.cp_size=2"],
         "actor.parallel.cp_size",
         "2",
-        "set actor.parallel.ep_size=1",
+        "set actor.parallel.dp_size=2 or actor.parallel.ep_size=1",
     ),
     (
         ["model.num_experts=4", "model.moe_router=sinkhorn", "actor.parallel.cp_size=2"],

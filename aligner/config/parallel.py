@@ -173,7 +173,15 @@ class ParallelConfig:
             f"context parallelism gathers per-token outputs across cp ranks, not [B, T, V] logits: set {prefix}.logprob_chunk_size=-1 "
             "(or a positive chunk)",
         )
-        _check(self.ep_size == 1, field, cp, f"context parallelism with expert parallelism is not supported yet: set {prefix}.ep_size=1")
+        if self.ep_size > 1:  # tested at tp 1, pp 1, dp = ep (tests/parallel/test_context_parallel_ep.py); the rest is refused
+            for name, value, want in (("tp_size", self.tp_size, 1), ("pp_size", self.pp_size, 1), ("dp_size", self.dp_size, self.ep_size)):
+                _check(
+                    value == want,
+                    field,
+                    cp,
+                    f"context parallelism with expert parallelism is tested only at tp_size=1, pp_size=1, dp_size=ep_size, "
+                    f"not {prefix}.{name}={value}: set {prefix}.{name}={want} or {prefix}.ep_size=1",
+                )
         if model is not None:
             if model.num_experts:  # the auxiliary losses are reduced over cp; what routes a rank's tokens alone is refused
                 _check(

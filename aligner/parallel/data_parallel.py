@@ -73,6 +73,18 @@ def expert_param_ids(model: nn.Module) -> set[int]:
     return {id(p) for m in ep_experts(model) for p in m.parameters()}
 
 
+def fill_expert_grads(model: nn.Module) -> list[nn.Parameter]:
+    """Give every parameter of :func:`ep_experts` a gradient (zeros where none of the ep group's
+    tokens reached this rank's experts, so autograd left None) and return those parameters: the
+    edp and cp reductions then see the same tensors on every rank (a rank skipping one would
+    desynchronise the flat all-reduce)."""
+    params = [p for m in ep_experts(model) for p in m.parameters()]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return params
+
+
 def reduce_expert_grads(model: nn.Module, edp_group, dp_size: int, averaged_over: int = 1) -> None:
     """Expert-parallel gradients to the dp mean: the all-to-all backward already summed the
     contributions of the ep group's tokens into each expert's holder; sum over the expert-data-
@@ -80,10 +92,7 @@ def reduce_expert_grads(model: nn.Module, edp_group, dp_size: int, averaged_over
     gradient of the dp-mean loss (Megatron-LM's expert grads reduced over its expert-dp group).
     averaged_over > 1: FSDP2 already averaged them over that many edp ranks (its reduce-scatter);
     only the factor averaged_over / dp_size = 1 / ep_size is applied."""
-    params = [p for m in ep_experts(model) for p in m.parameters()]
-    for p in params:  # an expert no token reached has no grad: zeros, so every edp rank reduces the same sizes
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    params = fill_expert_grads(model)
     grads = [_local_grad(p) for p in params]
     if not grads:
         return

@@ -14,6 +14,18 @@ Expert parallelism (MoE)
 splits the dp axis into (edp, ep): the ep group is ep_size consecutive dp ranks, which hold
 disjoint experts and exchange tokens by all-to-all; the edp group holds the same experts and
 averages their gradients (Megatron-LM's expert-data-parallel group).
+
+With context parallelism too, the ep and edp groups stay inside one cp rank (same pp, cp, tp
+coordinate): the expert mesh is ``(edp, ep, pp, cp, tp)``. Routing and the experts are per token,
+so an all-to-all among the ep ranks of one cp rank sends each token to its expert exactly as
+without cp (the cp shares of a row are simply more rows). The experts are then replicated over
+edp x cp, like every dense parameter over dp x cp, and their gradients take the two reductions the
+dense ones already take: the sum over cp (:func:`aligner.parallel.context_parallel.sync_cp_grads`,
+every parameter) and the mean over edp (:func:`aligner.parallel.data_parallel.reduce_expert_grads`,
+or FSDP2 on the ``edp`` mesh). Megatron-LM instead folds cp into the expert-data-parallel group
+(ep x edp = dp x cp), which lets ep span cp ranks but needs the expert grads kept out of the cp sum;
+keeping ep within a cp rank needs no second code path. cp with ep is compared with one process at
+tp 1, pp 1, dp = ep (tests/parallel/test_context_parallel_ep.py) and refused elsewhere until tested.
 """
 
 from __future__ import annotations
@@ -89,10 +101,10 @@ class ParallelDims:
     pp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
     dp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
     cp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
-    ep_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)  # ep_size consecutive dp ranks (same pp, tp)
+    ep_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)  # ep_size consecutive dp ranks (same pp, cp, tp)
     edp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)  # dp ranks holding the same experts
     mesh: object = field(default=None, repr=False)  # torch DeviceMesh ("dp", "pp", "cp", "tp")
-    expert_mesh: object = field(default=None, repr=False)  # DeviceMesh ("edp", "ep", "pp", "tp") when ep_size > 1
+    expert_mesh: object = field(default=None, repr=False)  # DeviceMesh ("edp", "ep", "pp", "cp", "tp") when ep_size > 1
     device_type: Optional[str] = None  # "cpu" or "cuda" to pin a single-process role; None: see `device`
 
     def __post_init__(self) -> None:
@@ -103,8 +115,11 @@ class ParallelDims:
             raise ValueError(f"device_type={self.device_type!r} is invalid: use 'cpu', 'cuda' or None (automatic)")
         if self.ep_size < 1 or self.dp_size % self.ep_size:
             raise ValueError(f"ep_size={self.ep_size} must divide dp_size={self.dp_size}")
-        if self.cp_size > 1 and self.ep_size > 1:
-            raise ValueError(f"cp_size={self.cp_size} with ep_size={self.ep_size}: context parallelism does not run with MoE yet")
+        if self.cp_size > 1 and self.ep_size > 1 and (self.tp_size, self.pp_size, self.dp_size) != (1, 1, self.ep_size):
+            raise ValueError(
+                f"cp_size={self.cp_size} with ep_size={self.ep_size} runs at tp_size=1, pp_size=1, dp_size=ep_size only (tested), not "
+                f"tp_size={self.tp_size}, pp_size={self.pp_size}, dp_size={self.dp_size}: set ep_size=1 or those sizes"
+            )
         product = self.tp_size * self.cp_size * self.pp_size * self.dp_size
         if product != self.world_size:
             cp = f" x cp_size={self.cp_size}" if self.cp_size > 1 else ""
@@ -188,8 +203,8 @@ class ParallelDims:
         self.dp_group = self.mesh.get_group("dp") if self.dp_size > 1 else None
         if self.ep_size > 1:
             edp = self.dp_size // self.ep_size
-            self.expert_mesh = init_device_mesh(
-                device, (edp, self.ep_size, self.pp_size, self.tp_size), mesh_dim_names=("edp", "ep", "pp", "tp")
+            self.expert_mesh = init_device_mesh(  # dp = edp * ep_size + ep splits the mesh's dp axis in place
+                device, (edp, self.ep_size, self.pp_size, self.cp_size, self.tp_size), mesh_dim_names=("edp", "ep", "pp", "cp", "tp")
             )
             self.ep_group = self.expert_mesh.get_group("ep")
             self.edp_group = self.expert_mesh.get_group("edp") if edp > 1 else None

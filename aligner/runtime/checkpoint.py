@@ -176,8 +176,8 @@ def _dp_rows(n: int, dp_size: int, dp_rank: int) -> slice:
 
 
 def _expert_mesh(dims):
-    """DeviceMesh ("tp", "ep", "edp") of this rank's pipeline stage (expert parallelism: dp rank =
-    edp_rank * ep_size + ep_rank). Built once per layout (collective)."""
+    """DeviceMesh ("cp", "tp", "ep", "edp") of this rank's pipeline stage (expert parallelism: dp rank =
+    edp_rank * ep_size + ep_rank; experts are replicated over cp). Built once per layout (collective)."""
 
     def build():
         from torch.distributed.device_mesh import DeviceMesh
@@ -185,14 +185,17 @@ def _expert_mesh(dims):
         ep, edp = dims.ep_size, dims.dp_size // dims.ep_size
         ranks = torch.tensor(
             [
-                [[[dims.rank_of(d * ep + e, p, t) for d in range(edp)] for e in range(ep)] for t in range(dims.tp_size)]
+                [
+                    [[[dims.rank_of(d * ep + e, p, t, c) for d in range(edp)] for e in range(ep)] for t in range(dims.tp_size)]
+                    for c in range(dims.cp_size)
+                ]
                 for p in range(dims.pp_size)
             ]
         )
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        return DeviceMesh(device, ranks, mesh_dim_names=("pp", "tp", "ep", "edp"))["tp", "ep", "edp"]
+        return DeviceMesh(device, ranks, mesh_dim_names=("pp", "cp", "tp", "ep", "edp"))["cp", "tp", "ep", "edp"]
 
-    return _cached_mesh(("ep", dims.tp_size, dims.pp_size, dims.dp_size, dims.ep_size, dims.world_size), build)
+    return _cached_mesh(("ep", dims.tp_size, dims.pp_size, dims.dp_size, dims.ep_size, dims.cp_size, dims.world_size), build)
 
 
 def _is_ep(owner: nn.Module) -> bool:
@@ -205,7 +208,7 @@ class _Layout:
     """How one runtime's tensors map to global tensors (built per save/load).
 
     Expert-parallel experts ([E/ep, ...] per rank, the ep group holding disjoint experts) live on
-    a ("tp", "ep", "edp") mesh: ``Shard(tp dim)``, ``Shard(0)`` over ep, and over edp ``Shard(0)``
+    a ("cp", "tp", "ep", "edp") mesh: ``Replicate()`` over cp, ``Shard(tp dim)``, ``Shard(0)`` over ep, and over edp ``Shard(0)``
     when FSDP2 shards them there (nested inside the ep chunk, as DTensor nests) else ``Replicate()``.
     """
 
@@ -240,7 +243,8 @@ class _Layout:
             shape = self.global_shape(p, dim)
             shape = torch.Size([shape[0] * self.dims.ep_size, *shape[1:]])
             stride = torch.empty(shape, device="meta").stride()
-            placements = [Shard(dim) if dim is not None else Replicate(), Shard(0), Shard(0) if self.experts_fsdp else Replicate()]
+            tp = Shard(dim) if dim is not None else Replicate()
+            placements = [Replicate(), tp, Shard(0), Shard(0) if self.experts_fsdp else Replicate()]
             return DTensor.from_local(local, self.expert_mesh, placements, run_check=False, shape=shape, stride=stride)
         shape = self.global_shape(p, dim)
         stride = torch.empty(shape, device="meta").stride()

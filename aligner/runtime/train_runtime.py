@@ -280,6 +280,8 @@ class TrainRuntime:
         dp is issued here, one flat buffer per dtype), and the sum over cp (each cp rank's
         gradient covers its own tokens: :func:`aligner.parallel.context_parallel.sync_cp_grads`)."""
         d = self.dims
+        if d.ep_size > 1 and d.cp_size > 1:  # a cp rank whose experts got no token has no grad: zeros, as its cp peers'
+            dpmod.fill_expert_grads(self.module)
         sync_cp_grads(self.module, d.cp_group)
         if self.fsdp:
             dpmod.sync_tp_grads_local(self.module, d.tp_group, d.dp_rank, d.dp_size)
