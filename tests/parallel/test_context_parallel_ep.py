@@ -7,8 +7,10 @@ losses by the runtime's ``token_mask``, split with the sequence). Each dp rank t
 rows as one micro-batch (split over its cp pair; its ep pair exchanges tokens by all-to-all); the
 reference runs the whole batch in micro-batches of two rows, the same dp slices, so its auxiliary
 losses are the same per-micro-batch ones. Compared within 1e-5: the log-probs, each step's LM loss
-(global token mean), each MoE layer's aux loss and z-loss of every micro-batch, and every parameter
-after 3 AdamW steps, with FSDP2 and with DDP. Also: the config accepts this layout and refuses the
+(global token mean) and grad norm (relative), each MoE layer's aux loss and z-loss of every
+micro-batch, every parameter's gradient of the first step (experts included: AdamW alone would not
+see a gradient off by a constant factor) and every parameter after 3 AdamW steps, with FSDP2 and
+with DDP. Also: the config accepts this layout and refuses the
 untested ones (tp, pp, edp > 1) naming the field.
 """
 
