@@ -673,7 +673,8 @@ def test_planner_uses_cp_where_sequence_memory_requires_it():
     pp2 dp4) pays a pipeline bubble. The MFU model is flat over these shapes (MFU_HALF_DIM = 0): it does not
     decide this. At 32k no cp = 1 layout fits without full recomputation, and tp8 cp2 dp4 without any beats
     them all. NeMo's published CP2 layout at 8k stays feasible (the validation table in docs/planner.md).
-    cp runs with MoE where the runtime runs it (top-k softmax router, no capacity factor, ep = 1) and is
+    cp runs with MoE where the runtime runs it (top-k softmax router, no capacity factor, ep = 1 or ep = dp
+    at tp = pp = 1) and is
     refused where it does not (Sinkhorn routing)."""
     cluster = ClusterConfig(num_nodes=8, gpus_per_node=8, gpu_mem_gb=80)
 
@@ -695,7 +696,10 @@ def test_planner_uses_cp_where_sequence_memory_requires_it():
         return list(candidate_layouts(m, _long_work(8192), 64))
 
     topk = moe_layouts()
-    assert any(x.cp == 2 for x in topk) and all(x.ep == 1 for x in topk if x.cp > 1), "cp with MoE only at ep = 1"
+    assert any(x.cp == 2 for x in topk) and all(x.ep == 1 for x in topk if x.cp > 1), "at 64 GPUs dp = 32 > 8 experts: ep = 1"
+    small = ModelConfig(**LLAMA2["70b"], num_experts=8, num_experts_per_tok=2, max_seq_len=8192, dtype="bfloat16")
+    on16 = [x for x in candidate_layouts(small, _long_work(8192), 16) if x.cp > 1 and x.ep > 1]
+    assert on16 and all(x.ep == x.dp and x.tp == 1 and x.pp == 1 for x in on16), "cp x ep only as the runtime runs it"
     assert any(x.ep > 1 for x in topk)
     assert all(x.cp == 1 for x in moe_layouts(moe_router="sinkhorn")), "the runtime refuses cp with Sinkhorn routing"
     assert all(x.cp == 1 for x in moe_layouts(moe_capacity_factor=1.25)), "and with a capacity factor"

@@ -265,8 +265,8 @@ def _cp_sizes(model: ModelConfig, work: RoleWork, devices: int) -> list[int]:
     tokens of the sequence: cp is for long sequences (NeMo's published layouts use it from 8k tokens:
     CP2 for Llama 3 70B at 8k), where shorter shares would trade dp's gradient sharding for K/V traffic
     the cost model counts without overlap. An MoE role only where the runtime runs cp with it
-    (``ParallelConfig.validate``: the top-k softmax router, no capacity factor; ep = 1, which
-    :func:`candidate_layouts` keeps)."""
+    (``ParallelConfig.validate``: the top-k softmax router, no capacity factor; ep = 1, or ep = dp at
+    tp = pp = 1, which :func:`candidate_layouts` keeps)."""
     if work.mode != "train" or work.parallel.dp_backend == "deepspeed":
         return [1]
     if model.num_experts and (model.moe_router != "topk_softmax" or model.moe_capacity_factor is not None):
@@ -302,7 +302,7 @@ def candidate_layouts(model: ModelConfig, work: RoleWork, devices: int, minimal:
     """Every tp x cp x pp x dp = devices with tp <= num_heads and pp <= num_layers (unequal stages
     allowed: the runtime's default split), each micro-batch
     size, recomputation and SP (training roles, tp > 1), for an MoE training role each ep dividing
-    dp and num_experts (the rollout engine holds every expert per replica; ep = 1 with cp > 1), and for a
+    dp and num_experts (the rollout engine holds every expert per replica; with cp > 1 only ep = 1 or ep = dp at tp = pp = 1), and for a
     training role the context-parallel sizes of :func:`_cp_sizes`. minimal: only the least-memory choices.
     (Interleaving is tried afterwards, on the best pipeline layout: :func:`plan_role`.)"""
     modes = (("full",) if minimal else RECOMPUTE_MODES) if work.mode == "train" else ("none",)
@@ -317,7 +317,8 @@ def candidate_layouts(model: ModelConfig, work: RoleWork, devices: int, minimal:
             for cp in _cp_sizes(model, work, devices // (tp * pp)):
                 dp = devices // (tp * pp * cp)
                 eps = [d for d in _divisors(dp) if model.num_experts and model.num_experts % d == 0] if work.mode == "train" else []
-                for ep in eps if eps and cp == 1 else [1]:  # cp with ep > 1: refused by the runtime
+                # cp with ep > 1: the runtime runs ep = dp at tp 1, pp 1 only (ParallelConfig.validate_cp)
+                for ep in [d for d in eps if cp == 1 or d == 1 or (d == dp and tp == 1 and pp == 1)] or [1]:
                     for mbs in _micro_batches(work, dp, minimal):
                         for rc in modes:
                             for sp in ((True,) if minimal else (False, True)) if tp > 1 and work.mode == "train" else (False,):
