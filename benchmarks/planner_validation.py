@@ -352,10 +352,14 @@ def nemo_row(family, name, model, gpus, gbs, seq, tp, pp, cp, vp, tok_s_gpu, lor
 # NeMo 24.07 performance summary (NVIDIA/NeMo/docs/source/performance/performance_summary.md, the version in the
 # index: commit 070a0bb168d405d653b9734c0017cf5078e77c0d, the "24.07 perf numbers" table of 2024-09-09), DGX-H100,
 # FP8, container NeMo 24.07. Columns used: #GPUs, GBS, MBS (1 in these rows), sequence length, TP, PP, CP, VP,
-# tokens/s/GPU. Fine-tuning: SQuAD v1.1 packed to 4,096 tokens. Not stated, assumed: Megatron's distributed
-# optimizer (ZeRO-1), which aligner does not run: evaluated on FSDP2 (ZeRO-3, aligner's default: less memory
-# than ZeRO-1, and more dp traffic); aligner interleaves the pipeline only on DDP or one dp rank, so a VP > 1
-# with dp > 1 is evaluated as plain 1F1B (VP -> 1); recomputation and SP are the planner's best for the layout.
+# tokens/s/GPU. Fine-tuning: SQuAD v1.1 packed to 4,096 tokens. Not stated, assumed: Megatron's DDP with its
+# distributed optimizer (ZeRO-1), which aligner does not run; neither of aligner's backends is its equivalent.
+# aligner's DDP has its communication (one gradient reduction per optimizer step, overlapped with backward) but
+# not its memory (16 B a parameter on every dp rank, where the distributed optimizer keeps 6 + 12 / dp); FSDP2
+# has less memory than it (16 / dp) but gathers and reduce-scatters every layer for every micro-batch. Evaluated
+# on FSDP2 (aligner's default; every published layout fits), the planner's best on FSDP2 too; --nemo-backend ddp
+# evaluates them (and the planner's best) on DDP instead, where 6 of the 11 published layouts do not fit.
+# Recomputation and SP are the planner's best for the layout.
 # LoRA: NeMo's default adapters (examples/nlp/language_modeling/tuning/conf/megatron_gpt_finetuning_config.yaml
 # at NeMo's 24.07-era commit 8e3d65dc: rank 32 on attention_qkv, i.e. q, k and v).
 NEMO_ROWS = [
@@ -878,7 +882,14 @@ def main() -> None:
     ap.add_argument("--fit-mfu", action="store_true", help="print the training efficiency's fit to Narayanan et al. 2021")
     ap.add_argument("--table", action="store_true", help="print the validation table of issue 40 part 4 (markdown)")
     ap.add_argument("--family", choices=("all", "training", "rl"), default="all", help="with --table: which rows")
+    ap.add_argument(
+        "--nemo-backend",
+        choices=("fsdp2", "ddp"),
+        default="fsdp2",
+        help="aligner's dp backend the NeMo 24.07 rows (Megatron DDP + distributed optimizer) are evaluated on",
+    )
     args = ap.parse_args()
+    NEMO_ROWS[:] = [dataclasses.replace(r, backend=args.nemo_backend) for r in NEMO_ROWS]
     if args.fit:
         print_fit()
     elif args.fit_mfu:

@@ -665,12 +665,13 @@ def test_planner_uses_cp_where_sequence_memory_requires_it():
     activations of a whole sequence per rank do not fit without recomputing them; it is not chosen where
     they fit, and not tried under 4096 tokens per cp rank.
 
-    At 8k the best layout is cp = 1 (tp8 dp8, no pipeline). Until the DP reduction was overlapped it was
+    At 8k the best layout is cp = 1 (tp8 dp8 mbs2, no pipeline). Until the DP reduction was overlapped it was
     cp = 2 (NeMo's published Llama 3 70B 8k layout has CP2): FSDP2's gathers and reduce-scatters, charged
-    whole, made dp = 1 pipelines best, and cp = 2 halved their bubble's activations. Overlapped with the
-    step's compute (the runtime's per-layer ``fully_shard``), tp8 dp8 keeps only what exceeds the compute and
-    pays no bubble and no K/V exchange, and its 8k activations fit (about 42 GiB): cp = 2's best (tp4 cp2
-    pp2 dp4) pays a pipeline bubble. The MFU model is flat over these shapes (MFU_HALF_DIM = 0): it does not
+    whole, made dp = 1 pipelines best, and cp = 2 halved their bubble's activations. Overlapped with each
+    micro-batch's compute, per micro-batch as the runtime gathers and reduce-scatters (its per-layer
+    ``fully_shard``), tp8 dp8 runs one micro-batch a rank, keeps only what exceeds its compute and pays no
+    bubble and no K/V exchange, and its 8k activations fit (about 66 GiB): cp = 2's best (tp8 cp2 pp4 dp1)
+    pays a pipeline bubble. The MFU model is flat over these shapes (MFU_HALF_DIM = 0): it does not
     decide this. At 32k no cp = 1 layout fits without full recomputation, and tp8 cp2 dp4 without any beats
     them all. NeMo's published CP2 layout at 8k stays feasible (the validation table in docs/planner.md).
     cp runs with MoE where the runtime runs it (top-k softmax router, no capacity factor, ep = 1 or ep = dp
@@ -745,7 +746,10 @@ def test_interleaved_schedule_halves_the_bubble_for_more_activations_and_message
 def test_uneven_stages_and_idle_nodes_rather_than_no_plan():
     """Llama 2 70B PPO on 3 colocated nodes: the planner used to refuse it ("mini_batch_size=128 not
     divisible by dp=24"; the smallest cluster that fits: 2 nodes). Pipelines of unequal stages (80
-    layers on pp = 3: 27, 27, 26, paced by the deepest) now use all 24 GPUs. Where no layout uses every
+    layers on pp = 3: 27, 27, 26, paced by the deepest) now use all 24 GPUs: tp4 pp6 dp1 (14, 14, 13, 13, 13,
+    13 layers) since FSDP2's gathers and reduce-scatters are charged per micro-batch, as the runtime runs them
+    (tp2 pp3 dp4 before: 32 micro-batches, each re-gathering 11.5e9 parameters over the network, is no longer
+    the fastest); the assertion is on what this test is about, an uneven split of all 24. Where no layout uses every
     device at all (the tiny model on 7 CPU nodes: 7 is prime, above its 4 heads and 4 layers, and 64
     samples do not split 7 ways), the trained roles leave a node idle, the colocated engine (in the
     actor's processes) gets the actor's devices, and the overrides name the nodes to ask for."""
@@ -753,7 +757,7 @@ def test_uneven_stages_and_idle_nodes_rather_than_no_plan():
 
     plan = make_plan(load_config("plan", ["conf=llama2_70b", "cluster.num_nodes=3", "cluster.placement=colocated"]))
     actor = plan.roles["actor"]
-    assert actor.devices == 24 and actor.idle == 0 and actor.best.layout.pp == 3
+    assert actor.devices == 24 and actor.idle == 0 and 80 % actor.best.layout.pp != 0
     plan = make_plan(load_config("plan", ["conf=tiny", "cluster.num_nodes=7", "cluster.placement=colocated"]))
     actor = plan.roles["actor"]
     assert actor.best is not None and actor.devices == 6 and actor.idle == 1

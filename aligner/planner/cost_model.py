@@ -48,8 +48,10 @@ a forward pass (Chowdhery et al. 2022, PaLM appendix B), plus one forward for fu
 recomputation or the attention core for selective, divided by devices * peak * efficiency;
 TP all-reduces (4 per layer per micro-batch in forward + backward, Shoeybi et al. 2019) of
 B*T*H elements over the intra-node bandwidth with ring volume 2(n-1)/n; the data-parallel
-gradient all-reduce (or FSDP's all-gather + reduce-scatter) over the inter-node bandwidth when
-the dp group spans nodes; the 1F1B bubble multiplies compute by 1 + (p-1)/m (Narayanan et al.
+gradient all-reduce over the inter-node bandwidth when the dp group spans nodes, once per optimizer step
+(DDP, less what the last micro-batch's backward hides: :func:`dp_overlap_exposed`; DeepSpeed), or FSDP2's
+per-layer all-gathers (forward and backward) and reduce-scatters for every micro-batch, exposed beyond each
+pass's compute (:func:`fsdp2_microbatch_exposed_seconds`); the 1F1B bubble multiplies compute by 1 + (p-1)/m (Narayanan et al.
 2021). Rollout: a compute-bound prefill, then decode steps, each the larger of reading the stage
 weights and the whole KV cache from HBM and its FLOPs, plus a fixed overhead per decoder layer
 (DECODE_OVERHEAD_S_PER_LAYER, fitted to aligner's measured decode) and the TP all-reduces; a token
@@ -67,8 +69,8 @@ tokens * k * H elements each, (ep-1)/ep of them leaving the rank, over the dp ax
 
 Simplifications: roles sharing a node group are time-sliced (the others offloaded), so each
 role's memory is checked alone; a PPO step is rollout + max(actor group, critic group) for
-split placement and the sum of all phases when colocated; point-to-point PP traffic,
-FSDP prefetch overlap, allocator fragmentation (a fixed reserve instead) and interleaved
+split placement and the sum of all phases when colocated; plain 1F1B's point-to-point PP traffic,
+allocator fragmentation (a fixed reserve instead) and interleaved
 schedules are not modelled. On a CPU-only cluster (gpus_per_node = 0) each node counts as one
 device with gpu_mem_gb of memory.
 """
@@ -787,10 +789,16 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
     colls = 6 if layout.recompute == "full" else 4
     flops = train_flops_per_token(n, model, seq, layout.recompute, frozen) * work.batch * seq
     c, t, b = _pass_time(flops, m, layers, colls, layout, model, e, seq, cluster, rows)
-    p_sh, _, _ = _dp_shards(work.parallel)
-    factor = 1.5 if p_sh else 1.0  # FSDP / ZeRO-3: all-gather + reduce-scatter = 1.5 all-reduces
-    dp = factor * ring_allreduce_seconds(grad_bytes, layout.dp, _dp_gbps(layout, cluster))
-    dp = dp_overlap_exposed(dp, c, m, layers, n, frozen, model, seq, layout, work, grad_bytes, cluster)
+    fsdp = work.parallel.dp_backend == "fsdp2" and layout.dp > 1
+    fwd_share = forward_flops_per_token(n, model, seq) / train_flops_per_token(n, model, seq, layout.recompute, frozen)
+    if fsdp:  # per micro-batch, overlapped per pass; the pipeline's slots (and so its bubble) grow with it
+        dp = m * fsdp2_microbatch_exposed_seconds(model, work, layout, c / m * fwd_share, c / m * (1.0 - fwd_share), cluster)
+        b += dp * pipeline_bubble_fraction(layout.pp, m, layout.vpp)
+    else:
+        p_sh, _, _ = _dp_shards(work.parallel)
+        factor = 1.5 if p_sh else 1.0  # ZeRO-3: all-gather + reduce-scatter = 1.5 all-reduces
+        dp = factor * ring_allreduce_seconds(grad_bytes, layout.dp, _dp_gbps(layout, cluster))
+        dp = dp_overlap_exposed(dp, c, m, layers, n, frozen, model, seq, layout, work, grad_bytes, cluster)
     steps = work.opt_steps
     a2a = _a2a_time(model, layout, m, seq, e, 6 if layout.recompute == "full" else 4, cluster, rows)
     passes = 2 if layout.recompute == "none" else 3
@@ -803,6 +811,9 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
         mf, rows_f, _ = micro_batch_shape(work, layout, work.forward_seqs)
         ff = forward_flops_per_token(n, model, seq) * work.forward_seqs * seq
         c2, t2, b2 = _pass_time(ff, mf, layers, 2, layout, model, e, seq, cluster, rows_f)
+        if fsdp:  # the forward-only passes all-gather every layer too (no backward, no reduce-scatter)
+            d2 = mf * fsdp2_microbatch_exposed_seconds(model, work, layout, c2 / mf, None, cluster)
+            dp, b2 = dp + d2, b2 + d2 * pipeline_bubble_fraction(layout.pp, mf, layout.vpp)
         c, t, b = c + c2, t + t2, b + b2
         a2a += _a2a_time(model, layout, mf, seq, e, 2, cluster, rows_f)
         cp += mf * layers * cp_comm_seconds(model, layout, rows_f, seq, e, 1, cluster)
@@ -830,17 +841,11 @@ def dp_overlap_exposed(
       accumulate under ``no_sync``): exposed is what exceeds that backward (compute_s / micro_batches times
       the backward's share of the training FLOPs), at least the last bucket's all-reduce (DDP_BUCKET_BYTES).
     - DDP with pp > 1: all-reduced after the pipeline's flush (``finalize_grads``): not overlapped.
-    - FSDP2 (:func:`aligner.parallel.data_parallel.apply_fsdp2`: one ``fully_shard`` per decoder layer,
-      resharded after forward; torch prefetches the next layer's all-gather and reduce-scatters each
-      layer's gradient as its backward ends, on their own streams): the gather, the backward's re-gather
-      and the reduce-scatter (`dp_s`, 1.5 all-reduces) overlapped with the step's compute (compute_s), at
-      least one layer's share (dp_s / layers: the first gather, the last reduce-scatter). **Charged once
-      per optimizer step, where the runtime gathers and reduces for every micro-batch**
-      (:meth:`TrainRuntime._accumulating`; no deferred reduce-scatter, layers resharded after forward):
-      an undercount for m > 1 left as it was (charging m of them moves the planner off FSDP2 with dp > 1
-      and many micro-batches, docs/planner.md).
+    - FSDP2 with dp > 1: not charged here, per micro-batch instead (:func:`fsdp2_microbatch_exposed_seconds`).
     - DeepSpeed: not overlapped (aligner's DeepSpeed config leaves ``overlap_comm`` at its default, off
-      for ZeRO-1/2), once per step.
+      for ZeRO-1/2), once per step. An undercount for m > 1 left as it was: the config's
+      ``gradient_accumulation_steps: 1`` makes every ``engine.backward`` (one per micro-batch) an accumulation
+      boundary, so DeepSpeed reduces (ZeRO-3: also gathers) for every micro-batch (docs/planner.md).
 
     compute_s: one optimizer step's compute on a stage (seconds, no bubble); n, frozen: the trained
     role's active and frozen parameters (:func:`train_flops_per_token`)."""
@@ -852,9 +857,74 @@ def dp_overlap_exposed(
         share = max(0.0, 1.0 - forward_flops_per_token(n, model, seq) / total)
         tail = ring_allreduce_seconds(min(DDP_BUCKET_BYTES, grad_bytes), layout.dp, _dp_gbps(layout, cluster))
         return exposed_dp_seconds(dp_s, compute_s / max(micro_batches, 1) * share, tail)
-    if backend == "fsdp2":
-        return exposed_dp_seconds(dp_s, compute_s, dp_s / max(layers, 1))
     return dp_s
+
+
+def fsdp2_microbatch_exposed_seconds(
+    model: ModelConfig, work: RoleWork, layout: Layout, forward_s: float, backward_s: Optional[float], cluster: ClusterConfig
+) -> float:
+    """Seconds FSDP2's collectives add to one micro-batch on a stage (dp > 1), beyond its compute.
+
+    What aligner's runtime does, per micro-batch (not per optimizer step):
+    - :func:`aligner.parallel.data_parallel.apply_fsdp2` calls ``fully_shard`` on every decoder layer and then on
+      the model (the root: embedding, final norm, head), with ``reshard_after_forward=True``
+      (:func:`aligner.parallel.parallelize.apply_data_parallel` passes no other value), and the runtime never calls
+      ``set_requires_gradient_sync``, ``set_reshard_after_backward`` or ``no_sync`` for FSDP2
+      (:meth:`aligner.runtime.train_runtime.TrainRuntime._accumulating` skips DDP's sync only; pipeline.py neither).
+      So every micro-batch's forward all-gathers each layer's parameters, its backward all-gathers them again
+      and reduce-scatters the layer's gradient (torch FSDP2: a layer's group is unsharded in its pre-forward and
+      pre-backward hooks and reduce-scattered in its post-backward). The root is not resharded after forward
+      (torch's FSDP2 root heuristic): gathered once per micro-batch, reduce-scattered once.
+    - Bytes: gathers in the compute dtype c (bf16: ``MixedPrecisionPolicy(param_dtype=bfloat16)`` casts the
+      shard before the all-gather; else model.dtype), reduce-scatters in the reduce dtype r (fp32:
+      ``reduce_dtype=float32``; else c), of the trained parameters only (a LoRA base is sharded and gathered
+      but has no gradient). MoE experts with ep > 1 sit on their own ``fully_shard`` over dp / ep ranks.
+      Each collective's time is (n - 1) / n of the unsharded bytes over :func:`_dp_gbps` (half a ring
+      all-reduce: an all-gather or a reduce-scatter).
+    - Overlap, per pass: torch runs the collectives on their own streams; in forward the next layer's
+      all-gather is issued while the current layer computes (implicit prefetch), in backward the next layer's
+      all-gather is prefetched explicitly and each reduce-scatter runs beside the next layer's backward. Exposed:
+      what exceeds the pass's compute (`forward_s`, `backward_s`: this micro-batch's forward and backward compute
+      on the stage), and at least one layer's transfer per pass (the forward's first gather, the backward's last
+      reduce-scatter), plus the root's gather (before the first layer) and reduce-scatter (after the last).
+    backward_s None: a forward-only pass (the trained role's extra forwards: gathers, no reduce-scatter).
+    Not modelled: contention between these collectives and TP's or the pipeline's on shared links, and the
+    interleaved schedule's chunks (a stage's layers are gathered once per micro-batch and pass, as without)."""
+    if layout.dp <= 1:
+        return 0.0
+    bf16 = work.parallel.mixed_precision == "bf16"
+    c = 2 if bf16 else DTYPE_BYTES[model.dtype]
+    r = 4 if bf16 else c
+    h = model.hidden_size
+    experts = expert_layer_parameters(model)
+    router = model.num_experts * h
+    dense = (layer_num_parameters(model) - 2 * h - experts - router) // layout.tp + 2 * h + router
+    local_experts = experts // (layout.tp * layout.ep)
+    if layout.ep > 1:  # experts on the expert-data-parallel mesh (dp / ep ranks); ep = dp: not FSDP-sharded
+        exp_dp = layout.dp // layout.ep
+    else:
+        dense, local_experts, exp_dp = dense + local_experts, 0, 1
+    adapters = lora_num_parameters(model, work.lora_rank, work.lora_targets, layout.tp, 1)[0] if work.lora_rank > 0 else 0
+    gbps = _dp_gbps(layout, cluster)
+
+    def half(nbytes: float, n: int) -> float:
+        return 0.5 * ring_allreduce_seconds(nbytes, n, gbps)
+
+    gather = half((dense + adapters) * c, layout.dp) + half(local_experts * c, exp_dp)
+    if work.lora_rank > 0:
+        reduce = half(adapters * r, layout.dp)
+    else:
+        reduce = half(dense * r, layout.dp) + half(local_experts * r, exp_dp)
+    layers = layers_on_stage(model.num_layers, layout.pp, 0)
+    root = 0
+    for stage in sorted({0, layout.pp - 1}):
+        held = stage_num_parameters(model, work.kind, layout.tp, layout.pp, stage, layout.ep)
+        root = max(root, held - layers_on_stage(model.num_layers, layout.pp, stage) * (dense + local_experts))
+    root_trained = (h if work.kind == "score" else 0) if work.lora_rank > 0 else root
+    exposed = half(root * c, layout.dp) + exposed_dp_seconds(layers * gather, forward_s, gather)
+    if backward_s is not None:
+        exposed += half(root_trained * r, layout.dp) + exposed_dp_seconds(layers * (gather + reduce), backward_s, reduce)
+    return exposed
 
 
 def forward_step_time(model: ModelConfig, work: RoleWork, layout: Layout, cluster: ClusterConfig) -> StepTime:
