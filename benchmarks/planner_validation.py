@@ -11,7 +11,7 @@ Three parts (issue 40, "Planner II", parts 2 and 4):
    prefill + 256 decode steps; a step is the planner's roofline (weights + the whole KV cache over
    the copy bandwidth, or FLOPs over peak x efficiency) plus 22 x the overhead. The least-squares
    constant over the eight rows (one additive unknown: the mean of the per-row constants) is what
-   ``aligner.planner.cost_model.DECODE_OVERHEAD_S_PER_LAYER`` holds; the residuals are printed.
+   ``aligner.planner.time_model.DECODE_OVERHEAD_S_PER_LAYER`` holds; the residuals are printed.
 
 2. (default) NeMo-Aligner's TensorRT-LLM PPO scaling table (NVIDIA/NeMo-Aligner/docs/user-guide/rlhf.rst, "PPO Performance
    Results with TensorRT-LLM"): Llama 3 70B actor and reward model, Helpsteer2 prompts,
@@ -814,7 +814,7 @@ MFU_FIT_ROWS = ("1.7B", "7.5B", "39B", "145B", "530B")
 
 def fit_mfu(rows: tuple = MFU_FIT_ROWS) -> tuple[float, float, list[tuple[str, float, float]]]:
     """(MFU_MAX, MFU_HALF_DIM, [(row, x, implied efficiency)] for every Table 1 row): the saturating efficiency
-    MFU_MAX * x / (x + MFU_HALF_DIM) of ``aligner.planner.cost_model.gemm_efficiency`` fitted to the Table 1
+    MFU_MAX * x / (x + MFU_HALF_DIM) of ``aligner.planner.time_model.gemm_efficiency`` fitted to the Table 1
     rows of Narayanan et al. 2021 named in `rows` (MFU_FIT_ROWS: half of them; the rest held out). Each row's published layout is evaluated as in the table; the efficiency it implies
     is the one at which the planner's time equals the published: its compute at 100% of peak, times 1 + the
     bubble's fraction, over the published seconds less the modelled TP, DP and point-to-point time. The DP
@@ -823,18 +823,18 @@ def fit_mfu(rows: tuple = MFU_FIT_ROWS) -> tuple[float, float, list[tuple[str, f
     (assumed from Megatron-LM's training loop of that time; aligner's DDP overlaps it). The constants minimise the squared
     relative error of the efficiency (so of the time) over the fitted rows: MFU_HALF_DIM on a grid of 5, MFU_MAX
     in closed form for each."""
-    import aligner.planner.cost_model as cost_model
+    import aligner.planner.time_model as time_model
 
     pts = []
-    overlap = cost_model.dp_overlap_exposed
+    overlap = time_model.dp_overlap_exposed
     for row in NARAYANAN_ROWS:
         cfg, work = train_work(row)
         fixed, vpp, _ = published_fixed(row)
-        cost_model.dp_overlap_exposed = lambda dp_s, *_: dp_s  # Table 1's runs: the all-reduce after backward
+        time_model.dp_overlap_exposed = lambda dp_s, *_: dp_s  # Table 1's runs: the all-reduce after backward
         try:
             est = best_matching(cfg.model, work, row.gpus, cfg.cluster, fixed, vpp)
         finally:
-            cost_model.dp_overlap_exposed = overlap
+            time_model.dp_overlap_exposed = overlap
         t, lay = est.time, est.layout
         x = min(cfg.model.hidden_size / lay.tp, lay.micro_batch_size * row.seq / lay.cp)
         c1 = t.compute_s * gemm_efficiency(cfg.model, lay, lay.micro_batch_size, row.seq)

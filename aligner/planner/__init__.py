@@ -1,10 +1,13 @@
 """The placement planner: per-role TP x PP x DP layouts, micro-batch size and recomputation.
 
-Owns: planning a run's layouts from its config, in three modules by concern:
+Owns: planning a run's layouts from its config, in five modules by concern:
 
-- :mod:`aligner.planner.cost_model`: the analytic memory model (bytes per device: weights,
-  gradients, optimizer state, activations, KV cache) and step-time model (seconds) of one
-  role's layout, with the papers their formulas come from;
+- :mod:`aligner.planner.cost_model`: the layout types, parameter counts and the analytic memory
+  model (bytes per device: weights, gradients, optimizer state, activations, KV cache), with the
+  papers its formulas come from;
+- :mod:`aligner.planner.time_model`: the step-time model (seconds) of one role's layout: FLOPs,
+  communication and what overlaps it, the training efficiency, the decode model;
+- :mod:`aligner.planner.evaluate`: one layout evaluated (its structural problems, memory, time);
 - :mod:`aligner.planner.search`: each role's work per step, the enumeration and ranking of its
   layouts, the split of nodes between the actor's group and the critic's group, and the
   smallest cluster that fits;
@@ -18,9 +21,6 @@ from __future__ import annotations
 
 from aligner.errors import PlanError
 from aligner.planner.cost_model import (
-    COLLECTIVE_LATENCY_S,
-    DDP_BUCKET_BYTES,
-    DECODE_OVERHEAD_S_PER_LAYER,
     DS_MAX_LIVE_PARAMETERS,
     DS_PREFETCH_BUCKET_SIZE,
     DS_REDUCE_BUCKET_SIZE,
@@ -28,33 +28,16 @@ from aligner.planner.cost_model import (
     GB,
     GIB,
     GPU_RESERVED_BYTES,
-    MFU_HALF_DIM,
-    MFU_MAX,
-    MODEL_FLOPS_EFFICIENCY,
     Layout,
     LayoutEstimate,
     MemoryBreakdown,
     Rejected,
     RoleWork,
     StepTime,
-    a2a_elements_per_layer,
-    a2a_seconds,
     activation_dtype_bytes,
     autocast_weight_cast_bytes,
-    compute_seconds,
-    decode_step_seconds,
-    decode_steps,
-    devices_per_node,
-    dp_overlap_exposed,
-    estimate_layout,
-    evaluate_layout,
     expert_layer_parameters,
-    exposed_dp_seconds,
-    forward_flops_per_token,
-    forward_step_time,
     frozen_weight_bytes,
-    gemm_efficiency,
-    generate_step_time,
     head_activation_bytes_per_token,
     inference_activation_bytes,
     kv_cache_bytes,
@@ -62,11 +45,7 @@ from aligner.planner.cost_model import (
     layer_activation_bytes_per_token,
     layer_num_parameters,
     layers_on_stage,
-    layout_problem,
     lora_num_parameters,
-    memory_problem,
-    pipeline_bubble_fraction,
-    ring_allreduce_seconds,
     rmsnorm_bytes_per_token,
     role_active_parameters,
     role_num_parameters,
@@ -76,12 +55,11 @@ from aligner.planner.cost_model import (
     stage_num_tensors,
     train_activation_bytes,
     train_bytes_per_parameter,
-    train_flops_per_token,
     train_state_bytes,
-    train_step_time,
     training_precision,
     zero3_buffer_bytes,
 )
+from aligner.planner.evaluate import estimate_layout, evaluate_layout, layout_problem, memory_problem
 from aligner.planner.report import (
     SHOW_RANKED,
     SHOW_REJECTED,
@@ -107,6 +85,30 @@ from aligner.planner.search import (
     ppo_step_seconds,
     role_works,
     smallest_cluster,
+)
+from aligner.planner.time_model import (
+    COLLECTIVE_LATENCY_S,
+    DDP_BUCKET_BYTES,
+    DECODE_OVERHEAD_S_PER_LAYER,
+    MFU_HALF_DIM,
+    MFU_MAX,
+    MODEL_FLOPS_EFFICIENCY,
+    a2a_elements_per_layer,
+    a2a_seconds,
+    compute_seconds,
+    decode_step_seconds,
+    decode_steps,
+    devices_per_node,
+    dp_overlap_exposed,
+    exposed_dp_seconds,
+    forward_flops_per_token,
+    forward_step_time,
+    gemm_efficiency,
+    generate_step_time,
+    pipeline_bubble_fraction,
+    ring_allreduce_seconds,
+    train_flops_per_token,
+    train_step_time,
 )
 
 __all__ = [

@@ -13,20 +13,10 @@ from typing import Optional
 
 from aligner.config import AlignerConfig, ModelConfig
 from aligner.errors import PlanError
-from aligner.planner.cost_model import (
-    GIB,
-    MFU_HALF_DIM,
-    MFU_MAX,
-    MODEL_FLOPS_EFFICIENCY,
-    Layout,
-    LayoutEstimate,
-    Rejected,
-    RoleWork,
-    devices_per_node,
-    evaluate_layout,
-    train_bytes_per_parameter,
-)
+from aligner.planner.cost_model import GIB, Layout, LayoutEstimate, Rejected, RoleWork, train_bytes_per_parameter
+from aligner.planner.evaluate import evaluate_layout
 from aligner.planner.search import Plan, RolePlan, cluster_text, make_plan, role_works
+from aligner.planner.time_model import MFU_HALF_DIM, MFU_MAX, MODEL_FLOPS_EFFICIENCY, devices_per_node
 
 SHOW_RANKED = 5  # layouts per role in format_plan
 SHOW_REJECTED = 5  # rejected layouts per role in format_plan

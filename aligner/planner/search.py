@@ -3,7 +3,7 @@ the split of nodes between the actor's and the critic's groups, and the smallest
 
 Owns: :func:`role_works` (what each role does per step of a stage, from the config),
 :func:`candidate_layouts` / :func:`plan_role` (enumeration and ranking, costed by
-:mod:`aligner.planner.cost_model`), :func:`make_plan` and :func:`smallest_cluster`.
+:mod:`aligner.planner.evaluate`), :func:`make_plan` and :func:`smallest_cluster`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from typing import Iterable, Optional
 
 from aligner.config import AlignerConfig, ClusterConfig, ModelConfig
 from aligner.errors import ConfigError, PlanError
-from aligner.planner.cost_model import Layout, LayoutEstimate, Rejected, RoleWork, devices_per_node, evaluate_layout
+from aligner.planner.cost_model import Layout, LayoutEstimate, Rejected, RoleWork
+from aligner.planner.evaluate import evaluate_layout
+from aligner.planner.time_model import devices_per_node
 from aligner.tracking import read_metrics
 
 MAX_NODES = 4096  # smallest_cluster gives up beyond this many nodes

@@ -7,7 +7,8 @@ import pytest
 
 from aligner.config import ClusterConfig, ModelConfig, ParallelConfig
 from aligner.planner import Layout, RoleWork, estimate_layout
-from aligner.planner.cost_model import fsdp2_microbatch_exposed_seconds, layer_num_parameters, layers_on_stage
+from aligner.planner.cost_model import layer_num_parameters, layers_on_stage
+from aligner.planner.time_model import fsdp2_microbatch_exposed_seconds
 
 LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32)
 MODEL = ModelConfig(**LLAMA2_7B, max_seq_len=4096, dtype="bfloat16")

@@ -13,7 +13,8 @@ import pytest
 from aligner.cli import load_config
 from aligner.config import ClusterConfig
 from aligner.planner import Layout, estimate_layout, layout_problem, role_works, train_flops_per_token
-from aligner.planner.cost_model import forward_flops_per_token, micro_batch_shape, role_active_parameters
+from aligner.planner.cost_model import micro_batch_shape, role_active_parameters
+from aligner.planner.time_model import forward_flops_per_token
 
 PROMPT, SEQ, MEAN, TAIL = 16, 64, 6.0, 40.0
 CLUSTER = ClusterConfig(gpus_per_node=1)
