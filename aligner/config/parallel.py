@@ -9,6 +9,14 @@ from aligner.config.common import _check, _choice
 from aligner.config.model import ModelConfig
 
 
+def cp_runs_with_ep(tp_size: int, pp_size: int, dp_size: int, ep_size: int) -> bool:
+    """Whether context parallelism (cp_size > 1) runs with this expert parallelism: ep_size = 1, or ep_size =
+    dp_size at tp_size = pp_size = 1, the layout compared with one process
+    (tests/parallel/test_context_parallel_ep.py). The one rule :meth:`ParallelConfig.validate_cp`,
+    :class:`aligner.parallel.dims.ParallelDims` and the planner's layout search apply."""
+    return ep_size == 1 or (tp_size, pp_size, dp_size) == (1, 1, ep_size)
+
+
 @dataclass(kw_only=True)
 class ParallelConfig:
     """One role's TP x PP x DP layout and how it trains (Megatron-style TP/SP, 1F1B PP)."""
@@ -173,7 +181,7 @@ class ParallelConfig:
             f"context parallelism gathers per-token outputs across cp ranks, not [B, T, V] logits: set {prefix}.logprob_chunk_size=-1 "
             "(or a positive chunk)",
         )
-        if self.ep_size > 1:  # tested at tp 1, pp 1, dp = ep (tests/parallel/test_context_parallel_ep.py); the rest is refused
+        if not cp_runs_with_ep(self.tp_size, self.pp_size, self.dp_size, self.ep_size):  # name the first field off the rule
             for name, value, want in (("tp_size", self.tp_size, 1), ("pp_size", self.pp_size, 1), ("dp_size", self.dp_size, self.ep_size)):
                 _check(
                     value == want,

@@ -38,6 +38,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from aligner.config.parallel import cp_runs_with_ep
+
 
 @dataclass(frozen=True, kw_only=True)
 class DistEnv:
@@ -115,7 +117,7 @@ class ParallelDims:
             raise ValueError(f"device_type={self.device_type!r} is invalid: use 'cpu', 'cuda' or None (automatic)")
         if self.ep_size < 1 or self.dp_size % self.ep_size:
             raise ValueError(f"ep_size={self.ep_size} must divide dp_size={self.dp_size}")
-        if self.cp_size > 1 and self.ep_size > 1 and (self.tp_size, self.pp_size, self.dp_size) != (1, 1, self.ep_size):
+        if self.cp_size > 1 and not cp_runs_with_ep(self.tp_size, self.pp_size, self.dp_size, self.ep_size):
             raise ValueError(
                 f"cp_size={self.cp_size} with ep_size={self.ep_size} runs at tp_size=1, pp_size=1, dp_size=ep_size only (tested), not "
                 f"tp_size={self.tp_size}, pp_size={self.pp_size}, dp_size={self.dp_size}: set ep_size=1 or those sizes"

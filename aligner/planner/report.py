@@ -101,8 +101,8 @@ def efficiency_text() -> str:
         train = f"{MFU_MAX:g}"
     return (
         f"training and forward passes {train} of peak (fitted to Narayanan et al. 2021, Table 1); "
-        f"rollout prefill {MODEL_FLOPS_EFFICIENCY:g}, decode by HBM bandwidth; DP reduction overlapped with backward "
-        "where the runtime overlaps it (DDP with pp = 1, FSDP2)"
+        f"rollout prefill {MODEL_FLOPS_EFFICIENCY:g}, decode by HBM bandwidth; DDP's all-reduce overlapped with the last "
+        "micro-batch's backward at pp = 1; FSDP2's gathers and reduce-scatters per micro-batch, beside each pass's compute"
     )
 
 

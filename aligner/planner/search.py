@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
 from aligner.config import AlignerConfig, ClusterConfig, ModelConfig
+from aligner.config.parallel import cp_runs_with_ep
 from aligner.errors import ConfigError, PlanError
 from aligner.planner.cost_model import Layout, LayoutEstimate, Rejected, RoleWork
 from aligner.planner.evaluate import evaluate_layout
@@ -319,8 +320,7 @@ def candidate_layouts(model: ModelConfig, work: RoleWork, devices: int, minimal:
             for cp in _cp_sizes(model, work, devices // (tp * pp)):
                 dp = devices // (tp * pp * cp)
                 eps = [d for d in _divisors(dp) if model.num_experts and model.num_experts % d == 0] if work.mode == "train" else []
-                # cp with ep > 1: the runtime runs ep = dp at tp 1, pp 1 only (ParallelConfig.validate_cp)
-                for ep in [d for d in eps if cp == 1 or d == 1 or (d == dp and tp == 1 and pp == 1)] or [1]:
+                for ep in [d for d in eps if cp == 1 or cp_runs_with_ep(tp, pp, dp, d)] or [1]:
                     for mbs in _micro_batches(work, dp, minimal):
                         for rc in modes:
                             for sp in ((True,) if minimal else (False, True)) if tp > 1 and work.mode == "train" else (False,):
