@@ -5,7 +5,8 @@ Runs the three stage entry points in order with conf=tiny, each writing to
 wires each stage's output into the next (RM and critic from the SFT policy / RM, reference
 from the SFT policy), and ends with the PPO run's table: held-out accuracy of the SFT and
 PPO policies, mean RM score, KL to the reference. Extra ``key=value`` arguments go to
-every stage (e.g. ``trainer.progress=false``).
+every stage (e.g. ``trainer.progress=false``). The stages share one Ray instance, started here
+(or the cluster that ``cluster.address`` / RAY_ADDRESS names), as a stage run joins one already up.
 
 Every stage gets ``overwrite=true``, so running the demo again (a second ``make demo``)
 deletes the previous demo's outputs under <root>/{sft,rm,ppo} and starts over, where a plain
@@ -20,6 +21,21 @@ import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
+
+
+def _start_ray(overrides: list[str]):
+    """One Ray instance for the three stages (each stage joins it and leaves it running, as a stage
+    run joins any Ray instance already up): a local instance costs seconds to start and stop.
+    Returns its RayInfo, or None when the overrides do not load (the first stage reports why)."""
+    from aligner.cli import load_config
+    from aligner.errors import ConfigError, UserError
+    from aligner.workers.ray_runtime import init_ray
+
+    try:
+        cfg = load_config("sft", ["conf=tiny", *overrides])
+    except (ConfigError, UserError):
+        return None
+    return init_ray(cfg.cluster)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -41,14 +57,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ("ppo", ppo.main, [f"output_dir={root / 'ppo'}", f"actor.init={root / 'sft'}", f"reward.init={root / 'rm'}"]),
     ]
     times = {}
-    for name, fn, extra in stages:
-        print(f"\n=== aligner demo: {name} ===", flush=True)
-        t0 = time.perf_counter()
-        code = fn(["conf=tiny", *extra, *rest])
-        times[name] = time.perf_counter() - t0
-        if code != 0:
-            print(f"aligner demo: stage {name} failed with exit code {code}", file=sys.stderr)
-            return code
+    ray_info = _start_ray(rest)
+    try:
+        for name, fn, extra in stages:
+            print(f"\n=== aligner demo: {name} ===", flush=True)
+            t0 = time.perf_counter()
+            code = fn(["conf=tiny", *extra, *rest])
+            times[name] = time.perf_counter() - t0
+            if code != 0:
+                print(f"aligner demo: stage {name} failed with exit code {code}", file=sys.stderr)
+                return code
+    finally:
+        if ray_info is not None and ray_info.started:
+            from aligner.workers.ray_runtime import shutdown_ray
+
+            shutdown_ray()
     summary = json.loads((root / "ppo" / "summary.json").read_text())
     print("\n=== aligner demo: results (conf=tiny, built-in addition task) ===")
     print(ppo.summary_table(summary))
