@@ -47,6 +47,7 @@ import json
 import logging
 import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -72,7 +73,7 @@ from aligner.trainers.ppo_setup import REPORT_KEYS, load_prompts, load_reward_st
 from aligner.trainers.producer import Pending, RolloutProducer, token_staleness_metrics
 from aligner.workers.actor import ActorWorker, PolicyWorker
 from aligner.workers.critic import CriticWorker
-from aligner.workers.group import CoreSharing, WorkerGroup, get_all, role_worker_group
+from aligner.workers.group import CoreSharing, WorkerGroup, get_all, role_worker_group, start_groups
 from aligner.workers.placement import ROLLOUT_GROUP, placement_from_config
 from aligner.workers.reward import JudgeScores, RemoteRewardRole, RewardWorker
 from aligner.workers.rollout import RolloutWorker
@@ -177,9 +178,9 @@ class PPOTrainer(Trainer):
             "critic": (CriticWorker, dict(cfg=cfg, total_steps=steps, init=cfg.init_of("critic"))),
             "reward": (RewardWorker, dict(cfg=cfg)),
         }
-        for role in roles:
-            cls, kw = specs[role]
-            self.groups[role] = role_worker_group(cfg, role, cls, self.placement, kwargs=kw)
+        # the roles' worker processes start and set up side by side, not one group after the other
+        makers = {role: partial(role_worker_group, cfg, role, specs[role][0], self.placement, kwargs=specs[role][1]) for role in roles}
+        self.groups.update(start_groups(makers))
         if cfg.rollout.placement == "split":
             self.start_rollout(self.placement.role(ROLLOUT_GROUP))
         # threads follow the work only when the phases run one after another (not beside a rollout group)

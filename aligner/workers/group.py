@@ -591,6 +591,26 @@ def role_worker_group(cfg: Any, role: str, worker_cls: type, placement: Placemen
     return WorkerGroup(role, worker_cls, placement.role(role), cfg.role(role).parallel, **kw)
 
 
+def start_groups(makers: Mapping[str, Callable[[], WorkerGroup]]) -> dict[str, WorkerGroup]:
+    """Build several worker groups at once: role -> maker (a callable returning the started group), each in
+    its own thread, so that their processes start and set up side by side instead of one group after the
+    other. Returns role -> group in the order of `makers`. When a maker raises, the groups that did start
+    are shut down and the exception of the first failing role (in that order) is raised."""
+    if len(makers) <= 1:
+        return {role: make() for role, make in makers.items()}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(makers), thread_name_prefix="start_groups") as pool:
+        futures = {role: pool.submit(make) for role, make in makers.items()}
+    errors = [f.exception() for f in futures.values() if f.exception() is not None]
+    if errors:
+        for f in futures.values():
+            if f.exception() is None:
+                f.result().shutdown()
+        raise errors[0]
+    return {role: f.result() for role, f in futures.items()}
+
+
 STRAGGLER_MIN_S = 1.0  # a straggler line only for a rank busy at least this long in the step
 
 

@@ -20,7 +20,7 @@ import torch
 from aligner.config import AlignerConfig, ClusterConfig, ParallelConfig, RefRoleConfig, ResourceConfig, TrainableRoleConfig
 from aligner.errors import WorkerDiedError, WorkerError
 from aligner.workers.dispatch import concat_results, dispatch, dispatched_methods, split_batch
-from aligner.workers.group import CoreSharing, WorkerGroup, core_shares, get_all, get_all_across_groups
+from aligner.workers.group import CoreSharing, WorkerGroup, core_shares, get_all, get_all_across_groups, start_groups
 from aligner.workers.placement import PlacementError, RoleRequest, create_placement, plan_from_config, plan_node_groups
 from tests.toolkit.ray import NUM_CPUS
 
@@ -242,6 +242,42 @@ def test_core_shares_split_each_node_among_its_busy_cpu_workers():
     assert core_shares(info, ["actor", "critic", "reward"]) == {("actor", 0): 2, ("actor", 1): 2, ("actor", 2): 8, ("critic", 0): 2}
     assert core_shares(info, ["ref", "actor", "ref"]) == {("actor", 0): 4, ("actor", 1): 4, ("actor", 2): 4, ("ref", 0): 1}
     assert core_shares(info, ["reward", "missing"]) == {}
+
+
+def test_start_groups_starts_side_by_side_and_cleans_up_after_a_failure():
+    """start_groups builds the groups in threads at once (each maker here waits for all of them to have
+    started), returns them in the makers' order, and when one fails shuts down those that started and
+    raises the first failing role's error."""
+    import threading
+
+    class Fake:
+        def __init__(self, role):
+            self.role, self.closed = role, False
+
+        def shutdown(self):
+            self.closed = True
+
+    def maker(role, barrier, fail=False):
+        def make():
+            barrier.wait(timeout=10)  # every maker runs before any returns: a sequential start would time out here
+            if fail:
+                raise WorkerError(role, 0, f"{role} failed")
+            built.append(Fake(role))
+            return built[-1]
+
+        return make
+
+    built: list = []
+    barrier = threading.Barrier(3)
+    groups = start_groups({r: maker(r, barrier) for r in ("actor", "critic", "ref")})
+    assert list(groups) == ["actor", "critic", "ref"] and [g.role for g in groups.values()] == ["actor", "critic", "ref"]
+    assert not any(g.closed for g in groups.values())
+    built.clear()
+    barrier = threading.Barrier(3)
+    makers = {"actor": maker("actor", barrier), "critic": maker("critic", barrier, fail=True), "ref": maker("ref", barrier, fail=True)}
+    with pytest.raises(WorkerError, match="critic failed"):
+        start_groups(makers)
+    assert [g.role for g in built] == ["actor"] and built[0].closed
 
 
 def test_plan_from_aligner_config():
