@@ -17,6 +17,9 @@ def cp_runs_with_ep(tp_size: int, pp_size: int, dp_size: int, ep_size: int) -> b
     return ep_size == 1 or (tp_size, pp_size, dp_size) == (1, 1, ep_size)
 
 
+FSDP_REDUCE = ("micro_batch", "step")  # ParallelConfig.fsdp_reduce: when FSDP2 reduce-scatters gradients
+
+
 @dataclass(kw_only=True)
 class ParallelConfig:
     """One role's TP x PP x DP layout and how it trains (Megatron-style TP/SP, 1F1B PP)."""
@@ -34,6 +37,12 @@ class ParallelConfig:
     zero_stage: int = 1  # DeepSpeed ZeRO stage 1-3 (dp_backend=deepspeed only)
     offload_optimizer: bool = False  # DeepSpeed CPU-offloaded Adam (dp_backend=deepspeed only)
     mixed_precision: str = "fp32"  # fp32 | bf16 (bf16 compute, fp32 master weights and grad reduction)
+    # FSDP2 gradient accumulation over a step's micro-batches (dp_backend=fsdp2): micro_batch = each layer is
+    # all-gathered in forward and backward and its gradient reduce-scattered for every micro-batch (least memory);
+    # step = each layer all-gathered once and reduce-scattered once per optimizer step, at the last micro-batch,
+    # holding every layer's unsharded parameters and fp32 gradients through the step, like DDP (Megatron's
+    # distributed optimizer; ep_size=1 only); aligner.parallel.data_parallel.FsdpStepReduce
+    fsdp_reduce: str = "micro_batch"
     num_microbatches: int = 0  # pipeline micro-batches per step; 0 = derive from batch sizes
     pp_layer_split: Optional[list[int]] = None  # layers per stage (uneven splits); None = even
     # interleaved 1F1B (Narayanan et al. 2021): model chunks per pipeline rank, each rank holding v
@@ -58,6 +67,21 @@ class ParallelConfig:
         _choice(f"{prefix}.dp_backend", self.dp_backend, ("fsdp2", "ddp", "deepspeed"))
         _choice(f"{prefix}.mixed_precision", self.mixed_precision, ("fp32", "bf16"))
         _choice(f"{prefix}.zero_stage", self.zero_stage, (0, 1, 2, 3))
+        _choice(f"{prefix}.fsdp_reduce", self.fsdp_reduce, FSDP_REDUCE)
+        if self.fsdp_reduce == "step":
+            _check(
+                self.dp_backend == "fsdp2",
+                f"{prefix}.fsdp_reduce",
+                self.fsdp_reduce,
+                f"needs {prefix}.dp_backend=fsdp2, not {self.dp_backend} (DDP already all-reduces once per step; DeepSpeed "
+                f"accumulates itself): set {prefix}.fsdp_reduce=micro_batch",
+            )
+            _check(
+                self.ep_size == 1,
+                f"{prefix}.fsdp_reduce",
+                self.fsdp_reduce,
+                f"with expert parallelism ({prefix}.ep_size={self.ep_size}) is untested: set {prefix}.fsdp_reduce=micro_batch or ep_size=1",
+            )
         _check(
             self.logprob_chunk_size >= -1,
             f"{prefix}.logprob_chunk_size",

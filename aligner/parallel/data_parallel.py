@@ -7,6 +7,8 @@ Owns:
   shards, not DTensor), so FSDP2 shards each rank's *TP-local* parameters over dp: every
   parameter becomes a DTensor on the 1-D dp mesh with ``Shard(0)``, and so do its gradients
   and the AdamW state (optimizer state is sharded over dp for free).
+- :class:`FsdpStepReduce`: ``parallel.fsdp_reduce=step``, FSDP2 gradient accumulation with one
+  all-gather and one reduce-scatter per unit per optimizer step instead of per micro-batch.
 - :func:`apply_ddp`: ``DistributedDataParallel`` over the dp group (gradients averaged).
   Simplification: the DDP optimizer state is replicated on every dp rank (no
   ZeroRedundancyOptimizer), which keeps checkpoints a plain per-tensor layout.
@@ -154,6 +156,79 @@ def apply_fsdp2(model: nn.Module, dp_mesh, mixed_precision: str = "fp32", reshar
         fully_shard(layer, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
     return model
+
+
+class FsdpStepReduce:
+    """FSDP2 gradient accumulation that communicates once per optimizer step (``parallel.fsdp_reduce=step``).
+
+    By default (``fsdp_reduce=micro_batch``) every FSDP2 unit (each decoder layer, each expert
+    group on the edp mesh, the root: embedding, final norm, head) is all-gathered in forward, freed,
+    all-gathered again in backward and its gradient reduce-scattered, for every micro-batch. Here,
+    through the ``FSDPModule`` switches of torch.distributed.fsdp (torch 2.13):
+
+    - :meth:`begin` (before the step's first forward): ``set_requires_gradient_sync(False)`` (the
+      post-backward keeps the unsharded gradient instead of reduce-scattering it),
+      ``set_reshard_after_backward(False)`` and ``set_reshard_after_forward(False)`` on every unit,
+      so a unit's first forward all-gathers it and it stays unsharded for the rest of the step;
+    - :meth:`last_backward` (before chunk ``c``'s backward of the step's last micro-batch; the pp=1
+      loop calls it before the last micro-batch, the 1F1B schedules before that backward on each
+      chunk): gradient sync and reshard-after-backward back on for that chunk's units, so its
+      post-backward reduce-scatters the accumulated gradient once and frees the unsharded
+      parameters. The root unit (shared by a rank's interleaved chunks) is switched with the last
+      chunk to reach this point, whose backward is the rank's last of the step;
+    - :meth:`end` (after the step's backwards, also on error): every switch back to FSDP2's
+      defaults as :func:`apply_fsdp2` set them (reshard after forward and backward, gradient sync).
+
+    So each unit is all-gathered once and reduce-scattered once per step instead of 2m and m
+    times for m micro-batches, at the memory cost of every unit's unsharded parameters and
+    unsharded gradients alive through the step (DDP's footprint for those; the optimizer state
+    stays sharded). Gradient dtype: with fp32 parameters (``MixedPrecisionPolicy()``) the unsharded
+    gradients accumulate in fp32 ``.grad``; under ``mixed_precision=bf16`` (param_dtype bf16,
+    reduce_dtype fp32) each micro-batch's backward yields a bf16 unsharded gradient, which FSDP2
+    upcasts into an fp32 buffer (``FSDPParam.unsharded_accumulated_grad``, reduce_dtype) on the first
+    accumulating backward and adds the later ones into: the sum is held and reduce-scattered in fp32.
+    The result equals per-micro-batch reduction up to the order of fp32 additions.
+
+    Args:
+        root: the FSDP2 root model (:func:`apply_fsdp2`'s result, the rank's stage).
+        chunks: the modules the schedule backpropagates through, each holding its decoder layers: the
+            interleaved chunk views, or ``[root]``.
+        reshard_after_forward: the value :func:`apply_fsdp2` was given (restored by :meth:`end`).
+    """
+
+    def __init__(self, root: nn.Module, chunks: list[nn.Module], reshard_after_forward: bool = True):
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(root, FSDPModule):
+            raise ValueError(f"FsdpStepReduce: {type(root).__name__} is not an FSDP2 module (apply_fsdp2 first)")
+        self.root = root
+        self.reshard_after_forward = reshard_after_forward
+        self.chunk_units = [[m for layer in decoder_layers(c) for m in layer.modules() if isinstance(m, FSDPModule)] for c in chunks]
+        self._pending: set[int] = set()
+
+    def begin(self) -> None:
+        """Before the step's first forward: no gradient sync, no reshard after forward or backward (every unit)."""
+        self.root.set_requires_gradient_sync(False)
+        self.root.set_reshard_after_backward(False)
+        self.root.set_reshard_after_forward(False)
+        self._pending = set(range(len(self.chunk_units)))
+
+    def last_backward(self, chunk: int = 0) -> None:
+        """Before chunk `chunk`'s backward of the step's last micro-batch: that chunk's units (and, with
+        the last chunk to get here, the root) reduce-scatter their accumulated gradients and reshard
+        after this backward. Raises KeyError: `chunk` already switched this step or out of range."""
+        self._pending.remove(chunk)
+        units = self.chunk_units[chunk] + ([] if self._pending else [self.root])
+        for m in units:
+            m.set_requires_gradient_sync(True, recurse=False)
+            m.set_reshard_after_backward(True, recurse=False)
+
+    def end(self) -> None:
+        """After the step's backwards: FSDP2's defaults back on every unit (sync, reshard after backward and forward)."""
+        self.root.set_requires_gradient_sync(True)
+        self.root.set_reshard_after_backward(True)
+        self.root.set_reshard_after_forward(self.reshard_after_forward)
+        self._pending = set()
 
 
 # ---- DDP ---------------------------------------------------------------------------------

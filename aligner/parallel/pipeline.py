@@ -156,6 +156,7 @@ def pipeline_train_step(
     *,
     loss_reduction: str = "mean",
     finalize: bool = True,
+    before_last_backward: Optional[Callable[[int], None]] = None,
 ) -> torch.Tensor:
     """Forward and backward over all micro-batches in the 1F1B order; gradients accumulate in .grad.
 
@@ -172,6 +173,10 @@ def pipeline_train_step(
             [b, R] each when the micro-batch carries a ``logprob`` spec).
         loss_reduction: "mean" (scale each loss by 1/num_microbatches) or "sum" (no scaling).
         finalize: run :func:`finalize_grads` after the last backward.
+        before_last_backward: called with a chunk's index (0 without interleaving) just before that
+            chunk's backward of the last micro-batch (backwards run in micro-batch order on every
+            chunk): where FSDP2 turns its per-step gradient reduction back on
+            (:class:`aligner.parallel.data_parallel.FsdpStepReduce`).
     Returns:
         losses: [num_microbatches] fp32, the unscaled loss_fn values, on every pp rank.
     Raises ValueError: bad loss_reduction, no micro-batches, T not divisible under SP, or (interleaved)
@@ -186,7 +191,7 @@ def pipeline_train_step(
     if isinstance(model, (list, tuple)):  # virtual pipeline stages: this rank's chunks
         for chunk in model:
             set_aux_loss_scale(chunk, 1.0 / m)
-        losses = _interleaved_train_step(model, dims, microbatches, loss_fn, scale)
+        losses = _interleaved_train_step(model, dims, microbatches, loss_fn, scale, before_last_backward)
         if finalize:
             finalize_grads(model, dims)
         return _broadcast_from_last(torch.stack(losses) if dims.is_last_stage else None, dims)
@@ -210,7 +215,12 @@ def pipeline_train_step(
             return loss * scale
         return out
 
+    backwards = [0]
+
     def backward(x, y, grad):
+        backwards[0] += 1
+        if backwards[0] == m and before_last_backward is not None:
+            before_last_backward(0)
         torch.autograd.backward(y, grad_tensors=None if p2p.last else grad)
         return None if x is None else x.grad
 
@@ -345,9 +355,10 @@ def interleaved_order(num_microbatches: int, pp_size: int, num_chunks: int, pp_r
     return order, warmup
 
 
-def _interleaved_train_step(chunks, dims, microbatches, loss_fn, scale: float) -> list[torch.Tensor]:
+def _interleaved_train_step(chunks, dims, microbatches, loss_fn, scale: float, before_last_backward=None) -> list[torch.Tensor]:
     """The interleaved 1F1B forward/backward of :func:`pipeline_train_step` over this rank's chunks;
-    returns the unscaled losses by micro-batch (last rank) or an empty list."""
+    returns the unscaled losses by micro-batch (last rank) or an empty list. before_last_backward(c)
+    runs before chunk c's backward of micro-batch m - 1 (each chunk's backwards run in micro-batch order)."""
     p, r, v, m = dims.pp_size, dims.pp_rank, len(chunks), len(microbatches)
     order, warmup = interleaved_order(m, p, v, r)
     ring = _Ring(dims, m, v)
@@ -378,6 +389,8 @@ def _interleaved_train_step(chunks, dims, microbatches, loss_fn, scale: float) -
         i, c = order[k][0], v - 1 - order[k][1]
         x, y = saved.pop((i, c))
         grad = None if last(c) else ring.recv(torch.empty_like(y), ring.next_of(c), i, c, backward=True)
+        if i == m - 1 and before_last_backward is not None:
+            before_last_backward(c)
         torch.autograd.backward(y, grad_tensors=grad)
         if not first(c):
             ring.send(x.grad, ring.prev_of(c), i, backward=True)

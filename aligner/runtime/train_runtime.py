@@ -177,6 +177,10 @@ class TrainRuntime:
         if self.device_type == "cpu":
             keep_freed_host_memory()  # logits-sized temporaries reuse freed heap (see aligner.runtime.host)
         self._build_optimizer(wrapped)
+        # parallel.fsdp_reduce=step: FSDP2's all-gather and reduce-scatter once per forward_backward, not per micro-batch
+        self._step_reduce = (
+            dpmod.FsdpStepReduce(self.module, self.chunks or [self.module]) if self.fsdp and parallel_cfg.fsdp_reduce == "step" else None
+        )
 
     @property
     def fsdp(self) -> bool:
@@ -245,30 +249,51 @@ class TrainRuntime:
         Under autocast the frozen weights (a LoRA base) are cast to bf16 once for the whole step and
         shared by every micro-batch (:attr:`shares_frozen_casts`): a stage holds one copy of those
         casts, as autocast's own cache does for trainable weights, not one per micro-batch in flight.
+        With ``parallel.fsdp_reduce=step`` (FSDP2, more than one micro-batch) each FSDP2 unit is
+        all-gathered once and its gradient reduce-scattered once per call, at the last micro-batch
+        (:class:`aligner.parallel.data_parallel.FsdpStepReduce`).
         """
-        with frozen_weight_casts(self.shares_frozen_casts):
-            if self.dims.pp_size > 1:
-                with dpmod.autocast_context(self.uses_autocast, self.device_type):
-                    return pipeline_train_step(self.stages, self.dims, microbatches, loss_fn, loss_reduction=loss_reduction, finalize=False)
-            if loss_reduction not in ("mean", "sum"):
-                raise ValueError(f"loss_reduction={loss_reduction!r}: valid choices are mean, sum")
-            scale = 1.0 / len(microbatches) if loss_reduction == "mean" else 1.0
-            set_aux_loss_scale(self.model, 1.0 / len(microbatches))
-            losses = []
-            for i, mb in enumerate(microbatches):
-                with self._accumulating(i < len(microbatches) - 1):
-                    loss = loss_fn(self.forward(mb["input_ids"], **model_kwargs(mb)), mb)
-                    self.backward(loss * scale)
-                losses.append(loss.detach().float())
-            return torch.stack(losses)
+        reduce = self._step_reduce if len(microbatches) > 1 else None
+        if reduce is not None:
+            reduce.begin()
+        try:
+            with frozen_weight_casts(self.shares_frozen_casts):
+                if self.dims.pp_size > 1:
+                    with dpmod.autocast_context(self.uses_autocast, self.device_type):
+                        return pipeline_train_step(
+                            self.stages,
+                            self.dims,
+                            microbatches,
+                            loss_fn,
+                            loss_reduction=loss_reduction,
+                            finalize=False,
+                            before_last_backward=reduce and reduce.last_backward,
+                        )
+                if loss_reduction not in ("mean", "sum"):
+                    raise ValueError(f"loss_reduction={loss_reduction!r}: valid choices are mean, sum")
+                scale = 1.0 / len(microbatches) if loss_reduction == "mean" else 1.0
+                set_aux_loss_scale(self.model, 1.0 / len(microbatches))
+                losses = []
+                for i, mb in enumerate(microbatches):
+                    if reduce is not None and i == len(microbatches) - 1:
+                        reduce.last_backward(0)
+                    with self._accumulating(i < len(microbatches) - 1):
+                        loss = loss_fn(self.forward(mb["input_ids"], **model_kwargs(mb)), mb)
+                        self.backward(loss * scale)
+                    losses.append(loss.detach().float())
+                return torch.stack(losses)
+        finally:
+            if reduce is not None:
+                reduce.end()
 
     def _accumulating(self, skip_sync: bool):
         """DDP's ``no_sync()`` for a micro-batch that is not the step's last: its gradients accumulate
         locally and the last micro-batch's backward all-reduces their sum, one dp all-reduce per
         optimizer step instead of one per micro-batch (as Megatron's and torchtitan's DDP gradient
         accumulation; the mean over dp of the summed gradients is the same up to the order of the fp32
-        additions). FSDP2 keeps reducing per micro-batch (skipping it would hold unsharded gradients)
-        and DeepSpeed accumulates itself; pp > 1 all-reduces once in :meth:`finalize_grads`."""
+        additions). FSDP2 reduces per micro-batch unless ``parallel.fsdp_reduce=step``
+        (:attr:`_step_reduce`, switched in :meth:`forward_backward`, holds the unsharded gradients) and
+        DeepSpeed accumulates itself; pp > 1 all-reduces once in :meth:`finalize_grads`."""
         if skip_sync and self.backend == "ddp" and hasattr(self.model, "no_sync"):
             return self.model.no_sync()
         return contextlib.nullcontext()
