@@ -13,6 +13,7 @@ prints the composed config and exits.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -48,6 +49,15 @@ def _preset_of(overrides: Sequence[str]) -> str:
     return preset
 
 
+@functools.cache
+def _store_schema() -> None:
+    """Put :func:`aligner.config.hydra_schema` in Hydra's ConfigStore, once a process (the store keeps a
+    copy, and building the node is a quarter of a :func:`compose`)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="aligner_schema", node=hydra_schema())
+
+
 def compose(stage: str, overrides: Sequence[str] = ()) -> omegaconf.DictConfig:  # noqa: F821
     """Compose the raw Hydra config for `stage` with `overrides` (``key=value`` strings).
 
@@ -70,9 +80,7 @@ def compose(stage: str, overrides: Sequence[str] = ()) -> omegaconf.DictConfig: 
         raise ConfigError(f"conf={preset!r} is not a preset: valid choices are {', '.join(PRESETS)}")
     if not CONF_DIR.is_dir():
         raise ConfigError(f"config directory {CONF_DIR} is missing: run from an aligner checkout (pip install -e .)")
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="aligner_schema", node=hydra_schema())
+    _store_schema()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
