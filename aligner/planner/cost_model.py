@@ -18,8 +18,11 @@ which torch.cuda reports about 79.2 GiB = 85.0e9 as total_memory):
   aligner.runtime.adamw) plus torch's 4 B ``step`` tensor per parameter tensor. FSDP2 shards
   all three over dp; DeepSpeed ZeRO-1/2/3 shards optimizer (and master) / + grads / + params;
   DDP shards nothing. Sharded parameters are gathered to run (:func:`zero3_buffer_bytes`):
-  FSDP2 gathers a decoder layer and prefetches the next, and in backward holds the layer's
-  unsharded gradient and its reduce-scatter input; DeepSpeed ZeRO-3 gathers per submodule
+  FSDP2 (``parallel.fsdp_reduce=micro_batch``, reducing every micro-batch) gathers a decoder layer and
+  prefetches the next, and in backward holds the layer's unsharded gradient and its reduce-scatter
+  input; with ``fsdp_reduce=step`` (one all-gather and one reduce-scatter per step) it holds every
+  layer's unsharded parameters (c) and accumulated unsharded gradients (fp32 under bf16) through the
+  step, as DDP does, the optimizer state still sharded (:func:`fsdp_step_buffer_bytes`); DeepSpeed ZeRO-3 gathers per submodule
   (the largest weight, plus the next one while fewer than stage3_max_live_parameters are live)
   and copies each gradient into its reduce bucket.
 - Activations: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
@@ -96,6 +99,9 @@ class Layout:
     ep: int = 1  # expert parallelism inside dp (MoE)
     cp: int = 1  # context parallelism: each sequence split over cp ranks (training roles)
     vpp: int = 1  # model chunks per pipeline rank (interleaved 1F1B, training roles)
+    # FSDP2's gradient reduction (parallel.fsdp_reduce): micro_batch (gather and reduce-scatter every micro-batch)
+    # or step (once per optimizer step, every layer's unsharded parameters and gradients held through it)
+    fsdp_reduce: str = "micro_batch"
 
     @property
     def devices(self) -> int:
@@ -106,7 +112,8 @@ class Layout:
         ep = f" ep={self.ep}" if self.ep > 1 else ""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         vpp = f" vpp={self.vpp}" if self.vpp > 1 else ""
-        return f"tp={self.tp}{cp} pp={self.pp}{vpp} dp={self.dp}{ep}{sp} mbs={self.micro_batch_size} recompute={self.recompute}"
+        fr = " fsdp_reduce=step" if self.fsdp_reduce == "step" else ""
+        return f"tp={self.tp}{cp} pp={self.pp}{vpp} dp={self.dp}{ep}{sp} mbs={self.micro_batch_size} recompute={self.recompute}{fr}"
 
 
 @dataclass(frozen=True)
@@ -353,7 +360,14 @@ def _dp_shards(pc: ParallelConfig) -> tuple[bool, bool, bool]:
 
 
 def train_state_bytes(
-    params: int, tensors: int, layer_params: int, pc: ParallelConfig, model: ModelConfig, dp: int, state_dtype: str = "float32"
+    params: int,
+    tensors: int,
+    layer_params: int,
+    pc: ParallelConfig,
+    model: ModelConfig,
+    dp: int,
+    state_dtype: str = "float32",
+    fsdp_step: bool = False,
 ) -> tuple[float, float, float]:
     """(weights, grads, optimizer) bytes on one device holding `params` parameters before dp sharding.
 
@@ -366,6 +380,9 @@ def train_state_bytes(
     tensors (a 4 B Adam ``step`` each). `layer_params`: one layer's parameters on this device
     (0: count no gathered buffers); with sharded parameters and dp > 1 the weights add the gathered
     parameters and the grads the unsharded gradient buffers of :func:`zero3_buffer_bytes`.
+    fsdp_step: FSDP2 with ``parallel.fsdp_reduce=step`` and dp > 1 (:func:`fsdp_step_buffer_bytes`): every
+    parameter is held unsharded through the step and its gradient accumulated unsharded, instead of one
+    layer at a time; counted even where layer_params is 0 (a LoRA run's adapters).
     Raises KeyError: an unknown state_dtype.
     """
     p_sh, g_sh, o_sh = _dp_shards(pc)
@@ -384,7 +401,10 @@ def train_state_bytes(
     else:
         weights = sh(master + compute_copy if not p_sh else master, p_sh)
     grads = sh(params * ((2 if deepspeed else 4) if bf16 else e), g_sh)
-    if p_sh and dp > 1 and layer_params > 0:
+    if fsdp_step and pc.dp_backend == "fsdp2" and dp > 1:
+        gathered, grad_buffers = fsdp_step_buffer_bytes(layer_params, params, pc, model)
+        weights, grads = weights + gathered, grads + grad_buffers
+    elif p_sh and dp > 1 and layer_params > 0:
         gathered, grad_buffers = zero3_buffer_bytes(layer_params, params, pc, model)
         weights, grads = weights + gathered, grads + grad_buffers
     moment = DTYPE_BYTES[state_dtype] if state_dtype != "float32" else (4 if bf16 else e)
@@ -421,6 +441,23 @@ def zero3_buffer_bytes(layer_params: int, params: int, pc: ParallelConfig, model
         return float((w + prefetch) * c), float((w + min(DS_REDUCE_BUCKET_SIZE, params)) * c)
     r = 4 if bf16 else c
     return float(2 * layer_params * c), float(layer_params * (c + r))
+
+
+def fsdp_step_buffer_bytes(layer_params: int, params: int, pc: ParallelConfig, model: ModelConfig) -> tuple[float, float]:
+    """(gathered parameters, unsharded gradient buffers) bytes of FSDP2 under ``parallel.fsdp_reduce=step`` on
+    one device of a dp > 1 group, beside the dp-sharded state (:class:`aligner.parallel.data_parallel.FsdpStepReduce`).
+
+    Every unit stays unsharded from the step's first forward to its last backward, so all `params` (the device's
+    parameters before dp sharding) are held gathered in the compute dtype c (bf16 under bf16 mixed precision,
+    else model.dtype): params * c. Their gradients accumulate unsharded over the micro-batches in the reduce
+    dtype r (fp32 under bf16: FSDP2 upcasts each micro-batch's bf16 gradient into an fp32 buffer; else c):
+    params * r, plus, in a layer's backward, its fresh micro-batch gradient (c) and, at the last micro-batch,
+    its reduce-scatter input (r): layer_params * (c + r). DDP's footprint for parameters and gradients, with the
+    optimizer state still sharded."""
+    bf16 = pc.mixed_precision == "bf16"
+    c = 2 if bf16 else DTYPE_BYTES[model.dtype]
+    r = 4 if bf16 else c
+    return float(params * c), float(params * r + layer_params * (c + r))
 
 
 def frozen_weight_bytes(params: int, pc: ParallelConfig, model: ModelConfig, dp: int) -> float:

@@ -64,6 +64,8 @@ def layout_problem(model: ModelConfig, work: RoleWork, layout: Layout, cluster: 
             return f"vpp={layout.vpp} needs a training role, pp > 1, layers divisible by pp x vpp and micro-batches by pp"
         if work.parallel.dp_backend == "deepspeed" and layout.dp > 1:
             return "the interleaved schedule runs with dp_backend fsdp2 or ddp, or dp=1"
+    if layout.fsdp_reduce == "step" and (work.mode != "train" or work.parallel.dp_backend != "fsdp2" or layout.ep > 1):
+        return "fsdp_reduce=step needs a training role with dp_backend fsdp2 and ep=1"
     if layout.cp > 1:
         if work.mode != "train":
             return "context parallelism is for training roles"
@@ -91,6 +93,7 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
     layer_local += experts_layer // (layout.tp * layout.ep)
     best: Optional[MemoryBreakdown] = None
     grad_bytes = 0.0
+    step = layout.fsdp_reduce == "step"  # FSDP2 holds every layer unsharded through the step (fsdp_step_buffer_bytes)
     for stage in sorted({0, layout.pp - 1}):
         params = stage_num_parameters(model, work.kind, layout.tp, layout.pp, stage, layout.ep)
         last = stage == layout.pp - 1
@@ -101,13 +104,17 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
                 n_ad, t_ad = lora_num_parameters(model, work.lora_rank, work.lora_targets, layout.tp, layers)
                 head = model.hidden_size if (work.kind == "score" and last) else 0
                 trained = n_ad + head
-                w, _, _ = train_state_bytes(params + n_ad, 0, layer_local, work.parallel, model, layout.dp, work.optim_state_dtype)
-                _, g, o = train_state_bytes(trained, t_ad + (1 if head else 0), 0, work.parallel, model, layout.dp, work.optim_state_dtype)
+                w, _, _ = train_state_bytes(params + n_ad, 0, layer_local, work.parallel, model, layout.dp, work.optim_state_dtype, step)
+                _, g, o = train_state_bytes(
+                    trained, t_ad + (1 if head else 0), 0, work.parallel, model, layout.dp, work.optim_state_dtype, step
+                )
             else:
                 tensors = stage_num_tensors(model, work.kind, layout.pp, stage)
                 # experts (E / ep per rank) are sharded over the expert-data-parallel ranks, dp / ep
                 experts = stage_expert_parameters(model, layout.tp, layout.pp, stage, layout.ep) if layout.ep > 1 else 0
-                w, g, o = train_state_bytes(params - experts, tensors, layer_local, work.parallel, model, layout.dp, work.optim_state_dtype)
+                w, g, o = train_state_bytes(
+                    params - experts, tensors, layer_local, work.parallel, model, layout.dp, work.optim_state_dtype, step
+                )
                 if experts:
                     w2, g2, o2 = train_state_bytes(experts, 0, 0, work.parallel, model, layout.dp // layout.ep, work.optim_state_dtype)
                     w, g, o = w + w2, g + g2, o + o2

@@ -86,6 +86,8 @@ def recommended_overrides(plan: Plan) -> list[str]:
             out[-1] += f" {name}.parallel.ep_size={lay.ep}"
         if lay.vpp > 1:
             out[-1] += f" {name}.parallel.virtual_pp_size={lay.vpp}"
+        if lay.fsdp_reduce == "step":
+            out[-1] += f" {name}.parallel.fsdp_reduce=step"
         if rp.idle and name != "rollout":  # the role's group has more nodes than its layout uses
             out[-1] += f" {name}.resources.num_nodes={rp.devices // devices_per_node(plan.cluster)}"
         if rp.work.mode == "train":
@@ -102,7 +104,8 @@ def efficiency_text() -> str:
     return (
         f"training and forward passes {train} of peak (fitted to Narayanan et al. 2021, Table 1); "
         f"rollout prefill {MODEL_FLOPS_EFFICIENCY:g}, decode by HBM bandwidth; DDP's all-reduce overlapped with the last "
-        "micro-batch's backward at pp = 1; FSDP2's gathers and reduce-scatters per micro-batch, beside each pass's compute"
+        "micro-batch's backward at pp = 1; FSDP2's gathers and reduce-scatters per micro-batch, beside each pass's compute, "
+        "or once per step with fsdp_reduce=step"
     )
 
 
@@ -160,6 +163,7 @@ def configured_layout(cfg: AlignerConfig, work: RoleWork) -> Layout:
         ep=getattr(pc, "ep_size", 1) if work.mode == "train" else 1,
         cp=getattr(pc, "cp_size", 1) if work.mode == "train" else 1,
         vpp=getattr(pc, "virtual_pp_size", 1) if work.mode == "train" else 1,
+        fsdp_reduce=getattr(pc, "fsdp_reduce", "micro_batch") if work.mode == "train" else "micro_batch",
     )
 
 

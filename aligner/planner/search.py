@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 from aligner.config import AlignerConfig, ClusterConfig, ModelConfig
 from aligner.config.parallel import cp_runs_with_ep
 from aligner.errors import ConfigError, PlanError
-from aligner.planner.cost_model import Layout, LayoutEstimate, Rejected, RoleWork
+from aligner.planner.cost_model import Layout, LayoutEstimate, Rejected, RoleWork, micro_batch_shape
 from aligner.planner.evaluate import evaluate_layout
 from aligner.planner.time_model import devices_per_node
 from aligner.tracking import read_metrics
@@ -301,12 +301,22 @@ def _try_interleaving(model: ModelConfig, work: RoleWork, cluster: ClusterConfig
     plan.ranked.sort(key=lambda x: (x.time.total_s, x.memory.total))
 
 
+def _fsdp_step_applies(work: RoleWork, layout: Layout) -> bool:
+    """Whether ``parallel.fsdp_reduce=step`` is a distinct choice for `layout`: a training role on FSDP2 with
+    dp > 1, ep = 1 (the runtime refuses it with expert parallelism) and more than one micro-batch per step
+    (with one, both modes communicate once)."""
+    if work.mode != "train" or work.parallel.dp_backend != "fsdp2" or layout.dp == 1 or layout.ep > 1:
+        return False
+    return micro_batch_shape(work, layout, work.batch)[0] > 1
+
+
 def candidate_layouts(model: ModelConfig, work: RoleWork, devices: int, minimal: bool = False) -> Iterable[Layout]:
     """Every tp x cp x pp x dp = devices with tp <= num_heads and pp <= num_layers (unequal stages
     allowed: the runtime's default split), each micro-batch
     size, recomputation and SP (training roles, tp > 1), for an MoE training role each ep dividing
     dp and num_experts (the rollout engine holds every expert per replica; with cp > 1 only ep = 1 or ep = dp at tp = pp = 1), and for a
-    training role the context-parallel sizes of :func:`_cp_sizes`. minimal: only the least-memory choices.
+    training role the context-parallel sizes of :func:`_cp_sizes`; each FSDP2 training layout with more than one
+    micro-batch also with ``fsdp_reduce=step`` (:func:`_fsdp_step_applies`). minimal: only the least-memory choices.
     (Interleaving is tried afterwards, on the best pipeline layout: :func:`plan_role`.)"""
     modes = (("full",) if minimal else RECOMPUTE_MODES) if work.mode == "train" else ("none",)
     for tp in _divisors(devices):
@@ -324,7 +334,10 @@ def candidate_layouts(model: ModelConfig, work: RoleWork, devices: int, minimal:
                     for mbs in _micro_batches(work, dp, minimal):
                         for rc in modes:
                             for sp in ((True,) if minimal else (False, True)) if tp > 1 and work.mode == "train" else (False,):
-                                yield Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, sp=sp, recompute=rc, ep=ep, cp=cp)
+                                lay = Layout(tp=tp, pp=pp, dp=dp, micro_batch_size=mbs, sp=sp, recompute=rc, ep=ep, cp=cp)
+                                yield lay
+                                if not minimal and _fsdp_step_applies(work, lay):
+                                    yield replace(lay, fsdp_reduce="step")
 
 
 def plan_role(model: ModelConfig, work: RoleWork, devices: int, cluster: ClusterConfig, minimal: bool = False) -> RolePlan:

@@ -1,7 +1,7 @@
 """The planner's step-time model: seconds per step of one role's layout (training, forward, generation).
 
 Owns: FLOPs per token, the communication terms (TP all-reduces, the data-parallel reduction and what the
-runtime overlaps of it, FSDP2's per-micro-batch traffic, context parallelism's K/V exchange, expert
+runtime overlaps of it, FSDP2's traffic per micro-batch or per step (``parallel.fsdp_reduce``), context parallelism's K/V exchange, expert
 all-to-alls, pipeline point-to-point), the training efficiency (:func:`gemm_efficiency`) and the decode
 model, on the types and parameter counts of :mod:`aligner.planner.cost_model`.
 
@@ -14,7 +14,9 @@ B*T*H elements over the intra-node bandwidth with ring volume 2(n-1)/n; the data
 gradient all-reduce over the inter-node bandwidth when the dp group spans nodes, once per optimizer step
 (DDP, less what the last micro-batch's backward hides: :func:`dp_overlap_exposed`; DeepSpeed), or FSDP2's
 per-layer all-gathers (forward and backward) and reduce-scatters for every micro-batch, exposed beyond each
-pass's compute (:func:`fsdp2_microbatch_exposed_seconds`); the 1F1B bubble multiplies compute by 1 + (p-1)/m (Narayanan et al.
+pass's compute (``parallel.fsdp_reduce=micro_batch``, the default: :func:`fsdp2_microbatch_exposed_seconds`),
+or once per optimizer step (``fsdp_reduce=step``: one all-gather per layer beside the first micro-batch's
+forward, one reduce-scatter beside the last one's backward: :func:`fsdp2_step_exposed_seconds`); the 1F1B bubble multiplies compute by 1 + (p-1)/m (Narayanan et al.
 2021). Rollout: a compute-bound prefill, then decode steps, each the larger of reading the stage
 weights and the whole KV cache from HBM and its FLOPs, plus a fixed overhead per decoder layer
 (DECODE_OVERHEAD_S_PER_LAYER, fitted to aligner's measured decode) and the TP all-reduces; a token
@@ -250,7 +252,9 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
     c, t, b = _pass_time(flops, m, layers, colls, layout, model, e, seq, cluster, rows)
     fsdp = work.parallel.dp_backend == "fsdp2" and layout.dp > 1
     fwd_share = forward_flops_per_token(n, model, seq) / train_flops_per_token(n, model, seq, layout.recompute, frozen)
-    if fsdp:  # per micro-batch, overlapped per pass; the pipeline's slots (and so its bubble) grow with it
+    if fsdp and layout.fsdp_reduce == "step":  # once per step: gathers in the first forward, reduce-scatters in the last backward
+        dp = fsdp2_step_exposed_seconds(model, work, layout, c / m * fwd_share, c / m * (1.0 - fwd_share), cluster)
+    elif fsdp:  # per micro-batch, overlapped per pass; the pipeline's slots (and so its bubble) grow with it
         dp = m * fsdp2_microbatch_exposed_seconds(model, work, layout, c / m * fwd_share, c / m * (1.0 - fwd_share), cluster)
         b += dp * pipeline_bubble_fraction(layout.pp, m, layout.vpp)
     else:
@@ -300,7 +304,8 @@ def dp_overlap_exposed(
       accumulate under ``no_sync``): exposed is what exceeds that backward (compute_s / micro_batches times
       the backward's share of the training FLOPs), at least the last bucket's all-reduce (DDP_BUCKET_BYTES).
     - DDP with pp > 1: all-reduced after the pipeline's flush (``finalize_grads``): not overlapped.
-    - FSDP2 with dp > 1: not charged here, per micro-batch instead (:func:`fsdp2_microbatch_exposed_seconds`).
+    - FSDP2 with dp > 1: not charged here, per micro-batch (:func:`fsdp2_microbatch_exposed_seconds`) or, with
+      ``fsdp_reduce=step``, once per step (:func:`fsdp2_step_exposed_seconds`) instead.
     - DeepSpeed: not overlapped (aligner's DeepSpeed config leaves ``overlap_comm`` at its default, off
       for ZeRO-1/2), once per step. An undercount for m > 1 left as it was: the config's
       ``gradient_accumulation_steps: 1`` makes every ``engine.backward`` (one per micro-batch) an accumulation
@@ -324,16 +329,19 @@ def fsdp2_microbatch_exposed_seconds(
 ) -> float:
     """Seconds FSDP2's collectives add to one micro-batch on a stage (dp > 1), beyond its compute.
 
-    What aligner's runtime does, per micro-batch (not per optimizer step):
+    What aligner's runtime does, per micro-batch, under ``parallel.fsdp_reduce=micro_batch`` (the default;
+    ``step``: :func:`fsdp2_step_exposed_seconds`):
     - :func:`aligner.parallel.data_parallel.apply_fsdp2` calls ``fully_shard`` on every decoder layer and then on
       the model (the root: embedding, final norm, head), with ``reshard_after_forward=True``
-      (:func:`aligner.parallel.parallelize.apply_data_parallel` passes no other value), and the runtime never calls
-      ``set_requires_gradient_sync``, ``set_reshard_after_backward`` or ``no_sync`` for FSDP2
-      (:meth:`aligner.runtime.train_runtime.TrainRuntime._accumulating` skips DDP's sync only; pipeline.py neither).
+      (:func:`aligner.parallel.parallelize.apply_data_parallel` passes no other value), and with
+      ``fsdp_reduce=micro_batch`` the runtime leaves FSDP2's ``set_requires_gradient_sync`` /
+      ``set_reshard_after_backward`` switches at their defaults.
       So every micro-batch's forward all-gathers each layer's parameters, its backward all-gathers them again
       and reduce-scatters the layer's gradient (torch FSDP2: a layer's group is unsharded in its pre-forward and
-      pre-backward hooks and reduce-scattered in its post-backward). The root is not resharded after forward
-      (torch's FSDP2 root heuristic): gathered once per micro-batch, reduce-scattered once.
+      pre-backward hooks and reduce-scattered in its post-backward). The root too: ``apply_fsdp2`` passes
+      ``reshard_after_forward=True`` explicitly, which turns off torch's keep-the-root-unsharded default, so it is
+      gathered twice per micro-batch and reduce-scattered once (counted on gloo:
+      tests/parallel/test_fsdp_reduce_per_step.py sees 2m all-gathers per unit and step).
     - Bytes: gathers in the compute dtype c (bf16: ``MixedPrecisionPolicy(param_dtype=bfloat16)`` casts the
       shard before the all-gather; else model.dtype), reduce-scatters in the reduce dtype r (fp32:
       ``reduce_dtype=float32``; else c), of the trained parameters only (a LoRA base is sharded and gathered
@@ -345,12 +353,52 @@ def fsdp2_microbatch_exposed_seconds(
       all-gather is prefetched explicitly and each reduce-scatter runs beside the next layer's backward. Exposed:
       what exceeds the pass's compute (`forward_s`, `backward_s`: this micro-batch's forward and backward compute
       on the stage), and at least one layer's transfer per pass (the forward's first gather, the backward's last
-      reduce-scatter), plus the root's gather (before the first layer) and reduce-scatter (after the last).
+      reduce-scatter), plus the root's gathers (before the first layer in forward and in backward) and its
+      reduce-scatter (after the last).
     backward_s None: a forward-only pass (the trained role's extra forwards: gathers, no reduce-scatter).
     Not modelled: contention between these collectives and TP's or the pipeline's on shared links, and the
     interleaved schedule's chunks (a stage's layers are gathered once per micro-batch and pass, as without)."""
     if layout.dp <= 1:
         return 0.0
+    root_gather, gather, layers, root_reduce, reduce = fsdp2_unit_seconds(model, work, layout, cluster)
+    exposed = root_gather + exposed_dp_seconds(layers * gather, forward_s, gather)
+    if backward_s is not None:
+        exposed += root_gather + root_reduce + exposed_dp_seconds(layers * (gather + reduce), backward_s, reduce)
+    return exposed
+
+
+def fsdp2_step_exposed_seconds(
+    model: ModelConfig, work: RoleWork, layout: Layout, forward_s: float, backward_s: float, cluster: ClusterConfig
+) -> float:
+    """Seconds FSDP2's collectives add to one optimizer step on a stage under ``parallel.fsdp_reduce=step``
+    (dp > 1), beyond its compute.
+
+    What the runtime does (:class:`aligner.parallel.data_parallel.FsdpStepReduce`): every unit is all-gathered
+    in the step's first forward and stays unsharded (no reshard after forward or backward, no gradient sync)
+    until the last micro-batch's backward, which reduce-scatters each unit's accumulated gradient once. So per
+    step: one all-gather per unit, overlapped with the first micro-batch's forward (`forward_s`: one
+    micro-batch's forward compute on the stage), and one reduce-scatter per unit beside the last micro-batch's
+    backward (`backward_s`), each exposed beyond that pass's compute and at least one layer's transfer, plus
+    the root's gather and reduce-scatter; bytes and bandwidth as :func:`fsdp2_microbatch_exposed_seconds`.
+    The forward-only passes (separate calls) still gather per micro-batch. Not added to the pipeline bubble:
+    paid once per step, not in every slot."""
+    if layout.dp <= 1:
+        return 0.0
+    root_gather, gather, layers, root_reduce, reduce = fsdp2_unit_seconds(model, work, layout, cluster)
+    return (
+        root_gather
+        + exposed_dp_seconds(layers * gather, forward_s, gather)
+        + root_reduce
+        + exposed_dp_seconds(layers * reduce, backward_s, reduce)
+    )
+
+
+def fsdp2_unit_seconds(
+    model: ModelConfig, work: RoleWork, layout: Layout, cluster: ClusterConfig
+) -> tuple[float, float, int, float, float]:
+    """FSDP2's collective times on the largest stage (dp > 1), seconds: (the root's all-gather, one decoder
+    layer's all-gather, decoder layers on the stage, the root's reduce-scatter, one layer's reduce-scatter).
+    Bytes and bandwidth: :func:`fsdp2_microbatch_exposed_seconds`."""
     bf16 = work.parallel.mixed_precision == "bf16"
     c = 2 if bf16 else DTYPE_BYTES[model.dtype]
     r = 4 if bf16 else c
@@ -380,10 +428,7 @@ def fsdp2_microbatch_exposed_seconds(
         held = stage_num_parameters(model, work.kind, layout.tp, layout.pp, stage, layout.ep)
         root = max(root, held - layers_on_stage(model.num_layers, layout.pp, stage) * (dense + local_experts))
     root_trained = (h if work.kind == "score" else 0) if work.lora_rank > 0 else root
-    exposed = half(root * c, layout.dp) + exposed_dp_seconds(layers * gather, forward_s, gather)
-    if backward_s is not None:
-        exposed += half(root_trained * r, layout.dp) + exposed_dp_seconds(layers * (gather + reduce), backward_s, reduce)
-    return exposed
+    return half(root * c, layout.dp), gather, layers, half(root_trained * r, layout.dp), reduce
 
 
 def forward_step_time(model: ModelConfig, work: RoleWork, layout: Layout, cluster: ClusterConfig) -> StepTime:
