@@ -203,7 +203,7 @@ def test_engine_greedy_equals_hf_generate_on_real_chat_prompts(smollm2_hf):
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_one_grpo_step_through_ray_on_the_real_model(smollm2_hf, tmp_path):
+def test_one_grpo_step_through_ray_on_the_real_model(smollm2_hf, cluster_env, tmp_path):
     """`python -m aligner.ppo conf=smollm2_135m` on the converted checkpoint and GSM8K through its chat
     template: one GRPO step with the KL loss (actor + reference groups on Ray), evaluations before and
     after with the answer-format rate, the rollout log-probs equal to the trainer's, an HF export."""
@@ -220,7 +220,7 @@ def test_one_grpo_step_through_ray_on_the_real_model(smollm2_hf, tmp_path):
         "trainer.micro_batch_size=4", "trainer.eval_every=1", "trainer.save_every=1", "trainer.progress=false",
         "task.num_eval=4", "rollout.sampling.max_new_tokens=16", f"output_dir={out}",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=cluster_env)  # joins the session's Ray instance
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     before, step = rows[0], next(r for r in rows if r.get("step") == 1 and "kl_mean" in r)

@@ -4,7 +4,9 @@ processes of a driver they started, to kill or stop one."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
+from typing import Iterable
 
 
 def _children() -> dict[int, list[int]]:
@@ -44,6 +46,18 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def alive_after(pids: Iterable[int], seconds: float, poll_s: float = 0.1) -> list[int]:
+    """The processes of `pids` still alive `seconds` from now; returns [] as soon as none is (a fixed
+    wait of `seconds` would check the same thing later)."""
+    pids = list(pids)
+    deadline = time.monotonic() + seconds
+    while True:
+        left = [p for p in pids if alive(p)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(poll_s)
 
 
 def worker_shells(pid: int) -> list[int]:

@@ -84,7 +84,7 @@ def _session_pids(sid: int) -> list[int]:
 
 
 @pytest.mark.parametrize("module,extra", [("aligner.sft", []), ("aligner.ppo", PPO)])
-def test_sigterm_to_the_driver_saves_the_current_step_and_exits_143(tmp_path, module, extra):
+def test_sigterm_to_the_driver_saves_the_current_step_and_exits_143(tmp_path, request, module, extra):
     out = tmp_path / "run"
     proc = _start(module, out, "trainer.max_steps=100000", "trainer.save_every=0", *extra)
     _wait_for_steps(proc, out, 2)
@@ -104,11 +104,11 @@ def test_sigterm_to_the_driver_saves_the_current_step_and_exits_143(tmp_path, mo
     latest = CheckpointManager(out).latest()
     assert latest is not None and latest.name == CheckpointManager.name(last)
     assert not (out / ".aligner.lock").exists()
-    if module == "aligner.sft":  # resume continues from exactly the saved step
+    if module == "aligner.sft":  # resume continues from exactly the saved step (on the session's Ray instance: not signalled)
         done = subprocess.run(
             [sys.executable, "-m", module, *SMALL, f"output_dir={out}", "resume=true", f"trainer.max_steps={last + 2}", *extra],
             cwd=REPO,
-            env=ENV,
+            env=request.getfixturevalue("cluster_env"),
             capture_output=True,
             text=True,
             timeout=300,

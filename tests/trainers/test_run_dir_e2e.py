@@ -97,7 +97,7 @@ def test_overwrite_deletes_the_previous_run_and_runs_fresh(sft_run, cluster_env,
 
 
 @pytest.mark.slow
-def test_second_run_while_the_first_trains_is_refused(tmp_path):
+def test_second_run_while_the_first_trains_is_refused(tmp_path, cluster_env):
     out = tmp_path / "sft"
     first = subprocess.Popen(
         [sys.executable, "-m", "aligner.sft", *SMALL, "trainer.max_steps=100000", f"output_dir={out}"],
@@ -126,7 +126,7 @@ def test_second_run_while_the_first_trains_is_refused(tmp_path):
             os.killpg(first.pid, signal.SIGKILL)
         first.wait()
     assert (out / ".aligner.lock").exists(), "a SIGKILLed holder leaves its lock file"
-    third = _cli("aligner.sft", "trainer.max_steps=1", "overwrite=true", f"output_dir={out}")
+    third = _cli("aligner.sft", "trainer.max_steps=1", "overwrite=true", f"output_dir={out}", env=cluster_env)  # not killed: joins
     assert third.returncode == 0, f"the dead run's lock blocked a new run:\n{third.stderr[-3000:]}"
 
 
