@@ -425,6 +425,8 @@ def train_work(row: TrainRow):
         f"trainer.global_batch_size={row.gbs}",
         f"trainer.micro_batch_size={row.mbs}",
         f"actor.parallel.dp_backend={row.backend}",
+        # the preset's fsdp_reduce=step runs only on fsdp2; the search tries both modes as layouts whatever this says
+        f"actor.parallel.fsdp_reduce={'step' if row.backend == 'fsdp2' else 'micro_batch'}",
         "actor.parallel.mixed_precision=bf16",
         f"actor.resources.num_nodes={nodes}",
     ]
@@ -463,12 +465,12 @@ def rank_in(plan: RolePlan, est: LayoutEstimate) -> tuple[int, int, float]:
 
 
 def short(lay: Layout) -> str:
-    """tp4 pp4 dp4 mbs1 sp sel: a layout in a table cell."""
+    """tp4 pp4 dp4 mbs1 sp sel step: a layout in a table cell (step: FSDP2 with parallel.fsdp_reduce=step)."""
     parts = [f"tp{lay.tp}"] + ([f"cp{lay.cp}"] if lay.cp > 1 else []) + [f"pp{lay.pp}"]
     parts += [f"vp{lay.vpp}"] if lay.vpp > 1 else []
     parts += [f"dp{lay.dp}", f"mbs{lay.micro_batch_size}"] + (["sp"] if lay.sp else [])
     rc = {"none": "", "selective": "sel", "full": "full"}[lay.recompute]
-    return " ".join(parts + ([rc] if rc else []))
+    return " ".join(parts + ([rc] if rc else []) + (["step"] if lay.fsdp_reduce == "step" else []))
 
 
 def published_fixed(row: TrainRow) -> tuple[dict, int, str]:
