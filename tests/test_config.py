@@ -379,6 +379,20 @@ CASES = [
         "2",
         "needs cp_size=1 (the virtual tokens are not split)",
     ),
+    # FSDP2 reducing once per optimizer step (aligner.parallel.data_parallel.FsdpStepReduce)
+    (["actor.parallel.fsdp_reduce=once"], "actor.parallel.fsdp_reduce", "'once'", "valid choices are micro_batch, step"),
+    (
+        ["actor.parallel.fsdp_reduce=step", "actor.parallel.dp_backend=ddp"],
+        "actor.parallel.fsdp_reduce",
+        "'step'",
+        "needs actor.parallel.dp_backend=fsdp2, not ddp",
+    ),
+    (
+        ["model.num_experts=4", "actor.parallel.dp_size=2", "actor.parallel.ep_size=2", "actor.parallel.fsdp_reduce=step"],
+        "actor.parallel.fsdp_reduce",
+        "'step'",
+        "with expert parallelism (actor.parallel.ep_size=2) is untested",
+    ),
     # the interleaved pipeline schedule (aligner.parallel.pipeline, virtual pipeline stages)
     (["actor.parallel.virtual_pp_size=0"], "actor.parallel.virtual_pp_size", "0", "must be >= 1"),
     (["rollout.parallel.virtual_pp_size=2"], "rollout.parallel.virtual_pp_size", "2", "the interleaved schedule is for training"),

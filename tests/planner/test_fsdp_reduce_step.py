@@ -104,3 +104,15 @@ def test_plan_overrides_set_fsdp_reduce_when_chosen():
     assert any("actor.parallel.fsdp_reduce=step" in line for line in recommended_overrides(plan))
     plan.roles["actor"] = RolePlan(role="actor", work=work(), devices=16, ranked=[mb])
     assert not any("fsdp_reduce" in line for line in recommended_overrides(plan))
+
+
+def test_configured_layout_reads_fsdp_reduce():
+    """check_fits estimates a config as it runs: the llama2_7b preset's trained roles reduce once per step."""
+    from aligner.cli import load_config
+    from aligner.planner import configured_layout
+    from aligner.planner.search import role_works
+
+    cfg = load_config("ppo", ["conf=llama2_7b"])
+    by_role = {w.role: configured_layout(cfg, w) for w in role_works(cfg)}
+    assert by_role["actor"].fsdp_reduce == "step" and by_role["critic"].fsdp_reduce == "step"
+    assert by_role["ref"].fsdp_reduce == "micro_batch"  # a forward-only role has no gradients to reduce
