@@ -57,7 +57,7 @@ def _wait_for_steps(proc: subprocess.Popen, out: Path, n: int, timeout: float = 
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         if (out / "metrics.jsonl").exists() and len([r for r in read_metrics(out / "metrics.jsonl") if r["step"] > 0]) >= n:
             return
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise AssertionError(f"no {n} steps within {timeout} s")
 
 

@@ -111,7 +111,7 @@ def test_second_run_while_the_first_trains_is_refused(tmp_path, cluster_env):
         deadline = time.monotonic() + 180
         while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip():
             assert first.poll() is None and time.monotonic() < deadline, "the first run did not start training"
-            time.sleep(0.5)
+            time.sleep(0.1)
         second = _cli("aligner.sft", "trainer.max_steps=100000", "resume=true", f"output_dir={out}")
         n_before = len(read_metrics(out / "metrics.jsonl"))
         assert first.poll() is None, "the first run ended before the second was refused"
@@ -119,7 +119,9 @@ def test_second_run_while_the_first_trains_is_refused(tmp_path, cluster_env):
         assert f"output_dir='{out}' is in use by pid {first.pid} on host {socket.gethostname()} (started " in line and line.endswith(
             "wait for it or use another output_dir"
         ), line
-        time.sleep(1.0)
+        deadline = time.monotonic() + 1.0  # the first run keeps appending: up to 1 s for a row past n_before
+        while len(read_metrics(out / "metrics.jsonl")) <= n_before and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert len(read_metrics(out / "metrics.jsonl")) >= n_before, "the refused run truncated the first's metrics"
     finally:
         if first.poll() is None:

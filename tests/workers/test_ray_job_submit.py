@@ -70,7 +70,7 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
                     return
         except OSError:
             pass
-        time.sleep(1)
+        time.sleep(0.2)
     raise TimeoutError(f"{url} did not answer within {timeout_s} s")
 
 
