@@ -798,3 +798,20 @@ def test_a_hang_timeout_shorter_than_a_planned_phase_is_refused_before_ray(capsy
         assert main([*args, f"trainer.hang_timeout_s={ok}"]) == 2  # the preset's checkpoint paths are absent here
         assert "hang_timeout_s" not in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_interleaving_is_searched_on_fsdp2_with_data_parallel_ranks():
+    """The interleaved schedule runs on FSDP2 with dp > 1 (tests/parallel/test_fsdp_reduce_per_step.py runs it with
+    fsdp_reduce=step), so the search offers it there too: 2 and 4 chunks where the layers and micro-batches divide;
+    DeepSpeed with dp > 1 (the whole stage in one engine) and pp = 1 get only plain schedules."""
+    from aligner.planner.search import _vpp_sizes
+
+    cfg = llama2_cfg("7b", nodes=2, stage="sft")  # 32 layers
+    work = RoleWork(role="actor", kind="lm", mode="train", parallel=cfg.actor.parallel, batch=128, batch_field="b", seq_len=2048)
+    assert cfg.actor.parallel.dp_backend == "fsdp2"
+    assert _vpp_sizes(cfg.model, work, pp=4, dp=2, mbs=1) == [1, 2, 4]  # 64 micro-batches a rank, a multiple of 4
+    assert _vpp_sizes(cfg.model, work, pp=4, dp=2, mbs=32) == [1]  # 2 micro-batches: not a multiple of pp
+    assert _vpp_sizes(cfg.model, work, pp=1, dp=16, mbs=1) == [1]
+    ds = dataclasses.replace(work, parallel=dataclasses.replace(cfg.actor.parallel, dp_backend="deepspeed"))
+    assert _vpp_sizes(cfg.model, ds, pp=4, dp=2, mbs=1) == [1]
+    assert _vpp_sizes(cfg.model, ds, pp=4, dp=1, mbs=1) == [1, 2, 4]

@@ -278,9 +278,11 @@ def _cp_sizes(model: ModelConfig, work: RoleWork, devices: int) -> list[int]:
 
 
 def _vpp_sizes(model: ModelConfig, work: RoleWork, pp: int, dp: int, mbs: int) -> list[int]:
-    """Model chunks per pipeline rank to try: 1, and for a training role with pp > 1 on ddp (or one dp
-    rank) 2 and 4 where pp x v divides the layers and the micro-batches per step are a multiple of pp."""
-    if work.mode != "train" or pp == 1 or (work.parallel.dp_backend != "ddp" and dp > 1):
+    """Model chunks per pipeline rank to try: 1, and for a training role with pp > 1 on ddp or fsdp2 (or one
+    dp rank: DeepSpeed wraps the whole stage) 2 and 4 where pp x v divides the layers and the micro-batches
+    per step are a multiple of pp (the rules of ``ParallelConfig.validate_virtual_pp`` and
+    ``aligner.config.validation.validate_interleaved``)."""
+    if work.mode != "train" or pp == 1 or (work.parallel.dp_backend == "deepspeed" and dp > 1):
         return [1]
     m = work.batch // max(1, dp * mbs)
     return [1] + [v for v in (2, 4) if model.num_layers % (pp * v) == 0 and m % pp == 0]
