@@ -349,8 +349,12 @@ def validate_interleaved(cfg: AlignerConfig) -> None:
     """A trained role with ``virtual_pp_size > 1`` runs, per dp rank and optimizer step, a number of
     micro-batches that is a multiple of its pp_size (the interleaved schedule's order needs it):
     ceil(ceil(samples / dp) / trainer.micro_batch_size), samples the step's global_batch_size (SFT, RM,
-    DPO: rows, pairs, pairs) or mini_batch_size (PPO)."""
+    DPO: rows, pairs, pairs) or mini_batch_size (PPO). With a token budget (``trainer.micro_batch_tokens``
+    > 0) the count is only known per batch, and the runner pads each training pass with filler
+    micro-batches up to a multiple of pp_size instead: nothing to check here."""
     t = cfg.trainer
+    if t.micro_batch_tokens > 0:
+        return
     samples = t.mini_batch_size if cfg.stage == "ppo" else t.global_batch_size
     for role in STAGE_TRAINED_ROLES.get(cfg.stage, ()):
         par = cfg.role(role).parallel
@@ -370,7 +374,9 @@ def validate_interleaved(cfg: AlignerConfig) -> None:
 def validate_micro_batch_tokens(cfg: AlignerConfig) -> None:
     """A token budget must hold the longest row the stage can produce (checked here, at config time,
     against the length bound; aligner.runtime.runner checks each batch's rows again) and runs on
-    roles without pipeline stages or DeepSpeed (one backward per step there)."""
+    roles with fsdp2 or ddp, pipeline stages included (plain and interleaved 1F1B: the runner pads an
+    interleaved training pass with filler micro-batches to a multiple of pp_size); DeepSpeed is
+    refused (one backward per step there)."""
     budget = cfg.trainer.micro_batch_tokens
     longest, bound = longest_row(cfg)
     _check(
@@ -382,9 +388,9 @@ def validate_micro_batch_tokens(cfg: AlignerConfig) -> None:
     for role in MODEL_ROLES:
         par = cfg.role(role).parallel
         _check(
-            par.pp_size == 1 and par.dp_backend != "deepspeed",
+            par.dp_backend != "deepspeed",
             "trainer.micro_batch_tokens",
             budget,
-            f"token-budget micro-batches need pp_size=1 and dp_backend fsdp2 or ddp ({role}.parallel has pp_size={par.pp_size}, "
-            f"dp_backend={par.dp_backend}); set trainer.micro_batch_tokens=0",
+            f"token-budget micro-batches need dp_backend fsdp2 or ddp ({role}.parallel has dp_backend={par.dp_backend}, "
+            "which runs one backward per step); set trainer.micro_batch_tokens=0",
         )

@@ -12,7 +12,8 @@ model inputs, and forward-only log-prob passes need a caller function on the las
 stage; here a micro-batch is a dict of tensors every pp rank holds, the model reads
 ``input_ids`` / ``position_ids`` / ``segment_ids`` and the loss gets the whole dict.
 Activations between stages are [b, T/seq_shards, H] in the model dtype, with shapes
-known from the micro-batch, so no shape handshake is needed. P2P runs on the pp group
+known from the micro-batch, so no shape handshake is needed; every buffer is sized from its own
+micro-batch, so micro-batches of different [b, T] (token budgets) run in one schedule. P2P runs on the pp group
 with ``batch_isend_irecv`` (paired send/recv, deadlock-free in the 1F1B order).
 
 Loss scaling: ``loss_reduction="mean"`` divides each micro-batch loss by
@@ -239,10 +240,12 @@ def pipeline_train_step(
     for j in range(m - warmup):
         i = warmup + j
         y = forward(i, x)
-        grad = None if p2p.last else torch.empty_like(y)
-        p2p.run(send_next=None if p2p.last else y.detach(), recv_next=grad)
         inputs.append(x)
         outputs.append(y)
+        # the gradient that arrives is micro-batch j's (the oldest in flight), shaped like its output:
+        # micro-batches may differ in [b, T] (token budgets), so not like y's
+        grad = None if p2p.last else torch.empty_like(outputs[0])
+        p2p.run(send_next=None if p2p.last else y.detach(), recv_next=grad)
         dx = backward(inputs.popleft(), outputs.popleft(), grad)
         if j == m - warmup - 1:
             p2p.run(send_prev=dx)

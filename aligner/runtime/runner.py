@@ -24,6 +24,17 @@ a rank with fewer adds *filler* micro-batches (one copy of its shortest row, los
 so it joins every DDP / FSDP collective and adds nothing); the filler runs first, so the MoE
 statistics of the step come from real rows.
 
+Token budgets with pipeline stages (pp_size > 1): every pp rank of a dp replica holds the same rows,
+so each computes the same split, the same dp maximum (its dp group's ranks hold the same shards as
+the other stages' dp groups) and the same fillers; the schedules (:mod:`aligner.parallel.pipeline`)
+size each point-to-point buffer from the micro-batch's own [b, T] (T already rounded up to the
+sequence-parallel multiple), so micro-batches of different widths travel as they are. The
+interleaved schedule (``parallel.virtual_pp_size`` > 1) needs a multiple of pp_size micro-batches
+per training step: a training pass adds filler micro-batches up to the next multiple (the same on
+every dp and pp rank, since the dp maximum is). A forward-only pass pads each micro-batch's output
+to the batch width on the last stage, so the pipeline's outputs concatenate, then drops the fillers
+and restores the row order.
+
 Context parallelism (``parallel.cp_size`` > 1, :mod:`aligner.parallel.context_parallel`): the
 cp ranks of a dp replica get the same rows; each micro-batch, once formed as above, is cut to this
 rank's zigzag share of every row's tokens (:func:`cp_micro_batch`), the model runs on it, and its
@@ -182,10 +193,13 @@ class ModelRunner:
     def module(self):
         return self.runtime.module
 
-    def _prepare(self, batch: dict[str, torch.Tensor], micro_batch_size: int, unit: int = 1) -> tuple[list[dict], Optional[list[int]]]:
-        """(micro-batches, row order): order is None for row-count micro-batches, else the batch
-        rows in the order the micro-batches hold them (fillers excluded). unit: rows that stay in
-        one micro-batch (2 for the pair losses)."""
+    def _prepare(
+        self, batch: dict[str, torch.Tensor], micro_batch_size: int, unit: int = 1, multiple: int = 1
+    ) -> tuple[list[dict], Optional[list[int]]]:
+        """(micro-batches, row order): order is None for row-count micro-batches without fillers, else
+        the batch rows in the order the micro-batches hold them (fillers excluded). unit: rows that
+        stay in one micro-batch (2 for the pair losses). multiple: the micro-batch count is padded
+        with fillers to a multiple of it (pp_size for the interleaved schedule's training pass)."""
         dev = self.runtime.device
         batch = {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
         batch = pad_sequence_dim(batch, self.seq_multiple)
@@ -197,12 +211,12 @@ class ModelRunner:
                 micro_batch_size = max(1, n)  # one backward per DeepSpeed step
             mbs = split_micro(batch, micro_batch_size)
             if not deepspeed and n > 0:  # dp ranks with different row counts can need different micro-batch counts
-                mbs = self._even_out(mbs, batch, lengths, unit, trim=False)
+                mbs = self._even_out(mbs, batch, lengths, unit, trim=False, multiple=multiple)
             self.padding = {"tokens": float(lengths.sum()), "slots": float(sum(mb["input_ids"].numel() for mb in mbs))}
             evened = any(mb.get(FILLER) for mb in mbs)
             return self._cp(self._token_masks(mbs)), (list(range(n)) if evened else None)
         mbs, groups = self._budget_split(batch, lengths.tolist(), unit)
-        mbs = self._even_out(mbs, batch, lengths, unit)
+        mbs = self._even_out(mbs, batch, lengths, unit, multiple=multiple)
         self.padding = {"tokens": float(lengths.sum()), "slots": float(sum(mb["input_ids"].numel() for mb in mbs))}
         return self._cp(self._token_masks(mbs)), [i for g in groups for i in g]
 
@@ -251,16 +265,22 @@ class ModelRunner:
             mbs.append(trim_micro(mb, width + (-width) % self.seq_multiple))
         return mbs, groups
 
-    def _even_out(self, mbs: list[dict], batch: dict, lengths: torch.Tensor, unit: int = 1, trim: bool = True) -> list[dict]:
+    def _even_out(
+        self, mbs: list[dict], batch: dict, lengths: torch.Tensor, unit: int = 1, trim: bool = True, multiple: int = 1
+    ) -> list[dict]:
         """`mbs` with filler micro-batches in front so every dp rank runs the dp maximum count
-        (collective over dp; the DDP / FSDP collectives of each forward and backward then pair up).
+        (collective over dp; the DDP / FSDP collectives of each forward and backward then pair up),
+        rounded up to a multiple of `multiple` (the interleaved schedule's pp_size).
         A filler is the batch's shortest row (unit rows), cut to its length when `trim`, else at the
         batch's width (row-count micro-batches all have it); its loss is 0 and its outputs are dropped."""
-        if self.dims.dp_size == 1:
+        if self.dims.dp_size == 1 and len(mbs) % multiple == 0:
             return mbs
-        count = torch.tensor([len(mbs)], dtype=torch.long, device=self.dims.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dims.dp_group)
-        missing = int(count) - len(mbs)
+        count = len(mbs)
+        if self.dims.dp_size > 1:
+            box = torch.tensor([count], dtype=torch.long, device=self.dims.device)
+            dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.dims.dp_group)
+            count = int(box)
+        missing = count + (-count) % multiple - len(mbs)
         if missing == 0:
             return mbs
         i = int(lengths.argmin()) // unit * unit
@@ -284,9 +304,15 @@ class ModelRunner:
         was_training = self.runtime.module.training
         self.runtime.train(False)
         try:
-            if self.dims.pp_size > 1:  # row-count micro-batches only (the config refuses a budget with pp > 1)
-                out = pipeline_forward(getattr(self.runtime, "stages", self.runtime.model), self.dims, mbs, output_fn, broadcast=True).cpu()
-                return out[sum(mb["input_ids"].shape[0] for mb in mbs if mb.get(FILLER)) :]  # fillers come first
+            if self.dims.pp_size > 1:  # outputs padded to the batch width on the last stage, so they concatenate
+
+                def padded(o, mb):
+                    return _pad_output(output_fn(o, mb), source_of(mb), t)
+
+                stages = getattr(self.runtime, "stages", self.runtime.model)
+                out = pipeline_forward(stages, self.dims, mbs, padded, broadcast=True).cpu()
+                out = out[sum(mb["input_ids"].shape[0] for mb in mbs if mb.get(FILLER)) :]  # fillers come first
+                return out if order is None else out[torch.argsort(torch.tensor(order))]
             outs = [output_fn(self.runtime(mb["input_ids"], **model_kwargs(mb)), mb) for mb in mbs]
         finally:
             self.runtime.train(was_training)
@@ -301,7 +327,8 @@ class ModelRunner:
         (gradients accumulate), then :meth:`aligner.runtime.train_runtime.TrainRuntime.step` (clip, AdamW, LR schedule).
 
         loss_fn(output, mb) -> scalar: the micro-batch's share of the global loss (see module docstring);
-        a filler micro-batch (token budget, dp evening-out) gets 0 * the output's sum instead. unit:
+        a filler micro-batch (dp evening-out, or the interleaved schedule's multiple of pp_size) gets 0 *
+        the output's sum instead. unit:
         consecutive rows a token-budget split keeps together (2 when loss_fn pairs rows 2i, 2i+1).
         Returns {"loss": sum of loss_fn values over micro-batches (this rank), "grad_norm", "lr"}, and for
         an MoE model the router statistics (``moe_aux_loss``, ``moe_z_loss``, ``moe_max_load``: layer
@@ -310,7 +337,8 @@ class ModelRunner:
         """
         self.runtime.train(True)
         self.runtime.zero_grad()
-        mbs, _ = self._prepare(batch, micro_batch_size, unit)
+        interleaved = self.dims.pp_size > 1 and getattr(self.runtime, "chunks", None) is not None
+        mbs, _ = self._prepare(batch, micro_batch_size, unit, multiple=self.dims.pp_size if interleaved else 1)
         total = float(self.runtime.forward_backward(mbs, self._gathered(_skip_fillers(loss_fn)), loss_reduction="sum").sum())
         stats = self.runtime.step()
         return {"loss": total, **stats, **global_moe_metrics(self.runtime.module, self.dims)}
