@@ -194,7 +194,8 @@ class RoleWork:
     row, rows sorted by length: :mod:`aligner.runtime.runner`).
     micro_batch_tokens: ``trainer.micro_batch_tokens`` (0: row-count micro-batches of
     layout.micro_batch_size rows): micro-batches of up to this many tokens, batch * row_len / (dp *
-    micro_batch_tokens) of them per pass (:func:`micro_batch_shape`); pp must be 1.
+    micro_batch_tokens) of them per pass (:func:`micro_batch_shape`), with or without pipeline
+    stages (the runtime runs them through 1F1B and interleaved 1F1B; not with DeepSpeed).
     """
 
     role: str
@@ -229,7 +230,9 @@ def micro_batch_shape(work: RoleWork, layout: Layout, seqs: int) -> tuple[int, f
     A token budget (work.micro_batch_tokens = N): the pass's seqs * row_len tokens per dp rank in
     micro-batches of N tokens, ceil(seqs * row_len / (dp * N)) of them, N / row_len rows each (a
     sorted first-fit of rows of about equal length fills each micro-batch; verl's dynamic batch size).
-    Tokens per row: work.row_len, or work.seq_len when it is 0."""
+    With pp > 1 that count is also the pipeline's m (its bubble is (pp - 1) / (vpp m)); the filler
+    micro-batches the interleaved schedule adds up to a multiple of pp are one short row each and
+    are not counted. Tokens per row: work.row_len, or work.seq_len when it is 0."""
     row = work.row_len or work.seq_len
     if work.micro_batch_tokens > 0:
         m = max(1, math.ceil(seqs * row / (layout.dp * work.micro_batch_tokens)))

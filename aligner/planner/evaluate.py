@@ -60,7 +60,9 @@ def layout_problem(model: ModelConfig, work: RoleWork, layout: Layout, cluster: 
             return "expert parallelism needs dp_backend fsdp2 or ddp"
     if layout.vpp > 1:
         m = work.batch // max(1, layout.dp * layout.micro_batch_size)
-        if work.mode != "train" or layout.pp == 1 or model.num_layers % (layout.pp * layout.vpp) or m % layout.pp:
+        # a token budget: the runner pads each training pass with filler micro-batches to a multiple of pp
+        padded = work.micro_batch_tokens > 0 or m % layout.pp == 0
+        if work.mode != "train" or layout.pp == 1 or model.num_layers % (layout.pp * layout.vpp) or not padded:
             return f"vpp={layout.vpp} needs a training role, pp > 1, layers divisible by pp x vpp and micro-batches by pp"
         if work.parallel.dp_backend == "deepspeed" and layout.dp > 1:
             return "the interleaved schedule runs with dp_backend fsdp2 or ddp, or dp=1"
@@ -71,8 +73,8 @@ def layout_problem(model: ModelConfig, work: RoleWork, layout: Layout, cluster: 
             return "context parallelism is for training roles"
         if model.num_experts or work.parallel.dp_backend == "deepspeed":
             return "context parallelism runs with dense models and dp_backend fsdp2 or ddp"
-    if work.micro_batch_tokens > 0 and work.mode != "generate" and (layout.pp > 1 or work.parallel.dp_backend == "deepspeed"):
-        return "token-budget micro-batches (trainer.micro_batch_tokens) need pp=1 and dp_backend fsdp2 or ddp"
+    if work.micro_batch_tokens > 0 and work.mode != "generate" and work.parallel.dp_backend == "deepspeed":
+        return "token-budget micro-batches (trainer.micro_batch_tokens) need dp_backend fsdp2 or ddp"
     if work.mode == "train":
         if work.batch % layout.dp:
             return f"{work.batch_field}={work.batch} not divisible by dp={layout.dp}"

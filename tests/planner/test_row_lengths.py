@@ -76,8 +76,17 @@ def test_a_token_budget_packs_the_rows_into_fewer_micro_batches():
     assert budget.time.compute_s < 0.6 * padded.time.compute_s  # (16 + 6) / (16 + 40) of the tokens
 
 
-def test_a_token_budget_with_pipeline_stages_is_refused():
+def test_a_token_budget_runs_with_pipeline_stages_but_not_deepspeed():
+    """Issue 40 (planner II): the runtime runs token-budget micro-batches through 1F1B and interleaved 1F1B,
+    so the planner times them (the bubble over tokens / budget micro-batches) instead of refusing pp > 1;
+    DeepSpeed (one backward per step) is still refused."""
     cfg, w = works("trainer.micro_batch_tokens=128")
-    problem = layout_problem(cfg.model, w["actor"], Layout(1, 2, 1, 1), CLUSTER)
-    assert problem and "micro_batch_tokens" in problem and "pp=1" in problem
-    assert layout_problem(cfg.model, w["actor"], Layout(1, 1, 2, 3), CLUSTER) is None  # no row-count divisibility
+    actor = w["actor"]
+    assert layout_problem(cfg.model, actor, Layout(1, 2, 1, 1), CLUSTER) is None
+    assert layout_problem(cfg.model, actor, Layout(1, 1, 2, 3), CLUSTER) is None  # no row-count divisibility
+    est = estimate_layout(cfg.model, actor, Layout(1, 2, 1, 1), CLUSTER)
+    m, _, _ = micro_batch_shape(actor, Layout(1, 2, 1, 1), actor.batch)
+    assert m == math.ceil(actor.batch * (PROMPT + MEAN) / 128) and est.time.bubble_s > 0
+    ds = replace(actor, parallel=replace(actor.parallel, dp_backend="deepspeed"))
+    problem = layout_problem(cfg.model, ds, Layout(1, 1, 1, 1), CLUSTER)
+    assert problem and "micro_batch_tokens" in problem and "dp_backend fsdp2 or ddp" in problem
