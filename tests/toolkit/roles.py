@@ -55,6 +55,10 @@ def full_grads(runtime) -> dict[str, torch.Tensor]:
                 g = p.grad.detach()
                 out[n] = g.full_tensor() if hasattr(g, "full_tensor") else g.clone()
         return out
+    if getattr(runtime, "fsdp", False) and runtime.dims.dp_size > 1:
+        # the swap below reaches FSDP2's sharded parameters only through .data, which the checkpoint's
+        # gather does not read: it would return the weights, not the gradients
+        raise NotImplementedError("full_grads: FSDP2 with dp > 1 and tp or pp > 1: gather each stage's p.grad.full_tensor() instead")
     for p in params:
         p.data, p.grad = p.grad, p.data
     try:
