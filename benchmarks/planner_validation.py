@@ -656,16 +656,16 @@ def nemo_rl_row(
 # (NeMo-RL computes them in the policy's workers); at most 256 sequences per engine (vLLM's max_num_seqs,
 # rollout.max_batch_size). NeMo-RL's sequence packing (training on packed 4,096-token rows) is evaluated as
 # aligner's token-budget micro-batches of 4,096 tokens (trainer.micro_batch_tokens; rows timed at prompt + mean)
-# in both Llama rows: the colocated one (pp 2) since 2026-11-28, when the runtime's budget began to run with
-# pipeline stages (before, it ran row-count micro-batches of one row at the batch's width: A 2.35x, M 0.81x).
-# Qwen3-32B (pp 4) still runs row-count micro-batches, its rows timed at the batch's width (prompt + the cap in
-# A, prompt + mean in M), as before; packed, it would give A 340.5 s (0.91x), M 263.9 s (0.70x) on 2026-11-28.
+# in every row: all three recipes inherit grpo_math_1B.yaml, whose policy.sequence_packing.enabled is true, and
+# none turns it off. The pp > 1 rows (the colocated Llama, pp 2; Qwen3-32B, pp 4) since 2026-11-28, when the
+# runtime's budget began to run with pipeline stages (before, row-count micro-batches of one row at the batch's
+# width: Llama A 2.35x, M 0.81x; Qwen3-32B A 1.20x, M 0.97x).
 NEMO_RL_ROWS = [
     nemo_rl_row("Llama 3.1 8B", LLAMA3_8B, 2, 1019, 92.8, 1581, {"tp": 1, "pp": 2, "recompute": "full"}, 1, packed=True),
     nemo_rl_row(
         "Llama 3.1 8B, 1-step off", LLAMA3_8B, 2, 1123, 64.8, 2478, {"tp": 1, "pp": 1, "recompute": "full"}, 1, rollout_nodes=1, packed=True
     ),
-    nemo_rl_row("Qwen3-32B", QWEN3_32B, 4, 3251, 376.0, 571, {"tp": 4, "pp": 4, "recompute": "none", "sp": True}, 4),
+    nemo_rl_row("Qwen3-32B", QWEN3_32B, 4, 3251, 376.0, 571, {"tp": 4, "pp": 4, "recompute": "none", "sp": True}, 4, packed=True),
 ]
 
 # Published but not expressible by the planner, or left out (row, reason)
