@@ -230,6 +230,22 @@ class FsdpStepReduce:
         self.root.set_reshard_after_forward(self.reshard_after_forward)
         self._pending = set()
 
+    def hold(self) -> None:
+        """Before a forward-only pass (no autograd: old log-probs, values, scores) over several micro-batches:
+        no reshard after forward on any unit, so the first micro-batch's forward all-gathers each unit and
+        it stays unsharded for the others (once per pass instead of once per micro-batch)."""
+        self.root.set_reshard_after_forward(False)
+
+    def release(self) -> None:
+        """After that pass: every unit resharded (its unsharded parameters freed; ``FSDPModule.reshard`` is
+        not recursive, so each unit is called) and reshard after forward restored."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.root.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        self.root.set_reshard_after_forward(self.reshard_after_forward)
+
 
 # ---- DDP ---------------------------------------------------------------------------------
 def apply_ddp(model: nn.Module, dp_group: Optional[dist.ProcessGroup]) -> nn.Module:

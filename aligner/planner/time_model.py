@@ -274,7 +274,9 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
         mf, rows_f, _ = micro_batch_shape(work, layout, work.forward_seqs)
         ff = forward_flops_per_token(n, model, seq) * work.forward_seqs * seq
         c2, t2, b2 = _pass_time(ff, mf, layers, 2, layout, model, e, seq, cluster, rows_f)
-        if fsdp:  # the forward-only passes all-gather every layer too (no backward, no reduce-scatter)
+        if fsdp and layout.fsdp_reduce == "step":  # the pass gathers each layer once (TrainRuntime.forward_only)
+            dp += fsdp2_microbatch_exposed_seconds(model, work, layout, c2 / mf, None, cluster)
+        elif fsdp:  # the forward-only passes all-gather every layer too (no backward, no reduce-scatter)
             d2 = mf * fsdp2_microbatch_exposed_seconds(model, work, layout, c2 / mf, None, cluster)
             dp, b2 = dp + d2, b2 + d2 * pipeline_bubble_fraction(layout.pp, mf, layout.vpp)
         c, t, b = c + c2, t + t2, b + b2
@@ -380,8 +382,9 @@ def fsdp2_step_exposed_seconds(
     micro-batch's forward compute on the stage), and one reduce-scatter per unit beside the last micro-batch's
     backward (`backward_s`), each exposed beyond that pass's compute and at least one layer's transfer, plus
     the root's gather and reduce-scatter; bytes and bandwidth as :func:`fsdp2_microbatch_exposed_seconds`.
-    The forward-only passes (separate calls) still gather per micro-batch. Not added to the pipeline bubble:
-    paid once per step, not in every slot."""
+    The forward-only passes (separate calls: old log-probs, values) gather each unit once per pass too
+    (``TrainRuntime.forward_only`` keeps the units unsharded through the pass; charged in :func:`train_step_time`
+    as one micro-batch's gathers). Not added to the pipeline bubble: paid once per step, not in every slot."""
     if layout.dp <= 1:
         return 0.0
     root_gather, gather, layers, root_reduce, reduce = fsdp2_unit_seconds(model, work, layout, cluster)

@@ -46,6 +46,7 @@ runtime's step.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -303,19 +304,25 @@ class ModelRunner:
         output_fn = self._gathered(output_fn)
         was_training = self.runtime.module.training
         self.runtime.train(False)
+        forward_only = getattr(self.runtime, "forward_only", None)  # FSDP2 gathers once per pass (fsdp_reduce=step)
         try:
-            if self.dims.pp_size > 1:  # outputs padded to the batch width on the last stage, so they concatenate
-
-                def padded(o, mb):
-                    return _pad_output(output_fn(o, mb), source_of(mb), t)
-
-                stages = getattr(self.runtime, "stages", self.runtime.model)
-                out = pipeline_forward(stages, self.dims, mbs, padded, broadcast=True).cpu()
-                out = out[sum(mb["input_ids"].shape[0] for mb in mbs if mb.get(FILLER)) :]  # fillers come first
-                return out if order is None else out[torch.argsort(torch.tensor(order))]
-            outs = [output_fn(self.runtime(mb["input_ids"], **model_kwargs(mb)), mb) for mb in mbs]
+            with forward_only(len(mbs)) if forward_only is not None else contextlib.nullcontext():
+                return self._forward_passes(mbs, order, output_fn, t)
         finally:
             self.runtime.train(was_training)
+
+    def _forward_passes(self, mbs: list[dict], order: Optional[list[int]], output_fn: OutputFn, t: int) -> torch.Tensor:
+        """:meth:`forward`'s passes over the prepared micro-batches: [B, ...] on the CPU in the batch's row order."""
+        if self.dims.pp_size > 1:  # outputs padded to the batch width on the last stage, so they concatenate
+
+            def padded(o, mb):
+                return _pad_output(output_fn(o, mb), source_of(mb), t)
+
+            stages = getattr(self.runtime, "stages", self.runtime.model)
+            out = pipeline_forward(stages, self.dims, mbs, padded, broadcast=True).cpu()
+            out = out[sum(mb["input_ids"].shape[0] for mb in mbs if mb.get(FILLER)) :]  # fillers come first
+            return out if order is None else out[torch.argsort(torch.tensor(order))]
+        outs = [output_fn(self.runtime(mb["input_ids"], **model_kwargs(mb)), mb) for mb in mbs]
         if order is None:
             return torch.cat(outs).cpu()
         real = [(o, mb) for o, mb in zip(outs, mbs) if not mb.get(FILLER)]

@@ -286,6 +286,23 @@ class TrainRuntime:
             if reduce is not None:
                 reduce.end()
 
+    @contextlib.contextmanager
+    def forward_only(self, num_microbatches: int):
+        """Around a forward-only pass (under ``torch.no_grad``) over `num_microbatches` micro-batches: with
+        ``parallel.fsdp_reduce=step`` and more than one, each FSDP2 unit is all-gathered by the first
+        micro-batch's forward and kept unsharded through the pass, then freed
+        (:meth:`aligner.parallel.data_parallel.FsdpStepReduce.hold` / ``release``), one all-gather per unit
+        instead of one per micro-batch, within the memory the step's training already holds; else nothing."""
+        reduce = self._step_reduce if num_microbatches > 1 else None
+        if reduce is None:
+            yield
+            return
+        reduce.hold()
+        try:
+            yield
+        finally:
+            reduce.release()
+
     def _accumulating(self, skip_sync: bool):
         """DDP's ``no_sync()`` for a micro-batch that is not the step's last: its gradients accumulate
         locally and the last micro-batch's backward all-reduces their sum, one dp all-reduce per

@@ -135,6 +135,55 @@ def test_fsdp_reduce_step_pp2_dp2_plain_and_interleaved_1f1b():
     _check(run_distributed(_battery, 4, args=(layouts, 4), timeout_s=600), layouts)
 
 
+def _forward_battery(rank: int, world: int, layouts: list[dict], num_layers: int) -> dict:
+    """Forward-only passes (no autograd: PPO's old log-probs and values) over M micro-batches inside
+    ``TrainRuntime.forward_only``: outputs, FSDP2 all-gathers, and whether every parameter is a sharded DTensor after."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from aligner.parallel.pipeline import pipeline_forward
+
+    cfg, optim, data = tiny_model_config(num_layers=num_layers), OptimConfig(**OPTIM), batches(batch=8)
+    out = {}
+    for layout in layouts:
+        for mode in ("micro_batch", "step"):
+            eng = make_engine(cfg, ParallelConfig(**layout, dp_backend="fsdp2", fsdp_reduce=mode), optim, world)
+            mbs = [{"input_ids": m} for m in data[0].chunk(eng.dims.dp_size)[eng.dims.dp_rank].chunk(M)]
+            with _counting() as counts, torch.no_grad(), eng.forward_only(len(mbs)):
+                if eng.dims.pp_size > 1:
+                    logits = pipeline_forward(eng.stages, eng.dims, mbs, lambda o, mb: o.float(), broadcast=True)
+                else:
+                    logits = torch.cat([eng(mb["input_ids"]).float() for mb in mbs])
+            out[(tuple(layout.items()), mode)] = {
+                "logits": logits,
+                "counts": dict(counts),
+                "units": _fsdp_units(eng),
+                "sharded": all(isinstance(p, DTensor) for p in eng.module.parameters()),
+            }
+    return out
+
+
+def _check_forward(results: list[dict], layouts: list[dict]) -> None:
+    for r in results:
+        for layout in layouts:
+            key = tuple(layout.items())
+            mb, st = r[(key, "micro_batch")], r[(key, "step")]
+            units = st["units"]
+            assert st["counts"] == {"all_gather": units, "reduce_scatter": 0}, (layout, st["counts"], units)  # once per pass
+            assert mb["counts"]["all_gather"] >= M * (units - 1), (layout, mb["counts"], units)  # once per micro-batch
+            assert max_abs_diff({"l": st["logits"]}, {"l": mb["logits"]}) < 1e-6, layout
+            assert st["sharded"] and mb["sharded"], "the held units are freed after the pass"
+
+
+def test_fsdp_reduce_step_forward_only_pass_gathers_each_unit_once():
+    """With fsdp_reduce=step a forward-only pass gathers each unit once and frees it at the end (the
+    same logits as per-micro-batch gathers); dp=2 and pp=2 x dp=2."""
+    layouts = [dict(dp_size=2)]
+    _check_forward(run_distributed(_forward_battery, 2, args=(layouts, 2)), layouts)
+    layouts = [dict(pp_size=2, dp_size=2)]
+    _check_forward(run_distributed(_forward_battery, 4, args=(layouts, 4), timeout_s=300), layouts)
+
+
 @pytest.mark.parametrize(
     "fields, words",
     [

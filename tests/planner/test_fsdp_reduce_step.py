@@ -116,3 +116,22 @@ def test_configured_layout_reads_fsdp_reduce():
     by_role = {w.role: configured_layout(cfg, w) for w in role_works(cfg)}
     assert by_role["actor"].fsdp_reduce == "step" and by_role["critic"].fsdp_reduce == "step"
     assert by_role["ref"].fsdp_reduce == "micro_batch"  # a forward-only role has no gradients to reduce
+
+
+def test_step_mode_forward_only_passes_gather_once():
+    """An actor's forward-only pass (old log-probs over 64 rows: 4 micro-batches a rank) adds its gathers once
+    under fsdp_reduce=step (TrainRuntime.forward_only holds the units through the pass), 4 times per
+    micro-batch: unhidden, 15/16 of 2 bytes per parameter once, against 4 times."""
+    import dataclasses
+
+    n = MODEL.num_parameters()
+    with_fwd = dataclasses.replace(work(), forward_seqs=64)
+    layout = Layout(tp=1, pp=1, dp=16, micro_batch_size=1)
+
+    def extra(mode: str) -> float:
+        lay = dataclasses.replace(layout, fsdp_reduce=mode)
+        plain = estimate_layout(MODEL, work(), lay, NO_OVERLAP_CLUSTER).time.dp_comm_s
+        return estimate_layout(MODEL, with_fwd, lay, NO_OVERLAP_CLUSTER).time.dp_comm_s - plain
+
+    assert extra("step") == pytest.approx(15 / 16 * 2 * n / 50e9)
+    assert extra("micro_batch") == pytest.approx(4 * 15 / 16 * 2 * n / 50e9)
