@@ -68,10 +68,12 @@ from aligner.planner import (  # noqa: E402
     forward_flops_per_token,
     gemm_efficiency,
     kv_cache_bytes,
+    layers_on_stage,
     plan_role,
     ppo_step_seconds,
     role_works,
 )
+from aligner.planner.cost_model import interleaved_in_flight  # noqa: E402
 
 # ---- part 1: aligner's decode measurements -------------------------------------------------
 
@@ -341,6 +343,7 @@ class TrainRow:
     backend: str = "fsdp2"
     fp8: bool = False
     lora: bool = False
+    system: str = "aligner"
 
 
 def nemo_row(family, name, model, gpus, gbs, seq, tp, pp, cp, vp, tok_s_gpu, lora=False) -> TrainRow:
@@ -385,7 +388,9 @@ def narayanan_row(name, hidden, layers, heads, tp, pp, gpus, gbs, mbs, vp, tflop
     t = flops / (gpus * tflops * 1e12)
     m = gpt_as_llama(hidden, layers, heads)
     fam, pub = "Narayanan et al. 2021", f"{tflops} TFLOP/s/GPU"
-    return TrainRow(fam, name, m, A100, gpus, gbs, mbs, s, tp, pp, t, pub, vp=vp, recompute="full", sp=False, backend="ddp")
+    return TrainRow(
+        fam, name, m, A100, gpus, gbs, mbs, s, tp, pp, t, pub, vp=vp, recompute="full", sp=False, backend="ddp", system="megatron-2021"
+    )
 
 
 # Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
@@ -409,6 +414,34 @@ NARAYANAN_ROWS = [
     narayanan_row("530B", 20480, 105, 128, 8, 35, 2520, 2520, 1, 3, 163),
     narayanan_row("1T", 25600, 128, 160, 8, 64, 3072, 3072, 1, 1, 163),
 ]
+
+
+def materialised_score_bytes(model, work, lay: Layout) -> float:
+    """Bytes per GPU of the attention scores an unfused attention keeps for backward: Korthikanti et al. 2022,
+    Table 2's 5as^2b/t per layer (16-bit softmax output 2 B, dropout mask 1 B, dropout output 2 B per score), on
+    every layer of the first stage, times the micro-batches it holds in flight (:func:`interleaved_in_flight`);
+    0 under full recomputation (a layer keeps only its input). The planner's own memory model is aligner's
+    flash-style attention, which keeps none of these (aligner.parallel.memory)."""
+    if lay.recompute == "full":
+        return 0.0
+    m = max(1, work.batch // (lay.dp * lay.micro_batch_size))
+    in_flight = interleaved_in_flight(lay.pp, lay.vpp, m, 0)
+    s = work.seq_len // lay.cp
+    per_layer = 5 * model.num_heads * s * work.seq_len * lay.micro_batch_size / lay.tp
+    return layers_on_stage(model.num_layers, lay.pp, 0) * in_flight * per_layer
+
+
+def system_allows(row: TrainRow, est: LayoutEstimate, model, work, cluster) -> bool:
+    """Whether the row's publishing system could run the layout `est` (feasible on aligner's model). Megatron-LM
+    as Narayanan et al. 2021 ran it: no sequence parallelism and no selective recomputation (both Korthikanti et al.
+    2022) and no fused (flash) attention (Dao et al. 2022): the layout must also fit with
+    :func:`materialised_score_bytes` added."""
+    if row.system == "aligner":
+        return True
+    lay = est.layout
+    if lay.sp or lay.recompute == "selective":
+        return False
+    return est.memory.total + materialised_score_bytes(model, work, lay) <= cluster.gpu_mem_gb * GIB
 
 
 def model_overrides(model: dict, seq: int) -> list[str]:
@@ -494,11 +527,14 @@ def train_result(row: TrainRow) -> dict:
     fixed, vpp, note = published_fixed(row)
     r = best_matching(cfg.model, work, row.gpus, cfg.cluster, fixed, vpp)
     out = {"row": row, "plan": plan, "note": note, "est": r}
+    if row.system != "aligner":  # ranked among what the publishing system could run; aligner's best shown beside
+        out["aligner_plan"] = plan
+        allowed = [e for e in plan.ranked if system_allows(row, e, cfg.model, work, cfg.cluster)]
+        out["plan"] = plan = dataclasses.replace(plan, ranked=allowed)
     if isinstance(r, LayoutEstimate):
         out["rank"] = rank_in(plan, r)
-        if row.sp is False:  # a system without sequence parallelism: also against the planner's best without it
-            no_sp = [e for e in plan.ranked if not e.layout.sp]
-            out["no_sp"] = r.time.total_s / min(no_sp[0].time.total_s, r.time.total_s) if no_sp else None
+        if "aligner_plan" in out:
+            out["aligner_rel"] = rank_in(out["aligner_plan"], r)[2]
     return out
 
 
@@ -511,11 +547,14 @@ def fmt_train(res: dict) -> str:
         t = r.time.total_s
         ratio = f"({t / row.published_s:.2f}x, FP8)" if row.fp8 else f"{t / row.published_s:.2f}x"
         cells += [short(r.layout) + (f" ({res['note']})" if res["note"] else ""), f"yes, {r.memory.total / GIB:.1f}"]
-        vs = f"{rel:.3f}x" + (f" ({res['no_sp']:.3f}x w/o SP)" if res.get("no_sp") else "")
+        vs = f"{rel:.3f}x" + (f" (aligner's: {res['aligner_rel']:.3f}x)" if "aligner_rel" in res else "")
         cells += [f"{rank} / {n}", vs, f"{row.published_s:.2f}", f"{t:.2f}", ratio]
     else:
         mem = f"no, {r.estimate.memory.total / GIB:.1f}" if r is not None and r.estimate else f"no: {r.reason if r else '?'}"
         cells += [short(r.layout) if r is not None else "-", mem, "-", "-", f"{row.published_s:.2f}", "-", "-"]
+    if res.get("aligner_plan") is not None and res["aligner_plan"].best is not None:
+        ab = res["aligner_plan"].best
+        best += f" (aligner's: {short(ab.layout)}, {ab.time.total_s:.2f} s)"
     cells.append(best)
     return "| " + " | ".join(cells) + " |"
 
