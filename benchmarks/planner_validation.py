@@ -45,6 +45,7 @@ Runs on the CPU in seconds (``--table``: about 20 s); on code without ``rollout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import sys
@@ -444,6 +445,33 @@ def system_allows(row: TrainRow, est: LayoutEstimate, model, work, cluster) -> b
     return est.memory.total + materialised_score_bytes(model, work, lay) <= cluster.gpu_mem_gb * GIB
 
 
+@contextlib.contextmanager
+def system_time(row: TrainRow):
+    """The planner's time model as the row's publishing system ran: for "megatron-2021", the data-parallel
+    all-reduce after the backward pass, not overlapped (Megatron-LM's ``--DDP-impl local`` of 2021, which
+    run_table_1.sh keeps; assumed from its training loop of that time: aligner's DDP overlaps it), and the
+    pipeline's messages split over the tensor-parallel ranks without SP (the scatter/gather optimisation,
+    Narayanan et al. 2021, sec. 4.1: each of the t ranks sends 1/t of the activation over its own link;
+    aligner's runtime sends the whole activation from every tp rank). Patches ``aligner.planner.time_model``
+    for the duration (this script only)."""
+    import aligner.planner.time_model as time_model
+
+    if row.system == "aligner":
+        yield
+        return
+    overlap, p2p = time_model.dp_overlap_exposed, time_model.pipeline_p2p_seconds
+
+    def scattered(model, layout, *args, **kwargs):
+        return p2p(model, layout, *args, **kwargs) / (1 if layout.sp else layout.tp)
+
+    time_model.dp_overlap_exposed = lambda dp_s, *_: dp_s
+    time_model.pipeline_p2p_seconds = scattered
+    try:
+        yield
+    finally:
+        time_model.dp_overlap_exposed, time_model.pipeline_p2p_seconds = overlap, p2p
+
+
 def model_overrides(model: dict, seq: int) -> list[str]:
     """conf=llama2_7b with `model`'s dimensions (the 7B's where absent) and room for `seq` tokens."""
     return ["conf=llama2_7b", f"model.max_seq_len={max(seq, 4096)}"] + [f"model.{k}={v}" for k, v in model.items()]
@@ -523,9 +551,10 @@ def published_fixed(row: TrainRow) -> tuple[dict, int, str]:
 def train_result(row: TrainRow) -> dict:
     """The row's published layout against the planner (one table row's values)."""
     cfg, work = train_work(row)
-    plan = plan_role(cfg.model, work, row.gpus, cfg.cluster)
     fixed, vpp, note = published_fixed(row)
-    r = best_matching(cfg.model, work, row.gpus, cfg.cluster, fixed, vpp)
+    with system_time(row):
+        plan = plan_role(cfg.model, work, row.gpus, cfg.cluster)
+        r = best_matching(cfg.model, work, row.gpus, cfg.cluster, fixed, vpp)
     out = {"row": row, "plan": plan, "note": note, "est": r}
     if row.system != "aligner":  # ranked among what the publishing system could run; aligner's best shown beside
         out["aligner_plan"] = plan
@@ -860,24 +889,17 @@ def fit_mfu(rows: tuple = MFU_FIT_ROWS) -> tuple[float, float, list[tuple[str, f
     MFU_MAX * x / (x + MFU_HALF_DIM) of ``aligner.planner.time_model.gemm_efficiency`` fitted to the Table 1
     rows of Narayanan et al. 2021 named in `rows` (MFU_FIT_ROWS: half of them; the rest held out). Each row's published layout is evaluated as in the table; the efficiency it implies
     is the one at which the planner's time equals the published: its compute at 100% of peak, times 1 + the
-    bubble's fraction, over the published seconds less the modelled TP, DP and point-to-point time. The DP
-    all-reduce is charged whole, not overlapped: Megatron-LM's data parallelism of 2021 (its default
-    ``--DDP-impl local``, which run_table_1.sh keeps) all-reduced the gradients after the backward pass
-    (assumed from Megatron-LM's training loop of that time; aligner's DDP overlaps it). The constants minimise the squared
+    bubble's fraction, over the published seconds less the modelled TP, DP and point-to-point time, all as the
+    system ran (:func:`system_time`: the DP all-reduce after the backward pass, scatter/gather pipeline
+    messages). The constants minimise the squared
     relative error of the efficiency (so of the time) over the fitted rows: MFU_HALF_DIM on a grid of 5, MFU_MAX
     in closed form for each."""
-    import aligner.planner.time_model as time_model
-
     pts = []
-    overlap = time_model.dp_overlap_exposed
     for row in NARAYANAN_ROWS:
         cfg, work = train_work(row)
         fixed, vpp, _ = published_fixed(row)
-        time_model.dp_overlap_exposed = lambda dp_s, *_: dp_s  # Table 1's runs: the all-reduce after backward
-        try:
+        with system_time(row):  # Table 1's runs: the all-reduce after backward, scatter/gather messages
             est = best_matching(cfg.model, work, row.gpus, cfg.cluster, fixed, vpp)
-        finally:
-            time_model.dp_overlap_exposed = overlap
         t, lay = est.time, est.layout
         x = min(cfg.model.hidden_size / lay.tp, lay.micro_batch_size * row.seq / lay.cp)
         c1 = t.compute_s * gemm_efficiency(cfg.model, lay, lay.micro_batch_size, row.seq)

@@ -55,9 +55,8 @@ tokens * k * H elements each, (ep-1)/ep of them leaving the rank, over the dp ax
 
 Simplifications: roles sharing a node group are time-sliced (the others offloaded), so each
 role's memory is checked alone; a PPO step is rollout + max(actor group, critic group) for
-split placement and the sum of all phases when colocated; plain 1F1B's point-to-point PP traffic,
-allocator fragmentation (a fixed reserve instead) and interleaved
-schedules are not modelled. On a CPU-only cluster (gpus_per_node = 0) each node counts as one
+split placement and the sum of all phases when colocated; allocator fragmentation (a fixed reserve
+instead) is not modelled. On a CPU-only cluster (gpus_per_node = 0) each node counts as one
 device with gpu_mem_gb of memory.
 """
 
@@ -143,7 +142,7 @@ class StepTime:
     decode_s: float = 0.0
     a2a_s: float = 0.0  # expert-parallel token all-to-alls (MoE)
     cp_comm_s: float = 0.0  # context parallelism: K/V all-gathers and reduce-scatters, the gradient sum over cp
-    pp_comm_s: float = 0.0  # the interleaved schedule's extra point-to-point messages (plain 1F1B's are not modelled)
+    pp_comm_s: float = 0.0  # pipeline point-to-point messages on the critical path (time_model.pipeline_p2p_seconds)
 
     @property
     def total_s(self) -> float:

@@ -61,12 +61,13 @@ MODEL_FLOPS_EFFICIENCY = 0.4
 # (1.7B, 7.5B, 39B, 145B, 530B: MFU_FIT_ROWS there; the other five are held out and reported apart in
 # docs/planner.md). Table 1: A100, fp16, full recomputation, 135-163 TFLOP/s = 43-52% of 312, which includes
 # their bubble and communication: the planner's modelled TP, DP (not overlapped, as Megatron-LM's local DDP of
-# 2021 ran it) and bubble time is taken out, leaving 0.52-0.62. The rows span x = 768-2,304 and show no trend
-# with x: the held-in fit is flat (MFU_HALF_DIM = 0; all ten rows give 0.587 and 45, equally flat above a few
-# hundred), so **the model is a constant 0.574 of peak for training and forward passes**: the saturating
+# 2021 ran it), pipeline point-to-point (split over the tp ranks, Megatron's scatter/gather) and bubble time is
+# taken out, leaving 0.52-0.62. The rows span x = 768-2,304 and show no trend
+# with x: the held-in fit is flat (MFU_HALF_DIM = 0; all ten rows give 0.571 and 20, equally flat above a few
+# hundred), so **the model is a constant 0.566 of peak for training and forward passes**: the saturating
 # form is kept for a fit to shapes these rows do not cover (narrow shards, short micro-batches: the GPU suite's
 # measurements, issue 40 part 2), which is where it would matter. The fit is an A100's, applied to every GPU.
-MFU_MAX = 0.574
+MFU_MAX = 0.566
 MFU_HALF_DIM = 0.0
 # torch DDP's default gradient bucket (bucket_cap_mb=25; aligner does not set it): the last bucket's all-reduce
 # starts when backward ends, so at least it is exposed (bytes)
@@ -165,14 +166,37 @@ def pipeline_bubble_fraction(pp: int, num_microbatches: int, vpp: int = 1) -> fl
     return (pp - 1) / (max(num_microbatches, 1) * vpp)
 
 
-def interleaved_p2p_seconds(model: ModelConfig, layout: Layout, micro_batches: int, seq: int, e: int, cluster: ClusterConfig) -> float:
-    """Seconds of the point-to-point messages the interleaved schedule adds to plain 1F1B's in one
-    optimizer step: (v - 1) m more activation sends and as many gradient sends per rank, each
-    [b, seq / cp (/ tp with SP), H] elements, over the inter-node link when the pipeline spans nodes."""
-    if layout.vpp == 1:
+def pipeline_p2p_seconds(
+    model: ModelConfig, layout: Layout, micro_batches: int, seq: float, e: int, cluster: ClusterConfig, directions: int = 2
+) -> float:
+    """Seconds of the pipeline's point-to-point messages on the schedule's critical path in one pass over
+    `micro_batches` micro-batches (0 at pp = 1). aligner's schedules exchange each stage's activations and
+    gradients with ``batch_isend_irecv`` and wait (:mod:`aligner.parallel.pipeline`), so nothing hides them:
+    1F1B runs m + p - 1 forward slots and as many backward slots, each ending in one message; interleaving
+    with v chunks per rank makes it v m + p - 1 chunk slots (v times the messages, Narayanan et al. 2021,
+    sec. 2.2). directions: 2 for a training pass (activations forward, gradients back), 1 for a forward-only
+    pass. A message is [b, seq / cp (/ tp with SP), H] elements of e bytes, over the link its stage boundary
+    crosses (:func:`_pp_seconds_per_byte`)."""
+    if layout.pp == 1:
         return 0.0
     nbytes = layout.micro_batch_size * seq / layout.cp * model.hidden_size * e / (layout.tp if layout.sp else 1)
-    return 2 * (layout.vpp - 1) * micro_batches * nbytes / (_dp_gbps(layout, cluster) * 1e9)
+    slots = layout.vpp * micro_batches + layout.pp - 1
+    return directions * slots * nbytes * _pp_seconds_per_byte(layout, cluster)
+
+
+def _pp_seconds_per_byte(layout: Layout, cluster: ClusterConfig) -> float:
+    """Mean seconds per byte over the stage boundaries a micro-batch crosses (p - 1; p with interleaving, whose
+    chunks wrap from the last stage to the first). aligner's rank order is tp, cp, pp, dp (tp fastest;
+    :mod:`aligner.parallel.dims`), so a stage is tp x cp consecutive ranks and a boundary stays inside a node
+    unless it falls on a node's edge: the whole pipeline inside one node while tp x cp x pp ranks fit it. On a
+    CPU-only cluster (gpus_per_node = 0) each node is one device: every boundary is inter-node."""
+    g, span = cluster.gpus_per_node, layout.tp * layout.cp
+    edges = [(i, i + 1) for i in range(layout.pp - 1)] + ([(layout.pp - 1, 0)] if layout.vpp > 1 else [])
+    inter = 1.0 / (cluster.inter_node_gbps * 1e9)
+    if g <= 0:
+        return inter
+    intra = 1.0 / (cluster.intra_node_gbps * 1e9)
+    return sum(inter if (a * span) // g != (b * span) // g else intra for a, b in edges) / len(edges)
 
 
 def devices_per_node(cluster: ClusterConfig) -> int:
@@ -181,7 +205,7 @@ def devices_per_node(cluster: ClusterConfig) -> int:
 
 
 def _dp_gbps(layout: Layout, cluster: ClusterConfig) -> float:
-    """dp groups (and the pipeline's ring of stages) are the slowest-varying mesh axes: inside a node
+    """dp groups are the slowest-varying mesh axis (aligner's rank order tp, cp, pp, dp): inside a node
     only if the whole mesh is."""
     inside = cluster.gpus_per_node > 0 and layout.devices <= cluster.gpus_per_node
     return cluster.intra_node_gbps if inside else cluster.inter_node_gbps
@@ -268,7 +292,7 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
     cp = m * layers * cp_comm_seconds(model, layout, rows, seq, e, passes, cluster)
     if layout.cp > 1:  # the gradient sum over cp (parameters are replicated over it)
         cp += ring_allreduce_seconds(grad_bytes, layout.cp, _cp_gbps(layout, cluster))
-    pp = interleaved_p2p_seconds(model, layout, m, seq, e, cluster)
+    pp = pipeline_p2p_seconds(model, layout, m, seq, e, cluster)
     c, t, b, dp, a2a, cp, pp = c * steps, t * steps, b * steps, dp * steps, a2a * steps, cp * steps, pp * steps
     if work.forward_seqs:
         mf, rows_f, _ = micro_batch_shape(work, layout, work.forward_seqs)
@@ -282,6 +306,7 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
         c, t, b = c + c2, t + t2, b + b2
         a2a += _a2a_time(model, layout, mf, seq, e, 2, cluster, rows_f)
         cp += mf * layers * cp_comm_seconds(model, layout, rows_f, seq, e, 1, cluster)
+        pp += pipeline_p2p_seconds(model, layout, mf, seq, e, cluster, directions=1)
     return StepTime(compute_s=c, tp_comm_s=t, dp_comm_s=dp, bubble_s=b, a2a_s=a2a, cp_comm_s=cp, pp_comm_s=pp)
 
 
@@ -441,7 +466,8 @@ def forward_step_time(model: ModelConfig, work: RoleWork, layout: Layout, cluste
     mb, rows, seq = micro_batch_shape(work, layout, work.batch)
     flops = forward_flops_per_token(n, model, seq) * work.batch * seq
     c, t, b = _pass_time(flops, mb, layers_on_stage(model.num_layers, layout.pp, 0), 2, layout, model, e, seq, cluster, rows)
-    return StepTime(compute_s=c, tp_comm_s=t, dp_comm_s=0.0, bubble_s=b)
+    pp = pipeline_p2p_seconds(model, layout, mb, seq, e, cluster, directions=1)
+    return StepTime(compute_s=c, tp_comm_s=t, dp_comm_s=0.0, bubble_s=b, pp_comm_s=pp)
 
 
 def decode_step_seconds(
