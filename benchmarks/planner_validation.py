@@ -323,7 +323,9 @@ class TrainRow:
     published_s: seconds per iteration (GBS sequences of `seq` tokens). vp: the published virtual pipeline
     size; recompute / sp: as published, or None where the source does not say (the planner's best for the
     layout). backend: aligner's dp backend the row is evaluated with. fp8: published at FP8 (the planner's
-    time model is bf16's: its time is shown, not compared)."""
+    time model is bf16's: its time is shown, not compared). system: what the publishing system could run, the
+    layouts the row's "best" is searched among: "aligner" (every layout the planner tries), "megatron-core" or
+    "megatron-2021" (:func:`system_allows`, :func:`system_model`)."""
 
     family: str
     name: str
@@ -350,7 +352,8 @@ class TrainRow:
 def nemo_row(family, name, model, gpus, gbs, seq, tp, pp, cp, vp, tok_s_gpu, lora=False) -> TrainRow:
     """A NeMo 24.07 row: iteration seconds = GBS x seq / (tokens/s/GPU x GPUs); MBS 1 in every row."""
     t = gbs * seq / (tok_s_gpu * gpus)
-    return TrainRow(family, name, model, H100, gpus, gbs, 1, seq, tp, pp, t, f"{tok_s_gpu:,} tok/s/GPU", cp=cp, vp=vp, fp8=True, lora=lora)
+    pub = f"{tok_s_gpu:,} tok/s/GPU"
+    return TrainRow(family, name, model, H100, gpus, gbs, 1, seq, tp, pp, t, pub, cp=cp, vp=vp, fp8=True, lora=lora, system="megatron-core")
 
 
 # NeMo 24.07 performance summary (NVIDIA/NeMo/docs/source/performance/performance_summary.md, the version in the
@@ -433,43 +436,63 @@ def materialised_score_bytes(model, work, lay: Layout) -> float:
 
 
 def system_allows(row: TrainRow, est: LayoutEstimate, model, work, cluster) -> bool:
-    """Whether the row's publishing system could run the layout `est` (feasible on aligner's model). Megatron-LM
-    as Narayanan et al. 2021 ran it: no sequence parallelism and no selective recomputation (both Korthikanti et al.
-    2022) and no fused (flash) attention (Dao et al. 2022): the layout must also fit with
-    :func:`materialised_score_bytes` added."""
+    """Whether the row's publishing system could run the layout `est` (feasible on aligner's model).
+
+    megatron-core (NeMo 24.07, evaluated on FSDP2): Megatron's DDP with its distributed optimizer, which
+    all-gathers the parameters and reduce-scatters the gradients once per optimizer step and never shards the
+    bf16 parameters between micro-batches: of aligner's FSDP2 layouts, those with ``fsdp_reduce=step`` (the same
+    traffic; 6 + 16 / dp bytes per parameter against the distributed optimizer's 6 + 12 / dp, so a layout that fits
+    only in the difference is missed) or one dp rank. megatron-2021 (Narayanan et al. 2021's Megatron-LM): no
+    sequence parallelism and no selective recomputation (both Korthikanti et al. 2022) and no fused (flash)
+    attention (Dao et al. 2022): the layout must also fit with :func:`materialised_score_bytes` added."""
+    lay = est.layout
     if row.system == "aligner":
         return True
-    lay = est.layout
+    if row.system == "megatron-core":
+        return lay.dp == 1 or lay.fsdp_reduce == "step"
     if lay.sp or lay.recompute == "selective":
         return False
     return est.memory.total + materialised_score_bytes(model, work, lay) <= cluster.gpu_mem_gb * GIB
 
 
 @contextlib.contextmanager
-def system_time(row: TrainRow):
-    """The planner's time model as the row's publishing system ran: for "megatron-2021", the data-parallel
-    all-reduce after the backward pass, not overlapped (Megatron-LM's ``--DDP-impl local`` of 2021, which
-    run_table_1.sh keeps; assumed from its training loop of that time: aligner's DDP overlaps it), and the
-    pipeline's messages split over the tensor-parallel ranks without SP (the scatter/gather optimisation,
-    Narayanan et al. 2021, sec. 4.1: each of the t ranks sends 1/t of the activation over its own link;
-    aligner's runtime sends the whole activation from every tp rank). Patches ``aligner.planner.time_model``
-    for the duration (this script only)."""
+def system_model(row: TrainRow):
+    """The planner's models as the row's publishing system ran; patches ``aligner.planner`` for the duration (this
+    script only).
+
+    megatron-core: the distributed optimizer's memory, 6 + 12 / dp bytes per parameter (bf16 parameters and an
+    fp32 gradient buffer on every dp rank, fp32 master weights and Adam moments sharded: the Megatron Core
+    developer guide's "Distributed Optimizer" page, bf16 parameters with fp32 gradients), where aligner's ``fsdp_reduce=step`` holds 6 + 16 / dp: a sharded
+    fp32 copy of the reduced gradient besides (4 / dp, taken off). megatron-2021: the data-parallel all-reduce
+    after the backward pass, not overlapped (Megatron-LM's ``--DDP-impl local`` of 2021, which run_table_1.sh
+    keeps; assumed from its training loop of that time: aligner's DDP overlaps it), and the pipeline's messages
+    split over the tensor-parallel ranks without SP (the scatter/gather optimisation, Narayanan et al. 2021,
+    sec. 4.1: each of the t ranks sends 1/t of the activation over its own link; aligner's runtime sends the
+    whole activation from every tp rank)."""
+    import aligner.planner.evaluate as evaluate
     import aligner.planner.time_model as time_model
 
-    if row.system == "aligner":
-        yield
-        return
-    overlap, p2p = time_model.dp_overlap_exposed, time_model.pipeline_p2p_seconds
+    overlap, p2p, state = time_model.dp_overlap_exposed, time_model.pipeline_p2p_seconds, evaluate.train_state_bytes
 
     def scattered(model, layout, *args, **kwargs):
         return p2p(model, layout, *args, **kwargs) / (1 if layout.sp else layout.tp)
 
-    time_model.dp_overlap_exposed = lambda dp_s, *_: dp_s
-    time_model.pipeline_p2p_seconds = scattered
+    def distributed_optimizer(params, tensors, layer_params, pc, model, dp, state_dtype="float32", fsdp_step=False):
+        w, g, o = state(params, tensors, layer_params, pc, model, dp, state_dtype, fsdp_step)
+        if fsdp_step and pc.dp_backend == "fsdp2" and pc.mixed_precision == "bf16" and dp > 1:
+            g -= math.ceil(4 * params / dp)
+        return w, g, o
+
+    if row.system == "megatron-2021":
+        time_model.dp_overlap_exposed = lambda dp_s, *_: dp_s
+        time_model.pipeline_p2p_seconds = scattered
+    elif row.system == "megatron-core":
+        evaluate.train_state_bytes = distributed_optimizer
     try:
         yield
     finally:
         time_model.dp_overlap_exposed, time_model.pipeline_p2p_seconds = overlap, p2p
+        evaluate.train_state_bytes = state
 
 
 def model_overrides(model: dict, seq: int) -> list[str]:
@@ -549,21 +572,24 @@ def published_fixed(row: TrainRow) -> tuple[dict, int, str]:
 
 
 def train_result(row: TrainRow) -> dict:
-    """The row's published layout against the planner (one table row's values)."""
+    """The row's published layout against the planner (one table row's values): ranked among the layouts its
+    publishing system could run, under that system's models (:func:`system_allows`, :func:`system_model`), and
+    for a system other than aligner's also against aligner's own best under aligner's models ("aligner_rel")."""
     cfg, work = train_work(row)
     fixed, vpp, note = published_fixed(row)
-    with system_time(row):
+    with system_model(row):
         plan = plan_role(cfg.model, work, row.gpus, cfg.cluster)
         r = best_matching(cfg.model, work, row.gpus, cfg.cluster, fixed, vpp)
     out = {"row": row, "plan": plan, "note": note, "est": r}
-    if row.system != "aligner":  # ranked among what the publishing system could run; aligner's best shown beside
-        out["aligner_plan"] = plan
+    if row.system != "aligner":
         allowed = [e for e in plan.ranked if system_allows(row, e, cfg.model, work, cfg.cluster)]
         out["plan"] = plan = dataclasses.replace(plan, ranked=allowed)
+        out["aligner_plan"] = own = plan_role(cfg.model, work, row.gpus, cfg.cluster)
+        mine = best_matching(cfg.model, work, row.gpus, cfg.cluster, fixed, vpp)
+        if isinstance(mine, LayoutEstimate):
+            out["aligner_rel"] = rank_in(own, mine)[2]
     if isinstance(r, LayoutEstimate):
         out["rank"] = rank_in(plan, r)
-        if "aligner_plan" in out:
-            out["aligner_rel"] = rank_in(out["aligner_plan"], r)[2]
     return out
 
 
@@ -890,7 +916,7 @@ def fit_mfu(rows: tuple = MFU_FIT_ROWS) -> tuple[float, float, list[tuple[str, f
     rows of Narayanan et al. 2021 named in `rows` (MFU_FIT_ROWS: half of them; the rest held out). Each row's published layout is evaluated as in the table; the efficiency it implies
     is the one at which the planner's time equals the published: its compute at 100% of peak, times 1 + the
     bubble's fraction, over the published seconds less the modelled TP, DP and point-to-point time, all as the
-    system ran (:func:`system_time`: the DP all-reduce after the backward pass, scatter/gather pipeline
+    system ran (:func:`system_model`: the DP all-reduce after the backward pass, scatter/gather pipeline
     messages). The constants minimise the squared
     relative error of the efficiency (so of the time) over the fitted rows: MFU_HALF_DIM on a grid of 5, MFU_MAX
     in closed form for each."""
@@ -898,7 +924,7 @@ def fit_mfu(rows: tuple = MFU_FIT_ROWS) -> tuple[float, float, list[tuple[str, f
     for row in NARAYANAN_ROWS:
         cfg, work = train_work(row)
         fixed, vpp, _ = published_fixed(row)
-        with system_time(row):  # Table 1's runs: the all-reduce after backward, scatter/gather messages
+        with system_model(row):  # Table 1's runs: the all-reduce after backward, scatter/gather messages
             est = best_matching(cfg.model, work, row.gpus, cfg.cluster, fixed, vpp)
         t, lay = est.time, est.layout
         x = min(cfg.model.hidden_size / lay.tp, lay.micro_batch_size * row.seq / lay.cp)
@@ -954,7 +980,8 @@ def main() -> None:
         help="aligner's dp backend the NeMo 24.07 rows (Megatron DDP + distributed optimizer) are evaluated on",
     )
     args = ap.parse_args()
-    NEMO_ROWS[:] = [dataclasses.replace(r, backend=args.nemo_backend) for r in NEMO_ROWS]
+    system = "megatron-core" if args.nemo_backend == "fsdp2" else "aligner"  # on DDP: every layout aligner's DDP runs
+    NEMO_ROWS[:] = [dataclasses.replace(r, backend=args.nemo_backend, system=system) for r in NEMO_ROWS]
     if args.fit:
         print_fit()
     elif args.fit_mfu:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from aligner.parallel.memory import LayerDims, korthikanti_bytes
-from aligner.planner import GIB, Layout, LayoutEstimate, evaluate_layout
+from aligner.planner import GIB, Layout, LayoutEstimate, estimate_layout, evaluate_layout
+from aligner.planner.cost_model import layers_on_stage, stage_num_parameters
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -75,3 +76,44 @@ def test_largest_published_layouts_are_the_2021_systems_best(pv, name):
     assert rank == 1 and rel == pytest.approx(1.0)
     assert res["aligner_rel"] > 1.2
     assert all(not e.layout.sp and e.layout.recompute != "selective" for e in res["plan"].ranked)
+
+
+def nemo_row(pv, family, name):
+    return next(r for r in pv.NEMO_ROWS if r.family.endswith(family) and r.name == name)
+
+
+def test_megatron_core_runs_once_per_step_or_one_dp_rank(pv):
+    """NeMo 24.07's Megatron DDP + distributed optimizer regathers nothing between micro-batches: of aligner's FSDP2
+    layouts, fsdp_reduce=step or dp 1 only; on aligner's own system every feasible layout counts."""
+    r = nemo_row(pv, "SFT", "Llama 2 13B")
+    cfg, work = pv.train_work(r)
+    model, cluster = cfg.model, cfg.cluster
+
+    def est(**kw):
+        e = evaluate_layout(model, work, Layout(**kw), cluster)
+        assert isinstance(e, LayoutEstimate), e
+        return e
+
+    per_mb = est(tp=1, pp=1, dp=8, micro_batch_size=1)
+    assert not pv.system_allows(r, per_mb, model, work, cluster)
+    assert pv.system_allows(dataclasses.replace(r, system="aligner"), per_mb, model, work, cluster)
+    assert pv.system_allows(r, est(tp=1, pp=4, dp=2, micro_batch_size=1, fsdp_reduce="step"), model, work, cluster)
+    assert pv.system_allows(r, est(tp=8, pp=1, dp=1, micro_batch_size=1, sp=True), model, work, cluster)
+
+
+def test_distributed_optimizer_memory_is_6_plus_12_over_d(pv):
+    """Under system_model's megatron-core accounting a fsdp_reduce=step layout holds the distributed optimizer's
+    6 + 12 / d bytes per parameter (Megatron Core's "Distributed Optimizer" page, bf16 parameters and fp32
+    gradients) where aligner's FSDP2 holds 6 + 16 / d: exactly 4 P / d less (the sharded fp32 gradient)."""
+    r = nemo_row(pv, "pre-training", "Llama 3 70B")
+    cfg, work = pv.train_work(r)
+    lay = Layout(tp=4, cp=2, pp=4, vpp=5, dp=2, micro_batch_size=1, sp=True, fsdp_reduce="step")
+    fsdp = estimate_layout(cfg.model, work, lay, cfg.cluster)
+    with pv.system_model(r):
+        megatron = estimate_layout(cfg.model, work, lay, cfg.cluster)
+    after = estimate_layout(cfg.model, work, lay, cfg.cluster)
+    assert after.memory == fsdp.memory  # the patch is undone
+    params = stage_num_parameters(cfg.model, work.kind, lay.tp, lay.pp, 0)
+    assert layers_on_stage(cfg.model.num_layers, lay.pp, 0) == 20
+    assert fsdp.memory.grads - megatron.memory.grads == pytest.approx(4 * params / lay.dp, rel=1e-6)
+    assert fsdp.memory.total > 80 * GIB > megatron.memory.total  # the published layout fits without recomputation
