@@ -20,15 +20,6 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def pytest_configure(config):
-    """Under pytest-xdist (``pytest -n 2``) every worker but the first runs at nice 10, and so do the processes
-    it starts (Ray's, the CLI runs'): it takes the CPU the first worker leaves idle (process starts, imports,
-    waits on workers) and yields the rest, so the first worker's tests keep their speed."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if worker and worker != "gw0":
-        os.nice(10)
-
-
 @pytest.fixture
 def shared():
     return shared_path
