@@ -463,7 +463,9 @@ def system_model(row: TrainRow):
     megatron-core: the distributed optimizer's memory, 6 + 12 / dp bytes per parameter (bf16 parameters and an
     fp32 gradient buffer on every dp rank, fp32 master weights and Adam moments sharded: the Megatron Core
     developer guide's "Distributed Optimizer" page, bf16 parameters with fp32 gradients), where aligner's ``fsdp_reduce=step`` holds 6 + 16 / dp: a sharded
-    fp32 copy of the reduced gradient besides (4 / dp, taken off). megatron-2021: the data-parallel all-reduce
+    fp32 copy of the reduced gradient besides (4 / dp, taken off); and bf16 parameters at one dp rank, with
+    no autocast: 2 B per frozen parameter (a LoRA base) and 6 B (+ the fp32 master) per trained one, where aligner
+    keeps fp32 parameters under torch.autocast (4 B, plus a stage's bf16 casts). megatron-2021: the data-parallel all-reduce
     after the backward pass, not overlapped (Megatron-LM's ``--DDP-impl local`` of 2021, which run_table_1.sh
     keeps; assumed from its training loop of that time: aligner's DDP overlaps it), and the pipeline's messages
     split over the tensor-parallel ranks without SP (the scatter/gather optimisation, Narayanan et al. 2021,
@@ -472,15 +474,20 @@ def system_model(row: TrainRow):
     import aligner.planner.evaluate as evaluate
     import aligner.planner.time_model as time_model
 
-    overlap, p2p, state = time_model.dp_overlap_exposed, time_model.pipeline_p2p_seconds, evaluate.train_state_bytes
+    overlap, p2p = time_model.dp_overlap_exposed, time_model.pipeline_p2p_seconds
+    state, precision = evaluate.train_state_bytes, evaluate.training_precision
 
     def scattered(model, layout, *args, **kwargs):
         return p2p(model, layout, *args, **kwargs) / (1 if layout.sp else layout.tp)
 
     def distributed_optimizer(params, tensors, layer_params, pc, model, dp, state_dtype="float32", fsdp_step=False):
         w, g, o = state(params, tensors, layer_params, pc, model, dp, state_dtype, fsdp_step)
-        if fsdp_step and pc.dp_backend == "fsdp2" and pc.mixed_precision == "bf16" and dp > 1:
+        if pc.dp_backend != "fsdp2" or pc.mixed_precision != "bf16":
+            return w, g, o
+        if fsdp_step and dp > 1:
             g -= math.ceil(4 * params / dp)
+        elif dp == 1:  # bf16 parameters, no autocast: 2 B each, + a 4 B master for trained ones (tensors > 0; the
+            w = (6 if tensors else 2) * params  # LoRA path's all-parameter weights call passes none: a frozen bf16 base)
         return w, g, o
 
     if row.system == "megatron-2021":
@@ -488,11 +495,12 @@ def system_model(row: TrainRow):
         time_model.pipeline_p2p_seconds = scattered
     elif row.system == "megatron-core":
         evaluate.train_state_bytes = distributed_optimizer
+        evaluate.training_precision = lambda model, pc, dp: "bf16" if pc.mixed_precision == "bf16" else precision(model, pc, dp)
     try:
         yield
     finally:
         time_model.dp_overlap_exposed, time_model.pipeline_p2p_seconds = overlap, p2p
-        evaluate.train_state_bytes = state
+        evaluate.train_state_bytes, evaluate.training_precision = state, precision
 
 
 def model_overrides(model: dict, seq: int) -> list[str]:

@@ -117,3 +117,18 @@ def test_distributed_optimizer_memory_is_6_plus_12_over_d(pv):
     assert layers_on_stage(cfg.model.num_layers, lay.pp, 0) == 20
     assert fsdp.memory.grads - megatron.memory.grads == pytest.approx(4 * params / lay.dp, rel=1e-6)
     assert fsdp.memory.total > 80 * GIB > megatron.memory.total  # the published layout fits without recomputation
+
+
+def test_megatron_core_keeps_a_frozen_base_in_bf16_at_one_dp_rank(pv):
+    """NeMo's LoRA 70B (tp2 pp4 dp1): Megatron holds the frozen base in bf16, 2 B a parameter, with no autocast
+    casts; aligner's one-dp-rank path holds it in fp32 under autocast. The published layout fits without
+    recomputation only under the former."""
+    r = nemo_row(pv, "LoRA", "Llama 2 70B")
+    cfg, work = pv.train_work(r)
+    lay = Layout(tp=2, pp=4, dp=1, micro_batch_size=1, sp=True)
+    own = estimate_layout(cfg.model, work, lay, cfg.cluster)
+    with pv.system_model(r):
+        megatron = estimate_layout(cfg.model, work, lay, cfg.cluster)
+    base = stage_num_parameters(cfg.model, work.kind, lay.tp, lay.pp, 0)
+    assert megatron.memory.weights == pytest.approx(2 * base, rel=5e-3)  # + the adapters (0.2%)
+    assert own.memory.total > 80 * GIB > megatron.memory.total
