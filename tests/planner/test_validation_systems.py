@@ -29,6 +29,18 @@ def row(pv, name):
     return next(r for r in pv.NARAYANAN_ROWS if r.name == name)
 
 
+def evaluator(pv, r):
+    """(model, work, cluster, est) of a validation row; est(**layout fields) -> its feasible LayoutEstimate."""
+    cfg, work = pv.train_work(r)
+
+    def est(**kw):
+        e = evaluate_layout(cfg.model, work, Layout(**kw), cfg.cluster)
+        assert isinstance(e, LayoutEstimate), e
+        return e
+
+    return cfg.model, work, cfg.cluster, est
+
+
 @pytest.mark.parametrize("tp,pp,mbs", [(1, 1, 8), (2, 4, 2), (4, 2, 1)])
 def test_score_bytes_are_korthikantis_attention_term_per_layer_in_flight(pv, tp, pp, mbs):
     """Per layer, the paper's no-recompute bytes minus its selective-recompute bytes (without SP) is the score
@@ -50,13 +62,7 @@ def test_the_2021_system_refuses_sp_selective_and_layouts_the_scores_overflow(pv
     scores (24 layers x 5 x 24 x 2048^2 x 8 B: 90 GiB); SP and selective recomputation are refused; the published
     layout (full recomputation, no scores kept) is allowed."""
     r = row(pv, "1.7B")
-    cfg, work = pv.train_work(r)
-    model, cluster = cfg.model, cfg.cluster
-
-    def est(**kw):
-        e = evaluate_layout(model, work, Layout(**kw), cluster)
-        assert isinstance(e, LayoutEstimate), e
-        return e
+    model, work, cluster, est = evaluator(pv, r)
 
     flash_fits = est(tp=1, pp=1, dp=32, micro_batch_size=8)
     assert flash_fits.memory.total + pv.materialised_score_bytes(model, work, flash_fits.layout) > 80 * GIB
@@ -86,13 +92,7 @@ def test_megatron_core_runs_once_per_step_or_one_dp_rank(pv):
     """NeMo 24.07's Megatron DDP + distributed optimizer regathers nothing between micro-batches: of aligner's FSDP2
     layouts, fsdp_reduce=step or dp 1 only; on aligner's own system every feasible layout counts."""
     r = nemo_row(pv, "SFT", "Llama 2 13B")
-    cfg, work = pv.train_work(r)
-    model, cluster = cfg.model, cfg.cluster
-
-    def est(**kw):
-        e = evaluate_layout(model, work, Layout(**kw), cluster)
-        assert isinstance(e, LayoutEstimate), e
-        return e
+    model, work, cluster, est = evaluator(pv, r)
 
     per_mb = est(tp=1, pp=1, dp=8, micro_batch_size=1)
     assert not pv.system_allows(r, per_mb, model, work, cluster)
