@@ -732,12 +732,14 @@ def test_interleaved_schedule_halves_the_bubble_for_more_activations_and_message
     assert interleaved_in_flight(4, 2, 16, 3) == pytest.approx(2.5)  # the last stage: (0 + 4 + 1) chunk forwards of half its layers
     assert "vpp=2" in inter.layout.describe()
     # the search offers interleaving as a refinement of its best pipeline layout, never of a layout without stages
-    # 7B SFT on 16 GPUs with DDP (no sharded state: the best layout is a pipeline, tp 1 pp 16; on FSDP2, whose
-    # reduction the planner overlaps with compute, the best is tp 2 dp 8 without stages and nothing interleaves)
+    # 13B SFT on 16 GPUs with DDP (no sharded state: the best layout is a pipeline, tp 2 pp 4; 7B's was tp 1 pp 16
+    # until the planner charged the LM head to the last stage); 7B on FSDP2, whose reduction the planner overlaps
+    # with compute: the best has no stages and nothing interleaves
     cfg = llama2_cfg("7b", nodes=2, stage="sft")
-    par = dataclasses.replace(cfg.actor.parallel, dp_backend="ddp")
+    big = llama2_cfg("13b", nodes=2, stage="sft")
+    par = dataclasses.replace(big.actor.parallel, dp_backend="ddp")
     work16 = RoleWork(role="actor", kind="lm", mode="train", parallel=par, batch=128, batch_field="b", seq_len=2048)
-    ranked = plan_role(cfg.model, work16, 16, cfg.cluster).ranked
+    ranked = plan_role(big.model, work16, 16, big.cluster).ranked
     assert ranked[0].layout.pp > 1
     inter = [r.layout for r in ranked if r.layout.vpp > 1]
     assert inter and all(dataclasses.replace(x, vpp=1) in [r.layout for r in ranked] for x in inter)
@@ -771,7 +773,9 @@ def test_uneven_stages_and_idle_nodes_rather_than_no_plan():
 
 
 def test_unequal_stages_are_paced_by_the_deepest():
-    """pp = 3 over 80 layers (27, 27, 26) costs 27 * 3 / 80 of an even split's compute per device."""
+    """pp = 3 over 80 layers (27, 27, 26) is paced by its busiest rank: the first (27 layers) or the last (26 and
+    the LM head, which is not recomputed), against pp = 4's last (20 and the head); per token a layer costs
+    (6 P + 12 h s) x 4/3 under full recomputation, the head 6 h V (PaLM's count)."""
     m = ModelConfig(**LLAMA2["70b"], max_seq_len=4096, dtype="bfloat16")
     work = RoleWork(
         role="actor", kind="lm", mode="train", parallel=ParallelConfig(mixed_precision="bf16"), batch=16, batch_field="b", seq_len=2048
@@ -779,8 +783,15 @@ def test_unequal_stages_are_paced_by_the_deepest():
     cluster = ClusterConfig(num_nodes=3, gpus_per_node=8, gpu_mem_gb=80)
     three = estimate_layout(m, work, Layout(tp=8, pp=3, dp=1, micro_batch_size=1, recompute="full"), cluster)
     four = estimate_layout(m, work, Layout(tp=8, pp=4, dp=1, micro_batch_size=1, recompute="full"), cluster)
-    # compute per device: FLOPs / devices, times 27 * 3 / 80 for the unequal split
-    assert three.time.compute_s / four.time.compute_s == pytest.approx((4 / 3) * (27 * 3 / 80))
+    from aligner.planner import layer_num_parameters
+
+    layer = (6 * layer_num_parameters(m) + 12 * m.hidden_size * 2048) * 4 / 3
+    head = 6 * m.hidden_size * m.vocab_size
+    total = 80 * layer + head
+    pace3, pace4 = max(27 * layer, 26 * layer + head) * 3 / total, max(20 * layer, 20 * layer + head) * 4 / total
+    # compute per device: FLOPs / devices, times the busiest rank's share of them
+    assert three.time.compute_s / four.time.compute_s == pytest.approx((4 / 3) * pace3 / pace4)
+    assert pace3 == pytest.approx(27 * layer * 3 / total) and pace4 > 1  # pp 3: the 27 layers; pp 4: 20 and the head
 
 
 def test_a_hang_timeout_shorter_than_a_planned_phase_is_refused_before_ray(capsys, tmp_path, monkeypatch):

@@ -62,12 +62,13 @@ MODEL_FLOPS_EFFICIENCY = 0.4
 # docs/planner.md). Table 1: A100, fp16, full recomputation, 135-163 TFLOP/s = 43-52% of 312, which includes
 # their bubble and communication: the planner's modelled TP, DP (not overlapped, as Megatron-LM's local DDP of
 # 2021 ran it), pipeline point-to-point (split over the tp ranks, Megatron's scatter/gather) and bubble time is
-# taken out, leaving 0.52-0.62. The rows span x = 768-2,304 and show no trend
-# with x: the held-in fit is flat (MFU_HALF_DIM = 0; all ten rows give 0.571 and 20, equally flat above a few
-# hundred), so **the model is a constant 0.566 of peak for training and forward passes**: the saturating
+# taken out, and the busiest pipeline rank's share (the head on the last stage) put in, leaving 0.52-0.66. The
+# rows span x = 768-2,304 and show no trend
+# with x: the held-in fit is flat (MFU_HALF_DIM = 0; all ten rows give 0.597 and 60, equally flat above a few
+# hundred), so **the model is a constant 0.575 of peak for training and forward passes**: the saturating
 # form is kept for a fit to shapes these rows do not cover (narrow shards, short micro-batches: the GPU suite's
 # measurements, issue 40 part 2), which is where it would matter. The fit is an A100's, applied to every GPU.
-MFU_MAX = 0.566
+MFU_MAX = 0.575
 MFU_HALF_DIM = 0.0
 # torch DDP's default gradient bucket (bucket_cap_mb=25; aligner does not set it): the last bucket's all-reduce
 # starts when backward ends, so at least it is exposed (bytes)
@@ -176,15 +177,15 @@ def pipeline_p2p_seconds(
     with v chunks per rank makes it v m + p - 1 chunk slots (v times the messages, Narayanan et al. 2021,
     sec. 2.2). directions: 2 for a training pass (activations forward, gradients back), 1 for a forward-only
     pass. A message is [b, seq / cp (/ tp with SP), H] elements of e bytes, over the link its stage boundary
-    crosses (:func:`_pp_seconds_per_byte`)."""
+    crosses (:func:`pp_seconds_per_byte`)."""
     if layout.pp == 1:
         return 0.0
     nbytes = layout.micro_batch_size * seq / layout.cp * model.hidden_size * e / (layout.tp if layout.sp else 1)
     slots = layout.vpp * micro_batches + layout.pp - 1
-    return directions * slots * nbytes * _pp_seconds_per_byte(layout, cluster)
+    return directions * slots * nbytes * pp_seconds_per_byte(layout, cluster)
 
 
-def _pp_seconds_per_byte(layout: Layout, cluster: ClusterConfig) -> float:
+def pp_seconds_per_byte(layout: Layout, cluster: ClusterConfig) -> float:
     """Mean seconds per byte over the stage boundaries a micro-batch crosses (p - 1; p with interleaving, whose
     chunks wrap from the last stage to the first). aligner's rank order is tp, cp, pp, dp (tp fastest;
     :mod:`aligner.parallel.dims`), so a stage is tp x cp consecutive ranks and a boundary stays inside a node
@@ -211,6 +212,39 @@ def _dp_gbps(layout: Layout, cluster: ClusterConfig) -> float:
     return cluster.intra_node_gbps if inside else cluster.inter_node_gbps
 
 
+def pipeline_stage_factor(model: ModelConfig, layout: Layout, kind: str, seq: float, training: bool = True) -> float:
+    """How much longer the pipeline's busiest rank computes than the average rank: max over ranks of its FLOPs
+    x pp / all the FLOPs (1.0 at pp = 1); the pipeline runs at that rank's pace.
+
+    A rank's FLOPs per token: its decoder layers (the runtime's split: the first num_layers % pp stages take one
+    more; v equal chunks per rank when interleaved), each 6 P + 12 h s in training (P the layer's active
+    parameters; PaLM's count, as :func:`train_flops_per_token`; a full recomputation adds a third, a selective
+    one the attention core's 4 h s) or 2 P + 4 h s forward only, and, on the last rank, the head: 6 h V for a
+    causal LM (2 h V forward only), 6 h for a score model. The head is not recomputed. Over a large vocabulary it
+    outweighs layers: Llama 3 8B's (V = 128,256) has 2.4 layers' parameters, 2.1 layers' FLOPs at 4,096 tokens,
+    so a deep pipeline waits on its last stage
+    (Megatron-LM splits the first and last stages unevenly for this reason: --decoder-first/last-pipeline-num-layers)."""
+    if layout.pp == 1:
+        return 1.0
+    h, pp = model.hidden_size, layout.pp
+    p_layer = (
+        role_active_parameters(model, "lm") - model.num_parameters() + model.num_layers * layer_num_parameters(model)
+    ) / model.num_layers
+    passes = 3.0 if training else 1.0
+    layer = passes * (2 * p_layer + 4 * h * seq)
+    if training and layout.recompute == "full":
+        layer *= 4 / 3
+    elif training and layout.recompute == "selective":
+        layer += 4 * h * seq
+    head = passes * 2 * h * (model.vocab_size if kind == "lm" else 1)
+    if layout.vpp > 1:
+        first = last = model.num_layers // pp
+    else:
+        first, last = layers_on_stage(model.num_layers, pp, 0), layers_on_stage(model.num_layers, pp, pp - 1)
+    total = model.num_layers * layer + head
+    return max(first * layer, last * layer + head) * pp / total
+
+
 def _pass_time(
     flops: float,
     mb: int,
@@ -222,16 +256,17 @@ def _pass_time(
     seq: float,
     cluster: ClusterConfig,
     rows: Optional[float] = None,
+    kind: str = "lm",
+    training: bool = True,
 ) -> tuple[float, float, float]:
     """(compute, tp comm, bubble) seconds of `mb` micro-batches of `rows` rows (None:
     layout.micro_batch_size) of `seq` tokens through the pipeline, the compute at
-    :func:`gemm_efficiency` of peak. `layers`: the
-    first (largest) stage's; with stages of unequal depth (num_layers not divisible by pp: the first
-    num_layers % pp stages take one more) the pipeline runs at that stage's pace, so the compute is
-    scaled by layers * pp / num_layers."""
+    :func:`gemm_efficiency` of peak. `layers`: the first (largest) stage's, for the tp collectives. The
+    pipeline runs at its busiest rank's pace, so the compute is scaled by :func:`pipeline_stage_factor`
+    (unequal layer counts, the head on the last stage); kind, training: the role's head and pass."""
     rows = layout.micro_batch_size if rows is None else rows
     eff = gemm_efficiency(model, layout, rows, seq)
-    compute = compute_seconds(flops, layout.devices, cluster, eff) * layers * layout.pp / model.num_layers
+    compute = compute_seconds(flops, layout.devices, cluster, eff) * pipeline_stage_factor(model, layout, kind, seq, training)
     size = rows * seq / layout.cp * model.hidden_size * e  # a cp rank's tokens
     tp_comm = mb * layers * colls * ring_allreduce_seconds(size, layout.tp, cluster.intra_node_gbps)
     bubble = (compute + tp_comm) * pipeline_bubble_fraction(layout.pp, mb, layout.vpp)
@@ -273,7 +308,7 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
     m, rows, seq = micro_batch_shape(work, layout, work.batch)
     colls = 6 if layout.recompute == "full" else 4
     flops = train_flops_per_token(n, model, seq, layout.recompute, frozen) * work.batch * seq
-    c, t, b = _pass_time(flops, m, layers, colls, layout, model, e, seq, cluster, rows)
+    c, t, b = _pass_time(flops, m, layers, colls, layout, model, e, seq, cluster, rows, work.kind)
     fsdp = work.parallel.dp_backend == "fsdp2" and layout.dp > 1
     fwd_share = forward_flops_per_token(n, model, seq) / train_flops_per_token(n, model, seq, layout.recompute, frozen)
     if fsdp and layout.fsdp_reduce == "step":  # once per step: gathers in the first forward, reduce-scatters in the last backward
@@ -297,7 +332,7 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
     if work.forward_seqs:
         mf, rows_f, _ = micro_batch_shape(work, layout, work.forward_seqs)
         ff = forward_flops_per_token(n, model, seq) * work.forward_seqs * seq
-        c2, t2, b2 = _pass_time(ff, mf, layers, 2, layout, model, e, seq, cluster, rows_f)
+        c2, t2, b2 = _pass_time(ff, mf, layers, 2, layout, model, e, seq, cluster, rows_f, work.kind, training=False)
         if fsdp and layout.fsdp_reduce == "step":  # the pass gathers each layer once (TrainRuntime.forward_only)
             dp += fsdp2_microbatch_exposed_seconds(model, work, layout, c2 / mf, None, cluster)
         elif fsdp:  # the forward-only passes all-gather every layer too (no backward, no reduce-scatter)
@@ -465,7 +500,9 @@ def forward_step_time(model: ModelConfig, work: RoleWork, layout: Layout, cluste
     e = activation_dtype_bytes(model, work.parallel)
     mb, rows, seq = micro_batch_shape(work, layout, work.batch)
     flops = forward_flops_per_token(n, model, seq) * work.batch * seq
-    c, t, b = _pass_time(flops, mb, layers_on_stage(model.num_layers, layout.pp, 0), 2, layout, model, e, seq, cluster, rows)
+    c, t, b = _pass_time(
+        flops, mb, layers_on_stage(model.num_layers, layout.pp, 0), 2, layout, model, e, seq, cluster, rows, work.kind, False
+    )
     pp = pipeline_p2p_seconds(model, layout, mb, seq, e, cluster, directions=1)
     return StepTime(compute_s=c, tp_comm_s=t, dp_comm_s=0.0, bubble_s=b, pp_comm_s=pp)
 
