@@ -486,8 +486,12 @@ def system_model(row: TrainRow):
             return w, g, o
         if fsdp_step and dp > 1:
             g -= math.ceil(4 * params / dp)
-        elif dp == 1:  # bf16 parameters, no autocast: 2 B each, + a 4 B master for trained ones (tensors > 0; the
-            w = (6 if tensors else 2) * params  # LoRA path's all-parameter weights call passes none: a frozen bf16 base)
+        elif dp == 1:
+            # bf16 parameters, no autocast: 2 B each, + a 4 B fp32 master for trained ones. estimate_layout's LoRA
+            # branch asks for the weights of base + adapters with tensors=0 (and takes only w from that call), every
+            # full-parameter call passes the stage's tensors: so tensors=0 at dp 1 is a frozen base (the adapters'
+            # masters, 0.2% of it, left out). tests/planner/test_validation_systems.py checks both cases.
+            w = (6 if tensors else 2) * params
         return w, g, o
 
     if row.system == "megatron-2021":

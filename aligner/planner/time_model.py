@@ -227,9 +227,8 @@ def pipeline_stage_factor(model: ModelConfig, layout: Layout, kind: str, seq: fl
     if layout.pp == 1:
         return 1.0
     h, pp = model.hidden_size, layout.pp
-    p_layer = (
-        role_active_parameters(model, "lm") - model.num_parameters() + model.num_layers * layer_num_parameters(model)
-    ) / model.num_layers
+    # a layer's parameters less its experts that a token skips (MoE; 0 for a dense model)
+    p_layer = layer_num_parameters(model) - (model.num_parameters() - model.num_parameters(active=True)) / model.num_layers
     passes = 3.0 if training else 1.0
     layer = passes * (2 * p_layer + 4 * h * seq)
     if training and layout.recompute == "full":

@@ -132,3 +132,16 @@ def test_megatron_core_keeps_a_frozen_base_in_bf16_at_one_dp_rank(pv):
     base = stage_num_parameters(cfg.model, work.kind, lay.tp, lay.pp, 0)
     assert megatron.memory.weights == pytest.approx(2 * base, rel=5e-3)  # + the adapters (0.2%)
     assert own.memory.total > 80 * GIB > megatron.memory.total
+
+
+def test_megatron_core_full_fine_tuning_at_one_dp_rank_holds_18_bytes_a_parameter(pv):
+    """NeMo's SFT 70B (tp4 pp4 dp1): every parameter trains, so Megatron holds bf16 weights and an fp32 master (6 B),
+    an fp32 gradient (4 B) and Adam's moments (8 B): the distributed optimizer's 6 + 12 / d at d = 1."""
+    r = nemo_row(pv, "SFT", "Llama 2 70B")
+    cfg, work = pv.train_work(r)
+    lay = Layout(tp=4, pp=4, dp=1, micro_batch_size=1, sp=True, recompute="full")
+    with pv.system_model(r):
+        m = estimate_layout(cfg.model, work, lay, cfg.cluster).memory
+    params = stage_num_parameters(cfg.model, work.kind, lay.tp, lay.pp, 0)
+    assert m.weights == pytest.approx(6 * params, rel=1e-6)
+    assert m.weights + m.grads + m.optimizer == pytest.approx(18 * params, rel=1e-3)  # + Adam's step tensors
