@@ -14,6 +14,13 @@ Kubernetes ``terminationGracePeriodSeconds``, Slurm ``KillWait``, both 30 s by d
 watchdog prints one line and exits 143 at once: the step is abandoned, and a checkpoint save
 in flight is abandoned too (saves are atomic: the last complete checkpoint stays intact).
 A second SIGTERM changes nothing; SIGKILL is what ends the process early.
+
+A scheduler signals every process of the job, so after SIGTERM Ray's workers and raylet end
+under the driver, and Ray's own code in the driver may log an error with a traceback while it
+reads their deaths (Ray 2.60 logs an ``AssertionError`` from ``serialization.py`` when an actor's
+death record is incomplete). From the signal on, such records from Ray's loggers (``ray.*``) are
+printed as one line: the message and the exception's type and text, without the traceback. The
+run's own line (which checkpoint is intact, rerun with resume=true) stays the last word.
 """
 
 from __future__ import annotations
@@ -57,6 +64,27 @@ def install(stage: str, grace_s: float) -> None:
     _STATE.previous = signal.signal(signal.SIGTERM, _on_sigterm)
 
 
+class RayTracebackToOneLine(logging.Filter):
+    """A handler filter: a record from Ray's loggers (name ``ray`` or ``ray.*``) that carries an
+    exception is rewritten in place to one line, ``<message> [<ExceptionType>: <text>; Ray's traceback
+    not shown: the run was stopped by SIGTERM]``; every other record passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (record.name == "ray" or record.name.startswith("ray.")) and record.exc_info:
+            exc = record.exc_info[1]
+            what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            record.msg = f"{record.getMessage()} [{what}; Ray's traceback not shown: the run was stopped by SIGTERM]"
+            record.args, record.exc_info, record.exc_text = None, None, None
+        return True
+
+
+_ONE_LINE = RayTracebackToOneLine()
+
+
+def _ray_log_handlers() -> list:
+    return [*logging.getLogger("ray").handlers, *logging.getLogger().handlers]
+
+
 def uninstall() -> None:
     """Restore the handler :func:`install` replaced and stop a running watchdog."""
     global _STATE
@@ -64,6 +92,8 @@ def uninstall() -> None:
         return
     _STATE.done.set()
     signal.signal(signal.SIGTERM, _STATE.previous if _STATE.previous is not None else signal.SIG_DFL)
+    for handler in _ray_log_handlers():
+        handler.removeFilter(_ONE_LINE)
     _STATE = None
 
 
@@ -110,6 +140,8 @@ def _on_sigterm(signum, frame) -> None:
         return
     _SIGTERM_SEEN = True
     state.requested_at = time.monotonic()
+    for handler in _ray_log_handlers():  # Ray's processes end under the driver from now on (module docstring)
+        handler.addFilter(_ONE_LINE)
     log.warning("SIGTERM: finishing the current step and writing a checkpoint (within trainer.preempt_grace_s=%g s)", state.grace_s)
     threading.Thread(target=_watchdog, args=(state,), name="aligner-preempt-watchdog", daemon=True).start()
 

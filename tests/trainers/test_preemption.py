@@ -204,3 +204,52 @@ def test_a_worker_that_dies_after_sigterm_ends_a_preempted_run_with_143(capsys, 
         raise WorkerError("actor", 0, "Traceback ...\nValueError: bad", "sft_step")
 
     assert cli.run("sft", broken, ["trainer.max_steps=1"]) == 1
+
+
+def test_after_sigterm_rays_logged_tracebacks_become_one_line_and_aligners_stay_whole():
+    """Ray's code in the driver may log a traceback while it reads the deaths of workers the scheduler
+    signalled too (CI, 2026-11-28: Ray 2.60's ``AssertionError`` in serialization.py). From SIGTERM until
+    uninstall, a Ray logger's record with an exception is one line; aligner's records keep theirs."""
+    import io
+    import logging
+
+    from aligner.trainers import preemption
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(name)s %(levelname)s -- %(message)s"))
+    ray_logger, ours = logging.getLogger("ray"), logging.getLogger("aligner.test_preemption")
+    ray_logger.addHandler(handler)
+    ours.addHandler(handler)
+
+    def log_both() -> str:
+        stream.seek(0), stream.truncate()
+        for logger in (logging.getLogger("ray._private.serialization"), ours):
+            try:
+                raise AssertionError("actor_died_error")
+            except AssertionError as e:
+                logger.exception(e)
+        return stream.getvalue()
+
+    try:
+        preemption.install("sft", 60.0)
+        before = log_both()
+        assert before.count("Traceback") == 2, before
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not preemption.requested() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert preemption.requested()
+        after = log_both()
+        ray_line, rest = after.split("\n", 1)
+        assert ray_line == (
+            "ray._private.serialization ERROR -- actor_died_error [AssertionError: actor_died_error; "
+            "Ray's traceback not shown: the run was stopped by SIGTERM]"
+        ), after
+        assert rest.startswith("aligner.test_preemption ERROR -- actor_died_error\nTraceback"), rest
+        preemption.uninstall()
+        assert log_both().count("Traceback") == 2
+    finally:
+        preemption.uninstall()
+        ray_logger.removeHandler(handler)
+        ours.removeHandler(handler)
