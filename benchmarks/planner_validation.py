@@ -683,6 +683,7 @@ class RlRow:
     rollout_nodes: int = 0
     layouts: tuple = ()  # ((role, {field: value}), ...)
     reshard_off: bool = False  # the engine runs in the actor's (the planner's best) layout
+    engine: str = "torch"  # rollout.backend the row's generation is timed as (trtllm: a paged KV cache)
 
 
 def aligner_row(name, model, actor_nodes, critic_nodes, mean, step, mbs, rollouts, gbs, reshard_off=False) -> RlRow:
@@ -744,7 +745,8 @@ def nemo_rl_row(
         ("ref", {"tp": actor["tp"], "pp": actor["pp"], "dp": dp}),
         ("rollout", {"tp": engine_tp, "pp": 1, "dp": gen // engine_tp}),
     )
-    return RlRow("NeMo-RL GRPO", name, tuple(ov), nodes, step, mean, prompt, rollout_nodes=rollout_nodes, layouts=layouts)
+    # vLLM's PagedAttention reads each row's own tokens: timed as aligner's paged engine, rollout.backend=trtllm
+    return RlRow("NeMo-RL GRPO", name, tuple(ov), nodes, step, mean, prompt, rollout_nodes=rollout_nodes, layouts=layouts, engine="trtllm")
 
 
 # NeMo-RL performance summary (NVIDIA-NeMo/RL/docs/about/performance-summary.md, "Nemo RL v0.5", H100 BF16: the last
@@ -802,7 +804,10 @@ def rl_config(row: RlRow, mean_only: bool):
             f"data.max_seq_len={row.prompt + n}",
             f"rollout.expected_response_len_max={row.mean}",
         ]
-    return load_config("ppo", ov)
+    cfg = load_config("ppo", ov)
+    # set after loading: validation probes for an importable tensorrt_llm, which a run needs and a plan does not
+    cfg.rollout.backend = row.engine
+    return cfg
 
 
 def role_devices(row: RlRow, work) -> int:

@@ -47,7 +47,7 @@ class RolloutConfig:
     max_batch_size: int = 256  # continuous: KV-cache slots (requests decoding at once); static: sequences per batch
     scheduler: str = "continuous"  # continuous (slots refilled as responses stop, shared prompt prefixes) | static
     micro_batches: int = 0  # continuous: slot-pool blocks in flight through the engine's pipeline (0 = its pp_size)
-    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (GPU, static scheduler only)
+    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (GPU; the continuous scheduler with pp = 1, one micro-batch)
     compile: str = (
         "auto"  # torch.compile each decoder layer for generation: on | off | auto (= off for now: no faster on CPU, unrun on CUDA)
     )

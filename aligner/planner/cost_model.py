@@ -186,6 +186,9 @@ class RoleWork:
     scheduler, mean_response_len, tail_response_len: the rollout engine's ``rollout.scheduler`` and
     the response lengths (tokens) the decode time assumes: the mean and the longest of a batch
     (0 = new_tokens; :func:`decode_steps`).
+    engine: the rollout engine's ``rollout.backend``: torch (aligner's TorchEngine: a decode step reads
+    every KV-cache row to its full length) | trtllm (TensorRT-LLM's paged KV cache: a step reads the
+    tokens its rows hold; in-flight batching, so its scheduler is continuous).
     row_len: tokens per row the step time of a training or forward role assumes (0 = seq_len, which
     the memory always assumes: a batch may hold a row that long). For PPO's roles: the rollout
     batch's width, prompt + the longest response, under row-count micro-batches (every row is padded
@@ -217,6 +220,7 @@ class RoleWork:
     scheduler: str = "continuous"
     mean_response_len: float = 0.0
     tail_response_len: float = 0.0
+    engine: str = "torch"
     row_len: float = 0.0
     micro_batch_tokens: int = 0
 

@@ -192,9 +192,11 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
             max_batch_size=cfg.rollout.max_batch_size,
             group=ROLLOUT if cfg.rollout.placement == "split" else "actor",
             dtype=cfg.rollout.dtype,
-            scheduler=cfg.rollout.scheduler,
+            # TensorRT-LLM batches in flight whatever rollout.scheduler says (aligner.rollout.trtllm_engine)
+            scheduler=cfg.rollout.scheduler if cfg.rollout.backend == "torch" else "continuous",
             mean_response_len=mean_len,
             tail_response_len=tail_len,
+            engine=cfg.rollout.backend,
         ),
     ]
     roles = cfg.roles_used()

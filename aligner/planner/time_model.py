@@ -18,7 +18,8 @@ pass's compute (``parallel.fsdp_reduce=micro_batch``, the default: :func:`fsdp2_
 or once per optimizer step (``fsdp_reduce=step``: one all-gather per layer beside the first micro-batch's
 forward, one reduce-scatter beside the last one's backward: :func:`fsdp2_step_exposed_seconds`); the 1F1B bubble multiplies compute by 1 + (p-1)/m (Narayanan et al.
 2021). Rollout: a compute-bound prefill, then decode steps, each the larger of reading the stage
-weights and the whole KV cache from HBM and its FLOPs, plus a fixed overhead per decoder layer
+weights and the KV cache from HBM (the whole cache with aligner's engine, the rows' own tokens with
+TensorRT-LLM's paged one: :func:`paged_kv_bytes_per_step`) and its FLOPs, plus a fixed overhead per decoder layer
 (DECODE_OVERHEAD_S_PER_LAYER, fitted to aligner's measured decode) and the TP all-reduces; a token
 walks all pp stages in turn. The steps follow ``rollout.scheduler`` and the expected response
 lengths (``rollout.expected_response_len*``): a static batch decodes until its longest response
@@ -547,6 +548,33 @@ def decode_steps(scheduler: str, requests: int, slots: int, mean_len: float, tai
     raise ValueError(f"scheduler={scheduler!r}: valid choices are static, continuous")
 
 
+def live_context_tokens(prompt: float, mean_len: float, tail_len: float) -> float:
+    """Expected tokens a decoding row holds at a decode step, over a whole generation (tokens).
+
+    A response of length L is decoded in L steps at positions 0 .. L - 1, so over all steps a row
+    holds prompt + E[L^2] / (2 E[L]) tokens on average: the length-biased mean position, whatever the
+    scheduler (each response's steps count once). From the mean and the longest alone it lies in
+    [mean / 2, tail / 2] (E[L^2] >= E[L]^2; L <= tail); the planner takes min(mean, tail / 2): mean / 2
+    when every response is as long as the longest, the mean (E[L^2] = 2 E[L]^2: exponentially
+    distributed lengths, a long right tail) once the longest is twice the mean or more.
+    """
+    return prompt + min(mean_len, tail_len / 2)
+
+
+def paged_kv_bytes_per_step(
+    model: ModelConfig, layout: Layout, e: int, requests: int, prompt: float, mean_len: float, tail_len: float, steps: float
+) -> float:
+    """KV-cache bytes one device of a paged engine reads in an average decode step (bytes).
+
+    A paged KV cache (TensorRT-LLM's; vLLM's PagedAttention, Kwon et al. 2023) reads each row's own
+    tokens, not a slot's capacity: over the generation of `requests` responses on one replica,
+    requests * mean_len row-steps of :func:`live_context_tokens` tokens each, spread over its `steps`
+    decode steps; per device its share of the layers and KV heads (:func:`kv_cache_bytes`).
+    """
+    per_token = kv_cache_bytes(model, e, layout.tp, layout.pp, 1, 1)
+    return per_token * requests * mean_len * live_context_tokens(prompt, mean_len, tail_len) / max(steps, 1.0)
+
+
 def generate_step_time(
     model: ModelConfig, work: RoleWork, layout: Layout, weight_bytes: float, cluster: ClusterConfig, e: Optional[int] = None
 ) -> StepTime:
@@ -557,9 +585,10 @@ def generate_step_time(
     pool), the rows the memory check sized the KV cache for. The steps follow work.scheduler and
     the expected response lengths (:func:`decode_steps`; work.mean_response_len /
     work.tail_response_len, 0 = work.new_tokens); each step costs :func:`decode_step_seconds` with
-    the whole KV cache read: aligner's graphed decode step attends over the cache's full length
-    (prompt + new_tokens) under a mask. e: the engine's element bytes (``rollout.dtype``; None:
-    work.dtype, else :func:`activation_dtype_bytes`).
+    the KV cache read as the engine reads it (work.engine): torch, the whole cache: aligner's graphed
+    decode step attends over the cache's full length (prompt + new_tokens) under a mask; trtllm, the
+    tokens the rows hold (:func:`paged_kv_bytes_per_step`). e: the engine's element bytes
+    (``rollout.dtype``; None: work.dtype, else :func:`activation_dtype_bytes`).
     """
     n = role_active_parameters(model, work.kind)
     if e is None:
@@ -567,10 +596,14 @@ def generate_step_time(
     prompt = work.seq_len
     prefill = compute_seconds(forward_flops_per_token(n, model, prompt) * work.batch * prompt, layout.devices, cluster)
     b = layout.micro_batch_size
-    kv = kv_cache_bytes(model, e, layout.tp, layout.pp, b, prompt + work.new_tokens)
     mean = work.mean_response_len or work.new_tokens
     tail = work.tail_response_len or work.new_tokens
-    steps = decode_steps(work.scheduler, math.ceil(work.batch / layout.dp), b, mean, tail)
+    requests = math.ceil(work.batch / layout.dp)
+    steps = decode_steps(work.scheduler, requests, b, mean, tail)
+    if work.engine == "trtllm":
+        kv = paged_kv_bytes_per_step(model, layout, e, requests, prompt, mean, tail, steps)
+    else:
+        kv = kv_cache_bytes(model, e, layout.tp, layout.pp, b, prompt + work.new_tokens)
     decode = steps * decode_step_seconds(model, layout, weight_bytes, kv, n, e, cluster)
     return StepTime(compute_s=prefill, tp_comm_s=0.0, dp_comm_s=0.0, bubble_s=0.0, decode_s=decode)
 
