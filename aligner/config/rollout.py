@@ -57,7 +57,8 @@ class RolloutConfig:
     # the conservative bound (a plan cannot know how long responses run)
     expected_response_len: float = 0.0
     expected_response_len_max: float = 0.0
-    # planner: a previous run's metrics.jsonl; the mean of its rows' response_len is the mean length
+    # planner: a previous PPO run's metrics.jsonl; the means of its rows' response_len and response_len_max
+    # are the mean and the longest (expected_response_len_max, when set, stays the longest)
     expected_response_len_from: str = ""
 
     def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:

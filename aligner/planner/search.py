@@ -79,23 +79,29 @@ def expected_response_lengths(cfg: AlignerConfig, new_tokens: int) -> tuple[floa
     """(mean, longest) response tokens the rollout's decode time assumes, each at most `new_tokens`.
 
     The mean: ``rollout.expected_response_len``, or the mean of the ``response_len`` metric over
-    the rows of ``rollout.expected_response_len_from`` (a previous run's metrics.jsonl: one mean per
-    step), else new_tokens; the longest: ``rollout.expected_response_len_max``, else new_tokens (the
-    metrics hold no tail). Raises ConfigError naming the field when the file has no response_len.
+    the rows of ``rollout.expected_response_len_from`` (a previous PPO run's metrics.jsonl: one
+    mean per step), else new_tokens. The longest (of a batch): ``rollout.expected_response_len_max``,
+    or the mean over that file's rows of ``response_len_max`` (each step's longest response; runs
+    before the metric existed have none), else new_tokens. Raises ConfigError naming the field when
+    the file has no response_len.
     """
     r = cfg.rollout
     mean, tail = r.expected_response_len, r.expected_response_len_max
     if r.expected_response_len_from:
         try:
-            values = [row["response_len"] for row in read_metrics(r.expected_response_len_from) if "response_len" in row]
+            rows = list(read_metrics(r.expected_response_len_from))
         except ValueError as err:
             raise ConfigError(f"rollout.expected_response_len_from={r.expected_response_len_from!r}: {err}") from None
+        values = [row["response_len"] for row in rows if "response_len" in row]
         if not values:
             raise ConfigError(
                 f"rollout.expected_response_len_from={r.expected_response_len_from!r} is invalid: no row has a response_len "
                 "metric: give a PPO run's metrics.jsonl, or set rollout.expected_response_len instead"
             )
         mean = sum(values) / len(values)
+        longest = [row["response_len_max"] for row in rows if "response_len_max" in row]
+        if longest and not tail:
+            tail = max(sum(longest) / len(longest), mean)
     return min(mean or new_tokens, new_tokens), min(tail or new_tokens, new_tokens)
 
 

@@ -708,6 +708,7 @@ class PPOTrainer(Trainer):
             "kl_mean": float(kl_seq.mean()),
             "kl_coef": float(self.reward_kl_coef()),
             "response_len": float(mask.sum(-1).mean()),
+            "response_len_max": float(mask.sum(-1).max()),  # the step's longest: the planner's tail (rollout.expected_response_len_from)
             "stop_frac": sum(m["finish_reason"] == "stop" for m in batch.meta) / max(1, len(batch)),
         }
         if self.cfg.reward.type == "model" and on_builtin_task(self.cfg):

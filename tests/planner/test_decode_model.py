@@ -97,12 +97,18 @@ def test_mean_governs_continuous_longest_governs_static(scheduler, lengths, step
     assert decode_seconds(cfg, work, layout) == pytest.approx(steps * one_step, rel=1e-9)
 
 
-def test_mean_read_from_a_previous_runs_metrics(tmp_path):
+def test_mean_and_longest_read_from_a_previous_runs_metrics(tmp_path):
     rows = [{"step": 0, "eval_accuracy": 0.1}, {"step": 1, "response_len": 3.0}, {"step": 2, "response_len": 5.0}]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     _, work = rollout_work([f"rollout.expected_response_len_from={path}"])
-    assert (work.mean_response_len, work.tail_response_len) == (4.0, 8)
+    assert (work.mean_response_len, work.tail_response_len) == (4.0, 8)  # no response_len_max: the cap
+    rows[1]["response_len_max"], rows[2]["response_len_max"] = 6.0, 7.0  # each step's longest (PPO writes it)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, work = rollout_work([f"rollout.expected_response_len_from={path}"])
+    assert (work.mean_response_len, work.tail_response_len) == (4.0, 6.5)
+    _, work = rollout_work([f"rollout.expected_response_len_from={path}", "rollout.expected_response_len_max=5"])
+    assert work.tail_response_len == 5  # the field, when given, stays the longest
     path.write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
     cfg = load_config("ppo", TINY + [f"rollout.expected_response_len_from={path}"])
     with pytest.raises(ConfigError, match=r"^rollout.expected_response_len_from=.*no row has a response_len"):

@@ -154,4 +154,5 @@ def test_ppo_plays_and_trains_on_retry_episodes(tmp_path, placement):
     for m in steps:
         assert m["env/turns"] > 1.0 and m["env/retries"] > 0 and m["env/failed"] == 0.0
         assert m["env/observation_tokens"] > 0 and m["response_len"] < m["env/observation_tokens"]
+        assert 0 < m["response_len"] <= m["response_len_max"]  # the mean and the step's longest (the planner's tail)
         assert m["actor/grad_norm"] > 0 and torch.isfinite(torch.tensor(m["policy_loss"]))
