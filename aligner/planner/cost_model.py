@@ -258,9 +258,18 @@ def role_num_parameters(model: ModelConfig, kind: str) -> int:
 
 
 def role_active_parameters(model: ModelConfig, kind: str) -> int:
-    """Parameters one token uses (MoE: the router and its top-k experts; a dense model: all):
-    what FLOPs per token scale with (Fedus et al. 2021)."""
+    """Parameters one token uses (MoE: the router and its top-k experts; a dense model: all), as model
+    cards count them (Mixtral 8x7B: 12.9B active, embeddings included; Fedus et al. 2021)."""
     return role_num_parameters(model, kind) - (model.num_parameters() - model.num_parameters(active=True))
+
+
+def role_flop_parameters(model: ModelConfig, kind: str) -> int:
+    """Parameters a token multiplies by: :func:`role_active_parameters` less the input embedding, a lookup
+    with no FLOPs, unless the same matrix is a causal LM's output head (tied embeddings), which is a GEMM.
+    What the 6N of training FLOPs per token counts (Kaplan et al. 2020 leave embeddings out of N; the LM head
+    is a [H, V] GEMM). Llama 3 8B: 7.50B of its 8.03B (the [128,256, 4,096] embedding is 6.5% of it)."""
+    lookup = model.vocab_size * model.hidden_size if (kind == "score" or not model.tie_word_embeddings) else 0
+    return role_active_parameters(model, kind) - lookup
 
 
 def expert_layer_parameters(model: ModelConfig) -> int:

@@ -7,7 +7,8 @@ model, on the types and parameter counts of :mod:`aligner.planner.cost_model`.
 
 Step-time model (seconds): FLOPs per token 6N + 12*L*H*T for training (4 instead of 6 per frozen
 parameter of a LoRA base: no weight gradients) and 2N + 4*L*H*T for
-a forward pass (Chowdhery et al. 2022, PaLM appendix B), plus one forward for full
+a forward pass (Chowdhery et al. 2022, PaLM appendix B; N the parameters a token multiplies by, without an
+untied input embedding: :func:`aligner.planner.cost_model.role_flop_parameters`), plus one forward for full
 recomputation or the attention core for selective, divided by devices * peak * efficiency;
 TP all-reduces (4 per layer per micro-batch in forward + backward, Shoeybi et al. 2019) of
 B*T*H elements over the intra-node bandwidth with ring volume 2(n-1)/n; the data-parallel
@@ -48,7 +49,7 @@ from aligner.planner.cost_model import (
     layers_on_stage,
     lora_num_parameters,
     micro_batch_shape,
-    role_active_parameters,
+    role_flop_parameters,
     stage_num_parameters,
 )
 
@@ -298,7 +299,7 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
     """Seconds per step of a training role: opt_steps optimizer steps (+ the forward-only passes).
     FLOPs follow the active parameters (MoE: top-k experts per token); with LoRA the frozen base
     computes no weight gradients (:func:`train_flops_per_token`) and the adapters add theirs."""
-    n = role_active_parameters(model, work.kind)
+    n = role_flop_parameters(model, work.kind)
     frozen = 0
     if work.lora_rank > 0:  # the base is frozen (a score head trains: h parameters); the adapters train
         frozen = n - (model.hidden_size if work.kind == "score" else 0)
@@ -496,7 +497,7 @@ def fsdp2_unit_seconds(
 
 def forward_step_time(model: ModelConfig, work: RoleWork, layout: Layout, cluster: ClusterConfig) -> StepTime:
     """Seconds per step of a forward-only role (reference log-probs, reward scores)."""
-    n = role_active_parameters(model, work.kind)
+    n = role_flop_parameters(model, work.kind)
     e = activation_dtype_bytes(model, work.parallel)
     mb, rows, seq = micro_batch_shape(work, layout, work.batch)
     flops = forward_flops_per_token(n, model, seq) * work.batch * seq
@@ -590,7 +591,7 @@ def generate_step_time(
     tokens the rows hold (:func:`paged_kv_bytes_per_step`). e: the engine's element bytes
     (``rollout.dtype``; None: work.dtype, else :func:`activation_dtype_bytes`).
     """
-    n = role_active_parameters(model, work.kind)
+    n = role_flop_parameters(model, work.kind)
     if e is None:
         e = DTYPE_BYTES[work.dtype] if work.dtype else activation_dtype_bytes(model, work.parallel)
     prompt = work.seq_len

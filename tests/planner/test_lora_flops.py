@@ -9,7 +9,16 @@ from torch.utils.flop_counter import FlopCounterMode
 from aligner.config import ClusterConfig, ModelConfig, ParallelConfig
 from aligner.model.llama import build_model
 from aligner.nn.lora import apply_lora
-from aligner.planner import Layout, RoleWork, estimate_layout, lora_num_parameters, role_num_parameters, train_flops_per_token
+from aligner.planner import (
+    Layout,
+    RoleWork,
+    estimate_layout,
+    lora_num_parameters,
+    role_active_parameters,
+    role_flop_parameters,
+    role_num_parameters,
+    train_flops_per_token,
+)
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4, num_kv_heads=4, max_seq_len=64)
 SEQ, ROWS = 64, 2
@@ -64,3 +73,25 @@ def test_lora_flops_per_token_formula():
     assert train_flops_per_token(n + n_ad, MODEL, SEQ, "none", frozen_params=n) == 4 * n + 6 * n_ad + 3 * attn
     full = train_flops_per_token(n + n_ad, MODEL, SEQ, "full", frozen_params=n)
     assert full == 6 * n + 8 * n_ad + 4 * attn
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_six_n_counts_the_parameters_a_token_multiplies_by(tied):
+    """Untied, the input embedding is a lookup (torch counts no FLOPs for it) and the head a GEMM: the 6N of
+    the planner's training FLOPs is role_flop_parameters, the active count less the embedding (here 11% of it),
+    and equals torch's count of the GEMMs within 1%; tied, the one matrix is the head's GEMM and both counts agree."""
+    model = ModelConfig(**{**MODEL.__dict__, "vocab_size": 1024, "tie_word_embeddings": tied})
+    torch.manual_seed(0)
+    net = build_model(model)
+    ids = torch.randint(0, model.vocab_size, (ROWS, SEQ))
+    with FlopCounterMode(display=False) as counter:
+        net(ids).float().sum().backward()
+    n = role_flop_parameters(model, "lm")
+    # torch's counter has no formula for the CPU's fused attention (its flash kernel for the CPU): compare the
+    # GEMMs, 6N a token, leaving out the attention core's 12LHT
+    core = 12.0 * model.num_layers * model.hidden_size * SEQ
+    planned = (train_flops_per_token(n, model, SEQ, "none") - core) * ROWS * SEQ
+    assert planned == pytest.approx(counter.get_total_flops(), rel=0.01)
+    lookup = 0 if tied else model.vocab_size * model.hidden_size
+    assert n == role_active_parameters(model, "lm") - lookup
+    assert role_flop_parameters(model, "score") == role_active_parameters(model, "score") - model.vocab_size * model.hidden_size

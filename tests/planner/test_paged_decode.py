@@ -18,7 +18,7 @@ from aligner.planner import (
     kv_cache_bytes,
     live_context_tokens,
     paged_kv_bytes_per_step,
-    role_active_parameters,
+    role_flop_parameters,
     role_works,
 )
 
@@ -87,7 +87,7 @@ def test_trtllm_engine_decodes_with_the_paged_read_and_in_flight_batching():
     requests, mean, tail = work.batch, work.mean_response_len, work.tail_response_len
     steps = decode_steps("continuous", requests, 8, mean, tail)
     kv = paged_kv_bytes_per_step(cfg.model, lay, 2, requests, work.seq_len, mean, tail, steps)
-    n = role_active_parameters(cfg.model, "lm")
+    n = role_flop_parameters(cfg.model, "lm")
     assert t.decode_s == pytest.approx(steps * decode_step_seconds(cfg.model, lay, est.memory.weights, kv, n, 2, cfg.cluster))
     capacity = kv_cache_bytes(cfg.model, 2, 1, 1, 8, work.seq_len + work.new_tokens)
     assert kv < capacity

@@ -13,7 +13,7 @@ import pytest
 from aligner.cli import load_config
 from aligner.config import ClusterConfig
 from aligner.planner import Layout, estimate_layout, layout_problem, role_works, train_flops_per_token
-from aligner.planner.cost_model import micro_batch_shape, role_active_parameters
+from aligner.planner.cost_model import micro_batch_shape, role_flop_parameters
 from aligner.planner.time_model import forward_flops_per_token
 
 PROMPT, SEQ, MEAN, TAIL = 16, 64, 6.0, 40.0
@@ -51,7 +51,7 @@ def test_training_time_follows_the_row_length_and_memory_does_not():
     forward-only ones alike); the memory of the same layout is the one at data.max_seq_len (a batch
     may hold a row that long)."""
     cfg, w = works(f"rollout.expected_response_len_max={TAIL}")
-    n = role_active_parameters(cfg.model, "lm")
+    n = role_flop_parameters(cfg.model, "lm")
     for work, per_token in (
         (replace(w["actor"], forward_seqs=0), lambda s: train_flops_per_token(n, cfg.model, s, "none")),
         (w["ref"], lambda s: forward_flops_per_token(n, cfg.model, s)),
