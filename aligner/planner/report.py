@@ -59,6 +59,10 @@ def format_role(plan: RolePlan, model: Optional[ModelConfig] = None) -> str:
     """A readable table of one role's ranked layouts (GiB, seconds) and best rejected layouts; with
     `model`, a trained role's line of training-state bytes per parameter (:func:`train_state_line`)."""
     what = {"train": "training", "forward": "inference", "generate": "rollout engine"}[plan.work.mode]
+    if plan.work.mode == "generate":  # how its decode time reads the KV cache (aligner.planner.time_model)
+        w = plan.work
+        read = "each row's own tokens (paged)" if w.engine == "trtllm" else "every row to its full length"
+        what += f": {w.engine}, {w.scheduler} scheduler, a decode step reads {read}"
     idle = f", {plan.idle} more of its group idle: no layout fits them all" if plan.idle else ""
     lines = [f"{plan.role} ({what}, {plan.devices} devices{idle}):"]
     if model is not None and plan.work.mode == "train":

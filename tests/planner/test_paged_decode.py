@@ -14,9 +14,11 @@ from aligner.planner import (
     decode_step_seconds,
     decode_steps,
     estimate_layout,
+    format_plan,
     generate_step_time,
     kv_cache_bytes,
     live_context_tokens,
+    make_plan,
     paged_kv_bytes_per_step,
     role_flop_parameters,
     role_works,
@@ -95,3 +97,11 @@ def test_trtllm_engine_decodes_with_the_paged_read_and_in_flight_batching():
     slower = generate_step_time(cfg.model, continuous_torch, lay, est.memory.weights, cfg.cluster, 2)
     assert slower.decode_s > t.decode_s
     assert math.isclose(slower.compute_s, t.compute_s)  # the prefill is the same
+
+
+def test_the_plan_says_how_its_engine_reads_the_kv_cache():
+    """The rollout role's heading in the plan names the engine, its scheduler and the KV read its time assumes."""
+    cfg = load_config("ppo", TINY + ["rollout.scheduler=static"])
+    assert "rollout engine: torch, static scheduler, a decode step reads every row to its full length" in format_plan(make_plan(cfg))
+    cfg.rollout.backend = "trtllm"
+    assert "rollout engine: trtllm, continuous scheduler, a decode step reads each row's own tokens (paged)" in format_plan(make_plan(cfg))
