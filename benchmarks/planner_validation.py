@@ -83,6 +83,9 @@ MEASURED = {
     "H200 (2026-11-26)": (4245.0, {1: 337, 8: 2434, 32: 9015, 64: 16464}),  # copy bandwidth GB/s, rows
     "H100 (2026-11-22)": (3012.0, {1: 318, 8: 2303, 32: 8530, 64: 15674}),
 }
+# The continuous scheduler's decode of the same calls on the same H200, without CUDA graphs (it had none then:
+# benchmarks/RESULTS.md, "continuous (eager on CUDA then)"): what DECODE_OVERHEAD_EAGER_S_PER_LAYER is fitted to
+MEASURED_EAGER = {"H200 (2026-11-26), eager": (4245.0, {1: 69, 8: 590, 32: 2283, 64: 4967})}
 PEAK_TFLOPS = 989.0  # dense bf16, H100 SXM and H200 alike
 PROMPT, NEW = 128, 256
 TINY_LLAMA = ModelConfig(
@@ -100,13 +103,15 @@ def roofline_parts(batch: int, bw_gbps: float) -> tuple[float, float]:
     return prefill, max((2 * n + kv) / (bw_gbps * GB), flops_s)
 
 
-def fit_overhead() -> tuple[float, list[tuple[str, int, float, float]]]:
+def fit_overhead(measured: Optional[dict] = None) -> tuple[float, list[tuple[str, int, float, float]]]:
     """(overhead seconds per layer per step, rows of (gpu, batch, measured tok/s, predicted tok/s)).
 
-    The constant minimising the squared error of the per-step time over all rows: the mean of each
-    row's (measured step - roofline) / layers."""
+    The constant minimising the squared error of the per-step time over all rows of `measured` (MEASURED,
+    the graphed decode, by default; MEASURED_EAGER for the eager one): the mean of each row's (measured
+    step - roofline) / layers."""
+    measured = MEASURED if measured is None else measured
     per_row = []
-    for gpu, (bw, rows) in MEASURED.items():
+    for gpu, (bw, rows) in measured.items():
         for b, tps in rows.items():
             prefill, roof = roofline_parts(b, bw)
             step = (b * NEW / tps - prefill) / NEW
@@ -114,7 +119,7 @@ def fit_overhead() -> tuple[float, list[tuple[str, int, float, float]]]:
     c = sum(r[3] for r in per_row) / len(per_row)
     out = []
     for gpu, b, tps, _ in per_row:
-        prefill, roof = roofline_parts(b, MEASURED[gpu][0])
+        prefill, roof = roofline_parts(b, measured[gpu][0])
         t = prefill + NEW * (roof + TINY_LLAMA.num_layers * c)
         out.append((gpu, b, tps, b * NEW / t))
     return c, out
@@ -131,6 +136,10 @@ def print_fit() -> None:
     print(f"{'GPU':<18} {'batch':>5} {'measured tok/s':>15} {'predicted tok/s':>16} {'residual':>9}")
     for gpu, b, tps, pred in rows:
         print(f"{gpu:<18} {b:>5} {tps:>15,} {pred:>16,.0f} {100 * (pred / tps - 1):>8.1f}%")
+    c, rows = fit_overhead(MEASURED_EAGER)
+    print(f"fitted eager decode overhead (no CUDA graphs): {c * 1e6:.1f} us per decoder layer per step")
+    for gpu, b, tps, pred in rows:
+        print(f"{gpu:<25} {b:>5} {tps:>15,} {pred:>16,.0f} {100 * (pred / tps - 1):>8.1f}%")
 
 
 def fit_one(gpu: str) -> float:
@@ -172,11 +181,22 @@ def has_length_fields() -> bool:
     return "expected_response_len" in {f.name for f in dataclasses.fields(RolloutConfig)}
 
 
+def nemo_aligner_engine(work):
+    """A role's work as NeMo-Aligner ran it: its generation on TensorRT-LLM (the planner's trtllm engine: a paged
+    KV cache read, its own CUDA graphs, also with pipeline stages) called on static micro-batches of
+    rollout_micro_batch_size (the static scheduler's steps), which aligner's TensorRT-LLM engine, all requests
+    in flight, does not run; the other roles unchanged."""
+    if work.mode != "generate":
+        return work
+    return dataclasses.replace(work, engine="trtllm", scheduler="static")
+
+
 def plan_at_split(cfg, actor_nodes: int, critic_nodes: int) -> tuple[float, float]:
-    """(step seconds, rollout seconds) of the planner's best layouts on the given node split."""
+    """(step seconds, rollout seconds) of the planner's best layouts on the given node split, NeMo-Aligner's
+    generation timed as it ran (:func:`nemo_aligner_engine`)."""
     g = cfg.cluster.gpus_per_node
     roles = {}
-    for w in role_works(cfg):
+    for w in map(nemo_aligner_engine, role_works(cfg)):
         nodes = actor_nodes if w.group == "actor" else critic_nodes
         p = plan_role(cfg.model, w, nodes * g, cfg.cluster)
         if p.best is None:
@@ -683,7 +703,7 @@ class RlRow:
     rollout_nodes: int = 0
     layouts: tuple = ()  # ((role, {field: value}), ...)
     reshard_off: bool = False  # the engine runs in the actor's (the planner's best) layout
-    engine: str = "torch"  # rollout.backend the row's generation is timed as (trtllm: a paged KV cache)
+    engine: str = "torch"  # how its generation is timed: rollout.backend (trtllm: a paged KV cache) or nemo-aligner
 
 
 def aligner_row(name, model, actor_nodes, critic_nodes, mean, step, mbs, rollouts, gbs, reshard_off=False) -> RlRow:
@@ -693,7 +713,19 @@ def aligner_row(name, model, actor_nodes, critic_nodes, mean, step, mbs, rollout
     ov += [f"trainer.rollout_batch_size={rollouts}", f"trainer.mini_batch_size={gbs}", f"rollout.max_batch_size={mbs}"]
     ov += H100.overrides(actor_nodes + critic_nodes)
     nodes = actor_nodes + critic_nodes
-    return RlRow("NeMo-Aligner PPO", name, tuple(ov), nodes, step, mean, 1024, actor_nodes, critic_nodes, reshard_off=reshard_off)
+    return RlRow(
+        "NeMo-Aligner PPO",
+        name,
+        tuple(ov),
+        nodes,
+        step,
+        mean,
+        1024,
+        actor_nodes,
+        critic_nodes,
+        reshard_off=reshard_off,
+        engine="nemo-aligner",
+    )
 
 
 # NeMo-Aligner (NVIDIA/NeMo-Aligner/docs/user-guide/rlhf.rst, "PPO Performance Results with TensorRT-LLM"): the four
@@ -806,7 +838,8 @@ def rl_config(row: RlRow, mean_only: bool):
         ]
     cfg = load_config("ppo", ov)
     # set after loading: validation probes for an importable tensorrt_llm, which a run needs and a plan does not
-    cfg.rollout.backend = row.engine
+    if row.engine in ("torch", "trtllm"):
+        cfg.rollout.backend = row.engine
     return cfg
 
 
@@ -823,7 +856,8 @@ def rl_step(cfg, row: RlRow, layouts: dict) -> tuple[dict, dict]:
     `layouts`: the published Layout fields per role (a role without: the planner's best; with reshard_off
     the engine takes the planner's actor layout)."""
     plans, chosen = {}, {}
-    for w in sorted(role_works(cfg), key=lambda w: w.mode == "generate"):  # the engine after the actor
+    works = role_works(cfg) if row.engine != "nemo-aligner" else list(map(nemo_aligner_engine, role_works(cfg)))
+    for w in sorted(works, key=lambda w: w.mode == "generate"):  # the engine after the actor
         n = role_devices(row, w)
         plans[w.role] = plan_role(cfg.model, w, n, cfg.cluster)
         if w.mode == "generate" and row.reshard_off:  # generation in the actor's training layout

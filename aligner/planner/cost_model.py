@@ -189,6 +189,8 @@ class RoleWork:
     engine: the rollout engine's ``rollout.backend``: torch (aligner's TorchEngine: a decode step reads
     every KV-cache row to its full length) | trtllm (TensorRT-LLM's paged KV cache: a step reads the
     tokens its rows hold; in-flight batching, so its scheduler is continuous).
+    cuda_graphs, micro_batches: ``rollout.cuda_graphs`` and ``rollout.micro_batches`` (0 = pp), which with
+    the layout decide whether TorchEngine's decode steps run in CUDA graphs (time_model.decode_graphed).
     row_len: tokens per row the step time of a training or forward role assumes (0 = seq_len, which
     the memory always assumes: a batch may hold a row that long). For PPO's roles: the rollout
     batch's width, prompt + the longest response, under row-count micro-batches (every row is padded
@@ -221,6 +223,8 @@ class RoleWork:
     mean_response_len: float = 0.0
     tail_response_len: float = 0.0
     engine: str = "torch"
+    cuda_graphs: bool = True
+    micro_batches: int = 0
     row_len: float = 0.0
     micro_batch_tokens: int = 0
 

@@ -203,6 +203,8 @@ def role_works(cfg: AlignerConfig) -> list[RoleWork]:
             mean_response_len=mean_len,
             tail_response_len=tail_len,
             engine=cfg.rollout.backend,
+            cuda_graphs=cfg.rollout.cuda_graphs,
+            micro_batches=cfg.rollout.micro_batches,
         ),
     ]
     roles = cfg.roles_used()

@@ -21,7 +21,8 @@ forward, one reduce-scatter beside the last one's backward: :func:`fsdp2_step_ex
 2021). Rollout: a compute-bound prefill, then decode steps, each the larger of reading the stage
 weights and the KV cache from HBM (the whole cache with aligner's engine, the rows' own tokens with
 TensorRT-LLM's paged one: :func:`paged_kv_bytes_per_step`) and its FLOPs, plus a fixed overhead per decoder layer
-(DECODE_OVERHEAD_S_PER_LAYER, fitted to aligner's measured decode) and the TP all-reduces; a token
+(DECODE_OVERHEAD_S_PER_LAYER in a CUDA graph, DECODE_OVERHEAD_EAGER_S_PER_LAYER without: :func:`decode_graphed`;
+both fitted to aligner's measured decode) and the TP all-reduces; a token
 walks all pp stages in turn. The steps follow ``rollout.scheduler`` and the expected response
 lengths (``rollout.expected_response_len*``): a static batch decodes until its longest response
 stops, a continuous pool refills its rows, so the mean governs it (:func:`decode_steps`). The
@@ -87,6 +88,12 @@ COLLECTIVE_LATENCY_S = 10e-6  # fixed cost of one small collective (decode steps
 # here), and an eager step (no CUDA graphs) a much higher one (14.5 ms per 22-layer step at batch 1).
 # Only one model depth was measured: that the cost scales with the layers is assumed (kernels per layer).
 DECODE_OVERHEAD_S_PER_LAYER = 125e-6
+# The same for a decode step TorchEngine runs eagerly (no CUDA graph: :func:`decode_graphed` is False), seconds
+# per decoder layer: the same fit (benchmarks/planner_validation.py --fit, MEASURED_EAGER) to the continuous
+# scheduler's decode of the same 1.10B Llama on the H200 of 2026-11-26, which ran without CUDA graphs then
+# (69 / 590 / 2,283 / 4,967 tok/s at batch 1 / 8 / 32 / 64: 12.9-14.5 ms a step, the Python dispatch of
+# about 30 kernels a layer): 595.1 us, residuals in tok/s +6.4 / -0.7 / +1.8 / -7.4%. One GPU, one model depth, as above.
+DECODE_OVERHEAD_EAGER_S_PER_LAYER = 595e-6
 
 
 def cp_comm_seconds(model: ModelConfig, layout: Layout, batch: float, seq_len: float, e: int, passes: int, cluster: ClusterConfig) -> float:
@@ -508,15 +515,36 @@ def forward_step_time(model: ModelConfig, work: RoleWork, layout: Layout, cluste
     return StepTime(compute_s=c, tp_comm_s=t, dp_comm_s=0.0, bubble_s=b, pp_comm_s=pp)
 
 
+def decode_graphed(model: ModelConfig, work: RoleWork, layout: Layout) -> bool:
+    """Whether the engine runs `layout`'s decode steps in CUDA graphs, as TorchEngine decides: asked for
+    (``rollout.cuda_graphs``, work.cuda_graphs) and one pipeline stage; the continuous scheduler also needs a
+    dense model (an MoE step records its routing) and one slot-pool micro-batch (``rollout.micro_batches`` 0 or
+    1 at pp 1) (``uses_graphs`` of aligner.rollout.static_batching / continuous_batching). TensorRT-LLM
+    (work.engine trtllm) captures its own graphs: counted as graphed."""
+    if work.engine != "torch":
+        return True
+    if not work.cuda_graphs or layout.pp > 1:
+        return False
+    return work.scheduler == "static" or (not model.num_experts and work.micro_batches <= 1)
+
+
 def decode_step_seconds(
-    model: ModelConfig, layout: Layout, weight_bytes: float, kv_bytes: float, n: int, e: int, cluster: ClusterConfig
+    model: ModelConfig,
+    layout: Layout,
+    weight_bytes: float,
+    kv_bytes: float,
+    n: int,
+    e: int,
+    cluster: ClusterConfig,
+    overhead_s_per_layer: float = DECODE_OVERHEAD_S_PER_LAYER,
 ) -> float:
     """Seconds of one decode step of `layout.micro_batch_size` rows on one engine replica.
 
     Each pipeline stage in turn reads its weights and its KV cache from HBM (`weight_bytes`,
     `kv_bytes`: one device's, bytes) or, when 2N * rows / (tp * pp) FLOPs take longer, is compute
-    bound (peak x MODEL_FLOPS_EFFICIENCY); every decoder layer adds DECODE_OVERHEAD_S_PER_LAYER
-    (the engine's fixed cost per layer per step) and, with tp > 1, 2 all-reduces of rows * H
+    bound (peak x MODEL_FLOPS_EFFICIENCY); every decoder layer adds `overhead_s_per_layer` (the
+    engine's fixed cost per layer per step: DECODE_OVERHEAD_S_PER_LAYER in a CUDA graph,
+    DECODE_OVERHEAD_EAGER_S_PER_LAYER without) and, with tp > 1, 2 all-reduces of rows * H
     elements (COLLECTIVE_LATENCY_S each plus the ring volume over the intra-node bandwidth).
     n: the active parameters; e: element bytes of the engine's activations.
     """
@@ -527,7 +555,7 @@ def decode_step_seconds(
     if layout.tp > 1:
         per = COLLECTIVE_LATENCY_S + ring_allreduce_seconds(b * model.hidden_size * e, layout.tp, cluster.intra_node_gbps)
         comm = 2 * model.num_layers * per
-    return layout.pp * stage_s + model.num_layers * DECODE_OVERHEAD_S_PER_LAYER + comm
+    return layout.pp * stage_s + model.num_layers * overhead_s_per_layer + comm
 
 
 def decode_steps(scheduler: str, requests: int, slots: int, mean_len: float, tail_len: float) -> float:
@@ -605,7 +633,8 @@ def generate_step_time(
         kv = paged_kv_bytes_per_step(model, layout, e, requests, prompt, mean, tail, steps)
     else:
         kv = kv_cache_bytes(model, e, layout.tp, layout.pp, b, prompt + work.new_tokens)
-    decode = steps * decode_step_seconds(model, layout, weight_bytes, kv, n, e, cluster)
+    overhead = DECODE_OVERHEAD_S_PER_LAYER if decode_graphed(model, work, layout) else DECODE_OVERHEAD_EAGER_S_PER_LAYER
+    decode = steps * decode_step_seconds(model, layout, weight_bytes, kv, n, e, cluster, overhead)
     return StepTime(compute_s=prefill, tp_comm_s=0.0, dp_comm_s=0.0, bubble_s=0.0, decode_s=decode)
 
 

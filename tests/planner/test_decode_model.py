@@ -14,11 +14,14 @@ from aligner.cli import load_config
 from aligner.config import ClusterConfig, ModelConfig
 from aligner.errors import ConfigError
 from aligner.planner import (
+    DECODE_OVERHEAD_EAGER_S_PER_LAYER,
     DECODE_OVERHEAD_S_PER_LAYER,
     GIB,
     Layout,
     LayoutEstimate,
     Rejected,
+    decode_graphed,
+    decode_steps,
     estimate_layout,
     evaluate_layout,
     generate_step_time,
@@ -61,6 +64,42 @@ def test_fitted_overhead_is_the_fit_of_both_gpus_measurements():
     assert len(rows) == 8
     for gpu, b, measured, predicted in rows:
         assert abs(predicted / measured - 1) < 0.10, (gpu, b, measured, predicted)
+
+
+def test_eager_overhead_is_the_fit_of_the_eager_measurements_and_applies_where_the_engine_has_no_graphs():
+    """DECODE_OVERHEAD_EAGER_S_PER_LAYER is the fit to the H200's eager continuous decode (within 8% of each
+    row). The engine decodes without CUDA graphs with pipeline stages, with rollout.cuda_graphs=false, and
+    (continuous scheduler) with MoE layers or several slot-pool micro-batches: there a step's fixed cost is the
+    eager one, elsewhere the graphed one (on a cluster where the roofline vanishes, decode = steps x layers x it)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import planner_validation as v
+    finally:
+        sys.path.remove(str(BENCH))
+    c, rows = v.fit_overhead(v.MEASURED_EAGER)
+    assert c == pytest.approx(DECODE_OVERHEAD_EAGER_S_PER_LAYER, abs=0.5e-6)
+    assert c > 4 * DECODE_OVERHEAD_S_PER_LAYER
+    for gpu, b, measured, predicted in rows:
+        assert abs(predicted / measured - 1) < 0.08, (gpu, b, measured, predicted)
+    one = Layout(tp=1, pp=1, dp=1, micro_batch_size=8)
+    cases = [  # (overrides, layout, graphed)
+        (["rollout.scheduler=continuous"], one, True),
+        (["rollout.scheduler=static"], one, True),
+        (["rollout.scheduler=continuous", "rollout.cuda_graphs=false"], one, False),
+        (["rollout.scheduler=static", "rollout.cuda_graphs=false"], one, False),
+        (["rollout.scheduler=continuous"], Layout(tp=1, pp=2, dp=1, micro_batch_size=8), False),
+        (["rollout.scheduler=static"], Layout(tp=1, pp=2, dp=1, micro_batch_size=8), False),
+        (["rollout.scheduler=continuous", "rollout.micro_batches=2"], one, False),
+    ]
+    for overrides, layout, graphed in cases:
+        cfg, work = rollout_work(overrides + ["rollout.max_batch_size=8", "rollout.expected_response_len=8"])
+        assert decode_graphed(cfg.model, work, layout) is graphed, overrides
+        steps = decode_steps(work.scheduler, work.batch, 8, 8, 8)
+        per_layer = DECODE_OVERHEAD_S_PER_LAYER if graphed else DECODE_OVERHEAD_EAGER_S_PER_LAYER
+        got = decode_seconds(cfg, work, layout, NO_ROOFLINE)
+        assert got == pytest.approx(steps * cfg.model.num_layers * per_layer, rel=1e-3), overrides
+    moe = dataclasses.replace(cfg.model, num_experts=4, num_experts_per_tok=2)
+    assert not decode_graphed(moe, work, one) and decode_graphed(moe, dataclasses.replace(work, scheduler="static"), one)
 
 
 def test_twice_the_layers_twice_the_overhead():
