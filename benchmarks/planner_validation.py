@@ -72,6 +72,7 @@ from aligner.planner import (  # noqa: E402
     layers_on_stage,
     plan_role,
     ppo_step_seconds,
+    role_flop_parameters,
     role_works,
 )
 from aligner.planner.cost_model import interleaved_in_flight  # noqa: E402
@@ -96,7 +97,7 @@ TINY_LLAMA = ModelConfig(
 def roofline_parts(batch: int, bw_gbps: float) -> tuple[float, float]:
     """(prefill seconds, decode roofline seconds per step) of one measured call, by the planner's formulas."""
     m = TINY_LLAMA
-    n = m.num_parameters()
+    n = role_flop_parameters(m, "lm")  # untied: the input embedding is a lookup, neither read whole nor multiplied
     prefill = forward_flops_per_token(n, m, PROMPT) * batch * PROMPT / (PEAK_TFLOPS * 1e12 * MODEL_FLOPS_EFFICIENCY)
     kv = kv_cache_bytes(m, 2, 1, 1, batch, PROMPT + NEW)  # the graphed step reads the whole cache under a mask
     flops_s = 2.0 * n * batch / (PEAK_TFLOPS * 1e12 * MODEL_FLOPS_EFFICIENCY)

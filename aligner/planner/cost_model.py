@@ -318,6 +318,21 @@ def stage_num_parameters(model: ModelConfig, kind: str, tp: int, pp: int, stage:
     return n
 
 
+def decode_weight_bytes(model: ModelConfig, kind: str, layout: Layout, e: int) -> float:
+    """Weight bytes one device of the busiest pipeline stage reads in a decode step (bytes): its weights
+    (:func:`stage_num_parameters` x `e`), less the input embedding on the first stage, of which a step gathers
+    only its rows' tokens, unless that matrix is also the LM head the step multiplies by (tied, one stage).
+    Expert layers are counted whole (at decode batch sizes every expert is routed to)."""
+    h, v = model.hidden_size, model.vocab_size
+    out = 0.0
+    for stage in sorted({0, layout.pp - 1}):
+        params = stage_num_parameters(model, kind, layout.tp, layout.pp, stage, layout.ep)
+        if stage == 0 and not (kind == "lm" and model.tie_word_embeddings and layout.pp == 1):
+            params -= v * h // layout.tp
+        out = max(out, float(params * e))
+    return out
+
+
 def largest_weight_numel(model: ModelConfig, tp: int = 1, ep: int = 1) -> int:
     """Elements of the largest weight tensor on one device: the embedding / lm_head [V/tp, H], a
     SwiGLU weight [I/tp, H] (an MoE layer's stacked experts: E/ep of them) or q / o [q/tp, H]."""

@@ -20,6 +20,7 @@ from aligner.planner.cost_model import (
     Rejected,
     RoleWork,
     activation_dtype_bytes,
+    decode_weight_bytes,
     expert_layer_parameters,
     frozen_weight_bytes,
     inference_activation_bytes,
@@ -134,6 +135,7 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
                 if work.mode == "generate"
                 else 0.0
             )
+
         mem = MemoryBreakdown(weights=w, grads=g, optimizer=o, activations=act, kv_cache=kv, reserved=reserved)
         if best is None or mem.total > best.total:
             best = mem
@@ -142,7 +144,7 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
     elif work.mode == "forward":
         time = forward_step_time(model, work, layout, cluster)
     else:
-        time = generate_step_time(model, work, layout, best.weights, cluster, e)
+        time = generate_step_time(model, work, layout, decode_weight_bytes(model, work.kind, layout, e), cluster, e)
     return LayoutEstimate(layout=layout, memory=best, time=time)
 
 

@@ -81,19 +81,20 @@ COLLECTIVE_LATENCY_S = 10e-6  # fixed cost of one small collective (decode steps
 # the CUDA-graph replay, sampling and the host loop, spread over the layers), beyond the step's HBM /
 # FLOP roofline. Least-squares fit (benchmarks/planner_validation.py --fit) to the static scheduler's
 # CUDA-graph decode of a 1.10B Llama (22 layers) in bf16, prompt 128, 256 new tokens, batches 1, 8, 32, 64
-# (benchmarks/RESULTS.md): 126.2 us from the H200's rows alone (4,245 GB/s), 124.3 us from the H100's
-# (3,012 GB/s), 125.2 us from both; residuals in tok/s -9.5 / -0.8 / +3.5 / +8.5% (H200) and
-# -9.9 / -1.6 / +2.3 / +6.1% (H100) at batch 1 / 8 / 32 / 64 (the measured overhead grows with the batch,
+# (benchmarks/RESULTS.md): 127.8 us from the H200's rows alone (4,245 GB/s), 126.4 us from the H100's
+# (3,012 GB/s), 127.1 us from both (2026-11-28: the roofline reads no untied input embedding; 125.2 before);
+# residuals in tok/s -9.8 / -1.1 / +3.4 / +8.5% (H200) and
+# -9.9 / -1.5 / +2.5 / +6.4% (H100) at batch 1 / 8 / 32 / 64 (the measured overhead grows with the batch,
 # the constant does not). It is TorchEngine's: TensorRT-LLM's C++ runtime has a lower one (not measured
-# here), and an eager step (no CUDA graphs) a much higher one (14.5 ms per 22-layer step at batch 1).
+# here), and an eager step (no CUDA graphs) a much higher one (DECODE_OVERHEAD_EAGER_S_PER_LAYER, below).
 # Only one model depth was measured: that the cost scales with the layers is assumed (kernels per layer).
-DECODE_OVERHEAD_S_PER_LAYER = 125e-6
+DECODE_OVERHEAD_S_PER_LAYER = 127e-6
 # The same for a decode step TorchEngine runs eagerly (no CUDA graph: :func:`decode_graphed` is False), seconds
 # per decoder layer: the same fit (benchmarks/planner_validation.py --fit, MEASURED_EAGER) to the continuous
 # scheduler's decode of the same 1.10B Llama on the H200 of 2026-11-26, which ran without CUDA graphs then
 # (69 / 590 / 2,283 / 4,967 tok/s at batch 1 / 8 / 32 / 64: 12.9-14.5 ms a step, the Python dispatch of
-# about 30 kernels a layer): 595.1 us, residuals in tok/s +6.4 / -0.7 / +1.8 / -7.4%. One GPU, one model depth, as above.
-DECODE_OVERHEAD_EAGER_S_PER_LAYER = 595e-6
+# about 30 kernels a layer): 596.7 us, residuals in tok/s +6.4 / -0.7 / +1.8 / -7.4%. One GPU, one model depth, as above.
+DECODE_OVERHEAD_EAGER_S_PER_LAYER = 597e-6
 
 
 def cp_comm_seconds(model: ModelConfig, layout: Layout, batch: float, seq_len: float, e: int, passes: int, cluster: ClusterConfig) -> float:

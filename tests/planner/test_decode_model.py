@@ -22,6 +22,7 @@ from aligner.planner import (
     Rejected,
     decode_graphed,
     decode_steps,
+    decode_weight_bytes,
     estimate_layout,
     evaluate_layout,
     generate_step_time,
@@ -29,6 +30,7 @@ from aligner.planner import (
     make_plan,
     plan_role,
     role_works,
+    stage_num_parameters,
 )
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -45,8 +47,7 @@ def rollout_work(overrides):
 
 def decode_seconds(cfg, work, layout, cluster=None):
     cluster = cluster or cfg.cluster
-    est = estimate_layout(cfg.model, work, layout, cluster)
-    return generate_step_time(cfg.model, work, layout, est.memory.weights, cluster).decode_s
+    return generate_step_time(cfg.model, work, layout, decode_weight_bytes(cfg.model, work.kind, layout, 2), cluster).decode_s
 
 
 def test_fitted_overhead_is_the_fit_of_both_gpus_measurements():
@@ -172,7 +173,7 @@ def test_waves_when_the_kv_cache_does_not_fit():
 
 
 def decode_seconds_at(model, work, est, cluster):
-    return generate_step_time(model, work, est.layout, est.memory.weights, cluster).decode_s
+    return generate_step_time(model, work, est.layout, decode_weight_bytes(model, work.kind, est.layout, 2), cluster).decode_s
 
 
 @pytest.mark.parametrize(
@@ -205,3 +206,23 @@ def test_mean_given_twice_refused(tmp_path):
     path.write_text(json.dumps({"response_len": 3.0}) + "\n")
     with pytest.raises(ConfigError, match=r"^rollout.expected_response_len_from=.*give the mean once"):
         load_config("ppo", [f"rollout.expected_response_len_from={path}", "rollout.expected_response_len=2"])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_decode_step_reads_no_lookup_table(tied):
+    """The weight bytes of a decode step: the busiest stage's weights, less an input embedding that is only a
+    lookup (untied; or tied with pipeline stages, where the last stage holds its own head copy). Tied on one
+    stage, the matrix is the LM head and is read."""
+    model = ModelConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2, tie_word_embeddings=tied
+    )
+    table = 1000 * 64 // 2
+    one = Layout(tp=2, pp=1, dp=1, micro_batch_size=1)
+    whole = stage_num_parameters(model, "lm", 2, 1, 0) * 2
+    assert decode_weight_bytes(model, "lm", one, 2) == (whole if tied else whole - 2 * table)
+    two = Layout(tp=2, pp=2, dp=1, micro_batch_size=1)
+    first = (stage_num_parameters(model, "lm", 2, 2, 0) - table) * 2
+    last = stage_num_parameters(model, "lm", 2, 2, 1) * 2
+    assert decode_weight_bytes(model, "lm", two, 2) == max(first, last) == last  # the head's stage is the busiest
+    score = stage_num_parameters(model, "score", 2, 1, 0) * 2
+    assert decode_weight_bytes(model, "score", one, 2) == score - 2 * table  # a score model's embedding: a lookup

@@ -13,7 +13,7 @@ from aligner.planner import (
     Layout,
     decode_step_seconds,
     decode_steps,
-    estimate_layout,
+    decode_weight_bytes,
     format_plan,
     generate_step_time,
     kv_cache_bytes,
@@ -84,17 +84,18 @@ def test_trtllm_engine_decodes_with_the_paged_read_and_in_flight_batching():
     assert (torch_work.engine, torch_work.scheduler) == ("torch", "static")
     assert (work.engine, work.scheduler) == ("trtllm", "continuous")
     lay = Layout(tp=1, pp=1, dp=1, micro_batch_size=8)
-    est = estimate_layout(cfg.model, work, lay, cfg.cluster)
-    t = generate_step_time(cfg.model, work, lay, est.memory.weights, cfg.cluster, 2)
+    t = generate_step_time(cfg.model, work, lay, decode_weight_bytes(cfg.model, work.kind, lay, 2), cfg.cluster, 2)
     requests, mean, tail = work.batch, work.mean_response_len, work.tail_response_len
     steps = decode_steps("continuous", requests, 8, mean, tail)
     kv = paged_kv_bytes_per_step(cfg.model, lay, 2, requests, work.seq_len, mean, tail, steps)
     n = role_flop_parameters(cfg.model, "lm")
-    assert t.decode_s == pytest.approx(steps * decode_step_seconds(cfg.model, lay, est.memory.weights, kv, n, 2, cfg.cluster))
+    assert t.decode_s == pytest.approx(
+        steps * decode_step_seconds(cfg.model, lay, decode_weight_bytes(cfg.model, work.kind, lay, 2), kv, n, 2, cfg.cluster)
+    )
     capacity = kv_cache_bytes(cfg.model, 2, 1, 1, 8, work.seq_len + work.new_tokens)
     assert kv < capacity
     continuous_torch = dataclasses.replace(work, engine="torch")
-    slower = generate_step_time(cfg.model, continuous_torch, lay, est.memory.weights, cfg.cluster, 2)
+    slower = generate_step_time(cfg.model, continuous_torch, lay, decode_weight_bytes(cfg.model, work.kind, lay, 2), cfg.cluster, 2)
     assert slower.decode_s > t.decode_s
     assert math.isclose(slower.compute_s, t.compute_s)  # the prefill is the same
 
