@@ -118,6 +118,12 @@ CASES = [
         "TensorRT-LLM's kernels do not run float32 (NVIDIA/TensorRT-LLM#5260): set rollout.dtype=bfloat16",
     ),
     (
+        ["rollout.backend=trtllm", *TRT_GPU, "rollout.dtype=bfloat16", "rollout.scheduler=static"],
+        "rollout.scheduler",
+        "'static'",
+        "TensorRT-LLM batches every request in flight (rollout.backend=trtllm)",
+    ),
+    (
         ["rollout.backend=trtllm", *TRT_GPU, "rollout.dtype=bfloat16", "rollout.parallel.tp_size=2"],
         "rollout.parallel.tp_size",
         "2",

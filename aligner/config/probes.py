@@ -18,7 +18,8 @@ def check_trtllm(cfg: AlignerConfig) -> None:
 
     In order: CUDA workers for the group that runs the engines (the actor's; with
     ``rollout.placement=split`` the rollout group's, ``rollout.resources``), a 16-bit rollout dtype
-    (TensorRT-LLM's kernels do not dispatch float32, NVIDIA/TensorRT-LLM#5260), engine replicas that
+    (TensorRT-LLM's kernels do not dispatch float32, NVIDIA/TensorRT-LLM#5260), the continuous scheduler
+    (TensorRT-LLM batches in flight; ``rollout.scheduler=static`` is aligner's engine's), engine replicas that
     fit one node (tp_size * pp_size divides that group's gpus_per_node: a replica's workers are placed
     in the node bundle of its owner rank and read the weights through CUDA IPC, which is node-local),
     and last an importable ``tensorrt_llm``.
@@ -40,6 +41,13 @@ def check_trtllm(cfg: AlignerConfig) -> None:
         cfg.rollout.dtype,
         "TensorRT-LLM's kernels do not run float32 (NVIDIA/TensorRT-LLM#5260): set rollout.dtype=bfloat16 "
         "(or float16) with rollout.backend=trtllm",
+    )
+    _check(
+        cfg.rollout.scheduler == "continuous",
+        "rollout.scheduler",
+        cfg.rollout.scheduler,
+        "TensorRT-LLM batches every request in flight (rollout.backend=trtllm): aligner's static scheduler is its "
+        "own engine's; set rollout.scheduler=continuous (rollout.max_batch_size caps the requests in flight)",
     )
     engine_gpus = rp.tp_size * rp.pp_size
     _check(
