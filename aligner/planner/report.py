@@ -16,7 +16,7 @@ from aligner.errors import PlanError
 from aligner.planner.cost_model import GIB, Layout, LayoutEstimate, Rejected, RoleWork, train_bytes_per_parameter
 from aligner.planner.evaluate import evaluate_layout
 from aligner.planner.search import Plan, RolePlan, cluster_text, make_plan, role_works
-from aligner.planner.time_model import MFU_HALF_DIM, MFU_MAX, MODEL_FLOPS_EFFICIENCY, devices_per_node
+from aligner.planner.time_model import MFU_HALF_DIM, MFU_MAX, MODEL_FLOPS_EFFICIENCY, decode_graphed, devices_per_node
 
 SHOW_RANKED = 5  # layouts per role in format_plan
 SHOW_REJECTED = 5  # rejected layouts per role in format_plan
@@ -63,6 +63,9 @@ def format_role(plan: RolePlan, model: Optional[ModelConfig] = None) -> str:
         w = plan.work
         read = "each row's own tokens (paged)" if w.engine == "trtllm" else "every row to its full length"
         what += f": {w.engine}, {w.scheduler} scheduler, a decode step reads {read}"
+        if model is not None and w.engine == "torch":  # its fixed cost per step (time_model.decode_graphed)
+            graphed = decode_graphed(model, w, Layout(tp=1, pp=1, dp=1, micro_batch_size=1))
+            what += ", in a CUDA graph at pp = 1, eagerly with pipeline stages" if graphed else ", eagerly (no CUDA graph)"
     idle = f", {plan.idle} more of its group idle: no layout fits them all" if plan.idle else ""
     lines = [f"{plan.role} ({what}, {plan.devices} devices{idle}):"]
     if model is not None and plan.work.mode == "train":

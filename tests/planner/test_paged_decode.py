@@ -101,8 +101,12 @@ def test_trtllm_engine_decodes_with_the_paged_read_and_in_flight_batching():
 
 
 def test_the_plan_says_how_its_engine_reads_the_kv_cache():
-    """The rollout role's heading in the plan names the engine, its scheduler and the KV read its time assumes."""
+    """The rollout role's heading in the plan names the engine, its scheduler, the KV read its time assumes and,
+    for aligner's engine, whether its decode steps run in CUDA graphs."""
     cfg = load_config("ppo", TINY + ["rollout.scheduler=static"])
-    assert "rollout engine: torch, static scheduler, a decode step reads every row to its full length" in format_plan(make_plan(cfg))
+    text = format_plan(make_plan(cfg))
+    assert "rollout engine: torch, static scheduler, a decode step reads every row to its full length, in a CUDA graph at pp = 1" in text
+    cfg.rollout.cuda_graphs = False
+    assert "a decode step reads every row to its full length, eagerly (no CUDA graph)" in format_plan(make_plan(cfg))
     cfg.rollout.backend = "trtllm"
     assert "rollout engine: trtllm, continuous scheduler, a decode step reads each row's own tokens (paged)" in format_plan(make_plan(cfg))
