@@ -582,13 +582,16 @@ def live_context_tokens(prompt: float, mean_len: float, tail_len: float) -> floa
     """Expected tokens a decoding row holds at a decode step, over a whole generation (tokens).
 
     A response of length L is decoded in L steps at positions 0 .. L - 1, so over all steps a row
-    holds prompt + E[L^2] / (2 E[L]) tokens on average: the length-biased mean position, whatever the
-    scheduler (each response's steps count once). From the mean and the longest alone it lies in
-    [mean / 2, tail / 2] (E[L^2] >= E[L]^2; L <= tail); the planner takes min(mean, tail / 2): mean / 2
-    when every response is as long as the longest, the mean (E[L^2] = 2 E[L]^2: exponentially
-    distributed lengths, a long right tail) once the longest is twice the mean or more.
+    holds prompt + E[L^2] / (2 E[L]) tokens on average (less half a token): the length-biased mean
+    position, whatever the scheduler (each response's steps count once). From the mean and the longest
+    alone it lies in [mean / 2, tail / 2] (E[L^2] >= E[L]^2; L <= tail). The planner takes the middle of
+    those bounds, (mean + tail) / 4, and at most the mean (E[L^2] = 2 E[L]^2: exponentially distributed
+    lengths, a long tail far below the cap): mean / 2 when every response is as long as the longest.
+    Measured (benchmarks/live_context.py, SmolLM2-135M-Instruct sampling GSM8K answers, 38% of them at
+    the cap): the exact position lay 46% (cap 512) and 61% (cap 1,024) of the way from mean / 2 to
+    tail / 2; the middle is within 7% of both (+1.7%, -6.4%), the upper bound 22-23% over them.
     """
-    return prompt + min(mean_len, tail_len / 2)
+    return prompt + min(mean_len, (mean_len + tail_len) / 4)
 
 
 def paged_kv_bytes_per_step(

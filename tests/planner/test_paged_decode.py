@@ -46,7 +46,8 @@ def simulate_pool(prompt: int, lengths: list[int], slots: int) -> tuple[int, int
 def test_live_context_is_the_length_biased_mean_position_of_a_simulated_pool():
     """Every response as long as the longest: prompt + L / 2 (the simulation: prompt + (L - 1) / 2).
     Exponentially distributed lengths far below the cap: prompt + the mean, within 5% of the simulated
-    average over 4,000 responses. In between the model takes min(mean, tail / 2)."""
+    average over 4,000 responses. In between the model takes the middle of the bounds mean / 2 and
+    tail / 2, (mean + tail) / 4, at most the mean."""
     prompt = 100
     steps, reads = simulate_pool(prompt, [300] * 64, slots=16)
     assert reads / (64 * 300) == pytest.approx(prompt + 299 / 2)
@@ -56,7 +57,8 @@ def test_live_context_is_the_length_biased_mean_position_of_a_simulated_pool():
     mean = sum(lengths) / len(lengths)
     steps, reads = simulate_pool(prompt, lengths, slots=64)
     assert live_context_tokens(prompt, mean, 8 * mean) == pytest.approx(reads / sum(lengths), rel=0.05)
-    assert live_context_tokens(prompt, 400, 600) == prompt + 300
+    assert live_context_tokens(prompt, 400, 600) == prompt + 250
+    assert live_context_tokens(prompt, 400, 2000) == prompt + 400  # capped at the mean
 
 
 def test_paged_kv_read_times_steps_is_the_simulated_total():
