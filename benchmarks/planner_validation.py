@@ -182,22 +182,24 @@ def has_length_fields() -> bool:
     return "expected_response_len" in {f.name for f in dataclasses.fields(RolloutConfig)}
 
 
-def nemo_aligner_engine(work):
-    """A role's work as NeMo-Aligner ran it: its generation on TensorRT-LLM (the planner's trtllm engine: a paged
-    KV cache read, its own CUDA graphs, also with pipeline stages) called on static micro-batches of
-    rollout_micro_batch_size (the static scheduler's steps), which aligner's TensorRT-LLM engine, all requests
-    in flight, does not run; the other roles unchanged."""
-    if work.mode != "generate":
+def as_generated(work, generation: str):
+    """A role's work with its generation timed as the row's system ran it (the other roles unchanged):
+    "aligner", aligner's engine as configured; "vllm" (NeMo-RL), a paged KV cache (PagedAttention reads each
+    row's own tokens) batching in flight: the planner's trtllm engine; "trtllm-static" (NeMo-Aligner),
+    TensorRT-LLM (a paged KV read, its own CUDA graphs, also with pipeline stages) called on static
+    micro-batches of rollout_micro_batch_size: the static scheduler's steps, which aligner's TensorRT-LLM
+    engine, all requests in flight, does not run."""
+    if work.mode != "generate" or generation == "aligner":
         return work
-    return dataclasses.replace(work, engine="trtllm", scheduler="static")
+    return dataclasses.replace(work, engine="trtllm", scheduler="static" if generation == "trtllm-static" else "continuous")
 
 
 def plan_at_split(cfg, actor_nodes: int, critic_nodes: int) -> tuple[float, float]:
     """(step seconds, rollout seconds) of the planner's best layouts on the given node split, NeMo-Aligner's
-    generation timed as it ran (:func:`nemo_aligner_engine`)."""
+    generation timed as it ran (:func:`as_generated`, "trtllm-static")."""
     g = cfg.cluster.gpus_per_node
     roles = {}
-    for w in map(nemo_aligner_engine, role_works(cfg)):
+    for w in (as_generated(w, "trtllm-static") for w in role_works(cfg)):
         nodes = actor_nodes if w.group == "actor" else critic_nodes
         p = plan_role(cfg.model, w, nodes * g, cfg.cluster)
         if p.best is None:
@@ -704,7 +706,7 @@ class RlRow:
     rollout_nodes: int = 0
     layouts: tuple = ()  # ((role, {field: value}), ...)
     reshard_off: bool = False  # the engine runs in the actor's (the planner's best) layout
-    engine: str = "torch"  # how its generation is timed: rollout.backend (trtllm: a paged KV cache) or nemo-aligner
+    generation: str = "aligner"  # how its generation is timed: aligner | vllm | trtllm-static (:func:`as_generated`)
 
 
 def aligner_row(name, model, actor_nodes, critic_nodes, mean, step, mbs, rollouts, gbs, reshard_off=False) -> RlRow:
@@ -725,7 +727,7 @@ def aligner_row(name, model, actor_nodes, critic_nodes, mean, step, mbs, rollout
         actor_nodes,
         critic_nodes,
         reshard_off=reshard_off,
-        engine="nemo-aligner",
+        generation="trtllm-static",
     )
 
 
@@ -778,8 +780,9 @@ def nemo_rl_row(
         ("ref", {"tp": actor["tp"], "pp": actor["pp"], "dp": dp}),
         ("rollout", {"tp": engine_tp, "pp": 1, "dp": gen // engine_tp}),
     )
-    # vLLM's PagedAttention reads each row's own tokens: timed as aligner's paged engine, rollout.backend=trtllm
-    return RlRow("NeMo-RL GRPO", name, tuple(ov), nodes, step, mean, prompt, rollout_nodes=rollout_nodes, layouts=layouts, engine="trtllm")
+    return RlRow(
+        "NeMo-RL GRPO", name, tuple(ov), nodes, step, mean, prompt, rollout_nodes=rollout_nodes, layouts=layouts, generation="vllm"
+    )
 
 
 # NeMo-RL performance summary (NVIDIA-NeMo/RL/docs/about/performance-summary.md, "Nemo RL v0.5", H100 BF16: the last
@@ -837,11 +840,7 @@ def rl_config(row: RlRow, mean_only: bool):
             f"data.max_seq_len={row.prompt + n}",
             f"rollout.expected_response_len_max={row.mean}",
         ]
-    cfg = load_config("ppo", ov)
-    # set after loading: validation probes for an importable tensorrt_llm, which a run needs and a plan does not
-    if row.engine in ("torch", "trtllm"):
-        cfg.rollout.backend = row.engine
-    return cfg
+    return load_config("ppo", ov)
 
 
 def role_devices(row: RlRow, work) -> int:
@@ -857,7 +856,7 @@ def rl_step(cfg, row: RlRow, layouts: dict) -> tuple[dict, dict]:
     `layouts`: the published Layout fields per role (a role without: the planner's best; with reshard_off
     the engine takes the planner's actor layout)."""
     plans, chosen = {}, {}
-    works = role_works(cfg) if row.engine != "nemo-aligner" else list(map(nemo_aligner_engine, role_works(cfg)))
+    works = [as_generated(w, row.generation) for w in role_works(cfg)]
     for w in sorted(works, key=lambda w: w.mode == "generate"):  # the engine after the actor
         n = role_devices(row, w)
         plans[w.role] = plan_role(cfg.model, w, n, cfg.cluster)

@@ -267,12 +267,19 @@ def role_active_parameters(model: ModelConfig, kind: str) -> int:
     return role_num_parameters(model, kind) - (model.num_parameters() - model.num_parameters(active=True))
 
 
+def input_embedding_is_lookup(model: ModelConfig, kind: str, pp: int = 1) -> bool:
+    """Whether the [V, H] input embedding is only gathered from (a token's row: no GEMM, no full read): always
+    for a score model and an untied LM; for a tied LM only with pipeline stages, where the last stage
+    multiplies by its own copy. On one stage a tied LM's embedding is also its output head, a [H, V] GEMM."""
+    return kind == "score" or not model.tie_word_embeddings or pp > 1
+
+
 def role_flop_parameters(model: ModelConfig, kind: str) -> int:
-    """Parameters a token multiplies by: :func:`role_active_parameters` less the input embedding, a lookup
-    with no FLOPs, unless the same matrix is a causal LM's output head (tied embeddings), which is a GEMM.
-    What the 6N of training FLOPs per token counts (Kaplan et al. 2020 leave embeddings out of N; the LM head
-    is a [H, V] GEMM). Llama 3 8B: 7.50B of its 8.03B (the [128,256, 4,096] embedding is 6.5% of it)."""
-    lookup = model.vocab_size * model.hidden_size if (kind == "score" or not model.tie_word_embeddings) else 0
+    """Parameters a token multiplies by: :func:`role_active_parameters` less the input embedding where it is
+    only a lookup (:func:`input_embedding_is_lookup`; a tied LM's matrix counts once, as its head). What the
+    6N of training FLOPs per token counts (Kaplan et al. 2020 leave embeddings out of N; the LM head is a
+    [H, V] GEMM). Llama 3 8B: 7.50B of its 8.03B (the [128,256, 4,096] embedding is 6.5% of it)."""
+    lookup = model.vocab_size * model.hidden_size if input_embedding_is_lookup(model, kind) else 0
     return role_active_parameters(model, kind) - lookup
 
 
@@ -321,13 +328,13 @@ def stage_num_parameters(model: ModelConfig, kind: str, tp: int, pp: int, stage:
 def decode_weight_bytes(model: ModelConfig, kind: str, layout: Layout, e: int) -> float:
     """Weight bytes one device of the busiest pipeline stage reads in a decode step (bytes): its weights
     (:func:`stage_num_parameters` x `e`), less the input embedding on the first stage, of which a step gathers
-    only its rows' tokens, unless that matrix is also the LM head the step multiplies by (tied, one stage).
+    only its rows' tokens (:func:`input_embedding_is_lookup`).
     Expert layers are counted whole (at decode batch sizes every expert is routed to)."""
     h, v = model.hidden_size, model.vocab_size
     out = 0.0
     for stage in sorted({0, layout.pp - 1}):
         params = stage_num_parameters(model, kind, layout.tp, layout.pp, stage, layout.ep)
-        if stage == 0 and not (kind == "lm" and model.tie_word_embeddings and layout.pp == 1):
+        if stage == 0 and input_embedding_is_lookup(model, kind, layout.pp):
             params -= v * h // layout.tp
         out = max(out, float(params * e))
     return out

@@ -135,7 +135,6 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
                 if work.mode == "generate"
                 else 0.0
             )
-
         mem = MemoryBreakdown(weights=w, grads=g, optimizer=o, activations=act, kv_cache=kv, reserved=reserved)
         if best is None or mem.total > best.total:
             best = mem

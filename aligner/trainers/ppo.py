@@ -702,13 +702,14 @@ class PPOTrainer(Trainer):
     def rollout_metrics(self, batch: RolloutBatch) -> dict[str, float]:
         mask = batch.response_mask
         kl_seq = (batch.kl * mask).sum(-1)
+        lengths = mask.sum(-1)
         out = {
             "score_mean": float(batch.scores.mean()),
             "reward_mean": float(batch.rewards.mean()),
             "kl_mean": float(kl_seq.mean()),
             "kl_coef": float(self.reward_kl_coef()),
-            "response_len": float(mask.sum(-1).mean()),
-            "response_len_max": float(mask.sum(-1).max()),  # the step's longest: the planner's tail (rollout.expected_response_len_from)
+            "response_len": float(lengths.mean()),
+            "response_len_max": float(lengths.max()),  # the step's longest: the planner's tail (rollout.expected_response_len_from)
             "stop_frac": sum(m["finish_reason"] == "stop" for m in batch.meta) / max(1, len(batch)),
         }
         if self.cfg.reward.type == "model" and on_builtin_task(self.cfg):

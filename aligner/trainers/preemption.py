@@ -82,6 +82,8 @@ _ONE_LINE = RayTracebackToOneLine()
 
 
 def _ray_log_handlers() -> list:
+    # Ray's "ray" logger prints through its own handler (propagate off); the root's, where Ray's config leaves
+    # its records propagating
     return [*logging.getLogger("ray").handlers, *logging.getLogger().handlers]
 
 
