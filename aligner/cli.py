@@ -269,11 +269,40 @@ def check_role_checkpoints(cfg: AlignerConfig) -> None:
             )
 
 
+CFG_FLAGS = ("--cfg", "-c")
+CFG_KINDS = ("job", "all")  # Hydra's --cfg takes job|hydra|all; aligner's config is the job's ("all" shows the same)
+
+
+def split_cfg_flag(argv: Sequence[str]) -> tuple[bool, list[str]]:
+    """Take Hydra's print-the-config flag out of a command line: ``--cfg``, ``--cfg job``, ``--cfg=job``,
+    ``-c job`` (Hydra's forms; ``all`` prints the same, aligner has no separate Hydra config).
+
+    Returns (whether the flag was given, the rest of `argv` in order).
+    Raises ConfigError for ``--cfg hydra`` (there is no Hydra runtime config to show).
+    """
+    show, rest, i = False, [], 0
+    argv = list(argv)
+    while i < len(argv):
+        a = argv[i]
+        flag, eq, kind = a.partition("=")
+        if flag in CFG_FLAGS:
+            show = True
+            if not eq and i + 1 < len(argv) and "=" not in argv[i + 1] and not argv[i + 1].startswith("-"):
+                kind = argv[i + 1]
+                i += 1
+            if kind and kind not in CFG_KINDS:
+                raise ConfigError(f"{flag} {kind} is invalid: aligner prints its job config only; use --cfg or --cfg job")
+        else:
+            rest.append(a)
+        i += 1
+    return show, rest
+
+
 def _output_dir(stage: str, argv: Sequence[str]) -> Optional[str]:
     """The output_dir the command line `argv` gives `stage` (the preset's default unless overridden);
     None when it does not compose."""
     try:
-        return str(compose(stage, [a for a in argv if a != "--cfg"]).output_dir)
+        return str(compose(stage, split_cfg_flag(argv)[1]).output_dir)
     except Exception:  # noqa: BLE001 - the caller's message goes on without it
         return None
 
@@ -301,11 +330,14 @@ def run(stage: str, main: Callable[[AlignerConfig], Optional[int]], argv: Option
             return code
     argv = list(sys.argv[1:] if argv is None else argv)
     setup_logging()
-    show_cfg = "--cfg" in argv
-    argv = [a for a in argv if a != "--cfg"]
+    try:
+        show_cfg, argv = split_cfg_flag(argv)
+    except ConfigError as e:
+        print(f"aligner {stage}: error: {e}", file=sys.stderr)
+        return 2
     if "-h" in argv or "--help" in argv:
         print(
-            f"usage: python -m aligner.{stage} [conf={'|'.join(PRESETS)}] [key=value ...] [--cfg]\n"
+            f"usage: python -m aligner.{stage} [conf={'|'.join(PRESETS)}] [key=value ...] [--cfg [job]]\n"
             "Any field of the config (see --cfg) can be overridden, e.g. trainer.max_steps=10 output_dir=runs/x"
         )
         return 0

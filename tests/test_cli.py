@@ -447,3 +447,26 @@ def test_a_sigterm_taken_by_rays_handler_is_the_preemption_exit(capsys):
     with pytest.raises(SystemExit) as info:
         run("sft", raises(3), ["conf=tiny"])
     assert info.value.code == 3
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [["--cfg"], ["--cfg", "job"], ["--cfg=job"], ["-c", "job"], ["--cfg", "all"]],
+    ids=["--cfg", "--cfg job", "--cfg=job", "-c job", "--cfg all"],
+)
+def test_cfg_takes_hydras_forms_and_prints_the_composed_config(flag, capsys):
+    """Hydra's `--cfg job` (and its short and `=` forms) print the composed config as plain `--cfg` does;
+    an override after the flag still applies."""
+    from aligner.cli import run
+
+    assert run("ppo", lambda cfg: 1, [*flag, "trainer.max_steps=7"]) == 0
+    printed = capsys.readouterr().out
+    assert "  max_steps: 7\n" in printed, printed[-2000:]
+
+
+def test_cfg_hydra_is_refused_in_one_line(capsys):
+    from aligner.cli import run
+
+    assert run("ppo", lambda cfg: 1, ["--cfg", "hydra"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "aligner ppo: error: --cfg hydra is invalid: aligner prints its job config only; use --cfg or --cfg job", err
