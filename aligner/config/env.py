@@ -1,4 +1,4 @@
-"""The environment section (``env.*``, issue 38 part 1): which environment plays a prompt's episode,
+"""The environment section (``env.*``, docs/environments.md): which environment plays a prompt's episode,
 for how many model turns, with which tools and how long each environment call may take.
 
 ``env.name=""`` (the default) keeps today's single-turn rollout; a name makes every prompt of the PPO

@@ -48,7 +48,7 @@ def validate_run(cfg: AlignerConfig) -> None:
 
 
 def validate_staleness(cfg: AlignerConfig) -> None:
-    """The split rollout placement and bounded staleness (issue 37): what they need, and the
+    """The split rollout placement and bounded staleness (docs/rollout.md): what they need, and the
     decoupled loss resolved (``algorithm.decoupled_loss=None`` follows ``trainer.max_staleness > 0``)."""
     r, t, a = cfg.rollout, cfg.trainer, cfg.algorithm
     if a.decoupled_loss is None:
@@ -86,7 +86,7 @@ def validate_staleness(cfg: AlignerConfig) -> None:
 
 
 def resolve_ref_ahead(cfg: AlignerConfig) -> None:
-    """``trainer.ref_ahead`` (issue 37): the reference's log-probs of a queued batch computed beside the
+    """``trainer.ref_ahead`` (docs/rollout.md): the reference's log-probs of a queued batch computed beside the
     update. None resolves to on exactly where it applies (max_staleness >= 1, a reference group) and the
     reference has devices of its own (``cluster.placement=split``, no ``ref.colocate_with``); true where it
     cannot apply is refused."""
@@ -106,7 +106,7 @@ def resolve_ref_ahead(cfg: AlignerConfig) -> None:
 
 
 def validate_interruptible(cfg: AlignerConfig) -> None:
-    """``rollout.interruptible`` (issue 37 part 4): syncs that land between decode steps need the split
+    """``rollout.interruptible`` (docs/rollout.md): syncs that land between decode steps need the split
     placement's own engines, aligner's continuous scheduler (it checks for staged weights between steps)
     and generation ahead of the update (max_staleness >= 1: with 0 no generation is in flight at a sync)."""
     r, t = cfg.rollout, cfg.trainer
@@ -170,7 +170,7 @@ def validate_sections(cfg: AlignerConfig) -> None:
 
 
 def validate_episodes(cfg: AlignerConfig) -> None:
-    """env.name set: what the engine's episodes need (issue 38 parts 2-3). The environment runs between
+    """env.name set: what the engine's episodes need (docs/environments.md). The environment runs between
     the decode steps of aligner's continuous scheduler, on one engine rank per replica, and its final
     reward is reward.rule's."""
     r = cfg.rollout

@@ -17,7 +17,7 @@ must learn when, and how many times, a carry happens. Problems
 without a carry are always demonstrated correctly, so held-out greedy accuracy of an SFT
 model is about the fraction of carry-free problems: ~47% with the default 1-2 digit operands.
 
-Tool demonstrations (``task.tool_demo_rate`` > 0, the ``tiny_tools`` preset; issue 38 part 4): that
+Tool demonstrations (``task.tool_demo_rate`` > 0, the ``tiny_tools`` preset; docs/environments.md): that
 fraction of the SFT demonstrations, drawn uniformly over the problems, is a conversation in which
 the model calls the calculator (:func:`tool_call_text`, the Hermes tag format of
 aligner.envs.tool_env), reads its result back (:func:`tool_response_text`, the user message the

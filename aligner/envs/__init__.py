@@ -1,4 +1,4 @@
-"""Environments for multi-turn and agentic RL (issue 38 part 1): the interface and trajectory types
+"""Environments for multi-turn and agentic RL (docs/environments.md): the interface and trajectory types
 (:mod:`~aligner.envs.base`), the tool registry with the built-in calculator (:mod:`~aligner.envs.tools`),
 the tool-calling and retry environments (:mod:`~aligner.envs.tool_env`, :mod:`~aligner.envs.retry_env`)
 and the token-level episodes the rollout engine plays (:mod:`~aligner.envs.episodes`, the engine's

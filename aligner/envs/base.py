@@ -1,5 +1,5 @@
 """The environment interface, the trajectory of an episode, the registry by name and the
-reference episode loop (issue 38 part 1).
+reference episode loop (docs/environments.md).
 
 An environment talks with the policy in turns. :meth:`Environment.reset` starts an episode on
 one prompt (and its data row's metadata) and may return first messages to put after the

@@ -1,4 +1,4 @@
-"""Episodes at the token level (issue 38 part 2): the rollout engine's ``turn_end`` callback.
+"""Episodes at the token level (docs/environments.md): the rollout engine's ``turn_end`` callback.
 
 :class:`TokenEpisodes` plays one episode per request of one ``generate`` call of the continuous
 scheduler (:data:`aligner.rollout.scheduler.TurnEnd`): when a model turn ends, it decodes the

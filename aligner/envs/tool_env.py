@@ -1,4 +1,4 @@
-"""The tool-calling environment (``env.name=tool``, issue 38 part 1): the model calls tools in its
+"""The tool-calling environment (``env.name=tool``, docs/environments.md): the model calls tools in its
 turns, each call's result comes back as the next message, and a turn without a tool call is the
 final answer.
 

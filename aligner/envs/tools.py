@@ -1,5 +1,5 @@
 """The tool registry: Python functions the model may call, each with a name, a description and a
-JSON schema of its arguments (issue 38 part 1).
+JSON schema of its arguments (docs/environments.md).
 
 A tool's arguments are one JSON object whose properties are the function's keyword arguments, so
 its schema must have ``"type": "object"`` and property names that are Python identifiers. The

@@ -70,7 +70,7 @@ MODEL_FLOPS_EFFICIENCY = 0.4
 # with x: the held-in fit is flat (MFU_HALF_DIM = 0; all ten rows give 0.597 and 60, equally flat above a few
 # hundred), so **the model is a constant 0.575 of peak for training and forward passes**: the saturating
 # form is kept for a fit to shapes these rows do not cover (narrow shards, short micro-batches: the GPU suite's
-# measurements, issue 40 part 2), which is where it would matter. The fit is an A100's, applied to every GPU.
+# measurements in benchmarks/RESULTS.md), which is where it would matter. The fit is an A100's, applied to every GPU.
 MFU_MAX = 0.575
 MFU_HALF_DIM = 0.0
 # torch DDP's default gradient bucket (bucket_cap_mb=25; aligner does not set it): the last bucket's all-reduce

@@ -1,4 +1,4 @@
-"""The generative reward (``reward.type=judge``, issue 38 part 5): an LLM prompted with a rubric
+"""The generative reward (``reward.type=judge``, docs/judge.md): an LLM prompted with a rubric
 judges each (prompt, response) and its verdict, a number, is the score.
 
 The judge is a causal LM in the reward group (``reward.init``: an HF directory with its tokenizer and

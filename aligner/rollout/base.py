@@ -45,7 +45,7 @@ class Generation:
         True where the model sampled the token, False for the environment's observation tokens
         (their rollout_log_probs are 0.0 and they are masked out of the loss); None for a
         single-turn response (every token is the model's).
-    token_versions: for an interruptible engine (``rollout.interruptible``, issue 37 part 4), list[int]
+    token_versions: for an interruptible engine (``rollout.interruptible``, docs/rollout.md), list[int]
         of length R: the engine's weight_version when each token was sampled (a weight sync may land
         between decode steps, so one response can span versions; an episode's observation tokens get
         the version of the step that ended the turn before them); None otherwise (every token has
@@ -184,7 +184,7 @@ def own_tokens_mask(gens: Sequence[Generation], r: int) -> torch.Tensor:
     """[B, r] float32: 1.0 where a generation's token is the model's own (every token of a single-turn
     Generation, and past its end), 0.0 at an episode's observation tokens (``own_mask`` False). The
     trainer multiplies its response mask by it, so observations are masked out of the loss, the KL and
-    the advantages (issue 38 part 3)."""
+    the advantages (docs/environments.md, "Training on trajectories")."""
     out = torch.ones(len(gens), r)
     for i, g in enumerate(gens):
         if g.own_mask is not None:

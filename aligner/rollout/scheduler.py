@@ -26,7 +26,7 @@ prompt prefix, e.g. the n samples of a GRPO group prefill their prompt once).
 Execution order of a plan on every stage: prefill, copies, moves, extends (below), decode. Copies
 read their sources before moves write; a move's destination is a hole no copy reads.
 
-Episodes (multi-turn, issue 38 part 2). With a ``turn_end`` callback a request is an episode: when
+Episodes (multi-turn, docs/environments.md). With a ``turn_end`` callback a request is an episode: when
 a row samples a stop token, the callback gets the turn's tokens and returns the observation's
 tokens (a tool's result, the next user message, rendered by the chat template), or None to end the
 episode. The row keeps its slot and its cache: in its next step the stop token and the observation

@@ -114,7 +114,7 @@ class TorchEngine(RolloutEngine):
             timings), "sdpa" elsewhere and where the kernel cannot be built (no C compiler).
             The static scheduler always runs SDPA.
         interruptible: weight syncs may land between decode steps (the split placement's
-            ``rollout.interruptible``, issue 37 part 4; continuous scheduler, pp = 1): a sync handed to
+            ``rollout.interruptible``, docs/rollout.md; continuous scheduler, pp = 1): a sync handed to
             :meth:`stage_weights` while a call decodes is applied at the call's next step boundary
             (:class:`aligner.rollout.weight_stage.WeightStage`), the requests in flight keep their KV
             cache and go on with the new weights, and every Generation carries ``token_versions``.

@@ -1,4 +1,4 @@
-"""Weight syncs that land between decode steps: interruptible generation (issue 37 part 4).
+"""Weight syncs that land between decode steps: interruptible generation (docs/rollout.md; AReaL's interruptible rollout).
 
 AReaL's interruptible rollout workers (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement
 Learning System for Language Reasoning", arXiv:2505.24298) and NeMo-RL's in-flight weight updates: a

@@ -1,6 +1,6 @@
 """Weight sync across worker groups: the actor's weights broadcast to rollout engines on other processes.
 
-The split placement (``rollout.placement=split``, issue 37) puts the rollout engines in their own
+The split placement (``rollout.placement=split``, docs/rollout.md) puts the rollout engines in their own
 worker group, so the refit of the colocated placement (the engine in the actor's own process,
 :mod:`aligner.rollout.refit`) cannot reach them. After each update the actor's rank 0 sends the
 full tensors of the policy, in the same buckets as a refit, over a process group of its own that

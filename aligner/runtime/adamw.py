@@ -19,8 +19,8 @@ step from given stored moments is torch's AdamW step (the same kernel); the only
 the rounding of the stored moments (relative error <= 2^-9 per step). Stochastic rounding is not
 used: on the tiny SFT stage it brought the loss curve no closer to fp32 moments' than round to
 nearest does. tests/runtime/test_adamw.py holds the tiny SFT stage's loss within 1% of the fp32
-moments' at every logged step; the measured curves are in benchmarks/RESULTS.md ("Measurements
-moved from module docstrings").
+moments' at every logged step; the measured figures are in benchmarks/RESULTS.md ("Optimizer
+state: bf16 Adam moments").
 
 Simplifications (stated): the upcast-update-downcast passes read and write more bytes than
 one fused kernel over bf16 state would, so the step is slower than torch's fused fp32 AdamW

@@ -4,7 +4,7 @@ Owns one process-wide setting: glibc's malloc keeps large freed blocks for reuse
 returning them to the kernel. By default glibc serves every allocation above 32 MiB with a
 fresh ``mmap`` and unmaps it on free, so each [B, T, V] logits-sized tensor of a training
 step (tens to hundreds of MiB) is zero-filled page by page by the kernel again at every step
-(what that costs, measured: benchmarks/RESULTS.md, "Measurements moved from module docstrings").
+(what that costs, measured: benchmarks/RESULTS.md, "PPO step: aligner vs TRL PPOTrainer").
 It is the CPU counterpart of the CUDA caching allocator (Intel's PyTorch CPU guides reach the same
 with jemalloc / tcmalloc preloaded). The cost: the process keeps its peak heap (RSS does not
 shrink after a large step). GPU processes are left alone.

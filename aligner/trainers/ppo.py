@@ -218,7 +218,7 @@ class PPOTrainer(Trainer):
         return self.restarts_spent() < self.cfg.trainer.max_restarts and not any(getattr(g, "closed", False) for g in others)
 
     def restart_rollout(self, e: WorkerDiedError) -> None:
-        """Restart the split placement's rollout group alone after its worker died (issue 41 part 1): the
+        """Restart the split placement's rollout group alone after its worker died (docs/reliability.md): the
         generations in flight are dropped, the group is built again on a placement of its own, joins a
         new weight-sync group with the actor and gets the actor's current weights at the next sync; the
         trainer's groups, their weights and optimizer states are not touched."""

@@ -1,4 +1,4 @@
-"""Generation ahead of the update under bounded staleness, for the split rollout placement (issue 37).
+"""Generation ahead of the update under bounded staleness, for the split rollout placement (docs/rollout.md).
 
 With ``rollout.placement=split`` the engines form their own worker group (:mod:`aligner.workers.rollout`)
 and receive the actor's weights by broadcast (:mod:`aligner.rollout.weight_sync`). The

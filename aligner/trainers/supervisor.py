@@ -1,6 +1,6 @@
 """The driver's supervisor: a parent process that outlives a driver which Ray ends itself.
 
-Why it exists (issue 41 part 3, the SIGTERM flaw). When a scheduler signals every process of a
+Why it exists (docs/reliability.md, "SIGTERM"). When a scheduler signals every process of a
 job (Slurm's ``scancel``, a Ray head pod's shutdown), the raylet of the local Ray instance ends
 too. Ray's core worker inside the driver connects to the raylet's object store with
 ``exit_on_connection_failure=true`` (``CoreWorker``'s plasma client), so the driver's next

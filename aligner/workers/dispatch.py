@@ -12,7 +12,7 @@ reads the marks and does the Ray calls; everything here runs without Ray.
 
 A method marked ``concurrent=True`` runs beside the worker's other calls (on a thread of its own,
 one such call at a time) instead of after them: the rollout worker's staged weight receive of
-interruptible generation (issue 37 part 4), which must not wait for the generate call in flight.
+interruptible generation (docs/rollout.md), which must not wait for the generate call in flight.
 """
 
 from __future__ import annotations

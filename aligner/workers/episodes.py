@@ -1,4 +1,4 @@
-"""Episodes on a worker's engine (issue 38 part 2): the environment of ``env.*`` played turn by turn
+"""Episodes on a worker's engine (docs/environments.md): the environment of ``env.*`` played turn by turn
 by the rollout engine of the actor (colocated) or of the rollout group (split placement).
 
 The environments run in the worker that generates, between the engine's decode steps

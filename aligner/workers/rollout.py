@@ -1,4 +1,4 @@
-"""The rollout worker group of the split placement (``rollout.placement=split``, issue 37).
+"""The rollout worker group of the split placement (``rollout.placement=split``, docs/rollout.md).
 
 Thin (docs/design.md, "Thin Ray shells over Ray-free classes"): the group's ranks form
 ``rollout.parallel``'s layout, dp engine replicas of tp x pp ranks each, and every rank holds its
@@ -19,7 +19,7 @@ handles to its ``AsyncLLM`` (:class:`aligner.rollout.trtllm_engine.ColocatedTrtl
 The group runs on its own node group (``rollout.resources``), so while it generates the actor can
 train on the previous batch (``trainer.max_staleness`` >= 1, :mod:`aligner.trainers.producer`).
 
-Interruptible generation (``rollout.interruptible``, issue 37 part 4): :meth:`RolloutWorker.receive_weights_beside`
+Interruptible generation (``rollout.interruptible``, docs/rollout.md): :meth:`RolloutWorker.receive_weights_beside`
 is a concurrent call (:func:`aligner.workers.dispatch.dispatch`): it runs on the worker's side thread while
 a generate call is in flight, receives the whole sync into buffers of its own and stages it; the
 engine's decode loop applies it at its next step boundary (:mod:`aligner.rollout.weight_stage`).
