@@ -95,9 +95,9 @@ class SandboxLimits:
         threads of ``uid`` (RLIMIT_NPROC; the launcher and init count too). max_open_files:
         RLIMIT_NOFILE. tmpfs_bytes: size of the private /tmp holding the working directory (mount
         namespace only). uid / gid: the unprivileged ids the program runs as when the scorer is
-        root. python: the interpreter that runs the program; None: this process's interpreter when
-        ``uid`` can execute it (every directory on its real path searchable by others), else the
-        first such of /usr/bin/python3, /usr/local/bin/python3 (:func:`program_python`).
+        root. python: the interpreter that runs the program; None: the first of this process's
+        interpreter, its resolved path, /usr/bin/python3 and /usr/local/bin/python3 that the program's
+        uid can execute inside the sandbox (:func:`program_python`, :func:`reach_problem`).
     """
 
     cpu_s: int = 4
@@ -151,34 +151,92 @@ class SandboxResult:
         return self.returncode == 0 and self.killed_by is None
 
 
-def _others_can_run(path: str) -> bool:
-    real = os.path.realpath(path)
-    if not os.path.isfile(real) or not os.stat(real).st_mode & 0o001:
-        return False
-    d = os.path.dirname(real)
-    while True:
-        if not os.stat(d).st_mode & 0o001:
-            return False
-        if d == os.path.dirname(d):
-            return True
-        d = os.path.dirname(d)
+HIDDEN_DIRS = ("/tmp",)  # replaced by the sandbox's private tmpfs: an interpreter under them is out of the program's reach
+
+
+def _allows(st: os.stat_result, uid: int, gid: int, bit: int) -> bool:
+    """Whether `uid` / `gid` (no supplementary groups, as the program runs) has permission `bit`
+    (4 read, 2 write, 1 execute or search) on a file of status `st` (mode bits; ACLs are not read)."""
+    if uid == 0:
+        return bit != 1 or bool(st.st_mode & 0o111) or (st.st_mode & 0o170000) == 0o040000
+    if st.st_uid == uid:
+        return bool(st.st_mode & (bit << 6))
+    if st.st_gid == gid:
+        return bool(st.st_mode & (bit << 3))
+    return bool(st.st_mode & bit)
+
+
+def reach_problem(path: str, uid: int, gid: int, hidden: Sequence[str] = HIDDEN_DIRS, read_dirs: Sequence[str] = ()) -> str:
+    """What stops `uid` / `gid` from executing `path` inside the sandbox ("" when nothing): a directory on
+    its path or on its resolved path (symlinks followed) that the uid cannot enter, a file it cannot
+    execute, a path under one of `hidden` (the sandbox mounts its own /tmp there), or one of `read_dirs`
+    (the interpreter's standard library) it cannot list and enter. A static check of mode bits; the
+    launcher checks again as the program's uid before it executes the interpreter."""
+    for p in dict.fromkeys([os.path.abspath(path), os.path.realpath(path), *read_dirs, *map(os.path.realpath, read_dirs)]):
+        for h in hidden:
+            if p == h or p.startswith(h.rstrip("/") + "/"):
+                return f"{p} is under {h}, which the sandbox replaces by its own empty {h}"
+        d = "/"
+        for comp in [c for c in p.split("/") if c][:-1]:
+            d = os.path.join(d, comp)
+            try:
+                st = os.stat(d)
+            except OSError as e:
+                return f"{d}: {e.strerror}"
+            if not _allows(st, uid, gid, 1):
+                return f"uid {uid} cannot enter {d} (mode {st.st_mode & 0o777:o}, owner uid {st.st_uid})"
+    for d in read_dirs:
+        st = os.stat(d)
+        if not (_allows(st, uid, gid, 1) and _allows(st, uid, gid, 4)):
+            return f"uid {uid} cannot read {d} (mode {st.st_mode & 0o777:o}, owner uid {st.st_uid})"
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return f"{path}: {e.strerror}"
+    if (st.st_mode & 0o170000) != 0o100000 or not _allows(st, uid, gid, 1):
+        return f"uid {uid} cannot execute {os.path.realpath(path)} (mode {st.st_mode & 0o777:o})"
+    return ""
+
+
+def program_ids(limits: SandboxLimits) -> tuple[int, int]:
+    """(uid, gid) the program runs as: ``limits.uid`` / ``limits.gid`` when the scorer is root, else the scorer's own."""
+    return (limits.uid, limits.gid) if os.geteuid() == 0 else (os.getuid(), os.getgid())
 
 
 def program_python(limits: SandboxLimits) -> str:
-    """The interpreter the program runs with: ``limits.python`` when set; else ``sys.executable``
-    when the scorer is not root (no uid change) or others can execute it; else /usr/bin/python3 or
-    /usr/local/bin/python3 (the stdlib only then: the scorer's site-packages are not on its path).
-    RuntimeError when none can be run by ``limits.uid``."""
+    """The interpreter the program runs with, one the program's uid (:func:`program_ids`) can execute
+    inside the sandbox (:func:`reach_problem`): ``limits.python`` when set; else the first that passes
+    of this process's interpreter (with its standard library readable), its resolved path, and
+    /usr/bin/python3, /usr/local/bin/python3 (the standard library only then: the scorer's
+    site-packages are not on the program's path). RuntimeError, one line naming the path, what
+    blocks it and the fix, when none passes."""
+    uid, gid = program_ids(limits)
     if limits.python:
+        problem = reach_problem(limits.python, uid, gid, hidden=())
+        if problem:
+            raise RuntimeError(
+                f"sandbox: the interpreter SandboxLimits.python={limits.python} cannot run as the program's uid {uid}: {problem}: "
+                "give an interpreter outside private directories (e.g. /usr/bin/python3) or make its directories searchable (chmod o+x)"
+            )
         return limits.python
-    if os.geteuid() != 0:
-        return sys.executable
-    for cand in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        if cand and os.path.exists(cand) and _others_can_run(cand):
+    stdlib = os.path.dirname(os.__file__)
+    tried = []
+    for cand, reads in (
+        (sys.executable, (stdlib,)),
+        (os.path.realpath(sys.executable), (stdlib,)),
+        ("/usr/bin/python3", ()),
+        ("/usr/local/bin/python3", ()),
+    ):
+        if not cand or not os.path.exists(cand) or any(cand == t for t, _ in tried):
+            continue
+        problem = reach_problem(cand, uid, gid, read_dirs=reads)
+        if not problem:
             return cand
+        tried.append((cand, problem))
     raise RuntimeError(
-        f"sandbox: no Python interpreter that uid {limits.uid} can execute ({sys.executable} resolves to "
-        f"{os.path.realpath(sys.executable)}, not searchable by others): set SandboxLimits.python"
+        f"sandbox: no Python interpreter that the program's uid {uid} can execute inside the sandbox ("
+        + "; ".join(f"{c}: {p}" for c, p in tried)
+        + "): install a system python3 (/usr/bin/python3), or set SandboxLimits.python to one outside private and /tmp directories"
     )
 
 
@@ -467,6 +525,10 @@ def _launch(cfg: dict, status_fd: int) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         prog = os.fork()
         if prog == 0:
+            if not os.access(cfg["python"], os.X_OK):  # as the program's uid, in the sandbox's view of the files
+                say("error", f"uid {os.getuid()} cannot execute {cfg['python']} inside the sandbox: set SandboxLimits.python "
+                             "to an interpreter outside private and /tmp directories (e.g. /usr/bin/python3)")  # fmt: skip
+                os._exit(127)
             os.close(status_fd)
             for sig in (signal.SIGPIPE, signal.SIGXFSZ):
                 signal.signal(sig, signal.SIG_DFL)
