@@ -337,17 +337,41 @@ UNPRIVILEGED_SCORER = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import sandbox as S
-port = int(sys.argv[2])
-L = S.SandboxLimits(cpu_s=1, wall_s=2.0, memory_bytes=256 << 20, max_processes=8)
+port, writable, secret_pid = int(sys.argv[2]), sys.argv[3], sys.argv[4]
+tag = writable.rstrip("/").rsplit("/", 1)[1] + "-x"  # a fresh name: nothing of an earlier run is mistaken for an escape
+L = S.SandboxLimits(cpu_s=1, wall_s=5.0, memory_bytes=256 << 20, max_processes=8)
 sock = S.run_program("import socket; socket.create_connection(('127.0.0.1', %d), timeout=1)" % port, "", L)
 escape = S.run_program("import os, time\\nif os.fork() == 0:\\n    os.setsid()\\n    time.sleep(30)\\n", "", L)
 bomb = S.run_program("import os, time\\nwhile True:\\n    try: os.fork()\\n    except OSError: time.sleep(0.05)\\n", "", L)
-print(json.dumps({"enforced": sock.enforced, "sock": sock.stderr[-200:], "escape": escape.returncode, "bomb": bomb.killed_by}))
+probe = (
+    "import os\\n"
+    "for p in [%r, '/var/tmp/%s', '/dev/shm/%s']:\\n"
+    "    try:\\n"
+    "        open(p, 'w').write('x'); print(p, 'written')\\n"
+    "    except OSError as e:\\n"
+    "        print(p, 'refused', e.errno)\\n"
+    "print('host-proc', os.path.exists('/proc/%s'))\\n"
+    "print('tmp', sorted(os.listdir('/tmp')))\\n"
+) % (writable + "/escape", tag, tag, secret_pid)
+files = S.run_program(probe, "", L)
+S._NO_MOUNT = True  # as after a failed mount in a user namespace: no filesystem isolation
+try:
+    S.run_program("print(1)", "", L)
+    refused = ""
+except RuntimeError as e:
+    refused = str(e)
+opted = S.run_program("print(1)", "", S.SandboxLimits(allow_unisolated=True, wall_s=5.0))
+print(json.dumps({"enforced": sock.enforced, "sock": sock.stderr[-200:], "escape": escape.returncode, "bomb": bomb.killed_by,
+                  "files": files.stdout, "files_err": files.stderr[-300:], "refused": refused,
+                  "opted": [opted.stdout, opted.enforced]}))
 """
 
 
-def test_unprivileged_scorer_gets_network_pid_and_nproc_isolation():
-    """The scorer's user-namespace path (no root), run from this root test as an unused uid."""
+def test_unprivileged_scorer_gets_network_pid_files_proc_and_nproc_isolation():
+    """The scorer's user-namespace path (no root), run from this root test as an unused uid: no network,
+    its own pid namespace and /proc, a read-only host (a directory the uid may write on the host
+    included) with a private /tmp, RLIMIT_NPROC; without filesystem isolation a run is refused
+    unless allowed."""
     import json
 
     if os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK):
@@ -360,9 +384,12 @@ def test_unprivileged_scorer_gets_network_pid_and_nproc_isolation():
     srv.listen(1)
     srv.settimeout(0.2)
     public = public_copy_of_the_sandbox()
+    writable = tempfile.mkdtemp(prefix="aligner-sandbox-home-", dir="/var/tmp")  # as the scorer's home: its own, writable
+    os.chown(writable, uid, uid)
+    secret = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--token=hunter2"])
     try:
         r = subprocess.run(
-            ["/usr/bin/python3", "-I", "-c", UNPRIVILEGED_SCORER, public, str(srv.getsockname()[1])],
+            ["/usr/bin/python3", "-I", "-c", UNPRIVILEGED_SCORER, public, str(srv.getsockname()[1]), writable, str(secret.pid)],
             user=uid,
             group=uid,
             extra_groups=[],
@@ -370,19 +397,77 @@ def test_unprivileged_scorer_gets_network_pid_and_nproc_isolation():
             cwd="/",
             capture_output=True,
             text=True,
-            timeout=30,
+            timeout=60,
         )
         assert r.returncode == 0, r.stderr[-2000:]
         out = json.loads(r.stdout)
         if "network" not in out["enforced"]:
             pytest.skip(f"unprivileged user namespaces are off here (enforced: {out['enforced']})")
-        assert set(out["enforced"]) == {"network", "pid", "nproc"}
+        assert set(out["enforced"]) == {"network", "pid", "filesystem", "proc", "nproc"}, out
         assert "Network is unreachable" in out["sock"]
         with pytest.raises(socket.timeout):
             srv.accept()
         assert out["escape"] == 0 and out["bomb"] == "wall"
+        lines = out["files"].splitlines()
+        assert f"{writable}/escape refused 30" in lines, out  # EROFS, though the uid owns it on the host
+        tag = os.path.basename(writable) + "-x"
+        assert f"/var/tmp/{tag} refused 30" in lines and f"/dev/shm/{tag} refused 30" in lines
+        assert "host-proc False" in lines  # another process of the host is not in the sandbox's /proc
+        assert "tmp ['sandbox']" in lines
+        assert os.listdir(writable) == [] and not os.path.exists(f"/dev/shm/{tag}")
+        assert "no filesystem isolation" in out["refused"] and "allow_unisolated" in out["refused"] and "\n" not in out["refused"]
+        assert out["opted"][0] == "1\n" and "filesystem" not in out["opted"][1]
         time.sleep(0.2)
         assert procs_of(uid) == 0  # the child that left the group and the bomb are gone
     finally:
         srv.close()
+        secret.kill()
+        secret.wait()
         shutil.rmtree(public, ignore_errors=True)
+        shutil.rmtree(writable, ignore_errors=True)
+
+
+def test_host_processes_and_their_command_lines_are_out_of_sight():
+    need("pid")  # a pid namespace: its own /proc goes with it
+    secret = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--token=hunter2"])
+    try:
+        prog = (
+            "import os\n"
+            "pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+            "seen = []\n"
+            "for p in pids:\n"
+            "    try:\n"
+            "        seen.append(open(f'/proc/{p}/cmdline', 'rb').read())\n"
+            "    except OSError:\n"
+            "        pass\n"
+            f"print(len(pids), any(b'hunter2' in c for c in seen), os.path.exists('/proc/{secret.pid}'))\n"
+        )
+        res = S.run_program(prog, "", ROOMY)
+        assert res.ok, res.stderr
+        n, leaked, visible = res.stdout.split()
+        assert leaked == "False" and visible == "False" and int(n) <= 3  # init and the program (and a fork)
+    finally:
+        secret.kill()
+        secret.wait()
+
+
+def test_all_tests_of_a_response_share_one_time_budget():
+    slow = "import time\ntime.sleep(1.5)\nprint(0)\n"
+    limits = dataclasses.replace(TIGHT, wall_s=4.0, response_s=2.5)
+    t0 = time.monotonic()
+    assert S.pass_fraction(slow, ["", "", ""], ["0", "0", "0"], limits) == 0.0  # the budget ends within the second test
+    assert time.monotonic() - t0 < limits.response_s + MARGIN_S  # not 3 x 1.5 s
+    assert S.pass_fraction(slow, [""], ["0"], dataclasses.replace(limits, response_s=20.0)) == 1.0
+    with pytest.raises(ValueError, match="response_s"):
+        S.SandboxLimits(response_s=0)
+
+
+def test_code_reward_refuses_a_host_without_filesystem_isolation_unless_opted_in(monkeypatch):
+    monkeypatch.setattr(S, "isolation", lambda: ("network", "pid", "nproc"))
+    monkeypatch.delenv(S.UNISOLATED_ENV, raising=False)
+    with pytest.raises(ValueError) as e:
+        check_rule_rows("code_tests", [{"metadata": {"tests": TESTS}, "source": "a:1"}])
+    assert "no filesystem isolation" in str(e.value) and f"{S.UNISOLATED_ENV}=1" in str(e.value) and "\n" not in str(e.value)
+    monkeypatch.setenv(S.UNISOLATED_ENV, "1")
+    check_rule_rows("code_tests", [{"metadata": {"tests": TESTS}, "source": "a:1"}])
+    assert S.code_limits().allow_unisolated
