@@ -137,7 +137,7 @@ def test_ppo_scores_every_step_with_the_judge(tmp_path, judge_dir):
         "reward.type=judge",
         f"reward.init={judge_dir}",
         "reward.judge_rubric='Score {response} for {prompt}:'",  # short: the tiny judge's context is 128 tokens
-        "reward.judge_max_new_tokens=4",
+        "reward.judge_max_new_tokens=1",  # one token: the verdict is the whole answer, a digit or not
         "reward.judge_max_score=9",
         "trainer.rollout_batch_size=8",
         "trainer.mini_batch_size=8",
