@@ -236,13 +236,13 @@ class RewardRoleConfig(TrainableRoleConfig):
             self.token_file,
             "is not a file: give the token's file",
         )
-        has_token = bool(self.token or self.token_file or os.environ.get("ALIGNER_RM_TOKEN"))
-        problem = plain_http_token_problem(self.url, has_token, self.allow_plain_http_token)
-        _check(not problem, f"{prefix}.url", self.url, problem.split(": ", 1)[-1])
         _check(self.max_retries >= 0, f"{prefix}.max_retries", self.max_retries, "must be >= 0 (0: a single try)")
         _check(self.backoff_s >= 0, f"{prefix}.backoff_s", self.backoff_s, "must be >= 0 seconds")
         _check(self.batch_size >= 1, f"{prefix}.batch_size", self.batch_size, "must be >= 1 sample per request")
         _check(self.max_concurrency >= 1, f"{prefix}.max_concurrency", self.max_concurrency, "must be >= 1 request in flight")
+        has_token = bool(self.token or self.token_file or os.environ.get("ALIGNER_RM_TOKEN"))
+        problem = plain_http_token_problem(self.url, has_token, self.allow_plain_http_token)
+        _check(not problem, f"{prefix}.url", self.url, problem.split(": ", 1)[-1])
 
 
 REWARD_TYPES = ("model", "rule", "remote", "judge")
