@@ -13,14 +13,19 @@ OpenRLHF's ``serve_rm`` does):
     answer    {"rewards": [float, ...]}                                 B finite numbers, in request order
     error     {"error": "..."} with status 400 (malformed), 401 (token), 404, 411, 413 (too large), 500
 
-The client sends ``Authorization: Bearer <token>`` when a token is set (``reward.token``, else the
-environment variable ``ALIGNER_RM_TOKEN``).
+The client sends ``Authorization: Bearer <token>`` when a token is set (``reward.token`` from a config
+file, ``reward.token_file``, else the environment variable ``ALIGNER_RM_TOKEN``; never the command
+line), to ``reward.url`` only: redirects are not followed, and a token over plain ``http://`` to a
+host that is not this machine is refused unless ``reward.allow_plain_http_token``. Each request has
+one deadline (``reward.timeout_s``: connect, send and the whole answer) and its answer a size cap
+(``reward.max_response_bytes``).
 
 Failures never become zeros: an answer of the wrong length, with a non-number or a non-finite number,
 or that is not JSON counts as a failed try, as do connection errors, timeouts and statuses 5xx, 408
 and 429; they are retried ``max_retries`` times with exponential backoff (``backoff_s``, doubling),
-then :class:`RemoteRewardError` names the URL, the tries and the last failure. A 4xx answer (bad
-request, wrong token, too large) is not retried: it cannot succeed unchanged.
+then :class:`RemoteRewardError` names the URL, the tries and the last failure. An answer cut short of
+its Content-Length is retried too. A 4xx answer (bad request, wrong token, too large), a 3xx and an
+oversized answer are not retried: they cannot succeed unchanged.
 """
 
 from __future__ import annotations
