@@ -132,6 +132,11 @@ def load_config(stage: str, overrides: Sequence[str] = ()) -> AlignerConfig:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    from aligner.config.run import secret_override_problem
+
+    problem = secret_override_problem(overrides)
+    if problem:
+        raise ConfigError(problem)
     merged = compose(stage, overrides)
     merged.stage = stage
     adopt_checkpoint_dims(merged, stage, overrides)

@@ -19,10 +19,13 @@ import logging
 import math
 import os
 import re
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional, Sequence
 
+from aligner.config.run import REDACTED, SECRET_FIELDS
 from aligner.errors import UserError
 
 log = logging.getLogger("aligner")
@@ -166,6 +169,38 @@ def _write_id(out: Path, key: str, value: str) -> None:
     os.replace(tmp, out / IDS_FILE)
 
 
+SECRET_ARG_KEYS = (*SECRET_FIELDS, "token")  # key=value arguments (serve_rm: token=) whose value a logger never records
+SECRET_ENV = ("ALIGNER_RM_TOKEN",)  # variables whose value is scrubbed wherever it appears in the arguments
+
+
+def scrub_argv(argv: Sequence[str], secrets: Iterable[str] = ()) -> list[str]:
+    """`argv` with the value of every ``key=value`` argument whose key is a secret
+    (:data:`SECRET_ARG_KEYS`, with Hydra's ``+``/``++``/``~`` prefixes) and every occurrence of each
+    non-empty string of `secrets` replaced by ``<redacted>``."""
+    out = []
+    for a in argv:
+        key, eq, _ = str(a).partition("=")
+        if eq and key.lstrip("+~").strip() in SECRET_ARG_KEYS:
+            a = f"{key}={REDACTED}"
+        for secret in secrets:
+            if secret:
+                a = a.replace(secret, REDACTED)
+        out.append(a)
+    return out
+
+
+@contextmanager
+def scrubbed_argv() -> Iterator[None]:
+    """``sys.argv`` scrubbed (:func:`scrub_argv`, the values of :data:`SECRET_ENV` included) while a
+    logger starts: W&B records the command line in its run's metadata."""
+    saved = sys.argv
+    sys.argv = scrub_argv(saved, [os.environ.get(name, "") for name in SECRET_ENV])
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
 class _Wandb:
     """A W&B run: ``wandb.init(project, name, dir, config, id, resume="allow")``. The id is kept in
     loggers.json, so a resumed or restarted run continues the same W&B run. WANDB_MODE, WANDB_ENTITY,
@@ -174,7 +209,13 @@ class _Wandb:
     def __init__(self, out: Path, project: str, name: str, config: Optional[dict]):
         import wandb
 
-        self.run = wandb.init(
+        with scrubbed_argv():  # W&B stores sys.argv (its run's "args"): no secret goes with it
+            self.run = self._init(wandb, out, project, name, config)
+        _write_id(out, "wandb", self.run.id)
+
+    @staticmethod
+    def _init(wandb, out: Path, project: str, name: str, config: Optional[dict]):
+        return wandb.init(
             project=project,
             name=name,
             dir=None if os.environ.get("WANDB_DIR") else str(out),
@@ -183,7 +224,6 @@ class _Wandb:
             resume="allow",
             allow_val_change=True,  # a resumed run may change a field (trainer.max_steps, resume itself)
         )
-        _write_id(out, "wandb", self.run.id)
 
     def log(self, step: int, metrics: dict) -> None:
         self.run.log(metrics, step=step)

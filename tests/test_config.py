@@ -328,6 +328,28 @@ CASES = [
     (["reward.type=remote", "reward.url=http://u:pw@rm/score"], "reward.url", "'http://u:pw@rm/score'", "reward.token"),
     (["reward.type=remote", "reward.url=http://rm:5000/score", "reward.timeout_s=0"], "reward.timeout_s", "0.0", "> 0 seconds"),
     (["reward.type=remote", "reward.url=http://rm:5000/score", "reward.max_retries=-1"], "reward.max_retries", "-1", ">= 0"),
+    (
+        ["reward.type=remote", "reward.url=http://rm:5000/score", "reward.max_response_bytes=0"],
+        "reward.max_response_bytes",
+        "0",
+        ">= 1 byte",
+    ),
+    (
+        ["reward.type=remote", "reward.url=http://rm:5000/score", "reward.token_file=/no/such/token"],
+        "reward.token_file",
+        "'/no/such/token'",
+        "is not a file",
+    ),
+    (
+        [
+            "reward.type=remote",
+            "reward.url=http://rm:5000/score",
+            "reward.token_file=/etc/passwd",
+        ],  # a token over plain http off this machine
+        "reward.url",
+        "'http://rm:5000/score'",
+        "reward.allow_plain_http_token=true",
+    ),
     (["reward.type=remote", "reward.url=http://rm:5000/score", "reward.backoff_s=-1"], "reward.backoff_s", "-1.0", ">= 0 seconds"),
     (["reward.type=remote", "reward.url=http://rm:5000/score", "reward.batch_size=0"], "reward.batch_size", "0", ">= 1"),
     (["reward.type=remote", "reward.url=http://rm:5000/score", "reward.max_concurrency=0"], "reward.max_concurrency", "0", ">= 1"),
@@ -614,7 +636,19 @@ def test_cli_config_error_is_one_line_exit_2(arg, field, tmp_path):
 
 
 # ---- the schema per role: a field appears only under the roles that use it ----------------------
-REMOTE_FIELDS = ("url", "token", "timeout_s", "max_retries", "backoff_s", "batch_size", "max_concurrency", "stream")  # reward.type=remote
+REMOTE_FIELDS = (
+    "url",
+    "token",
+    "token_file",
+    "allow_plain_http_token",
+    "max_response_bytes",
+    "timeout_s",
+    "max_retries",
+    "backoff_s",
+    "batch_size",
+    "max_concurrency",
+    "stream",
+)  # reward.type=remote
 JUDGE_FIELDS = ("judge_rubric", "judge_max_new_tokens", "judge_max_score")  # reward.type=judge
 ROLE_FIELDS = {
     "actor": {"init", "parallel", "resources", "colocate_with", "optim", "lora", "prompt_learning"},

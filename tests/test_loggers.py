@@ -375,3 +375,40 @@ def test_the_command_line_stops_with_one_line_and_exit_2(tmp_path, args, missing
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[0].startswith("aligner sft: error: trainer.loggers=") and words in lines[0], lines[0]
     assert not out.exists(), "nothing is written before the configuration is accepted"
+
+
+# ---- secrets never reach a logger ----------------------------------------------------------------
+def test_scrub_argv_redacts_secret_keys_and_known_values():
+    from aligner.tracking import scrub_argv
+
+    argv = ["-m", "aligner.ppo", "reward.token=abc123", "++reward.token=def", "token=ghi", "note=xx-abc123-yy", "lr=1"]
+    assert scrub_argv(argv, ["abc123", ""]) == [
+        "-m",
+        "aligner.ppo",
+        "reward.token=<redacted>",
+        "++reward.token=<redacted>",
+        "token=<redacted>",
+        "note=xx-<redacted>-yy",
+        "lr=1",
+    ]
+
+
+@NEEDS_BOTH
+def test_wandb_records_no_secret_of_the_command_line(offline, tmp_path, monkeypatch):
+    """W&B stores sys.argv in its run's metadata: a token there (a key of the command line, or the
+    environment's token pasted into another argument) is redacted while W&B starts, and sys.argv is
+    restored afterwards."""
+    argv = ["aligner/ppo.py", "reward.token=hunter2-argv", "output_dir=/x/hunter2-env/y"]
+    monkeypatch.setattr(sys, "argv", list(argv))
+    monkeypatch.setenv("ALIGNER_RM_TOKEN", "hunter2-env")
+    out = tmp_path / "run"
+    logger = MetricsLogger(out, "ppo", 1, progress=False, loggers=["wandb", "mlflow"], config={"reward": {"token": "<redacted>"}})
+    logger.log(1, {"loss": 0.5})
+    logger.close()
+    assert sys.argv == argv
+    (wb,) = wandb_runs(out)  # waits until W&B wrote everything
+    seen = [p for p in out.rglob("*") if p.is_file() and b"hunter2" in p.read_bytes()]
+    assert seen == [], seen
+    meta = list(out.rglob("wandb-metadata.json"))
+    if meta:  # where this wandb writes it: the args are there, redacted
+        assert "reward.token=<redacted>" in meta[0].read_text()

@@ -243,6 +243,22 @@ def roles_with_field(name: str) -> tuple[str, ...]:
 
 
 REDACTED = "<redacted>"
+SECRET_FIELDS = ("reward.token",)  # never on the command line, never written or logged in clear
+
+
+def secret_override_problem(overrides) -> str:
+    """What is wrong with command-line `overrides` ("" when nothing): one sets a secret field
+    (:data:`SECRET_FIELDS`), which other users of the machine read in /proc/PID/cmdline and loggers
+    record (W&B stores the command line). The fix: the environment or a file."""
+    for o in overrides:
+        key = str(o).lstrip("+~").partition("=")[0].strip()
+        if key in SECRET_FIELDS:
+            return (
+                f"{key} is not accepted on the command line (other users see a process's arguments, and loggers such "
+                "as W&B record them): set the environment variable ALIGNER_RM_TOKEN, or reward.token_file=PATH "
+                "(a file holding the token), or reward.token in a config file"
+            )
+    return ""
 
 
 def _redacted_node(cfg: AlignerConfig):

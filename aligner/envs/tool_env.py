@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from aligner.envs.base import Environment, EnvSpec, Message, StepResult, register_env
 from aligner.envs.tools import Tool, get_tool
@@ -61,19 +61,43 @@ def parse_tool_calls(turn: str) -> list[ToolCall]:
     return calls
 
 
-def _parse_call(body: str) -> ToolCall:
+MAX_CALL_DEPTH = 32  # nesting of a call's JSON (objects and arrays) accepted; deeper is answered with an error
+
+
+def _json(text: str) -> tuple[Any, str]:
+    """(the JSON value of `text`, "") or (None, what is wrong, for the model): any failure of the parser
+    (bad JSON, a number or nesting the parser refuses, RecursionError on deep nesting) and nesting deeper
+    than MAX_CALL_DEPTH, so that the schema check and the tool never walk an unbounded structure."""
     try:
-        obj = json.loads(body)
+        obj = json.loads(text)
     except json.JSONDecodeError as e:
-        return ToolCall("", error=f"the tool call is not JSON ({e.msg}, char {e.pos}): {_FIX}")
+        return None, f"not JSON ({e.msg}, char {e.pos})"
+    except (ValueError, RecursionError) as e:  # e.g. an integer of too many digits, nesting past the interpreter's stack
+        return None, f"not JSON this parser accepts ({type(e).__name__})"
+    depth, stack = 0, [(obj, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (dict, list)):
+            depth = max(depth, d)
+            if depth > MAX_CALL_DEPTH:
+                return None, f"nested deeper than {MAX_CALL_DEPTH} levels"
+            stack.extend((v, d + 1) for v in (x.values() if isinstance(x, dict) else x))
+    return obj, ""
+
+
+def _parse_call(body: str) -> ToolCall:
+    obj, problem = _json(body)
+    if problem:
+        return ToolCall("", error=f"the tool call is {problem}: {_FIX}")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return ToolCall("", error=f'the tool call needs a "name" string: {_FIX}')
     arguments = obj.get("arguments", {})
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass
+        parsed, problem = _json(arguments)
+        if not problem:
+            arguments = parsed
+        elif not problem.startswith("not JSON ("):  # a string that is JSON, but one refused: say so
+            return ToolCall(obj["name"], error=f'the "arguments" of {obj["name"]} are {problem}: {_FIX}')
     if not isinstance(arguments, dict):
         return ToolCall(obj["name"], error=f'the "arguments" of {obj["name"]} must be a JSON object: {_FIX}')
     return ToolCall(obj["name"], arguments)

@@ -78,7 +78,10 @@ def validate_arguments(tool: Tool, arguments: Any) -> None:
     """Raise ToolCallError (one line, for the model) when `arguments` does not match `tool`'s schema."""
     if not isinstance(arguments, dict):
         raise ToolCallError(f"the arguments of {tool.name} must be a JSON object, got {type(arguments).__name__}")
-    error = jsonschema.exceptions.best_match(_validator_class(tool.parameters)(tool.parameters).iter_errors(arguments))
+    try:
+        error = jsonschema.exceptions.best_match(_validator_class(tool.parameters)(tool.parameters).iter_errors(arguments))
+    except RecursionError:  # arguments nested past the interpreter's stack
+        raise ToolCallError(f"the arguments of {tool.name} are nested too deeply: give a flat JSON object") from None
     if error is not None:
         where = "/".join(map(str, error.absolute_path))
         raise ToolCallError(f"the arguments of {tool.name} do not match its schema{f' at {where}' if where else ''}: {error.message}")

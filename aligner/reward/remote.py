@@ -13,36 +13,62 @@ OpenRLHF's ``serve_rm`` does):
     answer    {"rewards": [float, ...]}                                 B finite numbers, in request order
     error     {"error": "..."} with status 400 (malformed), 401 (token), 404, 411, 413 (too large), 500
 
-The client sends ``Authorization: Bearer <token>`` when a token is set (``reward.token``, else the
-environment variable ``ALIGNER_RM_TOKEN``).
+The client sends ``Authorization: Bearer <token>`` when a token is set (``reward.token`` from a config
+file, ``reward.token_file``, else the environment variable ``ALIGNER_RM_TOKEN``; never the command
+line), to ``reward.url`` only: redirects are not followed, and a token over plain ``http://`` to a
+host that is not this machine is refused unless ``reward.allow_plain_http_token``. Each request has
+one deadline (``reward.timeout_s``: connect, send and the whole answer) and its answer a size cap
+(``reward.max_response_bytes``).
 
 Failures never become zeros: an answer of the wrong length, with a non-number or a non-finite number,
 or that is not JSON counts as a failed try, as do connection errors, timeouts and statuses 5xx, 408
 and 429; they are retried ``max_retries`` times with exponential backoff (``backoff_s``, doubling),
-then :class:`RemoteRewardError` names the URL, the tries and the last failure. A 4xx answer (bad
-request, wrong token, too large) is not retried: it cannot succeed unchanged.
+then :class:`RemoteRewardError` names the URL, the tries and the last failure. An answer cut short of
+its Content-Length is retried too. A 4xx answer (bad request, wrong token, too large), a 3xx and an
+oversized answer are not retried: they cannot succeed unchanged.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import os
 import socket
+import ssl
+import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
+from urllib.parse import urlsplit
 
 import torch
 
-from aligner.config.roles import reward_url_problem
+from aligner.config.roles import plain_http_token_problem, reward_url_problem
 from aligner.errors import UserError
 from aligner.reward.streaming import StreamedResponses
 
 TOKEN_ENV = "ALIGNER_RM_TOKEN"  # the shared token's environment variable (client and server)
 RETRIED_STATUSES = (408, 429)  # 4xx statuses worth retrying (with every 5xx)
+DEFAULT_MAX_RESPONSE_BYTES = 8 * 2**20  # an answer's body (B rewards take about 25 bytes each)
+
+
+def resolve_token(token: str = "", token_file: str = "") -> str:
+    """The shared token: `token` (a config file's reward.token), else the first line of `token_file`
+    (reward.token_file), else the environment variable ALIGNER_RM_TOKEN, else "" (none sent).
+    ValueError when `token_file` cannot be read or is empty."""
+    if token:
+        return token
+    if token_file:
+        try:
+            with open(token_file, encoding="utf-8") as f:
+                text = f.readline().strip()
+        except OSError as e:
+            raise ValueError(f"reward.token_file={token_file!r} cannot be read ({e.strerror}): give a file holding the token") from None
+        if not text:
+            raise ValueError(f"reward.token_file={token_file!r} is empty: write the token on its first line")
+        return text
+    return os.environ.get(TOKEN_ENV, "")
 
 
 class RemoteRewardError(UserError):
@@ -90,13 +116,21 @@ class RemoteReward:
 
     Args:
         url: the endpoint, ``http(s)://host[:port]/path`` (ValueError for a malformed one).
-        token: the shared token; "" reads the environment variable ``ALIGNER_RM_TOKEN`` ("" there too: none sent).
-        timeout_s: seconds each HTTP request may take (connect, send and answer).
+        token: the shared token; "" reads the environment variable ``ALIGNER_RM_TOKEN`` ("" there too: none sent);
+            :func:`resolve_token` reads reward.token_file.
+        timeout_s: seconds each HTTP request may take in all (connect, send and the whole answer): a deadline
+            per request, not per socket read, so a server that drips its answer is cut at it.
         max_retries: further tries after a failed one (0: a single try).
         backoff_s: seconds before the first retry; each later retry waits twice the one before.
         batch_size: samples per request; a larger batch is sent as several requests.
         max_concurrency: requests in flight at once (a thread each).
+        max_response_bytes: the largest answer body read; a larger one (declared or sent) is a failed try, not retried.
+        allow_plain_http_token: send the token over plain ``http://`` to a host that is not this machine
+            (ValueError without it: the token would travel in clear text).
         sleep: the backoff's sleep (tests measure it).
+
+    Redirects are never followed: a 3xx answer is a failed try, not retried, naming the URL and its
+    Location, so the token is sent to ``url`` only.
 
     :meth:`score` blocks; :meth:`submit` returns a Future so the caller overlaps the calls with other work.
     """
@@ -110,19 +144,24 @@ class RemoteReward:
         backoff_s: float = 1.0,
         batch_size: int = 64,
         max_concurrency: int = 4,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+        allow_plain_http_token: bool = False,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         problem = reward_url_problem(url)
         if problem:
             raise ValueError(f"reward.url={url!r} is invalid: {problem}")
-        if timeout_s <= 0 or max_retries < 0 or backoff_s < 0 or batch_size < 1 or max_concurrency < 1:
+        if timeout_s <= 0 or max_retries < 0 or backoff_s < 0 or batch_size < 1 or max_concurrency < 1 or max_response_bytes < 1:
             raise ValueError(
                 f"RemoteReward: timeout_s={timeout_s} must be > 0, max_retries={max_retries} and backoff_s={backoff_s} >= 0, "
-                f"batch_size={batch_size} and max_concurrency={max_concurrency} >= 1"
+                f"batch_size={batch_size}, max_concurrency={max_concurrency} and max_response_bytes={max_response_bytes} >= 1"
             )
         self.url, self.timeout_s, self.max_retries, self.backoff_s = url, float(timeout_s), int(max_retries), float(backoff_s)
-        self.batch_size, self.sleep = int(batch_size), sleep
-        self.token = token or os.environ.get(TOKEN_ENV, "")
+        self.batch_size, self.sleep, self.max_response_bytes = int(batch_size), sleep, int(max_response_bytes)
+        self.token = token or resolve_token()
+        problem = plain_http_token_problem(url, bool(self.token), allow_plain_http_token)
+        if problem:
+            raise ValueError(problem)
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="remote-reward")
 
     # ---- public -------------------------------------------------------------------------
@@ -206,28 +245,83 @@ class RemoteReward:
 
     # ---- one HTTP request ---------------------------------------------------------------------
     def _send(self, data: bytes) -> bytes:
-        """POST `data`; the answer's body on status 200, else _Failure (retry or not, by status)."""
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        """POST `data` to ``url`` within one deadline (``timeout_s``); the answer's body on status 200,
+        at most ``max_response_bytes``; else _Failure, retried or not by its cause (a 3xx, a 4xx other
+        than 408 / 429 and an oversized answer are not retried)."""
+        parts = urlsplit(self.url)
+        headers = {"Content-Type": "application/json", "Accept": "application/json", "Content-Length": str(len(data))}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        req = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
+        if parts.scheme == "https":
+            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                parts.hostname, parts.port, timeout=self.timeout_s, context=ssl.create_default_context()
+            )
+        else:
+            conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.timeout_s)
+        expired = threading.Event()
+
+        def cut() -> None:  # the deadline: end every blocked read or write of this request
+            expired.set()
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        timer = threading.Timer(self.timeout_s, cut)
+        timer.daemon = True
+        timer.start()
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return resp.read()
-        except urllib.error.HTTPError as e:
-            detail = _error_text(e)
-            retry = e.code >= 500 or e.code in RETRIED_STATUSES
-            hint = {401: " (set reward.token or ALIGNER_RM_TOKEN to the server's token)", 413: " (lower reward.batch_size)"}.get(e.code, "")
-            raise _Failure(f"HTTP {e.code}: {detail}{hint}", retry) from None
-        except TimeoutError:
-            raise _Failure(f"no answer within reward.timeout_s={self.timeout_s:g} s", True) from None
-        except urllib.error.URLError as e:
-            reason = e.reason
-            if isinstance(reason, (socket.timeout, TimeoutError)):
-                raise _Failure(f"no answer within reward.timeout_s={self.timeout_s:g} s", True) from None
-            raise _Failure(f"cannot connect ({one_line(reason)})", True) from None
-        except (ConnectionError, OSError, ValueError) as e:  # reset mid-answer, a bad status line
+            conn.request("POST", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""), body=data, headers=headers)
+            resp = conn.getresponse()
+            if 300 <= resp.status < 400:
+                raise _Failure(
+                    f"HTTP {resp.status}: a redirect to {resp.getheader('Location', '(no Location)')} refused (the token is sent "
+                    f"to reward.url only): set reward.url to the endpoint itself",
+                    False,
+                )
+            body = self._read(resp)
+            if resp.status != 200:
+                retry = resp.status >= 500 or resp.status in RETRIED_STATUSES
+                hint = {401: " (set ALIGNER_RM_TOKEN or reward.token_file to the server's token)", 413: " (lower reward.batch_size)"}
+                raise _Failure(f"HTTP {resp.status}: {_error_text(body, resp.reason)}{hint.get(resp.status, '')}", retry)
+            return body
+        except _Failure:
+            raise
+        except (OSError, http.client.HTTPException, ValueError) as e:  # refused, reset, timed out, cut, truncated, a bad status line
+            if expired.is_set() or isinstance(e, (socket.timeout, TimeoutError)):
+                raise _Failure(f"no whole answer within reward.timeout_s={self.timeout_s:g} s", True) from None
+            if isinstance(e, http.client.IncompleteRead):
+                got = len(e.partial)
+                raise _Failure(f"the answer was cut short ({got} of {got + (e.expected or 0)} bytes announced)", True) from None
+            if isinstance(e, ConnectionRefusedError) or isinstance(e, socket.gaierror):
+                raise _Failure(f"cannot connect ({one_line(e)})", True) from None
             raise _Failure(f"the connection failed ({e.__class__.__name__}: {one_line(e)})", True) from None
+        finally:
+            timer.cancel()
+            conn.close()
+
+    def _read(self, resp: http.client.HTTPResponse) -> bytes:
+        """The answer's body, at most ``max_response_bytes`` (declared or read): _Failure, not retried, past it."""
+        cap = self.max_response_bytes
+        declared = resp.getheader("Content-Length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > cap:
+            raise _Failure(
+                f"the answer declares {int(declared)} bytes, over reward.max_response_bytes={cap}: a scoring answer is small", False
+            )
+        chunks, n = [], 0
+        while n <= cap:
+            chunk = resp.read(min(65536, cap + 1 - n))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            n += len(chunk)
+        if n > cap:
+            raise _Failure(f"the answer is over reward.max_response_bytes={cap} bytes: a scoring answer is small", False)
+        if declared is not None and declared.strip().isdigit() and n < int(declared):
+            raise http.client.IncompleteRead(b"".join(chunks), int(declared) - n)
+        return b"".join(chunks)
 
 
 class StreamedScores(StreamedResponses):
@@ -300,16 +394,12 @@ def parse_rewards_or_fail(body: bytes, expected: int) -> list[float]:
         raise _Failure(f"invalid answer: {e}", True) from None
 
 
-def _error_text(e: urllib.error.HTTPError) -> str:
-    """The server's "error" message of an HTTP error, else its body's start, else the status reason."""
-    try:
-        body = e.read()
-    except OSError:
-        body = b""
+def _error_text(body: bytes, reason: str) -> str:
+    """The server's "error" message of an error answer, else its body's start, else the status reason."""
     try:
         obj = json.loads(body.decode("utf-8"))
         if isinstance(obj, dict) and "error" in obj:
             return one_line(obj["error"])
     except (UnicodeDecodeError, json.JSONDecodeError):
         pass
-    return one_line(body.decode("utf-8", "replace")[:200]) or str(e.reason)
+    return one_line(body.decode("utf-8", "replace")[:200]) or str(reason)

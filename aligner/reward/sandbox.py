@@ -32,27 +32,36 @@ for one run):
   every mount is remounted read-only in the sandbox's mount namespace (the host's mounts are
   untouched) and a fresh tmpfs of ``tmpfs_bytes`` is mounted on /tmp, holding the working
   directory (``/tmp/sandbox``, also HOME and TMPDIR): the only writable place, bounded in total,
-  and the host's /tmp (Ray's sockets, other runs' files) is hidden. Processes: the program is not
-  pid 1 of its pid namespace, so all its descendants die with the namespace's init, those that
-  left the process group (setsid) too. The program then runs as ``uid``/``gid`` (default 65534,
-  ``nobody``) with no supplementary groups, which puts RLIMIT_NPROC (``max_processes``) in force
-  (the kernel does not apply it to root): a fork bomb gets EAGAIN once the uid has that many
-  processes and threads. It counts every process of ``uid`` on the host: concurrent sandboxes
-  with the same ``uid`` share the budget (give each concurrent scorer its own ``uid``).
-- Without root, where unprivileged user namespaces are allowed: new user, network, pid and IPC
-  namespaces (no network; descendants die with init; RLIMIT_NPROC counts the processes of the new
-  user namespace only). No mount isolation: the program can write wherever the scorer's user can,
-  and its working directory is a host temporary directory.
+  and the host's /tmp (Ray's sockets, other runs' files) is hidden. Processes: init mounts a new
+  /proc for the pid namespace, so the host's processes, their command lines and environments are
+  out of sight; the program is not pid 1 of its pid namespace, so all its descendants die with
+  the namespace's init, those that left the process group (setsid) too. The program then runs as
+  ``uid``/``gid`` (default 65534, ``nobody``) with no supplementary groups, which puts
+  RLIMIT_NPROC (``max_processes``) in force (the kernel does not apply it to root): a fork bomb
+  gets EAGAIN once the uid has that many processes and threads. It counts every process of
+  ``uid`` on the host: concurrent sandboxes with the same ``uid`` share the budget (give each
+  concurrent scorer its own ``uid``).
+- Without root, where unprivileged user namespaces are allowed: new user, mount, network, pid and
+  IPC namespaces, and the same files and processes as root: the host read-only (the kernel locks
+  the read-only flag of mounts handed to a less privileged user namespace, so the program cannot
+  undo it), a private /tmp holding the working directory, a new /proc (or, where the kernel
+  refuses a proc mount in a user namespace, an empty read-only /proc), no network, descendants
+  dying with init; the program keeps the scorer's uid, and RLIMIT_NPROC counts the processes of the
+  new user namespace only. Where the user namespace's mounts fail, there is no filesystem isolation.
 - Without root and without user namespaces: only the "Always" list, and RLIMIT_NPROC set to
   ``max_processes`` above the user's process count at launch. The network is open, the host is
-  writable as the scorer's user, and a descendant that calls setsid() outlives the timeout: run
-  the scorer in a container there.
+  writable as the scorer's user, and a descendant that calls setsid() outlives the timeout.
+
+Without filesystem isolation a run is refused (RuntimeError naming the cause and the fix) unless
+``SandboxLimits.allow_unisolated`` is set (the code reward: ``ALIGNER_SANDBOX_UNISOLATED=1``); run
+the scorer in a container there. The program's interpreter must be one its uid can execute inside
+the sandbox (:func:`program_python`), else the run is refused the same way.
 
 Not enforced anywhere: reading world-readable host files (the repository, the interpreter's
 site-packages) and connecting to Unix sockets bound on the host filesystem outside /tmp whose
 mode lets the program's user write them; system calls are not filtered (no seccomp filter).
 Measured on the development machine (Linux 6.18, Python 3.11): as root, every item of the root
-list; as an unprivileged user, the user-namespace list (RLIMIT_NPROC per namespace included).
+list; as an unprivileged user, every item of the user-namespace list (tests/reward/test_sandbox.py).
 """
 
 from __future__ import annotations
@@ -95,9 +104,14 @@ class SandboxLimits:
         threads of ``uid`` (RLIMIT_NPROC; the launcher and init count too). max_open_files:
         RLIMIT_NOFILE. tmpfs_bytes: size of the private /tmp holding the working directory (mount
         namespace only). uid / gid: the unprivileged ids the program runs as when the scorer is
-        root. python: the interpreter that runs the program; None: this process's interpreter when
-        ``uid`` can execute it (every directory on its real path searchable by others), else the
-        first such of /usr/bin/python3, /usr/local/bin/python3 (:func:`program_python`).
+        root. python: the interpreter that runs the program; None: the first of this process's
+        interpreter, its resolved path, /usr/bin/python3 and /usr/local/bin/python3 that the program's
+        uid can execute inside the sandbox (:func:`program_python`, :func:`reach_problem`).
+        allow_unisolated: run even where the host gives no filesystem isolation (no root and no user
+        namespace, or the user namespace's mounts fail): the program can then write wherever the
+        scorer's user can; False (the default): such a run is refused with RuntimeError.
+        response_s: wall-clock seconds for all the tests of one response (:func:`pass_fraction`):
+        each test gets ``min(wall_s, what is left)``, and a response that runs out scores 0.0.
     """
 
     cpu_s: int = 4
@@ -110,12 +124,16 @@ class SandboxLimits:
     uid: int = 65534
     gid: int = 65534
     python: Optional[str] = None
+    allow_unisolated: bool = False
+    response_s: float = 30.0
 
     def __post_init__(self):
         for name in ("cpu_s", "memory_bytes", "file_bytes", "max_processes", "max_open_files", "tmpfs_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"SandboxLimits.{name}={v!r}: give a positive integer")
+        if not self.response_s > 0:
+            raise ValueError(f"SandboxLimits.response_s={self.response_s!r}: give a positive number of seconds")
         if not self.wall_s > 0:
             raise ValueError(f"SandboxLimits.wall_s={self.wall_s!r}: give a positive number of seconds")
         if self.max_processes < 3:
@@ -151,34 +169,92 @@ class SandboxResult:
         return self.returncode == 0 and self.killed_by is None
 
 
-def _others_can_run(path: str) -> bool:
-    real = os.path.realpath(path)
-    if not os.path.isfile(real) or not os.stat(real).st_mode & 0o001:
-        return False
-    d = os.path.dirname(real)
-    while True:
-        if not os.stat(d).st_mode & 0o001:
-            return False
-        if d == os.path.dirname(d):
-            return True
-        d = os.path.dirname(d)
+HIDDEN_DIRS = ("/tmp",)  # replaced by the sandbox's private tmpfs: an interpreter under them is out of the program's reach
+
+
+def _allows(st: os.stat_result, uid: int, gid: int, bit: int) -> bool:
+    """Whether `uid` / `gid` (no supplementary groups, as the program runs) has permission `bit`
+    (4 read, 2 write, 1 execute or search) on a file of status `st` (mode bits; ACLs are not read)."""
+    if uid == 0:
+        return bit != 1 or bool(st.st_mode & 0o111) or (st.st_mode & 0o170000) == 0o040000
+    if st.st_uid == uid:
+        return bool(st.st_mode & (bit << 6))
+    if st.st_gid == gid:
+        return bool(st.st_mode & (bit << 3))
+    return bool(st.st_mode & bit)
+
+
+def reach_problem(path: str, uid: int, gid: int, hidden: Sequence[str] = HIDDEN_DIRS, read_dirs: Sequence[str] = ()) -> str:
+    """What stops `uid` / `gid` from executing `path` inside the sandbox ("" when nothing): a directory on
+    its path or on its resolved path (symlinks followed) that the uid cannot enter, a file it cannot
+    execute, a path under one of `hidden` (the sandbox mounts its own /tmp there), or one of `read_dirs`
+    (the interpreter's standard library) it cannot list and enter. A static check of mode bits; the
+    launcher checks again as the program's uid before it executes the interpreter."""
+    for p in dict.fromkeys([os.path.abspath(path), os.path.realpath(path), *read_dirs, *map(os.path.realpath, read_dirs)]):
+        for h in hidden:
+            if p == h or p.startswith(h.rstrip("/") + "/"):
+                return f"{p} is under {h}, which the sandbox replaces by its own empty {h}"
+        d = "/"
+        for comp in [c for c in p.split("/") if c][:-1]:
+            d = os.path.join(d, comp)
+            try:
+                st = os.stat(d)
+            except OSError as e:
+                return f"{d}: {e.strerror}"
+            if not _allows(st, uid, gid, 1):
+                return f"uid {uid} cannot enter {d} (mode {st.st_mode & 0o777:o}, owner uid {st.st_uid})"
+    for d in read_dirs:
+        st = os.stat(d)
+        if not (_allows(st, uid, gid, 1) and _allows(st, uid, gid, 4)):
+            return f"uid {uid} cannot read {d} (mode {st.st_mode & 0o777:o}, owner uid {st.st_uid})"
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return f"{path}: {e.strerror}"
+    if (st.st_mode & 0o170000) != 0o100000 or not _allows(st, uid, gid, 1):
+        return f"uid {uid} cannot execute {os.path.realpath(path)} (mode {st.st_mode & 0o777:o})"
+    return ""
+
+
+def program_ids(limits: SandboxLimits) -> tuple[int, int]:
+    """(uid, gid) the program runs as: ``limits.uid`` / ``limits.gid`` when the scorer is root, else the scorer's own."""
+    return (limits.uid, limits.gid) if os.geteuid() == 0 else (os.getuid(), os.getgid())
 
 
 def program_python(limits: SandboxLimits) -> str:
-    """The interpreter the program runs with: ``limits.python`` when set; else ``sys.executable``
-    when the scorer is not root (no uid change) or others can execute it; else /usr/bin/python3 or
-    /usr/local/bin/python3 (the stdlib only then: the scorer's site-packages are not on its path).
-    RuntimeError when none can be run by ``limits.uid``."""
+    """The interpreter the program runs with, one the program's uid (:func:`program_ids`) can execute
+    inside the sandbox (:func:`reach_problem`): ``limits.python`` when set; else the first that passes
+    of this process's interpreter (with its standard library readable), its resolved path, and
+    /usr/bin/python3, /usr/local/bin/python3 (the standard library only then: the scorer's
+    site-packages are not on the program's path). RuntimeError, one line naming the path, what
+    blocks it and the fix, when none passes."""
+    uid, gid = program_ids(limits)
     if limits.python:
+        problem = reach_problem(limits.python, uid, gid, hidden=())
+        if problem:
+            raise RuntimeError(
+                f"sandbox: the interpreter SandboxLimits.python={limits.python} cannot run as the program's uid {uid}: {problem}: "
+                "give an interpreter outside private directories (e.g. /usr/bin/python3) or make its directories searchable (chmod o+x)"
+            )
         return limits.python
-    if os.geteuid() != 0:
-        return sys.executable
-    for cand in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        if cand and os.path.exists(cand) and _others_can_run(cand):
+    stdlib = os.path.dirname(os.__file__)
+    tried = []
+    for cand, reads in (
+        (sys.executable, (stdlib,)),
+        (os.path.realpath(sys.executable), (stdlib,)),
+        ("/usr/bin/python3", ()),
+        ("/usr/local/bin/python3", ()),
+    ):
+        if not cand or not os.path.exists(cand) or any(cand == t for t, _ in tried):
+            continue
+        problem = reach_problem(cand, uid, gid, read_dirs=reads)
+        if not problem:
             return cand
+        tried.append((cand, problem))
     raise RuntimeError(
-        f"sandbox: no Python interpreter that uid {limits.uid} can execute ({sys.executable} resolves to "
-        f"{os.path.realpath(sys.executable)}, not searchable by others): set SandboxLimits.python"
+        f"sandbox: no Python interpreter that the program's uid {uid} can execute inside the sandbox ("
+        + "; ".join(f"{c}: {p}" for c, p in tried)
+        + "): install a system python3 (/usr/bin/python3), or set SandboxLimits.python to one outside private and /tmp directories"
     )
 
 
@@ -249,15 +325,29 @@ def _read(path: str, limit: int) -> str:
         return f.read(limit).decode("utf-8", errors="replace")
 
 
+_NO_MOUNT = False  # set once the mounts of a user namespace failed here (then only allow_unisolated runs go on)
+
+
 def run_program(source: str, stdin: str = "", limits: Optional[SandboxLimits] = None) -> SandboxResult:
     """Run the Python program `source` on `stdin` in the sandbox (module docstring) and return what it did.
 
     A program that loops, forks or allocates without bound is stopped by its limit and reported in
-    ``killed_by``; nothing the program does raises here. Raises RuntimeError when the sandbox
-    itself cannot be set up (the launcher fails, e.g. ``limits.python`` cannot be executed by
-    ``limits.uid`` or the mounts fail): an error of the host, not of the program.
+    ``killed_by``; nothing the program does raises here. Raises RuntimeError (one line) when the
+    sandbox itself cannot be set up: no interpreter the program's uid can run
+    (:func:`program_python`), no filesystem isolation on this host and ``limits.allow_unisolated``
+    false, or the mounts fail: an error of the host, not of the program.
     """
+    global _NO_MOUNT
     limits = limits or SandboxLimits()
+    res = _run_once(source, stdin, limits)
+    if res is None:  # a user namespace's mounts failed and the caller allows a run without them
+        _NO_MOUNT = True
+        res = _run_once(source, stdin, limits)
+    assert res is not None
+    return res
+
+
+def _run_once(source: str, stdin: str, limits: SandboxLimits) -> Optional[SandboxResult]:
     host = tempfile.mkdtemp(prefix="aligner-sandbox-")
     try:
         work = os.path.join(host, "work")
@@ -267,7 +357,7 @@ def run_program(source: str, stdin: str = "", limits: Optional[SandboxLimits] = 
         with open(os.path.join(host, "stdin"), "w", encoding="utf-8") as f:
             f.write(stdin)
         cfg = dataclasses.asdict(limits)
-        cfg.update(host=host, work=work, python=program_python(limits))
+        cfg.update(host=host, work=work, python=program_python(limits), no_mount=_NO_MOUNT, require_fs=not limits.allow_unisolated)
         r, w = os.pipe()  # the launcher's and init's reports: "enforced ...", "exit STATUS CPU_S", "error ..."
         os.set_blocking(r, False)
         t0 = time.monotonic()
@@ -311,6 +401,8 @@ def run_program(source: str, stdin: str = "", limits: Optional[SandboxLimits] = 
         stderr = _read(os.path.join(host, "stderr"), limits.file_bytes)
         if "error" in info:
             raise RuntimeError(f"sandbox: the launcher could not set up the run: {info['error']}")
+        if "retry" in info and not _NO_MOUNT:
+            return None
         if "enforced" not in info and not timed_out:
             raise RuntimeError(f"sandbox: the launcher ended (status {proc.returncode}) before the program started: {stderr[-2000:]}")
         status = cpu = None
@@ -345,7 +437,7 @@ def isolation() -> tuple[str, ...]:
     RuntimeError as :func:`run_program` when the sandbox cannot run a program at all."""
     global _ISOLATION
     if _ISOLATION is None:
-        res = run_program("print('ok')", "", SandboxLimits(cpu_s=5, wall_s=30.0))
+        res = run_program("print('ok')", "", SandboxLimits(cpu_s=5, wall_s=30.0, allow_unisolated=True))
         if res.stdout.strip() != "ok":
             raise RuntimeError(
                 f"sandbox: a trivial program failed (status {res.returncode}, {res.killed_by or 'no limit hit'}): "
@@ -387,6 +479,29 @@ def _mount(libc, source: bytes, target: bytes, fstype: Optional[bytes], flags: i
         raise OSError(err, f"mount {target.decode()}: {os.strerror(err)}")
 
 
+def _isolate_files(libc, cfg: dict, root: bool) -> str:
+    """In the launcher's new mount namespace: every mount read-only, a private tmpfs on /tmp holding the
+    working directory (returned). As root, or as the owner of a new user namespace (the kernel keeps
+    the read-only flag locked for the program there)."""
+    _mount(libc, None, b"/", None, MS_REC | MS_PRIVATE, None)
+    _remount_read_only()
+    opts = f"size={cfg['tmpfs_bytes']},mode=1777".encode()
+    _mount(libc, b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, opts)
+    os.mkdir(SANDBOX_DIR, 0o700)
+    if root:
+        os.chown(SANDBOX_DIR, cfg["uid"], cfg["gid"])
+    return SANDBOX_DIR
+
+
+def _fresh_proc(libc) -> None:
+    """In init, pid 1 of the new pid namespace: a new /proc showing only the namespace's processes (the
+    host's command lines and environments out of sight); where the kernel refuses a proc mount (a user
+    namespace under a /proc with masked paths), an empty read-only tmpfs over /proc instead."""
+    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+    if libc.mount(b"proc", b"/proc", b"proc", flags, None) != 0:
+        _mount(libc, b"tmpfs", b"/proc", b"tmpfs", flags | MS_RDONLY, b"size=4k,mode=555")
+
+
 def _launch(cfg: dict, status_fd: int) -> None:
     def say(key: str, value: str = "") -> None:
         os.write(status_fd, f"{key} {value}\n".encode())
@@ -395,28 +510,45 @@ def _launch(cfg: dict, status_fd: int) -> None:
     root = os.geteuid() == 0
     enforced: list[str] = []
     work = cfg["work"]
+    no_fs = ""  # why there is no filesystem isolation, when there is none
     try:
         with open(os.path.join(cfg["host"], "main.py"), "rb") as f:
             source = f.read()
-        if root and libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS) == 0:
-            enforced += ["network", "pid"]
-            _mount(libc, None, b"/", None, MS_REC | MS_PRIVATE, None)
-            _remount_read_only()
-            opts = f"size={cfg['tmpfs_bytes']},mode=1777".encode()
-            _mount(libc, b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, opts)
-            work = SANDBOX_DIR
-            os.mkdir(work, 0o700)
-            os.chown(work, cfg["uid"], cfg["gid"])
-            enforced.append("filesystem")
-        elif not root:
+        if root:
+            if libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS) == 0:
+                enforced += ["network", "pid"]
+                work = _isolate_files(libc, cfg, root)
+                enforced.append("filesystem")
+            else:
+                no_fs = f"unshare: {os.strerror(ctypes.get_errno())}"
+        else:
             uid, gid = os.getuid(), os.getgid()
-            if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC) == 0:
+            mount_ns = 0 if cfg["no_mount"] else CLONE_NEWNS
+            if libc.unshare(CLONE_NEWUSER | mount_ns | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC) == 0:
                 for name, text in (("uid_map", f"{uid} {uid} 1"), ("setgroups", "deny"), ("gid_map", f"{gid} {gid} 1")):
                     with open(f"/proc/self/{name}", "w") as f:
                         f.write(text)
                 enforced += ["network", "pid"]  # RLIMIT_NPROC then counts the processes of this user namespace
+                if mount_ns:
+                    try:
+                        work = _isolate_files(libc, cfg, root)
+                        enforced.append("filesystem")
+                    except OSError as e:
+                        if not cfg["require_fs"]:  # half-made mounts: the parent launches again without a mount namespace
+                            say("retry", "no_mount")
+                            os._exit(5)
+                        no_fs = f"the mounts of a user namespace failed: {e}"
+                else:
+                    no_fs = "the mounts of a user namespace failed on an earlier run"
             else:  # RLIMIT_NPROC counts all the user's processes: leave room for those running now
+                no_fs = f"no root, and no user namespace ({os.strerror(ctypes.get_errno())})"
                 cfg["max_processes"] += sum(1 for p in os.listdir("/proc") if p.isdigit() and _owner(p) == uid)
+        if cfg["require_fs"] and "filesystem" not in enforced:
+            raise OSError(
+                f"no filesystem isolation for the program on this host ({no_fs}): run the scorer as root, or where unprivileged "
+                "user namespaces are allowed (sysctl kernel.unprivileged_userns_clone=1, a container), or opt in to running "
+                "without it (SandboxLimits.allow_unisolated=True; ALIGNER_SANDBOX_UNISOLATED=1 for reward.rule=code_tests)"
+            )
         main = os.path.join(work, "main.py")
         with open(main, "wb") as f:
             f.write(source)
@@ -436,17 +568,9 @@ def _launch(cfg: dict, status_fd: int) -> None:
             if hard != resource.RLIM_INFINITY and not root:
                 value = (min(value[0], hard), min(value[1], hard))
             resource.setrlimit(lim, value)
-        if root:
-            os.setgroups([])
-            os.setgid(cfg["gid"])
-            os.setuid(cfg["uid"])
-            enforced.append("uid")
-        if os.geteuid() != 0:
-            enforced.append("nproc")
     except (OSError, ValueError) as e:
         say("error", f"{e} (as uid {os.geteuid()})".replace("\n", " "))
         os._exit(3)
-    say("enforced", " ".join(enforced))
     env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
            "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # fmt: skip
     # the launcher reaps what its program leaves (a subreaper), so no zombie is left to the host's pid 1
@@ -465,8 +589,27 @@ def _launch(cfg: dict, status_fd: int) -> None:
         os.setpgid(0, 0)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
+        try:  # inside the pid namespace: its own /proc; then the program's uid (which cannot mount)
+            if "filesystem" in enforced and "pid" in enforced:
+                _fresh_proc(libc)
+                enforced.append("proc")
+            if root:
+                os.setgroups([])
+                os.setgid(cfg["gid"])
+                os.setuid(cfg["uid"])
+                enforced.append("uid")
+            if os.geteuid() != 0:
+                enforced.append("nproc")
+        except OSError as e:
+            say("error", f"{e} (as uid {os.geteuid()})".replace("\n", " "))
+            os._exit(3)
+        say("enforced", " ".join(enforced))
         prog = os.fork()
         if prog == 0:
+            if not os.access(cfg["python"], os.X_OK):  # as the program's uid, in the sandbox's view of the files
+                say("error", f"uid {os.getuid()} cannot execute {cfg['python']} inside the sandbox: set SandboxLimits.python "
+                             "to an interpreter outside private and /tmp directories (e.g. /usr/bin/python3)")  # fmt: skip
+                os._exit(127)
             os.close(status_fd)
             for sig in (signal.SIGPIPE, signal.SIGXFSZ):
                 signal.signal(sig, signal.SIG_DFL)
@@ -562,33 +705,58 @@ def pass_fraction(source: str, inputs: Sequence[str], outputs: Sequence[str], li
     """The fraction of tests (stdin -> expected stdout) that `source` passes, run one at a time in
     :func:`run_program`; a test passes when the program exits 0, hits no limit and prints the
     expected output (:func:`same_output`). A run that hits a limit scores the whole program 0.0 and
-    stops the remaining tests (a looping program costs one ``wall_s``, not one per test)."""
-    passed = 0
+    stops the remaining tests (a looping program costs one ``wall_s``, not one per test), and all
+    the tests together get ``limits.response_s`` seconds of wall clock (a program slow on every test
+    costs one budget, not one ``wall_s`` per test)."""
+    limits = limits or CODE_LIMITS
+    passed, deadline = 0, time.monotonic() + limits.response_s
     for stdin, expected in zip(inputs, outputs):
-        res = run_program(source, stdin, limits or CODE_LIMITS)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return 0.0
+        res = run_program(source, stdin, limits if left >= limits.wall_s else dataclasses.replace(limits, wall_s=left))
         if res.killed_by is not None:
             return 0.0
         passed += res.ok and same_output(res.stdout, expected)
     return passed / len(inputs)
 
 
-_warned = False
+UNISOLATED_ENV = "ALIGNER_SANDBOX_UNISOLATED"  # "1": the code reward runs where the host gives no filesystem isolation
 
 
-def code_tests_reward(prompt: str, response: str, metadata: dict) -> float:
-    """Rule "code_tests": the fraction of the row's tests the response's program passes, in [0, 1].
+def code_limits() -> SandboxLimits:
+    """The limits the rule runs each test under: :data:`CODE_LIMITS`, with ``allow_unisolated`` set when
+    the environment variable ``ALIGNER_SANDBOX_UNISOLATED`` is "1" (the user's explicit opt-in; Ray's
+    workers and ``serve_rm`` inherit it from the shell that starts them)."""
+    if os.environ.get(UNISOLATED_ENV, "") == "1":
+        return dataclasses.replace(CODE_LIMITS, allow_unisolated=True)
+    return CODE_LIMITS
 
-    metadata["tests"]: {"inputs": [str], "outputs": [str]} (stdin and expected stdout per test,
-    the APPS / TACO / verl prime_code layout; a JSON string of it is accepted). The program is
-    :func:`extract_code` of the response, run under :data:`CODE_LIMITS`; 0.0 when any test hits a
-    limit. Warns once on the "aligner.reward" logger when this host cannot isolate network and
-    filesystem. ValueError for a row without valid tests (:func:`check_rows` finds these first).
-    """
-    global _warned
-    ins, outs = _tests(metadata)
-    if not _warned:
-        _warned = True
-        missing = [x for x in ("network", "pid", "filesystem", "uid", "nproc") if x not in isolation()]
+
+_checked = False
+
+
+def preflight() -> tuple[str, ...]:
+    """Check once per process, before any response is scored, that the code reward can run here: an
+    interpreter the program's uid can execute (:func:`program_python`) and filesystem isolation, unless
+    opted out (:func:`code_limits`). Returns :func:`isolation`; ValueError, one line naming the cause
+    and the fix, otherwise. Warns once on the "aligner.reward" logger about any isolation missing."""
+    global _checked
+    limits = code_limits()
+    try:
+        program_python(limits)
+        got = isolation()
+    except RuntimeError as e:
+        raise ValueError(f"reward.rule=code_tests: {e}") from None
+    if "filesystem" not in got and not limits.allow_unisolated:
+        raise ValueError(
+            "reward.rule=code_tests: this host gives the candidate programs no filesystem isolation (enforced: "
+            f"{', '.join(got) or 'rlimits only'}): run the scorer as root or where unprivileged user namespaces are allowed "
+            f"(a container), or opt in to writable-host runs with {UNISOLATED_ENV}=1"
+        )
+    if not _checked:
+        _checked = True
+        missing = [x for x in ("network", "pid", "filesystem", "proc", "uid", "nproc") if x not in got]
         if missing:
             import logging
 
@@ -597,13 +765,30 @@ def code_tests_reward(prompt: str, response: str, metadata: dict) -> float:
                 "(needs root or user namespaces; see aligner/reward/sandbox.py): run the scorer in a container",
                 ", ".join(missing),
             )
-    return pass_fraction(extract_code(response), ins, outs)
+    return got
+
+
+def code_tests_reward(prompt: str, response: str, metadata: dict) -> float:
+    """Rule "code_tests": the fraction of the row's tests the response's program passes, in [0, 1].
+
+    metadata["tests"]: {"inputs": [str], "outputs": [str]} (stdin and expected stdout per test,
+    the APPS / TACO / verl prime_code layout; a JSON string of it is accepted). The program is
+    :func:`extract_code` of the response, run under :func:`code_limits` (all its tests within
+    ``response_s``); 0.0 when any test hits a limit. ValueError for a row without valid tests
+    (:func:`check_rows` finds these first) and, on the first call, when :func:`preflight` fails.
+    """
+    ins, outs = _tests(metadata)
+    if not _checked:
+        preflight()
+    return pass_fraction(extract_code(response), ins, outs, code_limits())
 
 
 def check_rows(examples: Sequence[dict]) -> None:
-    """Each example's ({"metadata", "source"}) tests are valid; ValueError "file:line: ..." at the first bad one."""
+    """Each example's ({"metadata", "source"}) tests are valid; ValueError "file:line: ..." at the first
+    bad one; then :func:`preflight` (ValueError when the code reward cannot run on this host)."""
     for e in examples:
         _tests(dict(e.get("metadata") or {}), str(e.get("source", "?")))
+    preflight()
 
 
 RULES: dict[str, Any] = {"code_tests": code_tests_reward}

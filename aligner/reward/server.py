@@ -9,11 +9,19 @@ The doors it opens, and how each is bounded:
 - it binds 127.0.0.1 unless a host is given;
 - with a token set, a scoring request without ``Authorization: Bearer <token>`` gets 401 (compared
   in constant time);
+- a bind to an address other than loopback without a token is refused (``allow_no_token`` to
+  serve a trusted network without one);
 - a request body over ``max_request_bytes`` (or without Content-Length) gets 413 (411) unread, a
-  batch over ``max_batch`` samples gets 413, a sequence over the model's ``max_seq_len`` 400;
+  Content-Length that is not a decimal count of bytes 400; a batch over ``max_batch`` samples gets
+  413 after a scan that counts the samples without building them (:func:`count_samples`), before
+  the body is parsed; a sequence over the model's ``max_seq_len`` 400;
 - a malformed request (not JSON, wrong fields or types) gets 400 with what is wrong, a scorer that
   fails gets 500 with its error: the handler catches everything, so the server keeps serving;
-- a client that stalls mid-request is dropped after ``read_timeout_s``.
+- every request must arrive whole (request line, headers and body, and the wait for it on a
+  kept-alive connection) within ``request_timeout_s``, a deadline per request, not per read: a
+  client that sends slowly is dropped at it; a stalled single read is dropped after ``read_timeout_s``;
+- at most ``max_connections`` connections are served at once (a thread each); one more is answered
+  503 at once and closed.
 
 Requests are served on threads (``ThreadingHTTPServer``); a model scorer runs one batch at a time.
 """
@@ -24,13 +32,16 @@ import hmac
 import json
 import logging
 import math
+import socket
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional, Protocol
 
 import torch
 
+from aligner.config.roles import is_loopback
 from aligner.reward import rules
 
 log = logging.getLogger("aligner.serve_rm")
@@ -39,6 +50,80 @@ SCORE_PATHS = ("/score", "/get_reward")
 DEFAULT_MAX_BATCH = 256  # samples per request
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # bytes of one request body (16 MiB)
 DRAIN_FACTOR = 8  # a refused body up to this many times max_request_bytes is read and dropped before the reply
+DEFAULT_MAX_CONNECTIONS = 64  # connections served at once
+DEFAULT_REQUEST_TIMEOUT_S = 60.0  # seconds for one whole request to arrive
+BATCH_KEYS = ("responses", "prompts", "query")  # the per-sample lists whose length is the batch
+_WS = " \t\n\r"
+
+
+def count_samples(text: str, limit: int) -> int:
+    """The longest of the body's top-level lists "responses", "prompts" and "query", counted by a scan
+    that decodes one element at a time (nothing of the body is kept) and stops past `limit`; 0 when the
+    body is not a JSON object (the parse then says what is wrong). ValueError for malformed JSON met on
+    the way, RecursionError for nesting past the interpreter's stack."""
+    dec = json.JSONDecoder()
+    i = _skip_ws(text, 0)
+    if i >= len(text) or text[i] != "{":
+        return 0
+    longest, i = 0, _skip_ws(text, i + 1)
+    if i < len(text) and text[i] == "}":
+        return 0
+    while True:
+        key, i = dec.raw_decode(text, i)
+        i = _skip_ws(text, i)
+        if i >= len(text) or text[i] != ":":
+            raise ValueError(f"expected ':' at char {i}")
+        i = _skip_ws(text, i + 1)
+        if key in BATCH_KEYS and i < len(text) and text[i] == "[":
+            n, i = _skip(text, i, dec, limit)
+            longest = max(longest, n)
+            if longest > limit:
+                return longest
+        else:
+            _, i = _skip(text, i, dec, None)
+        i = _skip_ws(text, i)
+        if i < len(text) and text[i] == ",":
+            i = _skip_ws(text, i + 1)
+            continue
+        if i < len(text) and text[i] == "}":
+            return longest
+        raise ValueError(f"expected ',' or '}}' at char {i}")
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WS:
+        i += 1
+    return i
+
+
+def _skip(text: str, i: int, dec: json.JSONDecoder, limit) -> tuple[int, int]:
+    """(elements, end) of the JSON value at `i`, containers walked element by element; an array stops
+    being counted (and is left) past `limit` elements when one is given."""
+    if i < len(text) and text[i] in "[{":
+        close, n = "]" if text[i] == "[" else "}", 0
+        i = _skip_ws(text, i + 1)
+        if i < len(text) and text[i] == close:
+            return 0, i + 1
+        while True:
+            if close == "}":
+                _, i = dec.raw_decode(text, i)
+                i = _skip_ws(text, i)
+                if i >= len(text) or text[i] != ":":
+                    raise ValueError(f"expected ':' at char {i}")
+                i = _skip_ws(text, i + 1)
+            _, i = _skip(text, i, dec, None)
+            n += 1
+            if limit is not None and n > limit:
+                return n, i
+            i = _skip_ws(text, i)
+            if i < len(text) and text[i] == ",":
+                i = _skip_ws(text, i + 1)
+                continue
+            if i < len(text) and text[i] == close:
+                return n, i + 1
+            raise ValueError(f"expected ',' or '{close}' at char {i}")
+    _, end = dec.raw_decode(text, i)
+    return 1, end
 
 
 @dataclass
@@ -206,15 +291,54 @@ def _has_tokenizer(path) -> bool:
     return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
 
 
+class Deadlines:
+    """One watchdog thread for every request's deadline: :meth:`add` a key with its time and what to call
+    then, :meth:`remove` it when done; expired keys are called within ``tick_s``."""
+
+    def __init__(self, tick_s: float = 0.05) -> None:
+        self.tick_s = tick_s
+        self._items: dict[int, tuple[float, Any]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="serve-rm-deadlines", daemon=True)
+        self._thread.start()
+
+    def add(self, key: int, at: float, fn) -> None:
+        with self._lock:
+            self._items[key] = (at, fn)
+
+    def remove(self, key: int) -> None:
+        with self._lock:
+            self._items.pop(key, None)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            now = time.monotonic()
+            with self._lock:
+                due = [k for k, (at, _) in self._items.items() if at <= now]
+                fns = [self._items.pop(k)[1] for k in due]
+            for fn in fns:
+                fn()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1.0)
+
+
 class RewardHTTPServer(ThreadingHTTPServer):
     """A threading HTTP server of one :class:`Scorer`, with its bounds (see the module docstring).
 
     Args:
         scorer: what scores a batch.
         host / port: where to listen (port 0: a free port, read back from ``server_address``).
-        token: the shared token ("" = none required).
+        token: the shared token ("" = none required; then `host` must be loopback unless allow_no_token).
         max_batch: samples per request; max_request_bytes: bytes per request body.
-        read_timeout_s: seconds a client may take to send its request.
+        read_timeout_s: seconds one read of the request may stall.
+        request_timeout_s: seconds a whole request may take to arrive (a deadline per request).
+        max_connections: connections served at once (a thread each); more get 503.
+        allow_no_token: serve a host other than loopback without a token.
+
+    ValueError for a bind off loopback without a token (unless allowed) or a bad bound.
     """
 
     daemon_threads = True
@@ -229,10 +353,56 @@ class RewardHTTPServer(ThreadingHTTPServer):
         max_batch: int = DEFAULT_MAX_BATCH,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         read_timeout_s: float = 30.0,
+        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        allow_no_token: bool = False,
     ) -> None:
+        if not token and not allow_no_token and not is_loopback(host):
+            raise ValueError(
+                f"host={host} serves every machine that can reach this one, and no token is set: set ALIGNER_RM_TOKEN "
+                "(or token_file=PATH), or allow_no_token=1 on a network you trust"
+            )
+        if request_timeout_s <= 0 or read_timeout_s <= 0 or max_connections < 1:
+            raise ValueError(
+                f"request_timeout_s={request_timeout_s} and read_timeout_s={read_timeout_s} must be > 0, max_connections={max_connections} >= 1"
+            )
         self.scorer, self.token, self.max_batch, self.max_request_bytes = scorer, token, max_batch, max_request_bytes
-        self.read_timeout_s = read_timeout_s
+        self.read_timeout_s, self.request_timeout_s = read_timeout_s, request_timeout_s
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
         super().__init__((host, port), _Handler)
+        self.deadlines = Deadlines()
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.deadlines.close()
+
+    def process_request(self, request, client_address) -> None:
+        """A thread for the connection when one of ``max_connections`` slots is free; else 503 and close, at once."""
+        if not self._slots.acquire(blocking=False):
+            body = json.dumps({"error": f"this server serves {self.max_connections} connections at once: retry later"}).encode()
+            try:
+                request.settimeout(0.5)
+                request.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     @property
     def url(self) -> str:
@@ -247,11 +417,32 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "aligner-serve-rm"
 
     def setup(self) -> None:
-        self.timeout = self.server.read_timeout_s  # a stalled client is dropped (socket timeout)
+        self.timeout = self.server.read_timeout_s  # a stalled read is dropped (socket timeout)
         super().setup()
 
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 - BaseHTTPRequestHandler's signature
-        log.debug("%s %s", self.address_string(), format % args)
+    def handle_one_request(self) -> None:
+        """One request, which must arrive whole within the server's request_timeout_s (the wait for it
+        included): at the deadline the connection is shut, ending any read still blocked."""
+        expired = threading.Event()
+
+        def cut() -> None:
+            expired.set()
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+        self.server.deadlines.add(id(self), time.monotonic() + self.server.request_timeout_s, cut)
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.deadlines.remove(id(self))
+            if expired.is_set():
+                self.close_connection = True
+
+    def _arrived(self) -> None:
+        """The request is read: its deadline no longer applies (scoring may take longer)."""
+        self.server.deadlines.remove(id(self))
 
     def _reply(self, status: int, obj: dict, close: bool = False) -> None:
         body = json.dumps(obj, allow_nan=False).encode("utf-8")
@@ -302,6 +493,10 @@ class _Handler(BaseHTTPRequestHandler):
             return
         length = self.headers.get("Content-Length")
         n_bytes = int(length) if length is not None and length.strip().isdigit() else None
+        if length is not None and n_bytes is None:
+            self._arrived()
+            self._reply(400, {"error": f"Content-Length {length[:40]!r} is not a count of bytes (a decimal integer)"}, close=True)
+            return
         if s.token:
             given = self.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode("utf-8"), f"Bearer {s.token}".encode()):
@@ -321,14 +516,28 @@ class _Handler(BaseHTTPRequestHandler):
                 close=True,
             )
             return
-        raw = self.rfile.read(int(length))
+        raw = self.rfile.read(n_bytes)
+        if len(raw) < n_bytes:  # the client closed (or the deadline shut the connection) before the whole body
+            self.close_connection = True
+            return
+        self._arrived()
         try:
-            req = parse_request(json.loads(raw.decode("utf-8")), s.max_batch)
+            text = raw.decode("utf-8")
+            del raw
+            n = count_samples(text, s.max_batch)  # before the parse: a huge batch is never built
+            if n > s.max_batch:
+                raise BatchTooLarge(
+                    f"more than {s.max_batch} samples exceed this server's max_batch={s.max_batch}: send smaller batches (reward.batch_size)"
+                )
+            req = parse_request(json.loads(text), s.max_batch)
         except BatchTooLarge as e:
             self._reply(413, {"error": str(e)})
             return
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             self._reply(400, {"error": f"the body is not JSON: {e}"})
+            return
+        except RecursionError:
+            self._reply(400, {"error": "the body is nested too deeply"})
             return
         except ValueError as e:
             self._reply(400, {"error": str(e)})

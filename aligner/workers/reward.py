@@ -14,7 +14,7 @@ from aligner.config import AlignerConfig
 from aligner.config.roles import RewardRoleConfig
 from aligner.parallel.dims import ParallelDims
 from aligner.reward.judge import Judge
-from aligner.reward.remote import RemoteReward
+from aligner.reward.remote import RemoteReward, resolve_token
 from aligner.reward.reward_model import RewardModel
 from aligner.reward.streaming import StreamedResponses
 from aligner.workers.dispatch import dispatch
@@ -185,12 +185,14 @@ def remote_reward_client(rc: RewardRoleConfig) -> RemoteReward:
     ``reward.stream``, each engine replica's lead worker hold one)."""
     return RemoteReward(
         rc.url,
-        token=rc.token,
+        token=resolve_token(rc.token, rc.token_file),
         timeout_s=rc.timeout_s,
         max_retries=rc.max_retries,
         backoff_s=rc.backoff_s,
         batch_size=rc.batch_size,
         max_concurrency=rc.max_concurrency,
+        max_response_bytes=rc.max_response_bytes,
+        allow_plain_http_token=rc.allow_plain_http_token,
     )
 
 

@@ -168,3 +168,39 @@ def test_tool_instructions_teach_the_format_and_list_the_specs():
     text = tool_instructions([get_tool("calculator")])
     assert json.dumps(get_tool("calculator").spec()) in text
     assert "<tool_call>" in text and "</tool_call>" in text and "<tool_response>" in text
+
+
+@pytest.mark.parametrize("depth", [40, 100_000])
+def test_deeply_nested_json_is_answered_with_an_error_never_raised(depth):
+    """A call nested past MAX_CALL_DEPTH, or past the interpreter's stack (RecursionError in json),
+    whether the call itself or its arguments string, comes back to the model as an error."""
+    from aligner.envs.tool_env import MAX_CALL_DEPTH
+
+    nested = "[" * depth + "]" * depth
+    turns = [
+        f'<tool_call>{{"name": "calculator", "arguments": {{"expression": {nested}}}}}</tool_call>',
+        '<tool_call>{"name": "calculator", "arguments": ' + json.dumps('{"expression": "1", "x": ' + nested + "}") + "}</tool_call>",
+        "<tool_call>" + nested + "</tool_call>",
+    ]
+    for turn in turns:
+        env = tool_env()
+        env.reset("p", {})
+        result = env.step(turn)
+        (text,) = result.messages[0].content.split("</tool_response>")[:-1]
+        assert "error: " in text and ("nested deeper than" in text or "RecursionError" in text), text
+        assert result.info == {"tool_calls": 1, "tool_errors": 1} and not result.done
+    assert MAX_CALL_DEPTH < 40
+
+
+def test_deeply_nested_arguments_given_directly_to_a_tool_are_a_call_error():
+    from aligner.errors import ToolCallError
+
+    deep: dict = {}
+    cur = deep
+    for _ in range(50_000):
+        cur["a"] = {}
+        cur = cur["a"]
+    schema = {"type": "object", "properties": {"a": {"$ref": "#"}}}
+    tool = make_tool("deep", "d", schema, lambda **kw: "ok")
+    with pytest.raises(ToolCallError, match="nested too deeply"):
+        tool.call(deep)

@@ -11,10 +11,14 @@ user namespaces); the limits that need nothing of the host are tested everywhere
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +33,7 @@ from tests.toolkit.paths import REPO  # noqa: E402
 
 TIGHT = S.SandboxLimits(cpu_s=1, wall_s=2.0, memory_bytes=256 << 20, file_bytes=1 << 20, max_processes=8)
 MARGIN_S = 2.5  # launch, kill and reap on a loaded 2-core machine
+ROOMY = dataclasses.replace(TIGHT, wall_s=30.0)  # where the wall limit is not the point: a busy machine starts slowly
 
 ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
 TESTS = {"inputs": ["1 2\n", "10 20\n", "-5 5\n"], "outputs": ["3\n", "30", "0\n\n"]}
@@ -59,16 +64,16 @@ def sandbox_uid() -> int:
 
 
 def test_correct_program_passes_every_test():
-    res = S.run_program(ADD, "2 40\n", TIGHT)
+    res = S.run_program(ADD, "2 40\n", ROOMY)
     assert res.ok and res.stdout == "42\n" and res.killed_by is None
-    assert S.pass_fraction(ADD, TESTS["inputs"], TESTS["outputs"], TIGHT) == 1.0
+    assert S.pass_fraction(ADD, TESTS["inputs"], TESTS["outputs"], ROOMY) == 1.0
 
 
 def test_wrong_program_scores_the_fraction_it_passes():
     wrong = "a, b = map(int, input().split())\nprint(a + b if a > 0 else 99)\n"  # fails only the -5 5 test
-    assert S.pass_fraction(wrong, TESTS["inputs"], TESTS["outputs"], TIGHT) == pytest.approx(2 / 3)
-    assert S.pass_fraction("print(7)", TESTS["inputs"], TESTS["outputs"], TIGHT) == 0.0
-    crash = S.run_program("raise SystemExit(3)", "", TIGHT)
+    assert S.pass_fraction(wrong, TESTS["inputs"], TESTS["outputs"], ROOMY) == pytest.approx(2 / 3)
+    assert S.pass_fraction("print(7)", TESTS["inputs"], TESTS["outputs"], ROOMY) == 0.0
+    crash = S.run_program("raise SystemExit(3)", "", ROOMY)
     assert crash.returncode == 3 and not crash.ok and crash.killed_by is None
 
 
@@ -90,9 +95,10 @@ def test_output_comparison_ignores_trailing_whitespace_only():
 
 
 def test_infinite_loop_is_killed_at_the_cpu_limit():
-    res = S.run_program("while True:\n    pass\n", "", TIGHT)
+    # the wall limit far above the CPU limit: on a busy machine the loop gets less than one core
+    res = S.run_program("while True:\n    pass\n", "", ROOMY)
     assert res.killed_by == "cpu" and res.returncode in (-signal.SIGXCPU, -signal.SIGKILL)
-    assert res.wall_s < TIGHT.cpu_s + 1 + MARGIN_S
+    assert 0.9 * TIGHT.cpu_s <= res.cpu_s <= TIGHT.cpu_s + 1.5 and res.wall_s < ROOMY.wall_s  # CPU time is counted in ticks
     assert S.pass_fraction("while True:\n    pass\n", TESTS["inputs"], TESTS["outputs"], TIGHT) == 0.0
 
 
@@ -106,16 +112,16 @@ def test_sleeping_program_is_killed_at_the_wall_limit_and_stops_the_remaining_te
 
 
 def test_memory_bomb_is_refused_at_the_memory_limit():
-    res = S.run_program("chunks = []\nwhile True:\n    chunks.append(bytearray(16 << 20))\n", "", TIGHT)
+    res = S.run_program("chunks = []\nwhile True:\n    chunks.append(bytearray(16 << 20))\n", "", ROOMY)
     assert res.killed_by == "memory" and res.returncode != 0, res.stderr[-300:]
-    res = S.run_program("x = bytearray(1 << 30)\n", "", TIGHT)  # 1 GiB at once, over 256 MiB
+    res = S.run_program("x = bytearray(1 << 30)\n", "", ROOMY)  # 1 GiB at once, over 256 MiB
     assert res.killed_by == "memory"
 
 
 def test_oversized_file_and_output_are_cut_at_the_file_size_limit():
-    res = S.run_program("open('big', 'wb').write(b'0' * (4 << 20))\n", "", TIGHT)
+    res = S.run_program("open('big', 'wb').write(b'0' * (4 << 20))\n", "", ROOMY)
     assert res.killed_by == "fsize" and "File too large" in res.stderr
-    res = S.run_program("import sys\nwhile True:\n    sys.stdout.write('y' * 65536)\n", "", TIGHT)
+    res = S.run_program("import sys\nwhile True:\n    sys.stdout.write('y' * 65536)\n", "", ROOMY)
     assert res.killed_by == "fsize" and len(res.stdout) <= TIGHT.file_bytes
 
 
@@ -157,10 +163,13 @@ def test_writes_outside_the_working_directory_fail(tmp_path):
         "open('inside.txt', 'w').write('fine')\n"
         "print(open('inside.txt').read(), os.getcwd())\n"
     )
-    res = S.run_program(prog, "", TIGHT)
+    res = S.run_program(prog, "", ROOMY)
     assert res.ok, res.stderr
     listing, *refused, last = res.stdout.splitlines()
-    assert f"{in_repo} refused 30" in refused  # EROFS: the host's mounts are read-only in the sandbox
+    assert "/var/tmp/sandbox_escape refused 30" in refused  # EROFS: the host's mounts are read-only in the sandbox
+    assert "/dev/shm/sandbox_escape refused 30" in refused
+    if not str(REPO).startswith("/tmp/"):  # a clone under /tmp is hidden by the private /tmp, not refused
+        assert f"{in_repo} refused 30" in refused
     assert listing == "['sandbox']"  # the host's /tmp (this test's tmp_path included) is hidden
     assert last.split() == ["fine", S.SANDBOX_DIR]  # its own directory is writable
     # written nowhere on the host: tmp_path's file went to the private /tmp, the rest was refused
@@ -196,7 +205,7 @@ def test_parent_secret_is_not_visible(monkeypatch):
         "except OSError as e:\n"
         "    print('denied', e.errno)\n"
     )
-    res = S.run_program(prog, "", TIGHT)
+    res = S.run_program(prog, "", ROOMY)
     assert res.ok, res.stderr
     assert "hunter2" not in res.stdout and "ALIGNER_TEST_SECRET" not in res.stdout
     assert "PYTHONPATH" not in res.stdout
@@ -252,23 +261,118 @@ def test_bad_limits_are_refused():
         S.SandboxLimits(max_processes=2)
 
 
+def public_copy_of_the_sandbox() -> str:
+    """A directory every uid can enter holding a copy of sandbox.py: the clone's own directory may be
+    private (a checkout under ``mktemp -d`` or a 0700 home), which another uid cannot read."""
+    d = tempfile.mkdtemp(prefix="aligner-sandbox-src-", dir="/tmp")
+    os.chmod(d, 0o755)
+    shutil.copy(S.__file__, os.path.join(d, "sandbox.py"))
+    os.chmod(os.path.join(d, "sandbox.py"), 0o644)
+    return d
+
+
+# --- the interpreter: one the program's uid can run, or a one-line refusal ---
+
+
+def private_python(tmp_path: Path, kind: str) -> Path:
+    """An interpreter inside a directory only its owner (root) can enter, as a venv in a 0700 home or a
+    clone under ``mktemp -d`` is: a symlink to /usr/bin/python3 (a venv's bin/python) or a copy."""
+    home = tmp_path / "private-home"
+    home.mkdir(mode=0o700)
+    os.chmod(home, 0o700)
+    py = home / "python3"
+    if kind == "symlink":
+        py.symlink_to(os.path.realpath("/usr/bin/python3"))
+    else:
+        shutil.copy2(os.path.realpath("/usr/bin/python3"), py)
+    return py
+
+
+@pytest.mark.parametrize("kind", ["symlink", "copy"])
+def test_interpreter_in_a_private_directory_is_replaced_by_one_the_program_can_run(tmp_path, monkeypatch, kind):
+    if os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK):
+        pytest.skip("needs root (the program then runs as another uid) and /usr/bin/python3")
+    py = private_python(tmp_path, kind)
+    monkeypatch.setattr(sys, "executable", str(py))  # as if the scorer ran from a venv in a private directory
+    chosen = S.program_python(TIGHT)
+    assert chosen != str(py) and S.reach_problem(chosen, TIGHT.uid, TIGHT.gid) == ""
+    assert "cannot enter" in S.reach_problem(str(py), TIGHT.uid, TIGHT.gid, hidden=())
+    res = S.run_program(ADD, "2 40\n", ROOMY)
+    assert res.ok and res.stdout == "42\n", res.stderr
+
+
+def test_interpreter_the_program_cannot_run_is_refused_in_one_line(tmp_path):
+    if os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK):
+        pytest.skip("needs root (the program then runs as another uid) and /usr/bin/python3")
+    py = private_python(tmp_path, "symlink")
+    with pytest.raises(RuntimeError) as e:
+        S.run_program(ADD, "1 1\n", dataclasses.replace(TIGHT, python=str(py)))
+    msg = str(e.value)
+    assert "\n" not in msg and str(py) in msg and "cannot enter" in msg and "chmod o+x" in msg
+    # a path the static check cannot see through (hidden by the private /tmp): the launcher refuses it as the program's uid
+    if "filesystem" in S.isolation():
+        public = tempfile.mkdtemp(prefix="aligner-sandbox-py-", dir="/tmp")
+        try:
+            os.chmod(public, 0o755)
+            hidden = os.path.join(public, "python3")
+            os.symlink(os.path.realpath("/usr/bin/python3"), hidden)
+            assert S.reach_problem(hidden, TIGHT.uid, TIGHT.gid, hidden=()) == ""  # reachable on the host, not in the sandbox
+            with pytest.raises(RuntimeError, match=f"cannot execute {hidden} inside the sandbox"):
+                S.run_program(ADD, "1 1\n", dataclasses.replace(ROOMY, python=hidden))
+        finally:
+            shutil.rmtree(public, ignore_errors=True)
+
+
+def test_no_reachable_interpreter_is_refused_naming_each_candidate(tmp_path, monkeypatch):
+    py = private_python(tmp_path, "copy")
+    monkeypatch.setattr(sys, "executable", str(py))
+    monkeypatch.setattr(S, "reach_problem", lambda path, uid, gid, hidden=S.HIDDEN_DIRS, read_dirs=(): f"blocked {path}")
+    with pytest.raises(RuntimeError) as e:
+        S.program_python(TIGHT)
+    msg = str(e.value)
+    assert "\n" not in msg and f"{py}: blocked {py}" in msg and "/usr/bin/python3" in msg and "SandboxLimits.python" in msg
+
+
 UNPRIVILEGED_SCORER = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import sandbox as S
-port = int(sys.argv[2])
-L = S.SandboxLimits(cpu_s=1, wall_s=2.0, memory_bytes=256 << 20, max_processes=8)
+port, writable, secret_pid = int(sys.argv[2]), sys.argv[3], sys.argv[4]
+tag = writable.rstrip("/").rsplit("/", 1)[1] + "-x"  # a fresh name: nothing of an earlier run is mistaken for an escape
+L = S.SandboxLimits(cpu_s=1, wall_s=5.0, memory_bytes=256 << 20, max_processes=8)
 sock = S.run_program("import socket; socket.create_connection(('127.0.0.1', %d), timeout=1)" % port, "", L)
 escape = S.run_program("import os, time\\nif os.fork() == 0:\\n    os.setsid()\\n    time.sleep(30)\\n", "", L)
 bomb = S.run_program("import os, time\\nwhile True:\\n    try: os.fork()\\n    except OSError: time.sleep(0.05)\\n", "", L)
-print(json.dumps({"enforced": sock.enforced, "sock": sock.stderr[-200:], "escape": escape.returncode, "bomb": bomb.killed_by}))
+probe = (
+    "import os\\n"
+    "for p in [%r, '/var/tmp/%s', '/dev/shm/%s']:\\n"
+    "    try:\\n"
+    "        open(p, 'w').write('x'); print(p, 'written')\\n"
+    "    except OSError as e:\\n"
+    "        print(p, 'refused', e.errno)\\n"
+    "print('host-proc', os.path.exists('/proc/%s'))\\n"
+    "print('tmp', sorted(os.listdir('/tmp')))\\n"
+) % (writable + "/escape", tag, tag, secret_pid)
+files = S.run_program(probe, "", L)
+S._NO_MOUNT = True  # as after a failed mount in a user namespace: no filesystem isolation
+try:
+    S.run_program("print(1)", "", L)
+    refused = ""
+except RuntimeError as e:
+    refused = str(e)
+opted = S.run_program("print(1)", "", S.SandboxLimits(allow_unisolated=True, wall_s=5.0))
+print(json.dumps({"enforced": sock.enforced, "sock": sock.stderr[-200:], "escape": escape.returncode, "bomb": bomb.killed_by,
+                  "files": files.stdout, "files_err": files.stderr[-300:], "refused": refused,
+                  "opted": [opted.stdout, opted.enforced]}))
 """
 
 
-def test_unprivileged_scorer_gets_network_pid_and_nproc_isolation():
-    """The scorer's user-namespace path (no root), run from this root test as an unused uid."""
+def test_unprivileged_scorer_gets_network_pid_files_proc_and_nproc_isolation():
+    """The scorer's user-namespace path (no root), run from this root test as an unused uid: no network,
+    its own pid namespace and /proc, a read-only host (a directory the uid may write on the host
+    included) with a private /tmp, RLIMIT_NPROC; without filesystem isolation a run is refused
+    unless allowed."""
     import json
-    import subprocess
 
     if os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK):
         pytest.skip("needs root (to start the scorer as another uid) and /usr/bin/python3")
@@ -279,9 +383,13 @@ def test_unprivileged_scorer_gets_network_pid_and_nproc_isolation():
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
     srv.settimeout(0.2)
+    public = public_copy_of_the_sandbox()
+    writable = tempfile.mkdtemp(prefix="aligner-sandbox-home-", dir="/var/tmp")  # as the scorer's home: its own, writable
+    os.chown(writable, uid, uid)
+    secret = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--token=hunter2"])
     try:
         r = subprocess.run(
-            ["/usr/bin/python3", "-I", "-c", UNPRIVILEGED_SCORER, str(REPO / "aligner" / "reward"), str(srv.getsockname()[1])],
+            ["/usr/bin/python3", "-I", "-c", UNPRIVILEGED_SCORER, public, str(srv.getsockname()[1]), writable, str(secret.pid)],
             user=uid,
             group=uid,
             extra_groups=[],
@@ -289,18 +397,77 @@ def test_unprivileged_scorer_gets_network_pid_and_nproc_isolation():
             cwd="/",
             capture_output=True,
             text=True,
-            timeout=30,
+            timeout=60,
         )
         assert r.returncode == 0, r.stderr[-2000:]
         out = json.loads(r.stdout)
         if "network" not in out["enforced"]:
             pytest.skip(f"unprivileged user namespaces are off here (enforced: {out['enforced']})")
-        assert set(out["enforced"]) == {"network", "pid", "nproc"}
+        assert set(out["enforced"]) == {"network", "pid", "filesystem", "proc", "nproc"}, out
         assert "Network is unreachable" in out["sock"]
         with pytest.raises(socket.timeout):
             srv.accept()
         assert out["escape"] == 0 and out["bomb"] == "wall"
+        lines = out["files"].splitlines()
+        assert f"{writable}/escape refused 30" in lines, out  # EROFS, though the uid owns it on the host
+        tag = os.path.basename(writable) + "-x"
+        assert f"/var/tmp/{tag} refused 30" in lines and f"/dev/shm/{tag} refused 30" in lines
+        assert "host-proc False" in lines  # another process of the host is not in the sandbox's /proc
+        assert "tmp ['sandbox']" in lines
+        assert os.listdir(writable) == [] and not os.path.exists(f"/dev/shm/{tag}")
+        assert "no filesystem isolation" in out["refused"] and "allow_unisolated" in out["refused"] and "\n" not in out["refused"]
+        assert out["opted"][0] == "1\n" and "filesystem" not in out["opted"][1]
         time.sleep(0.2)
         assert procs_of(uid) == 0  # the child that left the group and the bomb are gone
     finally:
         srv.close()
+        secret.kill()
+        secret.wait()
+        shutil.rmtree(public, ignore_errors=True)
+        shutil.rmtree(writable, ignore_errors=True)
+
+
+def test_host_processes_and_their_command_lines_are_out_of_sight():
+    need("pid")  # a pid namespace: its own /proc goes with it
+    secret = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--token=hunter2"])
+    try:
+        prog = (
+            "import os\n"
+            "pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+            "seen = []\n"
+            "for p in pids:\n"
+            "    try:\n"
+            "        seen.append(open(f'/proc/{p}/cmdline', 'rb').read())\n"
+            "    except OSError:\n"
+            "        pass\n"
+            f"print(len(pids), any(b'hunter2' in c for c in seen), os.path.exists('/proc/{secret.pid}'))\n"
+        )
+        res = S.run_program(prog, "", ROOMY)
+        assert res.ok, res.stderr
+        n, leaked, visible = res.stdout.split()
+        assert leaked == "False" and visible == "False" and int(n) <= 3  # init and the program (and a fork)
+    finally:
+        secret.kill()
+        secret.wait()
+
+
+def test_all_tests_of_a_response_share_one_time_budget():
+    slow = "import time\ntime.sleep(1.5)\nprint(0)\n"
+    limits = dataclasses.replace(TIGHT, wall_s=4.0, response_s=2.5)
+    t0 = time.monotonic()
+    assert S.pass_fraction(slow, ["", "", ""], ["0", "0", "0"], limits) == 0.0  # the budget ends within the second test
+    assert time.monotonic() - t0 < limits.response_s + MARGIN_S  # not 3 x 1.5 s
+    assert S.pass_fraction(slow, [""], ["0"], dataclasses.replace(limits, response_s=20.0)) == 1.0
+    with pytest.raises(ValueError, match="response_s"):
+        S.SandboxLimits(response_s=0)
+
+
+def test_code_reward_refuses_a_host_without_filesystem_isolation_unless_opted_in(monkeypatch):
+    monkeypatch.setattr(S, "isolation", lambda: ("network", "pid", "nproc"))
+    monkeypatch.delenv(S.UNISOLATED_ENV, raising=False)
+    with pytest.raises(ValueError) as e:
+        check_rule_rows("code_tests", [{"metadata": {"tests": TESTS}, "source": "a:1"}])
+    assert "no filesystem isolation" in str(e.value) and f"{S.UNISOLATED_ENV}=1" in str(e.value) and "\n" not in str(e.value)
+    monkeypatch.setenv(S.UNISOLATED_ENV, "1")
+    check_rule_rows("code_tests", [{"metadata": {"tests": TESTS}, "source": "a:1"}])
+    assert S.code_limits().allow_unisolated

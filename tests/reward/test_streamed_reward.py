@@ -13,6 +13,7 @@ other rows still decode (:class:`aligner.reward.remote.StreamedScores`), and the
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -230,7 +231,13 @@ def test_streamed_judge_verdicts_equal_the_whole_batch_judged_at_once():
     from aligner.workers.reward import StreamedJudge
 
     judge = Judge(TorchEngine(engine_model(seed=2)), Tok(), "{prompt}={response}", max_new_tokens=3, max_score=9, max_seq_len=48)
-    judge.tok.encode = lambda text, add_special_tokens=False: [1 + (ord(c) % 90) for c in text]
+    # a character per token, the rubric's delimiter tags one token each (the engine's context is 48 tokens)
+    tags = {"<prompt>": 91, "</prompt>": 92, "<response>": 93, "</response>": 94}
+    judge.tok.encode = lambda text, add_special_tokens=False: [
+        tags[part] if part in tags else 1 + (ord(c) % 90)
+        for part in re.split(r"(</?(?:prompt|response)>)", text)
+        for c in (part if part not in tags else "_")
+    ]
     judge.tok.apply_chat_template = lambda msgs, tokenize=False, add_generation_prompt=True: msgs[0]["content"]
     calls: list = []
     judges = [LocalJudge(judge, calls), LocalJudge(judge, calls)]
