@@ -1,12 +1,14 @@
 """The CPU instruction set aligner's own CPU fast paths may assume, and the cap that lowers it.
 
-Three settings cap what the CPU paths use, each its own layer's (docs/hardware.md, "Running as
+Four settings cap what the CPU paths use, each its own layer's (docs/hardware.md, "Running as
 another CPU"):
 
 - ``ATEN_CPU_CAPABILITY`` (torch: ``default``, ``avx2``, ``avx512``): the vectorized ATen kernels
   torch dispatches to, and inductor's vector ISA; ``torch.backends.cpu.get_cpu_capability()`` reports it.
 - ``ONEDNN_MAX_CPU_ISA`` (oneDNN: ``AVX2``, ``AVX512_CORE``, ``AVX512_CORE_BF16``, ``ALL``, ...):
   oneDNN's kernels; under ``AVX2`` its bf16 linears refuse to run, as on a real AVX2-only CPU.
+- ``MKL_ENABLE_INSTRUCTIONS`` (MKL: ``AVX2``, ``AVX512``, ...): MKL's GEMMs on Intel CPUs (on AMD
+  CPUs MKL runs its AVX2 code already).
 - ``ALIGNER_CPU_ISA`` (:data:`ISA_ENV`: ``default``, ``avx2``, ``avx512``; unset or ``native``: no
   cap): aligner's own decisions, :func:`cpu_isa` being the lower of it and torch's capability: the
   ``-march`` its C kernels are compiled with (:func:`march_flags`), whether oneDNN's bf16 linears may
@@ -14,7 +16,7 @@ another CPU"):
   and measured choices (:func:`isa_signature`), so a build or a choice made for AVX-512 is never
   reused under an AVX2 cap.
 
-Setting all three to the AVX2 level makes an AVX-512 machine choose, compile and round as an
+Setting all four to the AVX2 level makes an AVX-512 machine choose, compile and round as an
 AVX2-only CPU (Haswell, Zen 1-3, most laptops) would.
 """
 
@@ -88,7 +90,9 @@ def onednn_bf16_allowed() -> bool:
 
 
 def isa_signature() -> str:
-    """What the CPU paths may use here, for the keys of per-machine caches: "isa avx2 cap avx2 onednn AVX2"
-    (aligner's :func:`cpu_isa`, its cap, and oneDNN's ``ONEDNN_MAX_CPU_ISA`` / ``DNNL_MAX_CPU_ISA``)."""
+    """What the CPU paths may use here, for the keys of per-machine caches: "isa avx2 cap avx2 onednn AVX2
+    mkl AVX2" (aligner's :func:`cpu_isa`, its cap, oneDNN's ``ONEDNN_MAX_CPU_ISA`` / ``DNNL_MAX_CPU_ISA``
+    and MKL's ``MKL_ENABLE_INSTRUCTIONS``)."""
     onednn = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "all"
-    return f"isa {cpu_isa()} cap {isa_cap() or 'none'} onednn {onednn.upper()}"
+    mkl = os.environ.get("MKL_ENABLE_INSTRUCTIONS") or "all"
+    return f"isa {cpu_isa()} cap {isa_cap() or 'none'} onednn {onednn.upper()} mkl {mkl.upper()}"

@@ -25,4 +25,4 @@ def engine_model(seed: int = 1):
 
 # the environment that makes this machine choose, compile and round as an AVX2-only CPU would
 # (docs/hardware.md, "Running as another CPU"): torch's kernels, oneDNN's, and aligner's own decisions
-AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ALIGNER_CPU_ISA": "avx2"}
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ALIGNER_CPU_ISA": "avx2"}
