@@ -94,6 +94,8 @@ def test_an_isa_cap_is_its_own_entry_and_a_kernel_that_raises_is_no_candidate(mo
     from aligner.rollout import cpu_tuning
     from aligner.rollout.cpu_tuning import cached_cpu_layout, choose_cpu_layout
 
+    for name in ("ALIGNER_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):  # uncapped first (make test-avx2 caps all)
+        monkeypatch.delenv(name, raising=False)
     path = tmp_path / "cpu_layout.json"
     cached_cpu_layout(model, 4, True, path)
     monkeypatch.setenv("ALIGNER_CPU_ISA", "avx2")
