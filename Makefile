@@ -30,8 +30,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15
 
 # torch's kernels (ATEN_CPU_CAPABILITY), oneDNN's (ONEDNN_MAX_CPU_ISA), MKL's GEMMs (MKL_ENABLE_INSTRUCTIONS,
-# Intel CPUs) and aligner's own choices (ALIGNER_CPU_ISA: compiled kernels, oneDNN bf16, the caches' keys) capped at AVX2
-AVX2_ENV  := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ALIGNER_CPU_ISA=avx2
+# Intel CPUs) and aligner's own choices (ALIGNER_CPU_ISA: compiled kernels, oneDNN bf16, the caches' keys) capped at AVX2;
+# inductor's kernel cache of its own (torch 2.13's does not key its kernels by ATEN_CPU_CAPABILITY)
+AVX2_ENV  := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ALIGNER_CPU_ISA=avx2 \
+             TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/torchinductor-avx2
 ISA_TESTS := tests/nn/test_cpu_isa.py tests/nn/test_onednn.py tests/rollout/test_cpu_kernels.py \
              tests/rollout/test_cpu_tuning.py tests/rollout/test_torch_engine.py tests/parallel/test_fsdp_reduce_per_step.py
 TESTS     ?= $(ISA_TESTS)
