@@ -60,10 +60,10 @@ class CpuLayout:
 def cached_cpu_layout(model: nn.Module, batch: int, fusable: bool, path: Path = LAYOUT_CACHE) -> CpuLayout:
     """:func:`choose_cpu_layout`, timed once per machine and kept in `path` (JSON, keyed by the CPU
     model and ISA, the ISA caps in force (:func:`aligner.nn.cpu_isa.isa_signature`), torch version,
-    dtype, decode batch, the candidate kernels that run here and the GEMM shapes), so every run on a machine multiplies with the same kernels: a resumed run rounds
-    exactly as the uninterrupted one. Processes that build engines at once (tensor-parallel
-    ranks, replicas) take an exclusive lock on ``<path>.lock`` around look-up, timing and
-    write, so the first one times and the others read its choice: every rank of a machine uses
+    dtype, decode batch, the candidate kernels that run here and the GEMM shapes), so every run on
+    a machine multiplies with the same kernels: a resumed run rounds exactly as the uninterrupted
+    one. Processes that build engines at once (tensor-parallel ranks, replicas) take an exclusive
+    lock on ``<path>.lock`` around look-up, timing and write, so the first one times and the others read its choice: every rank of a machine uses
     the same kernels (ranks timing independently could pick different ones, which a resume
     would then change). An unreadable or unwritable cache (or lock) only costs the timing
     (info["cached"] says which)."""
@@ -131,7 +131,10 @@ def cached_decode_attention(model: nn.Module, batch: int, path: Path = LAYOUT_CA
 
     kvh, rep, hd = _attention_shape(model)
     source = hashlib.sha256(cpu_kernels.SOURCE.read_bytes()).hexdigest()[:12]
-    key = f"decode attention | {cpu_signature()} | {isa_signature()} | torch {torch.__version__} | batch {batch} | kvh {kvh} rep {rep} hd {hd} | kernel {source}"
+    key = (
+        f"decode attention | {cpu_signature()} | {isa_signature()} | torch {torch.__version__} | batch {batch} "
+        f"| kvh {kvh} rep {rep} hd {hd} | kernel {source}"
+    )
     return _machine_cached(path, key, lambda: [choose_decode_attention(model, batch)], valid=lambda e: len(e) == 1)[0]
 
 
@@ -195,9 +198,9 @@ def choose_cpu_layout(model: nn.Module, batch: int, fusable: bool, rounds: int =
     (``transposed``), and oneDNN's linear on weights prepacked for `batch` rows (where the
     torch build has it and it runs for the model's dtype on this CPU under the ISA caps,
     :func:`aligner.nn.layers.onednn_supports`: bf16 needs AVX-512 or AVX-NE-CONVERT); each with
-    q/k/v and gate/up packed into one GEMM (``fused``, only when `fusable`) or not. Each candidate runs the GEMMs of up to 4 of the model's own local layers
-    (their weight shapes, so each reads fresh weights from memory as decode does) on a
-    [batch, in] input, scaled to every local layer, plus the lm_head (a tied head keeps the
+    q/k/v and gate/up packed into one GEMM (``fused``, only when `fusable`) or not. Each candidate
+    runs the GEMMs of up to 4 of the model's own local layers (their weight shapes, so each reads
+    fresh weights from memory as decode does) on a [batch, in] input, scaled to every local layer, plus the lm_head (a tied head keeps the
     embedding's [out, in] layout under F.linear; oneDNN multiplies by a prepacked copy of it).
     Candidates alternate over `rounds` rounds; the median decides. Collective-free:
     :func:`cached_cpu_layout` makes the processes of one machine agree through a file lock;

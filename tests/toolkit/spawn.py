@@ -18,7 +18,8 @@ SIGKILL, each to its whole process group) and the next call spawns new ones, as 
 ``fresh=True`` (for a battery that must not share a process with earlier ones). Each rank leads
 its own process group (what it starts dies with it) and dies with the test process
 (``PR_SET_PDEATHSIG``: also when pytest-timeout ends the session with ``os._exit``);
-:func:`pooled_pids` names the pooled ranks, which tests/conftest.py lets outlive a test. Before each call a rank resets what a battery may change in the
+:func:`pooled_pids` names the pooled ranks, which tests/conftest.py lets outlive a test.
+Before each call a rank resets what a battery may change in the
 process: torch's RNG seeds, default dtype, thread count, grad mode and the environment. Children
 get OMP_NUM_THREADS=1 and RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT / LOCAL_RANK set, so
 code reading the environment (ParallelDims.from_env) works.
