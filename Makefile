@@ -1,12 +1,14 @@
 # Two commands for a fresh machine with only Python and pip (see README.md):
 #   make demo   # creates .venv, installs aligner, runs SFT -> RM -> PPO on the built-in task
 #   make test   # creates .venv, installs aligner[test], runs the test suite
+#   make test-avx2  # the tests that depend on the CPU's instruction set, run as an AVX2-only CPU would
+#                   # (docs/hardware.md#running-as-an-avx2-only-cpu); TESTS=tests for the whole suite
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.aligner-installed
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo test test-fast test-avx2 avx2-env isa-tests clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +28,24 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15
+
+# torch's kernels (ATEN_CPU_CAPABILITY), oneDNN's (ONEDNN_MAX_CPU_ISA), MKL's GEMMs (MKL_ENABLE_INSTRUCTIONS,
+# Intel CPUs) and aligner's own choices (ALIGNER_CPU_ISA: compiled kernels, oneDNN bf16, the caches' keys) capped at AVX2;
+# inductor's kernel cache of its own (torch 2.13's does not key its kernels by ATEN_CPU_CAPABILITY)
+AVX2_ENV  := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ALIGNER_CPU_ISA=avx2 \
+             TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/torchinductor-avx2
+ISA_TESTS := tests/nn/test_cpu_isa.py tests/nn/test_onednn.py tests/rollout/test_cpu_kernels.py \
+             tests/rollout/test_cpu_tuning.py tests/rollout/test_torch_engine.py tests/parallel/test_fsdp_reduce_per_step.py
+TESTS     ?= $(ISA_TESTS)
+
+test-avx2: $(STAMP)
+	$(AVX2_ENV) $(BIN)/python -m pytest -q --durations=10 $(TESTS)
+
+avx2-env:  # for .ci/run, which needs pytest's own exit status (make turns every failure into 2)
+	@echo $(AVX2_ENV)
+
+isa-tests:
+	@echo $(ISA_TESTS)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -33,6 +33,7 @@ from aligner.config import (
     roles_with_field,
 )
 from aligner.errors import PlacementError, UserError
+from aligner.nn.cpu_isa import isa_cap
 from aligner.trainers import preemption, supervisor
 from aligner.trainers.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from aligner.trainers.preemption import Preempted
@@ -348,6 +349,7 @@ def run(stage: str, main: Callable[[AlignerConfig], Optional[int]], argv: Option
         return 0
     try:
         cfg = load_config(stage, argv)
+        isa_cap()  # ALIGNER_CPU_ISA: a bad value stops the run here, before any worker starts
         if show_cfg:
             print(config_yaml(cfg))
             return 0

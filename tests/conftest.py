@@ -2,11 +2,18 @@
 
 - ``shared``: :func:`tests.toolkit.paths.shared_path` (../shared, skip where it is absent);
 - ``ray_cluster``: the session's local Ray instance, ``cluster_env``: a CLI subprocess's environment that joins it (:mod:`tests.toolkit.ray`).
+
+Every test ends the processes it started: after its teardown, the processes below pytest that
+were not there when its body began (and are not a shared service or a pooled gloo rank,
+:func:`tests.toolkit.processes.left_running`) get SIGKILL, with their subtrees, whether it passed,
+failed or timed out (pytest-timeout's default signal method fails the test; its teardown runs).
+They are listed at the end of the run ("processes left running by tests").
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -37,3 +44,41 @@ def pytest_collection_modifyitems(config, items):
     rank = {nodeid: i for i, nodeid in enumerate(RUN_FIRST)}
     first = sorted((it for it in items if it.nodeid in rank), key=lambda it: rank[it.nodeid])
     items[:] = first + [it for it in items if it.nodeid not in rank]
+
+
+LEFT_RUNNING: list[tuple[str, list[str]]] = []  # (test id, ["pid command line", ...]) ended after the test
+_BEFORE = pytest.StashKey[set]()  # the pids below pytest when a test's body began
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    from tests.toolkit.processes import descendants
+
+    if sys.platform.startswith("linux"):
+        item.stash[_BEFORE] = set(descendants(os.getpid()))
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    before = item.stash.get(_BEFORE, None)
+    if before is None:
+        return
+    from tests.toolkit.processes import cmdline, end_trees, is_shared_service, left_running
+    from tests.toolkit.spawn import pooled_pids
+
+    pooled = pooled_pids()
+    left = left_running(os.getpid(), before, lambda pid: pid in pooled or is_shared_service(pid))
+    if left:
+        LEFT_RUNNING.append((item.nodeid, [f"{pid} {cmdline(pid)[:160]}" for pid in left]))
+        end_trees(left)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if LEFT_RUNNING:
+        terminalreporter.section("processes left running by tests (ended after the test with SIGKILL)")
+        for nodeid, procs in LEFT_RUNNING:
+            terminalreporter.write_line(f"{nodeid}: {len(procs)}")
+            for line in procs:
+                terminalreporter.write_line(f"    {line}")

@@ -271,6 +271,45 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+_onednn_runs: dict[tuple, tuple[bool, str]] = {}
+
+
+def onednn_supports(dtype: torch.dtype) -> tuple[bool, str]:
+    """(True, "") when oneDNN's prepacked linear runs here for weights and inputs of `dtype`, else
+    (False, why): the build has the ops (:func:`onednn_available`), the ISA cap allows the dtype
+    (:func:`aligner.nn.cpu_isa.onednn_bf16_allowed`: bf16 needs AVX-512 or AVX-NE-CONVERT), torch's
+    own query agrees (``torch.ops.mkldnn._is_mkldnn_bf16_supported`` / ``_fp16_``, which follow
+    ``ONEDNN_MAX_CPU_ISA``), and last a [8, 8] weight packed and multiplied in `dtype` does not raise.
+    Kept per (dtype, :func:`aligner.nn.cpu_isa.isa_signature`)."""
+    from aligner.nn.cpu_isa import isa_signature, onednn_bf16_allowed
+
+    key = (dtype, isa_signature())
+    if key in _onednn_runs:
+        return _onednn_runs[key]
+    name = str(dtype).removeprefix("torch.")
+    why = ""
+    if not onednn_available():
+        why = "this torch build has no oneDNN linear ops"
+    elif dtype == torch.bfloat16 and not onednn_bf16_allowed():
+        from aligner.nn.cpu_isa import ISA_ENV, isa_cap
+
+        why = f"oneDNN's bf16 linear needs AVX-512 or AVX-NE-CONVERT and {ISA_ENV}={isa_cap()} caps the CPU below it"
+    elif dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        why = "oneDNN's bf16 linear does not run on this CPU (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)"
+    elif dtype == torch.float16 and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        why = "oneDNN's fp16 linear does not run on this CPU (it needs AVX-512 FP16 or AVX-NE-CONVERT)"
+    elif dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        why = f"oneDNN's prepacked linear takes float32, bfloat16 or float16, not {name}"
+    else:
+        try:
+            w = torch.ones(8, 8, dtype=dtype)
+            onednn_linear(torch.ones(2, 8, dtype=dtype), onednn_pack(w, 2), None)
+        except RuntimeError as e:
+            why = f"oneDNN's {name} linear failed here: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+    _onednn_runs[key] = (not why, why)
+    return _onednn_runs[key]
+
+
 def onednn_pack(weight: torch.Tensor, batch: int) -> torch.Tensor:
     """oneDNN's blocked copy of a CPU linear weight [out, in] (fp32 or bf16), laid out for inputs of
     about `batch` rows (an opaque ``torch._mkldnn`` tensor, the same bytes as `weight`).
@@ -290,10 +329,16 @@ def prepack_onednn(model: nn.Module, batch: int) -> int:
     """Give every Column/RowParallelLinear under `model` a oneDNN-prepacked copy of its weight
     (each :func:`pack_linears` group one copy of its packed weight), which their forwards use
     when grad is off (inference only; LoRA adapters bypass it). CPU only; it doubles the bytes
-    held for linear weights. The copies are snapshots: whoever changes the weights (a refit)
+    held for linear weights. Raises ValueError where oneDNN's linear does not run for the weights'
+    dtype here (:func:`onednn_supports`). The copies are snapshots: whoever changes the weights (a refit)
     calls this again, or :func:`drop_onednn` to go back to F.linear. Returns the bytes packed.
     """
     drop_onednn(model)
+    weights = [m.weight for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    if weights:
+        ok, why = onednn_supports(weights[0].dtype)
+        if not ok:
+            raise ValueError(f"prepack_onednn: {why}; multiply with F.linear instead (the engine's cpu_layout out_in or in_out)")
     nbytes = 0
     with torch.no_grad():
         for m in model.modules():

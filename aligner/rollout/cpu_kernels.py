@@ -9,9 +9,12 @@ once, for all its query heads, and only up to that row's own length (as vLLM's p
 kernels do on GPU and CPU); in fixed order, so a row's result does not depend on the batch.
 
 The C source is compiled with the system C compiler (``$CC``, else ``cc``; ``-O3 -march=native
--ffast-math -fopenmp``) into ``$XDG_CACHE_HOME/aligner/kernels/`` under a name keyed by the
-source, the compiler and the CPU (:func:`aligner.runtime.host.cpu_signature`), and loaded with
-ctypes. Its OpenMP calls resolve to the libgomp torch has already loaded (same soname), so it
+-ffast-math -fopenmp``, or under an ISA cap that level's ``-march``, e.g. ``x86-64-v3`` for
+``ALIGNER_CPU_ISA=avx2``: :func:`aligner.nn.cpu_isa.march_flags`) into
+``$XDG_CACHE_HOME/aligner/kernels/`` under a name keyed by the source, the compiler, its flags,
+the CPU (:func:`aligner.runtime.host.cpu_signature`) and the caps in force
+(:func:`aligner.nn.cpu_isa.isa_signature`), so a build for AVX-512 is never loaded under an AVX2
+cap; and loaded with ctypes. Its OpenMP calls resolve to the libgomp torch has already loaded (same soname), so it
 shares torch's thread pool. Where no compiler is found or the build fails,
 :func:`load_decode_attention` returns None with the reason in :data:`LOAD_ERROR`, and the engine
 keeps SDPA.
@@ -32,18 +35,26 @@ import torch
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_attention.c"
 KERNEL_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "aligner" / "kernels"
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]  # plus the target of aligner.nn.cpu_isa.march_flags()
 
 _lock = threading.Lock()
 _fn = None
 LOAD_ERROR: Optional[str] = None  # why load_decode_attention() returned None (None when it loaded or was not tried)
 
 
+def flags() -> list[str]:
+    """The compiler flags: :data:`FLAGS` and the target, ``-march=native`` or, under an ISA cap
+    (``ALIGNER_CPU_ISA`` / ``ATEN_CPU_CAPABILITY``), that level's (:func:`aligner.nn.cpu_isa.march_flags`)."""
+    from aligner.nn.cpu_isa import march_flags
+
+    return [FLAGS[0], *march_flags(), *FLAGS[1:]]
+
+
 def _build(cc: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], check=True, capture_output=True, text=True, timeout=120)
+        subprocess.run([cc, *flags(), str(SOURCE), "-o", str(tmp), "-lm"], check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, out)  # atomic: a concurrent builder of the same key writes the same bytes
     finally:
         tmp.unlink(missing_ok=True)
@@ -56,6 +67,7 @@ def load_decode_attention():
     with _lock:
         if _fn is not None or LOAD_ERROR is not None:
             return _fn
+        from aligner.nn.cpu_isa import isa_signature
         from aligner.runtime.host import cpu_signature
 
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -64,7 +76,9 @@ def load_decode_attention():
             return None
         try:
             version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
-            key = hashlib.sha256("\n".join([SOURCE.read_text(), cc, *version, *FLAGS, cpu_signature()]).encode()).hexdigest()[:16]
+            key = hashlib.sha256(
+                "\n".join([SOURCE.read_text(), cc, *version, *flags(), cpu_signature(), isa_signature()]).encode()
+            ).hexdigest()[:16]
             path = KERNEL_DIR / f"decode_attention-{key}.so"
             if not path.exists():
                 _build(cc, path)

@@ -28,7 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from aligner.nn.layers import onednn_available, onednn_linear, onednn_pack
+from aligner.nn.cpu_isa import isa_signature
+from aligner.nn.layers import onednn_linear, onednn_pack, onednn_supports
 from aligner.rollout import cpu_kernels
 from aligner.rollout.cpu_kernels import decode_attention
 
@@ -58,11 +59,11 @@ class CpuLayout:
 
 def cached_cpu_layout(model: nn.Module, batch: int, fusable: bool, path: Path = LAYOUT_CACHE) -> CpuLayout:
     """:func:`choose_cpu_layout`, timed once per machine and kept in `path` (JSON, keyed by the CPU
-    model and ISA, torch version, dtype, decode batch, the candidate kernels and the GEMM
-    shapes), so every run on a machine multiplies with the same kernels: a resumed run rounds
-    exactly as the uninterrupted one. Processes that build engines at once (tensor-parallel
-    ranks, replicas) take an exclusive lock on ``<path>.lock`` around look-up, timing and
-    write, so the first one times and the others read its choice: every rank of a machine uses
+    model and ISA, the ISA caps in force (:func:`aligner.nn.cpu_isa.isa_signature`), torch version,
+    dtype, decode batch, the candidate kernels that run here and the GEMM shapes), so every run on
+    a machine multiplies with the same kernels: a resumed run rounds exactly as the uninterrupted
+    one. Processes that build engines at once (tensor-parallel ranks, replicas) take an exclusive
+    lock on ``<path>.lock`` around look-up, timing and write, so the first one times and the others read its choice: every rank of a machine uses
     the same kernels (ranks timing independently could pick different ones, which a resume
     would then change). An unreadable or unwritable cache (or lock) only costs the timing
     (info["cached"] says which)."""
@@ -71,9 +72,9 @@ def cached_cpu_layout(model: nn.Module, batch: int, fusable: bool, path: Path = 
     layer = next(iter(model.model.layers.values()))
     shapes = [tuple(l.weight.shape) for l in (layer.self_attn.q_proj, layer.self_attn.k_proj, *_dense_mlp(layer)[::2])]
     head = None if model.lm_head is None else tuple(model.lm_head.weight.shape)
-    dtype = str(next(model.parameters()).dtype)
-    kernels = "aten+onednn" if onednn_available() else "aten"
-    key = f"{cpu_signature()} | torch {torch.__version__} | {dtype} | batch {batch} | kernels {kernels} | fusable {fusable} | {len(model.model.layers)} x {shapes} | head {head}"
+    dtype = next(model.parameters()).dtype
+    kernels = "aten+onednn" if onednn_supports(dtype)[0] else "aten"
+    key = f"{cpu_signature()} | {isa_signature()} | torch {torch.__version__} | {dtype} | batch {batch} | kernels {kernels} | fusable {fusable} | {len(model.model.layers)} x {shapes} | head {head}"
     entry = _machine_cached(path, key, lambda: _layout_entry(choose_cpu_layout(model, batch, fusable)), valid=lambda e: len(e) == 4)
     k, t, f, info = entry
     return CpuLayout(k, t, f, info)
@@ -123,14 +124,16 @@ def cached_decode_attention(model: nn.Module, batch: int, path: Path = LAYOUT_CA
     """:func:`choose_decode_attention`, timed once per machine and kept in `path` beside the
     weight layouts (keyed by the CPU model and ISA, torch version, decode batch, the local kv
     heads, query heads per kv head and head_dim, and the kernel's source), under the same lock
-    as :func:`cached_cpu_layout`, so every engine of a machine attends with the same kernel.
+    as :func:`cached_cpu_layout` (and the ISA caps in force), so every engine of a machine attends
+    with the same kernel.
     Returns {"choice": "sdpa" | "varlen", "timings_ms": {...}, "context": L, "cached": ...}."""
     from aligner.runtime.host import cpu_signature
 
     kvh, rep, hd = _attention_shape(model)
     source = hashlib.sha256(cpu_kernels.SOURCE.read_bytes()).hexdigest()[:12]
     key = (
-        f"decode attention | {cpu_signature()} | torch {torch.__version__} | batch {batch} | kvh {kvh} rep {rep} hd {hd} | kernel {source}"
+        f"decode attention | {cpu_signature()} | {isa_signature()} | torch {torch.__version__} | batch {batch} "
+        f"| kvh {kvh} rep {rep} hd {hd} | kernel {source}"
     )
     return _machine_cached(path, key, lambda: [choose_decode_attention(model, batch)], valid=lambda e: len(e) == 1)[0]
 
@@ -193,10 +196,11 @@ def choose_cpu_layout(model: nn.Module, batch: int, fusable: bool, rounds: int =
 
     Candidates: ``F.linear`` (MKL) with weights stored [out, in] (PyTorch's) or [in, out]
     (``transposed``), and oneDNN's linear on weights prepacked for `batch` rows (where the
-    torch build has it); each with q/k/v and gate/up packed into one GEMM (``fused``, only when
-    `fusable`) or not. Each candidate runs the GEMMs of up to 4 of the model's own local layers
-    (their weight shapes, so each reads fresh weights from memory as decode does) on a
-    [batch, in] input, scaled to every local layer, plus the lm_head (a tied head keeps the
+    torch build has it and it runs for the model's dtype on this CPU under the ISA caps,
+    :func:`aligner.nn.layers.onednn_supports`: bf16 needs AVX-512 or AVX-NE-CONVERT); each with
+    q/k/v and gate/up packed into one GEMM (``fused``, only when `fusable`) or not. Each candidate
+    runs the GEMMs of up to 4 of the model's own local layers (their weight shapes, so each reads
+    fresh weights from memory as decode does) on a [batch, in] input, scaled to every local layer, plus the lm_head (a tied head keeps the
     embedding's [out, in] layout under F.linear; oneDNN multiplies by a prepacked copy of it).
     Candidates alternate over `rounds` rounds; the median decides. Collective-free:
     :func:`cached_cpu_layout` makes the processes of one machine agree through a file lock;
@@ -204,14 +208,18 @@ def choose_cpu_layout(model: nn.Module, batch: int, fusable: bool, rounds: int =
 
     Measured (benchmarks/RESULTS.md): on a 2-core AMD EPYC, MKL's small-batch GEMMs stream
     weights at 5-7 GB/s, oneDNN's prepacked ones at 20-35 GB/s (SmolLM2's head at 16 rows: 157
-    vs 53 GFLOP/s). Returns a :class:`CpuLayout`; info["timings_ms"] {candidate: ms per step}.
+    vs 53 GFLOP/s). Only candidates that run here are timed: a kernel refused by the checks above, or
+    whose first call raises, is left out with its reason in info["refused"] {candidate: reason}.
+    Returns a :class:`CpuLayout`; info["timings_ms"] {candidate: ms per step}.
     """
     layers = list(model.model.layers.values())
     sample = layers[: min(4, len(layers))]
     head = model.lm_head
     tied = head is not None and model.model.embed_tokens is not None and head.weight is model.model.embed_tokens.weight
     dtype = next(model.parameters()).dtype
-    kernels = ("aten", "onednn") if onednn_available() else ("aten",)
+    onednn_ok, onednn_why = onednn_supports(dtype)
+    kernels = ("aten", "onednn") if onednn_ok else ("aten",)
+    refused: dict[str, str] = {} if onednn_ok else {"onednn": onednn_why}
     candidates = [
         CpuLayout(k, t, f, {})
         for k in kernels
@@ -244,8 +252,18 @@ def choose_cpu_layout(model: nn.Module, batch: int, fusable: bool, rounds: int =
             F.linear(inputs[w.shape[1]], w)
 
     with torch.inference_mode():
-        weights = {c.name: gemms(c) for c in candidates}
-        inputs = {k: torch.randn(batch, k).to(dtype) for k in {w.shape[1] for w in weights[candidates[0].name]}}
+        first = gemms(candidates[0])  # aten on [out, in]: runs everywhere
+        inputs = {k: torch.randn(batch, k).to(dtype) for k in {w.shape[1] for w in first}}
+        weights = {candidates[0].name: first}
+        for c in candidates[1:]:  # a kernel that raises here (packing or a first call) is not a candidate
+            try:
+                weights[c.name] = gemms(c)
+                for w in weights[c.name]:
+                    run(c, w)
+            except RuntimeError as e:
+                refused[c.name] = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                weights.pop(c.name, None)
+        candidates = [c for c in candidates if c.name not in refused]
         n_head = 0 if head is None else 1
         scale = len(layers) / len(sample)
         times: dict[str, list[float]] = {c.name: [] for c in candidates}
@@ -263,9 +281,10 @@ def choose_cpu_layout(model: nn.Module, batch: int, fusable: bool, rounds: int =
                     times[c.name].append(t_layers + time.perf_counter() - t0)
     med = {name: statistics.median(v) for name, v in times.items()}
     best = min(candidates, key=lambda c: med[c.name])
-    return CpuLayout(
-        best.kernel, best.transposed, best.fused, {"batch": batch, "timings_ms": {n: round(1e3 * v, 3) for n, v in med.items()}}
-    )
+    info = {"batch": batch, "timings_ms": {n: round(1e3 * v, 3) for n, v in med.items()}}
+    if refused:
+        info["refused"] = refused
+    return CpuLayout(best.kernel, best.transposed, best.fused, info)
 
 
 def _dense_mlp(layer: nn.Module) -> tuple:

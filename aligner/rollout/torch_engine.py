@@ -41,6 +41,7 @@ from aligner.nn.layers import (
     RowParallelLinear,
     drop_onednn,
     onednn_available,
+    onednn_supports,
     pack_linears,
     prepack_onednn,
     unpack_linears,
@@ -196,6 +197,8 @@ class TorchEngine(RolloutEngine):
         kernel = "onednn" if on_cpu and cpu_layout == "onednn" else "aten"
         if kernel == "onednn" and not onednn_available():
             raise ValueError("cpu_layout='onednn' is invalid here: this torch build has no oneDNN linear ops; use auto, in_out or out_in")
+        if kernel == "onednn" and not onednn_supports(self.dtype)[0]:
+            raise ValueError(f"cpu_layout='onednn' is invalid here: {onednn_supports(self.dtype)[1]}; use auto, in_out or out_in")
         self.layout: dict[str, Any] = {}
         self._pack_batch = max(1, max_batch_size // self.micro_batches)  # the decode batch each step runs
         if on_cpu and cpu_layout == "auto":

@@ -13,12 +13,17 @@ import torch
 from aligner.config import OptimConfig, ParallelConfig
 from aligner.parallel.dims import ParallelDims
 from aligner.runtime.train_runtime import TrainRuntime, lr_lambda
+from tests.toolkit.assertions import adamw_param_tol
 from tests.toolkit.assertions import max_abs_diff as max_param_diff
 from tests.toolkit.models import tiny_model_config as model_cfg
 from tests.toolkit.spawn import run_distributed
 from tests.toolkit.training import OPTIM, STEPS, batches, engine_run, make_engine, reference_run
 
 pytestmark = pytest.mark.distributed
+
+# the parameters after the 3 AdamW steps of two runs that sum the same gradients in other orders
+# (layouts, backends, the CPU's GEMM kernels): the bound AdamW's arithmetic gives (assertions.adamw_param_tol)
+PARAM_TOL = adamw_param_tol(OPTIM["lr"], STEPS, batches()[0].numel(), model_cfg())
 
 
 def dp2_battery(rank: int, world: int, ckpt_root: str) -> dict:
@@ -65,7 +70,7 @@ def test_dp2_fsdp2_ddp_bf16_clip_checkpoint(tmp_path):
         # clipping is active (grad_clip=0.05) and the global norm equals the single-process one
         assert min(r["ref_norms"]) > OPTIM["grad_clip"]
         assert r[backend]["norms"] == pytest.approx(r["ref_norms"], rel=1e-5), backend
-        assert r[backend]["param_diff"] < 1e-5, backend
+        assert r[backend]["param_diff"] < PARAM_TOL, (backend, r[backend]["param_diff"], PARAM_TOL)
     assert r["fsdp2"]["sharded"] and r["fsdp2"]["adam_sharded"]
     assert r["fsdp2"]["load_step"][:2] == (STEPS, STEPS)
     assert r["fsdp2"]["load_step"][2] == pytest.approx(OPTIM["lr"] * lr_lambda(OptimConfig(**OPTIM), 10)(STEPS))
@@ -116,8 +121,7 @@ def test_tp2_pp2_times_dp2_match_single_process():
         ref_l, ref_n = r[name].get("ref_losses", r["ref_losses"]), r[name].get("ref_norms", r["ref_norms"])
         assert r[name]["losses"] == pytest.approx(ref_l, abs=1e-5), name
         assert r[name]["norms"] == pytest.approx(ref_n, rel=1e-5), name
-        # replicated kv rows: Adam's g / sqrt(v) amplifies fp32 reduction-order noise of tiny grads
-        assert r[name]["param_diff"] < (5e-5 if name == "tp2_kv1" else 1e-5), name
+        assert r[name]["param_diff"] < PARAM_TOL, (name, r[name]["param_diff"], PARAM_TOL)
 
 
 def test_lr_schedule_warmup_cosine():
@@ -172,6 +176,6 @@ def test_deepspeed_zero_stages_match_adamw():
         res = r[f"zero{stage}"]
         assert res["losses"] == pytest.approx(r["ref_losses"], abs=1e-5), stage
         assert res["norms"] == pytest.approx(r["ref_norms"], rel=1e-4), stage
-        assert res["param_diff"] < 1e-5, stage
+        assert res["param_diff"] < PARAM_TOL, (stage, res["param_diff"], PARAM_TOL)
     assert r["zero2_bf16"]["losses"] == pytest.approx(r["ref_losses"], rel=2e-2)
     assert r["zero2_bf16"]["param_diff"] < 5e-2

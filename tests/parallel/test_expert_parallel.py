@@ -5,7 +5,8 @@ Each layout trains the same seeded tiny Mixtral-style model for 3 AdamW steps wi
 global-norm clipping and the Switch auxiliary loss on; the reference is one process running each
 dp rank's slice of the batch as a micro-batch (the auxiliary loss is per micro-batch, so this is
 the loss every layout optimizes: mean over dp slices of LM loss + coef * aux). Checked: losses,
-grad norms and every parameter after 3 steps (1e-5), that each rank holds only its experts, the
+grad norms (1e-5) and every parameter after 3 steps (within the bound AdamW's arithmetic gives
+for fp32 summation-order differences, :func:`tests.toolkit.assertions.adamw_param_tol`), that each rank holds only its experts, the
 all-to-all count of one forward, and a checkpoint saved at ep=2 loading into ep=1 (same next loss).
 """
 
@@ -16,14 +17,16 @@ import torch
 
 from aligner.config import ModelConfig, OptimConfig, ParallelConfig
 from aligner.runtime.train_runtime import adamw_kwargs, build_lr_scheduler
+from tests.toolkit.assertions import adamw_param_tol
 from tests.toolkit.assertions import max_abs_diff as max_param_diff
 from tests.toolkit.models import tiny_model_config
 from tests.toolkit.spawn import run_distributed
-from tests.toolkit.training import OPTIM, batches, engine_run, lm_loss, make_engine
+from tests.toolkit.training import OPTIM, STEPS, batches, engine_run, lm_loss, make_engine
 
 pytestmark = pytest.mark.distributed
 
 MOE = tiny_model_config(intermediate_size=32, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.05)
+PARAM_TOL = adamw_param_tol(OPTIM["lr"], STEPS, batches(batch=8)[0].numel(), MOE)
 
 
 def micro_batched_reference_run(cfg: ModelConfig, optim: OptimConfig, data: list[torch.Tensor], dp: int, micro: int = 1):
@@ -108,7 +111,7 @@ def _check(results: dict) -> None:
     for name, r in results.items():
         assert r["losses"] == pytest.approx(r["ref_losses"], abs=1e-5), name
         assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5), name
-        assert r["param_diff"] < 1e-5, (name, r["param_diff"])
+        assert r["param_diff"] < PARAM_TOL, (name, r["param_diff"], PARAM_TOL)
 
 
 @pytest.mark.slow

@@ -137,3 +137,34 @@ def test_no_compiler_means_no_kernel_and_says_why(monkeypatch, tmp_path):
     assert "no-such-cc" in cpu_kernels.LOAD_ERROR and "failed" in cpu_kernels.LOAD_ERROR
     with pytest.raises(RuntimeError, match="unavailable: building decode_attention.c"):
         decode_attention(*_case(slots=2, kvh=1, rep=1, hd=4, max_len=2, start=0, n=1, lengths=[2])[:4], 0.5)
+
+
+@needs_kernel
+@pytest.mark.skipif(__import__("platform").machine().lower() not in ("x86_64", "amd64"), reason="the ISA cap names x86 levels")
+def test_an_avx2_cap_builds_its_own_kernel_without_avx512(monkeypatch, tmp_path):
+    """ALIGNER_CPU_ISA=avx2 compiles for x86-64-v3 into a file of its own (never the -march=native build,
+    which may hold AVX-512 instructions an AVX2-only CPU cannot run); the build uses no zmm register
+    and still equals SDPA."""
+    import shutil
+    import subprocess
+
+    monkeypatch.setattr(cpu_kernels, "KERNEL_DIR", tmp_path)
+    monkeypatch.setattr(cpu_kernels, "_fn", None)
+    monkeypatch.setattr(cpu_kernels, "LOAD_ERROR", None)
+    monkeypatch.delenv("ALIGNER_CPU_ISA", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert "-march=native" in cpu_kernels.flags()
+    assert load_decode_attention() is not None
+    native = set(tmp_path.glob("*.so"))
+    monkeypatch.setenv("ALIGNER_CPU_ISA", "avx2")
+    monkeypatch.setattr(cpu_kernels, "_fn", None)
+    assert "-march=x86-64-v3" in cpu_kernels.flags() and "-march=native" not in cpu_kernels.flags()
+    assert load_decode_attention() is not None, cpu_kernels.LOAD_ERROR
+    capped = set(tmp_path.glob("*.so")) - native
+    assert len(native) == 1 and len(capped) == 1
+    if shutil.which("objdump"):
+        asm = subprocess.run(["objdump", "-d", str(capped.pop())], capture_output=True, text=True, check=True).stdout
+        assert "ymm" in asm and "zmm" not in asm  # AVX2's 256-bit registers, none of AVX-512's
+    lengths = [3, 17, 9]
+    q, k, v, lens = _case(slots=4, kvh=2, rep=2, hd=32, max_len=20, start=1, n=3, lengths=lengths)
+    torch.testing.assert_close(decode_attention(q, k, v, lens, 32**-0.5), _sdpa(q, k, v, lens), atol=2e-6, rtol=1e-5)

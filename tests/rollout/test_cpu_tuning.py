@@ -85,3 +85,33 @@ def test_processes_building_engines_at_once_agree_on_the_layout(tmp_path):
     assert len({name for name, _ in got}) == 1, got
     assert sum(timed for _, timed in got) == 1, got  # exactly one process timed
     assert len(json.loads(path.read_text())) == 1
+
+
+def test_an_isa_cap_is_its_own_entry_and_a_kernel_that_raises_is_no_candidate(model, tmp_path, monkeypatch):
+    """A choice measured uncapped is never reused under ALIGNER_CPU_ISA=avx2 (or oneDNN's cap): the key
+    holds the caps, so an AVX-512 machine emulating an AVX2 one times again. A candidate whose kernel
+    raises on this CPU is left out of the timing with its reason (the others still decide)."""
+    from aligner.rollout import cpu_tuning
+    from aligner.rollout.cpu_tuning import cached_cpu_layout, choose_cpu_layout
+
+    for name in ("ALIGNER_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):  # uncapped first (make test-avx2 caps all)
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / "cpu_layout.json"
+    cached_cpu_layout(model, 4, True, path)
+    monkeypatch.setenv("ALIGNER_CPU_ISA", "avx2")
+    assert cached_cpu_layout(model, 4, True, path).info["cached"] is False
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert cached_cpu_layout(model, 4, True, path).info["cached"] is False
+    assert len(json.loads(path.read_text())) == 3
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.delenv("ALIGNER_CPU_ISA")
+    if not onednn_available():
+        return
+
+    def refuse(x, packed, bias):
+        raise RuntimeError("this CPU does not run it")
+
+    monkeypatch.setattr(cpu_tuning, "onednn_linear", refuse)
+    lay = choose_cpu_layout(model, 4, True, rounds=1)
+    assert lay.kernel == "aten" and set(lay.info["timings_ms"]) == CANDIDATES - {"onednn", "onednn+fused"}
+    assert lay.info["refused"] == {"onednn": "this CPU does not run it", "onednn+fused": "this CPU does not run it"}

@@ -480,6 +480,66 @@ def test_varlen_attention_is_refused_where_the_kernel_does_not_run():
     assert TorchEngine(bf16).decode_attention == "sdpa"  # auto: SDPA where the kernel does not apply
 
 
+ATEN_LAYOUTS = {"out_in", "out_in+fused", "in_out", "in_out+fused"}
+
+
+def test_a_bf16_engine_under_an_avx2_cap_measures_the_kernels_that_run_there(monkeypatch):
+    """ALIGNER_CPU_ISA=avx2: oneDNN's bf16 linear (it needs AVX-512 or AVX-NE-CONVERT) is no candidate,
+    whatever this CPU has; auto times the aten layouts and keeps the fastest, says why oneDNN was left
+    out, and the engine generates what the aten layout does. Asking for oneDNN is refused in one line."""
+    monkeypatch.setenv("ALIGNER_CPU_ISA", "avx2")
+    bf16 = build_model(CFG, seed=1).eval().to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"cpu_layout='onednn' is invalid here: oneDNN's bf16 linear needs AVX-512.*ALIGNER_CPU_ISA=avx2"):
+        TorchEngine(bf16, cpu_layout="onednn")
+    eng = TorchEngine(bf16, max_batch_size=3)
+    timings = eng.layout["timings_ms"]
+    assert eng.kernel == "aten" and set(timings) == ATEN_LAYOUTS
+    assert timings[min(timings, key=timings.get)] == min(timings.values()) and "ALIGNER_CPU_ISA=avx2" in eng.layout["refused"]["onednn"]
+    assert not any(k in m.__dict__ for m in eng.model.modules() for k in ("onednn", "onednn_group"))
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=6)
+    got = eng.generate(PROMPTS, sampling)
+    layout = "in_out" if eng.transposed else "out_in"
+    want = TorchEngine(
+        build_model(CFG, seed=1).eval().to(torch.bfloat16), max_batch_size=3, cpu_layout=layout, fused_decode=eng.fused_decode
+    )
+    assert [g.token_ids for g in got] == [g.token_ids for g in want.generate(PROMPTS, sampling)]
+    monkeypatch.setenv("ALIGNER_CPU_ISA", "avx3")
+    with pytest.raises(ValueError, match="ALIGNER_CPU_ISA='avx3' is invalid: valid are default, avx2, avx512 or native"):
+        TorchEngine(build_model(CFG, seed=1).eval().to(torch.bfloat16))
+
+
+@pytest.mark.skipif(__import__("platform").machine().lower() not in ("x86_64", "amd64"), reason="the AVX2 emulation caps x86 ISAs")
+def test_a_bf16_engine_runs_as_an_avx2_only_cpu_would(tmp_path):
+    """Under the AVX2 emulation of docs/hardware.md oneDNN itself refuses bf16 weights (as on a real
+    AVX2-only CPU: "bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"),
+    and torch's kernels are AVX2's; a bf16 engine built there (rollout.dtype=bfloat16) must choose a
+    kernel that runs and generate, not crash in the choice. Its own process: the caps are read at start."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.toolkit.engine import AVX2_ENV
+    from tests.toolkit.paths import REPO
+
+    code = (
+        "import json, torch\n"
+        "from aligner.config import SamplingConfig\n"
+        "from aligner.rollout.torch_engine import TorchEngine\n"
+        "from tests.toolkit.engine import engine_model\n"
+        "eng = TorchEngine(engine_model().to(torch.bfloat16), max_batch_size=3)\n"
+        "gens = eng.generate([[1, 2, 3], [5]], SamplingConfig(temperature=0.0, max_new_tokens=4))\n"
+        "print(json.dumps({'capability': torch.backends.cpu.get_cpu_capability(), 'kernel': eng.kernel,\n"
+        "                  'refused': eng.layout.get('refused', {}), 'tokens': [len(g.token_ids) for g in gens]}))\n"
+    )
+    env = {**os.environ, **AVX2_ENV, "ALIGNER_CPU_ISA": "", "PYTHONPATH": str(REPO), "XDG_CACHE_HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["capability"] in ("AVX2", "DEFAULT") and out["tokens"] == [4, 4]
+    assert out["kernel"] == "aten" and "bf16" in out["refused"]["onednn"], out  # oneDNN's own refusal, not our cap (unset here)
+
+
 ONEDNN = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear ops (x86 CPU builds do)")
 CANDIDATES = {"out_in", "out_in+fused", "in_out", "in_out+fused"} | ({"onednn", "onednn+fused"} if onednn_available() else set())
 

@@ -21,3 +21,8 @@ VARLEN = pytest.mark.skipif(
 def engine_model(seed: int = 1):
     """ENGINE_CFG's LlamaForCausalLM in eval mode, weights drawn with `seed`."""
     return build_model(ENGINE_CFG, seed=seed).eval()
+
+
+# the environment that makes this machine choose, compile and round as an AVX2-only CPU would
+# (docs/hardware.md, "Running as another CPU"): torch's kernels, oneDNN's, and aligner's own decisions
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ALIGNER_CPU_ISA": "avx2"}

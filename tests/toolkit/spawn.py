@@ -12,9 +12,14 @@ close the group and wait for the next call. Run a whole battery of checks in one
     results = run_distributed(battery, world_size=4, args=(arg,))   # [result of rank 0, 1, ...]
 
 A rank's exception is re-raised in the parent as RuntimeError with the rank and the child's
-traceback; the ranks of that call are then stopped (a peer may wait in a collective forever)
-and the next call spawns new ones, as does ``fresh=True`` (for a battery that must not share a
-process with earlier ones). Before each call a rank resets what a battery may change in the
+traceback; the ranks of that call are then killed (a peer may wait in a collective forever, and a
+battery may have installed a SIGTERM handler, as aligner's preemption handling does, so they get
+SIGKILL, each to its whole process group) and the next call spawns new ones, as does
+``fresh=True`` (for a battery that must not share a process with earlier ones). Each rank leads
+its own process group (what it starts dies with it) and dies with the test process
+(``PR_SET_PDEATHSIG``: also when pytest-timeout ends the session with ``os._exit``);
+:func:`pooled_pids` names the pooled ranks, which tests/conftest.py lets outlive a test.
+Before each call a rank resets what a battery may change in the
 process: torch's RNG seeds, default dtype, thread count, grad mode and the environment. Children
 get OMP_NUM_THREADS=1 and RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT / LOCAL_RANK set, so
 code reading the environment (ParallelDims.from_env) works.
@@ -23,8 +28,11 @@ code reading the environment (ParallelDims.from_env) works.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import queue
+import signal
+import sys
 import traceback
 from typing import Any, Callable, Sequence
 
@@ -67,8 +75,21 @@ def _run_one(rank: int, world_size: int, port: int, fn: Callable, args: Sequence
             dist.destroy_process_group()
 
 
-def _rank_loop(rank: int, world_size: int, tasks, results) -> None:
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _tie_to_parent() -> None:
+    """Lead a process group of its own and get SIGKILL when the parent dies (Linux)."""
+    os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _rank_loop(rank: int, world_size: int, tasks, results, parent: int) -> None:
     """A pooled rank: run each (port, fn, args, env) from `tasks` until None arrives."""
+    _tie_to_parent()
+    if os.getppid() != parent:  # the parent died before the death signal was armed
+        return
     while True:
         task = tasks.get()
         if task is None:
@@ -86,7 +107,8 @@ class _Ranks:
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.procs = [
-            ctx.Process(target=_rank_loop, args=(r, world_size, self.tasks[r], self.results), daemon=True) for r in range(world_size)
+            ctx.Process(target=_rank_loop, args=(r, world_size, self.tasks[r], self.results, os.getpid()), daemon=True)
+            for r in range(world_size)
         ]
         for p in self.procs:
             p.start()
@@ -114,17 +136,31 @@ class _Ranks:
         return [got[r] for r in range(self.world_size)]
 
     def stop(self, graceful: bool = True) -> None:
+        """End the ranks: graceful, each finishes its loop (5 s at most); otherwise, or past that,
+        SIGKILL to each rank's process group (the rank and whatever it started)."""
         if graceful:
             for q in self.tasks:
                 q.put(None)
+            for p in self.procs:
+                p.join(timeout=5)
         for p in self.procs:
-            p.join(timeout=5 if graceful else 0.1)
-            if p.is_alive():
-                p.terminate()
-                p.join()
+            if p.pid is not None and p.exitcode is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):  # gone, or not yet its own group leader
+                    p.kill()
+            p.join(timeout=30)
+        for q in (self.results, *self.tasks):
+            q.close()
+            q.cancel_join_thread()  # a killed rank's half-read queue must not block this process's exit
 
 
 _POOL: dict[int, _Ranks] = {}
+
+
+def pooled_pids() -> set[int]:
+    """The pids of the pooled ranks (kept for the next call, so alive after a test on purpose)."""
+    return {p.pid for ranks in _POOL.values() for p in ranks.procs if p.pid is not None}
 
 
 @atexit.register
@@ -140,7 +176,8 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence = (), timeout_
     something picklable. The ranks are the session's pooled processes of this world size (spawned
     on first use); fresh=True spawns new ones for this call and stops them after it.
     Raises RuntimeError: a rank raised (message has its traceback) or a rank gave no result
-    within `timeout_s` seconds; the ranks are stopped either way.
+    within `timeout_s` seconds; the ranks are killed either way (also on any exception in this
+    process, such as pytest-timeout's).
     """
     ranks = _POOL.pop(world_size, None)
     if ranks is not None and (fresh or not ranks.alive()):
