@@ -95,6 +95,7 @@ class AgentRecorder:
         self._episodes: dict[str, list[CallRecord]] = {}
         self._calls: dict[str, int] = {}
         self._children: dict[str, set[int]] = {}
+        self._rewards: dict[str, float] = {}
         self.breaks = 0  # segments started after an episode's first call (drift, edits, branches)
 
     def lock(self) -> threading.Lock:
@@ -135,16 +136,27 @@ class AgentRecorder:
         recs.append(record)
         return len(recs) - 1
 
+    def set_reward(self, episode_id: str, reward: float) -> None:
+        """Keep the return the agent reported for its episode (the last report wins)."""
+        with self._lock:
+            self._rewards[episode_id] = float(reward)
+
+    def reward(self, episode_id: str) -> Optional[float]:
+        """The return the agent reported, None when it reported none."""
+        with self._lock:
+            return self._rewards.get(episode_id)
+
     def episode_ids(self) -> list[str]:
         """The ids of the episodes with records."""
         with self._lock:
             return list(self._episodes)
 
     def pop(self, episode_id: str) -> list[CallRecord]:
-        """Remove and return the episode's records ([] for an unknown id)."""
+        """Remove and return the episode's records ([] for an unknown id), forgetting its reported reward."""
         with self._lock:
             self._calls.pop(episode_id, None)
             self._children.pop(episode_id, None)
+            self._rewards.pop(episode_id, None)
             return self._episodes.pop(episode_id, [])
 
 

@@ -3,7 +3,8 @@
 ``POST /v1/chat/completions``, ``POST /v1/completions`` and ``GET /v1/models`` in OpenAI's wire format
 (non-streaming: ``stream: true`` is refused with 400), so an agent written with the ``openai`` client
 (or any framework on top of it) trains through aligner by pointing ``base_url`` at :attr:`OpenAIEndpoint.url`.
-``GET /health`` answers without a token.
+``GET /health`` answers without a token; ``POST /v1/episodes/{episode_id}/reward`` with ``{"reward": x}`` is
+how an agent reports its episode's return (:meth:`OpenAIEndpoint.report_reward`).
 
 Sampling fields: ``temperature`` (default 1; 0 = greedy), ``top_p``, ``max_tokens`` /
 ``max_completion_tokens`` (default: what fits in the model's context, capped by ``default_max_tokens``),
@@ -47,6 +48,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import queue
 import random
 import threading
@@ -622,6 +624,17 @@ class OpenAIEndpoint:
             choices.append(choice)
         return self._envelope("text_completion", choices, records)
 
+    def report_reward(self, episode_id: str, body: dict) -> dict:
+        """``POST /v1/episodes/{episode_id}/reward`` with ``{"reward": float}``: the agent reports its episode's
+        return (the last report wins). RequestError for an empty id or a reward that is not a finite number."""
+        reward = body.get("reward")
+        if not episode_id or len(episode_id) > MAX_EPISODE_ID_CHARS:
+            raise RequestError(f"the episode id {episode_id!r} is invalid: 1 to {MAX_EPISODE_ID_CHARS} characters", param="episode_id")
+        if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
+            raise RequestError(f'"reward" must be a finite number, got {reward!r}', param="reward")
+        self.recorder.set_reward(episode_id, float(reward))
+        return {"episode_id": episode_id, "reward": float(reward)}
+
     def _logprob_entry(self, token_id: int, lp: float) -> dict:
         text = self.tok.decode([token_id], skip_special_tokens=False)
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")), "top_logprobs": []}
@@ -754,6 +767,8 @@ class _Handler(GuardedHandler):
         handlers = {"/v1/chat/completions": ep.chat, "/v1/completions": ep.completions}
         if not self.authorized():
             return
+        if path.startswith("/v1/episodes/") and path.endswith("/reward"):
+            handlers[path] = lambda body, _header: ep.report_reward(path[len("/v1/episodes/") : -len("/reward")], body)
         if path not in handlers:
             self.discard(self._content_length(), self.server.max_request_bytes)
             self.reply_error(404, f"no such path {self.path!r}: POST /v1/chat/completions or /v1/completions", close=True)

@@ -1,9 +1,8 @@
 """The OpenAI-compatible endpoint (aligner.rollout.openai_server) driven by the real `openai` client.
 
-The engine is aligner's TorchEngine on a small Llama whose weights make it a bigram model (the
-attention and MLP outputs are zero, so the logits depend on the last token only): after the chat
-template's generation prompt it writes a Hermes calculator call token by token, so a conversation
-with tool calls happens for real. Every test compares what the endpoint recorded with what the
+The engine is aligner's TorchEngine on a small Llama whose weights make it a bigram model
+(tests/toolkit/agent.py): after the chat template's generation prompt it writes a Hermes calculator
+call token by token, so a conversation with tool calls happens for real. Every test compares what the endpoint recorded with what the
 engine's generate returned (a spy around the engine) and the training sample with a full forward.
 """
 
@@ -16,80 +15,31 @@ import time
 import pytest
 import torch
 
-from aligner.config import TaskConfig
-from aligner.data.task import build_task_tokenizer
-from aligner.data.tokenizer import load_tokenizer
 from aligner.envs.tools import get_tool
-from aligner.model.llama import build_model
 from aligner.rollout.agent_record import build_samples
 from aligner.rollout.openai_server import OpenAIEndpoint
-from aligner.rollout.torch_engine import TorchEngine
-from tests.toolkit.models import tiny_model_config
+from tests.toolkit.agent import CALL_HEAD, CALL_TAIL, MAX_SEQ_LEN, SpyEngine, agent_tokenizer, bigram_engine
 
 openai = pytest.importorskip("openai", reason="the openai client is not installed (pip install openai; it is in aligner[test])")
 
-CALL_HEAD = '<tool_call>{"name": "calculator", "arguments": {"expression": "'
-CALL_TAIL = '"}}</tool_call>'
 TOKEN = "test-token-123"
 MODEL = "aligner-policy"
 CALCULATOR = get_tool("calculator").spec()
 
 
-class SpyEngine:
-    """The engine, with every generate call's prompts and Generations kept (what the engine sampled)."""
-
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
-
-    def generate(self, prompt_ids, sampling, seeds=None, max_new_tokens=None):
-        gens = self.engine.generate(prompt_ids, sampling, seeds=seeds, max_new_tokens=max_new_tokens)
-        self.calls.append(([list(p) for p in prompt_ids], gens, list(seeds or [])))
-        return gens
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
-    """The built-in task's tokenizer (default role-tag template, no tool syntax) with the call's two ends as tokens."""
-    t = load_tokenizer(build_task_tokenizer(TaskConfig(), str(tmp_path_factory.mktemp("tok"))))
-    t.add_tokens([CALL_HEAD, CALL_TAIL])
-    return t
-
-
-def bigram_model(tok, margin: float = 8.0):
-    """A 2-layer Llama (vocab = hidden = 96) whose next-token logits are `margin` on succ(last token), 0
-    elsewhere: after the generation prompt's newline it writes the calculator call for 12+39, then eos."""
-    v = 96
-    assert len(tok) <= v
-    model = build_model(
-        tiny_model_config(vocab_size=v, hidden_size=v, intermediate_size=64, num_heads=4, num_kv_heads=2, max_seq_len=1024), seed=0
-    )
-    ids = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    chain = ids("\n") + ids(CALL_HEAD) + ids("12+39") + ids(CALL_TAIL) + [tok.eos_token_id]
-    assert len(chain) == len(set(chain)) == 9
-    with torch.no_grad():
-        for layer in model.model.layers.values():
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.embed_tokens.weight.copy_(torch.eye(v))
-        head = torch.zeros(v, v)
-        scale = margin / v**0.5  # the final RMSNorm turns a one-hot into sqrt(v) times it
-        for a, b in zip(chain, chain[1:]):
-            head[b, a] = scale
-        model.lm_head.weight.copy_(head)
-    return model.eval()
+    return agent_tokenizer(str(tmp_path_factory.mktemp("tok")))
 
 
 @pytest.fixture(scope="module")
 def engine(tok):
-    return TorchEngine(bigram_model(tok), eos_token_id=tok.eos_token_id, max_batch_size=8, cpu_layout="out_in", decode_attention="sdpa")
+    return bigram_engine(tok)
 
 
 @pytest.fixture()
 def endpoint(engine, tok):
-    ep = OpenAIEndpoint(SpyEngine(engine), tok, max_seq_len=1024, token=TOKEN, model_name=MODEL, default_max_tokens=16)
+    ep = OpenAIEndpoint(SpyEngine(engine), tok, max_seq_len=MAX_SEQ_LEN, token=TOKEN, model_name=MODEL, default_max_tokens=16)
     with ep:
         yield ep
 
