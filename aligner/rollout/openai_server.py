@@ -58,6 +58,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
+from urllib.parse import unquote
 
 from aligner.config import SamplingConfig
 from aligner.envs.tool_env import (
@@ -768,7 +769,7 @@ class _Handler(GuardedHandler):
         if not self.authorized():
             return
         if path.startswith("/v1/episodes/") and path.endswith("/reward"):
-            handlers[path] = lambda body, _header: ep.report_reward(path[len("/v1/episodes/") : -len("/reward")], body)
+            handlers[path] = lambda body, _header: ep.report_reward(unquote(path[len("/v1/episodes/") : -len("/reward")]), body)
         if path not in handlers:
             self.discard(self._content_length(), self.server.max_request_bytes)
             self.reply_error(404, f"no such path {self.path!r}: POST /v1/chat/completions or /v1/completions", close=True)

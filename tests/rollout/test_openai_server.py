@@ -237,3 +237,16 @@ def test_concurrent_episodes_are_batched_and_kept_apart(endpoint):
         (r,) = endpoint.recorder.records(f"ep-{i}")
         assert r.completion_ids == sampled[tuple(r.prompt_ids)].token_ids
     assert sum(len(p) for p, _, _ in endpoint.engine.calls) == n
+
+
+def test_the_agent_reports_its_reward(endpoint):
+    c = client(endpoint)
+    assert c.post("/episodes/ep%20x/reward", body={"reward": 0.5}, cast_to=object) == {"episode_id": "ep x", "reward": 0.5}
+    assert endpoint.recorder.reward("ep x") == 0.5
+    with pytest.raises(openai.BadRequestError, match="finite number"):
+        c.post("/episodes/ep-x/reward", body={"reward": "1"}, cast_to=object)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=endpoint.url, api_key="wrong", max_retries=0).post(
+            "/episodes/ep-x/reward", body={"reward": 1}, cast_to=object
+        )
+    assert endpoint.recorder.reward("ep-x") is None
