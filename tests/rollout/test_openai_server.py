@@ -250,3 +250,49 @@ def test_the_agent_reports_its_reward(endpoint):
             "/episodes/ep-x/reward", body={"reward": 1}, cast_to=object
         )
     assert endpoint.recorder.reward("ep-x") is None
+
+
+# a ChatML template that defines tool calls as Qwen2.5's does: tools in the system turn, an assistant's
+# calls re-serialized by the template (no space after "arguments": not the model's own text), tool results in a user turn
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% elif m['role'] == 'assistant' and m.get('tool_calls') %}<|im_start|>assistant\n{{ m['content'] or '' }}"
+    "{% for c in m['tool_calls'] %}<tool_call>{\"name\": \"{{ c['function']['name'] }}\", \"arguments\":{{ c['function']['arguments'] | tojson }}}</tool_call>{% endfor %}"
+    "<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_defines_tool_calls(tmp_path):
+    tok = agent_tokenizer(str(tmp_path))
+    tok.chat_template = TOOL_TEMPLATE
+    tok.add_special_tokens({"eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>"]})
+    spy = SpyEngine(bigram_engine(tok))
+    with OpenAIEndpoint(spy, tok, max_seq_len=MAX_SEQ_LEN, token=TOKEN, model_name=MODEL, default_max_tokens=16) as ep:
+        c = client(ep, "ep-t")
+        messages = [{"role": "user", "content": "12+39="}]
+        r = c.chat.completions.create(model=MODEL, messages=messages, tools=[CALCULATOR], temperature=0)
+        call = r.choices[0].message.tool_calls[0]
+        messages += [r.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "51"}]
+        c.chat.completions.create(model=MODEL, messages=messages, tools=[CALCULATOR], temperature=0, max_tokens=2)
+        recs = assert_recorded_equals_sampled(ep, "ep-t")
+        first_prompt = tok.decode(recs[0].prompt_ids, skip_special_tokens=False)
+        assert first_prompt.startswith('<|im_start|>system\n{"type": "function", "function": {"name": "calculator"')  # the template's tools
+        # the model's call as sampled, although the template would re-serialize it differently
+        reserialized = tok.apply_chat_template(
+            [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"function": {"name": "calculator", "arguments": {"expression": "12+39"}}}],
+                }
+            ],
+            tokenize=False,
+        )
+        assert '"arguments":{' in reserialized and CALL_HEAD not in reserialized
+        assert recs[1].parent == 0 and recs[1].break_reason == ""
+        added = tok.decode(recs[1].prompt_ids[len(recs[0].context_ids) :], skip_special_tokens=False)
+        assert added == "\n<|im_start|>user\n<tool_response>\n51\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
