@@ -5,40 +5,47 @@
 Endpoints: ``POST /score`` (and ``POST /get_reward``, OpenRLHF's path) score a batch;
 ``GET /health`` answers ``{"status": "ok", "scorer": ..., "max_batch": ...}`` without a token.
 
-The doors it opens, and how each is bounded:
-- it binds 127.0.0.1 unless a host is given;
+The doors it opens, and how each is bounded (the HTTP rules are :mod:`aligner.runtime.http`'s, shared
+with the agent endpoint):
+- it binds 127.0.0.1 unless a host is given, and refuses another address without a token;
 - with a token set, a scoring request without ``Authorization: Bearer <token>`` gets 401 (compared
   in constant time);
 - a request body over ``max_request_bytes`` (or without Content-Length) gets 413 (411) unread, a
   batch over ``max_batch`` samples gets 413, a sequence over the model's ``max_seq_len`` 400;
 - a malformed request (not JSON, wrong fields or types) gets 400 with what is wrong, a scorer that
   fails gets 500 with its error: the handler catches everything, so the server keeps serving;
-- a client that stalls mid-request is dropped after ``read_timeout_s``.
+- a client that stalls mid-request is dropped after ``read_timeout_s``;
+- at most ``max_connections`` connections are served at once (one more gets 503).
 
 Requests are served on threads (``ThreadingHTTPServer``); a model scorer runs one batch at a time.
 """
 
 from __future__ import annotations
 
-import hmac
-import json
 import logging
 import math
 import threading
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional, Protocol
 
 import torch
 
 from aligner.reward import rules
+from aligner.runtime.http import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_REQUEST_BYTES, GuardedHandler, GuardedHTTPServer
 
 log = logging.getLogger("aligner.serve_rm")
 
 SCORE_PATHS = ("/score", "/get_reward")
 DEFAULT_MAX_BATCH = 256  # samples per request
-DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20  # bytes of one request body (16 MiB)
-DRAIN_FACTOR = 8  # a refused body up to this many times max_request_bytes is read and dropped before the reply
+__all__ = [
+    "DEFAULT_MAX_BATCH",
+    "DEFAULT_MAX_REQUEST_BYTES",
+    "ModelScorer",
+    "RewardHTTPServer",
+    "RuleScorer",
+    "ScoreRequest",
+    "parse_request",
+]
 
 
 @dataclass
@@ -206,19 +213,17 @@ def _has_tokenizer(path) -> bool:
     return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
 
 
-class RewardHTTPServer(ThreadingHTTPServer):
+class RewardHTTPServer(GuardedHTTPServer):
     """A threading HTTP server of one :class:`Scorer`, with its bounds (see the module docstring).
 
     Args:
         scorer: what scores a batch.
         host / port: where to listen (port 0: a free port, read back from ``server_address``).
-        token: the shared token ("" = none required).
+        token: the shared token ("" = none required; refused for a non-loopback host: ValueError).
         max_batch: samples per request; max_request_bytes: bytes per request body.
         read_timeout_s: seconds a client may take to send its request.
+        max_connections: connections served at once.
     """
-
-    daemon_threads = True
-    request_queue_size = 64
 
     def __init__(
         self,
@@ -229,10 +234,18 @@ class RewardHTTPServer(ThreadingHTTPServer):
         max_batch: int = DEFAULT_MAX_BATCH,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         read_timeout_s: float = 30.0,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
-        self.scorer, self.token, self.max_batch, self.max_request_bytes = scorer, token, max_batch, max_request_bytes
-        self.read_timeout_s = read_timeout_s
-        super().__init__((host, port), _Handler)
+        self.scorer, self.max_batch = scorer, max_batch
+        super().__init__(
+            _Handler,
+            host=host,
+            port=port,
+            token=token,
+            max_request_bytes=max_request_bytes,
+            max_connections=max_connections,
+            read_timeout_s=read_timeout_s,
+        )
 
     @property
     def url(self) -> str:
@@ -241,46 +254,16 @@ class RewardHTTPServer(ThreadingHTTPServer):
         return f"http://{host}:{port}/score"
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(GuardedHandler):
     server: RewardHTTPServer
-    protocol_version = "HTTP/1.1"
     server_version = "aligner-serve-rm"
-
-    def setup(self) -> None:
-        self.timeout = self.server.read_timeout_s  # a stalled client is dropped (socket timeout)
-        super().setup()
-
-    def log_message(self, format: str, *args) -> None:  # noqa: A002 - BaseHTTPRequestHandler's signature
-        log.debug("%s %s", self.address_string(), format % args)
-
-    def _reply(self, status: int, obj: dict, close: bool = False) -> None:
-        body = json.dumps(obj, allow_nan=False).encode("utf-8")
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        if close:
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _discard(self, n_bytes: Optional[int], limit: int) -> None:
-        """Read and drop a refused body of `n_bytes` (in 64 KiB pieces, nothing kept) when it is at most
-        `limit` bytes, so that the client, still sending, reads the error reply instead of a reset."""
-        if n_bytes is None or n_bytes > limit:
-            return
-        while n_bytes > 0:
-            got = self.rfile.read(min(n_bytes, 65536))
-            if not got:
-                return
-            n_bytes -= len(got)
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         if self.path.split("?")[0] != "/health":
-            self._reply(404, {"error": f"no such path {self.path!r}: GET /health, POST {' or '.join(SCORE_PATHS)}"})
+            self.reply(404, {"error": f"no such path {self.path!r}: GET /health, POST {' or '.join(SCORE_PATHS)}"})
             return
         s = self.server
-        self._reply(200, {"status": "ok", "scorer": s.scorer.name, "max_batch": s.max_batch, "max_request_bytes": s.max_request_bytes})
+        self.reply(200, {"status": "ok", "scorer": s.scorer.name, "max_batch": s.max_batch, "max_request_bytes": s.max_request_bytes})
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         try:
@@ -291,57 +274,37 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception as e:  # noqa: BLE001 - any failure is an error reply, never the server's end
             log.exception("scoring failed")
             try:
-                self._reply(500, {"error": f"{type(e).__name__}: {e}"}, close=True)
+                self.reply(500, {"error": f"{type(e).__name__}: {e}"}, close=True)
             except OSError:
                 self.close_connection = True
 
     def _score(self) -> None:
         s = self.server
         if self.path.split("?")[0] not in SCORE_PATHS:
-            self._reply(404, {"error": f"no such path {self.path!r}: POST {' or '.join(SCORE_PATHS)}"}, close=True)
+            self.reply(404, {"error": f"no such path {self.path!r}: POST {' or '.join(SCORE_PATHS)}"}, close=True)
             return
-        length = self.headers.get("Content-Length")
-        n_bytes = int(length) if length is not None and length.strip().isdigit() else None
-        if s.token:
-            given = self.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode("utf-8"), f"Bearer {s.token}".encode()):
-                self._discard(n_bytes, s.max_request_bytes)
-                self._reply(401, {"error": "missing or wrong token: send 'Authorization: Bearer <token>' (reward.token)"}, close=True)
-                return
-        if n_bytes is None:
-            self._reply(411, {"error": "a Content-Length header (bytes) is required"}, close=True)
+        if not self.authorized():
             return
-        if n_bytes > s.max_request_bytes:
-            self._discard(n_bytes, DRAIN_FACTOR * s.max_request_bytes)
-            self._reply(
-                413,
-                {
-                    "error": f"the body has {n_bytes} bytes, over this server's max_request_bytes={s.max_request_bytes}: send smaller batches"
-                },
-                close=True,
-            )
+        ok, obj = self.read_json()
+        if not ok:
             return
-        raw = self.rfile.read(int(length))
         try:
-            req = parse_request(json.loads(raw.decode("utf-8")), s.max_batch)
+            req = parse_request(obj, s.max_batch)
         except BatchTooLarge as e:
-            self._reply(413, {"error": str(e)})
-            return
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            self._reply(400, {"error": f"the body is not JSON: {e}"})
+            self.reply(413, {"error": str(e)})
             return
         except ValueError as e:
-            self._reply(400, {"error": str(e)})
+            self.reply(400, {"error": str(e)})
             return
         try:
             rewards = s.scorer.score(req)
         except ValueError as e:  # the scorer refuses this input (a rule without its reference, a too-long sequence)
-            self._reply(400, {"error": str(e)})
+            self.reply(400, {"error": str(e)})
             return
         bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
         if len(rewards) != len(req.responses) or bad:
-            self._reply(
+            self.reply(
                 500, {"error": f"the scorer returned {len(rewards)} rewards for {len(req.responses)} samples, non-finite at {bad[:5]}"}
             )
             return
-        self._reply(200, {"rewards": rewards})
+        self.reply(200, {"rewards": rewards})

@@ -726,7 +726,8 @@ class _Handler(GuardedHandler):
     server: GuardedHTTPServer
     server_version = "aligner-openai"
 
-    def error_body(self, status: int, message: str, kind: str = "", param: Optional[str] = None, code: Optional[str] = None) -> dict:
+    @classmethod
+    def error_body(cls, status: int, message: str, kind: str = "", param: Optional[str] = None, code: Optional[str] = None) -> dict:
         return {
             "error": {
                 "message": message,

@@ -97,7 +97,10 @@ class GuardedHTTPServer(ThreadingHTTPServer):
     def process_request(self, request, client_address) -> None:
         """Serve the connection on a thread, or answer 503 and close it when max_connections are busy."""
         if not self._slots.acquire(blocking=False):
-            body = json.dumps({"error": {"message": f"over this server's max_connections={self.max_connections}: retry later"}}).encode()
+            error = self.RequestHandlerClass.error_body(
+                503, f"over this server's max_connections={self.max_connections}: retry later", "server_error"
+            )
+            body = json.dumps(error).encode()
             head = f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
             try:
                 request.sendall(head.encode() + body)
@@ -134,7 +137,8 @@ class GuardedHandler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - BaseHTTPRequestHandler's signature
         log.debug("%s %s", self.address_string(), format % args)
 
-    def error_body(self, status: int, message: str, kind: str = "") -> dict:
+    @classmethod
+    def error_body(cls, status: int, message: str, kind: str = "") -> dict:
         """The JSON object of an error reply (default ``{"error": message}``)."""
         return {"error": message}
 

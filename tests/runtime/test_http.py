@@ -1,4 +1,4 @@
-"""The hardened HTTP server (aligner.runtime.http) and the agent endpoint built on it, over raw sockets:
+"""The hardened HTTP server (aligner.runtime.http), and the agent endpoint and the reward server built on it, over raw sockets:
 loopback by default, a non-loopback bind without a token refused, the bearer token, bounded bodies and
 connections, stalled clients dropped."""
 
@@ -12,6 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from aligner import serve_rm
+from aligner.reward.server import RewardHTTPServer, RuleScorer
 from aligner.rollout.openai_server import OpenAIEndpoint
 from aligner.runtime.http import GuardedHandler, GuardedHTTPServer, check_bind, is_loopback
 
@@ -65,6 +67,9 @@ def test_servers_refuse_a_public_bind_without_a_token():
     tok = SimpleNamespace(chat_template="")
     with pytest.raises(ValueError, match="not a loopback address"):
         OpenAIEndpoint(engine, tok, max_seq_len=8, host="0.0.0.0")
+    with pytest.raises(ValueError, match="not a loopback address"):
+        RewardHTTPServer(RuleScorer("task_accuracy"), host="0.0.0.0")
+    assert serve_rm.main(["reward.type=rule", "host=0.0.0.0", "port=0"]) == 2  # one line, exit 2, before serving
     ep = OpenAIEndpoint(engine, tok, max_seq_len=8)  # the default: loopback
     assert ep.http.server_address[0] == "127.0.0.1"
     ep.http.server_close()
