@@ -136,6 +136,10 @@ class OpenAIEndpoint:
         default_max_tokens: a call's completion budget when it gives none (capped by the room left).
         max_n: the most choices per call. require_episode_id: refuse calls without an episode id.
         request_timeout_s: how long a call waits for the engine before a 503.
+        teach_tools: with a chat template that defines no tool calls, write the request's ``tools`` into the
+            system message (:func:`aligner.envs.tool_env.tool_instructions`); False for a model that learned
+            the tag format without them (conf=tiny_tools' SFT model, as the in-process tool environment
+            plays it). Calls in completions are parsed either way.
         base_sampling: the engine sampling fields a request does not set (SamplingConfig; top_k, stop ids).
         recorder: where calls are recorded (a new :class:`AgentRecorder` by default).
     Raises ValueError for a non-loopback host without a token or bad bounds; OSError if the port is taken.
@@ -159,12 +163,13 @@ class OpenAIEndpoint:
         max_n: int = 16,
         require_episode_id: bool = True,
         request_timeout_s: float = 600.0,
+        teach_tools: bool = True,
         base_sampling: Optional[SamplingConfig] = None,
         recorder: Optional[AgentRecorder] = None,
     ) -> None:
         self.engine, self.tok, self.max_seq_len, self.model_name = engine, tokenizer, max_seq_len, model_name
         self.default_max_tokens, self.max_n = default_max_tokens, max_n
-        self.require_episode_id, self.request_timeout_s = require_episode_id, request_timeout_s
+        self.require_episode_id, self.request_timeout_s, self.teach_tools = require_episode_id, request_timeout_s, teach_tools
         self.base_sampling = base_sampling or SamplingConfig()
         self.recorder = recorder or AgentRecorder()
         self.vocab_size = engine.cfg.vocab_size
@@ -462,7 +467,7 @@ class OpenAIEndpoint:
         if tools:
             if self.tool_template:
                 kwargs["tools"] = tools
-            else:
+            elif self.teach_tools:
                 teach = tool_instructions([_Spec(t) for t in tools])
                 if convo[0]["role"] == "system":
                     convo[0] = {"role": "system", "content": f"{convo[0]['content']}\n\n{teach}"}

@@ -296,3 +296,14 @@ def test_a_template_that_defines_tool_calls(tmp_path):
         assert recs[1].parent == 0 and recs[1].break_reason == ""
         added = tok.decode(recs[1].prompt_ids[len(recs[0].context_ids) :], skip_special_tokens=False)
         assert added == "\n<|im_start|>user\n<tool_response>\n51\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tools_untaught_for_a_model_that_knows_the_tags(engine, tok):
+    with OpenAIEndpoint(SpyEngine(engine), tok, max_seq_len=MAX_SEQ_LEN, token=TOKEN, model_name=MODEL, teach_tools=False) as ep:
+        messages = [{"role": "user", "content": "12+39="}]
+        r = client(ep, "ep-u").chat.completions.create(model=MODEL, messages=messages, tools=[CALCULATOR], temperature=0)
+        assert r.choices[0].message.tool_calls[0].function.name == "calculator"  # still parsed
+        (rec,) = ep.recorder.records("ep-u")
+        # the prompt the in-process tool environment plays (conf=tiny_tools): the messages alone
+        want = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+        assert rec.prompt_ids == want
