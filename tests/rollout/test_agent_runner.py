@@ -95,3 +95,32 @@ def test_the_agent_sees_its_task(endpoint, tmp_path):
         "ALIGNER_METADATA": '{"answer": "18"}',
     }
     assert e.dropped and e.reason == "made no call to the endpoint with its episode id"
+
+
+def test_the_example_agent_gives_the_in_process_tool_environments_sequences(endpoint):
+    """The example agent through the endpoint (tools untaught, as conf=tiny_tools plays them) and the
+    in-process tool environment on the engine give the same training sequences, masks and log-probs."""
+    import torch
+
+    from aligner.config import SamplingConfig
+    from aligner.envs import EnvSpec, TokenEpisodes, make_env
+
+    tok, engine = endpoint.tok, endpoint.engine.engine
+    tasks = [("12+39=", {"answer": "51"}), ("3+4=", {"answer": "7"})]
+    with OpenAIEndpoint(engine, tok, max_seq_len=MAX_SEQ_LEN, token="t2", default_max_tokens=16, teach_tools=False) as ep:
+        agents = run_agents(ep, [sys.executable, EXAMPLE], tasks, parallel=2, deadline_s=120)
+    spec = EnvSpec(reward_fn=lambda p, r, m: float(r.strip() == m["answer"]), tools=("calculator",), chat_template=tok.chat_template)
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=100)
+    episodes = TokenEpisodes(lambda: make_env("tool", spec), tok, tasks, max_turns=2, timeout_s=10, stop_ids=engine.stop_ids(sampling))
+    prompts = [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True), add_special_tokens=False
+        )
+        for p, _ in tasks
+    ]
+    gens = engine.generate(prompts, sampling, turn_end=episodes)
+    for a, p, g in zip(agents, prompts, gens):
+        (s,) = a.samples
+        assert s.prompt_ids == p
+        assert s.generation.token_ids == g.token_ids and s.generation.own_mask == g.own_mask
+        torch.testing.assert_close(torch.tensor(s.generation.rollout_log_probs), torch.tensor(g.rollout_log_probs), atol=1e-5, rtol=0)
