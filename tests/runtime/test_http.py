@@ -67,7 +67,7 @@ def test_servers_refuse_a_public_bind_without_a_token():
     tok = SimpleNamespace(chat_template="")
     with pytest.raises(ValueError, match="not a loopback address"):
         OpenAIEndpoint(engine, tok, max_seq_len=8, host="0.0.0.0")
-    with pytest.raises(ValueError, match="not a loopback address"):
+    with pytest.raises(ValueError, match="no token is set"):  # the reward server's own message names its token sources
         RewardHTTPServer(RuleScorer("task_accuracy"), host="0.0.0.0")
     assert serve_rm.main(["reward.type=rule", "host=0.0.0.0", "port=0"]) == 2  # one line, exit 2, before serving
     ep = OpenAIEndpoint(engine, tok, max_seq_len=8)  # the default: loopback
