@@ -28,6 +28,8 @@ Registries, each keyed by the name used in the config:
   (see :func:`get_advantage_estimator`) and returns ``(advantages, returns)``.
 - ``LOSS_AGG_MODES``: "token-mean", "seq-mean-token-mean", "seq-mean-token-sum".
 - ``DPO_LOSS_TYPES``: "sigmoid" (DPO, cDPO), "ipo" (:func:`dpo_loss`).
+- ``POLICY_LOSSES``: "ppo" (:func:`policy_loss`), "gspo" (:func:`gspo_loss`, Zheng et al. 2025),
+  "cispo" (:func:`cispo_loss`, MiniMax-M1).
 
 Simplifications: advantages are never whitened here except where the method defines it
 (REINFORCE++); whitening GAE advantages is the caller's choice (``masked_whiten``).
@@ -84,6 +86,11 @@ from aligner.algorithms.losses import (
     truncated_is_weights,
     value_loss,
 )
+from aligner.algorithms.ratio_losses import (
+    POLICY_LOSSES,
+    cispo_loss,
+    gspo_loss,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -93,9 +100,11 @@ __all__ = [
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
     "Tensor",
     "aggregate_loss",
     "build_kl_controller",
+    "cispo_loss",
     "compute_gae",
     "compute_grpo_advantages",
     "compute_reinforce_pp_advantages",
@@ -105,6 +114,7 @@ __all__ = [
     "discounted_returns",
     "dpo_loss",
     "get_advantage_estimator",
+    "gspo_loss",
     "kl_loss",
     "kl_penalty",
     "kl_shaped_scores",

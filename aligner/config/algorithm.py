@@ -24,6 +24,10 @@ class AlgorithmConfig:
     """
 
     advantage: str = "gae"  # a key of aligner.algorithms.ADVANTAGE_ESTIMATORS
+    # the actor's policy loss (aligner.algorithms.POLICY_LOSSES): ppo (token ratios, clipped surrogate) | gspo (one
+    # length-normalized ratio per sequence, clipped per sequence; Zheng et al. 2025; needs loss_agg=seq-mean-token-mean)
+    # | cispo (the token ratio clipped at 1 + clip_eps_high as a stop-gradient weight of a REINFORCE term; MiniMax-M1)
+    policy_loss: str = "ppo"
     gamma: float = 1.0  # discount
     gae_lambda: float = 0.95  # GAE lambda
     clip_eps: float = 0.2  # PPO ratio clip (lower, and upper unless clip_eps_high is set)
@@ -95,6 +99,8 @@ class AlgorithmConfig:
         _choice(f"{prefix}.kl_loss_estimator", self.kl_loss_estimator, tuple(alg.KL_ESTIMATORS))
         _choice(f"{prefix}.kl_controller", self.kl_controller, tuple(alg.KL_CONTROLLERS))
         _choice(f"{prefix}.loss_agg", self.loss_agg, alg.LOSS_AGG_MODES)
+        _choice(f"{prefix}.policy_loss", self.policy_loss, alg.POLICY_LOSSES)
+        validate_policy_loss(self, prefix)
         _check(0 <= self.gamma <= 1, f"{prefix}.gamma", self.gamma, "must be in [0, 1]")
         _check(0 <= self.gae_lambda <= 1, f"{prefix}.gae_lambda", self.gae_lambda, "must be in [0, 1]")
         _check(self.clip_eps > 0, f"{prefix}.clip_eps", self.clip_eps, "must be positive (e.g. 0.2)")
@@ -129,6 +135,37 @@ class AlgorithmConfig:
             f"{prefix}.norm_by_std",
             self.norm_by_std,
             f"applies to advantage=grpo only (advantage={self.advantage} has no group std): remove it",
+        )
+
+
+def validate_policy_loss(a: AlgorithmConfig, prefix: str = "algorithm") -> None:
+    """What ``policy_loss=gspo|cispo`` cannot honour, refused (ConfigError naming the field and the fix):
+    gspo's objective is a mean over sequences of per-sequence terms (loss_agg=seq-mean-token-mean); neither
+    has a dual clip; the decoupled loss for stale samples is PPO's (its per-token proximal clip). The
+    decoupled loss's own default (``trainer.max_staleness > 0``) is checked by
+    :func:`aligner.config.validation.validate_staleness` after it resolves."""
+    if a.policy_loss == "ppo":
+        return
+    _check(
+        a.dual_clip is None,
+        f"{prefix}.dual_clip",
+        a.dual_clip,
+        f"the dual clip bounds PPO's token surrogate, which policy_loss={a.policy_loss} has none of: set it to null or policy_loss=ppo",
+    )
+    _check(
+        not a.decoupled_loss,
+        f"{prefix}.decoupled_loss",
+        a.decoupled_loss,
+        f"the decoupled loss for samples from stale weights is PPO's objective: set it false (with trainer.max_staleness=0) "
+        f"or policy_loss=ppo instead of {a.policy_loss}",
+    )
+    if a.policy_loss == "gspo":
+        _check(
+            a.loss_agg == "seq-mean-token-mean",
+            f"{prefix}.loss_agg",
+            a.loss_agg,
+            "policy_loss=gspo is a mean over sequences of each sequence's clipped ratio term (Zheng et al. 2025, eq. 5); "
+            "another aggregation weights sequences by their length: set algorithm.loss_agg=seq-mean-token-mean",
         )
 
 

@@ -53,6 +53,13 @@ def validate_staleness(cfg: AlignerConfig) -> None:
     r, t, a = cfg.rollout, cfg.trainer, cfg.algorithm
     if a.decoupled_loss is None:
         a.decoupled_loss = t.max_staleness > 0
+    _check(
+        a.policy_loss == "ppo" or not a.decoupled_loss,
+        "algorithm.policy_loss",
+        a.policy_loss,
+        f"samples from stale weights (trainer.max_staleness={t.max_staleness}, algorithm.decoupled_loss) train with "
+        "AReaL's decoupled PPO objective: set policy_loss=ppo, or trainer.max_staleness=0 and algorithm.decoupled_loss=false",
+    )
     if cfg.stage != "ppo":
         return
     if r.placement == "split":
