@@ -145,6 +145,8 @@ CASES = [
     (["algorithm.clip_eps_high=0"], "algorithm.clip_eps_high", "0.0", "positive (e.g. 0.28, DAPO)"),
     (["algorithm.kl_loss_coef=-0.1"], "algorithm.kl_loss_coef", "-0.1", ">= 0"),
     (["algorithm.norm_by_std=false"], "algorithm.norm_by_std", "False", "applies to advantage=grpo only"),
+    (["kto.beta=0"], "kto.beta", "0.0", "must be > 0"),
+    (["kto.undesirable_weight=-1"], "kto.undesirable_weight", "-1.0", "must be >= 0"),
     # what a sequence-level or clipped-weight policy loss cannot honour (tests/algorithms/test_gspo_cispo.py)
     (["algorithm.policy_loss=grpo"], "algorithm.policy_loss", "'grpo'", "valid choices are ppo, gspo, cispo"),
     (["algorithm.policy_loss=gspo"], "algorithm.loss_agg", "'token-mean'", "set algorithm.loss_agg=seq-mean-token-mean"),

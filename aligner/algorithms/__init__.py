@@ -71,6 +71,10 @@ from aligner.algorithms.kl import (
     build_kl_controller,
     kl_penalty,
 )
+from aligner.algorithms.kto import (
+    kto_loss,
+    kto_reference_point,
+)
 from aligner.algorithms.losses import (
     LOSS_AGG_MODES,
     aggregate_loss,
@@ -118,6 +122,8 @@ __all__ = [
     "kl_loss",
     "kl_penalty",
     "kl_shaped_scores",
+    "kto_loss",
+    "kto_reference_point",
     "last_token_index",
     "loss_agg_count",
     "masked_mean",

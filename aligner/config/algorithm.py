@@ -233,6 +233,20 @@ def follow_the_estimator(algorithm: Any, explicit: Collection[str], prefix: str 
 
 
 @dataclass(kw_only=True)
+class KTOConfig:
+    """The KTO stage's loss (Ethayarajh et al. 2024; formulas in :func:`aligner.algorithms.kto_loss`)."""
+
+    beta: float = 0.1  # implicit reward = beta * (log pi - log pi_ref), nats (TRL KTOConfig.beta)
+    desirable_weight: float = 1.0  # lambda_D, the weight of desirable examples' losses
+    undesirable_weight: float = 1.0  # lambda_U (the paper: keep lambda_D n_D / (lambda_U n_U) in [1, 4/3])
+
+    def validate(self, prefix: str = "kto") -> None:
+        _check(self.beta > 0, f"{prefix}.beta", self.beta, "must be > 0 (e.g. 0.1)")
+        for name in ("desirable_weight", "undesirable_weight"):
+            _check(getattr(self, name) >= 0, f"{prefix}.{name}", getattr(self, name), "must be >= 0 (e.g. 1.0)")
+
+
+@dataclass(kw_only=True)
 class DPOConfig:
     """The DPO stage's loss (formulas in :func:`aligner.algorithms.dpo_loss`)."""
 

@@ -167,6 +167,7 @@ def validate_sections(cfg: AlignerConfig) -> None:
     cfg.env.validate("env")
     cfg.algorithm.validate("algorithm")
     cfg.dpo.validate("dpo")
+    cfg.kto.validate("kto")
     cfg.cluster.validate("cluster")
     _check(
         cfg.data.max_seq_len <= cfg.model.max_seq_len,
@@ -349,7 +350,7 @@ def longest_row(cfg: AlignerConfig) -> tuple[int, str]:
     return cfg.data.max_seq_len, f"data.max_seq_len={cfg.data.max_seq_len}"
 
 
-STAGE_TRAINED_ROLES = {"sft": ("actor",), "dpo": ("actor",), "rm": ("reward",), "ppo": ("actor", "critic")}
+STAGE_TRAINED_ROLES = {"sft": ("actor",), "dpo": ("actor",), "kto": ("actor",), "rm": ("reward",), "ppo": ("actor", "critic")}
 
 
 def validate_interleaved(cfg: AlignerConfig) -> None:
