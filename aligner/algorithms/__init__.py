@@ -59,6 +59,11 @@ from aligner.algorithms.core import (
     masked_var,
     masked_whiten,
 )
+from aligner.algorithms.distill import (
+    distillation_loss,
+    distillation_token_rewards,
+    reverse_kl_per_token,
+)
 from aligner.algorithms.dpo import (
     DPO_LOSS_TYPES,
     dpo_loss,
@@ -116,6 +121,8 @@ __all__ = [
     "compute_token_rewards",
     "decoupled_policy_loss",
     "discounted_returns",
+    "distillation_loss",
+    "distillation_token_rewards",
     "dpo_loss",
     "get_advantage_estimator",
     "gspo_loss",
@@ -134,6 +141,7 @@ __all__ = [
     "overlong_penalty",
     "policy_lag_metrics",
     "policy_loss",
+    "reverse_kl_per_token",
     "rollout_mismatch_metrics",
     "staleness_metrics",
     "standardize_scores",
