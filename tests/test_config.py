@@ -146,6 +146,9 @@ CASES = [
     (["algorithm.kl_loss_coef=-0.1"], "algorithm.kl_loss_coef", "-0.1", ">= 0"),
     (["algorithm.norm_by_std=false"], "algorithm.norm_by_std", "False", "applies to advantage=grpo only"),
     (["kto.beta=0"], "kto.beta", "0.0", "must be > 0"),
+    (["spin.iterations=0"], "spin.iterations", "0", "must be >= 1"),
+    (["spin.prompts_per_iteration=1"], "spin.prompts_per_iteration", "1", "must be >= 2"),
+    (["spin.lam=0"], "spin.lam", "0.0", "must be > 0"),
     (["kto.undesirable_weight=-1"], "kto.undesirable_weight", "-1.0", "must be >= 0"),
     # what a sequence-level or clipped-weight policy loss cannot honour (tests/algorithms/test_gspo_cispo.py)
     (["algorithm.policy_loss=grpo"], "algorithm.policy_loss", "'grpo'", "valid choices are ppo, gspo, cispo"),

@@ -100,6 +100,7 @@ from aligner.algorithms.ratio_losses import (
     cispo_loss,
     gspo_loss,
 )
+from aligner.algorithms.spin import spin_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -144,6 +145,7 @@ __all__ = [
     "reverse_kl_per_token",
     "rollout_mismatch_metrics",
     "staleness_metrics",
+    "spin_loss",
     "standardize_scores",
     "truncated_is_weights",
     "value_loss",

@@ -247,6 +247,22 @@ class KTOConfig:
 
 
 @dataclass(kw_only=True)
+class SPINConfig:
+    """The SPIN stage (Chen et al. 2024; the loss in :func:`aligner.algorithms.spin_loss`): ``iterations`` rounds of
+    DPO with chosen = the SFT data's response and rejected = the current policy's own (greedy) response to the same
+    prompt, against the policy at the round's start (``trainer.max_steps`` split evenly over the rounds)."""
+
+    iterations: int = 2  # self-play rounds (the paper: 3-4)
+    prompts_per_iteration: int = 256  # SFT examples each round generates for (sampled without replacement, seeded)
+    lam: float = 0.1  # the paper's lambda: the loss is DPO's sigmoid with beta = lam
+
+    def validate(self, prefix: str = "spin") -> None:
+        _check(self.iterations >= 1, f"{prefix}.iterations", self.iterations, "must be >= 1 (e.g. 2)")
+        _check(self.prompts_per_iteration >= 2, f"{prefix}.prompts_per_iteration", self.prompts_per_iteration, "must be >= 2 (e.g. 256)")
+        _check(self.lam > 0, f"{prefix}.lam", self.lam, "must be > 0 (e.g. 0.1)")
+
+
+@dataclass(kw_only=True)
 class DPOConfig:
     """The DPO stage's loss (formulas in :func:`aligner.algorithms.dpo_loss`)."""
 

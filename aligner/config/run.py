@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Optional, get_type_hints
 
-from aligner.config.algorithm import FOLLOW_THE_ESTIMATOR, AlgorithmConfig, DPOConfig, KTOConfig
+from aligner.config.algorithm import FOLLOW_THE_ESTIMATOR, AlgorithmConfig, DPOConfig, KTOConfig, SPINConfig
 from aligner.config.common import LOGGERS, MODEL_ROLES, _check, _choice
 from aligner.config.data import DataConfig, TaskConfig, TokenizerConfig
 from aligner.config.env import EnvConfig
@@ -151,7 +151,7 @@ class ClusterConfig:
 class AlignerConfig:
     """The whole run. Built from Hydra (`conf=PRESET` plus overrides) and validated once."""
 
-    stage: str = "ppo"  # sft | rm | ppo | plan | dpo | kto (set by the entry point)
+    stage: str = "ppo"  # sft | rm | ppo | plan | dpo | kto | spin (set by the entry point)
     preset: str = "tiny"  # name of the preset the run started from
     output_dir: str = "outputs/tiny"  # checkpoints, metrics.jsonl, TensorBoard events, plots
     resume: bool = False  # continue from the latest complete checkpoint in output_dir
@@ -173,6 +173,7 @@ class AlignerConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)  # the DPO stage's loss
     kto: KTOConfig = field(default_factory=KTOConfig)  # the KTO stage's loss
+    spin: SPINConfig = field(default_factory=SPINConfig)  # the SPIN stage's rounds and loss
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
@@ -185,7 +186,7 @@ class AlignerConfig:
         ``reward.type`` is model or judge; ref when a KL term needs it (:attr:`AlgorithmConfig.uses_reference`).
         plan: the PPO roles.
         """
-        if self.stage in ("sft", "dpo", "kto"):
+        if self.stage in ("sft", "dpo", "kto", "spin"):
             return ("actor",)
         if self.stage == "rm":
             return ("reward",)

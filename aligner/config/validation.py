@@ -168,6 +168,13 @@ def validate_sections(cfg: AlignerConfig) -> None:
     cfg.algorithm.validate("algorithm")
     cfg.dpo.validate("dpo")
     cfg.kto.validate("kto")
+    cfg.spin.validate("spin")
+    _check(
+        cfg.stage != "spin" or cfg.actor.lora.rank == 0,
+        "actor.lora.rank",
+        cfg.actor.lora.rank,
+        "SPIN's reference is the policy at each round's start, a full copy: set actor.lora.rank=0",
+    )
     cfg.cluster.validate("cluster")
     _check(
         cfg.data.max_seq_len <= cfg.model.max_seq_len,
@@ -350,7 +357,14 @@ def longest_row(cfg: AlignerConfig) -> tuple[int, str]:
     return cfg.data.max_seq_len, f"data.max_seq_len={cfg.data.max_seq_len}"
 
 
-STAGE_TRAINED_ROLES = {"sft": ("actor",), "dpo": ("actor",), "kto": ("actor",), "rm": ("reward",), "ppo": ("actor", "critic")}
+STAGE_TRAINED_ROLES = {
+    "sft": ("actor",),
+    "dpo": ("actor",),
+    "kto": ("actor",),
+    "spin": ("actor",),
+    "rm": ("reward",),
+    "ppo": ("actor", "critic"),
+}
 
 
 def validate_interleaved(cfg: AlignerConfig) -> None:
