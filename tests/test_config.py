@@ -146,6 +146,9 @@ CASES = [
     (["algorithm.kl_loss_coef=-0.1"], "algorithm.kl_loss_coef", "-0.1", ">= 0"),
     (["algorithm.norm_by_std=false"], "algorithm.norm_by_std", "False", "applies to advantage=grpo only"),
     (["kto.beta=0"], "kto.beta", "0.0", "must be > 0"),
+    (["algorithm.distill_coef=-1"], "algorithm.distill_coef", "-1.0", "must be >= 0"),
+    (["algorithm.distill_coef=1"], "algorithm.distill_coef", "1.0", "needs a teacher: set teacher.init="),
+    (["teacher.init=t"], "teacher.init", "'t'", "set algorithm.distill_coef > 0"),
     (["spin.iterations=0"], "spin.iterations", "0", "must be >= 1"),
     (["spin.prompts_per_iteration=1"], "spin.prompts_per_iteration", "1", "must be >= 2"),
     (["spin.lam=0"], "spin.lam", "0.0", "must be > 0"),
@@ -729,7 +732,7 @@ def test_reference_worker_builds_without_optim():
 def test_roles_with_field():
     assert roles_with_field("type") == roles_with_field("rule") == roles_with_field("url") == ("reward",)
     assert roles_with_field("optim") == ("actor", "critic", "reward")
-    assert roles_with_field("init") == ("actor", "critic", "reward", "ref")
+    assert roles_with_field("init") == ("actor", "critic", "reward", "ref", "teacher")
     assert roles_with_field("nope") == ()
 
 

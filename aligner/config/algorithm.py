@@ -65,6 +65,9 @@ class AlgorithmConfig:
     # The engine-vs-trainer mismatch metrics are then not measured.
     recompute_old_log_probs: bool = True
     vf_coef: float = 1.0  # value-loss weight
+    # on-policy distillation (GKD, Agarwal et al. 2024): the per-token reverse KL to the teacher (teacher.init) on the
+    # student's own samples, -distill_coef * (log pi(y_t) - log pi_teacher(y_t)) added to each token's reward; 0 = off
+    distill_coef: float = 0.0
     # DAPO's soft overlong punishment (Yu et al. 2025): responses longer than max_new_tokens - overlong_buffer
     # lose up to overlong_penalty (at the budget, i.e. a cut response) from their score; 0 = off
     overlong_buffer: int = 0
@@ -107,6 +110,7 @@ class AlgorithmConfig:
         if self.clip_eps_high is not None:
             _check(self.clip_eps_high > 0, f"{prefix}.clip_eps_high", self.clip_eps_high, "must be positive (e.g. 0.28, DAPO) or null")
         _check(self.ppo_epochs >= 1, f"{prefix}.ppo_epochs", self.ppo_epochs, "must be >= 1")
+        _check(self.distill_coef >= 0, f"{prefix}.distill_coef", self.distill_coef, "must be >= 0 (e.g. 1.0 with teacher.init; 0 = off)")
         if self.dual_clip is not None:
             _check(self.dual_clip > 1, f"{prefix}.dual_clip", self.dual_clip, "must be > 1 (e.g. 3.0) or null")
         if self.tis_cap is not None:

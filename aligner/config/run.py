@@ -168,6 +168,8 @@ class AlignerConfig:
     critic: TrainableRoleConfig = field(default_factory=TrainableRoleConfig)  # value model
     reward: RewardRoleConfig = field(default_factory=RewardRoleConfig)  # reward model or rule (also the RM stage's model)
     ref: RefRoleConfig = field(default_factory=RefRoleConfig)  # frozen reference policy
+    # frozen teacher of on-policy distillation (teacher.init set, with algorithm.distill_coef > 0): served like the reference
+    teacher: RefRoleConfig = field(default_factory=RefRoleConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation engine
     env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn episodes (env.name set: each prompt plays one)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -197,6 +199,8 @@ class AlignerConfig:
             roles.append("reward")
         if self.algorithm.uses_reference and not self.ref_from_actor:
             roles.append("ref")
+        if self.teacher.init:
+            roles.append("teacher")
         return tuple(roles)
 
     @property
@@ -230,16 +234,16 @@ class AlignerConfig:
         check_paths(self, roles)
 
     def role(self, name: str) -> RoleConfig:
-        """The config of role `name` (actor, critic, reward, ref): a :class:`RoleConfig`, whose subclass
+        """The config of role `name` (actor, critic, reward, ref, teacher): a :class:`RoleConfig`, whose subclass
         depends on the role (:func:`roles_with_field`); ValueError for other names."""
-        if name not in ("actor", "critic", "reward", "ref"):
-            raise ValueError(f"unknown role {name!r}: valid roles are actor, critic, reward, ref")
+        if name not in MODEL_ROLES:
+            raise ValueError(f"unknown role {name!r}: valid roles are {', '.join(MODEL_ROLES)}")
         return getattr(self, name)
 
 
 def roles_with_field(name: str) -> tuple[str, ...]:
     """The model-hosting roles whose schema has the field `name`: ``"type"`` -> ``("reward",)``,
-    ``"optim"`` -> ``("actor", "critic", "reward")``, ``"init"`` -> all four; ``()`` for no role's field."""
+    ``"optim"`` -> ``("actor", "critic", "reward")``, ``"init"`` -> all five; ``()`` for no role's field."""
     schemas = get_type_hints(AlignerConfig)
     return tuple(r for r in MODEL_ROLES if name in {f.name for f in fields(schemas[r])})
 

@@ -32,6 +32,8 @@ def validate_run(cfg: AlignerConfig) -> None:
     validate_prompt_learning(cfg)
     validate_staleness(cfg)
     if cfg.stage == "ppo":
+        validate_teacher(cfg)
+    if cfg.stage == "ppo":
         validate_rollout_lengths(cfg)
     validate_cluster_devices(cfg)
     if cfg.trainer.micro_batch_tokens > 0:
@@ -45,6 +47,69 @@ def validate_run(cfg: AlignerConfig) -> None:
         validate_on_policy(cfg)
     if cfg.stage == "ppo" and cfg.algorithm.advantage in GROUP_ESTIMATORS:
         validate_group_estimator(cfg)
+
+
+def _hf_dir_file(init: str, name: str) -> Optional[str]:
+    """`name` in the HF directory `init` names (itself, or a run dir's hf/), or None."""
+    import os
+
+    for d in (init, os.path.join(init, "hf")):
+        path = os.path.join(d, name)
+        if init and os.path.isfile(path):
+            return path
+    return None
+
+
+def _vocab_of(init: str) -> tuple[Optional[int], Optional[dict]]:
+    """(config.json's vocab_size, tokenizer.json's model.vocab) of the checkpoint `init` names (None where absent)."""
+    import json
+
+    size = vocab = None
+    if path := _hf_dir_file(init, "config.json"):
+        with open(path) as f:
+            size = json.load(f).get("vocab_size")
+    if path := _hf_dir_file(init, "tokenizer.json"):
+        with open(path) as f:
+            vocab = (json.load(f).get("model") or {}).get("vocab")
+    return size, vocab
+
+
+def validate_teacher(cfg: AlignerConfig) -> None:
+    """On-policy distillation: ``algorithm.distill_coef`` > 0 exactly with a teacher (``teacher.init``), whose
+    vocabulary and tokenizer must be the student's (the per-token KL compares the two models' log-probs of the same
+    token ids): a teacher checkpoint whose config.json vocab_size or tokenizer.json vocabulary differs from the
+    student's (``actor.init``, else ``model.vocab_size``) is refused, both named."""
+    a, t = cfg.algorithm, cfg.teacher
+    _check(
+        bool(t.init) or a.distill_coef == 0,
+        "algorithm.distill_coef",
+        a.distill_coef,
+        "the per-token reverse KL needs a teacher: set teacher.init=<an HF dir or run dir of the same tokenizer>, or distill_coef=0",
+    )
+    _check(
+        not t.init or a.distill_coef > 0,
+        "teacher.init",
+        t.init,
+        "a teacher is used only by on-policy distillation: set algorithm.distill_coef > 0 (e.g. 1.0), or teacher.init=''",
+    )
+    if not t.init:
+        return
+    t_size, t_vocab = _vocab_of(t.init)
+    s_size, s_vocab = _vocab_of(cfg.actor.init)
+    student = cfg.actor.init or "model"
+    s_size = s_size if s_size is not None else cfg.model.vocab_size
+    if t_size is not None and t_size != s_size:
+        why = f"the teacher's vocab_size={t_size} differs from the student's ({student}: vocab_size={s_size})"
+    elif t_vocab is not None and s_vocab is not None and t_vocab != s_vocab:
+        why = f"the teacher's tokenizer.json vocabulary differs from the student's ({student})"
+    else:
+        return
+    _check(
+        False,
+        "teacher.init",
+        t.init,
+        f"{why}: distillation compares log-probs of the same token ids; give a teacher with the student's tokenizer",
+    )
 
 
 def validate_staleness(cfg: AlignerConfig) -> None:
