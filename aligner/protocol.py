@@ -21,7 +21,17 @@ from typing import Any, Optional
 import torch
 
 # Per-token [B, R] float fields and per-sequence [B] fields, in the vocabulary of docs/design.md, "Terms".
-TOKEN_FIELDS = ("response_mask", "rollout_log_probs", "old_log_probs", "ref_log_probs", "values", "advantages", "returns", "kl")
+TOKEN_FIELDS = (
+    "response_mask",
+    "rollout_log_probs",
+    "old_log_probs",
+    "ref_log_probs",
+    "teacher_log_probs",
+    "values",
+    "advantages",
+    "returns",
+    "kl",
+)
 SEQ_FIELDS = ("scores", "rewards", "prompt_lens", "response_lens", "group_ids")
 
 ACTOR_UPDATE_FIELDS = ("input_ids", "prompt_lens", "response_mask", "old_log_probs", "advantages", "rollout_log_probs", "ref_log_probs")
@@ -77,6 +87,7 @@ class RolloutBatch:
     rollout_log_probs: Optional[torch.Tensor] = None
     old_log_probs: Optional[torch.Tensor] = None
     ref_log_probs: Optional[torch.Tensor] = None
+    teacher_log_probs: Optional[torch.Tensor] = None  # [B, R], on-policy distillation's teacher (teacher.init)
     values: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None

@@ -145,6 +145,25 @@ CASES = [
     (["algorithm.clip_eps_high=0"], "algorithm.clip_eps_high", "0.0", "positive (e.g. 0.28, DAPO)"),
     (["algorithm.kl_loss_coef=-0.1"], "algorithm.kl_loss_coef", "-0.1", ">= 0"),
     (["algorithm.norm_by_std=false"], "algorithm.norm_by_std", "False", "applies to advantage=grpo only"),
+    (["kto.beta=0"], "kto.beta", "0.0", "must be > 0"),
+    (["algorithm.distill_coef=-1"], "algorithm.distill_coef", "-1.0", "must be >= 0"),
+    (["algorithm.distill_coef=1"], "algorithm.distill_coef", "1.0", "needs a teacher: set teacher.init="),
+    (["teacher.init=t"], "teacher.init", "'t'", "set algorithm.distill_coef > 0"),
+    (["spin.iterations=0"], "spin.iterations", "0", "must be >= 1"),
+    (["spin.prompts_per_iteration=1"], "spin.prompts_per_iteration", "1", "must be >= 2"),
+    (["spin.lam=0"], "spin.lam", "0.0", "must be > 0"),
+    (["kto.undesirable_weight=-1"], "kto.undesirable_weight", "-1.0", "must be >= 0"),
+    # what a sequence-level or clipped-weight policy loss cannot honour (tests/algorithms/test_gspo_cispo.py)
+    (["algorithm.policy_loss=grpo"], "algorithm.policy_loss", "'grpo'", "valid choices are ppo, gspo, cispo"),
+    (["algorithm.policy_loss=gspo"], "algorithm.loss_agg", "'token-mean'", "set algorithm.loss_agg=seq-mean-token-mean"),
+    (["algorithm.policy_loss=cispo", "algorithm.dual_clip=3"], "algorithm.dual_clip", "3.0", "set it to null or policy_loss=ppo"),
+    (["algorithm.policy_loss=cispo", "algorithm.decoupled_loss=true"], "algorithm.decoupled_loss", "True", "or policy_loss=ppo"),
+    (
+        ["algorithm.policy_loss=cispo", "rollout.placement=split", "trainer.max_staleness=1"],
+        "algorithm.policy_loss",
+        "'cispo'",
+        "set policy_loss=ppo, or trainer.max_staleness=0",
+    ),
     # skipping the old-log-prob forward is exact only on-policy: each condition that breaks it is named
     (
         ["algorithm.recompute_old_log_probs=false", "algorithm.ppo_epochs=2"],
@@ -747,7 +766,7 @@ def test_reference_worker_builds_without_optim():
 def test_roles_with_field():
     assert roles_with_field("type") == roles_with_field("rule") == roles_with_field("url") == ("reward",)
     assert roles_with_field("optim") == ("actor", "critic", "reward")
-    assert roles_with_field("init") == ("actor", "critic", "reward", "ref")
+    assert roles_with_field("init") == ("actor", "critic", "reward", "ref", "teacher")
     assert roles_with_field("nope") == ()
 
 

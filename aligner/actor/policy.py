@@ -10,8 +10,9 @@ run on any tp/pp/dp layout through :class:`aligner.runtime.runner.ModelRunner`:
 - ``sft_step``: next-token NLL on response tokens only (loss_mask), token-mean over the
   global batch.
 - ``ppo_update``: clipped surrogate (Schulman et al. 2017) with optional clip-higher and
-  dual clip, entropy bonus, KL loss term and truncated importance sampling
-  (aligner.algorithms), aggregated over the global mini-batch by ``algorithm.loss_agg``.
+  dual clip, or GSPO's sequence ratio or CISPO's clipped weight (``algorithm.policy_loss``),
+  entropy bonus, KL loss term and truncated importance sampling (aligner.algorithms),
+  aggregated over the global mini-batch by ``algorithm.loss_agg``.
 - ``dpo_step`` / ``dpo_eval``: the DPO-family preference losses of
   :func:`aligner.algorithms.dpo_loss` on sequence log-probs (sums over response tokens) of
   preference pairs, mean over the global batch of pairs, plus RPO's NLL of the chosen responses;
@@ -289,6 +290,29 @@ class Policy(RoleModel):
         return {"loss": self.dp_mean(local, count), "tokens": self.normalizer(count) * self.dims.dp_size}
 
     # ---- PPO ----------------------------------------------------------------------
+    @staticmethod
+    def _policy_loss(algo: AlgorithmConfig, lp, old, advantages, mask, weights) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``algo.policy_loss`` on one micro-batch's whole rows [b, R]: ppo (:func:`aligner.algorithms.policy_loss`),
+        gspo (:func:`aligner.algorithms.gspo_loss`; its sequence ratio needs every token of a row, which each
+        micro-batch has: the runner never splits a row, and context parallelism gathers the per-token outputs of
+        the whole rows before the loss) or cispo (:func:`aligner.algorithms.cispo_loss`, bound 1 + clip_eps_high)."""
+        high = algo.clip_eps if algo.clip_eps_high is None else algo.clip_eps_high
+        if algo.policy_loss == "gspo":
+            return alg.gspo_loss(lp, old, advantages, mask, algo.clip_eps, algo.clip_eps_high, algo.loss_agg, weights)
+        if algo.policy_loss == "cispo":
+            return alg.cispo_loss(lp, old, advantages, mask, high, algo.loss_agg, weights)
+        return alg.policy_loss(
+            lp,
+            old,
+            advantages,
+            mask,
+            algo.clip_eps,
+            clip_eps_high=algo.clip_eps_high,
+            dual_clip=algo.dual_clip,
+            loss_agg=algo.loss_agg,
+            is_weights=weights,
+        )
+
     def ppo_update(
         self, batch: dict[str, torch.Tensor], algo: AlgorithmConfig, micro_batch_size: int, temperature: float = 1.0, pack_len: int = 0
     ) -> dict[str, float]:
@@ -350,7 +374,7 @@ class Policy(RoleModel):
             else:
                 if algo.tis_cap is not None:
                     weights = alg.truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"], mask, algo.tis_cap)
-                loss, m = alg.policy_loss(lp, old, mb["advantages"], mask, algo.clip_eps, is_weights=weights, **clip)
+                loss, m = self._policy_loss(algo, lp, old, mb["advantages"], mask, weights)
             count, tokens = alg.loss_agg_count(mask, mode), mask.sum()
             entropy = alg.aggregate_loss(ent_tok, mask, mode)
             total = loss * count

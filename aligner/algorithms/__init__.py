@@ -28,6 +28,8 @@ Registries, each keyed by the name used in the config:
   (see :func:`get_advantage_estimator`) and returns ``(advantages, returns)``.
 - ``LOSS_AGG_MODES``: "token-mean", "seq-mean-token-mean", "seq-mean-token-sum".
 - ``DPO_LOSS_TYPES``: "sigmoid" (DPO, cDPO), "ipo" (:func:`dpo_loss`).
+- ``POLICY_LOSSES``: "ppo" (:func:`policy_loss`), "gspo" (:func:`gspo_loss`, Zheng et al. 2025),
+  "cispo" (:func:`cispo_loss`, MiniMax-M1).
 
 Simplifications: advantages are never whitened here except where the method defines it
 (REINFORCE++); whitening GAE advantages is the caller's choice (``masked_whiten``).
@@ -57,6 +59,11 @@ from aligner.algorithms.core import (
     masked_var,
     masked_whiten,
 )
+from aligner.algorithms.distill import (
+    distillation_loss,
+    distillation_token_rewards,
+    reverse_kl_per_token,
+)
 from aligner.algorithms.dpo import (
     DPO_LOSS_TYPES,
     dpo_loss,
@@ -68,6 +75,10 @@ from aligner.algorithms.kl import (
     FixedKLController,
     build_kl_controller,
     kl_penalty,
+)
+from aligner.algorithms.kto import (
+    kto_loss,
+    kto_reference_point,
 )
 from aligner.algorithms.losses import (
     LOSS_AGG_MODES,
@@ -84,6 +95,12 @@ from aligner.algorithms.losses import (
     truncated_is_weights,
     value_loss,
 )
+from aligner.algorithms.ratio_losses import (
+    POLICY_LOSSES,
+    cispo_loss,
+    gspo_loss,
+)
+from aligner.algorithms.spin import spin_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -93,9 +110,11 @@ __all__ = [
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
     "Tensor",
     "aggregate_loss",
     "build_kl_controller",
+    "cispo_loss",
     "compute_gae",
     "compute_grpo_advantages",
     "compute_reinforce_pp_advantages",
@@ -103,11 +122,16 @@ __all__ = [
     "compute_token_rewards",
     "decoupled_policy_loss",
     "discounted_returns",
+    "distillation_loss",
+    "distillation_token_rewards",
     "dpo_loss",
     "get_advantage_estimator",
+    "gspo_loss",
     "kl_loss",
     "kl_penalty",
     "kl_shaped_scores",
+    "kto_loss",
+    "kto_reference_point",
     "last_token_index",
     "loss_agg_count",
     "masked_mean",
@@ -118,8 +142,10 @@ __all__ = [
     "overlong_penalty",
     "policy_lag_metrics",
     "policy_loss",
+    "reverse_kl_per_token",
     "rollout_mismatch_metrics",
     "staleness_metrics",
+    "spin_loss",
     "standardize_scores",
     "truncated_is_weights",
     "value_loss",

@@ -24,6 +24,10 @@ class AlgorithmConfig:
     """
 
     advantage: str = "gae"  # a key of aligner.algorithms.ADVANTAGE_ESTIMATORS
+    # the actor's policy loss (aligner.algorithms.POLICY_LOSSES): ppo (token ratios, clipped surrogate) | gspo (one
+    # length-normalized ratio per sequence, clipped per sequence; Zheng et al. 2025; needs loss_agg=seq-mean-token-mean)
+    # | cispo (the token ratio clipped at 1 + clip_eps_high as a stop-gradient weight of a REINFORCE term; MiniMax-M1)
+    policy_loss: str = "ppo"
     gamma: float = 1.0  # discount
     gae_lambda: float = 0.95  # GAE lambda
     clip_eps: float = 0.2  # PPO ratio clip (lower, and upper unless clip_eps_high is set)
@@ -61,6 +65,9 @@ class AlgorithmConfig:
     # The engine-vs-trainer mismatch metrics are then not measured.
     recompute_old_log_probs: bool = True
     vf_coef: float = 1.0  # value-loss weight
+    # on-policy distillation (GKD, Agarwal et al. 2024): the per-token reverse KL to the teacher (teacher.init) on the
+    # student's own samples, -distill_coef * (log pi(y_t) - log pi_teacher(y_t)) added to each token's reward; 0 = off
+    distill_coef: float = 0.0
     # DAPO's soft overlong punishment (Yu et al. 2025): responses longer than max_new_tokens - overlong_buffer
     # lose up to overlong_penalty (at the budget, i.e. a cut response) from their score; 0 = off
     overlong_buffer: int = 0
@@ -95,12 +102,15 @@ class AlgorithmConfig:
         _choice(f"{prefix}.kl_loss_estimator", self.kl_loss_estimator, tuple(alg.KL_ESTIMATORS))
         _choice(f"{prefix}.kl_controller", self.kl_controller, tuple(alg.KL_CONTROLLERS))
         _choice(f"{prefix}.loss_agg", self.loss_agg, alg.LOSS_AGG_MODES)
+        _choice(f"{prefix}.policy_loss", self.policy_loss, alg.POLICY_LOSSES)
+        validate_policy_loss(self, prefix)
         _check(0 <= self.gamma <= 1, f"{prefix}.gamma", self.gamma, "must be in [0, 1]")
         _check(0 <= self.gae_lambda <= 1, f"{prefix}.gae_lambda", self.gae_lambda, "must be in [0, 1]")
         _check(self.clip_eps > 0, f"{prefix}.clip_eps", self.clip_eps, "must be positive (e.g. 0.2)")
         if self.clip_eps_high is not None:
             _check(self.clip_eps_high > 0, f"{prefix}.clip_eps_high", self.clip_eps_high, "must be positive (e.g. 0.28, DAPO) or null")
         _check(self.ppo_epochs >= 1, f"{prefix}.ppo_epochs", self.ppo_epochs, "must be >= 1")
+        _check(self.distill_coef >= 0, f"{prefix}.distill_coef", self.distill_coef, "must be >= 0 (e.g. 1.0 with teacher.init; 0 = off)")
         if self.dual_clip is not None:
             _check(self.dual_clip > 1, f"{prefix}.dual_clip", self.dual_clip, "must be > 1 (e.g. 3.0) or null")
         if self.tis_cap is not None:
@@ -129,6 +139,37 @@ class AlgorithmConfig:
             f"{prefix}.norm_by_std",
             self.norm_by_std,
             f"applies to advantage=grpo only (advantage={self.advantage} has no group std): remove it",
+        )
+
+
+def validate_policy_loss(a: AlgorithmConfig, prefix: str = "algorithm") -> None:
+    """What ``policy_loss=gspo|cispo`` cannot honour, refused (ConfigError naming the field and the fix):
+    gspo's objective is a mean over sequences of per-sequence terms (loss_agg=seq-mean-token-mean); neither
+    has a dual clip; the decoupled loss for stale samples is PPO's (its per-token proximal clip). The
+    decoupled loss's own default (``trainer.max_staleness > 0``) is checked by
+    :func:`aligner.config.validation.validate_staleness` after it resolves."""
+    if a.policy_loss == "ppo":
+        return
+    _check(
+        a.dual_clip is None,
+        f"{prefix}.dual_clip",
+        a.dual_clip,
+        f"the dual clip bounds PPO's token surrogate, which policy_loss={a.policy_loss} has none of: set it to null or policy_loss=ppo",
+    )
+    _check(
+        not a.decoupled_loss,
+        f"{prefix}.decoupled_loss",
+        a.decoupled_loss,
+        f"the decoupled loss for samples from stale weights is PPO's objective: set it false (with trainer.max_staleness=0) "
+        f"or policy_loss=ppo instead of {a.policy_loss}",
+    )
+    if a.policy_loss == "gspo":
+        _check(
+            a.loss_agg == "seq-mean-token-mean",
+            f"{prefix}.loss_agg",
+            a.loss_agg,
+            "policy_loss=gspo is a mean over sequences of each sequence's clipped ratio term (Zheng et al. 2025, eq. 5); "
+            "another aggregation weights sequences by their length: set algorithm.loss_agg=seq-mean-token-mean",
         )
 
 
@@ -193,6 +234,36 @@ def follow_the_estimator(algorithm: Any, explicit: Collection[str], prefix: str 
         algorithm.kl_coef = None
     if f"{prefix}.kl_controller" not in explicit:
         algorithm.kl_controller = "fixed"
+
+
+@dataclass(kw_only=True)
+class KTOConfig:
+    """The KTO stage's loss (Ethayarajh et al. 2024; formulas in :func:`aligner.algorithms.kto_loss`)."""
+
+    beta: float = 0.1  # implicit reward = beta * (log pi - log pi_ref), nats (TRL KTOConfig.beta)
+    desirable_weight: float = 1.0  # lambda_D, the weight of desirable examples' losses
+    undesirable_weight: float = 1.0  # lambda_U (the paper: keep lambda_D n_D / (lambda_U n_U) in [1, 4/3])
+
+    def validate(self, prefix: str = "kto") -> None:
+        _check(self.beta > 0, f"{prefix}.beta", self.beta, "must be > 0 (e.g. 0.1)")
+        for name in ("desirable_weight", "undesirable_weight"):
+            _check(getattr(self, name) >= 0, f"{prefix}.{name}", getattr(self, name), "must be >= 0 (e.g. 1.0)")
+
+
+@dataclass(kw_only=True)
+class SPINConfig:
+    """The SPIN stage (Chen et al. 2024; the loss in :func:`aligner.algorithms.spin_loss`): ``iterations`` rounds of
+    DPO with chosen = the SFT data's response and rejected = the current policy's own (greedy) response to the same
+    prompt, against the policy at the round's start (``trainer.max_steps`` split evenly over the rounds)."""
+
+    iterations: int = 2  # self-play rounds (the paper: 3-4)
+    prompts_per_iteration: int = 256  # SFT examples each round generates for (sampled without replacement, seeded)
+    lam: float = 0.1  # the paper's lambda: the loss is DPO's sigmoid with beta = lam
+
+    def validate(self, prefix: str = "spin") -> None:
+        _check(self.iterations >= 1, f"{prefix}.iterations", self.iterations, "must be >= 1 (e.g. 2)")
+        _check(self.prompts_per_iteration >= 2, f"{prefix}.prompts_per_iteration", self.prompts_per_iteration, "must be >= 2 (e.g. 256)")
+        _check(self.lam > 0, f"{prefix}.lam", self.lam, "must be > 0 (e.g. 0.1)")
 
 
 @dataclass(kw_only=True)

@@ -9,9 +9,9 @@ from typing import Any
 from aligner.errors import ConfigError
 
 PRESETS = ("tiny", "tiny_tools", "smollm2_135m", "smollm2_ifeval", "llama2_7b", "llama2_13b", "llama2_70b")
-STAGES = ("sft", "rm", "ppo", "plan", "dpo")
-ROLES = ("actor", "critic", "reward", "ref", "rollout")
-MODEL_ROLES = ("actor", "critic", "reward", "ref")  # the roles with a RoleConfig (init, parallel, resources)
+STAGES = ("sft", "rm", "ppo", "plan", "dpo", "kto", "spin")
+ROLES = ("actor", "critic", "reward", "ref", "teacher", "rollout")
+MODEL_ROLES = ("actor", "critic", "reward", "ref", "teacher")  # the roles with a RoleConfig (init, parallel, resources)
 # the keys of aligner.data.formats.FORMATS, in order (config imports nothing from aligner.data, which imports
 # config; tests/test_config.py asserts the two agree)
 DATA_FORMATS = ("prompt", "sft", "chat", "pairs", "hh", "gsm8k", "text", "prompt_completion", "unpaired")

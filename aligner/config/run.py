@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Optional, get_type_hints
 
-from aligner.config.algorithm import FOLLOW_THE_ESTIMATOR, AlgorithmConfig, DPOConfig
+from aligner.config.algorithm import FOLLOW_THE_ESTIMATOR, AlgorithmConfig, DPOConfig, KTOConfig, SPINConfig
 from aligner.config.common import LOGGERS, MODEL_ROLES, _check, _choice
 from aligner.config.data import DataConfig, TaskConfig, TokenizerConfig
 from aligner.config.env import EnvConfig
@@ -151,7 +151,7 @@ class ClusterConfig:
 class AlignerConfig:
     """The whole run. Built from Hydra (`conf=PRESET` plus overrides) and validated once."""
 
-    stage: str = "ppo"  # sft | rm | ppo | plan | dpo (set by the entry point)
+    stage: str = "ppo"  # sft | rm | ppo | plan | dpo | kto | spin (set by the entry point)
     preset: str = "tiny"  # name of the preset the run started from
     output_dir: str = "outputs/tiny"  # checkpoints, metrics.jsonl, TensorBoard events, plots
     resume: bool = False  # continue from the latest complete checkpoint in output_dir
@@ -168,10 +168,14 @@ class AlignerConfig:
     critic: TrainableRoleConfig = field(default_factory=TrainableRoleConfig)  # value model
     reward: RewardRoleConfig = field(default_factory=RewardRoleConfig)  # reward model or rule (also the RM stage's model)
     ref: RefRoleConfig = field(default_factory=RefRoleConfig)  # frozen reference policy
+    # frozen teacher of on-policy distillation (teacher.init set, with algorithm.distill_coef > 0): served like the reference
+    teacher: RefRoleConfig = field(default_factory=RefRoleConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation engine
     env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn episodes (env.name set: each prompt plays one)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)  # the DPO stage's loss
+    kto: KTOConfig = field(default_factory=KTOConfig)  # the KTO stage's loss
+    spin: SPINConfig = field(default_factory=SPINConfig)  # the SPIN stage's rounds and loss
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
@@ -184,7 +188,7 @@ class AlignerConfig:
         ``reward.type`` is model or judge; ref when a KL term needs it (:attr:`AlgorithmConfig.uses_reference`).
         plan: the PPO roles.
         """
-        if self.stage in ("sft", "dpo"):
+        if self.stage in ("sft", "dpo", "kto", "spin"):
             return ("actor",)
         if self.stage == "rm":
             return ("reward",)
@@ -195,6 +199,8 @@ class AlignerConfig:
             roles.append("reward")
         if self.algorithm.uses_reference and not self.ref_from_actor:
             roles.append("ref")
+        if self.teacher.init:
+            roles.append("teacher")
         return tuple(roles)
 
     @property
@@ -228,16 +234,16 @@ class AlignerConfig:
         check_paths(self, roles)
 
     def role(self, name: str) -> RoleConfig:
-        """The config of role `name` (actor, critic, reward, ref): a :class:`RoleConfig`, whose subclass
+        """The config of role `name` (actor, critic, reward, ref, teacher): a :class:`RoleConfig`, whose subclass
         depends on the role (:func:`roles_with_field`); ValueError for other names."""
-        if name not in ("actor", "critic", "reward", "ref"):
-            raise ValueError(f"unknown role {name!r}: valid roles are actor, critic, reward, ref")
+        if name not in MODEL_ROLES:
+            raise ValueError(f"unknown role {name!r}: valid roles are {', '.join(MODEL_ROLES)}")
         return getattr(self, name)
 
 
 def roles_with_field(name: str) -> tuple[str, ...]:
     """The model-hosting roles whose schema has the field `name`: ``"type"`` -> ``("reward",)``,
-    ``"optim"`` -> ``("actor", "critic", "reward")``, ``"init"`` -> all four; ``()`` for no role's field."""
+    ``"optim"`` -> ``("actor", "critic", "reward")``, ``"init"`` -> all five; ``()`` for no role's field."""
     schemas = get_type_hints(AlignerConfig)
     return tuple(r for r in MODEL_ROLES if name in {f.name for f in fields(schemas[r])})
 

@@ -32,6 +32,8 @@ def validate_run(cfg: AlignerConfig) -> None:
     validate_prompt_learning(cfg)
     validate_staleness(cfg)
     if cfg.stage == "ppo":
+        validate_teacher(cfg)
+    if cfg.stage == "ppo":
         validate_rollout_lengths(cfg)
     validate_cluster_devices(cfg)
     if cfg.trainer.micro_batch_tokens > 0:
@@ -47,12 +49,82 @@ def validate_run(cfg: AlignerConfig) -> None:
         validate_group_estimator(cfg)
 
 
+def _hf_dir_file(init: str, name: str) -> Optional[str]:
+    """`name` in the HF directory `init` names (itself, or a run dir's hf/), or None."""
+    import os
+
+    for d in (init, os.path.join(init, "hf")):
+        path = os.path.join(d, name)
+        if init and os.path.isfile(path):
+            return path
+    return None
+
+
+def _vocab_of(init: str) -> tuple[Optional[int], Optional[dict]]:
+    """(config.json's vocab_size, tokenizer.json's model.vocab) of the checkpoint `init` names (None where absent)."""
+    import json
+
+    size = vocab = None
+    if path := _hf_dir_file(init, "config.json"):
+        with open(path) as f:
+            size = json.load(f).get("vocab_size")
+    if path := _hf_dir_file(init, "tokenizer.json"):
+        with open(path) as f:
+            vocab = (json.load(f).get("model") or {}).get("vocab")
+    return size, vocab
+
+
+def validate_teacher(cfg: AlignerConfig) -> None:
+    """On-policy distillation: ``algorithm.distill_coef`` > 0 exactly with a teacher (``teacher.init``), whose
+    vocabulary and tokenizer must be the student's (the per-token KL compares the two models' log-probs of the same
+    token ids): a teacher checkpoint whose config.json vocab_size or tokenizer.json vocabulary differs from the
+    student's (``actor.init``, else ``model.vocab_size``) is refused, both named."""
+    a, t = cfg.algorithm, cfg.teacher
+    _check(
+        bool(t.init) or a.distill_coef == 0,
+        "algorithm.distill_coef",
+        a.distill_coef,
+        "the per-token reverse KL needs a teacher: set teacher.init=<an HF dir or run dir of the same tokenizer>, or distill_coef=0",
+    )
+    _check(
+        not t.init or a.distill_coef > 0,
+        "teacher.init",
+        t.init,
+        "a teacher is used only by on-policy distillation: set algorithm.distill_coef > 0 (e.g. 1.0), or teacher.init=''",
+    )
+    if not t.init:
+        return
+    t_size, t_vocab = _vocab_of(t.init)
+    s_size, s_vocab = _vocab_of(cfg.actor.init)
+    student = cfg.actor.init or "model"
+    s_size = s_size if s_size is not None else cfg.model.vocab_size
+    if t_size is not None and t_size != s_size:
+        why = f"the teacher's vocab_size={t_size} differs from the student's ({student}: vocab_size={s_size})"
+    elif t_vocab is not None and s_vocab is not None and t_vocab != s_vocab:
+        why = f"the teacher's tokenizer.json vocabulary differs from the student's ({student})"
+    else:
+        return
+    _check(
+        False,
+        "teacher.init",
+        t.init,
+        f"{why}: distillation compares log-probs of the same token ids; give a teacher with the student's tokenizer",
+    )
+
+
 def validate_staleness(cfg: AlignerConfig) -> None:
     """The split rollout placement and bounded staleness (docs/rollout.md): what they need, and the
     decoupled loss resolved (``algorithm.decoupled_loss=None`` follows ``trainer.max_staleness > 0``)."""
     r, t, a = cfg.rollout, cfg.trainer, cfg.algorithm
     if a.decoupled_loss is None:
         a.decoupled_loss = t.max_staleness > 0
+    _check(
+        a.policy_loss == "ppo" or not a.decoupled_loss,
+        "algorithm.policy_loss",
+        a.policy_loss,
+        f"samples from stale weights (trainer.max_staleness={t.max_staleness}, algorithm.decoupled_loss) train with "
+        "AReaL's decoupled PPO objective: set policy_loss=ppo, or trainer.max_staleness=0 and algorithm.decoupled_loss=false",
+    )
     if cfg.stage != "ppo":
         return
     if r.placement == "split":
@@ -160,6 +232,14 @@ def validate_sections(cfg: AlignerConfig) -> None:
     cfg.env.validate("env")
     cfg.algorithm.validate("algorithm")
     cfg.dpo.validate("dpo")
+    cfg.kto.validate("kto")
+    cfg.spin.validate("spin")
+    _check(
+        cfg.stage != "spin" or cfg.actor.lora.rank == 0,
+        "actor.lora.rank",
+        cfg.actor.lora.rank,
+        "SPIN's reference is the policy at each round's start, a full copy: set actor.lora.rank=0",
+    )
     cfg.cluster.validate("cluster")
     _check(
         cfg.data.max_seq_len <= cfg.model.max_seq_len,
@@ -342,7 +422,14 @@ def longest_row(cfg: AlignerConfig) -> tuple[int, str]:
     return cfg.data.max_seq_len, f"data.max_seq_len={cfg.data.max_seq_len}"
 
 
-STAGE_TRAINED_ROLES = {"sft": ("actor",), "dpo": ("actor",), "rm": ("reward",), "ppo": ("actor", "critic")}
+STAGE_TRAINED_ROLES = {
+    "sft": ("actor",),
+    "dpo": ("actor",),
+    "kto": ("actor",),
+    "spin": ("actor",),
+    "rm": ("reward",),
+    "ppo": ("actor", "critic"),
+}
 
 
 def validate_interleaved(cfg: AlignerConfig) -> None:

@@ -66,6 +66,7 @@ from aligner.reward.rules import score
 from aligner.rollout.base import generations_to_padded, own_tokens_mask, routed_experts_to_padded
 from aligner.tracking import plot_curves
 from aligner.trainers import preemption
+from aligner.trainers.distill import distilled_kl
 from aligner.trainers.dynamic_sampling import dynamic_rollout
 from aligner.trainers.evaluation import accuracy_rule, episode_rows, evaluate_greedy, gather_generations, on_builtin_task
 from aligner.trainers.loop import Trainer, death_summary
@@ -175,6 +176,7 @@ class PPOTrainer(Trainer):
         specs = {
             "actor": (ActorWorker, dict(cfg=cfg, role="actor", total_steps=steps, eos_token_id=self.tok.eos_token_id, **episode_kw)),
             "ref": (PolicyWorker, dict(cfg=cfg, role="ref", init=cfg.init_of("ref"))),
+            "teacher": (PolicyWorker, dict(cfg=cfg, role="teacher", init=cfg.teacher.init)),
             "critic": (CriticWorker, dict(cfg=cfg, total_steps=steps, init=cfg.init_of("critic"))),
             "reward": (RewardWorker, dict(cfg=cfg)),
         }
@@ -555,7 +557,7 @@ class PPOTrainer(Trainer):
         """Values, scores, reference and old log-probs, as concurrent futures on their groups."""
 
         inputs, temp = batch.model_inputs(), self._temperature()
-        self.busy("actor", "critic", "reward", "ref")
+        self.busy("actor", "critic", "reward", "ref", "teacher")
         routing = batch.rollout_experts is not None  # MoE: the trainer's routing too, for the mismatch metric
         actor = self.groups["actor"]
         futures = {}
@@ -573,6 +575,8 @@ class PPOTrainer(Trainer):
             futures["ref"] = self.groups["ref"].log_probs(inputs, temp)
         elif self.cfg.ref_from_actor:  # LoRA: the reference is the actor with its adapters disabled
             futures["ref"] = self.groups["actor"].ref_log_probs(inputs, temp)
+        if "teacher" in self.groups:  # on-policy distillation: the teacher scores the student's tokens
+            futures["teacher"] = self.groups["teacher"].log_probs(inputs, temp)
         names = list(futures)
         results = dict(zip(names, get_all([futures[k] for k in names])))
         mask = batch.response_mask
@@ -582,6 +586,7 @@ class PPOTrainer(Trainer):
         batch.old_log_probs = results["old"] * mask if "old" in results else None
         batch.ref_log_probs = results["ref"] * mask if "ref" in results else self._policy_log_probs(batch).clone()
         batch.values = results["values"] * mask if "values" in results else None
+        batch.teacher_log_probs = results["teacher"] * mask if "teacher" in results else None
         if not scored:
             batch.scores = results["scores"] if "scores" in results else self.rule_scores(batch)
 
@@ -629,13 +634,14 @@ class PPOTrainer(Trainer):
             batch.rewards = batch.rewards + length_term.to(batch.rewards.dtype)
             out["overlong_penalty_mean"] = float(length_term.mean())
         batch.kl = alg.kl_penalty(self._policy_log_probs(batch), batch.ref_log_probs, a.kl_estimator) * mask
+        kl, kl_coef = distilled_kl(batch, self._policy_log_probs(batch), self.reward_kl_coef(), a.distill_coef, out)
         estimator = alg.get_advantage_estimator(a.advantage)
         adv, ret = estimator(
             scores=batch.rewards,
             response_mask=mask,
             values=batch.values,
-            kl=batch.kl,
-            kl_coef=self.reward_kl_coef(),
+            kl=kl,
+            kl_coef=kl_coef,
             gamma=a.gamma,
             gae_lambda=a.gae_lambda,
             group_ids=batch.group_ids,
