@@ -46,7 +46,11 @@ punica kernels vLLM's CPU build does not promise, and a merged refit of only the
 Not done here: vLLM's tensor/pipeline parallelism (one engine per rank: ``rollout.parallel`` tp = pp = 1),
 sleep / wake (the CPU build ignores ``sleep``: "sleep mode is not supported on CPU"), episodes and
 streamed rewards (the torch engine's), interruptible generation. The CPU worker replaces
-``torch.set_num_threads`` with a no-op for its whole process once it has bound its threads.
+``torch.set_num_threads`` with a no-op for its whole process. Its OpenMP thread binding
+(``VLLM_CPU_OMP_THREADS_BIND``, vllm/utils/ompmultiprocessing.py: by default one logical CPU per
+physical core, less a core reserved for the scheduler process of the multiprocess mode) is off here
+(``nobind``, unless the variable is set): in-process it would pin the whole worker, trainer included;
+vLLM then runs on torch's intra-op threads.
 """
 
 from __future__ import annotations
@@ -162,8 +166,35 @@ def finish_reason(reason: Optional[str], token_ids: Sequence[int], stop_ids: Ite
     return "length"
 
 
+def kv_share_error(share: float) -> Optional[str]:
+    """Why vLLM's CPU worker in this process would find no KV-cache memory in `share`, or None.
+
+    The CPU build reserves share x MemTotal for the worker's whole process, this process's resident
+    memory (the trainer's weights and optimizer state when colocated) included, and refuses a share that
+    leaves nothing for the KV cache (vllm/v1/worker/cpu_worker.py); None where it cannot be read or on CUDA.
+    """
+    if torch.cuda.is_available():
+        return None
+    try:
+        pages = int(open("/proc/self/statm").read().split()[1])
+        total = int(next(ln for ln in open("/proc/meminfo") if ln.startswith("MemTotal")).split()[1]) * 1024
+    except (OSError, ValueError, StopIteration):
+        return None
+    rss = pages * os.sysconf("SC_PAGE_SIZE")
+    if share * total > rss:
+        return None
+    return (
+        f"rollout.gpu_memory_utilization={share} is invalid: on CPU it is the share of the machine's {total / 2**30:.1f} GiB "
+        f"this process may use, {share * total / 2**30:.2f} GiB, and the process already holds {rss / 2**30:.2f} GiB "
+        f"(nothing left for vLLM's KV cache): set it above {rss / total:.2f} plus the KV cache's share"
+    )
+
+
 def _import_vllm():
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process (module docstring)
+    # vLLM's CPU worker binds its OpenMP threads to one logical CPU per physical core, less one core it keeps for
+    # a scheduler process; in-process that binding would hold the whole worker (the trainer too) to those cores
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     try:
         from vllm import LLM, SamplingParams
     except ImportError as e:
@@ -212,6 +243,9 @@ class VllmEngine(RolloutEngine):
             enable_prefix_caching=enable_prefix_caching,
         )
         LLM, SamplingParams = _import_vllm()
+        short = kv_share_error(gpu_memory_utilization)
+        if short:
+            raise ValueError(short)
         self.llm = LLM(**kw)
         self._SamplingParams = SamplingParams
         self.eos_token_id, self.max_seq_len = eos_token_id, max_seq_len

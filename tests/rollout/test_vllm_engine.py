@@ -96,6 +96,17 @@ def test_memory_share_check(monkeypatch):
     assert cpu_memory_share_error(0.9) is None
 
 
+def test_a_share_below_the_process_memory_is_refused_before_vllm_starts():
+    """On CPU the share covers this process's resident memory too: a share below it leaves no KV cache."""
+    from aligner.rollout.vllm_engine import kv_share_error
+
+    if torch.cuda.is_available():
+        pytest.skip("the check is for CPU workers")
+    msg = kv_share_error(1e-6)
+    assert msg and msg.startswith("rollout.gpu_memory_utilization=1e-06 is invalid") and "already holds" in msg, msg
+    assert kv_share_error(1.0) is None
+
+
 def test_registry_builds_vllm_or_names_the_extra():
     from aligner.rollout import engine_class
 
@@ -194,7 +205,7 @@ def engines(smollm2):
     model, _ = load_hf_model(smollm2)
     model.eval()
     torch_engine = TorchEngine(model, eos_token_id=tok.eos_token_id, max_batch_size=16)
-    vllm = VllmEngine(str(smollm2), max_seq_len=1024, eos_token_id=tok.eos_token_id, max_batch_size=16, gpu_memory_utilization=0.12)
+    vllm = VllmEngine(str(smollm2), max_seq_len=1024, eos_token_id=tok.eos_token_id, max_batch_size=16, gpu_memory_utilization=0.2)
     yield tok, model, torch_engine, vllm
     vllm.shutdown()
 
@@ -213,6 +224,7 @@ GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=48)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a shared 2-core machine: minutes under load
 def test_greedy_tokens_and_log_probs_equal_the_torch_engine(engines):
     """16 GSM8K prompts, greedy, 48 new tokens: >= 15 responses identical; where the tokens agree (up to a
     row's first difference) the log-probs agree within 1e-3. Different GEMM kernels (oneDNN / MKL in ours,
@@ -234,6 +246,7 @@ def test_greedy_tokens_and_log_probs_equal_the_torch_engine(engines):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a shared 2-core machine: minutes under load
 def test_seeded_sampling_repeats_and_log_probs_are_at_the_temperature(engines):
     """T = 0.7: the same seeds give the same tokens; each token's log-prob equals aligner's model's
     log softmax(logits / T) at its position (a teacher-forced forward), within 1e-3."""
@@ -254,6 +267,7 @@ def test_seeded_sampling_repeats_and_log_probs_are_at_the_temperature(engines):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a shared 2-core machine: minutes under load
 def test_refit_changes_the_output_and_restoring_the_weights_restores_it(engines):
     """aligner's refit (the trainer layout's walk, buckets of 16 MiB, HF names) into vLLM in memory: a
     layer's MLP zeroed changes the greedy output; the original weights refit again give the first output
@@ -284,11 +298,13 @@ def test_refit_changes_the_output_and_restoring_the_weights_restores_it(engines)
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.usefixtures("ray_cluster")
-def test_two_ppo_steps_of_the_tiny_preset_with_vllm(tmp_path):
-    """conf=tiny, rollout.backend=vllm colocated with a one-rank actor (Ray CPU workers): vLLM starts from the
-    tiny Llama's config.json (its own 64-token vocabulary, no tokenizer in the engine), each step refits it in
-    memory, its log-probs feed TIS (algorithm.tis_cap) and the engine-vs-trainer mismatch metrics, which stay
-    at fp32 rounding (the same weights, other kernels)."""
+@pytest.mark.parametrize("placement", ["colocated", "split"])
+def test_two_ppo_steps_of_the_tiny_preset_with_vllm(tmp_path, placement):
+    """conf=tiny, rollout.backend=vllm (Ray CPU workers) colocated with a one-rank actor, or as the split
+    placement's one-rank rollout group (weights by broadcast): vLLM starts from the tiny Llama's config.json
+    (its own 64-token vocabulary, no tokenizer in the engine), each step refits it in memory, its log-probs
+    feed TIS (algorithm.tis_cap) and the engine-vs-trainer mismatch metrics, which stay at fp32 rounding
+    (the same weights, other kernels)."""
     need_vllm()
     import math
 
@@ -306,6 +322,7 @@ def test_two_ppo_steps_of_the_tiny_preset_with_vllm(tmp_path):
         "trainer.rollout_batch_size=8",
         "trainer.mini_batch_size=8",
         "trainer.max_steps=2",
+        f"rollout.placement={placement}",
         f"output_dir={out}",
     ]
     assert ppo_main(args) == 0
