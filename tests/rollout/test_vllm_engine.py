@@ -278,7 +278,7 @@ def test_refit_changes_the_output_and_restoring_the_weights_restores_it(engines)
     prompts = gsm8k_prompts(tok, 4)
     before = vllm.generate(prompts, GREEDY)
     version = vllm.weight_version
-    down = model.model.layers[3].mlp.down_proj.weight
+    down = model.model.layers["3"].mlp.down_proj.weight
     saved = down.detach().clone()
     with torch.no_grad():
         down.zero_()
