@@ -112,7 +112,12 @@ CASES = [
     # rollout.backend=vllm: what the CPU vLLM engine cannot do is refused before Ray starts (aligner.config.probes.check_vllm)
     (["rollout.gpu_memory_utilization=0"], "rollout.gpu_memory_utilization", "0", "must be in (0, 1]"),
     (["rollout.backend=vllm", *TRT_GPU], "actor.resources.gpus_per_node", "1", "its GPU path is not built yet"),
-    (["rollout.backend=vllm", "rollout.parallel.tp_size=2"], "rollout.parallel", "'tp_size=2, pp_size=1'", "set rollout.parallel.tp_size=1"),
+    (
+        ["rollout.backend=vllm", "rollout.parallel.tp_size=2"],
+        "rollout.parallel",
+        "'tp_size=2, pp_size=1'",
+        "set rollout.parallel.tp_size=1",
+    ),
     (["rollout.backend=vllm", "actor.parallel.dp_size=2"], "rollout.placement", "'colocated'", "an actor of one rank"),
     (
         ["rollout.backend=vllm", "rollout.placement=split", "rollout.parallel.dp_size=2"],
