@@ -339,7 +339,7 @@ def test_bad_aligner_checkpoint(tmp_path, kind, words):
         (["actor.parallel.tp_size=3"], ["actor.parallel.tp_size=3", "must divide model.num_heads=4"]),
         (["actor.optim.lr=-0.001"], ["actor.optim.lr=-0.001", "must be positive"]),
         (["algorithm.advantage=dpo"], ["algorithm.advantage='dpo'", "gae, grpo, rloo, reinforce_pp"]),
-        (["rollout.backend=vllm"], ["rollout.backend='vllm'", "valid choices are torch"]),
+        (["rollout.backend=sglang"], ["rollout.backend='sglang'", "valid choices are torch, trtllm, vllm"]),
         (["model.backend=jax"], ["model.backend='jax'", "torch, te"]),
     ],
 )

@@ -108,7 +108,27 @@ CASES = [
     (["actor.resources.num_nodes=0"], "actor.resources.num_nodes", "0", ">= 1"),
     (["actor.resources.gpus_per_node=-1"], "actor.resources.gpus_per_node", "-1", ">= 0"),
     (["critic.resources.cpus_per_worker=0"], "critic.resources.cpus_per_worker", "0", ">= 1"),
-    (["rollout.backend=vllm"], "rollout.backend", "'vllm'", "valid choices are torch, trtllm"),
+    (["rollout.backend=sglang"], "rollout.backend", "'sglang'", "valid choices are torch, trtllm, vllm"),
+    # rollout.backend=vllm: what the CPU vLLM engine cannot do is refused before Ray starts (aligner.config.probes.check_vllm)
+    (["rollout.gpu_memory_utilization=0"], "rollout.gpu_memory_utilization", "0", "must be in (0, 1]"),
+    (["rollout.backend=vllm", *TRT_GPU], "actor.resources.gpus_per_node", "1", "its GPU path is not built yet"),
+    (
+        ["rollout.backend=vllm", "rollout.parallel.tp_size=2"],
+        "rollout.parallel",
+        "'tp_size=2, pp_size=1'",
+        "set rollout.parallel.tp_size=1",
+    ),
+    (["rollout.backend=vllm", "actor.parallel.dp_size=2"], "rollout.placement", "'colocated'", "an actor of one rank"),
+    (
+        ["rollout.backend=vllm", "rollout.placement=split", "rollout.parallel.dp_size=2"],
+        "rollout.parallel.dp_size",
+        "2",
+        "set rollout.parallel.dp_size=1",
+    ),
+    (["rollout.backend=vllm", "rollout.scheduler=static"], "rollout.scheduler", "'static'", "set rollout.scheduler=continuous"),
+    (["rollout.backend=vllm", "model.num_experts=4"], "model.num_experts", "4", "use rollout.backend=torch for MoE models"),
+    (["rollout.backend=vllm", "model.head_dim=16"], "model.head_dim", "16", "vLLM's CPU attention runs head sizes 32, 64"),
+    (["rollout.backend=vllm", "rollout.gpu_memory_utilization=1.0"], "rollout.gpu_memory_utilization", "1.0", "more than the"),
     # rollout.backend=trtllm: what TensorRT-LLM cannot do is refused before Ray starts (aligner.config.probes.check_trtllm)
     (["rollout.backend=trtllm"], "actor.resources.gpus_per_node", "0", "runs TensorRT-LLM on the actor's CUDA GPUs"),
     (
@@ -525,8 +545,9 @@ def test_every_validation_in_the_config_package_has_a_case():
         for n in ast.walk(ast.parse(src))
     )
     # loops validate several fields per call site (positive sizes, batch sizes): cases >= call sites; the two
-    # package probes (tensorrt_llm, the loggers' packages) are the direct tests below
-    assert len(CASES) + len(ROPE_CASES) + 2 >= n_calls, (len(CASES), n_calls)
+    # package probes (tensorrt_llm, the loggers' packages) are the direct tests below, vllm's two (not
+    # installed, installed but not importing) in tests/rollout/test_vllm_engine.py
+    assert len(CASES) + len(ROPE_CASES) + 4 >= n_calls, (len(CASES), n_calls)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None, reason="tensorrt_llm is installed here")

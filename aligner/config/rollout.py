@@ -32,7 +32,7 @@ class SamplingConfig:
 class RolloutConfig:
     """The actor's rollout engine and refit."""
 
-    backend: str = "torch"  # torch (aligner's engine, CPU or CUDA) | trtllm (TensorRT-LLM 1.2 on the actor's GPUs; bf16/fp16)
+    backend: str = "torch"  # torch (aligner's engine, CPU or CUDA) | trtllm (TensorRT-LLM 1.2 on the actor's GPUs; bf16/fp16) | vllm (vLLM in the worker's process, CPU: docs/vllm.md)
     # colocated: the engines live in the actor's processes, refit in place (NeMo-Aligner); split: the engines
     # form their own worker group on their own node group (rollout.resources), rollout.parallel.dp_size
     # replicas of tp = pp = 1, and receive the actor's weights by broadcast after each update (aligner.rollout.weight_sync)
@@ -52,6 +52,10 @@ class RolloutConfig:
         "auto"  # torch.compile each decoder layer for generation: on | off | auto (= off for now: no faster on CPU, unrun on CUDA)
     )
     dtype: str = "float32"  # engine weights and KV cache: float32 | bfloat16 | float16 (refit casts)
+    # rollout.backend=vllm: vLLM's gpu_memory_utilization. On CPU workers it is the share of the MACHINE's memory
+    # each engine reserves (its process's resident memory included; the rest is its KV cache), refused up front
+    # when the engines on a machine would need more than is available
+    gpu_memory_utilization: float = 0.2
     # the planner's response lengths (tokens; read by nothing else): the mean, and the longest of a batch
     # (static batches decode until it stops; a continuous pool drains for it). 0 = sampling.max_new_tokens,
     # the conservative bound (a plan cannot know how long responses run)
@@ -62,7 +66,7 @@ class RolloutConfig:
     expected_response_len_from: str = ""
 
     def validate(self, prefix: str, model: Optional[ModelConfig] = None) -> None:
-        _choice(f"{prefix}.backend", self.backend, ("torch", "trtllm"))
+        _choice(f"{prefix}.backend", self.backend, ("torch", "trtllm", "vllm"))
         _choice(f"{prefix}.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         _choice(f"{prefix}.scheduler", self.scheduler, ("continuous", "static"))
         _choice(f"{prefix}.placement", self.placement, ("colocated", "split"))
@@ -71,6 +75,7 @@ class RolloutConfig:
         _check(self.micro_batches >= 0, f"{prefix}.micro_batches", self.micro_batches, f"must be >= 0 (0 = {prefix}.parallel.pp_size)")
         self.parallel.validate(f"{prefix}.parallel", model)
         self.sampling.validate(f"{prefix}.sampling")
+        _check(0 < self.gpu_memory_utilization <= 1, f"{prefix}.gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
         _check(self.refit_bucket_mb > 0, f"{prefix}.refit_bucket_mb", self.refit_bucket_mb, "must be positive")
         self.validate_expected_lengths(prefix)
 

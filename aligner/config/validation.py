@@ -13,7 +13,7 @@ import math
 from typing import TYPE_CHECKING, Optional
 
 from aligner.config.common import GROUP_ESTIMATORS, MODEL_ROLES, PRESETS, STAGES, _check, _choice
-from aligner.config.probes import check_loggers, check_trtllm
+from aligner.config.probes import check_loggers, check_trtllm, check_vllm
 from aligner.config.roles import PromptLearningConfig
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 def validate_run(cfg: AlignerConfig) -> None:
     """Every check of a built config, in order: each section's own fields, then the cross-field
-    checks (and the package probes: ``rollout.backend=trtllm``, the loggers of ``trainer.loggers``).
+    checks (and the package probes: ``rollout.backend=trtllm`` / ``vllm``, the loggers of ``trainer.loggers``).
     Raises ConfigError at the first."""
     validate_sections(cfg)
     if cfg.env.name:
@@ -41,6 +41,8 @@ def validate_run(cfg: AlignerConfig) -> None:
     validate_interleaved(cfg)
     if cfg.stage == "ppo" and cfg.rollout.backend == "trtllm":
         check_trtllm(cfg)
+    if cfg.stage == "ppo" and cfg.rollout.backend == "vllm":
+        check_vllm(cfg)
     if cfg.stage != "plan":  # the planner logs no metrics
         check_loggers(cfg)
     if cfg.stage == "ppo" and not cfg.algorithm.recompute_old_log_probs:

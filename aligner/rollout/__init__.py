@@ -1,4 +1,4 @@
-"""Rollout engines (the RolloutEngine interface, TorchEngine, TrtllmEngine) and refit.
+"""Rollout engines (the RolloutEngine interface, TorchEngine, TrtllmEngine, VllmEngine) and refit.
 
 Owns the backend registry: :func:`build_engine` maps ``rollout.backend`` to an engine
 class. Each backend's module is imported by an import statement inside its factory, so it
@@ -28,12 +28,19 @@ def _trtllm_engine() -> type:
     return TrtllmEngine
 
 
+def _vllm_engine() -> type:
+    # importable without vllm: the engine imports it when built, and raises ImportError naming the extra
+    from aligner.rollout.vllm_engine import VllmEngine
+
+    return VllmEngine
+
+
 # backend name -> the function that imports and returns its engine class
-_ENGINE_REGISTRY: dict[str, Callable[[], type]] = {"torch": _torch_engine, "trtllm": _trtllm_engine}
+_ENGINE_REGISTRY: dict[str, Callable[[], type]] = {"torch": _torch_engine, "trtllm": _trtllm_engine, "vllm": _vllm_engine}
 
 
 def engine_class(backend: str) -> type:
-    """The engine class registered as `backend` ("torch" | "trtllm"); ValueError for other names."""
+    """The engine class registered as `backend` ("torch" | "trtllm" | "vllm"); ValueError for other names."""
     if backend not in _ENGINE_REGISTRY:
         raise ValueError(f"rollout.backend={backend!r} is unknown: valid backends are {', '.join(sorted(_ENGINE_REGISTRY))}")
     return _ENGINE_REGISTRY[backend]()
@@ -45,6 +52,7 @@ def build_engine(backend: str, *args: Any, **kwargs: Any) -> RolloutEngine:
     torch: ``build_engine("torch", model, eos_token_id=..., tp_group=..., pp_group=...)``.
     trtllm: ``build_engine("trtllm", model_dir, rollout_cfg, ...)``; ImportError with the
     install command when tensorrt_llm is missing.
+    vllm: ``build_engine("vllm", model_dir, max_seq_len=..., ...)``; ImportError naming the extra when vllm is missing.
     """
     engine = engine_class(backend)
     return engine(*args, **kwargs)

@@ -155,11 +155,18 @@ class ActorWorker(PolicyWorker):
         """The rollout engine on the engine layout (rollout.parallel) over this group's ranks.
 
         rollout.backend=torch: a TorchEngine per rank; its weights start as the seeded init.
-        rollout.backend=trtllm: :meth:`_build_trtllm_engine`. The first refit replaces the weights.
+        rollout.backend=trtllm: :meth:`_build_trtllm_engine`. rollout.backend=vllm: a VllmEngine
+        (:func:`aligner.rollout.vllm_engine.rollout_engine`) in this process. The first refit replaces the weights.
         """
 
         if self.cfg.rollout.backend == "trtllm":
             self._build_trtllm_engine()
+            return
+        if self.cfg.rollout.backend == "vllm":  # vLLM in this process, an actor of one rank (config validation)
+            from aligner.rollout.vllm_engine import rollout_engine
+
+            self.infer_dims = ParallelDims()
+            self.engine = rollout_engine(self.cfg, self.policy.model_cfg, self.eos_token_id)
             return
         rp = self.cfg.rollout.parallel
         if self.dims.world_size == 1:

@@ -16,6 +16,9 @@ colocated actor does, but awake: no sleep between generations): each rank receiv
 on its own GPU and offers CUDA IPC handles of its bucket, and the replica's owner sends the merged
 handles to its ``AsyncLLM`` (:class:`aligner.rollout.trtllm_engine.ColocatedTrtllmEngine`).
 
+With ``rollout.backend=vllm`` (CPU) every rank holds a :class:`~aligner.rollout.vllm_engine.VllmEngine` in its
+own process (tp = pp = 1, dp replicas), which receives the broadcast as a refit (:mod:`aligner.rollout.vllm_engine`).
+
 The group runs on its own node group (``rollout.resources``), so while it generates the actor can
 train on the previous batch (``trainer.max_staleness`` >= 1, :mod:`aligner.trainers.producer`).
 
@@ -67,6 +70,10 @@ class RolloutWorker:
         self.engine = None
         if cfg.rollout.backend == "trtllm":  # a TensorRT-LLM replica per tp x pp ranks, awake: these GPUs are its own
             build_trtllm_side(self, model_cfg, cfg.rollout.resources.num_nodes, sleep=False)
+        elif cfg.rollout.backend == "vllm":  # vLLM in this rank's process: one engine per rank (tp = pp = 1)
+            from aligner.rollout.vllm_engine import rollout_engine
+
+            self.engine = rollout_engine(cfg, model_cfg, eos_token_id)
         else:  # the group's layout is rollout.parallel: dp replicas of tp x pp engine ranks
             self.engine = torch_rollout_engine(cfg, model_cfg, self.dims, eos_token_id, interruptible=cfg.rollout.interruptible)
         self.group: Optional[SyncGroup] = None

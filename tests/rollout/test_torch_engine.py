@@ -189,8 +189,8 @@ def test_iter_buckets_respects_the_size_limit():
 
 
 def test_registry_unknown_backend_and_trtllm_hint(model):
-    with pytest.raises(ValueError, match="torch, trtllm"):
-        build_engine("vllm", model)
+    with pytest.raises(ValueError, match="torch, trtllm, vllm"):
+        build_engine("sglang", model)
     assert isinstance(build_engine("torch", model), TorchEngine)
     try:
         import tensorrt_llm  # noqa: F401
