@@ -126,6 +126,93 @@ def test_reward_that_cannot_score_a_row_exits_2(tmp_path):
     assert f"{if_rows}:2" in line and "nope:unknown" in line, line
 
 
+# ---- the loop, fast: a random policy and a dense rule ----------------------------------------------
+FAST_RS = [
+    "conf=tiny",
+    "trainer.progress=false",
+    "task.num_eval=32",
+    "trainer.eval_batch_size=32",
+    "task.num_sft=200",
+    "reward.rule=digit_fraction",
+    "rs.threshold=0.3",
+    "rs.eos_only=false",
+    "rs.prompts_per_round=64",
+    "rs.num_samples=4",
+    "trainer.global_batch_size=32",
+    "trainer.micro_batch_size=32",
+    "actor.optim.lr=3e-3",
+    "trainer.max_steps=3",
+    "trainer.save_every=1",
+    "trainer.eval_every=3",
+]
+
+
+@pytest.mark.e2e
+def test_rs_rounds_raise_a_dense_reward_and_resume(tmp_path, ray_cluster, cluster_env):
+    """From random weights (an empty working directory: no tiny SFT run to start from), with the
+    digit-fraction rule (dense: a random policy already writes some digits) and threshold 0.3: each round
+    keeps some prompts, trains on them, and the mean reward of all samples rises from round 1 to 3
+    (the policy imitates its own most digit-heavy samples). The run resumed after its round-1 checkpoint logs
+    the uninterrupted run's rounds (same seeds, same weights: the same samples)."""
+    out = tmp_path / "full"
+    pairs = tmp_path / "pairs.jsonl"
+    proc, secs = run_cli("aligner.rs", *FAST_RS, f"output_dir={out}", f"rs.write_pairs={pairs}", cwd=tmp_path, env=cluster_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from aligner.tracking import read_metrics
+
+    rows = read_metrics(out / "metrics.jsonl")
+    rounds = [r for r in rows if r["step"] >= 1]
+    assert [r["step"] for r in rounds] == [1, 2, 3] and rows[0]["step"] == 0 and "eval_accuracy" in rows[0]
+    for r in rounds:
+        assert 0 < r["kept"] <= 64 and r["kept_fraction"] == r["kept"] / 64, r
+        assert r["reward_mean_kept"] >= 0.3 and r["reward_mean_kept"] >= r["reward_mean_all"], r
+        assert r["sft_steps"] == math.ceil(r["kept"] / 32) and math.isfinite(r["loss"]), r
+        assert 0 < r["response_len_all"] <= 8 and 0 <= r["ended_fraction"] <= 1, r
+    print(f"rs (random init, digit_fraction): {secs:.0f} s; rounds {rounds}")
+    assert rounds[-1]["reward_mean_all"] > rounds[0]["reward_mean_all"] + 0.05, rounds
+    assert "eval_accuracy" in rounds[-1] and (out / "hf" / "model.safetensors").is_file()
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+    lines = [json.loads(x) for x in pairs.read_text().splitlines()]
+    assert len(lines) == sum(r["pairs"] for r in rounds)
+    assert all(x["chosen_reward"] >= 0.3 > x["rejected_reward"] or x["rejected_cut"] for x in lines)
+
+    cut = tmp_path / "cut"
+    proc, _ = run_cli("aligner.rs", *FAST_RS, "trainer.max_steps=1", f"output_dir={cut}", cwd=tmp_path, env=cluster_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, _ = run_cli("aligner.rs", *FAST_RS, f"output_dir={cut}", "resume=true", cwd=tmp_path, env=cluster_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = {r["step"]: r for r in read_metrics(cut / "metrics.jsonl") if r["step"] >= 1}
+    assert sorted(resumed) == [1, 2, 3]
+    for r in rounds:
+        for key in ("kept", "reward_mean_all", "reward_mean_kept", "response_len_all"):
+            assert resumed[r["step"]][key] == pytest.approx(r[key], abs=1e-6), (key, r["step"], resumed[r["step"]], r)
+
+
+@pytest.mark.e2e
+def test_a_round_that_keeps_nothing_stops_before_training(tmp_path, ray_cluster, cluster_env):
+    """A threshold no sample reaches in practice (every character a digit, from random weights): the round
+    samples and scores, then the run stops with one line naming rs.threshold, exit 2, no checkpoint."""
+    out = tmp_path / "none"
+    proc, _ = run_cli(
+        "aligner.rs",
+        *FAST_RS,
+        "rs.threshold=1.0",
+        "rs.eos_only=true",
+        "trainer.max_steps=1",
+        "rollout.sampling.max_new_tokens=1",
+        f"output_dir={out}",
+        cwd=tmp_path,
+        env=cluster_env,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("aligner rs: error:")]
+    assert len(line) == 1 and line[0].startswith("aligner rs: error: rs.threshold=1 kept no response in round 1: 64 prompts x 4 samples"), (
+        line
+    )
+    assert "nothing was trained on it" in line[0] and "rs.eos_only=false" in line[0], line
+    assert not (out / "checkpoints" / "latest").exists()
+
+
 # ---- end to end on the built-in task -----------------------------------------------------------
 SFT = [
     "conf=tiny",
@@ -201,33 +288,3 @@ def test_rs_raises_accuracy_on_the_builtin_task(tmp_path, ray_cluster, cluster_e
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path / "dpo" / "metrics.jsonl")] == [1, 2]
-
-    # resume: the run after its round-2 checkpoint continues to round 4 with the same rounds logged
-    cut = tmp_path / "cut"
-    proc, _ = run_cli(
-        "aligner.rs", *args[:-1], "trainer.max_steps=2", "trainer.eval_every=0", f"output_dir={cut}", cwd=tmp_path, env=cluster_env
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    proc, _ = run_cli("aligner.rs", *args[:-1], f"output_dir={cut}", "resume=true", cwd=tmp_path, env=cluster_env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed = {r["step"]: r for r in read_metrics(cut / "metrics.jsonl") if r["step"] >= 1}
-    assert sorted(resumed) == [1, 2, 3, 4]
-    for r in rounds[:2]:  # the same seeds and weights: the same samples, scores and selection
-        assert resumed[r["step"]]["kept"] == r["kept"] and resumed[r["step"]]["reward_mean_all"] == pytest.approx(r["reward_mean_all"])
-
-    # a round that keeps nothing: with one new token no answer ends with EOS
-    proc, _ = run_cli(
-        "aligner.rs",
-        *args[:-1],
-        "rollout.sampling.max_new_tokens=1",
-        "trainer.max_steps=1",
-        f"output_dir={tmp_path / 'none'}",
-        cwd=tmp_path,
-        env=cluster_env,
-    )
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("aligner rs: error:")]
-    assert len(line) == 1 and "rs.threshold=1 kept no response in round 1" in line[0] and "nothing was trained" in line[0], proc.stderr[
-        -2000:
-    ]
-    assert not (tmp_path / "none" / "checkpoints" / "latest").exists()
