@@ -166,6 +166,7 @@ class RSTrainer(SupervisedTrainer):
         self.init = tiny_sft_init(cfg, cfg.actor.init)
         self.reward_group = None
         self.remote: Optional[RemoteRewardRole] = None
+        self.sharing: Optional[CoreSharing] = None  # trainer.num_threads=0: the busy groups share the node's cores
 
     # ---- hooks of the supervised stages ----------------------------------------------------------
     def init_path(self) -> str:

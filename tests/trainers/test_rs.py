@@ -148,12 +148,12 @@ FAST_RS = [
 
 
 @pytest.mark.e2e
-def test_rs_rounds_raise_a_dense_reward_and_resume(tmp_path, ray_cluster, cluster_env):
+@pytest.mark.timeout(1800)  # 3 rounds and 2 evaluations: more than the suite's 900 s on a loaded machine
+def test_rs_rounds_raise_a_dense_reward(tmp_path, ray_cluster, cluster_env):
     """From random weights (an empty working directory: no tiny SFT run to start from), with the
     digit-fraction rule (dense: a random policy already writes some digits) and threshold 0.3: each round
     keeps some prompts, trains on them, and the mean reward of all samples rises from round 1 to 3
-    (the policy imitates its own most digit-heavy samples). The run resumed after its round-1 checkpoint logs
-    the uninterrupted run's rounds (same seeds, same weights: the same samples)."""
+    (the policy imitates its own most digit-heavy samples); the pairs file holds every round's pairs."""
     out = tmp_path / "full"
     pairs = tmp_path / "pairs.jsonl"
     proc, secs = run_cli("aligner.rs", *FAST_RS, f"output_dir={out}", f"rs.write_pairs={pairs}", cwd=tmp_path, env=cluster_env)
@@ -176,16 +176,36 @@ def test_rs_rounds_raise_a_dense_reward_and_resume(tmp_path, ray_cluster, cluste
     assert len(lines) == sum(r["pairs"] for r in rounds)
     assert all(x["chosen_reward"] >= 0.3 > x["rejected_reward"] or x["rejected_cut"] for x in lines)
 
-    cut = tmp_path / "cut"
-    proc, _ = run_cli("aligner.rs", *FAST_RS, "trainer.max_steps=1", f"output_dir={cut}", cwd=tmp_path, env=cluster_env)
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1800)  # three runs through the command line: more than the suite's 900 s on a loaded machine
+def test_rs_resume_repeats_the_rounds(tmp_path, ray_cluster, cluster_env):
+    """Two rounds in one run, and the same run stopped after its round-1 checkpoint and resumed: the
+    resumed run's round 2 samples, scores and keeps what the uninterrupted one did (same seeds, weights,
+    data position)."""
+    args = [
+        *FAST_RS,
+        "rs.prompts_per_round=32",
+        "trainer.max_steps=2",
+        "trainer.eval_every=0",
+        "task.num_eval=16",
+        "trainer.eval_batch_size=16",
+    ]
+    from aligner.tracking import read_metrics
+
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    proc, _ = run_cli("aligner.rs", *args, f"output_dir={full}", cwd=tmp_path, env=cluster_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc, _ = run_cli("aligner.rs", *FAST_RS, f"output_dir={cut}", "resume=true", cwd=tmp_path, env=cluster_env)
+    proc, _ = run_cli("aligner.rs", *args, "trainer.max_steps=1", f"output_dir={cut}", cwd=tmp_path, env=cluster_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed = {r["step"]: r for r in read_metrics(cut / "metrics.jsonl") if r["step"] >= 1}
-    assert sorted(resumed) == [1, 2, 3]
-    for r in rounds:
-        for key in ("kept", "reward_mean_all", "reward_mean_kept", "response_len_all"):
-            assert resumed[r["step"]][key] == pytest.approx(r[key], abs=1e-6), (key, r["step"], resumed[r["step"]], r)
+    proc, _ = run_cli("aligner.rs", *args, f"output_dir={cut}", "resume=true", cwd=tmp_path, env=cluster_env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = {r["step"]: r for r in read_metrics(full / "metrics.jsonl") if r["step"] >= 1}
+    got = {r["step"]: r for r in read_metrics(cut / "metrics.jsonl") if r["step"] >= 1}
+    assert sorted(got) == sorted(want) == [1, 2]
+    for step in (1, 2):
+        for key in ("kept", "reward_mean_all", "reward_mean_kept", "response_len_all", "sft_steps"):
+            assert got[step][key] == pytest.approx(want[step][key], abs=1e-6), (key, step, got[step], want[step])
 
 
 @pytest.mark.e2e
