@@ -220,7 +220,7 @@ def adopt_checkpoint_dims(merged, stage: str, overrides: Sequence[str]) -> None:
         from aligner.trainers.rm import default_init
 
         init = default_init(merged)
-    if stage in ("dpo", "kto", "spin") and not init:
+    if stage in ("dpo", "kto", "spin", "rs") and not init:
         from aligner.trainers.dpo import default_init as dpo_default_init
 
         init = dpo_default_init(merged)

@@ -160,6 +160,30 @@ def evaluate_ifeval(cfg: AlignerConfig, out: Path, limit: int = 0) -> dict:
     return result
 
 
+def mcnemar_exact(before: Sequence[bool], after: Sequence[bool]) -> dict:
+    """McNemar's exact test on paired binary verdicts (McNemar 1947; the exact form is the two-sided
+    binomial sign test on the discordant pairs).
+
+    before, after: one verdict per item (e.g. IFEval's prompt-level strict pass of each of the 541
+    prompts), in the same order. b = items passed after and failed before, c = the reverse; under the
+    null hypothesis each discordant item is b or c with probability 1/2, so
+    p = min(1, 2 * sum_{k <= min(b, c)} C(b + c, k) / 2^(b + c)) (p = 1 when b + c = 0).
+    Returns {"n", "b", "c", "p_value"}. Raises ValueError when the lengths differ or are 0.
+    """
+    if len(before) != len(after) or not before:
+        raise ValueError(f"mcnemar_exact: {len(before)} verdicts before and {len(after)} after: give one pair per item, at least one")
+    b = sum(1 for x, y in zip(before, after) if y and not x)
+    c = sum(1 for x, y in zip(before, after) if x and not y)
+    n = b + c
+    if n == 0:
+        return {"n": len(before), "b": 0, "c": 0, "p_value": 1.0}
+    from fractions import Fraction
+    from math import comb
+
+    tail = Fraction(sum(comb(n, k) for k in range(min(b, c) + 1)), 2**n)
+    return {"n": len(before), "b": b, "c": c, "p_value": float(min(Fraction(1), 2 * tail))}
+
+
 def summary(result: dict) -> str:
     """The four numbers, the cut rows and the per-family table as text."""
     pct = lambda x: f"{100 * x:5.1f}%"  # noqa: E731

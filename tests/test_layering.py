@@ -32,7 +32,7 @@ LAYERS = [
     ("actor", "critic", "reward", "rollout"),  # role classes, and the rollout engines beside them
     ("workers",),  # all Ray code: worker groups, placement, dispatch, the role workers
     ("trainers",),  # the training loop, the SFT / RM / PPO trainers, checkpoints of a run
-    ("cli", "plan", "sft", "rm", "ppo", "dpo", "kto", "spin", "demo", "convert", "eval", "serve_rm", "__main__"),  # entry points
+    ("cli", "plan", "sft", "rm", "ppo", "dpo", "kto", "spin", "rs", "demo", "convert", "eval", "serve_rm", "__main__"),  # entry points
 ]
 LAYER_OF = {name: i for i, row in enumerate(LAYERS) for name in row}
 BUILDING_BLOCKS = ("aligner.nn.comm", "aligner.nn.layers", "aligner.nn.vocab")

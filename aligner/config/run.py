@@ -15,6 +15,7 @@ from aligner.config.model import ModelConfig
 from aligner.config.paths import check_paths
 from aligner.config.roles import ActorRoleConfig, RefRoleConfig, RewardRoleConfig, RoleConfig, TrainableRoleConfig
 from aligner.config.rollout import RolloutConfig
+from aligner.config.rs import RSConfig
 from aligner.config.validation import validate_run
 
 
@@ -151,7 +152,7 @@ class ClusterConfig:
 class AlignerConfig:
     """The whole run. Built from Hydra (`conf=PRESET` plus overrides) and validated once."""
 
-    stage: str = "ppo"  # sft | rm | ppo | plan | dpo | kto | spin (set by the entry point)
+    stage: str = "ppo"  # sft | rm | ppo | plan | dpo | kto | spin | rs (set by the entry point)
     preset: str = "tiny"  # name of the preset the run started from
     output_dir: str = "outputs/tiny"  # checkpoints, metrics.jsonl, TensorBoard events, plots
     resume: bool = False  # continue from the latest complete checkpoint in output_dir
@@ -176,6 +177,7 @@ class AlignerConfig:
     dpo: DPOConfig = field(default_factory=DPOConfig)  # the DPO stage's loss
     kto: KTOConfig = field(default_factory=KTOConfig)  # the KTO stage's loss
     spin: SPINConfig = field(default_factory=SPINConfig)  # the SPIN stage's rounds and loss
+    rs: RSConfig = field(default_factory=RSConfig)  # the rejection-sampling stage (aligner.rs)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
@@ -184,12 +186,15 @@ class AlignerConfig:
     def roles_used(self) -> tuple[str, ...]:
         """The role groups this run starts.
 
-        sft and dpo: actor (DPO's reference lives in the actor's workers). rm: reward. ppo: actor always; critic for gae; reward when
+        sft and dpo: actor (DPO's reference lives in the actor's workers). rm: reward. rs: actor, and reward
+        when ``reward.type`` is model or judge. ppo: actor always; critic for gae; reward when
         ``reward.type`` is model or judge; ref when a KL term needs it (:attr:`AlgorithmConfig.uses_reference`).
         plan: the PPO roles.
         """
         if self.stage in ("sft", "dpo", "kto", "spin"):
             return ("actor",)
+        if self.stage == "rs":  # rejection sampling: the actor samples and trains; a reward model or judge scores
+            return ("actor", "reward") if self.reward.type in ("model", "judge") else ("actor",)
         if self.stage == "rm":
             return ("reward",)
         roles = ["actor"]

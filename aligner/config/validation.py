@@ -27,8 +27,10 @@ def validate_run(cfg: AlignerConfig) -> None:
     validate_sections(cfg)
     if cfg.env.name:
         validate_episodes(cfg)
-    if cfg.stage == "ppo" and cfg.reward.type == "judge":
+    if cfg.stage in ("ppo", "rs") and cfg.reward.type == "judge":
         validate_judge(cfg)
+    if cfg.stage == "rs":
+        validate_rejection_sampling(cfg)
     validate_prompt_learning(cfg)
     validate_staleness(cfg)
     if cfg.stage == "ppo":
@@ -242,6 +244,7 @@ def validate_sections(cfg: AlignerConfig) -> None:
         cfg.actor.lora.rank,
         "SPIN's reference is the policy at each round's start, a full copy: set actor.lora.rank=0",
     )
+    cfg.rs.validate("rs")
     cfg.cluster.validate("cluster")
     _check(
         cfg.data.max_seq_len <= cfg.model.max_seq_len,
@@ -429,6 +432,7 @@ STAGE_TRAINED_ROLES = {
     "dpo": ("actor",),
     "kto": ("actor",),
     "spin": ("actor",),
+    "rs": ("actor",),
     "rm": ("reward",),
     "ppo": ("actor", "critic"),
 }
@@ -483,3 +487,36 @@ def validate_micro_batch_tokens(cfg: AlignerConfig) -> None:
             f"token-budget micro-batches need dp_backend fsdp2 or ddp ({role}.parallel has dp_backend={par.dp_backend}, "
             "which runs one backward per step); set trainer.micro_batch_tokens=0",
         )
+
+
+# reward.type -> the range of its scores, where it is bounded (a rule's scores are in [0, 1])
+BOUNDED_REWARDS = {"rule": (0.0, 1.0), "judge": (0.0, 1.0)}
+
+
+def validate_rejection_sampling(cfg: AlignerConfig) -> None:
+    """``stage=rs`` (aligner.rs): a sampled row (prompt + response) fits the SFT rows, a threshold a
+    bounded reward can reach, and a reward the stage can call (no episodes, a reward model to load)."""
+    d, s, rs = cfg.data, cfg.rollout.sampling, cfg.rs
+    _check(
+        d.max_prompt_len + s.max_new_tokens <= d.max_seq_len,
+        "rollout.sampling.max_new_tokens",
+        s.max_new_tokens,
+        f"data.max_prompt_len={d.max_prompt_len} + max_new_tokens must fit data.max_seq_len={d.max_seq_len} "
+        "(the kept responses are trained as SFT rows): lower it or raise data.max_seq_len",
+    )
+    _check(s.temperature > 0, "rollout.sampling.temperature", s.temperature, "must be > 0: greedy decoding gives N copies of one response")
+    lo_hi = BOUNDED_REWARDS.get(cfg.reward.type)
+    if lo_hi is not None:
+        _check(
+            rs.threshold <= lo_hi[1],
+            "rs.threshold",
+            rs.threshold,
+            f"no response can be kept: reward.type={cfg.reward.type} scores in [{lo_hi[0]:g}, {lo_hi[1]:g}]; give a threshold <= {lo_hi[1]:g}",
+        )
+    _check(not cfg.env.name, "env.name", cfg.env.name, "episodes are played by the PPO stage only: leave env.name empty for aligner.rs")
+    _check(
+        cfg.reward.type != "model" or bool(cfg.reward.init),
+        "reward.init",
+        cfg.reward.init,
+        "reward.type=model scores with a trained reward model: give its run dir or HF export (python -m aligner.rm)",
+    )

@@ -29,7 +29,7 @@ class RewardWorker:
         torch.manual_seed(cfg.trainer.seed)
         rc = cfg.reward
         self.judge: Optional[Judge] = None
-        if cfg.stage == "ppo" and rc.type == "judge":  # a generative reward model: an LLM and its engine, no scalar head
+        if cfg.stage in ("ppo", "rs") and rc.type == "judge":  # a generative reward model: an LLM and its engine, no scalar head
             self.judge = build_judge(cfg, init or rc.init, self.dims)
             return
         lora = rc.lora if cfg.stage == "rm" else None  # PPO's reward model is frozen (its init is an HF export)
