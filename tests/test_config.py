@@ -547,7 +547,27 @@ def test_every_validation_in_the_config_package_has_a_case():
     # loops validate several fields per call site (positive sizes, batch sizes): cases >= call sites; the two
     # package probes (tensorrt_llm, the loggers' packages) are the direct tests below, vllm's two (not
     # installed, installed but not importing) in tests/rollout/test_vllm_engine.py
-    assert len(CASES) + len(ROPE_CASES) + 4 >= n_calls, (len(CASES), n_calls)
+    assert len(CASES) + len(ROPE_CASES) + len(RS_CASES) + 4 >= n_calls, (len(CASES), n_calls)
+
+
+RS_CASES = [  # the rejection-sampling section (checked for every stage) and its stage's cross-field checks (stage rs)
+    ("ppo", ["rs.num_samples=1"], "rs.num_samples=1", "must be >= 2"),
+    ("ppo", ["rs.prompts_per_round=0"], "rs.prompts_per_round=0", "must be >= 1"),
+    ("ppo", ["rs.epochs=0"], "rs.epochs=0.0", "must be > 0"),
+    ("rs", ["rollout.sampling.max_new_tokens=40"], "rollout.sampling.max_new_tokens=40", "must fit data.max_seq_len=32"),
+    ("rs", ["rollout.sampling.temperature=0"], "rollout.sampling.temperature=0.0", "greedy decoding gives N copies"),
+    ("rs", ["rs.threshold=1.5"], "rs.threshold=1.5", "give a threshold <= 1"),
+    ("rs", ["env.name=tool", "env.tools=[calculator]"], "env.name='tool'", "episodes are played by the PPO stage only"),
+    ("rs", ["reward.type=model", "reward.init="], "reward.init=''", "give its run dir or HF export"),
+]
+
+
+@pytest.mark.parametrize("stage,overrides,field_value,fix", RS_CASES)
+def test_rejection_sampling_config_errors(stage, overrides, field_value, fix):
+    with pytest.raises(ConfigError) as e:
+        load_config(stage, overrides)
+    msg = str(e.value)
+    assert "\n" not in msg and field_value in msg and fix in msg, msg
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is not None, reason="tensorrt_llm is installed here")
