@@ -12,8 +12,10 @@ They are listed at the end of the run ("processes left running by tests").
 
 from __future__ import annotations
 
+import getpass
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -24,6 +26,13 @@ from tests.toolkit.ray import cluster_env, ray_cluster  # noqa: F401 (session fi
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
+# Inductor's kernel cache, one per CPU capability: torch 2.13's cache key ignores ATEN_CPU_CAPABILITY, so kernels
+# compiled under `make test-avx2` (or any capped run) and loaded natively abort the process, and the reverse
+# gives wrong tokens or a segfault (docs/hardware.md). The default /tmp/torchinductor_$USER is shared by every run.
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), f"aligner_inductor_{getpass.getuser()}_{os.environ.get('ATEN_CPU_CAPABILITY') or 'native'}"),
+)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
