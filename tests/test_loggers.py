@@ -166,7 +166,8 @@ def _steps(n: int, start: int = 1) -> dict[int, dict]:
 @NEEDS_BOTH
 def test_four_loggers_record_the_steps_and_the_config_and_a_resume_continues_the_runs(offline, tmp_path, monkeypatch):
     out = tmp_path / "run"
-    cfg = load_config("sft", [f"output_dir={out}", f"trainer.loggers=[{','.join(ALL)}]", "reward.token=s3cret"])
+    cfg = load_config("sft", [f"output_dir={out}", f"trainer.loggers=[{','.join(ALL)}]"])
+    cfg.reward.token = "s3cret"  # as a config file gives it (the command line refuses a token: docs/security.md)
     conf = config_dict(cfg)
     conf["data"]["train_path"] = "x" * 7000  # longer than any MLflow param value
     logger = MetricsLogger(out, "sft", 5, progress=False, loggers=cfg.trainer.loggers, config=conf)

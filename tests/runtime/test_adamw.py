@@ -280,6 +280,7 @@ def test_tiny_sft_loss_curve_within_1_percent_of_fp32_moments(ray_cluster, tmp_p
     monkeypatch.chdir(tmp_path)
     common = ["trainer.progress=false", "trainer.max_steps=40", "trainer.eval_every=0", "trainer.save_every=0"]
     common += ["task.num_sft=2560", "task.num_eval=32", "trainer.eval_batch_size=32", "actor.optim.lr=1e-3"]
+    common += ["actor.optim.warmup_steps=5"]  # 40 steps: the preset's 250 warm-up steps would leave the lr near 0
     curves = {}
     for dtype in ("float32", "bfloat16"):  # on the session's Ray instance (tests.toolkit.ray)
         out = tmp_path / dtype
