@@ -381,13 +381,15 @@ class RSTrainer(SupervisedTrainer):
 
     def write_round_pairs(self, rnd: int, prompts: list[dict], responses: list[str], sc: torch.Tensor, ended: torch.Tensor) -> int:
         """output_dir/rs_pairs/round_<rnd>.jsonl (atomically): this round's pairs as {"prompt", "chosen",
-        "rejected", "chosen_reward", "rejected_reward", "rejected_cut"}; returns how many."""
+        "rejected", "chosen_reward", "rejected_reward", "rejected_cut"}, pairs with an empty side left out; returns how many."""
         n = sc.shape[1]
         lines = []
         for i, pair in enumerate(select_pairs(sc, ended, self.cfg.rs.threshold)):
             if pair is None:
                 continue
             c, r = pair
+            if not responses[i * n + c].strip() or not responses[i * n + r].strip():
+                continue  # an empty response (EOS first) is no preference text: the DPO stage refuses such a row
             row = {
                 "prompt": prompt_text(prompts[i]),
                 "chosen": responses[i * n + c],
