@@ -42,6 +42,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from aligner import ppo, rm, sft
 
     args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        print(
+            "usage: python -m aligner.demo [output_dir=DIR] [key=value ...]\n"
+            "SFT -> RM -> PPO with conf=tiny on the built-in task, into DIR/{sft,rm,ppo} (default outputs/tiny);\n"
+            "each key=value goes to every stage (see python -m aligner.sft --cfg job for the fields)"
+        )
+        return 0
     root = Path("outputs/tiny")
     rest = []
     for a in args:

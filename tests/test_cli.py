@@ -470,3 +470,14 @@ def test_cfg_hydra_is_refused_in_one_line(capsys):
     assert run("ppo", lambda cfg: 1, ["--cfg", "hydra"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "aligner ppo: error: --cfg hydra is invalid: aligner prints its job config only; use --cfg or --cfg job", err
+
+
+def test_demo_help_prints_its_usage_and_runs_no_stage(tmp_path, capsys):
+    """`python -m aligner.demo --help` prints the demo's usage and exits 0, without starting Ray or a stage
+    (it used to hand --help to each stage and then fail reading a summary no stage wrote)."""
+    from aligner import demo
+
+    assert demo.main(["--help", f"output_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m aligner.demo")
+    assert not any(tmp_path.iterdir())
