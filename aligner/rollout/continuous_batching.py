@@ -46,6 +46,7 @@ from aligner.rollout.sampling import Sampler
 from aligner.rollout.scheduler import OnFinish, SlotScheduler, StepPlan, TurnEnd
 from aligner.rollout.stage_link import PlanMeta, StageLink, plan_meta
 from aligner.rollout.static_batching import capture_cuda_graph
+from aligner.runtime import progress
 
 if TYPE_CHECKING:
     from aligner.rollout.torch_engine import TorchEngine
@@ -141,6 +142,7 @@ class ContinuousBatching:
         versions: Optional[list[list[int]]] = [[] for _ in prompts] if e.interruptible else None  # per request, per token
         mb = idle = 0
         while True:
+            progress.beat()  # a scheduler step is progress for the hang watchdog (aligner.runtime.progress)
             if in_flight and in_flight[0][0] == mb:
                 _, n = in_flight.popleft()
                 sched.apply(mb, *link.recv_tokens(n))

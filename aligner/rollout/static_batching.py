@@ -29,6 +29,7 @@ from aligner.rollout.base import Generation
 from aligner.rollout.kv_cache import StaticKVCache
 from aligner.rollout.sampling import Sampler
 from aligner.rollout.scheduler import OnFinish
+from aligner.runtime import progress
 
 if TYPE_CHECKING:
     from aligner.rollout.torch_engine import TorchEngine
@@ -117,6 +118,7 @@ class StaticBatching:
         tokens, log_probs = [tok], [lp]
         finished = torch.isin(tok, stop_t) | (budget_t <= 1)
         for step in range(1, n_new):
+            progress.beat()  # a decode step is progress for the hang watchdog (aligner.runtime.progress)
             if step % check_every == 0 and bool(finished.all()):
                 break
             slot = p + step - 1

@@ -38,6 +38,7 @@ from aligner.parallel.dims import ParallelDims
 from aligner.parallel.parallelize import chunk_views, parallelize
 from aligner.parallel.pipeline import model_kwargs, pipeline_train_step
 from aligner.parallel.tensor_parallel import sync_tp_grads
+from aligner.runtime import progress
 from aligner.runtime.adamw import build_adamw
 from aligner.runtime.checkpoint import gather_full_state_dict_any, load_checkpoint, save_checkpoint
 from aligner.runtime.host import keep_freed_host_memory
@@ -223,6 +224,7 @@ class TrainRuntime:
         """Run the (wrapped) model: input_ids [B, T] int64 (first stage) -> logits [B, T, V/tp]
         (policy; (log_probs, entropy) [B, R] fp32 with a ``logprob`` input) or scores [B, T] fp32
         (score model). bf16 logits under bf16 mixed precision."""
+        progress.beat()  # one forward (a micro-batch) is progress for the hang watchdog
         with dpmod.autocast_context(self.uses_autocast, self.device_type):
             return self.model(*args, **kwargs)
 

@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 from aligner.config import ParallelConfig, ResourceConfig
 from aligner.errors import WorkerDiedError, WorkerError, WorkerHungError, disk_full_path
 from aligner.parallel.dims import ParallelDims
+from aligner.runtime import progress
 from aligner.runtime.host import HOST_MALLOC_ENV
 from aligner.runtime.ports import free_port
 from aligner.workers.dispatch import DISPATCH_MODES, concat_results, dispatched_methods, is_concurrent, split_batch
@@ -132,8 +133,9 @@ class WorkerShell:
         return num_threads
 
     def watch_hangs(self, hang_timeout_s: float) -> str:
-        """Arm the hang watchdog: a call still running after `hang_timeout_s` seconds (> 0) writes the
-        Python stack of every thread of this process to a file (faulthandler); returns its path."""
+        """Arm the hang watchdog: a call without progress (:mod:`aligner.runtime.progress`) for
+        `hang_timeout_s` seconds (> 0) writes the Python stack of every thread of this process to a file
+        (faulthandler), and the process exits; returns the file's path."""
         import faulthandler
         import tempfile
 
@@ -146,14 +148,23 @@ class WorkerShell:
 
     def call(self, method: str, packed: tuple[tuple, dict]) -> Any:
         """Run ``worker.method(*args, **kwargs)``; an exception comes back as WorkerError. With the hang
-        watchdog armed, the stacks are dumped if the call outlasts hang_timeout_s (the driver reads them)."""
+        watchdog armed, a call without a progress beat for hang_timeout_s dumps the stacks (the driver
+        reads them) and ends the process."""
         import faulthandler
 
         args, kwargs = packed
-        if self.hang_timeout_s > 0 and self.stack_file is not None:
+        armed = self.hang_timeout_s > 0 and self.stack_file is not None
+        if armed:
             self.stack_file.seek(0)
             self.stack_file.truncate()
-            faulthandler.dump_traceback_later(self.hang_timeout_s, repeat=False, file=self.stack_file, exit=False)
+            limit, stack_file = self.hang_timeout_s, self.stack_file
+
+            def arm() -> None:  # (re)start the countdown: the stacks, then the process exits, `limit` s from now
+                faulthandler.dump_traceback_later(limit, repeat=False, file=stack_file, exit=True)
+                os.utime(stack_file.name)  # the beat's time, for a driver on this node (a stopped process beats no more)
+
+            arm()
+            progress.install(arm, every_s=min(5.0, limit / 10))
         t0 = time.perf_counter()
         try:
             return getattr(self.worker, method)(*args, **kwargs)
@@ -161,7 +172,8 @@ class WorkerShell:
             raise WorkerError(self.role, self.rank, traceback.format_exc(), method, disk_full_path(e) or "") from None
         finally:
             self.busy_s += time.perf_counter() - t0
-            if self.hang_timeout_s > 0:
+            if armed:
+                progress.uninstall()
                 faulthandler.cancel_dump_traceback_later()
 
     def call_beside(self, method: str, packed: tuple[tuple, dict]) -> Any:
@@ -307,10 +319,14 @@ class WorkerGroup:
     parallel: the role's tp/pp/dp sizes; its world size must equal the placement's.
     num_threads: torch threads per CPU worker; 0 = the role's resources.cpus_per_worker.
     env: extra environment variables set in every worker before it is built.
-    hang_timeout_s: > 0 arms the hang watchdog (``trainer.hang_timeout_s``): a call that returns no
-        result for this long on some rank raises WorkerHungError (a WorkerDiedError, so the automatic
+    hang_timeout_s: > 0 arms the hang watchdog (``trainer.hang_timeout_s``): a call that makes no
+        progress for this long on some rank raises WorkerHungError (a WorkerDiedError, so the automatic
         restart handles it) naming the role, rank and method, with the Python stack the worker wrote
-        (faulthandler) when the driver can read it; 0 = off.
+        (faulthandler) when the driver can read it; 0 = off. Progress is a beat
+        (:func:`aligner.runtime.progress.beat`: the engines' decode steps, the actor's micro-batches);
+        a call whose loop does not beat counts from its start. For a worker on another node the driver
+        cannot see the beats: there the worker's own watchdog ends a call without progress, and the
+        driver also ends one that runs longer than the limit (as it does for a stopped process).
     Raises ValueError for mismatched sizes or a method name that clashes with the group's
     own attributes; WorkerError when a worker fails to build (the group is then shut down).
     """
@@ -513,14 +529,39 @@ class WorkerGroup:
                     err = cause if isinstance(cause, WorkerError) else WorkerError(self.role, rank, str(e), method)
                     self._fail(WorkerError(err.role, err.rank, err.traceback_text, err.method, err.disk_full))
                 except RayError as e:  # RayActorError and other system errors: the process is gone
+                    if started is not None and self._watchdog_fired(rank):  # its hang watchdog ended it
+                        self._fail(self._hung(rank, method))
                     self._fail(WorkerDiedError(self.role, rank, f"the worker process died or became unreachable: {e}", method))
             if pending and deadline is not None and time.monotonic() > deadline:
                 ranks = sorted(pending.values())
                 raise TimeoutError(f"{self.role}.{method}() did not finish within {timeout_s:g} s on rank(s) {ranks}")
             if pending and started is not None and self.hang_timeout_s > 0:
                 if time.monotonic() - started > self.hang_timeout_s + HANG_GRACE_S:
-                    self._fail(self._hung(min(pending.values()), method))
+                    hung = [r for r in sorted(pending.values()) if self._no_progress(r)]
+                    if hung:
+                        self._fail(self._hung(hung[0], method))
         return results
+
+    def _watchdog_fired(self, rank: int) -> bool:
+        """Whether `rank`'s hang watchdog wrote its stacks (faulthandler's "Timeout (H:MM:SS)!" header) in
+        the call in flight; False where the file is not readable from here (a worker on another node)."""
+        try:
+            with open(self.stack_files.get(rank, "")) as f:
+                return f.read(9) == "Timeout ("
+        except OSError:
+            return False
+
+    def _no_progress(self, rank: int) -> bool:
+        """Whether `rank` made no progress for hang_timeout_s (+ grace): its watchdog fired, or its last beat
+        (the stack file's mtime, touched at the call's start and on each beat) is that old, as for a
+        stopped process. Where the file is not readable from here (a worker on another node), the call's
+        age decides, as the caller checked: True."""
+        path = self.stack_files.get(rank, "")
+        try:
+            age = time.time() - os.stat(path).st_mtime
+        except OSError:
+            return True
+        return self._watchdog_fired(rank) or age > self.hang_timeout_s + HANG_GRACE_S
 
     def _hung(self, rank: int, method: str) -> WorkerHungError:
         """The WorkerHungError of `rank` in `method`, with the stack its watchdog wrote when readable here."""
@@ -532,7 +573,7 @@ class WorkerGroup:
         except OSError:
             pass
         where = f"\nits Python stacks (faulthandler):\n{stacks}" if stacks else f" (its stacks: {path or 'not written'}, on its node)"
-        why = f"no result from {method}() for {self.hang_timeout_s:g} s (trainer.hang_timeout_s): the worker is hung{where}"
+        why = f"no progress in {method}() for {self.hang_timeout_s:g} s (trainer.hang_timeout_s): the worker is hung{where}"
         return WorkerHungError(self.role, rank, why, method)
 
     def _fail(self, err: WorkerError) -> None:

@@ -81,6 +81,17 @@ class SleepWorker:
         return time.monotonic() - t0
 
     @dispatch("broadcast")
+    def progressing(self, seconds: float) -> float:
+        """`seconds` of work in steps of 50 ms, each a progress beat (as a decode step is)."""
+        from aligner.runtime import progress
+
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            time.sleep(0.05)
+            progress.beat()
+        return time.monotonic() - t0
+
+    @dispatch("broadcast")
     def busy_by_rank(self, seconds: list) -> float:
         """Sleep seconds[rank]: ranks that work alone at different speeds."""
         time.sleep(seconds[self.dims.rank])
@@ -480,7 +491,7 @@ def test_a_death_is_reported_before_the_errors_it_caused_in_its_peers():
 
 @pytest.mark.distributed
 def test_hang_watchdog_names_the_rank_and_its_stack(ray_local):
-    """trainer.hang_timeout_s (issue 41 part 2): a call with no result for that long raises WorkerHungError,
+    """trainer.hang_timeout_s: a call without progress for that long raises WorkerHungError,
     a WorkerDiedError (the automatic restart handles it), naming role, rank and method, with the Python
     stack the worker's faulthandler wrote (it shows where the worker is stuck); the group is shut down."""
     from aligner.errors import WorkerHungError
@@ -490,6 +501,7 @@ def test_hang_watchdog_names_the_rank_and_its_stack(ray_local):
     group = WorkerGroup("actor", SleepWorker, placed.role("actor"), one, hang_timeout_s=1.0)
     try:
         assert group.busy(0.1).get(timeout_s=60)[0] >= 0.1  # a call within the limit passes
+        assert group.progressing(4.0).get(timeout_s=60)[0] >= 4.0  # 4x the limit, progressing: not a hang
         t0 = time.monotonic()
         with pytest.raises(WorkerHungError) as err:
             group.busy(120.0).get(timeout_s=60)
@@ -497,7 +509,7 @@ def test_hang_watchdog_names_the_rank_and_its_stack(ray_local):
         assert isinstance(err.value, WorkerDiedError)
         assert (err.value.role, err.value.rank, err.value.method) == ("actor", 0, "busy")
         text = err.value.traceback_text
-        assert "no result from busy() for 1 s (trainer.hang_timeout_s)" in text
+        assert "no progress in busy() for 1 s (trainer.hang_timeout_s)" in text
         assert "in busy" in text and "test_group.py" in text, text
         assert took < 20, f"the hang was reported {took:.1f} s after the call (limit 1 s + grace)"
         with pytest.raises(RuntimeError, match="shut down"):
@@ -531,5 +543,34 @@ def test_per_rank_busy_seconds_and_the_straggler_line(ray_local):
         assert len(lines) == 1 and m["ranks/rollout/busy_s_max"] < 1.0
         assert rank_busy_metrics({"rollout": group}, 0.0, lines.append)["ranks/rollout/busy_s_max"] < 0.1  # nothing ran since
     finally:
+        group.shutdown()
+        placed.remove()
+
+
+@pytest.mark.distributed
+def test_a_stopped_worker_is_hung_even_when_its_call_was_progressing(ray_local):
+    """A SIGSTOPped process beats no more, and its own watchdog cannot fire: the driver sees the beats'
+    time stop and ends the call after the limit (+ grace), naming the rank."""
+    import signal
+
+    from aligner.errors import WorkerHungError
+
+    one = ParallelConfig()
+    placed = create_placement({"actor": RoleRequest.from_parts("actor", one, ResourceConfig(cpus_per_worker=1))}, "split")
+    group = WorkerGroup("actor", SleepWorker, placed.role("actor"), one, hang_timeout_s=1.0)
+    try:
+        pid = group.worker_info()[0]["pid"]
+        fut = group.progressing(60.0)
+        time.sleep(2.0)  # past the limit, progressing
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerHungError, match="no progress in progressing"):
+            fut.get(timeout_s=60)
+        assert time.monotonic() - t0 < 20
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except (OSError, UnboundLocalError):
+            pass
         group.shutdown()
         placed.remove()
