@@ -1,9 +1,9 @@
-"""The static scheduler of :class:`aligner.rollout.torch_engine.TorchEngine` (``scheduler="static"``,
+"""The static scheduler of :class:`aligner.rollout.torch_engine.engine.TorchEngine` (``scheduler="static"``,
 the first engine), and its CUDA-graph decode step.
 
 It runs batches of max_batch_size prompts. How a batch runs:
 - prompts are left-padded to the longest P; one cache of P + max_new_tokens slots is
-  preallocated (:class:`aligner.rollout.kv_cache.StaticKVCache`); slot j holds the same column
+  preallocated (:class:`aligner.rollout.torch_engine.kv_cache.StaticKVCache`); slot j holds the same column
   j for every row.
 - positions per row are ``cumsum(valid) - 1`` (so padding never shifts RoPE); the mask is
   causal AND key-valid, built once per forward (not per layer). Padding queries attend to
@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 
 from aligner.rollout.base import Generation
-from aligner.rollout.kv_cache import StaticKVCache
-from aligner.rollout.sampling import Sampler
-from aligner.rollout.scheduler import OnFinish
+from aligner.rollout.torch_engine.kv_cache import StaticKVCache
+from aligner.rollout.torch_engine.sampling import Sampler
+from aligner.rollout.torch_engine.scheduler import OnFinish
 
 if TYPE_CHECKING:
-    from aligner.rollout.torch_engine import TorchEngine
+    from aligner.rollout.torch_engine.engine import TorchEngine
 
 
 class StaticBatching:
@@ -55,7 +55,7 @@ class StaticBatching:
         self, prompts: list[list[int]], budgets: list[int], sampler: Sampler, stop: list[int], on_finish: Optional[OnFinish] = None
     ) -> list[Generation]:
         """Every request of a call, max_batch_size at a time, in prompt order; sets ``engine.last_stats``.
-        on_finish: called for each request of a batch when the batch ends (:data:`aligner.rollout.scheduler.OnFinish`)."""
+        on_finish: called for each request of a batch when the batch ends (:data:`aligner.rollout.torch_engine.scheduler.OnFinish`)."""
         e = self.engine
         out: list[Generation] = []
         for s in range(0, len(prompts), e.max_batch_size):

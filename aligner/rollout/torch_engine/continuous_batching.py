@@ -1,19 +1,19 @@
-"""The continuous scheduler of :class:`aligner.rollout.torch_engine.TorchEngine` (the default): its execution.
+"""The continuous scheduler of :class:`aligner.rollout.torch_engine.engine.TorchEngine` (the default): its execution.
 
-Orca-style iteration-level scheduling (the plans: :mod:`aligner.rollout.scheduler`): every
+Orca-style iteration-level scheduling (the plans: :mod:`aligner.rollout.torch_engine.scheduler`): every
 request of a generate() call waits in one queue; a pool of ``max_batch_size`` KV-cache rows
-(:class:`aligner.rollout.kv_cache.SlotKVCache`, no padding: a row's position is its cache slot)
+(:class:`aligner.rollout.torch_engine.kv_cache.SlotKVCache`, no padding: a row's position is its cache slot)
 decodes the live requests one token per step; a row that stops (stop token or its own
 max_new_tokens) is refilled with the next request between two decode steps: its prompt minus
 the last token is prefilled (batched with the other new prompts, right-padded) or, when a live
 row already holds the same prompt, copied from it; the last prompt token then runs in the next
 decode step with everybody else's. With pp > 1 the pool is split into ``micro_batches`` blocks
-and stage 0 keeps one block's step in flight per stage (:class:`aligner.rollout.stage_link.StageLink`):
+and stage 0 keeps one block's step in flight per stage (:class:`aligner.rollout.torch_engine.stage_link.StageLink`):
 while stage 1 runs block 0, stage 0 runs block 1; stage 0 broadcasts the finished Generations
 at the end of the call.
 
 Decode attention: SDPA over each block's positions up to its longest context under a mask, or
-(``decode_attention="varlen"``, fp32 on the CPU) the kernel of :mod:`aligner.rollout.cpu_kernels`,
+(``decode_attention="varlen"``, fp32 on the CPU) the kernel of :mod:`aligner.rollout.torch_engine.cpu_kernels`,
 each row reading its own keys only.
 
 CUDA graphs (on cuda, pp = 1, one micro-batch, a dense model: :attr:`ContinuousBatching.uses_graphs`):
@@ -26,7 +26,7 @@ longest prompt differs by a few tokens share a graph; graphs (and their pools) a
 calls, as the static scheduler keeps its own, and dropped by ``TorchEngine.offload``.
 
 Interruptible generation (``TorchEngine(interruptible=True)``, pp = 1): before each step's plan the
-loop applies the weight syncs another thread staged (:class:`aligner.rollout.weight_stage.WeightStage`)
+loop applies the weight syncs another thread staged (:class:`aligner.rollout.weight_sync.staging.WeightStage`)
 and goes on: the requests in flight keep their KV cache (computed with the old weights, as AReaL
 keeps it) and their next tokens are sampled with the new weights; each token is labelled with the
 engine's weight_version of the step that sampled it (``Generation.token_versions``).
@@ -41,14 +41,14 @@ import torch
 import torch.distributed as dist
 
 from aligner.rollout.base import Generation
-from aligner.rollout.kv_cache import SlotKVCache
-from aligner.rollout.sampling import Sampler
-from aligner.rollout.scheduler import OnFinish, SlotScheduler, StepPlan, TurnEnd
-from aligner.rollout.stage_link import PlanMeta, StageLink, plan_meta
-from aligner.rollout.static_batching import capture_cuda_graph
+from aligner.rollout.torch_engine.kv_cache import SlotKVCache
+from aligner.rollout.torch_engine.sampling import Sampler
+from aligner.rollout.torch_engine.scheduler import OnFinish, SlotScheduler, StepPlan, TurnEnd
+from aligner.rollout.torch_engine.stage_link import PlanMeta, StageLink, plan_meta
+from aligner.rollout.torch_engine.static_batching import capture_cuda_graph
 
 if TYPE_CHECKING:
-    from aligner.rollout.torch_engine import TorchEngine
+    from aligner.rollout.torch_engine.engine import TorchEngine
 
 
 GRAPH_LEN_BLOCK = 64  # a SlotDecodeGraph's cache length is a multiple of this many positions
@@ -100,9 +100,9 @@ class ContinuousBatching:
         on_finish: Optional[OnFinish] = None,
     ) -> list[Generation]:
         """Every request of a call, in prompt order, on every pipeline stage; sets ``engine.last_stats``.
-        turn_end: the episodes' callback (:data:`aligner.rollout.scheduler.TurnEnd`), run by the first
+        turn_end: the episodes' callback (:data:`aligner.rollout.torch_engine.scheduler.TurnEnd`), run by the first
         stage's scheduler only; None for single-turn requests. on_finish: run by the first stage's
-        scheduler as each request ends (:data:`aligner.rollout.scheduler.OnFinish`).
+        scheduler as each request ends (:data:`aligner.rollout.torch_engine.scheduler.OnFinish`).
 
         Iteration-level scheduling over a slot pool (:class:`SlotScheduler`); with pp > 1 the
         first stage schedules and sends each step down the pipeline with its hidden states, the
