@@ -54,6 +54,7 @@ from aligner.rollout.torch_engine.cpu_kernels import load_decode_attention
 from aligner.rollout.torch_engine.cpu_tuning import cached_cpu_layout, cached_decode_attention
 from aligner.rollout.torch_engine.sampling import Sampler
 from aligner.rollout.torch_engine.scheduler import OnFinish, TurnEnd
+from aligner.rollout.torch_engine.shard import ModelShard
 from aligner.rollout.torch_engine.static_batching import StaticBatching
 from aligner.rollout.weight_sync.staging import Bucket, WeightStage
 from aligner.runtime.host import keep_freed_host_memory
@@ -121,7 +122,8 @@ class TorchEngine(RolloutEngine):
             cache and go on with the new weights, and every Generation carries ``token_versions``.
     The engine owns `model`: it re-lays its linear weights out in place (see :func:`_pack_weights`).
 
-    Attributes: ``batching`` runs the calls (:class:`StaticBatching` or :class:`ContinuousBatching`);
+    Attributes: ``batching`` runs the calls (:class:`StaticBatching` or :class:`ContinuousBatching`) on
+    ``shard``, the engine's :class:`ModelShard` (:meth:`model_shard`: the schedulers never see the engine);
     ``layout`` the CPU kernel choices and their timings; ``last_stats`` the last call's counters;
     ``moe_layers`` the local :class:`aligner.model.moe.SparseMoE` layers (empty for a dense model).
 
@@ -228,7 +230,18 @@ class TorchEngine(RolloutEngine):
         self._params = _param_slots(model)
         # Mixture of Experts: every response token's top-k experts per MoE layer (Generation.routed_experts)
         self.moe_layers = moe_layers(model)
-        self.batching = StaticBatching(self) if scheduler == "static" else ContinuousBatching(self)
+        self.shard = self.model_shard()
+        if scheduler == "static":
+            self.batching = StaticBatching(self.shard, max_batch_size=max_batch_size, cuda_graphs=cuda_graphs)
+        else:
+            self.batching = ContinuousBatching(
+                self.shard,
+                max_batch_size=max_batch_size,
+                micro_batches=self.micro_batches,
+                cuda_graphs=cuda_graphs,
+                varlen=decode_attention == "varlen",
+                interruptible=interruptible,
+            )
         self.compiled = compile == "on"  # "auto": eager until compiled decode is measured faster (compile_decode)
         if self.compiled:
             # the scheduler's own CUDA graphs capture the compiled kernels; elsewhere on CUDA
@@ -255,6 +268,28 @@ class TorchEngine(RolloutEngine):
         """Key/value heads on this tp rank (num_kv_heads / tp)."""
         attn = next(iter(self.model.model.layers.values())).self_attn
         return attn.k_proj.weight.shape[0] // attn.head_dim
+
+    def model_shard(self) -> ModelShard:
+        """The view of this rank's model shard that the scheduler drives (:class:`ModelShard`): the decoder
+        stack and head, the layout, the KV caches' shapes, and hooks for routing and weight versions."""
+        return ModelShard(
+            trunk=self.model.model,
+            lm_head=self.model.lm_head,
+            layers=tuple(self.local_layers()),
+            kv_heads=self.kv_heads_local(),
+            head_dim=self.cfg.resolved_head_dim,
+            hidden_size=self.cfg.hidden_size,
+            tp_group=self.tp_group,
+            pp_group=self.pp_group,
+            pp_size=self.pp_size,
+            pp_rank=self.pp_rank,
+            moe_layers=len(self.moe_layers),
+            moe_top_k=self.moe_layers[0].top_k if self.moe_layers else 0,
+            stage_routing=self.stage_routing,
+            attach_routing=self.attach_routing,
+            weight_version=lambda: self.weight_version,
+            step_boundary=lambda: self.weight_stage.step_boundary(self),
+        )
 
     # ---- weights ------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -380,8 +415,11 @@ class TorchEngine(RolloutEngine):
             self._repack()
         with torch.inference_mode(), self.weight_stage.decoding(self) if self.interruptible else nullcontext():
             if turn_end is not None:
-                return self.batching.generate(prompt_ids, budgets, sampler, stop, turn_end, on_finish)
-            return self.batching.generate(prompt_ids, budgets, sampler, stop, on_finish=on_finish)
+                gens = self.batching.generate(prompt_ids, budgets, sampler, stop, turn_end, on_finish)
+            else:
+                gens = self.batching.generate(prompt_ids, budgets, sampler, stop, on_finish=on_finish)
+        self.last_stats = self.batching.last_stats
+        return gens
 
     def stop_ids(self, sampling: Any) -> list[int]:
         """The token ids that end a response (or an episode's turn): sampling.stop_token_ids and eos, sorted."""
