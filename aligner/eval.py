@@ -16,7 +16,7 @@ and runs, in this process (no Ray):
     check     every row's constraints against IFEval's checkers (:func:`aligner.data.ifeval.check_rows`):
               an unknown id or kwargs that do not fit is one file:line error, exit 2, before the model loads
     generate  one greedy response per prompt with aligner's rollout engine
-              (:class:`aligner.rollout.torch_engine.TorchEngine`, continuous batching over chunks of
+              (:class:`aligner.rollout.torch_engine.engine.TorchEngine`, continuous batching over chunks of
               4 x rollout.max_batch_size prompts, a progress line after each), the prompt
               rendered by the tokenizer's chat template; a response that reaches the budget is "cut"
     score     IFEval's four numbers, strict and loose at prompt and instruction level, and accuracy
@@ -86,7 +86,7 @@ def generate_greedy(cfg: AlignerConfig, tok, prompt_ids: list[list[int]], max_ne
 
     from aligner.config import SamplingConfig
     from aligner.model.hf import load_hf_model
-    from aligner.rollout.torch_engine import TorchEngine
+    from aligner.rollout.torch_engine.engine import TorchEngine
     from aligner.runtime.role import resolve_init
 
     model_dir = resolve_init(cfg.actor.init)

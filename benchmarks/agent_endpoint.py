@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import openai  # noqa: E402
 
 from aligner.config import SamplingConfig  # noqa: E402
-from aligner.rollout.openai_server import OpenAIEndpoint  # noqa: E402
+from aligner.rollout.agent.openai_server import OpenAIEndpoint  # noqa: E402
 from tests.toolkit.agent import MAX_SEQ_LEN, agent_tokenizer, bigram_engine  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Benchmark: torch.compile'd decoder blocks vs eager, for generation and for a training step (CPU).
 
 Not a test. Decode: two TorchEngines on copies of the same weights, ``compile="off"`` and
-``compile="on"`` (:func:`aligner.rollout.torch_engine.compile_decode`), both with the same CPU
+``compile="on"`` (:func:`aligner.rollout.torch_engine.engine.compile_decode`), both with the same CPU
 weight layout (the one ``cpu_layout="auto"`` picks), greedy with no stop token, so both generate
 the full length; the first compiled call's time is reported as compile time (it includes one
 generation). Training: forward + backward of a next-token cross-entropy on [B, T] random tokens,
@@ -32,7 +32,7 @@ import benchmarks.common as C  # noqa: E402
 from aligner.config import SamplingConfig  # noqa: E402
 from aligner.model.llama import build_model  # noqa: E402
 from aligner.parallel.parallelize import apply_compile  # noqa: E402
-from aligner.rollout.torch_engine import TorchEngine  # noqa: E402
+from aligner.rollout.torch_engine.engine import TorchEngine  # noqa: E402
 
 SMOLLM2 = Path.home() / ".cache" / "aligner-bench" / "smollm2-135m"
 

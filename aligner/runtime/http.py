@@ -1,5 +1,5 @@
 """A hardened stdlib HTTP server for aligner's local endpoints (the OpenAI-compatible agent endpoint,
-:mod:`aligner.rollout.openai_server`).
+:mod:`aligner.rollout.agent.openai_server`).
 
 The doors such an endpoint opens, and how each is bounded (the reward server's rules,
 :mod:`aligner.reward.server`, written once here):

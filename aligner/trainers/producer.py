@@ -1,7 +1,7 @@
 """Generation ahead of the update under bounded staleness, for the split rollout placement (docs/rollout.md).
 
 With ``rollout.placement=split`` the engines form their own worker group (:mod:`aligner.workers.rollout`)
-and receive the actor's weights by broadcast (:mod:`aligner.rollout.weight_sync`). The
+and receive the actor's weights by broadcast (:mod:`aligner.rollout.weight_sync.broadcast`). The
 :class:`RolloutProducer` keeps a queue of generations in flight on that group: while the actor trains
 on the batch of step t, the rollout group already generates the batches of steps t+1 .. t+k
 (``trainer.max_staleness`` = k), the one-step off-policy pipeline of NeMo-RL and verl when k = 1.
@@ -24,7 +24,7 @@ NeMo-RL's in-flight weight updates): the sync is issued when due without waiting
 flight. The rollout workers receive it beside the generate call (a concurrent call on a thread of their
 own, :meth:`aligner.workers.rollout.RolloutWorker.receive_weights_beside`) into buffers, and the engine's
 decode loop swaps it in at its next step boundary, keeping the KV cache of the requests in flight
-(:mod:`aligner.rollout.weight_stage`); every token records the version that sampled it. The sync is
+(:mod:`aligner.rollout.weight_sync.staging`); every token records the version that sampled it. The sync is
 still exact (the engines hold the actor's weights bit for bit once it lands) and a batch's tokens are
 never older than its version at submission, so the staleness bound holds per token; a response can
 span versions (``mixed_version_frac``), and the decoupled loss handles it with the engine's per-token

@@ -30,8 +30,8 @@ from aligner.parallel.dims import ParallelDims
 from aligner.parallel.parallelize import build_parallel_model, decode_layer_split
 from aligner.reward.remote import StreamedScores, stream_chunk
 from aligner.rollout import build_engine
-from aligner.rollout.refit import iter_buckets, refit, rollout_dims
-from aligner.rollout.weight_sync import WeightSender, join_sync_group
+from aligner.rollout.weight_sync.broadcast import WeightSender, join_sync_group
+from aligner.rollout.weight_sync.refit import iter_buckets, refit, rollout_dims
 from aligner.runtime.ports import free_port
 from aligner.workers.dispatch import dispatch, split_batch
 from aligner.workers.episodes import generate_episodes

@@ -83,7 +83,7 @@ def build_judge(cfg: AlignerConfig, init: str, dims: ParallelDims) -> Judge:
     on a TorchEngine of one rank (greedy, continuous scheduler) in rollout.dtype on this rank's device."""
     from aligner.data.tokenizer import load_tokenizer
     from aligner.model.hf import load_hf_model
-    from aligner.rollout.torch_engine import TorchEngine
+    from aligner.rollout.torch_engine.engine import TorchEngine
 
     tok = load_tokenizer(init)
     model, model_cfg = load_hf_model(init)

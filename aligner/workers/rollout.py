@@ -2,9 +2,9 @@
 
 Thin (docs/design.md, "Thin Ray shells over Ray-free classes"): the group's ranks form
 ``rollout.parallel``'s layout, dp engine replicas of tp x pp ranks each, and every rank holds its
-shard of aligner's :class:`~aligner.rollout.torch_engine.TorchEngine`, built from the policy's model
+shard of aligner's :class:`~aligner.rollout.torch_engine.engine.TorchEngine`, built from the policy's model
 config with the run's seed; the weights arrive from the actor's rank 0 over the weight-sync group
-(:mod:`aligner.rollout.weight_sync`) after each update instead of by the in-place refit of the
+(:mod:`aligner.rollout.weight_sync.broadcast`) after each update instead of by the in-place refit of the
 colocated placement: every rank receives the full tensors of the broadcast and keeps its tp shard of
 its pp stage's layers (``update_weights``). ``generate`` is broadcast like the actor's: every rank
 gets all prompts, each replica generates its contiguous share, and its lead rank returns (replica,
@@ -25,7 +25,7 @@ train on the previous batch (``trainer.max_staleness`` >= 1, :mod:`aligner.train
 Interruptible generation (``rollout.interruptible``, docs/rollout.md): :meth:`RolloutWorker.receive_weights_beside`
 is a concurrent call (:func:`aligner.workers.dispatch.dispatch`): it runs on the worker's side thread while
 a generate call is in flight, receives the whole sync into buffers of its own and stages it; the
-engine's decode loop applies it at its next step boundary (:mod:`aligner.rollout.weight_stage`).
+engine's decode loop applies it at its next step boundary (:mod:`aligner.rollout.weight_sync.staging`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Optional
 
 from aligner.config import AlignerConfig, SamplingConfig
 from aligner.parallel.dims import ParallelDims
-from aligner.rollout.weight_sync import SyncGroup, join_sync_group, receive_weights, receive_weights_staged
+from aligner.rollout.weight_sync.broadcast import SyncGroup, join_sync_group, receive_weights, receive_weights_staged
 from aligner.workers.actor import (
     build_trtllm_side,
     generate_share,
@@ -95,7 +95,7 @@ class RolloutWorker:
     def receive_weights_beside(self) -> dict:
         """One sync (collective with the actor's send_weights) received beside a generate call in flight
         (``rollout.interruptible``): staged, and applied at the engine's next decode step boundary, or at
-        once when it is idle (:func:`aligner.rollout.weight_sync.receive_weights_staged`). Returns seconds
+        once when it is idle (:func:`aligner.rollout.weight_sync.broadcast.receive_weights_staged`). Returns seconds
         (until staged), bytes, buckets, tensors and "applied"."""
         return self._timed_receive("receive_weights_beside", receive_weights_staged)
 

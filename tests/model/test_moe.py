@@ -195,7 +195,7 @@ def test_capacity_drops_assignments_beyond_capacity():
 def test_engine_greedy_equals_no_cache_reference():
     from aligner.config import SamplingConfig
     from aligner.model.llama import build_model
-    from aligner.rollout.torch_engine import TorchEngine
+    from aligner.rollout.torch_engine.engine import TorchEngine
 
     model = build_model(moe_cfg(init_std=0.1), seed=3).eval()
     prompts = [[1, 5, 9, 2], [7, 3], [4, 4, 4, 8, 10, 11]]
@@ -287,7 +287,7 @@ def test_routing_mismatch_engine_vs_trainer():
     from aligner.parallel.dims import ParallelDims
     from aligner.protocol import build_sequences
     from aligner.rollout.base import routed_experts_to_padded
-    from aligner.rollout.torch_engine import TorchEngine
+    from aligner.rollout.torch_engine.engine import TorchEngine
 
     cfg = moe_cfg(init_std=0.1)
     pol = Policy(cfg, ParallelConfig(), OptimConfig(), ParallelDims(device_type="cpu"), seed=0)
@@ -348,8 +348,8 @@ def routing_battery(rank: int, world_size: int) -> dict:
     from aligner.parallel.parallelize import build_parallel_model
     from aligner.protocol import build_sequences
     from aligner.rollout.base import routed_experts_to_padded
-    from aligner.rollout.refit import rollout_dims
-    from aligner.rollout.torch_engine import TorchEngine
+    from aligner.rollout.torch_engine.engine import TorchEngine
+    from aligner.rollout.weight_sync.refit import rollout_dims
 
     cfg = moe_cfg(init_std=0.1)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=8)

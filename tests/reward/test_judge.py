@@ -22,7 +22,7 @@ from aligner.model.hf import save_hf
 from aligner.model.llama import build_model
 from aligner.ppo import main as ppo_main
 from aligner.reward.judge import Judge, fill_rubric, judge_prompt_ids, parse_verdict
-from aligner.rollout.torch_engine import TorchEngine
+from aligner.rollout.torch_engine.engine import TorchEngine
 from aligner.tracking import read_metrics
 from tests.toolkit.generation import greedy_reference
 from tests.toolkit.models import tiny_model_config

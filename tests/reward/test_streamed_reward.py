@@ -23,8 +23,8 @@ import torch
 from aligner.config import SamplingConfig
 from aligner.reward.remote import RemoteReward, RemoteRewardError, StreamedScores, stream_chunk
 from aligner.reward.server import RewardHTTPServer, RuleScorer
-from aligner.rollout.scheduler import SlotScheduler
-from aligner.rollout.torch_engine import TorchEngine
+from aligner.rollout.torch_engine.engine import TorchEngine
+from aligner.rollout.torch_engine.scheduler import SlotScheduler
 from aligner.tracking import read_metrics
 from aligner.trainers.ppo import streamed_scores
 from tests.toolkit.engine import engine_model

@@ -1,10 +1,10 @@
-"""Training samples from an agent's recorded calls (aligner.rollout.agent_record), on hand-made records."""
+"""Training samples from an agent's recorded calls (aligner.rollout.agent.record), on hand-made records."""
 
 from __future__ import annotations
 
 import pytest
 
-from aligner.rollout.agent_record import AgentRecorder, CallRecord, build_samples
+from aligner.rollout.agent.record import AgentRecorder, CallRecord, build_samples
 from aligner.rollout.base import generations_to_padded, own_tokens_mask, token_versions_to_padded
 
 

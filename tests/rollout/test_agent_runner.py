@@ -1,4 +1,4 @@
-"""Running agent programs against the endpoint (aligner.rollout.agent_runner): the example calculator
+"""Running agent programs against the endpoint (aligner.rollout.agent.runner): the example calculator
 agent (examples/calculator_agent.py, the real `openai` client in its own process) on the bigram engine
 of tests/toolkit/agent.py (a 30-nat margin: its chain is sampled at temperature 1 too), and agents that crash, hang, never report or do not exist."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from aligner.rollout.agent_runner import AgentRunError, run_agents
-from aligner.rollout.openai_server import OpenAIEndpoint
+from aligner.rollout.agent.openai_server import OpenAIEndpoint
+from aligner.rollout.agent.runner import AgentRunError, run_agents
 from tests.toolkit.agent import CALL_HEAD, CALL_TAIL, MAX_SEQ_LEN, SpyEngine, agent_tokenizer, bigram_engine
 
 pytest.importorskip("openai", reason="the openai client is not installed (pip install openai; it is in aligner[test])")

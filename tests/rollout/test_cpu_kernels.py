@@ -1,4 +1,4 @@
-"""aligner's own CPU decode attention kernel (aligner/rollout/csrc/decode_attention.c) against SDPA."""
+"""aligner's own CPU decode attention kernel (aligner/rollout/torch_engine/csrc/decode_attention.c) against SDPA."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aligner.rollout import cpu_kernels
-from aligner.rollout.cpu_kernels import decode_attention, load_decode_attention
+from aligner.rollout.torch_engine import cpu_kernels
+from aligner.rollout.torch_engine.cpu_kernels import decode_attention, load_decode_attention
 
 needs_kernel = pytest.mark.skipif(
     load_decode_attention() is None, reason=f"the decode attention kernel cannot be built here: {cpu_kernels.LOAD_ERROR}"

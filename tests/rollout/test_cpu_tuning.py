@@ -29,7 +29,7 @@ def model():
 def test_the_measured_layout_is_kept_per_machine(model, tmp_path):
     """cached_cpu_layout times once, then every engine on the machine gets the same choice from the
     file (a resumed run rounds like the uninterrupted one); a corrupt file only costs the timing."""
-    from aligner.rollout.cpu_tuning import cached_cpu_layout
+    from aligner.rollout.torch_engine.cpu_tuning import cached_cpu_layout
 
     path = tmp_path / "cpu_layout.json"
     first = cached_cpu_layout(model, 4, True, path)
@@ -47,7 +47,7 @@ def test_the_measured_layout_is_kept_per_machine(model, tmp_path):
 
 @VARLEN
 def test_the_measured_decode_attention_is_kept_per_machine(model, tmp_path):
-    from aligner.rollout.cpu_tuning import cached_decode_attention
+    from aligner.rollout.torch_engine.cpu_tuning import cached_decode_attention
 
     path = tmp_path / "cpu_layout.json"
     first = cached_decode_attention(model, 4, path)
@@ -59,7 +59,7 @@ def test_the_measured_decode_attention_is_kept_per_machine(model, tmp_path):
 
 
 def _layout_in_child(path: str, start, q) -> None:
-    from aligner.rollout.cpu_tuning import cached_cpu_layout
+    from aligner.rollout.torch_engine.cpu_tuning import cached_cpu_layout
 
     torch.set_num_threads(1)
     model = build_model(CFG, seed=0).eval()
@@ -92,7 +92,7 @@ def test_an_isa_cap_is_its_own_entry_and_a_kernel_that_raises_is_no_candidate(mo
     holds the caps, so an AVX-512 machine emulating an AVX2 one times again. A candidate whose kernel
     raises on this CPU is left out of the timing with its reason (the others still decide)."""
     from aligner.rollout import cpu_tuning
-    from aligner.rollout.cpu_tuning import cached_cpu_layout, choose_cpu_layout
+    from aligner.rollout.torch_engine.cpu_tuning import cached_cpu_layout, choose_cpu_layout
 
     for name in ("ALIGNER_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):  # uncapped first (make test-avx2 caps all)
         monkeypatch.delenv(name, raising=False)

@@ -17,9 +17,9 @@ import torch
 
 from aligner.config import SamplingConfig
 from aligner.nn.vocab import vocab_parallel_log_probs
-from aligner.rollout.sampling import filter_top_k_top_p
-from aligner.rollout.scheduler import SlotScheduler
-from aligner.rollout.torch_engine import TorchEngine
+from aligner.rollout.torch_engine.engine import TorchEngine
+from aligner.rollout.torch_engine.sampling import filter_top_k_top_p
+from aligner.rollout.torch_engine.scheduler import SlotScheduler
 from tests.toolkit.engine import ENGINE_CFG, VARLEN, engine_model
 
 PROMPTS = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12, 13], [3, 3], [40, 41], [5], [60, 2, 9, 9]]

@@ -1,6 +1,6 @@
 """Interruptible generation (issue 37 part 4): a weight sync that lands between decode steps.
 
-Engine level, no Ray: a sync staged while a call decodes (aligner.rollout.weight_stage) is applied at
+Engine level, no Ray: a sync staged while a call decodes (aligner.rollout.weight_sync.staging) is applied at
 the next step boundary; the requests in flight keep their KV cache and go on with the new weights,
 and every token records the weight version that sampled it. Checked against a slow reference that
 decodes each prompt alone with its own cache: the first N tokens with weights A, then the swap,
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from aligner.config import SamplingConfig
-from aligner.rollout.kv_cache import StaticKVCache
-from aligner.rollout.torch_engine import TorchEngine
-from aligner.rollout.weight_stage import WeightStage
+from aligner.rollout.torch_engine.engine import TorchEngine
+from aligner.rollout.torch_engine.kv_cache import StaticKVCache
+from aligner.rollout.weight_sync.staging import WeightStage
 from tests.toolkit.engine import ENGINE_CFG, engine_model
 
 PROMPTS = [[3, 9, 4], [7, 1], [5, 5, 5, 2], [11]]

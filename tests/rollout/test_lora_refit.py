@@ -40,7 +40,7 @@ def _battery(rank, world_size):
     from aligner.model.llama import build_model
     from aligner.nn import lora
     from aligner.parallel.dims import ParallelDims
-    from aligner.rollout.torch_engine import TorchEngine
+    from aligner.rollout.torch_engine.engine import TorchEngine
     from aligner.workers.actor import ActorWorker
 
     out = {}

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible endpoint (aligner.rollout.openai_server) driven by the real `openai` client.
+"""The OpenAI-compatible endpoint (aligner.rollout.agent.openai_server) driven by the real `openai` client.
 
 The engine is aligner's TorchEngine on a small Llama whose weights make it a bigram model
 (tests/toolkit/agent.py): after the chat template's generation prompt it writes a Hermes calculator
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from aligner.envs.tools import get_tool
-from aligner.rollout.agent_record import build_samples
-from aligner.rollout.openai_server import OpenAIEndpoint
+from aligner.rollout.agent.openai_server import OpenAIEndpoint
+from aligner.rollout.agent.record import build_samples
 from tests.toolkit.agent import CALL_HEAD, CALL_TAIL, MAX_SEQ_LEN, SpyEngine, agent_tokenizer, bigram_engine
 
 openai = pytest.importorskip("openai", reason="the openai client is not installed (pip install openai; it is in aligner[test])")

@@ -70,8 +70,8 @@ def battery(rank: int, world_size: int) -> dict:
     from aligner.parallel.dims import ParallelDims
     from aligner.parallel.parallelize import build_parallel_model
     from aligner.parallel.sharding import load_full_state_dict
-    from aligner.rollout.refit import refit, rollout_dims
-    from aligner.rollout.torch_engine import TorchEngine
+    from aligner.rollout.torch_engine.engine import TorchEngine
+    from aligner.rollout.weight_sync.refit import refit, rollout_dims
 
     cfg = tiny_cfg()
     sd = trained_state_dict(cfg)
@@ -125,7 +125,7 @@ def _fsdp_actor_refit_battery(rank, world_size, moe: bool = False, rollout_tp: i
     from aligner.config import AlignerConfig, ModelConfig, ParallelConfig, RolloutConfig, SamplingConfig
     from aligner.model.llama import build_model
     from aligner.parallel.dims import ParallelDims
-    from aligner.rollout.torch_engine import TorchEngine
+    from aligner.rollout.torch_engine.engine import TorchEngine
     from aligner.workers.actor import ActorWorker
 
     extra = dict(num_experts=4, num_experts_per_tok=2) if moe else {}

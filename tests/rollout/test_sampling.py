@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aligner.config import SamplingConfig
-from aligner.rollout.sampling import Sampler, filter_top_k_top_p
+from aligner.rollout.torch_engine.sampling import Sampler, filter_top_k_top_p
 
 
 def test_filter_top_p_keeps_smallest_nucleus():

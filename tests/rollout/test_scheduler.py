@@ -17,7 +17,7 @@ from collections import deque
 
 import pytest
 
-from aligner.rollout.scheduler import SlotScheduler
+from aligner.rollout.torch_engine.scheduler import SlotScheduler
 
 VOCAB = 23
 

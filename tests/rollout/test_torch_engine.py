@@ -18,10 +18,10 @@ from aligner.nn.layers import ColumnParallelLinear, RowParallelLinear, onednn_av
 from aligner.nn.vocab import vocab_parallel_log_probs
 from aligner.rollout import build_engine, engine_class
 from aligner.rollout.base import Generation, generations_to_padded, mismatch_metrics
-from aligner.rollout.cpu_kernels import load_decode_attention
-from aligner.rollout.refit import iter_buckets, refit
-from aligner.rollout.sampling import filter_top_k_top_p
-from aligner.rollout.torch_engine import TorchEngine
+from aligner.rollout.torch_engine.cpu_kernels import load_decode_attention
+from aligner.rollout.torch_engine.engine import TorchEngine
+from aligner.rollout.torch_engine.sampling import filter_top_k_top_p
+from aligner.rollout.weight_sync.refit import iter_buckets, refit
 from tests.toolkit.engine import ENGINE_CFG, VARLEN, engine_model
 from tests.toolkit.generation import greedy_reference
 from tests.toolkit.models import tiny_model_config
@@ -211,7 +211,7 @@ def test_the_registry_names_its_engine_modules_in_import_statements():
 
     tree = ast.parse(Path(aligner.rollout.__file__).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert {"aligner.rollout.torch_engine", "aligner.rollout.trtllm_engine"} <= imported
+    assert {"aligner.rollout.torch_engine.engine", "aligner.rollout.trtllm_engine"} <= imported
     code = "import sys, aligner.rollout; print(sorted(m for m in sys.modules if m.endswith('_engine')))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-500:])
@@ -272,7 +272,7 @@ def test_refit_writes_through_the_fused_weights_of_every_engine_on_a_model():
     assert [g.token_ids for g in first.generate(PROMPTS, s)] == want
 
 
-# ---- the continuous scheduler (aligner/rollout/scheduler.py) ------------------------------------------
+# ---- the continuous scheduler (aligner/rollout/torch_engine/scheduler.py) ------------------------------------------
 # ragged prompts and per-request budgets; more requests than slots in most tests below, so slots are
 # refilled as rows stop and the last live rows move into the holes once the queue is empty
 MIXED = [[1, 2, 3], [5], [7, 8, 9, 10, 11, 12, 13], [3, 3], [4, 4, 4, 4, 4], [9, 1], [2], [6, 5, 4, 3]]
@@ -423,7 +423,7 @@ def test_continuous_graph_step_equals_the_per_step_decode(model, mixed_refs, sam
     cache under a mask, free rows at position 0) run eagerly on the CPU: the same tokens, stops and
     log-probs (1e-5) as the per-step path, through refills, moves, shared prefixes and two calls
     that share one graph (the capture itself needs a GPU: tests/rollout/test_trtllm_engine_gpu.py)."""
-    from aligner.rollout.continuous_batching import GRAPH_LEN_BLOCK, ContinuousBatching
+    from aligner.rollout.torch_engine.continuous_batching import GRAPH_LEN_BLOCK, ContinuousBatching
 
     _, eos = mixed_refs
     prompts = MIXED + [MIXED[2]] * 3 + [MIXED[0]] * 2  # samples of one prompt share its prefill
@@ -525,7 +525,7 @@ def test_a_bf16_engine_runs_as_an_avx2_only_cpu_would(tmp_path):
     code = (
         "import json, torch\n"
         "from aligner.config import SamplingConfig\n"
-        "from aligner.rollout.torch_engine import TorchEngine\n"
+        "from aligner.rollout.torch_engine.engine import TorchEngine\n"
         "from tests.toolkit.engine import engine_model\n"
         "eng = TorchEngine(engine_model().to(torch.bfloat16), max_batch_size=3)\n"
         "gens = eng.generate([[1, 2, 3], [5]], SamplingConfig(temperature=0.0, max_new_tokens=4))\n"
@@ -647,7 +647,7 @@ def pp_eos() -> int:
 def pipelined_battery(rank: int, world_size: int, eos: int) -> dict:
     """Rank r is stage r of a pp = 2 engine (seed-1 weights); every micro-batch count, greedy and sampled."""
     from aligner.parallel.parallelize import build_parallel_model
-    from aligner.rollout.refit import rollout_dims
+    from aligner.rollout.weight_sync.refit import rollout_dims
 
     dims = rollout_dims(world_size, rank, 1, 2)
     model = build_parallel_model(CFG, "lm", dims, seed=1)

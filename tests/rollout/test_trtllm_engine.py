@@ -473,7 +473,7 @@ def test_engine_model_dir_is_the_policys_hf_config(tmp_path):
 
 def test_backend_registry_maps_trtllm_to_the_adapter():
     from aligner.rollout import engine_class
-    from aligner.rollout.torch_engine import TorchEngine
+    from aligner.rollout.torch_engine.engine import TorchEngine
     from aligner.rollout.trtllm_engine import TrtllmEngine
 
     assert engine_class("trtllm") is TrtllmEngine and engine_class("torch") is TorchEngine

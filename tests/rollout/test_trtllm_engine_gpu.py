@@ -23,8 +23,8 @@ import torch
 from aligner.config import RolloutConfig, SamplingConfig
 from aligner.model.llama import build_model
 from aligner.nn.vocab import vocab_parallel_log_probs
-from aligner.rollout.refit import refit
-from aligner.rollout.torch_engine import TorchEngine
+from aligner.rollout.torch_engine.engine import TorchEngine
+from aligner.rollout.weight_sync.refit import refit
 from tests.toolkit.models import tiny_model_config
 
 pytestmark = pytest.mark.gpu

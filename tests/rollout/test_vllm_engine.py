@@ -198,7 +198,7 @@ def engines(smollm2):
     from transformers import AutoTokenizer
 
     from aligner.model.hf import load_hf_model
-    from aligner.rollout.torch_engine import TorchEngine
+    from aligner.rollout.torch_engine.engine import TorchEngine
     from aligner.rollout.vllm_engine import VllmEngine
 
     tok = AutoTokenizer.from_pretrained(str(smollm2))
@@ -272,7 +272,7 @@ def test_refit_changes_the_output_and_restoring_the_weights_restores_it(engines)
     """aligner's refit (the trainer layout's walk, buckets of 16 MiB, HF names) into vLLM in memory: a
     layer's MLP zeroed changes the greedy output; the original weights refit again give the first output
     back, tokens and log-probs exactly (the same weights in the same kernels)."""
-    from aligner.rollout.refit import refit
+    from aligner.rollout.weight_sync.refit import refit
 
     tok, model, _, vllm = engines
     prompts = gsm8k_prompts(tok, 4)

@@ -1,4 +1,4 @@
-"""Weight sync across processes (aligner.rollout.weight_sync, issue 37 part 2): the actor's rank 0
+"""Weight sync across processes (aligner.rollout.weight_sync.broadcast, issue 37 part 2): the actor's rank 0
 broadcasts its full tensors, bucket by bucket, to rollout engines in other processes over a gloo
 group made apart from the default one; after a sync every engine holds the trainer's weights
 exactly, and generates what an engine refitted in the trainer's own process generates."""
@@ -10,9 +10,8 @@ import torch
 
 from aligner.config import SamplingConfig
 from aligner.model.llama import build_model
-from aligner.rollout.refit import refit
-from aligner.rollout.torch_engine import TorchEngine
-from aligner.rollout.weight_sync import (
+from aligner.rollout.torch_engine.engine import TorchEngine
+from aligner.rollout.weight_sync.broadcast import (
     SyncGroup,
     WeightSender,
     bucket_spec,
@@ -22,6 +21,7 @@ from aligner.rollout.weight_sync import (
     receive_weights_staged,
     unpack_bucket,
 )
+from aligner.rollout.weight_sync.refit import refit
 from tests.toolkit.engine import ENGINE_CFG
 from tests.toolkit.spawn import free_port, run_distributed
 

@@ -14,7 +14,7 @@ import pytest
 
 from aligner import serve_rm
 from aligner.reward.server import RewardHTTPServer, RuleScorer
-from aligner.rollout.openai_server import OpenAIEndpoint
+from aligner.rollout.agent.openai_server import OpenAIEndpoint
 from aligner.runtime.http import GuardedHandler, GuardedHTTPServer, check_bind, is_loopback
 
 

@@ -56,7 +56,7 @@ def bigram_model(tok, margin: float = 8.0):
 
 def bigram_engine(tok, margin: float = 8.0):
     """A TorchEngine (continuous scheduler, 8 slots) over :func:`bigram_model` with `margin`."""
-    from aligner.rollout.torch_engine import TorchEngine
+    from aligner.rollout.torch_engine.engine import TorchEngine
 
     return TorchEngine(
         bigram_model(tok, margin), eos_token_id=tok.eos_token_id, max_batch_size=8, cpu_layout="out_in", decode_attention="sdpa"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from aligner.model.llama import build_model
-from aligner.rollout import cpu_kernels
-from aligner.rollout.cpu_kernels import load_decode_attention
+from aligner.rollout.torch_engine import cpu_kernels
+from aligner.rollout.torch_engine.cpu_kernels import load_decode_attention
 from tests.toolkit.models import tiny_model_config
 
 # a 2-layer model with GQA (4 query, 2 kv heads) small enough to generate in milliseconds

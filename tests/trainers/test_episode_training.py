@@ -24,7 +24,7 @@ from aligner.nn.vocab import vocab_parallel_log_probs
 from aligner.ppo import main as ppo_main
 from aligner.protocol import build_sequences, to_response
 from aligner.rollout.base import Generation, own_tokens_mask
-from aligner.rollout.torch_engine import TorchEngine
+from aligner.rollout.torch_engine.engine import TorchEngine
 from aligner.tracking import read_metrics
 from aligner.trainers.ppo import PPOTrainer
 from tests.toolkit.engine import engine_model

@@ -1,7 +1,7 @@
 """The split rollout placement and bounded staleness (issue 37 parts 1-3), end to end on CPU.
 
 The rollout engines run in their own Ray worker group and receive the actor's weights by broadcast
-(aligner.rollout.weight_sync); with trainer.max_staleness = k they generate up to k batches ahead of
+(aligner.rollout.weight_sync.broadcast); with trainer.max_staleness = k they generate up to k batches ahead of
 the update (aligner.trainers.producer). Checked here: k = 0 gives the colocated run's tokens and
 losses; engines of tp = 2 or pp = 2 ranks hold the trainer's weights after every sync; k = 1 trains on batches exactly one step stale, through the decoupled loss, reproducibly
 from its seed; a resumed k = 1 run trains on the same prompts; with rollout.interruptible (part 4) a sync

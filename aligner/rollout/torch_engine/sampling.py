@@ -1,7 +1,7 @@
 """Token choice of the rollout engine: greedy, or temperature / top-k / top-p sampling with per-request seeds.
 
 :class:`Sampler` turns a decode step's logits into tokens and their log-probs; both of
-:class:`aligner.rollout.torch_engine.TorchEngine`'s schedulers call it once per step.
+:class:`aligner.rollout.torch_engine.engine.TorchEngine`'s schedulers call it once per step.
 
 Sampling choices (documented simplifications):
 - Under TP the last position's logits [B, V/tp] are all-gathered to [B, V] on every tp rank

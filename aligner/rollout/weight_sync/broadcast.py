@@ -2,7 +2,7 @@
 
 The split placement (``rollout.placement=split``, docs/rollout.md) puts the rollout engines in their own
 worker group, so the refit of the colocated placement (the engine in the actor's own process,
-:mod:`aligner.rollout.refit`) cannot reach them. After each update the actor's rank 0 sends the
+:mod:`aligner.rollout.weight_sync.refit`) cannot reach them. After each update the actor's rank 0 sends the
 full tensors of the policy, in the same buckets as a refit, over a process group of its own that
 spans it and every engine rank (verl's and OpenRLHF's weight-sync group; NeMo-RL's
 ``update_weights_from_collective``): one broadcast per bucket, so each tensor leaves the sender
@@ -12,7 +12,7 @@ Owns: the sync group (a store and a gloo or NCCL process group made apart from t
 the actor's ranks already belong to their training world), the bucket's wire form (a header with
 names, shapes and dtypes, then one flat buffer, each tensor at an aligned offset) and the two ends, :class:`WeightSender` (an
 object with a rollout engine's ``update_weights`` / ``finish_weight_update``, so the refit walk of
-:func:`aligner.rollout.refit.refit` drives it unchanged) and :func:`receive_weights`.
+:func:`aligner.rollout.weight_sync.refit.refit` drives it unchanged) and :func:`receive_weights`.
 
 Sizes: bytes on the wire per sync = the policy's full tensors in the engine's dtype, plus a
 header of about 100 bytes per tensor; the receivers hold one bucket at a time besides the engine
@@ -140,7 +140,7 @@ def unpack_bucket(spec: list, flat: torch.Tensor) -> list[tuple[str, torch.Tenso
 class WeightSender:
     """Rank 0's end: a rollout-engine-shaped sink that broadcasts each bucket to the receivers.
 
-    :func:`aligner.rollout.refit.refit` (or any caller) hands it buckets of full HF-named tensors
+    :func:`aligner.rollout.weight_sync.refit.refit` (or any caller) hands it buckets of full HF-named tensors
     through :meth:`update_weights` and ends with :meth:`finish_weight_update`, as it would a local
     engine; ``weight_version`` counts finished syncs. Only rank 0 of the sync group sends;
     ``group=None`` (an actor rank that is not the sender) makes every call a no-op, so every rank
@@ -210,9 +210,9 @@ def receive_weights(group: SyncGroup, engine: RolloutEngine) -> dict:
 
 def receive_weights_staged(group: SyncGroup, engine) -> dict:
     """Receive one whole sync into buffers of its own, then hand it to ``engine.stage_weights`` (a
-    :class:`~aligner.rollout.torch_engine.TorchEngine` built with ``interruptible=True``): applied at once
+    :class:`~aligner.rollout.torch_engine.engine.TorchEngine` built with ``interruptible=True``): applied at once
     when the engine is idle, else at the running generate() call's next decode step boundary
-    (:mod:`aligner.rollout.weight_stage`). Runs on a thread beside the one that generates; the receiver
+    (:mod:`aligner.rollout.weight_sync.staging`). Runs on a thread beside the one that generates; the receiver
     holds the whole sync (the policy's tensors) until it is applied, not one bucket.
 
     Returns {"bytes", "buckets", "tensors"} as :func:`receive_weights`, and "applied": True when the sync

@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
-from aligner.rollout.agent_record import AgentSample
+from aligner.rollout.agent.record import AgentSample
 
 RewardFn = Callable[[str, str, dict], float]
 
@@ -46,7 +46,7 @@ class AgentEpisode:
     """One run of the agent on one task.
 
     episode_id: the id the agent was given. index: the task's index. samples: its training samples
-    (:func:`aligner.rollout.agent_record.build_samples`; [] when dropped). reward: the episode's reward
+    (:func:`aligner.rollout.agent.record.build_samples`; [] when dropped). reward: the episode's reward
     (None when dropped); reward_source: "agent" (reported) or "rule" (``reward_fn``). dropped / reason:
     whether and why it was dropped (one line). returncode: the process's exit code (None if killed at
     the deadline). seconds: wall time of the process. calls: endpoint calls recorded.
@@ -91,7 +91,7 @@ def run_agents(
     field_name: str = "agent.command",
 ) -> list[AgentEpisode]:
     """Run the agent once per task (prompt text, metadata) against `endpoint` (a started
-    :class:`aligner.rollout.openai_server.OpenAIEndpoint`); the episodes in task order.
+    :class:`aligner.rollout.agent.openai_server.OpenAIEndpoint`); the episodes in task order.
 
     parallel: agents running at once (>= 1). deadline_s: wall-clock limit per agent process, seconds.
     max_dropped_frac: the fraction of dropped episodes above which :class:`AgentRunError` is raised.

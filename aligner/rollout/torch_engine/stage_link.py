@@ -1,6 +1,6 @@
 """The pipeline link of the continuous scheduler: step plans and hidden states down the stages, tokens back.
 
-With pp > 1 stage 0 schedules (:class:`aligner.rollout.scheduler.SlotScheduler`), runs its
+With pp > 1 stage 0 schedules (:class:`aligner.rollout.torch_engine.scheduler.SlotScheduler`), runs its
 layers on a step and sends the step's plan (:class:`PlanMeta`) with the hidden states to stage
 1, and so on; the last stage samples and sends the tokens and log-probs back to stage 0
 (:class:`StageLink`). The slot pool is split into ``micro_batches`` blocks and stage 0 keeps
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from aligner.nn import comm
-from aligner.rollout.scheduler import StepPlan
+from aligner.rollout.torch_engine.scheduler import StepPlan
 
 
 @dataclass

@@ -1,10 +1,10 @@
 """Continuous batching: which request runs in which KV-cache slot at each decode step.
 
-Owns the planning half of :class:`aligner.rollout.torch_engine.TorchEngine`'s continuous
+Owns the planning half of :class:`aligner.rollout.torch_engine.engine.TorchEngine`'s continuous
 mode (Orca's iteration-level scheduling, Yu et al. OSDI 2022; vLLM and TensorRT-LLM's
 in-flight batching): a queue of requests, a fixed pool of KV-cache slots split into
 micro-batches, and per step a :class:`StepPlan` that the engine executes on every pipeline
-stage (:mod:`aligner.rollout.continuous_batching`). Pure Python (no torch): every rank of an engine runs the same scheduler on the same
+stage (:mod:`aligner.rollout.torch_engine.continuous_batching`). Pure Python (no torch): every rank of an engine runs the same scheduler on the same
 requests and sampled tokens, so they agree on every plan without exchanging it (pipeline
 stages after the first receive the plan's numbers with the hidden states).
 

@@ -4,7 +4,7 @@ PyTorch's CPU ``scaled_dot_product_attention`` runs a one-token decode query as 
 (row, head) and reads every key up to the batch's longest context: with SmolLM2-135M's shapes it
 took two to four times as long as merely reading the keys and values once (benchmarks/RESULTS.md,
 "Generation on a real model"). :func:`decode_attention` runs
-``aligner/rollout/csrc/decode_attention.c`` instead: each (row, kv head) reads its keys and values
+``aligner/rollout/torch_engine/csrc/decode_attention.c`` instead: each (row, kv head) reads its keys and values
 once, for all its query heads, and only up to that row's own length (as vLLM's paged-attention
 kernels do on GPU and CPU); in fixed order, so a row's result does not depend on the batch.
 

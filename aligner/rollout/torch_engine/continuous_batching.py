@@ -1,19 +1,19 @@
-"""The continuous scheduler of :class:`aligner.rollout.torch_engine.TorchEngine` (the default): its execution.
+"""The continuous scheduler of :class:`aligner.rollout.torch_engine.engine.TorchEngine` (the default): its execution.
 
-Orca-style iteration-level scheduling (the plans: :mod:`aligner.rollout.scheduler`): every
+Orca-style iteration-level scheduling (the plans: :mod:`aligner.rollout.torch_engine.scheduler`): every
 request of a generate() call waits in one queue; a pool of ``max_batch_size`` KV-cache rows
-(:class:`aligner.rollout.kv_cache.SlotKVCache`, no padding: a row's position is its cache slot)
+(:class:`aligner.rollout.torch_engine.kv_cache.SlotKVCache`, no padding: a row's position is its cache slot)
 decodes the live requests one token per step; a row that stops (stop token or its own
 max_new_tokens) is refilled with the next request between two decode steps: its prompt minus
 the last token is prefilled (batched with the other new prompts, right-padded) or, when a live
 row already holds the same prompt, copied from it; the last prompt token then runs in the next
 decode step with everybody else's. With pp > 1 the pool is split into ``micro_batches`` blocks
-and stage 0 keeps one block's step in flight per stage (:class:`aligner.rollout.stage_link.StageLink`):
+and stage 0 keeps one block's step in flight per stage (:class:`aligner.rollout.torch_engine.stage_link.StageLink`):
 while stage 1 runs block 0, stage 0 runs block 1; stage 0 broadcasts the finished Generations
 at the end of the call.
 
 Decode attention: SDPA over each block's positions up to its longest context under a mask, or
-(``decode_attention="varlen"``, fp32 on the CPU) the kernel of :mod:`aligner.rollout.cpu_kernels`,
+(``decode_attention="varlen"``, fp32 on the CPU) the kernel of :mod:`aligner.rollout.torch_engine.cpu_kernels`,
 each row reading its own keys only.
 
 CUDA graphs (on cuda, pp = 1, one micro-batch, a dense model: :attr:`ContinuousBatching.uses_graphs`):
@@ -26,7 +26,7 @@ longest prompt differs by a few tokens share a graph; graphs (and their pools) a
 calls, as the static scheduler keeps its own, and dropped by ``TorchEngine.offload``.
 
 Interruptible generation (``TorchEngine(interruptible=True)``, pp = 1): before each step's plan the
-loop applies the weight syncs another thread staged (:class:`aligner.rollout.weight_stage.WeightStage`)
+loop applies the weight syncs another thread staged (:class:`aligner.rollout.weight_sync.staging.WeightStage`)
 and goes on: the requests in flight keep their KV cache (computed with the old weights, as AReaL
 keeps it) and their next tokens are sampled with the new weights; each token is labelled with the
 engine's weight_version of the step that sampled it (``Generation.token_versions``).
@@ -35,38 +35,47 @@ engine's weight_version of the step that sampled it (``Generation.token_versions
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from aligner.rollout.base import Generation
-from aligner.rollout.kv_cache import SlotKVCache
-from aligner.rollout.sampling import Sampler
-from aligner.rollout.scheduler import OnFinish, SlotScheduler, StepPlan, TurnEnd
-from aligner.rollout.stage_link import PlanMeta, StageLink, plan_meta
-from aligner.rollout.static_batching import capture_cuda_graph
+from aligner.rollout.torch_engine.cuda_graphs import capture_cuda_graph
+from aligner.rollout.torch_engine.kv_cache import SlotKVCache
+from aligner.rollout.torch_engine.sampling import Sampler
+from aligner.rollout.torch_engine.scheduler import OnFinish, SlotScheduler, StepPlan, TurnEnd
+from aligner.rollout.torch_engine.shard import ModelShard
+from aligner.rollout.torch_engine.stage_link import PlanMeta, StageLink, plan_meta
 from aligner.runtime import progress
-
-if TYPE_CHECKING:
-    from aligner.rollout.torch_engine import TorchEngine
-
 
 GRAPH_LEN_BLOCK = 64  # a SlotDecodeGraph's cache length is a multiple of this many positions
 
 
 class ContinuousBatching:
-    """Runs generate() calls of `engine` by continuous batching over a slot pool (see the module docstring).
+    """Runs generate() calls on the model shard `shard` by continuous batching over a slot pool (see the module docstring).
+
+    Args:
+        shard: the engine's :class:`ModelShard` (model, layout, hooks).
+        max_batch_size: KV-cache slots; each of the ``micro_batches`` blocks gets max_batch_size // micro_batches (at least 1).
+        micro_batches: blocks of the slot pool (with pp > 1 each stage works on one block while the next works on another).
+        cuda_graphs: capture the decode step in CUDA graphs where it can (:attr:`uses_graphs`).
+        varlen: decode attention by the varlen kernel (fp32 on the CPU) instead of SDPA.
+        interruptible: weight syncs land between decode steps (``shard.step_boundary``) and every
+            Generation carries ``token_versions`` (pp = 1).
 
     Without CUDA graphs the pool is allocated per call and freed at its end (the actor trains in
     the same process between calls); with them (:attr:`uses_graphs`) each :class:`SlotDecodeGraph`
     in ``graphs`` owns its pool, kept across calls. ``routing``: during a call on an MoE model, the
     [requests, max budget, L_local, k] int16 buffer of every response token's experts on this
-    stage (-1 where unset).
+    stage (-1 where unset). ``last_stats``: the last call's counters (the scheduler's, and generated tokens).
     """
 
-    def __init__(self, engine: TorchEngine):
-        self.engine = engine
+    def __init__(self, shard: ModelShard, *, max_batch_size: int, micro_batches: int, cuda_graphs: bool, varlen: bool, interruptible: bool):
+        self.shard = shard
+        self.max_batch_size, self.micro_batches = max_batch_size, micro_batches
+        self.cuda_graphs, self.varlen, self.interruptible = cuda_graphs, varlen, interruptible
+        self.last_stats: dict[str, float] = {}
         self.routing: Optional[torch.Tensor] = None
         self.graphs: dict[tuple[int, int], SlotDecodeGraph] = {}
         self._graph: Optional[SlotDecodeGraph] = None  # the running call's
@@ -75,14 +84,14 @@ class ContinuousBatching:
     def uses_graphs(self) -> bool:
         """Decode runs in CUDA graphs: asked for (``cuda_graphs``), on cuda, one pipeline stage, one
         micro-batch, SDPA decode attention and no MoE layer (an MoE step records its routing)."""
-        e = self.engine
+        sh = self.shard
         return (
-            e.cuda_graphs
-            and e.device.type == "cuda"
-            and e.pp_size == 1
-            and e.micro_batches == 1
-            and e.decode_attention != "varlen"
-            and not e.moe_layers
+            self.cuda_graphs
+            and sh.device.type == "cuda"
+            and sh.pp_size == 1
+            and self.micro_batches == 1
+            and not self.varlen
+            and not sh.moe_layers
         )
 
     def _graph_for(self, slots: int, max_len: int) -> SlotDecodeGraph:
@@ -100,46 +109,46 @@ class ContinuousBatching:
         turn_end: Optional[TurnEnd] = None,
         on_finish: Optional[OnFinish] = None,
     ) -> list[Generation]:
-        """Every request of a call, in prompt order, on every pipeline stage; sets ``engine.last_stats``.
-        turn_end: the episodes' callback (:data:`aligner.rollout.scheduler.TurnEnd`), run by the first
+        """Every request of a call, in prompt order, on every pipeline stage; sets ``last_stats``.
+        turn_end: the episodes' callback (:data:`aligner.rollout.torch_engine.scheduler.TurnEnd`), run by the first
         stage's scheduler only; None for single-turn requests. on_finish: run by the first stage's
-        scheduler as each request ends (:data:`aligner.rollout.scheduler.OnFinish`).
+        scheduler as each request ends (:data:`aligner.rollout.torch_engine.scheduler.OnFinish`).
 
         Iteration-level scheduling over a slot pool (:class:`SlotScheduler`); with pp > 1 the
         first stage schedules and sends each step down the pipeline with its hidden states, the
         last stage samples and sends the tokens back, and ``micro_batches`` steps are in flight."""
-        e = self.engine
-        if turn_end is not None and e.pp_size > 1:
+        sh = self.shard
+        if turn_end is not None and sh.pp_size > 1:
             raise ValueError("episodes (turn_end) with a pipeline-parallel engine are not built: use pp_size=1 engines")
-        m = e.micro_batches
-        capacity = max(1, min(e.max_batch_size // m, -(-len(prompts) // m)))  # no more slots than requests
+        m = self.micro_batches
+        capacity = max(1, min(self.max_batch_size // m, -(-len(prompts) // m)))  # no more slots than requests
         max_len = max(len(p) + n for p, n in zip(prompts, budgets))
         self._graph = self._graph_for(capacity * m, max_len) if self.uses_graphs else None
         # without graphs allocated per call and freed at its end: the actor trains in the same process between calls
         pool = self._graph.pool if self._graph is not None else SlotKVCache(
-            e.local_layers(),
+            list(sh.layers),
             capacity * m,
-            e.kv_heads_local(),
+            sh.kv_heads,
             max_len,
-            e.cfg.resolved_head_dim,
-            e.dtype,
-            e.device,
-            varlen=e.decode_attention == "varlen",
+            sh.head_dim,
+            sh.dtype,
+            sh.device,
+            varlen=self.varlen,
             zeroed=turn_end is not None,
         )  # fmt: skip
         self.routing = None
-        if e.moe_layers:
-            k = e.moe_layers[0].top_k
-            self.routing = torch.full((len(prompts), max(budgets), len(e.moe_layers), k), -1, dtype=torch.int16, device=e.device)
-        if not e.is_first:
+        if sh.moe_layers:
+            k = sh.moe_top_k
+            self.routing = torch.full((len(prompts), max(budgets), sh.moe_layers, k), -1, dtype=torch.int16, device=sh.device)
+        if not sh.is_first:
             self._serve_stage(pool, sampler)
-            e.attach_routing(None, self.routing)
+            sh.attach_routing(None, self.routing)
             self.routing = None
             return self._broadcast_generations(None)  # sets last_stats too
         sched = SlotScheduler(prompts, budgets, capacity, m, stop, turn_end, on_finish)
-        link = self._link() if e.pp_size > 1 else None
+        link = self._link() if sh.pp_size > 1 else None
         in_flight: deque[tuple[int, int]] = deque()  # (micro-batch, rows) sent down the pipeline
-        versions: Optional[list[list[int]]] = [[] for _ in prompts] if e.interruptible else None  # per request, per token
+        versions: Optional[list[list[int]]] = [[] for _ in prompts] if self.interruptible else None  # per request, per token
         mb = idle = 0
         while True:
             progress.beat()  # a scheduler step is progress for the hang watchdog (aligner.runtime.progress)
@@ -149,7 +158,7 @@ class ContinuousBatching:
             if sched.done():
                 break
             if versions is not None:  # a step boundary (pp = 1): a sync staged by another thread lands here
-                e.weight_stage.step_boundary(e)
+                sh.step_boundary()
             plan = sched.plan(mb)
             idle = 0 if plan is not None else idle + 1
             if plan is not None:
@@ -157,7 +166,7 @@ class ContinuousBatching:
                     tok, lp = self._run_plan(plan, pool, sampler, None)
                     sched.apply(mb, tok.tolist(), lp.tolist())
                     if versions is not None:
-                        label_versions(versions, sched.outputs, plan.requests, e.weight_version)
+                        label_versions(versions, sched.outputs, plan.requests, sh.weight_version())
                 else:
                     self._run_plan(plan, pool, sampler, link)
                     in_flight.append((mb, plan.n))
@@ -169,27 +178,28 @@ class ContinuousBatching:
             link.send_stop()
             link.wait()
         stop_set = set(stop)
+        version = sh.weight_version()
         gens = [
-            Generation(t, lp, "stop" if t and t[-1] in stop_set else "length", e.weight_version, own_mask=own if turn_end else None)
+            Generation(t, lp, "stop" if t and t[-1] in stop_set else "length", version, own_mask=own if turn_end else None)
             for (t, lp), own in zip(sched.outputs, sched.own)
         ]
         if versions is not None:  # tokens appended outside a decode step (an episode's last observation): the current version
-            label_versions(versions, sched.outputs, range(len(gens)), e.weight_version)
+            label_versions(versions, sched.outputs, range(len(gens)), version)
             for g, v in zip(gens, versions):
                 g.token_versions = v
-        e.attach_routing(gens, self.routing)
+        sh.attach_routing(gens, self.routing)
         self.routing = None
-        e.last_stats = {**sched.stats(), "generated_tokens": sum(len(g.token_ids) for g in gens)}
-        return self._broadcast_generations(gens) if e.pp_size > 1 else gens
+        self.last_stats = {**sched.stats(), "generated_tokens": sum(len(g.token_ids) for g in gens)}
+        return self._broadcast_generations(gens) if sh.pp_size > 1 else gens
 
     def _link(self) -> StageLink:
-        e = self.engine
-        return StageLink(e.pp_group, e.device, e.dtype, e.cfg.hidden_size)
+        sh = self.shard
+        return StageLink(sh.pp_group, sh.device, sh.dtype, sh.hidden_size)
 
     def _run_plan(self, plan: StepPlan, pool: SlotKVCache, sampler: Sampler, link: Optional[StageLink]):
         """Stage 0: run one StepPlan on this stage and send it on (pp > 1), or sample (pp = 1):
         (tokens [n], log_probs [n]) when this stage is also the last."""
-        dev = self.engine.device
+        dev = self.shard.device
         prefill_x = None
         if plan.prefill_rows:
             t = max(len(x) for x in plan.prefill_ids)
@@ -214,9 +224,9 @@ class ContinuousBatching:
 
     def _stage_step(self, meta: PlanMeta, prefill_x, decode_x, pool: SlotKVCache, sampler: Sampler, link: Optional[StageLink], extends=()):
         """Execute a plan on this stage: prefill, copies, moves, extends (episodes, pp = 1), decode (scheduler.py's order)."""
-        e = self.engine
-        dev = e.device
-        trunk = e.model.model
+        sh = self.shard
+        dev = sh.device
+        trunk = sh.trunk
         prefill_h = None
         if meta.prefill_rows.numel():
             pool.plan_prefill(meta.prefill_rows.to(dev))
@@ -234,12 +244,12 @@ class ContinuousBatching:
         else:
             h = self._decode_forward(meta, decode_x, pool)
             if self.routing is not None:  # decode row j produced token steps[j] of request requests[j]
-                self.routing[meta.requests.to(dev), meta.steps.to(dev)] = e.stage_routing()
-            if not e.is_last:
+                self.routing[meta.requests.to(dev), meta.steps.to(dev)] = sh.stage_routing()
+            if not sh.is_last:
                 link.send_plan(meta, prefill_h, h)
                 return None
-            logits = e.model.lm_head(h[:, -1]).float()
-        tok, lp = sampler.sample_requests(logits, meta.requests.to(dev), meta.steps.to(dev), e.tp_group)
+            logits = sh.lm_head(h[:, -1]).float()
+        tok, lp = sampler.sample_requests(logits, meta.requests.to(dev), meta.steps.to(dev), sh.tp_group)
         if link is not None:
             link.send_tokens(tok, lp)
             return None
@@ -249,7 +259,7 @@ class ContinuousBatching:
         """Episodes that go on after an observation: one forward of each row's new tokens (right-padded)
         at positions [offset, offset + len), writing their k/v into the row and attending to its cache
         before them (each query to its row's keys up to its own position); the outputs are not used."""
-        dev = self.engine.device
+        dev = self.shard.device
         rows = torch.tensor([r for r, _, _ in extends], dtype=torch.long, device=dev)
         offsets = torch.tensor([o for _, o, _ in extends], dtype=torch.long, device=dev)
         lengths = torch.tensor([len(ids) for _, _, ids in extends], dtype=torch.long, device=dev)
@@ -260,26 +270,26 @@ class ContinuousBatching:
         positions = offsets.unsqueeze(1) + torch.arange(t, device=dev)  # [U, T]
         length = pool.plan_extend(rows, offsets, lengths)
         mask = (torch.arange(length, device=dev) <= positions.unsqueeze(2))[:, None]  # [U, 1, T, L]
-        self.engine.model.model(x.to(dev), position_ids=positions, attn_mask=mask, kv_cache=pool)
+        self.shard.trunk(x.to(dev), position_ids=positions, attn_mask=mask, kv_cache=pool)
 
     def _decode_forward(self, meta: PlanMeta, decode_x: torch.Tensor, pool: SlotKVCache) -> torch.Tensor:
         """The eager decode step of rows [start, start + n): hidden states [n, 1, H] of this stage, attention
         over each block's positions up to its longest context (masked where the rows' lengths differ)."""
-        dev = self.engine.device
+        dev = self.shard.device
         positions = meta.positions.to(dev)
         length = int(meta.positions.max()) + 1
         mask = None  # the varlen kernel reads each row's own length from the pool: no mask to build
         if not pool.varlen and not bool((meta.positions == length - 1).all()):
             mask = (torch.arange(length, device=dev) <= positions.unsqueeze(1))[:, None, None, :]
         pool.plan_decode(meta.start, positions, length)
-        return self.engine.model.model(decode_x, position_ids=positions.unsqueeze(1), attn_mask=mask, kv_cache=pool)
+        return self.shard.trunk(decode_x, position_ids=positions.unsqueeze(1), attn_mask=mask, kv_cache=pool)
 
     def _broadcast_generations(self, gens: Optional[list[Generation]]) -> list[Generation]:
         """Stage 0's Generations and last_stats on every pipeline stage (one object broadcast over the pp group)."""
-        e = self.engine
-        box = [(gens, e.last_stats)]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(e.pp_group, 0), group=e.pp_group)
-        gens, e.last_stats = box[0]
+        pp_group = self.shard.pp_group
+        box = [(gens, self.last_stats)]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(pp_group, 0), group=pp_group)
+        gens, self.last_stats = box[0]
         return gens
 
 
@@ -304,16 +314,16 @@ class SlotDecodeGraph:
     against the per-step path without a GPU.
 
     Args:
-        batching: the ContinuousBatching whose engine's model it runs.
+        batching: the ContinuousBatching whose model shard it runs.
         slots: rows of the pool (capacity x micro-batches, = 1 micro-batch here).
         max_len: cache positions per row (a multiple of ``GRAPH_LEN_BLOCK``).
     """
 
     def __init__(self, batching: ContinuousBatching, slots: int, max_len: int):
-        e = batching.engine
-        dev = e.device
-        self.engine, self.slots, self.max_len = e, slots, max_len
-        self.pool = SlotKVCache(e.local_layers(), slots, e.kv_heads_local(), max_len, e.cfg.resolved_head_dim, e.dtype, dev)
+        sh = batching.shard
+        dev = sh.device
+        self.shard, self.slots, self.max_len = sh, slots, max_len
+        self.pool = SlotKVCache(list(sh.layers), slots, sh.kv_heads, max_len, sh.head_dim, sh.dtype, dev)
         self.tok = torch.zeros(slots, 1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(slots, dtype=torch.long, device=dev)
         self.key_positions = torch.arange(max_len, device=dev)
@@ -324,11 +334,11 @@ class SlotDecodeGraph:
         self.graph, self.out = capture_cuda_graph(self._step)
 
     def _step(self) -> torch.Tensor:
-        e = self.engine
+        sh = self.shard
         self.pool.plan_decode(0, self.pos, self.max_len)
         mask = (self.key_positions <= self.pos.unsqueeze(1))[:, None, None, :]  # [slots, 1, 1, max_len]
-        h = e.model.model(self.tok, position_ids=self.pos.unsqueeze(1), attn_mask=mask, kv_cache=self.pool)
-        return e.model.lm_head(h[:, -1]).float()
+        h = sh.trunk(self.tok, position_ids=self.pos.unsqueeze(1), attn_mask=mask, kv_cache=self.pool)
+        return sh.lm_head(h[:, -1]).float()
 
     def run(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """tok [n], pos [n] int64 of the live rows 0 .. n-1 -> their logits [n, V/tp] fp32 (a copy).

@@ -4,19 +4,19 @@ The engine runs the model's own modules (:mod:`aligner.model.llama`): there is o
 forward in aligner, for training, prefill and decode. It owns the HF-named weight update
 (refit), tensor- and pipeline-parallel generation in the engine's own layout, stop tokens and
 rollout log-probs, and hands each generate() call to one of two schedulers:
-- continuous (default; :mod:`aligner.rollout.continuous_batching`, plans by
-  :mod:`aligner.rollout.scheduler`, pipeline messages by :mod:`aligner.rollout.stage_link`): a
-  pool of KV-cache slots (:mod:`aligner.rollout.kv_cache`) refilled as responses stop, shared
+- continuous (default; :mod:`aligner.rollout.torch_engine.continuous_batching`, plans by
+  :mod:`aligner.rollout.torch_engine.scheduler`, pipeline messages by :mod:`aligner.rollout.torch_engine.stage_link`): a
+  pool of KV-cache slots (:mod:`aligner.rollout.torch_engine.kv_cache`) refilled as responses stop, shared
   prompt prefixes, pipelined decode with pp > 1;
-- static (:mod:`aligner.rollout.static_batching`): left-padded batches, with CUDA-graph decode on GPU.
-Sampling (greedy / temperature / top-k / top-p, per-request seeds): :mod:`aligner.rollout.sampling`.
+- static (:mod:`aligner.rollout.torch_engine.static_batching`): left-padded batches, with CUDA-graph decode on GPU.
+Sampling (greedy / temperature / top-k / top-p, per-request seeds): :mod:`aligner.rollout.torch_engine.sampling`.
 
 Weights: the inference fast paths live in the building blocks: packed q/k/v and gate/up GEMMs
 (:func:`aligner.nn.layers.pack_linears`), the residual add inside the o / down GEMM, fp32
 RMSNorm in one kernel, GQA decode without repeated k/v. On the CPU, the GEMM kernel
 (``F.linear``, i.e. MKL, or oneDNN on weights prepacked for the decode batch), whether weights
 are stored [in, out] and whether q/k/v and gate/up are packed is timed on the machine at engine
-build (``cpu_layout="auto"``, :mod:`aligner.rollout.cpu_tuning`). The packed parameters are
+build (``cpu_layout="auto"``, :mod:`aligner.rollout.torch_engine.cpu_tuning`). The packed parameters are
 views, so refit is unchanged; the oneDNN copies are re-packed at every ``finish_weight_update``.
 Compiled decode (``compile``, :func:`compile_decode`): each decoder layer torch.compile'd in
 place. What ran on which device, and the measurements behind the defaults: benchmarks/RESULTS.md.
@@ -47,15 +47,16 @@ from aligner.nn.layers import (
     unpack_linears,
 )
 from aligner.parallel.parallelize import emulate_eager_rounding
-from aligner.rollout import cpu_kernels
 from aligner.rollout.base import Generation, RolloutEngine, check_budgets, check_prompts, check_sampling
-from aligner.rollout.continuous_batching import ContinuousBatching
-from aligner.rollout.cpu_kernels import load_decode_attention
-from aligner.rollout.cpu_tuning import cached_cpu_layout, cached_decode_attention
-from aligner.rollout.sampling import Sampler
-from aligner.rollout.scheduler import OnFinish, TurnEnd
-from aligner.rollout.static_batching import StaticBatching
-from aligner.rollout.weight_stage import Bucket, WeightStage
+from aligner.rollout.torch_engine import cpu_kernels
+from aligner.rollout.torch_engine.continuous_batching import ContinuousBatching
+from aligner.rollout.torch_engine.cpu_kernels import load_decode_attention
+from aligner.rollout.torch_engine.cpu_tuning import cached_cpu_layout, cached_decode_attention
+from aligner.rollout.torch_engine.sampling import Sampler
+from aligner.rollout.torch_engine.scheduler import OnFinish, TurnEnd
+from aligner.rollout.torch_engine.shard import ModelShard
+from aligner.rollout.torch_engine.static_batching import StaticBatching
+from aligner.rollout.weight_sync.staging import Bucket, WeightStage
 from aligner.runtime.host import keep_freed_host_memory
 
 SCHEDULERS = ("continuous", "static")
@@ -87,9 +88,9 @@ class TorchEngine(RolloutEngine):
             modules) or that use sequence parallelism.
         scheduler: "continuous" (default): a pool of max_batch_size KV-cache slots refilled as
             responses stop, shared prompt prefixes, pipelined PP decode
-            (:mod:`aligner.rollout.continuous_batching`); "static": batches of max_batch_size
+            (:mod:`aligner.rollout.torch_engine.continuous_batching`); "static": batches of max_batch_size
             prompts left-padded and decoded until their longest response ends (the first engine,
-            kept for comparison and for CUDA-graph decode; :mod:`aligner.rollout.static_batching`).
+            kept for comparison and for CUDA-graph decode; :mod:`aligner.rollout.torch_engine.static_batching`).
         micro_batches: continuous scheduler only: blocks the slot pool is split into; with
             pp > 1 every stage works on one block while the next stage works on another
             (None: pp_size; 1 with pp > 1 runs the stages one after the other).
@@ -108,7 +109,7 @@ class TorchEngine(RolloutEngine):
             but its speed not yet measured; no per-machine timing is done for it.
         decode_attention: the continuous scheduler's one-token attention: "sdpa" (PyTorch's,
             every row reads the keys up to the block's longest context under a mask), "varlen"
-            (fp32 on the CPU: :func:`aligner.rollout.cpu_kernels.decode_attention`, a C kernel built
+            (fp32 on the CPU: :func:`aligner.rollout.torch_engine.cpu_kernels.decode_attention`, a C kernel built
             on this machine at first use, each row reading its own keys only) or "auto"
             (default): on the CPU in fp32 the faster of the two, timed once per machine and
             shape (:func:`cached_decode_attention`; ``self.layout["attention"]`` holds the
@@ -117,11 +118,12 @@ class TorchEngine(RolloutEngine):
         interruptible: weight syncs may land between decode steps (the split placement's
             ``rollout.interruptible``, docs/rollout.md; continuous scheduler, pp = 1): a sync handed to
             :meth:`stage_weights` while a call decodes is applied at the call's next step boundary
-            (:class:`aligner.rollout.weight_stage.WeightStage`), the requests in flight keep their KV
+            (:class:`aligner.rollout.weight_sync.staging.WeightStage`), the requests in flight keep their KV
             cache and go on with the new weights, and every Generation carries ``token_versions``.
     The engine owns `model`: it re-lays its linear weights out in place (see :func:`_pack_weights`).
 
-    Attributes: ``batching`` runs the calls (:class:`StaticBatching` or :class:`ContinuousBatching`);
+    Attributes: ``batching`` runs the calls (:class:`StaticBatching` or :class:`ContinuousBatching`) on
+    ``shard``, the engine's :class:`ModelShard` (:meth:`model_shard`: the schedulers never see the engine);
     ``layout`` the CPU kernel choices and their timings; ``last_stats`` the last call's counters;
     ``moe_layers`` the local :class:`aligner.model.moe.SparseMoE` layers (empty for a dense model).
 
@@ -228,7 +230,18 @@ class TorchEngine(RolloutEngine):
         self._params = _param_slots(model)
         # Mixture of Experts: every response token's top-k experts per MoE layer (Generation.routed_experts)
         self.moe_layers = moe_layers(model)
-        self.batching = StaticBatching(self) if scheduler == "static" else ContinuousBatching(self)
+        self.shard = self.model_shard()
+        if scheduler == "static":
+            self.batching = StaticBatching(self.shard, max_batch_size=max_batch_size, cuda_graphs=cuda_graphs)
+        else:
+            self.batching = ContinuousBatching(
+                self.shard,
+                max_batch_size=max_batch_size,
+                micro_batches=self.micro_batches,
+                cuda_graphs=cuda_graphs,
+                varlen=decode_attention == "varlen",
+                interruptible=interruptible,
+            )
         self.compiled = compile == "on"  # "auto": eager until compiled decode is measured faster (compile_decode)
         if self.compiled:
             # the scheduler's own CUDA graphs capture the compiled kernels; elsewhere on CUDA
@@ -255,6 +268,28 @@ class TorchEngine(RolloutEngine):
         """Key/value heads on this tp rank (num_kv_heads / tp)."""
         attn = next(iter(self.model.model.layers.values())).self_attn
         return attn.k_proj.weight.shape[0] // attn.head_dim
+
+    def model_shard(self) -> ModelShard:
+        """The view of this rank's model shard that the scheduler drives (:class:`ModelShard`): the decoder
+        stack and head, the layout, the KV caches' shapes, and hooks for routing and weight versions."""
+        return ModelShard(
+            trunk=self.model.model,
+            lm_head=self.model.lm_head,
+            layers=tuple(self.local_layers()),
+            kv_heads=self.kv_heads_local(),
+            head_dim=self.cfg.resolved_head_dim,
+            hidden_size=self.cfg.hidden_size,
+            tp_group=self.tp_group,
+            pp_group=self.pp_group,
+            pp_size=self.pp_size,
+            pp_rank=self.pp_rank,
+            moe_layers=len(self.moe_layers),
+            moe_top_k=self.moe_layers[0].top_k if self.moe_layers else 0,
+            stage_routing=self.stage_routing,
+            attach_routing=self.attach_routing,
+            weight_version=lambda: self.weight_version,
+            step_boundary=lambda: self.weight_stage.step_boundary(self),
+        )
 
     # ---- weights ------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -338,7 +373,7 @@ class TorchEngine(RolloutEngine):
         turn_end: Optional[TurnEnd] = None,
         on_finish: Optional[OnFinish] = None,
     ) -> list[Generation]:
-        """Sample one response per prompt (sampling semantics: :mod:`aligner.rollout.sampling`).
+        """Sample one response per prompt (sampling semantics: :mod:`aligner.rollout.torch_engine.sampling`).
 
         Args:
             prompt_ids: list[list[int]], B non-empty prompts of ragged length.
@@ -348,13 +383,13 @@ class TorchEngine(RolloutEngine):
             max_new_tokens: list[int] of length B, each request's own budget (None: every
                 request gets sampling.max_new_tokens).
             turn_end: None, or each request is an episode (multi-turn, continuous scheduler only):
-                the callback (:data:`aligner.rollout.scheduler.TurnEnd`) that gets each model turn
+                the callback (:data:`aligner.rollout.torch_engine.scheduler.TurnEnd`) that gets each model turn
                 and returns the observation tokens to continue with from the cached prefix; the
                 Generations then carry ``own_mask`` and their budget counts observation tokens.
             on_finish: None, or ``on_finish(index, token_ids)`` called once per request as soon as it
                 ends (continuous scheduler: when its row frees its slot; static: when its batch ends;
                 on the first pipeline stage): lets a caller use finished responses, e.g. send them to a
-                remote reward, while the other rows decode (:data:`aligner.rollout.scheduler.OnFinish`).
+                remote reward, while the other rows decode (:data:`aligner.rollout.torch_engine.scheduler.OnFinish`).
         Returns:
             list[Generation] of length B, in prompt order; rollout_log_probs fp32 per response
             token; with ``interruptible``, token_versions (the weight_version of each token).
@@ -380,8 +415,11 @@ class TorchEngine(RolloutEngine):
             self._repack()
         with torch.inference_mode(), self.weight_stage.decoding(self) if self.interruptible else nullcontext():
             if turn_end is not None:
-                return self.batching.generate(prompt_ids, budgets, sampler, stop, turn_end, on_finish)
-            return self.batching.generate(prompt_ids, budgets, sampler, stop, on_finish=on_finish)
+                gens = self.batching.generate(prompt_ids, budgets, sampler, stop, turn_end, on_finish)
+            else:
+                gens = self.batching.generate(prompt_ids, budgets, sampler, stop, on_finish=on_finish)
+        self.last_stats = self.batching.last_stats
+        return gens
 
     def stop_ids(self, sampling: Any) -> list[int]:
         """The token ids that end a response (or an episode's turn): sampling.stop_token_ids and eos, sorted."""

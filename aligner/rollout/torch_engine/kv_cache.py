@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from aligner.rollout.cpu_kernels import check_decode_lengths, decode_attention
+from aligner.rollout.torch_engine.cpu_kernels import check_decode_lengths, decode_attention
 
 
 class StaticKVCache:
@@ -55,7 +55,7 @@ class SlotKVCache:
       under the engine's mask (each query sees its row's keys up to its own position).
     Unwritten slots are zeros (finite), so masked keys never turn into NaN (with ``varlen`` they
     are left uninitialized: nothing reads them).
-    varlen: a decode step runs :func:`aligner.rollout.cpu_kernels.decode_attention` (:meth:`attend`),
+    varlen: a decode step runs :func:`aligner.rollout.torch_engine.cpu_kernels.decode_attention` (:meth:`attend`),
     which rotates q and k, stores k and v and reads each row's keys up to its own position only,
     instead of RoPE, :meth:`update` and SDPA over [0, length) with the engine's mask (fp32 CPU
     caches only).
@@ -144,7 +144,7 @@ class SlotKVCache:
     ) -> Optional[torch.Tensor]:
         """A decode step with ``varlen`` (:class:`aligner.model.llama.KVCache`'s hook): the un-rotated
         q [n, 1, h, hd], k, v [n, 1, kvh, hd] and RoPE tables cos, sin [n, 1, hd] -> [n, 1, h, hd].
-        One kernel call (:func:`aligner.rollout.cpu_kernels.decode_attention`) rotates q and k,
+        One kernel call (:func:`aligner.rollout.torch_engine.cpu_kernels.decode_attention`) rotates q and k,
         writes k and v at each row's position and attends to its positions [0, position]. None
         otherwise (prefill, or varlen off: the model rotates, calls :meth:`update` and runs SDPA
         with the engine's mask)."""

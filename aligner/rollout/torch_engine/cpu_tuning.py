@@ -5,7 +5,7 @@ step's work is timed with every candidate on this machine and the fastest is kep
 :func:`choose_cpu_layout` times the linear weights' GEMMs (MKL's ``F.linear`` on [out, in] or
 [in, out] storage, oneDNN on prepacked copies; q/k/v and gate/up packed into one GEMM or not)
 and :func:`choose_decode_attention` times one-token attention (SDPA against the varlen kernel of
-:mod:`aligner.rollout.cpu_kernels`). :func:`cached_cpu_layout` and :func:`cached_decode_attention`
+:mod:`aligner.rollout.torch_engine.cpu_kernels`). :func:`cached_cpu_layout` and :func:`cached_decode_attention`
 keep each choice in one JSON file (:data:`LAYOUT_CACHE`) keyed by the CPU, torch version and
 shapes, under an exclusive file lock, so every process of a machine (tensor-parallel ranks,
 replicas, a resumed run) multiplies and attends with the same kernels. Measurements:
@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from aligner.nn.cpu_isa import isa_signature
 from aligner.nn.layers import onednn_linear, onednn_pack, onednn_supports
-from aligner.rollout import cpu_kernels
-from aligner.rollout.cpu_kernels import decode_attention
+from aligner.rollout.torch_engine import cpu_kernels
+from aligner.rollout.torch_engine.cpu_kernels import decode_attention
 
 LAYOUT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "aligner" / "cpu_layout.json"
 

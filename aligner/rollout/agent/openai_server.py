@@ -20,7 +20,7 @@ Tool calls in a completion (Hermes' ``<tool_call>{...}</tool_call>``) come back 
 
 The episode id: the ``X-Episode-Id`` header, else the request's ``user`` field (both given and
 different: 400); a call without one gets 400 (``require_episode_id``). Every sampled choice is a
-:class:`aligner.rollout.agent_record.CallRecord` of that episode: prompt ids, completion ids,
+:class:`aligner.rollout.agent.record.CallRecord` of that episode: prompt ids, completion ids,
 per-token log-probs, the engine's weight_version.
 
 Token-faithful prompts. A chat call's prompt is the chat template's rendering of its messages. When an
@@ -70,7 +70,7 @@ from aligner.envs.tool_env import (
     template_defines_tool_calls,
     tool_instructions,
 )
-from aligner.rollout.agent_record import AgentRecorder, CallRecord, build_samples
+from aligner.rollout.agent.record import AgentRecorder, CallRecord, build_samples
 from aligner.runtime.http import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_REQUEST_BYTES, GuardedHandler, GuardedHTTPServer
 
 log = logging.getLogger("aligner.openai_server")
@@ -231,7 +231,7 @@ class OpenAIEndpoint:
 
     def take_samples(self, episode_id: str) -> list:
         """Remove the episode's records and return its training samples
-        (:func:`aligner.rollout.agent_record.build_samples`; [] for an unknown id)."""
+        (:func:`aligner.rollout.agent.record.build_samples`; [] for an unknown id)."""
         with self.recorder.lock():
             self._returned.pop(episode_id, None)
         return build_samples(self.recorder.pop(episode_id))

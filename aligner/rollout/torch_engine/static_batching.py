@@ -1,9 +1,9 @@
-"""The static scheduler of :class:`aligner.rollout.torch_engine.TorchEngine` (``scheduler="static"``,
+"""The static scheduler of :class:`aligner.rollout.torch_engine.engine.TorchEngine` (``scheduler="static"``,
 the first engine), and its CUDA-graph decode step.
 
 It runs batches of max_batch_size prompts. How a batch runs:
 - prompts are left-padded to the longest P; one cache of P + max_new_tokens slots is
-  preallocated (:class:`aligner.rollout.kv_cache.StaticKVCache`); slot j holds the same column
+  preallocated (:class:`aligner.rollout.torch_engine.kv_cache.StaticKVCache`); slot j holds the same column
   j for every row.
 - positions per row are ``cumsum(valid) - 1`` (so padding never shifts RoPE); the mask is
   causal AND key-valid, built once per forward (not per layer). Padding queries attend to
@@ -20,52 +20,59 @@ log-probs to every stage, so all ranks return the same Generations.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from aligner.rollout.base import Generation
-from aligner.rollout.kv_cache import StaticKVCache
-from aligner.rollout.sampling import Sampler
-from aligner.rollout.scheduler import OnFinish
+from aligner.rollout.torch_engine.cuda_graphs import capture_cuda_graph
+from aligner.rollout.torch_engine.kv_cache import StaticKVCache
+from aligner.rollout.torch_engine.sampling import Sampler
+from aligner.rollout.torch_engine.scheduler import OnFinish
+from aligner.rollout.torch_engine.shard import ModelShard
 from aligner.runtime import progress
-
-if TYPE_CHECKING:
-    from aligner.rollout.torch_engine import TorchEngine
 
 
 class StaticBatching:
-    """Runs generate() calls of `engine` as static batches (see the module docstring).
+    """Runs generate() calls on the model shard `shard` as static batches (see the module docstring).
+
+    Args:
+        shard: the engine's :class:`ModelShard` (model, layout, hooks).
+        max_batch_size: prompts per batch.
+        cuda_graphs: capture the decode step in CUDA graphs where it can (:attr:`uses_graphs`).
 
     ``graphs``: the captured decode steps, one :class:`DecodeGraph` per (batch, cache length),
     kept across calls (their caches and inputs are static; refit copies weights in place).
+    ``last_stats``: the last call's counters (prompt, prefilled and generated tokens).
     """
 
-    def __init__(self, engine: TorchEngine):
-        self.engine = engine
+    def __init__(self, shard: ModelShard, *, max_batch_size: int, cuda_graphs: bool):
+        self.shard = shard
+        self.max_batch_size = max_batch_size
+        self.cuda_graphs = cuda_graphs
         self.graphs: dict[tuple[int, int], DecodeGraph] = {}
+        self.last_stats: dict[str, float] = {}
 
     @property
     def uses_graphs(self) -> bool:
         """Decode runs in CUDA graphs: the engine asks for them, runs on cuda, and has one pipeline stage."""
-        e = self.engine
-        return e.cuda_graphs and e.device.type == "cuda" and e.pp_size == 1
+        s = self.shard
+        return self.cuda_graphs and s.device.type == "cuda" and s.pp_size == 1
 
     def generate(
         self, prompts: list[list[int]], budgets: list[int], sampler: Sampler, stop: list[int], on_finish: Optional[OnFinish] = None
     ) -> list[Generation]:
-        """Every request of a call, max_batch_size at a time, in prompt order; sets ``engine.last_stats``.
-        on_finish: called for each request of a batch when the batch ends (:data:`aligner.rollout.scheduler.OnFinish`)."""
-        e = self.engine
+        """Every request of a call, max_batch_size at a time, in prompt order; sets ``last_stats``.
+        on_finish: called for each request of a batch when the batch ends (:data:`aligner.rollout.torch_engine.scheduler.OnFinish`)."""
         out: list[Generation] = []
-        for s in range(0, len(prompts), e.max_batch_size):
-            chunk = range(s, min(len(prompts), s + e.max_batch_size))
+        for s in range(0, len(prompts), self.max_batch_size):
+            chunk = range(s, min(len(prompts), s + self.max_batch_size))
             out.extend(self._generate_batch([prompts[i] for i in chunk], [budgets[i] for i in chunk], sampler, chunk, stop))
-            for i in chunk if on_finish is not None and e.is_first else ():
+            for i in chunk if on_finish is not None and self.shard.is_first else ():
                 on_finish(i, out[i].token_ids)
         n_prompt = sum(len(p) for p in prompts)
-        e.last_stats = {
+        self.last_stats = {
             "prompt_tokens": n_prompt,
             "prefilled_tokens": n_prompt,
             "generated_tokens": sum(len(g.token_ids) for g in out),
@@ -74,13 +81,13 @@ class StaticBatching:
 
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
         """A StaticKVCache for this stage's layers only: k, v dicts {layer: [B, kvh_local, max_len, hd]}."""
-        e = self.engine
-        return StaticKVCache(e.local_layers(), batch, e.kv_heads_local(), max_len, e.cfg.resolved_head_dim, e.dtype, e.device)
+        s = self.shard
+        return StaticKVCache(list(s.layers), batch, s.kv_heads, max_len, s.head_dim, s.dtype, s.device)
 
     def _generate_batch(self, prompts, budgets: list[int], sampler: Sampler, requests: range, stop: list[int]) -> list[Generation]:
         """One batch of requests (their indices in the call): prefill, then decode until every row stopped."""
-        e = self.engine
-        dev = e.device
+        sh = self.shard
+        dev = sh.device
         b, p = len(prompts), max(len(x) for x in prompts)
         n_new = max(budgets)
         total = p + n_new
@@ -112,7 +119,7 @@ class StaticBatching:
         logits = self.forward(ids, pos, mask, cache, torch.arange(p, device=dev))
         # MoE: the experts of the position that produces each token (the last prompt token's row here);
         # not with CUDA graphs (an MoE decode step syncs with the host, so it is never captured)
-        routing = [e.stage_routing().view(b, p, len(e.moe_layers), -1)[:, -1]] if e.moe_layers and graph is None else None
+        routing = [sh.stage_routing().view(b, p, sh.moe_layers, -1)[:, -1]] if sh.moe_layers and graph is None else None
         step_t = torch.zeros(b, dtype=torch.long, device=dev)
         tok, lp = self._sample(logits, sampler, req, step_t)
         tokens, log_probs = [tok], [lp]
@@ -130,7 +137,7 @@ class StaticBatching:
                 key_mask = None if no_padding else valid[:, None, None, : slot + 1]
                 logits = self.forward(tok.unsqueeze(1), pos, key_mask, cache, torch.tensor([slot], device=dev))
             if routing is not None:
-                routing.append(e.stage_routing())
+                routing.append(sh.stage_routing())
             tok, lp = self._sample(logits, sampler, req, step_t + step)  # draws past a budget are cut below
             tokens.append(tok)
             log_probs.append(lp)
@@ -140,7 +147,7 @@ class StaticBatching:
             if len(g.token_ids) > n:
                 g.token_ids, g.rollout_log_probs, g.finish_reason = g.token_ids[:n], g.rollout_log_probs[:n], "length"
         if routing is not None:
-            e.attach_routing(gens, torch.stack(routing, 1))
+            sh.attach_routing(gens, torch.stack(routing, 1))
         return gens
 
     def _to_generations(self, tokens: torch.Tensor, log_probs: torch.Tensor, stop: list[int]) -> list[Generation]:
@@ -150,7 +157,7 @@ class StaticBatching:
         for row_t, row_l in zip(tokens.tolist(), log_probs.tolist()):
             end = next((j + 1 for j, t in enumerate(row_t) if t in stop_set), None)
             n = end if end is not None else len(row_t)
-            gens.append(Generation(row_t[:n], row_l[:n], "stop" if end is not None else "length", self.engine.weight_version))
+            gens.append(Generation(row_t[:n], row_l[:n], "stop" if end is not None else "length", self.shard.weight_version()))
         return gens
 
     def forward(self, x, position_ids, mask, cache: StaticKVCache, cache_positions) -> Optional[torch.Tensor]:
@@ -159,29 +166,29 @@ class StaticBatching:
         x: token ids [B, T] (first stage; later stages receive hidden states [B, T, H] from the
         previous one), position_ids [B, T], mask [B, 1, T, Tk] bool or None, cache_positions [T]:
         the cache slots written."""
-        e = self.engine
-        if not e.is_first:
+        sh = self.shard
+        if not sh.is_first:
             b, t = position_ids.shape
-            x = torch.empty(b, t, e.cfg.hidden_size, dtype=e.dtype, device=e.device)
-            dist.recv(x, src=dist.get_global_rank(e.pp_group, e.pp_rank - 1), group=e.pp_group)
-        h = e.model.model(x, position_ids=position_ids, attn_mask=mask, kv_cache=cache, cache_positions=cache_positions)
-        if not e.is_last:
-            dist.send(h.contiguous(), dst=dist.get_global_rank(e.pp_group, e.pp_rank + 1), group=e.pp_group)
+            x = torch.empty(b, t, sh.hidden_size, dtype=sh.dtype, device=sh.device)
+            dist.recv(x, src=dist.get_global_rank(sh.pp_group, sh.pp_rank - 1), group=sh.pp_group)
+        h = sh.trunk(x, position_ids=position_ids, attn_mask=mask, kv_cache=cache, cache_positions=cache_positions)
+        if not sh.is_last:
+            dist.send(h.contiguous(), dst=dist.get_global_rank(sh.pp_group, sh.pp_rank + 1), group=sh.pp_group)
             return None
-        return e.model.lm_head(h[:, -1]).float()
+        return sh.lm_head(h[:, -1]).float()
 
     def _sample(self, logits: Optional[torch.Tensor], sampler: Sampler, requests: torch.Tensor, steps: torch.Tensor):
         """Local logits [B, V/tp] on the last stage -> (tokens [B] int64, log_probs [B] fp32) on every rank."""
-        e = self.engine
-        if e.is_last:
-            tok, lp = sampler.sample_requests(logits, requests, steps, e.tp_group)
+        sh = self.shard
+        if sh.is_last:
+            tok, lp = sampler.sample_requests(logits, requests, steps, sh.tp_group)
         else:
-            tok = torch.empty(requests.shape[0], dtype=torch.long, device=e.device)
-            lp = torch.empty(requests.shape[0], dtype=torch.float32, device=e.device)
-        if e.pp_size > 1:
-            src = dist.get_global_rank(e.pp_group, e.pp_size - 1)
-            dist.broadcast(tok, src=src, group=e.pp_group)
-            dist.broadcast(lp, src=src, group=e.pp_group)
+            tok = torch.empty(requests.shape[0], dtype=torch.long, device=sh.device)
+            lp = torch.empty(requests.shape[0], dtype=torch.float32, device=sh.device)
+        if sh.pp_size > 1:
+            src = dist.get_global_rank(sh.pp_group, sh.pp_size - 1)
+            dist.broadcast(tok, src=src, group=sh.pp_group)
+            dist.broadcast(lp, src=src, group=sh.pp_group)
         return tok, lp
 
     def _graph_for(self, batch: int, total: int) -> DecodeGraph:
@@ -203,7 +210,7 @@ class DecodeGraph:
     """
 
     def __init__(self, batching: StaticBatching, batch: int, total: int):
-        dev = batching.engine.device
+        dev = batching.shard.device
         self.batching = batching
         self.cache = batching.new_cache(batch, total)
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=dev)
@@ -231,20 +238,3 @@ class DecodeGraph:
         self.slot.fill_(slot)
         self.graph.replay()
         return self.out.clone()
-
-
-def capture_cuda_graph(step, warmups: int = 2) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """Run `step` (a no-argument callable returning a tensor, every input a static tensor it reads)
-    `warmups` times on a side stream, then capture it: (the graph, its static output tensor).
-    The pattern of PyTorch's CUDA-graph notes (warm-up on a side stream so that lazy
-    initialization and autotuning happen outside the capture); cuda only."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmups):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    return graph, out

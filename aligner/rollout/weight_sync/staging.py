@@ -4,7 +4,7 @@ AReaL's interruptible rollout workers (Fu et al. 2025, "AReaL: A Large-Scale Asy
 Learning System for Language Reasoning", arXiv:2505.24298) and NeMo-RL's in-flight weight updates: a
 sync that arrives while a generate() call decodes does not wait for the call to end. The receiving
 thread stages the received tensors here; the decode loop of the continuous scheduler
-(:mod:`aligner.rollout.continuous_batching`) applies them at its next step boundary, with the
+(:mod:`aligner.rollout.torch_engine.continuous_batching`) applies them at its next step boundary, with the
 engine's own ``update_weights`` / ``finish_weight_update`` (in-place copies, so CUDA graphs and the
 KV-cache pool stay valid), and goes on with the requests in flight. Each response token then
 records the engine's ``weight_version`` that produced it (``Generation.token_versions``).

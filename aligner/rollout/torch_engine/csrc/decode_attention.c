@@ -1,6 +1,6 @@
 /* One-token (decode) grouped-query attention over a KV cache, fp32, for the CPU rollout engine.
  *
- * Built at run time by aligner/rollout/cpu_kernels.py (cc -O3 -march=native -ffast-math -fopenmp) and
+ * Built at run time by aligner/rollout/torch_engine/cpu_kernels.py (cc -O3 -march=native -ffast-math -fopenmp) and
  * called through ctypes. Each (row, kv head) is one task: its rep query heads read the row's keys
  * and values once, up to that row's own length (no masked positions are read), in a fixed order,
  * so a row's result does not depend on the other rows of the batch.
