@@ -54,7 +54,7 @@ from typing import Any, Optional
 import torch
 
 from aligner import algorithms as alg
-from aligner.config import AlignerConfig, ConfigError, SamplingConfig
+from aligner.config import GROUP_ESTIMATORS, AlignerConfig, ConfigError, SamplingConfig
 from aligner.data.sampler import DataIterator
 from aligner.envs import episode_metrics
 from aligner.errors import UserError, WorkerDiedError
@@ -549,7 +549,7 @@ class PPOTrainer(Trainer):
             weight_version=gens[0].weight_version if gens else 0,
             meta=meta,
         )
-        return without_dropped(batch, gens)  # agent episodes that could not be played are left out
+        return without_dropped(batch, gens, self.cfg.algorithm.advantage in GROUP_ESTIMATORS)  # agent episodes not played: left out
 
     def _temperature(self) -> float:
         t = self.cfg.rollout.sampling.temperature

@@ -109,7 +109,12 @@ def test_dropped_placeholders_leave_the_batch_with_their_group_ids_kept():
     assert out.dropped == 3 and [m["i"] for m in out.meta] == [0, 2, 3]
     assert out.group_ids.tolist() == [0, 1, 1] and out.input_ids[:, 0].tolist() == [0, 2, 3]
     assert without_dropped(_batch([ok, ok], 2), [ok, ok]).dropped == 0
-    with pytest.raises(AgentEpisodesError, match="all 2 agent episodes of the batch were dropped; the first: exited with code 3"):
+    # a group estimator: the prompt left with one sample (row 0) is left out too
+    out = without_dropped(_batch(gens, 2), gens, grouped=True)
+    assert out.dropped == 4 and [m["i"] for m in out.meta] == [2, 3] and out.group_ids.tolist() == [1, 1]
+    with pytest.raises(
+        AgentEpisodesError, match="no agent episode of the batch of 2 can be trained .*the first dropped: exited with code 3"
+    ):
         without_dropped(_batch([gone, gone], 2), [gone, gone])
     err = Generation([0], [0.0], "stop", 0, own_mask=[False], extra={"dropped": "x", "agent_error": "3 of 4 agent episodes were dropped"})
     with pytest.raises(AgentEpisodesError, match="3 of 4 agent episodes were dropped"):
@@ -181,7 +186,8 @@ def test_ppo_trains_on_the_tokens_the_engine_sampled_for_the_agents(tmp_path, mo
     assert len(trained) == 2
     rows = 0
     for batch in trained:
-        assert len(batch) == 7 and batch.dropped == 1  # 8 episodes, the crashing one left out
+        # 8 episodes: the crashing one left out, and its prompt's other sample (GRPO needs two)
+        assert len(batch) == 6 and batch.dropped == 2
         for b in range(len(batch)):
             p, r = int(batch.prompt_lens[b]), int(batch.response_lens[b])
             ids = tuple(batch.input_ids[b, : p + r].tolist())
@@ -193,11 +199,11 @@ def test_ppo_trains_on_the_tokens_the_engine_sampled_for_the_agents(tmp_path, mo
             got = batch.rollout_log_probs[b, :r][batch.response_mask[b, :r].bool()]
             torch.testing.assert_close(got, torch.tensor(lps), rtol=0, atol=1e-6)
             rows += 1
-    assert rows == 14 and len(list(logs.iterdir())) >= 14  # every trained row an episode; the evaluation's too are logged
+    assert rows == 12 and len(list(logs.iterdir())) >= 14  # every trained row an episode; the evaluation's too are logged
     steps = [m for m in read_metrics(out / "metrics.jsonl") if m["step"] > 0 and "env/dropped" in m]
     assert len(steps) == 2
     for m in steps:
-        assert m["env/dropped"] == 1.0 and m["env/turns"] == 2.0 and m["env/agent_calls"] == 2.0
+        assert m["env/dropped"] == 2.0 and m["env/turns"] == 2.0 and m["env/agent_calls"] == 2.0
         assert m["env/observation_tokens"] > 0 and m["actor/grad_norm"] > 0 and torch.isfinite(torch.tensor(m["policy_loss"]))
         # the trainer's forward over each trained row gives the engine's log-probs at its sampled tokens
         assert m["log_probs_abs_diff_max"] < 1e-3
