@@ -76,6 +76,8 @@ class RolloutBatch:
             with each row's last), for interruptible generation (``rollout.interruptible``: a weight sync
             may land mid-response); None otherwise (every token has weight_version's).
         meta: per-sample python objects (prompt text, reference answers) not sent to workers.
+        dropped: samples the rollout could not produce (agent episodes that crashed or hung), left out
+            of the batch (aligner.trainers.agent_samples).
     """
 
     input_ids: torch.Tensor
@@ -99,6 +101,7 @@ class RolloutBatch:
     weight_version: int = 0
     token_versions: Optional[torch.Tensor] = None
     meta: list[dict] = field(default_factory=list)
+    dropped: int = 0
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -61,6 +61,7 @@ def test_kl_placement_and_the_roles_it_starts(overrides, in_reward, roles):
 PRESETS_GROUP = {
     "tiny": 1,
     "tiny_tools": 4,
+    "tiny_agent": 4,
     "smollm2_135m": 8,
     "smollm2_ifeval": 8,
     "llama2_7b": 1,

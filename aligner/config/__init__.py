@@ -22,6 +22,7 @@ Everything public is re-exported here: ``from aligner.config import AlignerConfi
 
 from __future__ import annotations
 
+from aligner.config.agent import AgentConfig
 from aligner.config.algorithm import (
     FOLLOW_THE_ESTIMATOR,
     LOSS_KL_COEF,
@@ -120,6 +121,7 @@ __all__ = [
     "SamplingConfig",
     "RolloutConfig",
     "EnvConfig",
+    "AgentConfig",
     "FOLLOW_THE_ESTIMATOR",
     "LOSS_KL_COEF",
     "REWARD_KL_COEF",

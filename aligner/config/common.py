@@ -8,7 +8,7 @@ from typing import Any
 
 from aligner.errors import ConfigError
 
-PRESETS = ("tiny", "tiny_tools", "smollm2_135m", "smollm2_ifeval", "llama2_7b", "llama2_13b", "llama2_70b")
+PRESETS = ("tiny", "tiny_tools", "smollm2_135m", "smollm2_ifeval", "llama2_7b", "llama2_13b", "llama2_70b", "tiny_agent")
 STAGES = ("sft", "rm", "ppo", "plan", "dpo", "kto", "spin", "rs")
 ROLES = ("actor", "critic", "reward", "ref", "teacher", "rollout")
 MODEL_ROLES = ("actor", "critic", "reward", "ref", "teacher")  # the roles with a RoleConfig (init, parallel, resources)

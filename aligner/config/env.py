@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from aligner.config.agent import AGENT_ENV
 from aligner.config.common import ENV_NAMES, TOOL_NAMES, _check
 
 
@@ -20,15 +21,15 @@ from aligner.config.common import ENV_NAMES, TOOL_NAMES, _check
 class EnvConfig:
     """A multi-turn environment (aligner.envs): its name, turn limit, per-call timeout and tools."""
 
-    name: str = ""  # "" = single-turn (today's rollout) | single_turn | tool (aligner.envs.ENVIRONMENTS)
+    name: str = ""  # "" = single-turn (today's rollout) | single_turn | retry | tool (aligner.envs.ENVIRONMENTS) | agent (agent.*)
     max_turns: int = 4  # the most model turns of an episode (>= 1)
     step_timeout_s: float = 30.0  # wall-clock limit of each environment call (reset, step, finish), seconds
     step_workers: int = 4  # threads that step environments while the engine decodes the other rows (0: on the engine's thread, in turn)
     tools: list[str] = field(default_factory=list)  # env.name=tool: the tools the model may call (aligner.envs.TOOLS)
 
     def validate(self, prefix: str = "env") -> None:
-        valid = f'valid environments are {", ".join(ENV_NAMES)}, or "" for today\'s single-turn rollout'
-        _check(self.name in ("",) + ENV_NAMES, f"{prefix}.name", self.name, valid)
+        valid = f'valid environments are {", ".join(ENV_NAMES + (AGENT_ENV,))}, or "" for today\'s single-turn rollout'
+        _check(self.name in ("", AGENT_ENV) + ENV_NAMES, f"{prefix}.name", self.name, valid)
         _check(self.max_turns >= 1, f"{prefix}.max_turns", self.max_turns, "must be >= 1 (model turns per episode)")
         _check(self.step_timeout_s > 0, f"{prefix}.step_timeout_s", self.step_timeout_s, "must be > 0 seconds")
         _check(

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Optional, get_type_hints
 
+from aligner.config.agent import AgentConfig
 from aligner.config.algorithm import FOLLOW_THE_ESTIMATOR, AlgorithmConfig, DPOConfig, KTOConfig, SPINConfig
 from aligner.config.common import LOGGERS, MODEL_ROLES, _check, _choice
 from aligner.config.data import DataConfig, TaskConfig, TokenizerConfig
@@ -173,6 +174,7 @@ class AlignerConfig:
     teacher: RefRoleConfig = field(default_factory=RefRoleConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation engine
     env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn episodes (env.name set: each prompt plays one)
+    agent: AgentConfig = field(default_factory=AgentConfig)  # env.name=agent: the agent program played through the OpenAI endpoint
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)  # the DPO stage's loss
     kto: KTOConfig = field(default_factory=KTOConfig)  # the KTO stage's loss

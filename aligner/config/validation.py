@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Optional
 
+from aligner.config.agent import validate_agent
 from aligner.config.common import GROUP_ESTIMATORS, MODEL_ROLES, PRESETS, STAGES, _check, _choice
 from aligner.config.probes import check_loggers, check_trtllm, check_vllm
 from aligner.config.roles import PromptLearningConfig
@@ -25,6 +26,8 @@ def validate_run(cfg: AlignerConfig) -> None:
     checks (and the package probes: ``rollout.backend=trtllm`` / ``vllm``, the loggers of ``trainer.loggers``).
     Raises ConfigError at the first."""
     validate_sections(cfg)
+    cfg.agent.validate("agent")
+    validate_agent(cfg)
     if cfg.env.name:
         validate_episodes(cfg)
     if cfg.stage in ("ppo", "rs") and cfg.reward.type == "judge":

@@ -54,7 +54,7 @@ from typing import Any, Optional
 import torch
 
 from aligner import algorithms as alg
-from aligner.config import AlignerConfig, ConfigError, SamplingConfig
+from aligner.config import GROUP_ESTIMATORS, AlignerConfig, ConfigError, SamplingConfig
 from aligner.data.sampler import DataIterator
 from aligner.envs import episode_metrics
 from aligner.errors import UserError, WorkerDiedError
@@ -66,6 +66,7 @@ from aligner.reward.rules import score
 from aligner.rollout.base import generations_to_padded, own_tokens_mask, routed_experts_to_padded
 from aligner.tracking import plot_curves
 from aligner.trainers import preemption
+from aligner.trainers.agent_samples import without_dropped
 from aligner.trainers.distill import distilled_kl
 from aligner.trainers.dynamic_sampling import dynamic_rollout
 from aligner.trainers.evaluation import accuracy_rule, episode_rows, evaluate_greedy, gather_generations, on_builtin_task
@@ -525,7 +526,7 @@ class PPOTrainer(Trainer):
         if any("judge_error" in g.extra for g in gens):  # a streamed judge call failed
             self.groups["reward"].worker_info(timeout_s=60.0)  # a dead judge process: WorkerDiedError, which the restart heals
             raise RuntimeError(next(g.extra["judge_error"] for g in gens if "judge_error" in g.extra))
-        ids = [r["prompt_ids"] for r in rows]
+        ids = [g.extra.get("prompt_ids", r["prompt_ids"]) for r, g in zip(rows, gens)]  # an agent's own prompt
         seq = build_sequences(ids, [g.token_ids for g in gens], self.tok.pad_token_id)
         _, rollout_lp, _ = generations_to_padded(gens)  # [B, R], the same R as seq["response_mask"]
         seq["response_mask"] = seq["response_mask"] * own_tokens_mask(gens, seq["response_mask"].shape[1])
@@ -539,7 +540,7 @@ class PPOTrainer(Trainer):
             for row, g, text in zip(rows, gens, responses)
         ]
         group_ids = torch.arange(len(rows) // n).repeat_interleave(n)
-        return RolloutBatch(
+        batch = RolloutBatch(
             scores=streamed_scores(gens),
             **seq,
             group_ids=group_ids,
@@ -548,6 +549,7 @@ class PPOTrainer(Trainer):
             weight_version=gens[0].weight_version if gens else 0,
             meta=meta,
         )
+        return without_dropped(batch, gens, self.cfg.algorithm.advantage in GROUP_ESTIMATORS)  # agent episodes not played: left out
 
     def _temperature(self) -> float:
         t = self.cfg.rollout.sampling.temperature
@@ -733,6 +735,7 @@ class PPOTrainer(Trainer):
         if self.cfg.env.name:  # response_len counts the model's own tokens; env/* the episodes (per episode)
             out.update(episode_metrics([m["episode"] for m in batch.meta]))
             out["env/observation_tokens"] = float((batch.response_lens - mask.sum(-1)).float().mean())
+            out["env/dropped"] = float(batch.dropped)  # episodes left out of the batch (agents that crashed, hung, never reported)
         return {k: float(v) for k, v in out.items()}
 
     # ---- evaluation -----------------------------------------------------------------

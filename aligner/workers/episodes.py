@@ -14,10 +14,12 @@ from __future__ import annotations
 from typing import Sequence
 
 from aligner.config import AlignerConfig
+from aligner.config.agent import AGENT_ENV
 from aligner.envs import EnvSpec, make_env
 from aligner.envs.episodes import TokenEpisodes
 from aligner.reward.rules import get_rule
 from aligner.rollout.base import Generation
+from aligner.workers.agent_episodes import generate_agent_episodes
 
 
 def generate_episodes(
@@ -28,7 +30,10 @@ def generate_episodes(
     prompt_ids: B prompts' token ids; rows: their (prompt text, metadata), in the same order;
     seeds: B sampling seeds or None. The final reward is ``reward.rule`` on the episode (through the
     environment's ``finish``). Returns B Generations with ``own_mask`` and ``extra["episode"]``.
-    Raises what the engine's generate raises; an environment's own failures fail its episode only."""
+    Raises what the engine's generate raises; an environment's own failures fail its episode only.
+    env.name=agent: the episodes are the agent program's (:mod:`aligner.workers.agent_episodes`)."""
+    if cfg.env.name == AGENT_ENV:
+        return generate_agent_episodes(engine, cfg, tokenizer, prompt_ids, sampling, seeds, rows)
     spec = EnvSpec(reward_fn=get_rule(cfg.reward.rule), tools=tuple(cfg.env.tools), chat_template=tokenizer.chat_template or "")
     episodes = TokenEpisodes(
         lambda: make_env(cfg.env.name, spec),

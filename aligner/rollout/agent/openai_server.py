@@ -171,6 +171,9 @@ class OpenAIEndpoint:
         self.default_max_tokens, self.max_n = default_max_tokens, max_n
         self.require_episode_id, self.request_timeout_s, self.teach_tools = require_episode_id, request_timeout_s, teach_tools
         self.base_sampling = base_sampling or SamplingConfig()
+        # True: every call samples with base_sampling's temperature, top_p and top_k whatever it asks
+        # (an RL run's behaviour policy; aligner.workers.agent_episodes sets it)
+        self.fixed_sampling = False
         self.recorder = recorder or AgentRecorder()
         self.vocab_size = engine.cfg.vocab_size
         self.template = getattr(tokenizer, "chat_template", None) or ""
@@ -324,6 +327,8 @@ class OpenAIEndpoint:
             k = 0
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise RequestError(f"top_k={k!r} is invalid: an integer >= 0 (0 or -1 = off)", param="top_k")
+        if self.fixed_sampling:  # training: the run's sampling, whose log-probs the trainer recomputes
+            t, p, k = self.base_sampling.temperature, self.base_sampling.top_p, self.base_sampling.top_k
         stop = body.get("stop")
         stops = [stop] if isinstance(stop, str) else (stop or [])
         if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):

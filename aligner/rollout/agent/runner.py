@@ -89,13 +89,15 @@ def run_agents(
     reward_fn: Optional[RewardFn] = None,
     env: Optional[dict] = None,
     field_name: str = "agent.command",
+    use_reported: bool = True,
 ) -> list[AgentEpisode]:
     """Run the agent once per task (prompt text, metadata) against `endpoint` (a started
     :class:`aligner.rollout.agent.openai_server.OpenAIEndpoint`); the episodes in task order.
 
     parallel: agents running at once (>= 1). deadline_s: wall-clock limit per agent process, seconds.
     max_dropped_frac: the fraction of dropped episodes above which :class:`AgentRunError` is raised.
-    env: extra environment variables for the agent. Raises ValueError for a bad command (before any
+    env: extra environment variables for the agent. use_reported: False ignores the returns agents
+    report (then `reward_fn` scores every episode). Raises ValueError for a bad command (before any
     agent starts) or bad limits."""
     argv = agent_argv(command, field_name)
     if parallel < 1 or not deadline_s > 0 or not 0 <= max_dropped_frac <= 1:
@@ -146,7 +148,7 @@ def run_agents(
                 ep.returncode, ep.seconds = (None if late else rc), time.monotonic() - start
                 log.close()
                 del running[i]
-                _finish(endpoint, ep, tasks[i], reward_fn)
+                _finish(endpoint, ep, tasks[i], reward_fn, use_reported)
             if running:
                 time.sleep(0.02)
     finally:
@@ -163,10 +165,10 @@ def run_agents(
     return episodes
 
 
-def _finish(endpoint, ep: AgentEpisode, task: tuple[str, dict], reward_fn: Optional[RewardFn]) -> None:
+def _finish(endpoint, ep: AgentEpisode, task: tuple[str, dict], reward_fn: Optional[RewardFn], use_reported: bool = True) -> None:
     """Take the episode's records and its reward; drop it when it made no call or has no reward."""
     records = endpoint.recorder.records(ep.episode_id)
-    reported = endpoint.recorder.reward(ep.episode_id)
+    reported = endpoint.recorder.reward(ep.episode_id) if use_reported else None
     samples = endpoint.take_samples(ep.episode_id)
     ep.calls = len(records)
     if ep.dropped:
