@@ -157,7 +157,7 @@ class AlignerConfig:
     output_dir: str = "outputs/tiny"  # checkpoints, metrics.jsonl, TensorBoard events, plots
     resume: bool = False  # continue from the latest complete checkpoint in output_dir
     # delete a previous run's outputs in output_dir first, then run fresh (without it, or resume=true,
-    # a run refuses an output_dir that holds a previous run's files: see aligner/trainers/run_dir.py)
+    # a run refuses an output_dir that holds a previous run's files: see aligner/run_ops/run_dir.py)
     overwrite: bool = False
     plan_only: bool = False  # print the placement/memory plan and exit 0
     model: ModelConfig = field(default_factory=ModelConfig)  # policy (and, by default, every role's) dimensions

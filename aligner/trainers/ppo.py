@@ -7,7 +7,7 @@ loop's (:mod:`aligner.trainers.loop`):
               A layout that cannot fit the configured cluster, or a local machine that lacks
               the node groups' GPUs/CPUs, stops here within seconds, before Ray or any weights;
               then the configured paths are checked
-    claim     output_dir (aligner.trainers.run_dir: refuse a previous run's dir unless resume=true /
+    claim     output_dir (aligner.run_ops.run_dir: refuse a previous run's dir unless resume=true /
               overwrite=true, refuse resuming another stage's run, take the dir's lock, held to the end)
     config    output_dir/config.yaml
     inputs    tokenizer + RL prompts (built-in task by default)
@@ -64,8 +64,8 @@ from aligner.reward import ifeval
 from aligner.reward.remote import RemoteRewardError
 from aligner.reward.rules import score
 from aligner.rollout.base import generations_to_padded, own_tokens_mask, routed_experts_to_padded
+from aligner.run_ops import preemption
 from aligner.tracking import plot_curves
-from aligner.trainers import preemption
 from aligner.trainers.distill import distilled_kl
 from aligner.trainers.dynamic_sampling import dynamic_rollout
 from aligner.trainers.evaluation import accuracy_rule, episode_rows, evaluate_greedy, gather_generations, on_builtin_task
