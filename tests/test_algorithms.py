@@ -594,7 +594,7 @@ def test_rollout_mismatch_metrics_by_hand():
 
 def test_rollout_mismatch_metrics_count_moe_routing_by_hand():
     """(response token, layer) pairs whose top-k expert sets differ, order within k ignored, padding left out."""
-    old_lp, mask = torch.zeros(1, 3), _t([[1.0, 1.0, 0.0]])
+    old_lp, mask = torch.zeros(1, 3), torch.tensor([[1.0, 1.0, 0.0]])
     rollout = torch.tensor([[[[0, 1], [2, 3]], [[0, 1], [2, 3]], [[5, 6], [5, 6]]]])  # [B=1, R=3, L=2, k=2]
     # token 0: the same sets; token 1: layer 1 differs; token 2 is padding
     old = torch.tensor([[[[1, 0], [2, 3]], [[0, 1], [2, 4]], [[0, 1], [0, 1]]]])
