@@ -34,9 +34,9 @@ from aligner.config import (
 )
 from aligner.errors import PlacementError, UserError
 from aligner.nn.cpu_isa import isa_cap
-from aligner.trainers import preemption, supervisor
-from aligner.trainers.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
-from aligner.trainers.preemption import Preempted
+from aligner.run_ops import preemption, supervisor
+from aligner.run_ops.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
+from aligner.run_ops.preemption import Preempted
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 log = logging.getLogger("aligner")
@@ -326,9 +326,9 @@ def run(stage: str, main: Callable[[AlignerConfig], Optional[int]], argv: Option
     """Parse `argv` (default sys.argv[1:]) as Hydra overrides, validate, call `main(cfg)`.
 
     Returns the exit code: main's return (0 if None), 2 for configuration/user errors, 143
-    after a SIGTERM that stopped the run at a step boundary (aligner.trainers.preemption).
+    after a SIGTERM that stopped the run at a step boundary (aligner.run_ops.preemption).
     On the command line (`argv` None) the process first forks: the parent supervises the driver
-    (:mod:`aligner.trainers.supervisor`) and returns the child's exit code.
+    (:mod:`aligner.run_ops.supervisor`) and returns the child's exit code.
     """
     if stage != "plan" and supervisor.enabled(argv):
         code = supervisor.fork(stage, lambda: _output_dir(stage, sys.argv[1:]))

@@ -10,7 +10,7 @@ every stage (e.g. ``trainer.progress=false``). The stages share one Ray instance
 
 Every stage gets ``overwrite=true``, so running the demo again (a second ``make demo``)
 deletes the previous demo's outputs under <root>/{sft,rm,ppo} and starts over, where a plain
-stage run refuses an output_dir that holds a previous run (aligner.trainers.run_dir). Pass
+stage run refuses an output_dir that holds a previous run (aligner.run_ops.run_dir). Pass
 ``overwrite=false`` (refuse instead) or ``resume=true`` (continue each stage) to change that.
 """
 

@@ -7,7 +7,7 @@ Runs :class:`aligner.trainers.ppo.PPOTrainer` on the one training loop
                 A layout that cannot fit the configured cluster, or a local machine that lacks
                 the node groups' GPUs/CPUs, stops here within seconds, before Ray or any weights;
                 then the configured paths are checked
-    claim       aligner.trainers.run_dir: refuse a previous run's dir unless resume=true / overwrite=true, refuse
+    claim       aligner.run_ops.run_dir: refuse a previous run's dir unless resume=true / overwrite=true, refuse
                 resuming another stage's run, take the dir's lock (held to the end of the run)
     config      output_dir/config.yaml
     inputs      tokenizer + RL prompts (built-in task by default)

@@ -70,7 +70,7 @@ class RolloutBatch:
         rollout_experts, old_experts: [B, R, L, k] int16, for a Mixture-of-Experts policy only (else
             None): the top-k experts (sorted along k, -1 on padding) each of the L MoE layers chose
             for each response token, in the rollout engine and in the trainer's old_log_probs forward
-            (the routing mismatch metric, aligner.model.moe.routing_mismatch).
+            (the routing mismatch metric, aligner.algorithms.routing_mismatch).
         weight_version: the actor weight version that generated the responses.
         token_versions: [B, R] int64, the policy version that sampled each response token (right-padded
             with each row's last), for interruptible generation (``rollout.interruptible``: a weight sync

@@ -589,6 +589,20 @@ def test_rollout_mismatch_metrics_by_hand():
     assert m["log_probs_abs_diff_max"].item() == pytest.approx(0.3)
     # ratios: e^-0.05 = 0.951 (inside), e^0.3 = 1.35 (outside), 1 (inside)
     assert m["ratio_out_of_range_frac"].item() == pytest.approx(1 / 3)
+    assert "moe_routing_mismatch" not in m  # a dense policy: no expert ids
+
+
+def test_rollout_mismatch_metrics_count_moe_routing_by_hand():
+    """(response token, layer) pairs whose top-k expert sets differ, order within k ignored, padding left out."""
+    old_lp, mask = torch.zeros(1, 3), torch.tensor([[1.0, 1.0, 0.0]])
+    rollout = torch.tensor([[[[0, 1], [2, 3]], [[0, 1], [2, 3]], [[5, 6], [5, 6]]]])  # [B=1, R=3, L=2, k=2]
+    # token 0: the same sets; token 1: layer 1 differs; token 2 is padding
+    old = torch.tensor([[[[1, 0], [2, 3]], [[0, 1], [2, 4]], [[0, 1], [0, 1]]]])
+    m = alg.rollout_mismatch_metrics(old_lp, old_lp, mask, rollout_experts=rollout, old_experts=old)
+    assert m["moe_routing_mismatch"] == pytest.approx(1 / 4)
+    assert alg.routing_mismatch(rollout, old, mask) == pytest.approx(1 / 4)
+    with pytest.raises(ValueError, match="must agree"):
+        alg.routing_mismatch(rollout, old[:, :2], mask)
 
 
 # ---------------------------------------------------------------------------------------

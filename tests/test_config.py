@@ -848,3 +848,46 @@ def test_config_imports_only_errors_and_algorithms():
                 imported |= {a.name for a in node.names}
     outside = {m for m in imported if m.split(".")[0] == "aligner" and not m.startswith("aligner.config")}
     assert outside == {"aligner.errors", "aligner.algorithms"}, imported
+
+
+def test_the_whole_config_is_what_the_checks_read():
+    """AlignerConfig has every member of RunView, the structural type by which validation, probes and paths
+    read a whole config (a member renamed on one side only fails here, not in a run's validation)."""
+    from aligner.config.view import RunView
+
+    cfg = AlignerConfig()
+    members = set(RunView.__annotations__) | {n for n in vars(RunView) if not n.startswith("_")}
+    missing = sorted(m for m in members if not hasattr(cfg, m))
+    assert not missing, f"AlignerConfig lacks RunView's {missing}"
+    assert members >= {"stage", "model", "trainer", "cluster", "roles_used", "ref_from_actor", "init_of", "role"}
+
+
+def test_the_config_modules_import_one_way():
+    """No import cycle among aligner/config's modules, imports under ``if TYPE_CHECKING:`` counted too:
+    validation, probes and paths read the whole config through RunView, never by importing run.py."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "aligner" / "config"
+    graph = {}
+    for path in root.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("aligner.config."):
+                deps.add(node.module.split(".")[2])
+        graph[path.stem] = deps - {path.stem}
+    assert "run" not in graph["validation"] | graph["probes"] | graph["paths"] | graph["view"]
+    done, stack = set(), []
+
+    def visit(m):
+        assert m not in stack, "import cycle: " + " -> ".join(stack[stack.index(m) :] + [m])
+        if m in done:
+            return
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            visit(d)
+        stack.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)

@@ -31,6 +31,7 @@ LAYERS = [
     ("envs",),  # environments for multi-turn rollouts: the interface, trajectories, tools
     ("actor", "critic", "reward", "rollout"),  # role classes, and the rollout engines beside them
     ("workers",),  # all Ray code: worker groups, placement, dispatch, the role workers
+    ("run_ops",),  # run operations: the run directory, checkpoint management, preemption, the supervising parent
     ("trainers",),  # the training loop, the SFT / RM / PPO trainers, checkpoints of a run
     ("cli", "plan", "sft", "rm", "ppo", "dpo", "kto", "spin", "rs", "demo", "convert", "eval", "serve_rm", "__main__"),  # entry points
 ]

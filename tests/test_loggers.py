@@ -27,9 +27,9 @@ import pytest
 from aligner.cli import load_config
 from aligner.config import config_dict
 from aligner.errors import UserError, WorkerDiedError
+from aligner.run_ops.run_dir import previous_run_entries
 from aligner.tracking import IDS_FILE, MetricsLogger, mlflow_key, mlflow_params, read_metrics
 from aligner.trainers.loop import Trainer
-from aligner.trainers.run_dir import previous_run_entries
 from tests.toolkit.overrides import SMALL
 from tests.toolkit.paths import REPO
 

@@ -157,7 +157,7 @@ def test_pickled_code_in_pytorch_model_bin_is_not_run(tmp_path):
 
 
 def test_pickled_code_in_rng_state_is_not_run(tmp_path):
-    from aligner.trainers.checkpointing import load_trainer_state
+    from aligner.run_ops.checkpointing import load_trainer_state
 
     marker = tmp_path / "pwned"
     (tmp_path / "trainer_state.json").write_text('{"step": 1}')

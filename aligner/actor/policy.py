@@ -212,7 +212,7 @@ class Policy(RoleModel):
 
     def log_probs_with_routing(self, batch: dict[str, torch.Tensor], micro_batch_size: int, temperature: float = 1.0) -> dict:
         """:meth:`log_probs` plus the MoE routing of the same forward, for the engine / trainer
-        routing comparison (:func:`aligner.model.moe.routing_mismatch`).
+        routing comparison (:func:`aligner.algorithms.routing_mismatch`).
 
         batch: as :meth:`log_probs`. Returns {"log_probs": [B, R] fp32, "routed_experts": [B, R, L, k]
         int16}: for response token j of row b, the top-k experts (sorted along k) each of the

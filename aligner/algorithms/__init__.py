@@ -6,7 +6,7 @@ KL-coefficient controllers (``KL_CONTROLLERS``), the KL in the reward (per token
 sequence for outcome rewards) or as a loss term, GAE and the critic-free advantage
 estimators (``ADVANTAGE_ESTIMATORS``), the PPO policy / value losses and their
 aggregation (``LOSS_AGG_MODES``), truncated importance sampling against the rollout
-engine's log-probs, the decoupled PPO loss of AReaL for samples from stale weights with its
+engine's log-probs and the engine / trainer mismatch (log-probs, MoE routing), the decoupled PPO loss of AReaL for samples from stale weights with its
 lag and staleness metrics, reward standardization, and the DPO-family preference losses
 (``DPO_LOSS_TYPES``: sigmoid DPO with cDPO label smoothing, IPO). Everything here is a pure function of tensors
 (torch only, no other aligner import, no process group): the trainer and the workers
@@ -90,6 +90,7 @@ from aligner.algorithms.losses import (
     policy_lag_metrics,
     policy_loss,
     rollout_mismatch_metrics,
+    routing_mismatch,
     staleness_metrics,
     standardize_scores,
     truncated_is_weights,
@@ -144,6 +145,7 @@ __all__ = [
     "policy_loss",
     "reverse_kl_per_token",
     "rollout_mismatch_metrics",
+    "routing_mismatch",
     "staleness_metrics",
     "spin_loss",
     "standardize_scores",

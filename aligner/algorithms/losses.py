@@ -260,18 +260,28 @@ def truncated_is_weights(old_log_probs: Tensor, rollout_log_probs: Tensor, respo
         return weights * _float_mask(response_mask, weights)
 
 
-def rollout_mismatch_metrics(rollout_log_probs: Tensor, old_log_probs: Tensor, response_mask: Tensor) -> dict[str, Tensor]:
+def rollout_mismatch_metrics(
+    rollout_log_probs: Tensor,
+    old_log_probs: Tensor,
+    response_mask: Tensor,
+    *,
+    rollout_experts: Optional[Tensor] = None,
+    old_experts: Optional[Tensor] = None,
+) -> dict[str, Tensor | float]:
     """How far the rollout engine's log-probs are from the trainer's, over response tokens.
 
     Args:
         rollout_log_probs: [B, R] float, from the rollout engine.
         old_log_probs: [B, R] float, recomputed by the trainer.
         response_mask: [B, R].
+        rollout_experts, old_experts: [B, R, L, k] integer expert ids of a Mixture-of-Experts policy, the
+            engine's and the trainer's (:func:`routing_mismatch`); None for a dense one.
 
     Returns:
         Detached 0-dim tensors: "log_probs_abs_diff_mean", "log_probs_abs_diff_max"
         (of ``|old_log_probs - rollout_log_probs|``) and "ratio_out_of_range_frac"
-        (fraction of tokens with ``exp(old - rollout)`` outside [0.9, 1.1]).
+        (fraction of tokens with ``exp(old - rollout)`` outside [0.9, 1.1]); with both expert tensors
+        also "moe_routing_mismatch", a python float (:func:`routing_mismatch`).
     """
     _check_ndim("rollout_log_probs", rollout_log_probs, 2, "[B, R]")
     _check_same_shape("rollout_log_probs", rollout_log_probs, old_log_probs=old_log_probs, response_mask=response_mask)
@@ -281,11 +291,36 @@ def rollout_mismatch_metrics(rollout_log_probs: Tensor, old_log_probs: Tensor, r
         abs_diff = diff.abs()
         ratio = torch.exp(diff.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
         outside = ((ratio < 0.9) | (ratio > 1.1)).float()
-        return {
+        out: dict[str, Tensor | float] = {
             "log_probs_abs_diff_mean": masked_mean(abs_diff, keep),
             "log_probs_abs_diff_max": torch.where(keep, abs_diff, 0.0).max(),
             "ratio_out_of_range_frac": masked_mean(outside, keep),
         }
+    if rollout_experts is not None and old_experts is not None:
+        out["moe_routing_mismatch"] = routing_mismatch(rollout_experts, old_experts, response_mask)
+    return out
+
+
+def routing_mismatch(rollout_experts: Tensor, old_experts: Tensor, response_mask: Tensor) -> float:
+    """Fraction of (response token, MoE layer) pairs whose top-k expert SETS differ between the
+    rollout engine and the trainer (NeMo-RL / verl report such routing differences as a source of
+    the engine / trainer log-prob mismatch; verl's "routing replay" removes them).
+
+    rollout_experts, old_experts: [B, R, L, k] integer expert ids (the engine's
+    ``Generation.routed_experts`` and the trainer's :meth:`aligner.actor.policy.Policy.log_probs_with_routing`),
+    compared after sorting along k; response_mask: [B, R] (1 on response tokens). Returns a python
+    float in [0, 1] (0.0 when no token is masked in). Raises ValueError on shape disagreement.
+    """
+    if rollout_experts.shape != old_experts.shape or rollout_experts.shape[:2] != response_mask.shape:
+        raise ValueError(
+            f"routing_mismatch: rollout_experts {tuple(rollout_experts.shape)}, old_experts {tuple(old_experts.shape)} "
+            f"and response_mask {tuple(response_mask.shape)} must agree as [B, R, L, k] / [B, R]"
+        )
+    a, b = rollout_experts.long().sort(-1).values, old_experts.long().sort(-1).values
+    differ = (a != b).any(-1).float()  # [B, R, L]
+    keep = (response_mask > 0).unsqueeze(-1).expand_as(differ)
+    n = int(keep.sum())
+    return float(differ[keep].sum()) / n if n else 0.0
 
 
 # ----------------------------------------------------------------------------------------

@@ -8,11 +8,17 @@ Owns: the keyword-only dataclasses that Hydra/OmegaConf compose into, and their 
   (tokenizer, data, task), :mod:`~aligner.config.parallel` (a role's layout and resources),
   :mod:`~aligner.config.roles` (actor, critic, reward, ref), :mod:`~aligner.config.rollout`,
   :mod:`~aligner.config.env` (a multi-turn environment),
-  :mod:`~aligner.config.algorithm` (PPO family, DPO), :mod:`~aligner.config.run` (trainer, cluster
-  and the whole :class:`AlignerConfig`);
-- :mod:`~aligner.config.validation`: the cross-field checks of a whole run, one function per concern;
+  :mod:`~aligner.config.algorithm` (PPO family, DPO), :mod:`~aligner.config.trainer`,
+  :mod:`~aligner.config.cluster`, :mod:`~aligner.config.rs`; each section validates its own fields
+  (its ``validate``);
+- :mod:`~aligner.config.run`: the whole :class:`AlignerConfig`, which holds the sections and validates
+  itself once, when built: its own fields, each section's, then the checks across sections;
+- :mod:`~aligner.config.validation`: the checks across sections, one function per concern, with the
+  stages and settings each applies to (``CROSS_CHECKS``);
 - :mod:`~aligner.config.probes`: package probes of a chosen backend (run with the validation);
-- :mod:`~aligner.config.paths`: the file-system checks (run after planning, before any work).
+- :mod:`~aligner.config.paths`: the file-system checks (run after planning, before any work);
+- :mod:`~aligner.config.view`: :class:`RunView`, the structural type by which validation, probes and
+  paths read a whole config without importing :mod:`~aligner.config.run` (the imports point one way).
 
 Every bad value raises :class:`ConfigError` (a ``ValueError``) whose message names
 the dotted field, the bad value and the valid choices or the fix. The entry
@@ -35,6 +41,7 @@ from aligner.config.algorithm import (
     kl_in_reward_by_default,
     resolve_kl,
 )
+from aligner.config.cluster import ClusterConfig
 from aligner.config.common import (
     DATA_FORMATS,
     ENV_NAMES,
@@ -78,16 +85,16 @@ from aligner.config.rollout import (
 )
 from aligner.config.run import (
     AlignerConfig,
-    ClusterConfig,
-    TrainerConfig,
     config_dict,
     config_yaml,
     hydra_schema,
     roles_with_field,
 )
+from aligner.config.trainer import TrainerConfig
 from aligner.config.validation import (
     prompt_learning_of,
 )
+from aligner.config.view import RunView
 from aligner.errors import ConfigError
 
 __all__ = [
@@ -135,6 +142,7 @@ __all__ = [
     "TrainerConfig",
     "ClusterConfig",
     "AlignerConfig",
+    "RunView",
     "roles_with_field",
     "config_dict",
     "config_yaml",

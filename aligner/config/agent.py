@@ -5,7 +5,7 @@ The engine's worker starts the endpoint and runs ``agent.command`` once per prom
 (``trainer.n_samples_per_prompt`` episodes per prompt), at most ``agent.parallel`` at a time per engine
 replica, with ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` set (aligner.workers.agent_episodes). The names
 follow what users of verl's agent loop and OpenRLHF's agent executor set: a command, a concurrency, a
-per-episode timeout and a tolerated failure fraction. :func:`validate_agent` checks them with the
+per-episode timeout and a tolerated failure fraction. :func:`aligner.config.validation.validate_agent` checks them with the
 sections they depend on before any worker starts.
 """
 
@@ -16,12 +16,8 @@ import os
 import shlex
 import shutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from aligner.config.common import _check, _choice
-
-if TYPE_CHECKING:
-    from aligner.config.run import AlignerConfig
 
 AGENT_ENV = "agent"  # env.name of episodes played by an agent program (not an aligner.envs environment)
 AGENT_REWARDS = ("agent", "rule")
@@ -87,32 +83,3 @@ def check_command(command: str, field_name: str = "agent.command") -> list[str]:
         )
     return argv
 
-
-def validate_agent(cfg: AlignerConfig) -> None:
-    """env.name=agent or agent.command set: what playing episodes through agent programs needs.
-
-    The command is given and runs (:meth:`AgentConfig.validate`), env.name and agent.command go
-    together, and the rollout is the colocated one of aligner's engine (the split placement,
-    interruptible generation and dynamic sampling are not wired for agents). The rest of what
-    episodes need (torch backend, continuous scheduler, one engine rank, a rule reward) is
-    :func:`aligner.config.validation.validate_episodes`'s."""
-    a = cfg.agent
-    if cfg.env.name == AGENT_ENV:
-        _check(
-            bool(a.command),
-            "agent.command",
-            a.command,
-            "env.name=agent runs the agent's program for each episode: set agent.command, e.g. agent.command='python examples/calculator_agent.py'",
-        )
-    elif a.command:
-        _check(False, "env.name", cfg.env.name, "agent.command is set: set env.name=agent to play episodes through the agent program")
-    if cfg.env.name != AGENT_ENV:
-        return
-    _check(
-        cfg.rollout.placement != "split",
-        "rollout.placement",
-        cfg.rollout.placement,
-        "agent episodes run on the actor's colocated engines only: set rollout.placement=colocated",
-    )
-    _check(not cfg.algorithm.dynamic_sampling, "algorithm.dynamic_sampling", True, "not supported with agent episodes: set it to false")
-    _check(not cfg.env.tools, "env.tools", list(cfg.env.tools), "the agent brings its own tools: leave env.tools empty")

@@ -5,15 +5,13 @@ building a config, so a plan (``python -m aligner.plan``, ``plan_only=true``) ne
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
+from aligner.config.view import RunView
 from aligner.errors import ConfigError
 
-if TYPE_CHECKING:
-    from aligner.config.run import AlignerConfig
 
-
-def check_paths(cfg: AlignerConfig, roles: Optional[tuple[str, ...]] = None) -> None:
+def check_paths(cfg: RunView, roles: Optional[tuple[str, ...]] = None) -> None:
     """Check that every input path the run will read exists (after planning, before any work).
 
     Args:

@@ -7,15 +7,13 @@ import functools
 import importlib.util
 import subprocess
 import sys
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from aligner.config.common import LOGGER_PACKAGES, _check
-
-if TYPE_CHECKING:
-    from aligner.config.run import AlignerConfig
+from aligner.config.view import RunView
 
 
-def check_trtllm(cfg: AlignerConfig) -> None:
+def check_trtllm(cfg: RunView) -> None:
     """What ``rollout.backend=trtllm`` needs, checked before Ray starts (ppo stage only).
 
     In order: CUDA workers for the group that runs the engines (the actor's; with
@@ -113,7 +111,7 @@ def vllm_import_error(python: str) -> str:
     return "" if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["no output"])[-1]
 
 
-def check_vllm(cfg: AlignerConfig) -> None:
+def check_vllm(cfg: RunView) -> None:
     """What ``rollout.backend=vllm`` needs, checked before Ray starts (ppo stage only).
 
     In order: CPU workers (the GPU path is not built), engines of one rank (rollout.parallel tp = pp = 1:
@@ -190,10 +188,10 @@ def check_vllm(cfg: AlignerConfig) -> None:
     )
 
 
-def check_loggers(cfg: AlignerConfig) -> None:
+def check_loggers(cfg: RunView) -> None:
     """The package of each logger in ``trainer.loggers`` (tensorboard, wandb, mlflow) is importable
     here, checked with ``importlib.util.find_spec`` (nothing is imported) before Ray starts. The
-    names themselves are checked by :meth:`aligner.config.run.TrainerConfig.validate`."""
+    names themselves are checked by :meth:`aligner.config.trainer.TrainerConfig.validate`."""
     for name in cfg.trainer.loggers:
         module, dist = LOGGER_PACKAGES.get(name, (None, None))
         _check(

@@ -1,6 +1,7 @@
-"""The whole run's schema: the training loop (:class:`TrainerConfig`), the cluster
-(:class:`ClusterConfig`) and :class:`AlignerConfig`, which holds every section and is validated
-once, when it is built (:func:`aligner.config.validation.validate_run`)."""
+"""The whole run's schema, :class:`AlignerConfig`: the run's own fields and every section (model, data,
+trainer, roles, rollout, algorithm, cluster, ...), validated once, when it is built
+(:meth:`AlignerConfig.validate`: each section validates its own fields, then
+:func:`aligner.config.validation.validate_run` checks the sections against each other)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Optional, get_type_hints
 
 from aligner.config.agent import AgentConfig
 from aligner.config.algorithm import FOLLOW_THE_ESTIMATOR, AlgorithmConfig, DPOConfig, KTOConfig, SPINConfig
-from aligner.config.common import LOGGERS, MODEL_ROLES, _check, _choice
+from aligner.config.cluster import ClusterConfig
+from aligner.config.common import MODEL_ROLES, PRESETS, STAGES, _check, _choice
 from aligner.config.data import DataConfig, TaskConfig, TokenizerConfig
 from aligner.config.env import EnvConfig
 from aligner.config.model import ModelConfig
@@ -17,136 +19,8 @@ from aligner.config.paths import check_paths
 from aligner.config.roles import ActorRoleConfig, RefRoleConfig, RewardRoleConfig, RoleConfig, TrainableRoleConfig
 from aligner.config.rollout import RolloutConfig
 from aligner.config.rs import RSConfig
+from aligner.config.trainer import TrainerConfig
 from aligner.config.validation import validate_run
-
-
-@dataclass(kw_only=True)
-class TrainerConfig:
-    """The training loop: steps, batch sizes, seeds, logging and checkpoint cadence."""
-
-    max_steps: int = 100  # optimizer steps (SFT/RM) or PPO steps
-    seed: int = 42  # global seed (model init, data order, sampling)
-    save_every: int = 0  # checkpoint every N steps; 0 = only at the end
-    eval_every: int = 0  # evaluate every N steps; 0 = only at the end
-    log_every: int = 1  # log metrics every N steps
-    global_batch_size: int = 32  # SFT/RM: samples per optimizer step (over all dp ranks)
-    micro_batch_size: int = 8  # samples per forward/backward per dp rank
-    micro_batch_tokens: int = 0  # > 0: micro-batches by a token budget (rows x the micro-batch's longest row <= this; sorted first-fit) instead of micro_batch_size, for every role's training and forward passes; 0 = micro_batch_size rows (aligner.runtime.runner)
-    rollout_batch_size: int = 32  # PPO: prompts per step
-    n_samples_per_prompt: int = 1  # PPO: responses per prompt (>= 2 for grpo, rloo, reinforce_pp_baseline)
-    mini_batch_size: int = 32  # PPO: samples per optimizer step
-    shared_prompt_pack_len: int = 4096  # PPO with n_samples_per_prompt > 1: the actor and reference run a prompt's samples as one packed row, the prompt's positions once (aligner.actor.shared_prompt), when the row has at most this many tokens; 0 = padded rows
-    eval_batch_size: int = 64  # prompts per evaluation batch
-    max_nonfinite: int = 3  # consecutive non-finite updates before the run stops
-    num_threads: int = 0  # torch threads per CPU worker; 0 = follow the work: the workers busy in a phase share their node's cores (a role running alone gets them all)
-    progress: bool = True  # show a progress bar
-    preempt_grace_s: float = 25.0  # after SIGTERM: seconds to finish the step and checkpoint (below the scheduler's grace, 30 s by default)
-    # PPO with rollout.placement=split: batches the rollout group may generate ahead of the update (each
-    # sample is at most this many weight versions old when trained); 0 = synchronous
-    max_staleness: int = 0
-    # max_staleness >= 1 with a reference role: its log-probs of a queued batch are computed as soon as the
-    # batch is generated, beside the actor's update, instead of in the next step's inference phase (the
-    # reference is fixed, so they need only the batch); None = on exactly where the reference has devices
-    # of its own (no ref.colocate_with, cluster.placement=split): beside the update it would hold memory on
-    # the actor's devices otherwise
-    ref_ahead: Optional[bool] = None
-    # a worker call with no result for this long is a hang: its stacks are dumped and it is handled as a
-    # death (the automatic restart); counted from the call's submission; 0 = no watchdog
-    hang_timeout_s: float = 1800.0
-    # per-rank busy seconds of each worker group are in every step's metrics (ranks/<role>/busy_s_*); a rank busy this many
-    # times its group's median in a step (of at least 1 s) is logged as a straggler; 0 = no straggler line
-    straggler_factor: float = 1.5
-    max_restarts: int = 2  # a worker process that dies: stop and restart the groups, resume from the latest checkpoint, at most this many times a run; 0 = end the run (resume=true by hand)
-    # a restart waits this long for the cluster to hold the worker groups again (a lost node replaced, as
-    # Kubernetes or an autoscaler does), then ends the run naming the cluster it needs; 0 = no wait
-    restart_wait_s: float = 300.0
-    # where metrics go (aligner.tracking.MetricsLogger): jsonl | tensorboard | wandb | mlflow. output_dir/metrics.jsonl is
-    # always written (resume, the plots and the summary read it), named here or not; wandb and mlflow follow their
-    # own environment variables (WANDB_MODE=offline, WANDB_API_KEY, MLFLOW_TRACKING_URI, ...)
-    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
-    logger_project: str = ""  # the W&B project and MLflow experiment; "" = WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else "aligner"
-
-    def validate(self, prefix: str = "trainer") -> None:
-        for name in (
-            "max_steps",
-            "global_batch_size",
-            "micro_batch_size",
-            "rollout_batch_size",
-            "n_samples_per_prompt",
-            "mini_batch_size",
-            "eval_batch_size",
-            "max_nonfinite",
-        ):
-            _check(getattr(self, name) >= 1, f"{prefix}.{name}", getattr(self, name), "must be >= 1")
-        for name in (
-            "save_every",
-            "eval_every",
-            "num_threads",
-            "shared_prompt_pack_len",
-            "max_restarts",
-            "micro_batch_tokens",
-            "max_staleness",
-        ):
-            _check(getattr(self, name) >= 0, f"{prefix}.{name}", getattr(self, name), "must be >= 0")
-        unknown = [n for n in self.loggers if n not in LOGGERS]
-        _check(
-            not unknown,
-            f"{prefix}.loggers",
-            list(self.loggers),
-            f"unknown loggers {unknown}: valid loggers are {', '.join(LOGGERS)} (e.g. {prefix}.loggers=[jsonl,tensorboard,wandb])",
-        )
-        _check(len(set(self.loggers)) == len(self.loggers), f"{prefix}.loggers", list(self.loggers), "name each logger once")
-        _check(self.hang_timeout_s >= 0, f"{prefix}.hang_timeout_s", self.hang_timeout_s, "must be >= 0 seconds (0 = no hang watchdog)")
-        _check(
-            self.restart_wait_s >= 0, f"{prefix}.restart_wait_s", self.restart_wait_s, "must be >= 0 seconds (0 = no wait for lost nodes)"
-        )
-        _check(
-            self.straggler_factor == 0 or self.straggler_factor > 1,
-            f"{prefix}.straggler_factor",
-            self.straggler_factor,
-            "must be > 1 (times the group's median busy time) or 0 for no straggler line",
-        )
-        _check(
-            self.preempt_grace_s > 0,
-            f"{prefix}.preempt_grace_s",
-            self.preempt_grace_s,
-            "must be > 0 seconds (a few below the scheduler's grace period, e.g. 25)",
-        )
-        _check(
-            self.global_batch_size % self.micro_batch_size == 0,
-            f"{prefix}.global_batch_size",
-            self.global_batch_size,
-            f"must be a multiple of {prefix}.micro_batch_size={self.micro_batch_size}",
-        )
-        samples = self.rollout_batch_size * self.n_samples_per_prompt
-        _check(
-            samples % self.mini_batch_size == 0,
-            f"{prefix}.mini_batch_size",
-            self.mini_batch_size,
-            f"must divide rollout_batch_size * n_samples_per_prompt = {samples}",
-        )
-
-
-@dataclass(kw_only=True)
-class ClusterConfig:
-    """The cluster the run is placed on (and that plans are made for)."""
-
-    address: str = ""  # Ray address; "" = RAY_ADDRESS or a new local instance, "auto" = existing cluster
-    num_nodes: int = 1  # nodes
-    gpus_per_node: int = 0  # GPUs per node (0 = CPU-only)
-    gpu_mem_gb: float = 80.0  # memory per GPU in GiB (2**30 B), as GPUs are sold: an "80 GB" H100 = 80 GiB
-    cpus_per_node: int = 0  # CPUs per node; 0 = detect
-    placement: str = "split"  # split (each role its own node group) | colocated (roles share bundles)
-    gpu_peak_tflops: float = 989.0  # dense bf16 peak per GPU, TFLOP/s (H100 SXM), for plans
-    intra_node_gbps: float = 450.0  # NVLink bandwidth per GPU, GB/s, for plans
-    inter_node_gbps: float = 50.0  # network bandwidth per GPU, GB/s, for plans
-    hbm_gbps: float = 3350.0  # HBM bandwidth per GPU, GB/s (H100 SXM), for plans (decode is bandwidth bound)
-
-    def validate(self, prefix: str = "cluster") -> None:
-        _check(self.num_nodes >= 1, f"{prefix}.num_nodes", self.num_nodes, "must be >= 1")
-        _check(self.gpus_per_node >= 0, f"{prefix}.gpus_per_node", self.gpus_per_node, "must be >= 0")
-        _check(self.gpu_mem_gb > 0, f"{prefix}.gpu_mem_gb", self.gpu_mem_gb, "must be positive")
-        _choice(f"{prefix}.placement", self.placement, ("split", "colocated"))
 
 
 @dataclass(kw_only=True)
@@ -158,7 +32,7 @@ class AlignerConfig:
     output_dir: str = "outputs/tiny"  # checkpoints, metrics.jsonl, TensorBoard events, plots
     resume: bool = False  # continue from the latest complete checkpoint in output_dir
     # delete a previous run's outputs in output_dir first, then run fresh (without it, or resume=true,
-    # a run refuses an output_dir that holds a previous run's files: see aligner/trainers/run_dir.py)
+    # a run refuses an output_dir that holds a previous run's files: see aligner/run_ops/run_dir.py)
     overwrite: bool = False
     plan_only: bool = False  # print the placement/memory plan and exit 0
     model: ModelConfig = field(default_factory=ModelConfig)  # policy (and, by default, every role's) dimensions
@@ -183,6 +57,36 @@ class AlignerConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Every check of the built config, in order: the run's own fields (stage, conf, output_dir), each
+        section's own (its ``validate``), then the checks across sections and the package probes
+        (:func:`aligner.config.validation.validate_run`, which also resolves the fields that follow
+        others: ``algorithm.decoupled_loss``, ``trainer.ref_ahead``). Raises ConfigError at the first."""
+        _choice("stage", self.stage, STAGES)
+        _choice("conf", self.preset, PRESETS)
+        _check(
+            bool(self.output_dir.strip()),
+            "output_dir",
+            self.output_dir,
+            "give a directory, e.g. output_dir=outputs/run1 (empty would write into the current directory)",
+        )
+        self.model.validate("model")
+        self.data.validate("data")
+        self.task.validate("task")
+        self.trainer.validate("trainer")
+        for role in MODEL_ROLES:
+            getattr(self, role).validate(role, self.model)
+        self.rollout.validate("rollout", self.model)
+        self.env.validate("env")
+        self.agent.validate("agent")
+        self.algorithm.validate("algorithm")
+        self.dpo.validate("dpo")
+        self.kto.validate("kto")
+        self.spin.validate("spin")
+        self.rs.validate("rs")
+        self.cluster.validate("cluster")
         validate_run(self)
 
     def roles_used(self) -> tuple[str, ...]:

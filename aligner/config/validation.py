@@ -1,59 +1,59 @@
-"""Cross-field validation of a whole run, one function per concern, run by :func:`validate_run`
-when an :class:`~aligner.config.run.AlignerConfig` is built.
+"""The checks of a whole run across its sections, one function per concern, run by :func:`validate_run`
+when an :class:`~aligner.config.run.AlignerConfig` is built (after each section checked its own fields,
+:meth:`AlignerConfig.validate <aligner.config.run.AlignerConfig.validate>`).
 
-Each section checks its own fields (``ModelConfig.validate`` and the like); what is checked here
-needs two sections at once: the reference of a LoRA actor, lengths against the model, prompt
-learning's layouts, GPUs of the roles against the cluster, the on-policy shortcut and the group
-estimators. Every check raises :class:`ConfigError` naming the field, the bad value and the fix.
+What is checked here needs two sections at once: the reference of a LoRA actor, lengths against the
+model, prompt learning's layouts, GPUs of the roles against the cluster, the on-policy shortcut and the
+group estimators; the package probes of a chosen backend (:mod:`aligner.config.probes`) run here too.
+:data:`CROSS_CHECKS` says which stages and settings each check applies to, in the order they run. The
+checks receive the config typed by :class:`aligner.config.view.RunView`: nothing here imports the module
+that builds the config. Every check raises :class:`ConfigError` naming the field, the bad value and the fix.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
-from aligner.config.agent import validate_agent
-from aligner.config.common import GROUP_ESTIMATORS, MODEL_ROLES, PRESETS, STAGES, _check, _choice
+from aligner.config.agent import AGENT_ENV
+from aligner.config.common import GROUP_ESTIMATORS, MODEL_ROLES, STAGES, _check
 from aligner.config.probes import check_loggers, check_trtllm, check_vllm
 from aligner.config.roles import PromptLearningConfig
-
-if TYPE_CHECKING:
-    from aligner.config.run import AlignerConfig
+from aligner.config.view import RunView
 
 
-def validate_run(cfg: AlignerConfig) -> None:
-    """Every check of a built config, in order: each section's own fields, then the cross-field
-    checks (and the package probes: ``rollout.backend=trtllm`` / ``vllm``, the loggers of ``trainer.loggers``).
-    Raises ConfigError at the first."""
-    validate_sections(cfg)
-    cfg.agent.validate("agent")
-    validate_agent(cfg)
-    if cfg.env.name:
-        validate_episodes(cfg)
-    if cfg.stage in ("ppo", "rs") and cfg.reward.type == "judge":
-        validate_judge(cfg)
-    if cfg.stage == "rs":
-        validate_rejection_sampling(cfg)
-    validate_prompt_learning(cfg)
-    validate_staleness(cfg)
-    if cfg.stage == "ppo":
-        validate_teacher(cfg)
-    if cfg.stage == "ppo":
-        validate_rollout_lengths(cfg)
-    validate_cluster_devices(cfg)
-    if cfg.trainer.micro_batch_tokens > 0:
-        validate_micro_batch_tokens(cfg)
-    validate_interleaved(cfg)
-    if cfg.stage == "ppo" and cfg.rollout.backend == "trtllm":
-        check_trtllm(cfg)
-    if cfg.stage == "ppo" and cfg.rollout.backend == "vllm":
-        check_vllm(cfg)
-    if cfg.stage != "plan":  # the planner logs no metrics
-        check_loggers(cfg)
-    if cfg.stage == "ppo" and not cfg.algorithm.recompute_old_log_probs:
-        validate_on_policy(cfg)
-    if cfg.stage == "ppo" and cfg.algorithm.advantage in GROUP_ESTIMATORS:
-        validate_group_estimator(cfg)
+def validate_run(cfg: RunView) -> None:
+    """The checks across sections of a config whose sections are valid each, in :data:`CROSS_CHECKS`' order,
+    those that apply to its stage and settings (the package probes among them: ``rollout.backend=trtllm`` /
+    ``vllm``, the loggers of ``trainer.loggers``). Resolves ``algorithm.decoupled_loss`` and
+    ``trainer.ref_ahead`` when they are None (:func:`validate_staleness`). Raises ConfigError at the first."""
+    for check in CROSS_CHECKS:
+        if check.applies(cfg):
+            check.run(cfg)
+
+
+def validate_shared_limits(cfg: RunView) -> None:
+    """What one section's fields allow of another's: the reference of a LoRA actor, SPIN's full reference
+    copy, the data length within the model's."""
+    _check(
+        not (cfg.ref_from_actor and cfg.ref.init and cfg.ref.init != cfg.actor.init),
+        "ref.init",
+        cfg.ref.init,
+        "with actor.lora.rank > 0 the reference is the actor's frozen base (actor.init); leave ref.init empty",
+    )
+    _check(
+        cfg.stage != "spin" or cfg.actor.lora.rank == 0,
+        "actor.lora.rank",
+        cfg.actor.lora.rank,
+        "SPIN's reference is the policy at each round's start, a full copy: set actor.lora.rank=0",
+    )
+    _check(
+        cfg.data.max_seq_len <= cfg.model.max_seq_len,
+        "data.max_seq_len",
+        cfg.data.max_seq_len,
+        f"must not exceed model.max_seq_len={cfg.model.max_seq_len}",
+    )
 
 
 def _hf_dir_file(init: str, name: str) -> Optional[str]:
@@ -81,7 +81,7 @@ def _vocab_of(init: str) -> tuple[Optional[int], Optional[dict]]:
     return size, vocab
 
 
-def validate_teacher(cfg: AlignerConfig) -> None:
+def validate_teacher(cfg: RunView) -> None:
     """On-policy distillation: ``algorithm.distill_coef`` > 0 exactly with a teacher (``teacher.init``), whose
     vocabulary and tokenizer must be the student's (the per-token KL compares the two models' log-probs of the same
     token ids): a teacher checkpoint whose config.json vocab_size or tokenizer.json vocabulary differs from the
@@ -119,7 +119,7 @@ def validate_teacher(cfg: AlignerConfig) -> None:
     )
 
 
-def validate_staleness(cfg: AlignerConfig) -> None:
+def validate_staleness(cfg: RunView) -> None:
     """The split rollout placement and bounded staleness (docs/rollout.md): what they need, and the
     decoupled loss resolved (``algorithm.decoupled_loss=None`` follows ``trainer.max_staleness > 0``)."""
     r, t, a = cfg.rollout, cfg.trainer, cfg.algorithm
@@ -164,7 +164,7 @@ def validate_staleness(cfg: AlignerConfig) -> None:
     # validate_on_policy refuses the rest), since every micro-batch runs the weights before the step
 
 
-def resolve_ref_ahead(cfg: AlignerConfig) -> None:
+def resolve_ref_ahead(cfg: RunView) -> None:
     """``trainer.ref_ahead`` (docs/rollout.md): the reference's log-probs of a queued batch computed beside the
     update. None resolves to on exactly where it applies (max_staleness >= 1, a reference group) and the
     reference has devices of its own (``cluster.placement=split``, no ``ref.colocate_with``); true where it
@@ -184,7 +184,7 @@ def resolve_ref_ahead(cfg: AlignerConfig) -> None:
     )
 
 
-def validate_interruptible(cfg: AlignerConfig) -> None:
+def validate_interruptible(cfg: RunView) -> None:
     """``rollout.interruptible`` (docs/rollout.md): syncs that land between decode steps need the split
     placement's own engines, aligner's continuous scheduler (it checks for staged weights between steps)
     and generation ahead of the update (max_staleness >= 1: with 0 no generation is in flight at a sync)."""
@@ -213,51 +213,7 @@ def validate_interruptible(cfg: AlignerConfig) -> None:
     )
 
 
-def validate_sections(cfg: AlignerConfig) -> None:
-    """The run's names, each section's own fields, the reference of a LoRA actor and the data length."""
-    _choice("stage", cfg.stage, STAGES)
-    _choice("conf", cfg.preset, PRESETS)
-    _check(
-        bool(cfg.output_dir.strip()),
-        "output_dir",
-        cfg.output_dir,
-        "give a directory, e.g. output_dir=outputs/run1 (empty would write into the current directory)",
-    )
-    cfg.model.validate("model")
-    cfg.data.validate("data")
-    cfg.task.validate("task")
-    cfg.trainer.validate("trainer")
-    for role in MODEL_ROLES:
-        getattr(cfg, role).validate(role, cfg.model)
-    _check(
-        not (cfg.ref_from_actor and cfg.ref.init and cfg.ref.init != cfg.actor.init),
-        "ref.init",
-        cfg.ref.init,
-        "with actor.lora.rank > 0 the reference is the actor's frozen base (actor.init); leave ref.init empty",
-    )
-    cfg.rollout.validate("rollout", cfg.model)
-    cfg.env.validate("env")
-    cfg.algorithm.validate("algorithm")
-    cfg.dpo.validate("dpo")
-    cfg.kto.validate("kto")
-    cfg.spin.validate("spin")
-    _check(
-        cfg.stage != "spin" or cfg.actor.lora.rank == 0,
-        "actor.lora.rank",
-        cfg.actor.lora.rank,
-        "SPIN's reference is the policy at each round's start, a full copy: set actor.lora.rank=0",
-    )
-    cfg.rs.validate("rs")
-    cfg.cluster.validate("cluster")
-    _check(
-        cfg.data.max_seq_len <= cfg.model.max_seq_len,
-        "data.max_seq_len",
-        cfg.data.max_seq_len,
-        f"must not exceed model.max_seq_len={cfg.model.max_seq_len}",
-    )
-
-
-def validate_episodes(cfg: AlignerConfig) -> None:
+def validate_episodes(cfg: RunView) -> None:
     """env.name set: what the engine's episodes need (docs/environments.md). The environment runs between
     the decode steps of aligner's continuous scheduler, on one engine rank per replica, and its final
     reward is reward.rule's."""
@@ -287,7 +243,7 @@ def validate_episodes(cfg: AlignerConfig) -> None:
     )
 
 
-def validate_judge(cfg: AlignerConfig) -> None:
+def validate_judge(cfg: RunView) -> None:
     """reward.type=judge: the judge is a trained causal LM (reward.init) on engines of one rank each."""
     r = cfg.reward
     _check(
@@ -301,7 +257,7 @@ def validate_judge(cfg: AlignerConfig) -> None:
     )
 
 
-def validate_group_estimator(cfg: AlignerConfig) -> None:
+def validate_group_estimator(cfg: RunView) -> None:
     """A per-prompt group baseline (grpo, rloo, reinforce_pp_baseline) needs >= 2 samples per prompt that can differ."""
     a = cfg.algorithm
     _check(
@@ -320,7 +276,7 @@ def validate_group_estimator(cfg: AlignerConfig) -> None:
     )
 
 
-def validate_on_policy(cfg: AlignerConfig) -> None:
+def validate_on_policy(cfg: RunView) -> None:
     """algorithm.recompute_old_log_probs=false is exact only for an on-policy update: say what breaks it."""
     a, t = cfg.algorithm, cfg.trainer
     f, v = "algorithm.recompute_old_log_probs", a.recompute_old_log_probs
@@ -338,7 +294,7 @@ def validate_on_policy(cfg: AlignerConfig) -> None:
     _check(a.tis_cap is None, f, v, f"{need} algorithm.tis_cap weighs by exp(old - rollout): set it to true")
 
 
-def validate_prompt_learning(cfg: AlignerConfig) -> None:
+def validate_prompt_learning(cfg: RunView) -> None:
     """actor.prompt_learning: SFT only, on layouts the virtual tokens support, within the model's positions."""
     pl = prompt_learning_of(cfg)
     if pl is None or not pl.enabled:
@@ -375,7 +331,7 @@ def validate_prompt_learning(cfg: AlignerConfig) -> None:
     _check(cfg.stage == "sft", f, pl.type, f"prompt learning is implemented for the SFT stage only (stage={cfg.stage}): set {f}=none")
 
 
-def validate_rollout_lengths(cfg: AlignerConfig) -> None:
+def validate_rollout_lengths(cfg: RunView) -> None:
     """The longest prompt plus the response must fit the model (the engine's KV cache and RoPE positions),
     and the overlong-penalty ramp must lie inside the response budget."""
     s, d, m = cfg.rollout.sampling, cfg.data, cfg.model
@@ -394,7 +350,7 @@ def validate_rollout_lengths(cfg: AlignerConfig) -> None:
     )
 
 
-def validate_cluster_devices(cfg: AlignerConfig) -> None:
+def validate_cluster_devices(cfg: RunView) -> None:
     """Roles that ask for GPUs need a cluster with GPUs (plans for a GPU preset on 0 GPUs are meaningless)."""
     if cfg.cluster.gpus_per_node > 0:
         return
@@ -409,12 +365,12 @@ def validate_cluster_devices(cfg: AlignerConfig) -> None:
         )
 
 
-def prompt_learning_of(cfg: AlignerConfig) -> Optional[PromptLearningConfig]:
+def prompt_learning_of(cfg: RunView) -> Optional[PromptLearningConfig]:
     """cfg.actor.prompt_learning, or None when the actor config has none (a plain TrainableRoleConfig built in code)."""
     return getattr(cfg.actor, "prompt_learning", None)
 
 
-def longest_row(cfg: AlignerConfig) -> tuple[int, str]:
+def longest_row(cfg: RunView) -> tuple[int, str]:
     """(the tokens one micro-batch must hold at least; the fields that bound it): PPO's longest row,
     prompt + response (data.max_prompt_len + rollout.sampling.max_new_tokens); RM's and DPO's
     pair of rows (2 x data.max_seq_len: a pair's chosen and rejected rows share a micro-batch);
@@ -441,7 +397,7 @@ STAGE_TRAINED_ROLES = {
 }
 
 
-def validate_interleaved(cfg: AlignerConfig) -> None:
+def validate_interleaved(cfg: RunView) -> None:
     """A trained role with ``virtual_pp_size > 1`` runs, per dp rank and optimizer step, a number of
     micro-batches that is a multiple of its pp_size (the interleaved schedule's order needs it):
     ceil(ceil(samples / dp) / trainer.micro_batch_size), samples the step's global_batch_size (SFT, RM,
@@ -467,7 +423,7 @@ def validate_interleaved(cfg: AlignerConfig) -> None:
         )
 
 
-def validate_micro_batch_tokens(cfg: AlignerConfig) -> None:
+def validate_micro_batch_tokens(cfg: RunView) -> None:
     """A token budget must hold the longest row the stage can produce (checked here, at config time,
     against the length bound; aligner.runtime.runner checks each batch's rows again) and runs on
     roles with fsdp2 or ddp, pipeline stages included (plain and interleaved 1F1B: the runner pads an
@@ -496,7 +452,7 @@ def validate_micro_batch_tokens(cfg: AlignerConfig) -> None:
 BOUNDED_REWARDS = {"rule": (0.0, 1.0), "judge": (0.0, 1.0)}
 
 
-def validate_rejection_sampling(cfg: AlignerConfig) -> None:
+def validate_rejection_sampling(cfg: RunView) -> None:
     """``stage=rs`` (aligner.rs): a sampled row (prompt + response) fits the SFT rows, a threshold a
     bounded reward can reach, and a reward the stage can call (no episodes, a reward model to load)."""
     d, s, rs = cfg.data, cfg.rollout.sampling, cfg.rs
@@ -523,3 +479,68 @@ def validate_rejection_sampling(cfg: AlignerConfig) -> None:
         cfg.reward.init,
         "reward.type=model scores with a trained reward model: give its run dir or HF export (python -m aligner.rm)",
     )
+
+
+@dataclass(frozen=True)
+class CrossCheck:
+    """One check across sections: `run` applies to a config whose stage is in `stages` (every stage when
+    empty) and for which `when` holds."""
+
+    run: Callable[[RunView], None]
+    stages: tuple[str, ...] = ()
+    when: Optional[Callable[[RunView], bool]] = None
+
+    def applies(self, cfg: RunView) -> bool:
+        return (not self.stages or cfg.stage in self.stages) and (self.when is None or self.when(cfg))
+
+
+def validate_agent(cfg: RunView) -> None:
+    """env.name=agent or agent.command set: what playing episodes through agent programs needs.
+
+    The command is given and runs (:meth:`AgentConfig.validate`), env.name and agent.command go
+    together, and the rollout is the colocated one of aligner's engine (the split placement,
+    interruptible generation and dynamic sampling are not wired for agents). The rest of what
+    episodes need (torch backend, continuous scheduler, one engine rank, a rule reward) is
+    :func:`aligner.config.validation.validate_episodes`'s."""
+    a = cfg.agent
+    if cfg.env.name == AGENT_ENV:
+        _check(
+            bool(a.command),
+            "agent.command",
+            a.command,
+            "env.name=agent runs the agent's program for each episode: set agent.command, e.g. agent.command='python examples/calculator_agent.py'",
+        )
+    elif a.command:
+        _check(False, "env.name", cfg.env.name, "agent.command is set: set env.name=agent to play episodes through the agent program")
+    if cfg.env.name != AGENT_ENV:
+        return
+    _check(
+        cfg.rollout.placement != "split",
+        "rollout.placement",
+        cfg.rollout.placement,
+        "agent episodes run on the actor's colocated engines only: set rollout.placement=colocated",
+    )
+    _check(not cfg.algorithm.dynamic_sampling, "algorithm.dynamic_sampling", True, "not supported with agent episodes: set it to false")
+    _check(not cfg.env.tools, "env.tools", list(cfg.env.tools), "the agent brings its own tools: leave env.tools empty")
+
+
+# every check across sections, in the order :func:`validate_run` runs them (the first failing one is reported)
+CROSS_CHECKS = (
+    CrossCheck(validate_shared_limits),
+    CrossCheck(validate_agent),
+    CrossCheck(validate_episodes, when=lambda cfg: bool(cfg.env.name)),
+    CrossCheck(validate_judge, stages=("ppo", "rs"), when=lambda cfg: cfg.reward.type == "judge"),
+    CrossCheck(validate_rejection_sampling, stages=("rs",)),
+    CrossCheck(validate_prompt_learning),
+    CrossCheck(validate_staleness),
+    CrossCheck(validate_teacher, stages=("ppo",)),
+    CrossCheck(validate_rollout_lengths, stages=("ppo",)),
+    CrossCheck(validate_cluster_devices),
+    CrossCheck(validate_micro_batch_tokens, when=lambda cfg: cfg.trainer.micro_batch_tokens > 0),
+    CrossCheck(validate_interleaved),
+    CrossCheck(check_trtllm, stages=("ppo",), when=lambda cfg: cfg.rollout.backend == "trtllm"),
+    CrossCheck(check_vllm, stages=("ppo",), when=lambda cfg: cfg.rollout.backend == "vllm"),
+    CrossCheck(check_loggers, stages=tuple(s for s in STAGES if s != "plan")),  # the planner logs no metrics
+    CrossCheck(validate_on_policy, stages=("ppo",), when=lambda cfg: not cfg.algorithm.recompute_old_log_probs),
+    CrossCheck(validate_group_estimator, stages=("ppo",), when=lambda cfg: cfg.algorithm.advantage in GROUP_ESTIMATORS),
+)

@@ -47,8 +47,8 @@ the losses and statistics, so they equal the whole micro-batch's on one rank.
 
 Engine / trainer routing: each forward keeps its expert choices (``SparseMoE.last_experts``); the
 rollout engine reports them per response token (``Generation.routed_experts``), the trainer records
-them in its old-log-probs forward (:func:`record_routing`), and :func:`routing_mismatch` counts the
-(token, layer) pairs whose top-k sets differ (PPO's ``moe_routing_mismatch``).
+them in its old-log-probs forward (:func:`record_routing`), and :func:`aligner.algorithms.routing_mismatch`
+counts the (token, layer) pairs whose top-k sets differ (PPO's ``moe_routing_mismatch``).
 """
 
 from __future__ import annotations
@@ -496,28 +496,6 @@ def record_routing(model: nn.Module) -> Iterator[list[list[torch.Tensor]]]:
     finally:
         for h in handles:
             h.remove()
-
-
-def routing_mismatch(rollout_experts: torch.Tensor, old_experts: torch.Tensor, response_mask: torch.Tensor) -> float:
-    """Fraction of (response token, MoE layer) pairs whose top-k expert SETS differ between the
-    rollout engine and the trainer (NeMo-RL / verl report such routing differences as a source of
-    the engine / trainer log-prob mismatch; verl's "routing replay" removes them).
-
-    rollout_experts, old_experts: [B, R, L, k] integer expert ids (the engine's
-    ``Generation.routed_experts`` and the trainer's :meth:`aligner.actor.policy.Policy.log_probs_with_routing`),
-    compared after sorting along k; response_mask: [B, R] (1 on response tokens). Returns a python
-    float in [0, 1] (0.0 when no token is masked in). Raises ValueError on shape disagreement.
-    """
-    if rollout_experts.shape != old_experts.shape or rollout_experts.shape[:2] != response_mask.shape:
-        raise ValueError(
-            f"routing_mismatch: rollout_experts {tuple(rollout_experts.shape)}, old_experts {tuple(old_experts.shape)} "
-            f"and response_mask {tuple(response_mask.shape)} must agree as [B, R, L, k] / [B, R]"
-        )
-    a, b = rollout_experts.long().sort(-1).values, old_experts.long().sort(-1).values
-    differ = (a != b).any(-1).float()  # [B, R, L]
-    keep = (response_mask > 0).unsqueeze(-1).expand_as(differ)
-    n = int(keep.sum())
-    return float(differ[keep].sum()) / n if n else 0.0
 
 
 def global_moe_metrics(model: nn.Module, dims) -> dict[str, float]:

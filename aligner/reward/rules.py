@@ -1,6 +1,7 @@
 """Rule-based rewards (``reward.type=rule``), a registry by name (``reward.rule=NAME``).
 
-Owns: :data:`RULES` and :func:`score`. Every rule maps one (prompt, response, metadata)
+Owns: :data:`RULES`, :func:`score` and :func:`score_samples` (the rule rewards of a rollout batch's
+samples, or their episodes' rewards). Every rule maps one (prompt, response, metadata)
 to a float in [0, 1]:
 
 - "task_accuracy": the built-in addition task's checker (aligner.data.task.check_answer):
@@ -31,7 +32,7 @@ to a float in [0, 1]:
 from __future__ import annotations
 
 import re
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -136,3 +137,17 @@ def score(name: str, prompts: list[str], responses: list[str], metadata: Optiona
             f"score: {len(prompts)} prompts, {len(responses)} responses, {len(metadata)} metadata rows: give one of each per sample"
         )
     return torch.tensor([fn(p, r, m) for p, r, m in zip(prompts, responses, metadata)], dtype=torch.float32)
+
+
+def score_samples(name: str, samples: Sequence[dict], episodes: bool = False) -> torch.Tensor:
+    """Rule rewards [B] float32 of B samples, each a dict with "prompt", "response" (decoded text) and
+    "metadata" (a :class:`aligner.protocol.RolloutBatch`'s ``meta`` rows).
+
+    episodes: the samples played multi-turn episodes (``env.name`` set; each sample's "episode" holds an
+    :class:`aligner.envs.Episode`): the reward is each episode's total (its per-turn rewards plus the final
+    one, which its environment computed with rule `name`; 0 for a failed episode), and the rule is not
+    called again. Raises ValueError for an unknown rule; KeyError when `episodes` and a sample has none.
+    """
+    if episodes:
+        return torch.tensor([s["episode"].total_reward for s in samples], dtype=torch.float32)
+    return score(name, [s["prompt"] for s in samples], [s["response"] for s in samples], [s["metadata"] for s in samples])

@@ -40,7 +40,7 @@ class Generation:
         experts (sorted along k) each of the L MoE layers chose at the position whose logits
         produced response token i (position prompt_len + i - 1); None for a dense model or an
         engine that does not report them. Compared with the trainer's by
-        :func:`aligner.model.moe.routing_mismatch`.
+        :func:`aligner.algorithms.routing_mismatch`.
     own_mask: for an episode (multi-turn, ``turn_end`` given to generate), list[bool] of length R:
         True where the model sampled the token, False for the environment's observation tokens
         (their rollout_log_probs are 0.0 and they are masked out of the loss); None for a

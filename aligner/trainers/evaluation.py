@@ -32,6 +32,12 @@ from aligner.envs import episode_metrics
 from aligner.reward import ifeval
 from aligner.reward.rules import gsm8k_formatted, score
 
+# what the evaluation reports of its episodes (env.name set)
+EPISODE_EVAL_METRICS = ("turns", "tool_call_rate", "tool_call_rate_carry", "tool_call_rate_no_carry", "tool_errors")
+# the metrics of :func:`evaluate_greedy` beyond accuracy and response length that a trainer logs where the data has them:
+# the built-in task's carry breakdown, GSM8K's format rate, IFEval's four numbers, the episodes'
+EVAL_METRICS = ("accuracy_carry", "accuracy_no_carry", "dropped_carry", "format_rate", *ifeval.SCALAR_METRICS, *EPISODE_EVAL_METRICS)
+
 
 @dataclasses.dataclass
 class GreedyEval:

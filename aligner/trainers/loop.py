@@ -6,11 +6,11 @@ order) and :func:`train` (the step loop, written once):
     check     paths, init weights, the plan: plan_only=true prints it and returns its exit code
               before anything is written; a layout or machine that cannot hold the run is a
               UserError here, before Ray or any weights
-    claim     output_dir (:func:`aligner.trainers.run_dir.claim_output_dir`: fresh, resume or
+    claim     output_dir (:func:`aligner.run_ops.run_dir.claim_output_dir`: fresh, resume or
               overwrite, and the dir's lock, held to the end of the run)
     inputs    tokenizer + data (bad inputs are UserErrors; nothing of this run is written yet)
     config    output_dir/config.yaml
-    start     Ray, then the SIGTERM handler (:func:`aligner.trainers.preemption.install`: after Ray,
+    start     Ray, then the SIGTERM handler (:func:`aligner.run_ops.preemption.install`: after Ray,
               whose own handler would turn SIGTERM into a crash dump), then the worker groups
     resume    when resume=true: the latest complete checkpoint (:class:`Checkpoints`), or a log
               line saying there is none and the run starts from step 0
@@ -29,7 +29,7 @@ and whatever happens, in this order: the SIGTERM handler removed, the worker gro
 Ray shut down (when this run started or joined it), the output_dir lock released.
 
 The loop has one set of hooks: :class:`Checkpoints` (resume, periodic and last saves and the
-preemption save, through one :class:`aligner.trainers.checkpointing.CheckpointManager` that
+preemption save, through one :class:`aligner.run_ops.checkpointing.CheckpointManager` that
 records the stage name and run id), and :class:`aligner.tracking.MetricsLogger` (metrics.jsonl,
 the progress bar and the loggers of trainer.loggers: TensorBoard, W&B, MLflow). A trainer only
 says how to take one step, evaluate, save and load its roles and state, and finish.
@@ -49,10 +49,10 @@ from typing import Any, Optional
 
 from aligner.config import AlignerConfig, config_dict, config_yaml
 from aligner.errors import Preempted, UserError, WorkerDiedError, WorkerHungError
+from aligner.run_ops import preemption
+from aligner.run_ops.checkpointing import CheckpointManager, load_trainer_state, rng_state, set_rng_state
+from aligner.run_ops.run_dir import claim_output_dir
 from aligner.tracking import MetricsLogger
-from aligner.trainers import preemption
-from aligner.trainers.checkpointing import CheckpointManager, load_trainer_state, rng_state, set_rng_state
-from aligner.trainers.run_dir import claim_output_dir
 from aligner.workers.group import rank_busy_metrics
 from aligner.workers.ray_runtime import init_ray, shutdown_ray
 
@@ -109,11 +109,11 @@ class Trainer(abc.ABC):
 
     def claim_inputs(self) -> Optional[dict[str, str]]:
         """field -> path of what the run reads, which overwrite=true must not delete (None: every
-        configured input, :func:`aligner.trainers.run_dir.input_paths`)."""
+        configured input, :func:`aligner.run_ops.run_dir.input_paths`)."""
         return None
 
     def claim_output_dir(self) -> AbstractContextManager:
-        """Check and lock output_dir until the block ends (:func:`aligner.trainers.run_dir.claim_output_dir`)."""
+        """Check and lock output_dir until the block ends (:func:`aligner.run_ops.run_dir.claim_output_dir`)."""
 
         return claim_output_dir(self.cfg, self.claim_inputs())
 
@@ -209,7 +209,7 @@ class Trainer(abc.ABC):
 class Checkpoints:
     """The loop's checkpoint hook: resume, saves and the stop at a step boundary after SIGTERM.
 
-    One :class:`aligner.trainers.checkpointing.CheckpointManager` under output_dir/checkpoints,
+    One :class:`aligner.run_ops.checkpointing.CheckpointManager` under output_dir/checkpoints,
     recording ``trainer.name`` as the checkpoints' stage. ``last_saved`` is the step of the newest
     checkpoint this run wrote or resumed from (-1: none).
     """

@@ -7,7 +7,7 @@ loop's (:mod:`aligner.trainers.loop`):
               A layout that cannot fit the configured cluster, or a local machine that lacks
               the node groups' GPUs/CPUs, stops here within seconds, before Ray or any weights;
               then the configured paths are checked
-    claim     output_dir (aligner.trainers.run_dir: refuse a previous run's dir unless resume=true /
+    claim     output_dir (aligner.run_ops.run_dir: refuse a previous run's dir unless resume=true /
               overwrite=true, refuse resuming another stage's run, take the dir's lock, held to the end)
     config    output_dir/config.yaml
     inputs    tokenizer + RL prompts (built-in task by default)
@@ -58,18 +58,15 @@ from aligner.config import GROUP_ESTIMATORS, AlignerConfig, ConfigError, Samplin
 from aligner.data.sampler import DataIterator
 from aligner.envs import episode_metrics
 from aligner.errors import UserError, WorkerDiedError
-from aligner.model.moe import routing_mismatch
-from aligner.protocol import ACTOR_UPDATE_FIELDS, RolloutBatch, build_sequences
-from aligner.reward import ifeval
-from aligner.reward.remote import RemoteRewardError
-from aligner.reward.rules import score
-from aligner.rollout.base import generations_to_padded, own_tokens_mask, routed_experts_to_padded
+from aligner.protocol import ACTOR_UPDATE_FIELDS, RolloutBatch
+from aligner.reward.rules import score_samples
+from aligner.run_ops import preemption
 from aligner.tracking import plot_curves
-from aligner.trainers import preemption
 from aligner.trainers.agent_samples import without_dropped
+from aligner.trainers.batching import assemble_batch, requests, sample_seed
 from aligner.trainers.distill import distilled_kl
 from aligner.trainers.dynamic_sampling import dynamic_rollout
-from aligner.trainers.evaluation import accuracy_rule, episode_rows, evaluate_greedy, gather_generations, on_builtin_task
+from aligner.trainers.evaluation import EVAL_METRICS, accuracy_rule, episode_rows, evaluate_greedy, gather_generations, on_builtin_task
 from aligner.trainers.loop import Trainer, death_summary
 from aligner.trainers.ppo_setup import REPORT_KEYS, load_prompts, load_reward_stats, placed_groups, plan_phase, summary_table
 from aligner.trainers.producer import Pending, RolloutProducer, token_staleness_metrics
@@ -83,11 +80,6 @@ from aligner.workers.rollout import RolloutWorker
 log = logging.getLogger("aligner.ppo")
 
 TRAINED_ROLES = ("actor", "critic")  # the roles whose weights and optimizers a checkpoint holds
-
-
-def sample_seed(seed: int, step: int, index: int) -> int:
-    """Per-sample generation seed: a fixed function of (trainer.seed, step, sample index)."""
-    return (seed * 1_000_003 + step * 10_007 + index * 7_919) % (2**31 - 1)
 
 
 class PhaseTimer:
@@ -438,7 +430,7 @@ class PPOTrainer(Trainer):
     def submit_generation(self, step: int) -> None:
         """Draw step `step`'s prompts and queue their generation on the rollout group (no wait)."""
         state = self.data.state_dict()
-        rows, ids, seeds = self.requests(self.next_prompts(), step, self.cfg.trainer.n_samples_per_prompt)
+        rows, ids, seeds = requests(self.next_prompts(), self.cfg.trainer.seed, step, self.cfg.trainer.n_samples_per_prompt)
         self.producer.submit(step, rows, ids, self.cfg.rollout.sampling, seeds, state, episode_rows(self.cfg, rows), self.reward_rows(rows))
         if self.cfg.trainer.ref_ahead:
             self.producer.prepare(self.assemble_with_ref)
@@ -459,7 +451,7 @@ class PPOTrainer(Trainer):
     def generate(self, prompts: list[dict], sampling: SamplingConfig, step: int, n: int, first_index: int = 0) -> tuple[list[dict], list]:
         """(rows: each prompt row n times in a row, their Generations), sample i seeded by
         ``sample_seed(trainer.seed, step, first_index + i)``."""
-        rows, ids, seeds = self.requests(prompts, step, n, first_index)
+        rows, ids, seeds = requests(prompts, self.cfg.trainer.seed, step, n, first_index)
         episodes = episode_rows(self.cfg, rows)  # env.name set: each row plays an episode
         return rows, gather_generations(self.generator.generate(ids, sampling, seeds, episodes, self.reward_rows(rows)).get())
 
@@ -476,13 +468,6 @@ class PPOTrainer(Trainer):
         if not self.streams_reward:
             return None
         return [{"prompt": r["prompt"], "metadata": r.get("metadata", {})} for r in rows]
-
-    def requests(self, prompts: list[dict], step: int, n: int, first_index: int = 0) -> tuple[list[dict], list, list[int]]:
-        """(rows: each prompt row n times in a row, their prompt ids, their seeds): sample i of step
-        `step` seeded by ``sample_seed(trainer.seed, step, first_index + i)``."""
-        rows = [p for p in prompts for _ in range(n)]
-        seeds = [sample_seed(self.cfg.trainer.seed, step, first_index + i) for i in range(len(rows))]
-        return rows, [r["prompt_ids"] for r in rows], seeds
 
     @property
     def generator(self):
@@ -520,35 +505,14 @@ class PPOTrainer(Trainer):
         return None
 
     def assemble(self, rows: list[dict], gens: list, n: int, responses: Optional[list[str]] = None) -> RolloutBatch:
-        """The RolloutBatch of prompt rows (each prompt n times in a row) and their generations.
+        """The RolloutBatch of prompt rows (each prompt n times in a row) and their generations
+        (:func:`aligner.trainers.batching.assemble_batch`), after checking that no streamed judge call failed.
 
         responses: the decoded responses when already at hand (else decoded here, special tokens dropped)."""
         if any("judge_error" in g.extra for g in gens):  # a streamed judge call failed
             self.groups["reward"].worker_info(timeout_s=60.0)  # a dead judge process: WorkerDiedError, which the restart heals
             raise RuntimeError(next(g.extra["judge_error"] for g in gens if "judge_error" in g.extra))
-        ids = [g.extra.get("prompt_ids", r["prompt_ids"]) for r, g in zip(rows, gens)]  # an agent's own prompt
-        seq = build_sequences(ids, [g.token_ids for g in gens], self.tok.pad_token_id)
-        _, rollout_lp, _ = generations_to_padded(gens)  # [B, R], the same R as seq["response_mask"]
-        seq["response_mask"] = seq["response_mask"] * own_tokens_mask(gens, seq["response_mask"].shape[1])
-        if responses is None:
-            responses = [self.tok.decode(g.token_ids, skip_special_tokens=True) for g in gens]
-        meta = [
-            {"prompt": row["prompt"], "response": text, "metadata": row.get("metadata", {}), "finish_reason": g.finish_reason}
-            | ({"episode": g.extra["episode"]} if "episode" in g.extra else {})
-            | ({"judge_unparsed": g.extra["judge_unparsed"]} if "judge_unparsed" in g.extra else {})
-            | ({"scored_while_generating": g.extra["scored_while_generating"]} if "scored_while_generating" in g.extra else {})
-            for row, g, text in zip(rows, gens, responses)
-        ]
-        group_ids = torch.arange(len(rows) // n).repeat_interleave(n)
-        batch = RolloutBatch(
-            scores=streamed_scores(gens),
-            **seq,
-            group_ids=group_ids,
-            rollout_log_probs=rollout_lp,
-            rollout_experts=routed_experts_to_padded(gens),  # MoE policies only (else None)
-            weight_version=gens[0].weight_version if gens else 0,
-            meta=meta,
-        )
+        batch = assemble_batch(rows, gens, n, self.tok.pad_token_id, partial(self.tok.decode, skip_special_tokens=True), responses)
         return without_dropped(batch, gens, self.cfg.algorithm.advantage in GROUP_ESTIMATORS)  # agent episodes not played: left out
 
     def _temperature(self) -> float:
@@ -600,17 +564,8 @@ class PPOTrainer(Trainer):
         return batch.old_log_probs if batch.old_log_probs is not None else batch.rollout_log_probs * batch.response_mask
 
     def rule_scores(self, batch: RolloutBatch) -> torch.Tensor:
-        """The rule's scores [B] float32; with episodes (env.name), each episode's total reward (its
-        per-turn rewards plus the final one, which the environment computed with the rule; 0 when it failed)."""
-        if self.cfg.env.name:
-            return torch.tensor([m["episode"].total_reward for m in batch.meta], dtype=torch.float32)
-
-        return score(
-            self.cfg.reward.rule,
-            [m["prompt"] for m in batch.meta],
-            [m["response"] for m in batch.meta],
-            [m["metadata"] for m in batch.meta],
-        )
+        """The rule's scores [B] float32, or each episode's total reward (env.name): :func:`aligner.reward.rules.score_samples`."""
+        return score_samples(self.cfg.reward.rule, batch.meta, episodes=bool(self.cfg.env.name))
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
         """Rewards (standardized RM scores; plus DAPO's soft overlong punishment when
@@ -721,11 +676,13 @@ class PPOTrainer(Trainer):
             "stop_frac": sum(m["finish_reason"] == "stop" for m in batch.meta) / max(1, len(batch)),
         }
         if self.cfg.reward.type == "model" and on_builtin_task(self.cfg):
-            out["train_accuracy"] = float(self._accuracy(batch.meta))
-        if batch.old_log_probs is not None:
-            out.update(alg.rollout_mismatch_metrics(batch.rollout_log_probs, batch.old_log_probs, mask))
-        if batch.rollout_experts is not None and batch.old_experts is not None:
-            out["moe_routing_mismatch"] = routing_mismatch(batch.rollout_experts, batch.old_experts, mask)
+            out["train_accuracy"] = float(score_samples(accuracy_rule(self.cfg), batch.meta).mean())
+        if batch.old_log_probs is not None:  # engine / trainer: log-probs, and the MoE routing of a MoE policy
+            out.update(
+                alg.rollout_mismatch_metrics(
+                    batch.rollout_log_probs, batch.old_log_probs, mask, rollout_experts=batch.rollout_experts, old_experts=batch.old_experts
+                )
+            )
         if batch.meta and "scored_while_generating" in batch.meta[0]:  # reward.stream: the share scored before generation ended
             out["reward/scored_while_generating"] = sum(m["scored_while_generating"] for m in batch.meta) / len(batch.meta)
         if batch.meta and "judge_unparsed" in batch.meta[0]:  # reward.type=judge, streamed
@@ -739,12 +696,6 @@ class PPOTrainer(Trainer):
         return {k: float(v) for k, v in out.items()}
 
     # ---- evaluation -----------------------------------------------------------------
-    def _accuracy(self, meta: list[dict]) -> float:
-
-        return float(
-            score(accuracy_rule(self.cfg), [m["prompt"] for m in meta], [m["response"] for m in meta], [m["metadata"] for m in meta]).mean()
-        )
-
     def evaluate(self, num_prompts: Optional[int] = None) -> dict[str, float]:
         """:meth:`_evaluate`, with the split placement's rollout group restarted alone when its worker
         dies during the evaluation's generation (as in :meth:`run_step`)."""
@@ -767,20 +718,7 @@ class PPOTrainer(Trainer):
             self.producer.policy_version = self.step
         res = evaluate_greedy(self.generator, prompts, self.tok, self.cfg)
         out = {"eval_accuracy": res.metrics["accuracy"], "eval_response_len": res.metrics["mean_response_len"]}
-        out.update(
-            {
-                f"eval_{k}": res.metrics[k]
-                for k in (
-                    "accuracy_carry",
-                    "accuracy_no_carry",
-                    "dropped_carry",
-                    "format_rate",
-                    *ifeval.SCALAR_METRICS,
-                    *EPISODE_EVAL_METRICS,
-                )
-                if k in res.metrics
-            }
-        )
+        out.update({f"eval_{k}": res.metrics[k] for k in EVAL_METRICS if k in res.metrics})
         batch = self.assemble(prompts, res.generations, 1, res.responses)
         futs, names = [], []
         self.busy("actor", "reward", "ref")
@@ -832,23 +770,6 @@ class PPOTrainer(Trainer):
         self.history = list(state.get("history", []))
         self.nonfinite_total = int(state.get("nonfinite_total", 0))
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
-
-
-# what the evaluation reports of its episodes (env.name set; aligner.trainers.evaluation.evaluate_greedy)
-EPISODE_EVAL_METRICS = ("turns", "tool_call_rate", "tool_call_rate_carry", "tool_call_rate_no_carry", "tool_errors")
-
-
-def streamed_scores(gens: list) -> Optional[torch.Tensor]:
-    """The remote reward's scores [B] float32 that the engines attached while generating (``reward.stream``),
-    or None when some Generation has none (the driver scores the batch). Raises
-    :class:`~aligner.reward.remote.RemoteRewardError` with the engine's message when the endpoint gave no
-    valid answer after the retries."""
-    for g in gens:
-        if "score_error" in g.extra:
-            raise RemoteRewardError(g.extra["score_error"])
-    if not gens or any("score" not in g.extra for g in gens):
-        return None
-    return torch.tensor([g.extra["score"] for g in gens], dtype=torch.float32)
 
 
 def first_replica(result: dict) -> dict[str, float]:

@@ -50,8 +50,8 @@ from aligner.data.collate import collate_sft
 from aligner.errors import UserError
 from aligner.protocol import build_sequences
 from aligner.reward.rules import ROW_CHECKS, check_rule_rows, get_rule, score
+from aligner.trainers.batching import sample_seed
 from aligner.trainers.evaluation import evaluate_greedy, gather_generations
-from aligner.trainers.ppo import sample_seed
 from aligner.trainers.supervised import SupervisedTrainer, first, log_init, tiny_sft_init
 from aligner.workers.actor import ActorWorker
 from aligner.workers.group import CoreSharing, role_worker_group

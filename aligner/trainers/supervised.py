@@ -21,7 +21,7 @@ trainer.micro_batch_size and normalizes the loss over the global batch (gradient
 accumulation).
 
 Checkpoints (every trainer.save_every steps and at the end) go through
-:class:`aligner.trainers.checkpointing.CheckpointManager`: the role's workers write model +
+:class:`aligner.run_ops.checkpointing.CheckpointManager`: the role's workers write model +
 optimizer + schedule into ``<tmp>/<role>``, the driver adds its step, data position and
 RNG states, and the directory is renamed into place. ``resume=true`` restores all of it,
 so a resumed run repeats the uninterrupted run's losses exactly (fp32 on CPU).

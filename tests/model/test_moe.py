@@ -281,9 +281,9 @@ def test_routing_mismatch_engine_vs_trainer():
     (refit by name) the mismatch is > 0 and equals the count from the two models' last_experts
     on the full sequences."""
     from aligner.actor.policy import Policy
+    from aligner.algorithms import routing_mismatch
     from aligner.config import OptimConfig, ParallelConfig, SamplingConfig
     from aligner.model.llama import build_model
-    from aligner.model.moe import routing_mismatch
     from aligner.parallel.dims import ParallelDims
     from aligner.protocol import build_sequences
     from aligner.rollout.base import routed_experts_to_padded

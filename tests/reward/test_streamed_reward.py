@@ -26,7 +26,7 @@ from aligner.reward.server import RewardHTTPServer, RuleScorer
 from aligner.rollout.torch_engine.engine import TorchEngine
 from aligner.rollout.torch_engine.scheduler import SlotScheduler
 from aligner.tracking import read_metrics
-from aligner.trainers.ppo import streamed_scores
+from aligner.trainers.batching import streamed_scores
 from tests.toolkit.engine import engine_model
 from tests.toolkit.overrides import PPO_RULE, SMALL
 

@@ -24,10 +24,10 @@ import torch
 from aligner.cli import load_config
 from aligner.data.sampler import DataIterator
 from aligner.errors import Preempted, UserError, WorkerDiedError
+from aligner.run_ops import preemption
+from aligner.run_ops.run_dir import LOCK_NAME
 from aligner.tracking import read_metrics
-from aligner.trainers import preemption
 from aligner.trainers.loop import Trainer
-from aligner.trainers.run_dir import LOCK_NAME
 
 
 def _cfg(out: Path, *extra: str):

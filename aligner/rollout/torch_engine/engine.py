@@ -136,7 +136,7 @@ class TorchEngine(RolloutEngine):
     decode rows' (request, step); with pp > 1 each stage records its own layers and the stages'
     parts are all-gathered over the pp group at the end of the call (layer order). Dense models skip
     all of it. The trainer's side and the metric: :meth:`aligner.actor.policy.Policy.log_probs_with_routing`,
-    :func:`aligner.model.moe.routing_mismatch`.
+    :func:`aligner.algorithms.routing_mismatch`.
     """
 
     def __init__(

@@ -83,7 +83,7 @@ def _install_hooks(phase: str, pipe_w: int, min_step: int) -> dict:
     import torch.distributed.checkpoint as dcp
 
     import aligner.runtime.checkpoint as pc
-    from aligner.trainers.checkpointing import CheckpointManager
+    from aligner.run_ops.checkpointing import CheckpointManager
 
     state = {"step": 0}
 
@@ -128,7 +128,7 @@ def _install_hooks(phase: str, pipe_w: int, min_step: int) -> dict:
 def _saver(root: str, phase: str, pipe_w: int, min_step: int) -> None:
     """Child: save checkpoints (or HF exports) forever, one step after the other."""
     from aligner.model.hf import save_hf
-    from aligner.trainers.checkpointing import CheckpointManager
+    from aligner.run_ops.checkpointing import CheckpointManager
 
     state = _install_hooks(phase, pipe_w, min_step)
     eng = _engine()
@@ -193,7 +193,7 @@ def _run_child(root: str, phase: str, min_step: int, delay: float | None, timeou
 
 def _check_ckpt(root: str) -> dict:
     """A fresh manager's view after a kill: stale entries, latest, and whether it loads exactly."""
-    from aligner.trainers.checkpointing import CheckpointManager
+    from aligner.run_ops.checkpointing import CheckpointManager
 
     ptr = Path(root) / "checkpoints" / "latest"
     ptr_ok = (not ptr.exists()) or (ptr.parent / ptr.read_text().strip() / "COMPLETE").exists()

@@ -1,4 +1,4 @@
-"""The driver's supervisor (aligner.trainers.supervisor): the parent process of a command-line run.
+"""The driver's supervisor (aligner.run_ops.supervisor): the parent process of a command-line run.
 
 Each test runs a small program that calls ``supervisor.fork`` and lets its child (standing in for
 the driver) end the way a Ray driver can: ``_Exit(1)`` after a SIGTERM (what Ray's core worker does
@@ -28,7 +28,7 @@ def _program(tmp_path: Path, child_body: str, output_dir: str = "None") -> str:
     supervisor.fork's code; the child writes its pid, then runs `child_body`."""
     return f"""
 import os, signal, sys, time
-from aligner.trainers import supervisor
+from aligner.run_ops import supervisor
 code = supervisor.fork("sft", lambda: {output_dir})
 if code is None:
     open({str(tmp_path / "child")!r}, "w").write(str(os.getpid()))
@@ -76,7 +76,7 @@ def test_a_driver_that_ray_ends_after_sigterm_is_reported_as_preempted_with_143(
     """The flaw itself: SIGTERM reaches the parent, which forwards it; the child ends with _Exit(1)
     (Ray's QuickExit), no Python handler of its own running: the parent exits 143 with one line
     naming the signal, the child's exit and the newest complete checkpoint."""
-    from aligner.trainers.checkpointing import CheckpointManager
+    from aligner.run_ops.checkpointing import CheckpointManager
 
     out = tmp_path / "run"
     manager = CheckpointManager(out)
@@ -153,7 +153,7 @@ def test_processes_the_driver_leaves_are_killed(tmp_path):
 
 
 def test_in_process_calls_and_the_switch_do_not_supervise(monkeypatch):
-    from aligner.trainers import supervisor
+    from aligner.run_ops import supervisor
 
     assert not supervisor.enabled(["trainer.max_steps=1"])  # aligner.sft.main([...]) from Python, tests, the demo
     monkeypatch.setenv("ALIGNER_SUPERVISOR", "0")

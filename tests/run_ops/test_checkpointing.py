@@ -4,7 +4,7 @@ verifies the candidate, falls back to the previous complete checkpoint with a wa
 first bad file, and raises UserError (one line, naming the file) when no intact one is left.
 
 Checkpoints are real: a tiny TrainRuntime saves its dcp files into the role dir as
-tests/trainers/test_checkpointing_kill.py does, then CheckpointManager.commit writes the rest.
+tests/run_ops/test_checkpointing_kill.py does, then CheckpointManager.commit writes the rest.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import aligner.trainers.checkpointing as ckpting
+import aligner.run_ops.checkpointing as ckpting
 from aligner.cli import UserError
-from aligner.trainers.checkpointing import MANIFEST, CheckpointManager, load_trainer_state, verify_checkpoint
+from aligner.run_ops.checkpointing import MANIFEST, CheckpointManager, load_trainer_state, verify_checkpoint
 from tests.toolkit.models import tiny_model_config
 
 NARROW = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_heads=2, max_seq_len=16)  # of tiny_model_config

@@ -1,4 +1,4 @@
-"""The output_dir rules (aligner.trainers.run_dir), pruning by a run's own history (aligner.trainers.checkpointing)
+"""The output_dir rules (aligner.run_ops.run_dir), pruning by a run's own history (aligner.run_ops.checkpointing)
 and the cut last line of metrics.jsonl (aligner.tracking). Issue 21, "Reliability II".
 
 - decide(): fresh / refused / overwrite / resume, resume=true into another stage's run,
@@ -25,9 +25,9 @@ import pytest
 
 from aligner.cli import UserError, load_config
 from aligner.config import ConfigError
+from aligner.run_ops.checkpointing import CheckpointManager
+from aligner.run_ops.run_dir import LOCK_NAME, RunLock, claim_output_dir, decide, make_output_dir, previous_run_entries
 from aligner.tracking import MetricsLogger, read_metrics, repair_metrics
-from aligner.trainers.checkpointing import CheckpointManager
-from aligner.trainers.run_dir import LOCK_NAME, RunLock, claim_output_dir, decide, make_output_dir, previous_run_entries
 from tests.toolkit.paths import REPO
 
 
@@ -163,7 +163,7 @@ def test_read_only_output_dir(tmp_path):
 HOLDER = """
 import sys, time
 from pathlib import Path
-from aligner.trainers.run_dir import RunLock
+from aligner.run_ops.run_dir import RunLock
 RunLock.acquire(Path(sys.argv[1]), "sft")
 print("READY", flush=True)
 time.sleep(120)

@@ -41,7 +41,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from aligner.trainers import preemption
+from aligner.run_ops import preemption
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # linux/prctl.h
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -138,7 +138,7 @@ def _supervise(stage: str, child: int, output_dir_of: Callable[[], Optional[str]
 
 def _last_checkpoint(output_dir_of: Callable[[], Optional[str]]) -> str:
     """Where the run stands: the newest complete checkpoint (read without changing anything)."""
-    from aligner.trainers.checkpointing import latest_checkpoint
+    from aligner.run_ops.checkpointing import latest_checkpoint
 
     try:
         out = output_dir_of()

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from aligner.run_ops.checkpointing import verify_checkpoint
 from aligner.tracking import read_metrics
-from aligner.trainers.checkpointing import verify_checkpoint
 from tests.toolkit.overrides import SMALL
 from tests.toolkit.paths import REPO
 

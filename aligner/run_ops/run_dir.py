@@ -32,9 +32,9 @@ from typing import Iterator, Optional
 
 from aligner.config import AlignerConfig, ConfigError
 from aligner.errors import UserError
+from aligner.run_ops import supervisor
+from aligner.run_ops.checkpointing import latest_checkpoint
 from aligner.tracking import repair_metrics
-from aligner.trainers import supervisor
-from aligner.trainers.checkpointing import latest_checkpoint
 
 log = logging.getLogger("aligner")
 

@@ -8,7 +8,7 @@ What Slurm, Kubernetes and Ray send before they kill:
 - SIGTERM to every process of the run (driver, Ray's own processes, the workers): the
   workers are gone, so nothing new can be saved: the run exits 143 within the grace time
   with one line, and the last complete checkpoint is intact and resumable (said by the driver, or by
-  its supervising parent when Ray's core worker ended the driver first: aligner.trainers.supervisor).
+  its supervising parent when Ray's core worker ended the driver first: aligner.run_ops.supervisor).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from aligner.run_ops.checkpointing import CheckpointManager
 from aligner.tracking import read_metrics
-from aligner.trainers.checkpointing import CheckpointManager
 from tests.toolkit.overrides import PPO_RULE, SMALL
 from tests.toolkit.paths import REPO
 
@@ -135,7 +135,7 @@ def test_sigterm_to_every_process_exits_143_within_the_grace_time_and_keeps_the_
     latest = CheckpointManager(out).latest()
     assert latest is not None and int(latest.name.split("_")[1]) >= int(saved.name.split("_")[1])
     # Ray's core worker can end the driver itself (_Exit(1)) once the raylet's object store is gone; the
-    # supervising parent (aligner.trainers.supervisor) then reports the preemption: 143 either way
+    # supervising parent (aligner.run_ops.supervisor) then reports the preemption: 143 either way
     assert code == 143, err[-3000:]
     line = _last_line(err)
     assert line.startswith("aligner sft: ") and "SIGTERM" in line and "resume=true" in line, line
@@ -150,7 +150,7 @@ def test_the_watchdog_kills_the_drivers_descendants_before_it_exits(tmp_path):
     pid_file = tmp_path / "pids"
     script = f"""
 import os, signal, subprocess, sys, time
-from aligner.trainers import preemption
+from aligner.run_ops import preemption
 preemption.install("ppo", 1.0)
 child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; g = subprocess.Popen(['sleep', '300']); "
                           "open({str(pid_file)!r}, 'w').write(str(g.pid)); time.sleep(300)"])
@@ -183,7 +183,7 @@ def test_a_worker_that_dies_after_sigterm_ends_a_preempted_run_with_143(capsys, 
     exit 143, one line naming SIGTERM, the worker and resume=true; without SIGTERM it stays a failure (1)."""
     from aligner import cli
     from aligner.errors import WorkerError
-    from aligner.trainers import preemption
+    from aligner.run_ops import preemption
 
     def main(cfg):
         preemption.install("sft", 30.0)
@@ -213,7 +213,7 @@ def test_after_sigterm_rays_logged_tracebacks_become_one_line_and_aligners_stay_
     import io
     import logging
 
-    from aligner.trainers import preemption
+    from aligner.run_ops import preemption
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
