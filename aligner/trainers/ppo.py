@@ -599,9 +599,12 @@ class PPOTrainer(Trainer):
 
     def rule_scores(self, batch: RolloutBatch) -> torch.Tensor:
         """The rule's scores [B] float32; with episodes (env.name), each episode's total reward (its
-        per-turn rewards plus the final one, which the environment computed with the rule; 0 when it failed)."""
+        per-turn rewards plus the final one, which the environment computed with the rule; 0 when it failed);
+        zeros with ``reward.type=none`` (distillation alone)."""
         if self.cfg.env.name:
             return torch.tensor([m["episode"].total_reward for m in batch.meta], dtype=torch.float32)
+        if self.cfg.reward.type == "none":  # on-policy distillation alone: the teacher's reverse KL is the only signal
+            return torch.zeros(len(batch.meta), dtype=torch.float32)
 
         return score(
             self.cfg.reward.rule,
