@@ -93,6 +93,7 @@ RUNS = {  # name: (stage, overrides), each with conf=smollm2_135m
             "data.truncation=left",
             "data.max_prompt_len=96",
             "data.max_seq_len=160",
+            "data.eval_fraction=0.004",  # ~9 held-out pairs: the eval at the end runs the whole split
             "trainer.global_batch_size=4",
             "trainer.micro_batch_size=2",
             "actor.optim.lr=5e-7",

@@ -40,7 +40,7 @@ MAX_TOKENS = 32  # tokens of one step's batch, at most (4 rows of at most 8 toke
 # MAX_RESPONSE * 8 * n * u (Higham 4.2, worst case). The losses and rewards are beta-scaled sigmoids of
 # differences of such sums (slope <= beta <= 0.5, metrics means over examples), log-probs themselves are logged.
 _N = MODEL.num_layers * (MODEL.hidden_size + MODEL.intermediate_size) + MODEL.vocab_size
-METRIC_TOL = 2 * MAX_RESPONSE * 8 * _N * FP32_UNIT_ROUNDOFF  # ~7e-4 worst case; a lost or doubled example is O(1e-2)
+METRIC_TOL = 2 * MAX_RESPONSE * 8 * _N * FP32_UNIT_ROUNDOFF  # ~1.5e-3 worst case; a lost or doubled example is O(0.1)
 
 
 def _cfg(stage: str, tp: int, pp: int, dp: int):
@@ -173,4 +173,4 @@ def test_worker_layouts_match_single_process(stage):
             assert diff < param_tol, (stage, name, rank, diff, param_tol)
     init_sd = _worker(stage, 1, 1, 1, ParallelDims(device_type="cpu")).policy.full_state_dict()
     moved = max(float((want_sd[k] - init_sd[k]).abs().max()) for k in want_sd)
-    assert moved > 100 * param_tol, f"the steps moved the parameters by {moved}: the comparison would be vacuous"
+    assert moved > 10 * param_tol, f"the steps moved the parameters by {moved}: the comparison would be vacuous"
