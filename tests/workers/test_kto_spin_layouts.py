@@ -164,7 +164,7 @@ def test_worker_layouts_match_single_process(stage):
     _check_single_process(stage, want_m)
     steps = 2 if stage == "kto" else 3
     param_tol = adamw_param_tol(LR, steps, MAX_TOKENS, MODEL)
-    for rank, results in enumerate(run_distributed(_battery, world_size=2, args=(stage,))):
+    for rank, results in enumerate(run_distributed(_battery, world_size=2, args=(stage,), timeout_s=900)):
         for name, (metrics, sd) in results.items():
             for step, (got, want) in enumerate(zip(metrics, want_m)):
                 for k in want:

@@ -110,7 +110,7 @@ def test_teacher_layouts_match_one_process(tmp_path):
     other = _teacher_log_probs("", 1, 1, 1, ParallelDims(device_type="cpu"))
     assert float((other - want).abs().max()) > 0.1
     want_kl, want_metric = _distill(want)
-    results = run_distributed(_battery, world_size=2, args=(init,))
+    results = run_distributed(_battery, world_size=2, args=(init,), timeout_s=900)
     for name in LAYOUTS:
         shares = {}
         for res in results:
