@@ -194,7 +194,7 @@ class RewardRoleConfig(TrainableRoleConfig):
     """The reward role: a reward model (trained by the RM stage with ``optim``, frozen in PPO) or a rule."""
 
     type: str = (
-        "model"  # PPO's reward: model (the reward model at init) | rule (a function on the driver) | remote (url) | judge (an LLM at init)
+        "model"  # PPO's reward: model (the reward model at init) | rule (a function on the driver) | remote (url) | judge (an LLM at init) | none (0: distillation alone)
     )
     rule: str = "task_accuracy"  # type=rule: the rule's name in aligner.reward.rules.RULES
     # type=remote: an HTTP scoring endpoint (aligner.reward.remote; python -m aligner.serve_rm), called by the engines' workers (stream) or the driver
@@ -245,7 +245,7 @@ class RewardRoleConfig(TrainableRoleConfig):
         _check(not problem, f"{prefix}.url", self.url, problem.split(": ", 1)[-1])
 
 
-REWARD_TYPES = ("model", "rule", "remote", "judge")
+REWARD_TYPES = ("model", "rule", "remote", "judge", "none")
 
 
 def reward_url_problem(url: str) -> str:

@@ -85,7 +85,8 @@ def validate_teacher(cfg: RunView) -> None:
     """On-policy distillation: ``algorithm.distill_coef`` > 0 exactly with a teacher (``teacher.init``), whose
     vocabulary and tokenizer must be the student's (the per-token KL compares the two models' log-probs of the same
     token ids): a teacher checkpoint whose config.json vocab_size or tokenizer.json vocabulary differs from the
-    student's (``actor.init``, else ``model.vocab_size``) is refused, both named."""
+    student's (``actor.init``, else ``model.vocab_size``) is refused, both named. ``reward.type=none`` (distillation
+    as the only signal) needs ``distill_coef`` > 0 and no dynamic sampling (every score is 0)."""
     a, t = cfg.algorithm, cfg.teacher
     _check(
         bool(t.init) or a.distill_coef == 0,
@@ -98,6 +99,19 @@ def validate_teacher(cfg: RunView) -> None:
         "teacher.init",
         t.init,
         "a teacher is used only by on-policy distillation: set algorithm.distill_coef > 0 (e.g. 1.0), or teacher.init=''",
+    )
+    _check(
+        cfg.reward.type != "none" or a.distill_coef > 0,
+        "reward.type",
+        cfg.reward.type,
+        "no reward and no distillation leaves nothing to learn: set algorithm.distill_coef > 0 with teacher.init "
+        "(on-policy distillation alone), or a reward.type of model, rule, remote or judge",
+    )
+    _check(
+        cfg.reward.type != "none" or not a.dynamic_sampling,
+        "algorithm.dynamic_sampling",
+        a.dynamic_sampling,
+        "reward.type=none scores every sample 0, so every group would be dropped: set dynamic_sampling=false",
     )
     if not t.init:
         return
@@ -472,6 +486,12 @@ def validate_rejection_sampling(cfg: RunView) -> None:
             rs.threshold,
             f"no response can be kept: reward.type={cfg.reward.type} scores in [{lo_hi[0]:g}, {lo_hi[1]:g}]; give a threshold <= {lo_hi[1]:g}",
         )
+    _check(
+        cfg.reward.type != "none",
+        "reward.type",
+        cfg.reward.type,
+        "rejection sampling keeps the responses a reward ranks best: give reward.type=model, rule, remote or judge",
+    )
     _check(not cfg.env.name, "env.name", cfg.env.name, "episodes are played by the PPO stage only: leave env.name empty for aligner.rs")
     _check(
         cfg.reward.type != "model" or bool(cfg.reward.init),

@@ -19,7 +19,8 @@ def distilled_kl(
     ``batch.kl`` with the controller's `kl_coef`, plus, with the teacher's log-probs in `batch`, ``distill_coef`` times
     the student's per-token reverse-KL estimate to the teacher (:func:`aligner.algorithms.distillation_token_rewards`),
     as ``(kl_coef * batch.kl + distill_coef * teacher_kl, 1.0)``. Adds ``teacher_kl`` (nats per sequence, the mean of
-    the per-sequence sums) to `metrics`. Without a teacher: ``(batch.kl, kl_coef)`` unchanged.
+    the per-sequence sums) and ``teacher_kl_token`` (nats per response token, the mean over the batch's tokens) to
+    `metrics`. Without a teacher: ``(batch.kl, kl_coef)`` unchanged.
 
     policy_log_probs: [B, R] the sampling policy's log-probs of its tokens (the recomputed old ones)."""
     if batch.teacher_log_probs is None or distill_coef == 0:
@@ -27,4 +28,5 @@ def distilled_kl(
     mask = batch.response_mask
     teacher_kl = -alg.distillation_token_rewards(policy_log_probs, batch.teacher_log_probs, mask, 1.0)
     metrics["teacher_kl"] = float(teacher_kl.sum(-1).mean())
+    metrics["teacher_kl_token"] = float(teacher_kl.sum() / mask.sum().clamp(min=1))
     return kl_coef * batch.kl + distill_coef * teacher_kl, 1.0

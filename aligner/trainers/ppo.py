@@ -564,7 +564,10 @@ class PPOTrainer(Trainer):
         return batch.old_log_probs if batch.old_log_probs is not None else batch.rollout_log_probs * batch.response_mask
 
     def rule_scores(self, batch: RolloutBatch) -> torch.Tensor:
-        """The rule's scores [B] float32, or each episode's total reward (env.name): :func:`aligner.reward.rules.score_samples`."""
+        """The rule's scores [B] float32, or each episode's total reward (env.name): :func:`aligner.reward.rules.score_samples`;
+        zeros with ``reward.type=none`` (on-policy distillation alone: the teacher's reverse KL is the only signal)."""
+        if self.cfg.reward.type == "none" and not self.cfg.env.name:
+            return torch.zeros(len(batch.meta), dtype=torch.float32)
         return score_samples(self.cfg.reward.rule, batch.meta, episodes=bool(self.cfg.env.name))
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:

@@ -41,6 +41,7 @@ def test_distilled_kl_adds_the_reverse_kl_estimate():
     teacher_kl = (lp - b.teacher_log_probs) * b.response_mask
     torch.testing.assert_close(kl, 0.2 * b.kl + 0.5 * teacher_kl)
     assert metrics["teacher_kl"] == pytest.approx(float(teacher_kl.sum(-1).mean()))
+    assert metrics["teacher_kl_token"] == pytest.approx(float(teacher_kl.sum() / b.response_mask.sum()))
     # GRPO's scores: each sequence loses distill_coef * its summed reverse KL (and the reference KL's share)
     scores = torch.tensor([1.0, 0.0])
     shaped = alg.kl_shaped_scores(scores, kl, b.response_mask, coef)
