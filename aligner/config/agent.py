@@ -82,4 +82,3 @@ def check_command(command: str, field_name: str = "agent.command") -> list[str]:
             f"the script {script!r} does not exist (paths are relative to the directory the run starts in)",
         )
     return argv
-

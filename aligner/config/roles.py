@@ -193,9 +193,7 @@ JUDGE_RUBRIC = (
 class RewardRoleConfig(TrainableRoleConfig):
     """The reward role: a reward model (trained by the RM stage with ``optim``, frozen in PPO) or a rule."""
 
-    type: str = (
-        "model"  # PPO's reward: model (the reward model at init) | rule (a function on the driver) | remote (url) | judge (an LLM at init) | none (0: distillation alone)
-    )
+    type: str = "model"  # PPO's reward: model (the reward model at init) | rule (a function on the driver) | remote (url) | judge (an LLM at init) | none (0: distillation alone)
     rule: str = "task_accuracy"  # type=rule: the rule's name in aligner.reward.rules.RULES
     # type=remote: an HTTP scoring endpoint (aligner.reward.remote; python -m aligner.serve_rm), called by the engines' workers (stream) or the driver
     url: str = ""  # http(s)://host[:port]/path, e.g. http://127.0.0.1:5000/score
