@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -547,7 +548,7 @@ def test_every_validation_in_the_config_package_has_a_case():
     # loops validate several fields per call site (positive sizes, batch sizes): cases >= call sites; the two
     # package probes (tensorrt_llm, the loggers' packages) are the direct tests below, vllm's two (not
     # installed, installed but not importing) in tests/rollout/test_vllm_engine.py
-    assert len(CASES) + len(ROPE_CASES) + len(RS_CASES) + 4 >= n_calls, (len(CASES), n_calls)
+    assert len(CASES) + len(ROPE_CASES) + len(RS_CASES) + len(AGENT_CASES) + len(DISTILL_CASES) + 4 >= n_calls, (len(CASES), n_calls)
 
 
 RS_CASES = [  # the rejection-sampling section (checked for every stage) and its stage's cross-field checks (stage rs)
@@ -891,3 +892,67 @@ def test_the_config_modules_import_one_way():
 
     for m in sorted(graph):
         visit(m)
+
+
+AGENT = f"python {Path(__file__).resolve().parents[1] / 'examples' / 'calculator_agent.py'}"
+AGENT_CASES = [  # the agent section (checked for every config) and its cross checks (env.name=agent)
+    (["agent.parallel=0"], "agent.parallel=0", "must be >= 1"),
+    (["agent.deadline_s=0"], "agent.deadline_s=0.0", "must be > 0 seconds"),
+    (["agent.max_dropped_frac=1"], "agent.max_dropped_frac=1.0", "is invalid"),
+    (["agent.reward=judge"], "agent.reward='judge'", "valid choices are agent, rule"),
+    (["agent.model_name= "], "agent.model_name=''", "give the served model's name"),
+    (["agent.host= "], "agent.host=''", "give a bind address"),
+    (["agent.request_timeout_s=0"], "agent.request_timeout_s=0.0", "must be > 0 seconds"),
+    (["env.name=agent", "agent.command='python \"unclosed'"], "agent.command=", "does not parse as a command line"),
+    (["env.name=agent", "agent.command="], "agent.command=''", "env.name=agent runs the agent's program"),
+    (["env.name=agent", "agent.command=no-such-agent --x"], "agent.command='no-such-agent --x'", "is not on PATH"),
+    (["env.name=agent", "agent.command=python examples/nope.py"], "agent.command='python examples/nope.py'", "the script"),
+    (["env.name=tool", "env.tools=[calculator]", f"agent.command={AGENT}"], "env.name='tool'", "set env.name=agent"),
+    (["env.name=agent", f"agent.command={AGENT}", "rollout.placement=split"], "rollout.placement='split'", "colocated engines only"),
+    (
+        [
+            "env.name=agent",
+            f"agent.command={AGENT}",
+            "algorithm.advantage=grpo",
+            "trainer.n_samples_per_prompt=2",
+            "algorithm.dynamic_sampling=true",
+        ],
+        "algorithm.dynamic_sampling=True",
+        "not supported with agent",
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides,field_value,fix", AGENT_CASES)
+def test_agent_config_errors(overrides, field_value, fix):
+    with pytest.raises(ConfigError) as e:
+        load_config("ppo", overrides)
+    msg = str(e.value)
+    assert "\n" not in msg and field_value in msg and fix in msg, msg
+
+
+DISTILL_CASES = [  # reward.type=none: on-policy distillation alone
+    ("ppo", ["reward.type=none"], "reward.type='none'", ""),
+    (
+        "ppo",
+        [
+            "reward.type=none",
+            "algorithm.distill_coef=0.5",
+            "teacher.init=x",
+            "algorithm.advantage=grpo",
+            "trainer.n_samples_per_prompt=2",
+            "algorithm.dynamic_sampling=true",
+        ],
+        "",
+        "reward.type=none scores every sample 0",
+    ),
+    ("rs", ["reward.type=none"], "reward.type='none'", ""),
+]
+
+
+@pytest.mark.parametrize("stage,overrides,field_value,fix", DISTILL_CASES)
+def test_distillation_alone_config_errors(stage, overrides, field_value, fix):
+    with pytest.raises(ConfigError) as e:
+        load_config(stage, overrides)
+    msg = str(e.value)
+    assert "\n" not in msg and field_value in msg and fix in msg, msg

@@ -541,7 +541,6 @@ def validate_agent(cfg: RunView) -> None:
         "agent episodes run on the actor's colocated engines only: set rollout.placement=colocated",
     )
     _check(not cfg.algorithm.dynamic_sampling, "algorithm.dynamic_sampling", True, "not supported with agent episodes: set it to false")
-    _check(not cfg.env.tools, "env.tools", list(cfg.env.tools), "the agent brings its own tools: leave env.tools empty")
 
 
 # every check across sections, in the order :func:`validate_run` runs them (the first failing one is reported)
