@@ -1,4 +1,4 @@
-"""Benchmark: generation overlapped with training (issue 37): the split rollout placement at
+"""Benchmark: generation overlapped with training: the split rollout placement at
 trainer.max_staleness = 1 against 0, and against the colocated placement, on SmolLM2-135M.
 
 What is measured: samples per second of whole PPO steps (wall time of ``PPOTrainer.run_step``) of
@@ -20,7 +20,7 @@ GRPO on SmolLM2-135M-Instruct with GSM8K chat prompts (the work of ``benchmarks/
 - ``split k=2``: as ``split k=1`` with trainer.max_staleness=2: two batches may be in flight, but a
   sync lands only between generations (Ray runs a rollout worker's calls one at a time), so a sync
   that falls due waits for the batches in flight before the next generation is queued;
-- ``split k=2 interruptible``: the same with rollout.interruptible=true (issue 37 part 4): the sync is
+- ``split k=2 interruptible``: the same with rollout.interruptible=true: the sync is
   issued when due and lands between decode steps of the generation in flight (a response may then
   span two weight versions: ``mixed_version_frac``; staleness is counted per token).
 

@@ -1,4 +1,4 @@
-"""Benchmark: context parallelism in the training runtime, cp = 1 against cp = 2 (issue 39, part 1).
+"""Benchmark: context parallelism in the training runtime, cp = 1 against cp = 2.
 
 One SFT optimizer step (:meth:`aligner.actor.policy.Policy.sft_step`, the ModelRunner path every
 role uses: the micro-batch cut to the rank's zigzag tokens, per-token log-probs gathered back, the

@@ -1,8 +1,8 @@
-"""Benchmark: multi-turn generation (issue 38 part 2) on the tiny_tools policy's real tool episodes:
+"""Benchmark: multi-turn generation on the tiny_tools policy's real tool episodes:
 episodes continued from the KV cache against re-prefilling each turn's whole context, and against
 single-turn generation of as many tokens.
 
-An engine that cannot continue an episode (aligner's before issue 38, or a server without session
+An engine that cannot continue an episode (aligner's before it played episodes, or a server without session
 affinity) generates each turn as a new request whose prompt is the whole conversation so far: the
 prompt, the earlier turns and the observations are prefilled again at every turn. aligner's
 continuous scheduler keeps each episode's KV-cache slot and feeds the observation's tokens as that

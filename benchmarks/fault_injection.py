@@ -1,5 +1,4 @@
-"""Fault injection: a run meets three faults and finishes by itself, with the uninterrupted run's metrics
-(issue 41, its "Tests" runs).
+"""Fault injection: a run meets three faults and finishes by itself, with the uninterrupted run's metrics.
 
 For a stage (``sft``: 20 steps, the actor on dp=2; ``ppo``: 10 steps, rule reward, random-init actor /
 critic / reference), the script runs ``python -m aligner.<stage>`` twice in subprocesses with

@@ -1,5 +1,5 @@
 """Benchmark: the interleaved 1F1B schedule (v = 2 model chunks per rank) against plain 1F1B (v = 1),
-pp = 2 (issue 39, part 2).
+pp = 2.
 
 One SFT optimizer step (:meth:`aligner.actor.policy.Policy.sft_step`: the runtime's pipeline path)
 of m micro-batches on pp = 2 gloo ranks of this machine (one thread each), an 8-layer GQA Llama

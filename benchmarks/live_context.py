@@ -1,4 +1,4 @@
-"""Benchmark: the tokens a decoding row holds, on a real model's sampled responses (issue 40, the paged-KV read).
+"""Benchmark: the tokens a decoding row holds, on a real model's sampled responses (the paged-KV read).
 
 Not a test. The planner times a paged engine's KV-cache read (``rollout.backend=trtllm``) from the mean and the
 longest response alone: over its decode steps a row holds prompt + min(mean, (mean + longest) / 4) tokens on

@@ -1,7 +1,7 @@
 """The planner against measurements and published runs: the fit of its decode overhead, NeMo-Aligner's
 published Llama 3 70B PPO step times, and the validation table of published layouts and times.
 
-Three parts (issue 40, "Planner II", parts 2 and 4):
+Three parts:
 
 1. ``--fit``: the decode overhead per decoder layer per step, fitted to aligner's own GPU
    measurements (benchmarks/RESULTS.md, "GPU suite (H200, 2026-11-26)" and
@@ -25,7 +25,7 @@ Three parts (issue 40, "Planner II", parts 2 and 4):
    the published tokens generated and the longest response of a batch left at max_length (the
    table gives no tail). Nothing here is fitted to these rows.
 
-3. ``--table`` (issue 40 part 4): published configurations against the planner, printed as the markdown
+3. ``--table``: published configurations against the planner, printed as the markdown
    of docs/planner.md's "Validation table": NeMo 24.07's training rows, Narayanan et al. 2021's Table 1,
    NeMo-Aligner's PPO rows (the four above and its Llama 3.1 405B run) and NeMo-RL's dense GRPO rows.
    For each row the published layout as the planner evaluates it (the fields the source gives fixed,
@@ -35,7 +35,7 @@ Three parts (issue 40, "Planner II", parts 2 and 4):
    the settings it leaves out (stated as assumptions) are in the comments at its list below.
 
 Runs on the CPU in seconds (``--table``: about 20 s); on code without ``rollout.expected_response_len``
-(before issue 40 part 2) part 2 plans the max length, as that code did.
+(before the decode model) part 2 plans the max length, as that code did.
 
     python benchmarks/planner_validation.py                            # part 2: the 70B PPO table
     python benchmarks/planner_validation.py --fit                      # part 1: the overhead fit and its residuals
@@ -240,7 +240,7 @@ def print_validation() -> None:
     print("(rollout: the rollout engine's share of the planned step)")
 
 
-# ---- part 3: the validation table (issue 40, part 4) -------------------------------------------
+# ---- part 3: the validation table -------------------------------------------
 #
 # Published layouts and times against the planner. For every row: the published layout evaluated by the
 # planner (the fields the source gives fixed, the others: recomputation, SP, micro-batch rows of an engine,
@@ -1022,7 +1022,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fit", action="store_true", help="print the decode-overhead fit and its residuals")
     ap.add_argument("--fit-mfu", action="store_true", help="print the training efficiency's fit to Narayanan et al. 2021")
-    ap.add_argument("--table", action="store_true", help="print the validation table of issue 40 part 4 (markdown)")
+    ap.add_argument("--table", action="store_true", help="print the validation table (markdown)")
     ap.add_argument("--family", choices=("all", "training", "rl"), default="all", help="with --table: which rows")
     ap.add_argument(
         "--nemo-backend",

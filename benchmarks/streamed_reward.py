@@ -1,4 +1,4 @@
-"""Benchmark: remote reward calls overlapped with generation (``reward.stream``, issue 38 part 5) against
+"""Benchmark: remote reward calls overlapped with generation (``reward.stream``) against
 scoring after generation (``reward.stream=false``), on SmolLM2-135M-Instruct's GSM8K responses.
 
 Both ways generate the same responses (same seeds) with aligner's continuous-batching engine and score

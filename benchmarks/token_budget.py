@@ -1,4 +1,4 @@
-"""Padded tokens and step time: token-budget micro-batches vs fixed-size ones (issue 39, part 5).
+"""Padded tokens and step time: token-budget micro-batches vs fixed-size ones.
 
 The row lengths are real: the prompt + response token counts of SmolLM2-135M's IFEval responses
 (``/work/runs/ifeval_after.responses.jsonl``, fields ``prompt`` and ``response``, tokenized with

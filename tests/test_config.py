@@ -205,7 +205,7 @@ CASES = [
         "False",
         "algorithm.tis_cap weighs",
     ),
-    # a KL coefficient that nothing applies is refused (issue 16: GRPO/RLOO silently dropped it)
+    # a KL coefficient that nothing applies is refused (GRPO/RLOO would silently drop it)
     (
         ["algorithm.advantage=grpo", "trainer.n_samples_per_prompt=4", "algorithm.kl_coef=0.2"],
         "algorithm.kl_coef",
@@ -254,14 +254,14 @@ CASES = [
         "2",
         "set max_staleness=1 (or 0), or algorithm.dynamic_sampling=false",
     ),
-    # the split placement's TensorRT-LLM engines run on the rollout group's GPUs (issue 37 part 5)
+    # the split placement's TensorRT-LLM engines run on the rollout group's GPUs
     (
         ["rollout.placement=split", "rollout.backend=trtllm", *TRT_GPU],
         "rollout.resources.gpus_per_node",
         "0",
         "runs TensorRT-LLM on the rollout group's CUDA GPUs",
     ),
-    # interruptible generation (issue 37 part 4): the split placement, the continuous scheduler, k >= 1
+    # interruptible generation: the split placement, the continuous scheduler, k >= 1
     (["rollout.interruptible=true"], "rollout.interruptible", "True", "set rollout.placement=split, or rollout.interruptible=false"),
     (
         ["rollout.placement=split", "trainer.max_staleness=1", "rollout.interruptible=true", "rollout.scheduler=static"],
@@ -289,7 +289,7 @@ CASES = [
     ),
     (["algorithm.advantage=grpo", "algorithm.kl_coef=0"], "trainer.n_samples_per_prompt", "1", "grpo needs >= 2 samples"),
     (["algorithm.advantage=reinforce_pp_baseline"], "trainer.n_samples_per_prompt", "1", "reinforce_pp_baseline needs >= 2 samples"),
-    # checks that used to fail late, in a worker (issue 21)
+    # checks that used to fail late, in a worker
     (
         ["algorithm.advantage=rloo", "trainer.n_samples_per_prompt=4", "rollout.sampling.temperature=0"],
         "rollout.sampling.temperature",

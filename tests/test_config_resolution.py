@@ -1,4 +1,4 @@
-"""What a composed config resolves to before any worker starts (issue 16, items 2-4).
+"""What a composed config resolves to before any worker starts.
 
 - where the KL goes (reward or loss) and which roles a run starts because of it; the KL fields nobody
   set follow the advantage estimator, and a preset's reward-KL values do not block another estimator;
@@ -57,7 +57,7 @@ def test_kl_placement_and_the_roles_it_starts(overrides, in_reward, roles):
     assert cfg.roles_used() == roles
 
 
-# ---- KL defaults follow the advantage estimator (issue 35) ------------------------------------------------
+# ---- KL defaults follow the advantage estimator ------------------------------------------------
 PRESETS_GROUP = {
     "tiny": 1,
     "tiny_tools": 4,

@@ -1,4 +1,4 @@
-"""The decoupled PPO loss and the lag / staleness metrics for samples from stale weights (issue 37 part 3).
+"""The decoupled PPO loss and the lag / staleness metrics for samples from stale weights.
 
 The loss is checked against AReaL's objective (Fu et al. 2025, arXiv:2505.24298, section 5.2,
 eq. 5) written out again below token by token in float64, for every loss aggregation, with

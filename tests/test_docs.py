@@ -1,4 +1,4 @@
-"""Documents and docstrings cite only files that exist in the repository (issue 35, "Docs that lead").
+"""Documents and docstrings cite only files that exist in the repository.
 
 What is checked:
 - every repository path cited in README.md, docs/*.md and benchmarks/RESULTS.md, and in the

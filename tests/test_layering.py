@@ -1,4 +1,4 @@
-"""The package's import graph points only downward (issue 17, "One layering").
+"""The package's import graph points only downward.
 
 Every ``import aligner...`` / ``from aligner... import`` in aligner/, at module level or inside
 a function, is an edge from the importing module's layer to the imported one's. A module may

@@ -1,4 +1,4 @@
-"""trainer.loggers (issue 41 part 4): W&B and MLflow beside metrics.jsonl and TensorBoard, offline.
+"""trainer.loggers: W&B and MLflow beside metrics.jsonl and TensorBoard, offline.
 
 Checked, with WANDB_MODE=offline and MLflow's local file store (both under tmp_path): the values of
 three steps read back from each logger (W&B from its own offline run file, MLflow through

@@ -402,7 +402,7 @@ def test_dpo_plan_counts_the_reference_weights_and_both_sequences_of_a_pair():
     assert plan.roles["actor"].ranked and plan.roles["actor"].best.memory.total <= 80 * GIB
 
 
-# ---- issue 40: the four memory errors --------------------------------------------------------
+# ---- the four memory errors ----------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rollout_engine_is_sized_at_rollout_dtype(dtype):
     """The engine holds its weights and KV cache in rollout.dtype (aligner.workers.actor casts the
@@ -599,7 +599,7 @@ def test_gpu_mem_gb_is_gibibytes_as_gpus_are_sold():
 
 
 def test_split_rollout_group_gets_its_own_nodes_and_overlaps_the_update_with_staleness(capsys):
-    """rollout.placement=split (issue 37 part 1): the engines are planned on rollout.resources.num_nodes
+    """rollout.placement=split: the engines are planned on rollout.resources.num_nodes
     nodes of their own, as whole replicas (tp = pp = 1), and the other roles on the rest; the step is
     rollout + update when synchronous and max(rollout, update) with trainer.max_staleness >= 1."""
     over = ["rollout.placement=split", "rollout.parallel.tp_size=1", "rollout.resources.num_nodes=2"]
@@ -795,7 +795,7 @@ def test_unequal_stages_are_paced_by_the_deepest():
 
 
 def test_a_hang_timeout_shorter_than_a_planned_phase_is_refused_before_ray(capsys, tmp_path, monkeypatch):
-    """trainer.hang_timeout_s below the planner's estimate of one phase (issue 41, bad input): one line
+    """trainer.hang_timeout_s below the planner's estimate of one phase (bad input): one line
     naming the field, the role, the estimate and the fix, exit 2, before Ray or any file; the default
     (1800 s) and 0 (off) pass the check and stop later, at the preset's missing paths."""
     from aligner.ppo import main

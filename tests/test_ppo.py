@@ -78,7 +78,7 @@ def test_split_placement_tp2_actor_two_steps_and_resume(tmp_path):
         ("grpo", ["algorithm.kl_coef=0", "algorithm.kl_loss_coef=0.05", "algorithm.recompute_old_log_probs=false"]),
         # KL in the reward (TRL RLOO, OpenRLHF); with DAPO's dynamic sampling (the batch is scored before inference)
         ("rloo", ["algorithm.kl_coef=0.2", "algorithm.dynamic_sampling=true"]),
-        # the same one batch ahead (issue 37): the queued batch is the first round, refills come from newer weights
+        # the same one batch ahead: the queued batch is the first round, refills come from newer weights
         ("rloo", ["algorithm.kl_coef=0.2", "algorithm.dynamic_sampling=true", "rollout.placement=split", "trainer.max_staleness=1"]),
     ],
 )

@@ -1,4 +1,4 @@
-"""Inputs that used to surprise silently or fail with a traceback (issue 21, items 5 and 7).
+"""Inputs that used to surprise silently or fail with a traceback.
 
 - preference pairs whose chosen equals rejected are skipped and counted;
 - a dataset repository laid out as on the HF hub (parquet files under data/) loads, and a

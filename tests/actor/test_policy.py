@@ -87,7 +87,7 @@ def test_ppo_update_gradient_equals_the_whole_batch_formula(loss_agg):
 
 
 def test_kl_loss_coef_changes_the_update():
-    """The KL loss term must reach the gradient (issue 16: GRPO had no KL anywhere)."""
+    """The KL loss term must reach the gradient (GRPO with a KL coefficient and no KL term anywhere would train without it)."""
     batch = _batch()
     grads = []
     for coef in (0.0, 0.5):
@@ -138,7 +138,7 @@ def test_ppo_update_without_old_log_probs_is_the_on_policy_update():
 
 
 def test_decoupled_loss_without_old_log_probs_uses_the_update_forward_as_proximal():
-    """algorithm.decoupled_loss with recompute_old_log_probs=false (issue 37): the proximal policy is the
+    """algorithm.decoupled_loss with recompute_old_log_probs=false: the proximal policy is the
     update's own forward, detached; for an on-policy step (one epoch, one mini-batch) that is the same
     step, loss and behaviour weights as with the recomputed old log-probs, for a stale batch whose
     behaviour log-probs differ from the current policy's."""

@@ -1,4 +1,4 @@
-"""The environment interface and the episode loop (aligner.envs.base, issue 38 part 1).
+"""The environment interface and the episode loop (aligner.envs.base).
 
 Scripted environments and scripted policies: max_turns is respected and the trajectory keeps
 every turn; an environment that raises, hangs past the per-call timeout or returns a bad value

@@ -1,4 +1,4 @@
-"""The tiny_tools demo's data (issue 38 part 4): the SFT tool conversations are what the tool
+"""The tiny_tools demo's data: the SFT tool conversations are what the tool
 environment would produce, they fit the preset's lengths without unknown tokens, and the preset
 composes into a PPO run that plays tool episodes with the exact-sum reward."""
 

@@ -1,4 +1,4 @@
-"""The tool-calling environment (aligner.envs.tool_env, issue 38 part 1).
+"""The tool-calling environment (aligner.envs.tool_env).
 
 Parsing the Hermes tags (well-formed, bad JSON, no name, unclosed, several calls in a turn), the
 observation in the two formats (a template that defines tool calls gets ``tool`` messages, any

@@ -1,4 +1,4 @@
-"""The tool registry and the calculator (aligner.envs.tools, issue 38 part 1).
+"""The tool registry and the calculator (aligner.envs.tools).
 
 The calculator gets arithmetic right exactly and refuses everything that is not arithmetic
 (names, attributes, calls, powers, huge values) without evaluating it; a tool's JSON schema is

@@ -1,4 +1,4 @@
-"""MoE router losses and statistics ignore padding (issue 39, part 4).
+"""MoE router losses and statistics ignore padding.
 
 Before: the Switch load-balancing loss and the z-loss pooled every position of a micro-batch,
 padding included, so they depended on how far rows were padded as well as on the micro-batch

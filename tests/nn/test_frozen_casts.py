@@ -1,4 +1,4 @@
-"""Frozen weights' autocast casts shared by the micro-batches of a training step (issue 39, part 3).
+"""Frozen weights' autocast casts shared by the micro-batches of a training step.
 
 torch.autocast caches the bf16 cast of a trainable fp32 leaf for its context but casts a frozen
 weight (a LoRA base) again at every call, and F.linear saves that cast for backward: each

@@ -1,6 +1,6 @@
 """The planner's rollout (decode) time model: the per-layer step overhead and its fit to aligner's
 measured decode, the expected response lengths per scheduler, KV-cache waves, and the refusal of
-bad length settings (issue 40, part 2)."""
+bad length settings."""
 
 import dataclasses
 import json

@@ -1,4 +1,4 @@
-"""FSDP2's data-parallel traffic as aligner's runtime runs it (issue 40 part 2): every layer all-gathered in
+"""FSDP2's data-parallel traffic as aligner's runtime runs it: every layer all-gathered in
 forward and again in backward and its gradient reduce-scattered, for every micro-batch (``fully_shard`` per
 decoder layer, ``reshard_after_forward=True``, no ``set_requires_gradient_sync``), where DDP all-reduces once per
 optimizer step (``no_sync`` before the last micro-batch)."""

@@ -1,4 +1,4 @@
-"""The planner's training FLOPs with LoRA (issue 40, part 4): a frozen base computes no weight
+"""The planner's training FLOPs with LoRA: a frozen base computes no weight
 gradients, so its parameters cost 4 FLOPs per token (forward, input gradient) instead of 6, while
 the adapters train. Checked against the FLOPs torch counts for aligner's LoRA model on the CPU."""
 

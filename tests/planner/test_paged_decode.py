@@ -1,6 +1,6 @@
 """The planner's decode model for a paged KV cache (rollout.backend=trtllm): a step reads the tokens its
 rows hold, not every slot to its capacity as aligner's graphed decode does; checked against a step-by-step
-simulation of a continuous slot pool (issue 40, part 2: the decode model)."""
+simulation of a continuous slot pool (the decode model)."""
 
 import dataclasses
 import math

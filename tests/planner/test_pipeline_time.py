@@ -1,4 +1,4 @@
-"""The planner's pipeline time (issue 40, part 2): the point-to-point messages ("pipeline point-to-point costed":
+"""The planner's pipeline time: the point-to-point messages ("pipeline point-to-point costed":
 every slot of aligner's 1F1B schedules ends in a blocking message, each over the link its stage boundary
 crosses in aligner's rank order, tp, cp, pp, dp: tp fastest), and the pace of the busiest rank (the LM head
 on the last stage)."""

@@ -1,4 +1,4 @@
-"""How long the planner times PPO's training and forward rows (issue 40, part 2): the runtime pads a
+"""How long the planner times PPO's training and forward rows: the runtime pads a
 rollout batch's rows to its width (prompt + the longest response) in row-count micro-batches, and cuts
 each token-budget micro-batch to its longest row (``trainer.micro_batch_tokens``, rows sorted by
 length: aligner.runtime.runner), so the step time follows prompt + the longest response, or prompt + the

@@ -1,5 +1,5 @@
-"""The validation table's Narayanan et al. 2021 rows, evaluated as the system that published them (issue 40,
-part 4): Megatron-LM of 2021 had no sequence parallelism, no selective recomputation and no fused (flash)
+"""The validation table's Narayanan et al. 2021 rows, evaluated as the system that published them:
+Megatron-LM of 2021 had no sequence parallelism, no selective recomputation and no fused (flash)
 attention, so a layer that is not recomputed keeps its a*s^2 attention scores (Korthikanti et al. 2022, Table 2)."""
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""The generative reward (reward.type=judge, issue 38 part 5).
+"""The generative reward (reward.type=judge).
 
 - the verdict parser and the rubric filling;
 - the judge's scores equal an independent reference: each filled rubric through the judge's chat

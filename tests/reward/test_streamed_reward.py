@@ -1,4 +1,4 @@
-"""Remote reward calls that overlap generation (``reward.stream``, issue 38 part 5): the engine reports
+"""Remote reward calls that overlap generation (``reward.stream``): the engine reports
 each request as it ends (``on_finish``), its worker sends finished responses to the endpoint while the
 other rows still decode (:class:`aligner.reward.remote.StreamedScores`), and the batch comes back scored.
 

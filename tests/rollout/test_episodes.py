@@ -1,4 +1,4 @@
-"""Episodes in the continuous scheduler (issue 38 part 2): multi-turn generation that continues each
+"""Episodes in the continuous scheduler: multi-turn generation that continues each
 episode from its cached prefix (the observation written by an extension prefill into the episode's
 slot) equals generating every turn from the full context without a cache.
 

@@ -1,4 +1,4 @@
-"""Interruptible generation (issue 37 part 4): a weight sync that lands between decode steps.
+"""Interruptible generation: a weight sync that lands between decode steps.
 
 Engine level, no Ray: a sync staged while a call decodes (aligner.rollout.weight_sync.staging) is applied at
 the next step boundary; the requests in flight keep their KV cache and go on with the new weights,

@@ -530,7 +530,7 @@ def test_handles_of_every_rank_reach_every_owner():
 
 
 def test_the_split_placement_runs_trtllm_replicas_on_the_rollout_group():
-    """rollout.placement=split with rollout.backend=trtllm (issue 37 part 5): the rollout group's ranks form
+    """rollout.placement=split with rollout.backend=trtllm: the rollout group's ranks form
     the replicas over the rollout group's nodes, awake (no sleep: its GPUs are its own), and it is that group,
     not the actor, that leaves each GPU's share to the engine workers."""
     from aligner.config import ResourceConfig

@@ -1,4 +1,4 @@
-"""Weight sync across processes (aligner.rollout.weight_sync.broadcast, issue 37 part 2): the actor's rank 0
+"""Weight sync across processes (aligner.rollout.weight_sync.broadcast): the actor's rank 0
 broadcasts its full tensors, bucket by bucket, to rollout engines in other processes over a gloo
 group made apart from the default one; after a sync every engine holds the trainer's weights
 exactly, and generates what an engine refitted in the trainer's own process generates."""
@@ -79,7 +79,7 @@ def test_broadcast_sync_gives_every_engine_the_trainers_weights_exactly(bucket_m
     """Two receivers, two syncs, small buckets (many) and one bucket: weights equal bit for bit
     (fp32 on both ends), every byte the sender handed over is received, and the receivers' greedy
     tokens equal an engine refitted in the sender's own process. staged: the same through the
-    interruptible engines' staged receive (issue 37 part 4), idle and mid-call."""
+    interruptible engines' staged receive, idle and mid-call."""
     res = run_distributed(_sync_battery, world_size=3, args=(free_port(), bucket_mb, staged))
     sender = res[0]
     if bucket_mb < 1:

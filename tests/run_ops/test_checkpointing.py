@@ -1,4 +1,4 @@
-"""Checkpoint integrity (issue 21, item 6; item 5's corrupt trainer_state.json): every file of a
+"""Checkpoint integrity: every file of a
 checkpoint is recorded (size + CRC-32) in MANIFEST.json at commit, and CheckpointManager.latest()
 verifies the candidate, falls back to the previous complete checkpoint with a warning naming the
 first bad file, and raises UserError (one line, naming the file) when no intact one is left.

@@ -1,4 +1,4 @@
-"""A damaged checkpoint end to end (issue 21, item 6), with real `python -m aligner.sft` processes.
+"""A damaged checkpoint end to end, with real `python -m aligner.sft` processes.
 
 A 4-step SFT run saves steps 2 and 4; 4 KB of finite bytes are written over the middle of step 4's
 actor .distcp (what used to load silently and train on from different weights). `resume=true`

@@ -1,4 +1,4 @@
-"""SIGTERM end to end (issue 21, "Reliability II": preemption-safe SIGTERM), with real processes.
+"""SIGTERM end to end, with real processes.
 
 What Slurm, Kubernetes and Ray send before they kill:
 

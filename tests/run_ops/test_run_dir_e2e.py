@@ -1,4 +1,4 @@
-"""output_dir rules end to end (issue 21, "Reliability II"), with real `python -m aligner.*` processes.
+"""output_dir rules end to end, with real `python -m aligner.*` processes.
 
 - a second fresh SFT run into a finished run's dir exits 2 with one line and leaves every file
   of the first run byte-identical;

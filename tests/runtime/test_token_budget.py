@@ -151,7 +151,7 @@ def _uneven_battery(rank, world_size, backend, micro_batch_size, pp_size=1):
 @pytest.mark.parametrize("micro_batch_size", [1, 2])
 def test_dp2_shards_of_different_row_counts_do_not_hang_and_equal_dp1(backend, micro_batch_size):
     """Row-count micro-batches: 5 rows over dp = 2 are shards of 3 and 2, which need 3 and 2 (or 2 and 1)
-    micro-batches. Before the evening-out (issue 41 part 5) DDP's backward all-reduces and FSDP2's
+    micro-batches. Before the evening-out DDP's backward all-reduces and FSDP2's
     forward all-gathers did not pair up and the step hung; now the shorter rank runs a filler
     micro-batch first, and log-probs, loss and every gradient equal one process on the 5 rows."""
     res = run_distributed(_uneven_battery, world_size=2, args=(backend, micro_batch_size), timeout_s=120)
@@ -181,7 +181,7 @@ def test_pp2_dp2_shards_of_different_row_counts_equal_dp1(backend):
     assert by_dp[0]["out"]["policy_loss"] == pytest.approx(out["policy_loss"], abs=1e-6)
 
 
-# ---- token budgets with pipeline stages (issue 40) -------------------------------------------------------
+# ---- token budgets with pipeline stages -------------------------------------------------------
 CFG4 = tiny_model_config(init_std=0.2, num_layers=4)  # interleaving: pp 2 x 2 chunks of one layer
 
 
@@ -282,8 +282,7 @@ def test_pipeline_stages_with_a_token_budget_equal_one_process(budget, tp, pp, d
 
 
 def test_config_accepts_a_budget_with_pipeline_stages_and_refuses_deepspeed():
-    """pp_size > 1 (plain and interleaved) with a token budget passes the config (it was refused before
-    issue 40); the interleaved multiple-of-pp check is the runner's fillers then, not micro_batch_size's;
+    """pp_size > 1 (plain and interleaved) with a token budget passes the config; the interleaved multiple-of-pp check is the runner's fillers then, not micro_batch_size's;
     DeepSpeed is still refused in one line naming the field, the value and the fix."""
     from aligner.config.run import AlignerConfig
     from aligner.config.validation import validate_interleaved, validate_micro_batch_tokens

@@ -1,4 +1,4 @@
-"""Training on multi-turn trajectories (issue 38 part 3): the model's own tokens are trained, the
+"""Training on multi-turn trajectories: the model's own tokens are trained, the
 environment's observation tokens are not, and an episode's reward is its environment's.
 
 - the trainer's batch: observation tokens are out of the response mask, the scores are the

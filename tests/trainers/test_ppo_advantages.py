@@ -1,4 +1,4 @@
-"""PPOTrainer.compute_advantages applies what the config asks, for every estimator (issue 16).
+"""PPOTrainer.compute_advantages applies what the config asks, for every estimator.
 
 No Ray: the trainer is built without starting its groups and fed a RolloutBatch whose
 log-probs, values and scores are given.

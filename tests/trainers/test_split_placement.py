@@ -1,4 +1,4 @@
-"""The split rollout placement and bounded staleness (issue 37 parts 1-3), end to end on CPU.
+"""The split rollout placement and bounded staleness, end to end on CPU.
 
 The rollout engines run in their own Ray worker group and receive the actor's weights by broadcast
 (aligner.rollout.weight_sync.broadcast); with trainer.max_staleness = k they generate up to k batches ahead of
@@ -106,7 +106,7 @@ def test_split_engines_with_tp_or_pp_hold_the_trainers_weights(tmp_path, layout)
 
 
 def test_split_k2_interruptible_lands_syncs_mid_generation(tmp_path):
-    """rollout.interruptible with k = 2 (issue 37 part 4): from step 2 on, each step's sync (for the batch
+    """rollout.interruptible with k = 2: from step 2 on, each step's sync (for the batch
     two steps ahead) is issued while the next step's batch generates and lands between its decode steps.
     The run completes and logs the per-token staleness (mean, max) and the fraction of samples spanning two
     versions; a batch in flight at a sync holds samples whose tokens come from two versions, and no token

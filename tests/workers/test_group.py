@@ -392,7 +392,7 @@ def test_split_roles_run_concurrently_and_colocated_share_bundles(ray_local):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_concurrent_call_runs_beside_the_call_in_flight(ray_local):
-    """dispatch(..., concurrent=True) (the rollout worker's staged weight receive, issue 37 part 4): the call
+    """dispatch(..., concurrent=True) (the rollout worker's staged weight receive): the call
     runs on the worker's side thread while a plain call is in flight, and releases it; a second plain
     call still waits behind the first. concurrent is broadcast only."""
     one = ParallelConfig()
@@ -521,7 +521,7 @@ def test_hang_watchdog_names_the_rank_and_its_stack(ray_local):
 
 
 def test_per_rank_busy_seconds_and_the_straggler_line(ray_local):
-    """trainer.straggler_factor (issue 41 part 2): each rank's seconds inside calls since the last look,
+    """trainer.straggler_factor: each rank's seconds inside calls since the last look,
     as min / median / max / slowest-rank metrics, and one straggler line naming role, rank, pid and
     host when a rank was busy more than the factor times its group's median (and at least 1 s)."""
     from aligner.workers.group import rank_busy_metrics
