@@ -91,7 +91,7 @@ def test_an_isa_cap_is_its_own_entry_and_a_kernel_that_raises_is_no_candidate(mo
     """A choice measured uncapped is never reused under ALIGNER_CPU_ISA=avx2 (or oneDNN's cap): the key
     holds the caps, so an AVX-512 machine emulating an AVX2 one times again. A candidate whose kernel
     raises on this CPU is left out of the timing with its reason (the others still decide)."""
-    from aligner.rollout import cpu_tuning
+    from aligner.rollout.torch_engine import cpu_tuning
     from aligner.rollout.torch_engine.cpu_tuning import cached_cpu_layout, choose_cpu_layout
 
     for name in ("ALIGNER_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):  # uncapped first (make test-avx2 caps all)
