@@ -18,7 +18,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,8 +28,8 @@ from aligner.protocol import RolloutBatch
 from aligner.rollout.base import Generation
 from aligner.tracking import read_metrics
 from aligner.trainers.agent_samples import AgentEpisodesError, without_dropped
+from tests.toolkit.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 AGENT = str(REPO / "tests" / "toolkit" / "two_turn_agent.py")
 
 
