@@ -71,7 +71,9 @@ def _run(out, *extra) -> list[dict]:
     return [r for r in rows if r.get("step", 0) > 0 and "teacher_kl_token" in r]
 
 
-@pytest.mark.skip(reason="failed in the merged tree's full suite run (2026-11-29, 2-core AMD EPYC, beside other runs); not yet diagnosed")
+@pytest.mark.skip(
+    reason="failed in the merged tree's suite run (2026-11-29): teacher_kl_token fell 7.08 -> 6.48 in 10 steps, not below half; the run or the bound needs work"
+)
 def test_distillation_alone_lowers_the_reverse_kl_and_the_teacher_places_anywhere(tmp_path):
     teacher = _teacher(tmp_path / "teacher")
     alone = _run(tmp_path / "colocated", f"teacher.init={teacher}", "teacher.colocate_with=actor", f"trainer.max_steps={STEPS}")
