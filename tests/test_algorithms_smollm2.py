@@ -3,9 +3,9 @@ metrics (CPU, Ray). A smoke check on a real pretrained model (30 layers, a 49k v
 learning result.
 
 The converted model dir (config.json, model.safetensors, tokenizer.json; ``python -m aligner.convert``,
-docs/real_models.md) is found at $ALIGNER_SMOLLM2_DIR, /work/real/models/smollm2-135m or models/smollm2-135m, the
-data (gsm8k/train.jsonl for the RL stages and SPIN, hh-rlhf/harmless-base-test.jsonl for KTO) at $ALIGNER_REAL_DATA,
-/work/real/data or data/; the test skips, naming what is missing, where either is absent. Distillation's teacher is
+docs/real_models.md) is found at $ALIGNER_SMOLLM2_DIR or models/smollm2-135m, the
+data (gsm8k/train.jsonl for the RL stages and SPIN, hh-rlhf/harmless-base-test.jsonl for KTO) at $ALIGNER_REAL_DATA
+or data/; the test skips, naming what is missing, where either is absent. Distillation's teacher is
 the same model (its reverse KL starts at 0: the check is that the teacher role runs on a real model, with
 ``reward.type=none``, the distillation signal alone). Outputs go to pytest's tmp_path only.
 """
@@ -32,19 +32,19 @@ def _first(candidates, ok) -> Path | None:
 
 
 MODEL = _first(
-    (os.environ.get("ALIGNER_SMOLLM2_DIR", ""), "/work/real/models/smollm2-135m", "models/smollm2-135m"),
+    (os.environ.get("ALIGNER_SMOLLM2_DIR", ""), "models/smollm2-135m"),
     lambda p: all((p / f).is_file() for f in MODEL_FILES),
 )
 DATA = _first(
-    (os.environ.get("ALIGNER_REAL_DATA", ""), "/work/real/data", "data"),
+    (os.environ.get("ALIGNER_REAL_DATA", ""), "data"),
     lambda p: (p / "gsm8k" / "train.jsonl").is_file() and (p / "hh-rlhf" / "harmless-base-test.jsonl").is_file(),
 )
 needs_model = pytest.mark.skipif(
     MODEL is None or DATA is None,
     reason="SmolLM2-135M-Instruct (converted: python -m aligner.convert, docs/real_models.md) with "
     + ", ".join(MODEL_FILES)
-    + " in $ALIGNER_SMOLLM2_DIR or /work/real/models/smollm2-135m, and gsm8k/train.jsonl + hh-rlhf/harmless-base-test.jsonl "
-    + "in $ALIGNER_REAL_DATA or /work/real/data: "
+    + " in $ALIGNER_SMOLLM2_DIR or models/smollm2-135m, and gsm8k/train.jsonl + hh-rlhf/harmless-base-test.jsonl "
+    + "in $ALIGNER_REAL_DATA or data/: "
     + ("model missing" if MODEL is None else "data missing"),
 )
 
