@@ -660,3 +660,14 @@ def test_overlong_penalty_is_dapos_soft_punishment():
             alg.overlong_penalty(lengths, 256, kw["buffer"], kw["factor"])
     with pytest.raises(ValueError, match="response_lengths"):
         alg.overlong_penalty(torch.tensor([-1]), 256, 64)
+
+
+def test_non_stop_scores_replace_the_scores_of_responses_cut_at_the_budget():
+    """Tülu 3's non-stop penalty written out: score where the response ended, the value elsewhere."""
+    scores = torch.tensor([0.5, 1.0, 0.25, 0.0])
+    ended = torch.tensor([True, False, True, False])
+    got = alg.non_stop_scores(scores, ended, -10.0)
+    torch.testing.assert_close(got, torch.tensor([0.5, -10.0, 0.25, -10.0]))
+    assert alg.non_stop_scores(scores, torch.ones(4, dtype=torch.bool), 0.0).equal(scores)
+    with pytest.raises(ValueError, match="shape"):
+        alg.non_stop_scores(scores, ended[:3], 0.0)

@@ -50,6 +50,7 @@ from aligner.algorithms.advantages import (
     get_advantage_estimator,
     kl_shaped_scores,
     last_token_index,
+    non_stop_scores,
     overlong_penalty,
 )
 from aligner.algorithms.core import (
@@ -141,6 +142,7 @@ __all__ = [
     "masked_whiten",
     "mixed_version_fraction",
     "overlong_penalty",
+    "non_stop_scores",
     "policy_lag_metrics",
     "policy_loss",
     "reverse_kl_per_token",

@@ -169,6 +169,29 @@ def overlong_penalty(response_lengths: Tensor, max_new_tokens: int, buffer: int,
     return (((expected - lengths) / buffer).clamp(min=-1.0, max=0.0) * factor).float()
 
 
+def non_stop_scores(scores: Tensor, ended: Tensor, value: float) -> Tensor:
+    """Tülu 3's non-stop penalty (Lambert et al. 2024, arXiv 2411.15124, RLVR; open-instruct's
+    ``non_stop_penalty`` with ``penalty_reward_value``): a response that did not end with EOS (cut at the
+    generation budget) gets ``value`` instead of its score, so a loop that happens to satisfy the
+    verifier earns nothing for it (Tülu 3 uses -10; open-instruct's IF GRPO 0).
+
+    Args:
+        scores: [B] float, each sample's score.
+        ended: [B] bool, True where the response ended with EOS.
+        value: the score of a response that did not end.
+
+    Returns:
+        [B] scores' dtype: ``scores`` where ``ended``, else ``value``.
+
+    Raises:
+        ValueError: shapes that differ or are not [B].
+    """
+    _check_ndim("scores", scores, 1, "[B]")
+    if ended.shape != scores.shape:
+        raise ValueError(f"non_stop_scores: ended {tuple(ended.shape)} must have the shape of scores {tuple(scores.shape)}")
+    return torch.where(ended.to(torch.bool), scores, torch.full_like(scores, float(value)))
+
+
 def _group_index(batch_size: int, group_ids: Optional[Tensor], group_size: Optional[int]) -> Tensor:
     """[B] int64 dense group index 0..G-1 from ``group_ids: [B]`` or a contiguous ``group_size``."""
     if (group_ids is None) == (group_size is None):

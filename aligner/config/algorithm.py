@@ -72,6 +72,11 @@ class AlgorithmConfig:
     # lose up to overlong_penalty (at the budget, i.e. a cut response) from their score; 0 = off
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    # Tülu 3's non-stop penalty (Lambert et al. 2024; open-instruct's non_stop_penalty with
+    # penalty_reward_value): a response that did not end with EOS (cut at max_new_tokens) gets this score
+    # instead of its reward, before any standardization-free estimator sees it (Tülu 3: -10; open-instruct's
+    # IF GRPO: 0). None = off. Applied to rule, model and environment scores alike.
+    non_stop_score: Optional[float] = None
     # DAPO's dynamic sampling (Yu et al. 2025): groups whose n samples all got the same score are
     # dropped and more prompts are generated, up to dynamic_sampling_max_rounds generation rounds a
     # step, until rollout_batch_size groups are kept (group estimators: grpo, rloo, reinforce_pp_baseline)

@@ -571,8 +571,10 @@ class PPOTrainer(Trainer):
         return score_samples(self.cfg.reward.rule, batch.meta, episodes=bool(self.cfg.env.name))
 
     def compute_advantages(self, batch: RolloutBatch) -> dict[str, float]:
-        """Rewards (standardized RM scores; plus DAPO's soft overlong punishment when
-        ``algorithm.overlong_buffer`` > 0, logged as overlong_penalty_mean), per-token KL, advantages and returns.
+        """Rewards (standardized RM scores; a response that did not end scores ``algorithm.non_stop_score``
+        when set, Tülu 3's non-stop penalty, its share logged as non_stop_frac; plus DAPO's soft overlong
+        punishment when ``algorithm.overlong_buffer`` > 0, logged as overlong_penalty_mean), per-token KL,
+        advantages and returns.
 
         The KL enters the reward with the controller's coefficient when
         ``algorithm.kl_in_reward`` (resolved) is true, and 0 otherwise; the KL loss term
@@ -587,6 +589,10 @@ class PPOTrainer(Trainer):
             else batch.scores.float()
         )
         out = {}
+        if a.non_stop_score is not None:  # Tülu 3's non-stop penalty: a response cut at the budget scores non_stop_score
+            ended = torch.tensor([m.get("finish_reason") == "stop" for m in batch.meta])
+            batch.rewards = alg.non_stop_scores(batch.rewards, ended, a.non_stop_score)
+            out["non_stop_frac"] = float((~ended).float().mean())
         if a.overlong_buffer > 0:  # DAPO's soft overlong punishment, on top of the (standardized) score
             length_term = alg.overlong_penalty(
                 mask.sum(-1), self.cfg.rollout.sampling.max_new_tokens, a.overlong_buffer, a.overlong_penalty

@@ -111,3 +111,19 @@ def test_the_overlong_penalty_reaches_the_rewards():
     assert metrics["overlong_penalty_mean"] == pytest.approx(float(alg.overlong_penalty(lens, 8, 4, 2.0).mean()))
     want_adv = alg.compute_grpo_advantages(want, batch.response_mask, group_size=4)
     torch.testing.assert_close(batch.advantages, want_adv * batch.response_mask)
+
+
+def test_the_non_stop_score_replaces_the_score_of_responses_that_did_not_end():
+    """algorithm.non_stop_score (Tülu 3's non-stop penalty): a response cut at the budget scores the
+    value instead of its score, the others keep theirs, and GRPO's group baseline sees the replaced scores."""
+    trainer = PPOTrainer(load_config("ppo", RULE + ["algorithm.advantage=grpo", "algorithm.non_stop_score=-10"]), None, PROMPTS, PROMPTS)
+    batch = _batch()
+    reasons = ["stop", "length", "stop", "stop", "length", "stop", "length", "stop"]
+    batch.meta = [{"finish_reason": r} for r in reasons]
+    metrics = trainer.compute_advantages(batch)
+    ended = torch.tensor([r == "stop" for r in reasons])
+    want = torch.where(ended, batch.scores, torch.tensor(-10.0))
+    torch.testing.assert_close(batch.rewards, want)
+    assert metrics["non_stop_frac"] == pytest.approx(3 / 8)
+    want_adv = alg.compute_grpo_advantages(want, batch.response_mask, group_size=4)
+    torch.testing.assert_close(batch.advantages, want_adv * batch.response_mask)
