@@ -86,6 +86,11 @@ def init_ray(
         return RayInfo(address=_gcs_address(), local=False, started=True, resources=dict(ray.cluster_resources()))
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray starts worker processes at nice 15 (its raylet's worker_niceness): on a machine that also runs
+    # other work, the workers, where all of a run's compute happens, lost the CPU to any process at nice 0
+    # (a rollout worker got 10% of a core beside an evaluation). The local instance runs them at the
+    # driver's priority; a user's own setting of the variable wins.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(
         address="local",  # None would join any cluster started on this machine by `ray start`
         num_cpus=local_num_cpus(cluster, num_cpus),

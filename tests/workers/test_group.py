@@ -391,6 +391,16 @@ def test_split_roles_run_concurrently_and_colocated_share_bundles(ray_local):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_workers_run_at_the_driver_s_priority(ray_local):
+    """The local instance's workers are not niced below the driver (Ray's default worker_niceness is 15,
+    which let any other process on the machine take the CPU from a run's compute)."""
+    import ray
+
+    driver = os.getpriority(os.PRIO_PROCESS, 0)
+    worker = ray.get(ray.remote(num_cpus=0)(lambda: os.getpriority(os.PRIO_PROCESS, 0)).remote(), timeout=120)
+    assert worker <= driver, (worker, driver)
+
+
 def test_a_concurrent_call_runs_beside_the_call_in_flight(ray_local):
     """dispatch(..., concurrent=True) (the rollout worker's staged weight receive): the call
     runs on the worker's side thread while a plain call is in flight, and releases it; a second plain
