@@ -69,6 +69,7 @@ INSTALL_HINT = (
     "on a GPU machine pip install vllm), then pip uninstall -y torchvision torchaudio torchcodec"
 )
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_BATCHED_TOKENS = 4096  # tokens one engine step may prefill (vLLM's max_num_batched_tokens; its CPU default)
 
 
 def build_llm_kwargs(
@@ -98,6 +99,13 @@ def build_llm_kwargs(
         enable_prefix_caching: share the KV cache of a repeated prompt (a GRPO group's samples);
             reset after every refit.
     Returns: dict. Raises ValueError: a bad dtype, memory share or length.
+
+    Chunked prefill is off (``enable_chunked_prefill=False``, ``max_num_batched_tokens`` at least
+    ``max_model_len``): every prompt is prefilled in one step. With it on, a seeded request whose prompt
+    is split across steps makes vLLM 0.32 rewind the request's generator
+    (``gpu_model_runner._bookkeeping_sync``: ``gen.set_offset``), which a CPU generator refuses
+    ("CPU Generator does not use offset"): any batch of seeded requests whose prompts add up to more than
+    4,096 tokens crashed the engine.
     """
     if dtype not in DTYPES:
         raise ValueError(f"rollout.dtype={dtype!r} is invalid for vLLM: valid choices are {', '.join(DTYPES)}")
@@ -117,6 +125,8 @@ def build_llm_kwargs(
         "logprobs_mode": "processed_logprobs",
         "load_format": "dummy" if dummy_weights else "auto",
         "enable_prefix_caching": enable_prefix_caching,
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": max(MAX_BATCHED_TOKENS, int(max_seq_len)),
     }
 
 

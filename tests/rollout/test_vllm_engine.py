@@ -129,6 +129,7 @@ def test_keywords_exist_in_the_installed_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True).stdout
     engine_fields, sampling_fields = json.loads(out.strip().splitlines()[-1])
     assert set(build_llm_kwargs("/m", max_seq_len=64)) <= set(engine_fields)
+    assert build_llm_kwargs("/m", max_seq_len=8192)["max_num_batched_tokens"] == 8192
     assert set(build_sampling_kwargs(SamplingConfig(), eos_token_id=2)) <= set(sampling_fields)
 
 
@@ -264,6 +265,22 @@ def test_seeded_sampling_repeats_and_log_probs_are_at_the_temperature(engines):
         lp = torch.log_softmax(logits[0, len(p) - 1 : -1].float() / 0.7, -1)
         ref = lp.gather(-1, torch.tensor(g.token_ids)[:, None])[:, 0]
         assert torch.allclose(ref, torch.tensor(g.rollout_log_probs), atol=1e-3), (ref - torch.tensor(g.rollout_log_probs)).abs().max()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # a shared 2-core machine: minutes under load
+def test_seeded_requests_whose_prompts_exceed_one_step_s_token_budget(engines):
+    """Eight seeded requests at T = 1 with prompts of ~700 tokens (5,600 together, more than the 4,096
+    tokens one step prefills): every prompt is prefilled whole, so vLLM never rewinds a request's CPU
+    generator (with chunked prefill on this raised "CPU Generator does not use offset"); the same seeds
+    give the same tokens."""
+    tok, _, _, vllm = engines
+    long_prompts = [(p * 8)[:700] for p in gsm8k_prompts(tok, 8)]
+    s = SamplingConfig(temperature=1.0, max_new_tokens=4)
+    a = vllm.generate(long_prompts, s, seeds=list(range(8)))
+    b = vllm.generate(long_prompts, s, seeds=list(range(8)))
+    assert all(1 <= len(g.token_ids) <= 4 for g in a), [len(g.token_ids) for g in a]
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
 
 
 @pytest.mark.slow
