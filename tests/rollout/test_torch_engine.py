@@ -761,3 +761,21 @@ def test_compiled_decode_bf16_rounds_as_eager(no_eager_fallback):
 def test_bad_compile_option_is_refused(model):
     with pytest.raises(ValueError, match="compile='max' is invalid: valid are auto, on, off"):
         TorchEngine(model, compile="max")
+
+
+def test_a_long_generate_call_logs_its_progress(model, mixed_refs, monkeypatch, caplog):
+    """Past PROGRESS_LOG_S a continuous-batching call logs how many requests finished and tokens so far
+    (a 541-prompt evaluation or a rejection-sampling round otherwise says nothing for half an hour)."""
+    import logging
+
+    from aligner.rollout.torch_engine import continuous_batching
+
+    _, eos = mixed_refs
+    monkeypatch.setattr(continuous_batching, "PROGRESS_LOG_S", 0.0)
+    eng = TorchEngine(model, eos_token_id=eos, max_batch_size=3)
+    with caplog.at_level(logging.INFO, logger="aligner.rollout"):
+        gens = eng.generate(MIXED, GREEDY, max_new_tokens=BUDGETS)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generate: ")]
+    assert lines and f"/{len(MIXED)} requests finished" in lines[-1]
+    finished = [int(x.split()[1].split("/")[0]) for x in lines]
+    assert finished == sorted(finished) and finished[0] < len(gens) == finished[-1]  # logged while requests were decoding

@@ -34,6 +34,8 @@ engine's weight_version of the step that sampled it (``Generation.token_versions
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from typing import Optional
 
@@ -48,6 +50,9 @@ from aligner.rollout.torch_engine.scheduler import OnFinish, SlotScheduler, Step
 from aligner.rollout.torch_engine.shard import ModelShard
 from aligner.rollout.torch_engine.stage_link import PlanMeta, StageLink, plan_meta
 from aligner.runtime import progress
+
+log = logging.getLogger(__name__)
+PROGRESS_LOG_S = 60.0  # a generate call longer than this logs its progress (INFO) this often
 
 GRAPH_LEN_BLOCK = 64  # a SlotDecodeGraph's cache length is a multiple of this many positions
 
@@ -150,7 +155,16 @@ class ContinuousBatching:
         in_flight: deque[tuple[int, int]] = deque()  # (micro-batch, rows) sent down the pipeline
         versions: Optional[list[list[int]]] = [[] for _ in prompts] if self.interruptible else None  # per request, per token
         mb = idle = 0
+        started = time.monotonic()
+        next_log = started + PROGRESS_LOG_S
         while True:
+            if time.monotonic() >= next_log:  # a long call says how far it is
+                next_log += PROGRESS_LOG_S
+                tokens = sum(len(t) for t, _ in sched.outputs)
+                log.info(
+                    "generate: %d/%d requests finished, %d tokens in %.0f s (%.0f tokens/s)",
+                    sched.finished, len(prompts), tokens, time.monotonic() - started, tokens / (time.monotonic() - started),
+                )
             progress.beat()  # a scheduler step is progress for the hang watchdog (aligner.runtime.progress)
             if in_flight and in_flight[0][0] == mb:
                 _, n = in_flight.popleft()

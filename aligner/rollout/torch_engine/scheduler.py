@@ -170,7 +170,7 @@ class SlotScheduler:
         self.outputs: list[tuple[list[int], list[float]]] = [([], []) for _ in range(len(self.pending))]
         self.own: list[list[bool]] = [[] for _ in range(len(self.pending))]
         self.turn_end, self.on_finish, self.turn_wait_s = turn_end, on_finish, turn_wait_s
-        self.live = 0
+        self.live = self.finished = 0
         self.prompt_tokens = sum(len(r.prompt) for r in self.pending)
         self.prefilled_tokens = self.shared_tokens = self.decode_steps = self.decode_rows = self.moved_rows = 0
         self.turns = self.observation_tokens = self.extended_tokens = self.parked_rows = 0
@@ -327,6 +327,7 @@ class SlotScheduler:
         self._release(r.request.key, base + i)
         rows[i] = None
         self.live -= 1
+        self.finished += 1
         if self.on_finish is not None:
             self.on_finish(r.request.index, self.outputs[r.request.index][0])
 
