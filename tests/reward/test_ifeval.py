@@ -146,3 +146,17 @@ def test_bad_rows_are_refused_naming_file_line(meta, message):
         check_rule_rows("ifeval", [{"metadata": meta, "source": "train.jsonl:7"}])
     assert str(e.value).startswith("train.jsonl:7: ")
     check_rule_rows("gsm8k", [{"metadata": meta, "source": "x:1"}])  # rules without a row check accept anything
+
+
+def test_language_verdicts_are_the_same_on_every_scoring():
+    """langdetect samples at random unless seeded: "Ciao bella ok" came out "it" or "hr" across calls, so
+    a language:response_language verdict could flip between two scorings of one response. The registry seeds it."""
+    pytest.importorskip("langdetect", reason="langdetect is not installed: pip install 'aligner[ifeval]'")
+    import langdetect
+
+    from aligner.data.ifeval import build_checker
+
+    checker = build_checker("language:response_language", {"language": "it"})
+    verdicts = {checker.check_following("Ciao bella ok") for _ in range(30)}
+    assert len(verdicts) == 1
+    assert len({langdetect.detect("Ciao bella ok") for _ in range(30)}) == 1
