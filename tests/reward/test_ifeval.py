@@ -149,14 +149,14 @@ def test_bad_rows_are_refused_naming_file_line(meta, message):
 
 
 def test_language_verdicts_are_the_same_on_every_scoring():
-    """langdetect samples at random unless seeded: "Ciao bella ok" came out "it" or "hr" across calls, so
-    a language:response_language verdict could flip between two scorings of one response. The registry seeds it."""
+    """langdetect samples at random unless seeded: unseeded, "bonjour yes" came out "sq" 93, "fr" 5 and "tr" 2
+    times in 100 calls, so a language:response_language verdict could flip between two scorings of one
+    response. The registry seeds it."""
     pytest.importorskip("langdetect", reason="langdetect is not installed: pip install 'aligner[ifeval]'")
     import langdetect
 
     from aligner.data.ifeval import build_checker
 
-    checker = build_checker("language:response_language", {"language": "it"})
-    verdicts = {checker.check_following("Ciao bella ok") for _ in range(30)}
-    assert len(verdicts) == 1
-    assert len({langdetect.detect("Ciao bella ok") for _ in range(30)}) == 1
+    checker = build_checker("language:response_language", {"language": "fr"})
+    assert len({checker.check_following("bonjour yes") for _ in range(200)}) == 1
+    assert len({langdetect.detect("bonjour yes") for _ in range(200)}) == 1
