@@ -26,7 +26,8 @@ Output: the result JSON (``--out``, default ``<output_dir>/ifeval.json``) holdin
 ``cut_rows``, ``max_new_tokens``, mean response length (tokens), generation wall time and
 tokens/s, the per-family and per-id tables; and beside it ``<out stem>.responses.jsonl``: each
 prompt's key, prompt, response, finish reason, length and strict verdicts. A summary is printed.
-``--limit N`` evaluates the first N prompts only (a fixed subset).
+``--limit N`` evaluates the first N prompts only (a fixed subset). ``--rescore FILE`` scores the
+responses of an earlier evaluation (its ``.responses.jsonl``) again, without generating.
 
 The same scoring runs during training on the first ``task.num_eval`` held-out prompts
 (``data.eval_path``) through :func:`aligner.trainers.evaluation.evaluate_greedy`, logged as
@@ -109,7 +110,6 @@ def generate_greedy(cfg: AlignerConfig, tok, prompt_ids: list[list[int]], max_ne
 def evaluate_ifeval(cfg: AlignerConfig, out: Path, limit: int = 0) -> dict:
     """Run the whole evaluation (module docstring); returns the result dict written to `out`."""
     from aligner.data.pipeline import resolve_tokenizer
-    from aligner.reward.ifeval import ifeval_metrics, verdicts
 
     tok = resolve_tokenizer(cfg.tokenizer, cfg.task, cfg.output_dir)
     examples = load_eval_prompts(cfg, tok, limit)
@@ -117,11 +117,49 @@ def evaluate_ifeval(cfg: AlignerConfig, out: Path, limit: int = 0) -> dict:
     log.info("ifeval: %d prompts from %s, greedy, max_new_tokens=%d, model %s", len(examples), cfg.data.eval_path, budget, cfg.actor.init)
     gens, seconds, engine = generate_greedy(cfg, tok, [e["prompt_ids"] for e in examples], budget)
     responses = [tok.decode(g.token_ids, skip_special_tokens=True) for g in gens]
+    generation = {
+        "generate_seconds": seconds,
+        "tokens_per_second": sum(len(g.token_ids) for g in gens) / seconds if seconds > 0 else 0.0,
+        "engine": {"max_batch_size": engine.max_batch_size, "decode_attention": engine.decode_attention, **engine.layout},
+    }
+    finish = [(g.finish_reason, len(g.token_ids)) for g in gens]
+    return score_and_write(cfg, out, examples, responses, finish, budget, generation)
+
+
+def rescore_ifeval(cfg: AlignerConfig, responses_path: Path, out: Path, limit: int = 0) -> dict:
+    """Score the responses of an earlier evaluation again (``--rescore FILE``: its ``.responses.jsonl``,
+    joined on ``key`` with the prompts of ``data.eval_path``) with IFEval's checkers, without generating.
+    Raises ValueError naming the file for a prompt without a response row or a row without the fields."""
+    from aligner.data.pipeline import resolve_tokenizer
+
+    tok = resolve_tokenizer(cfg.tokenizer, cfg.task, cfg.output_dir)
+    examples = load_eval_prompts(cfg, tok, limit)
+    rows = {}
+    for i, line in enumerate(Path(responses_path).read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            r = json.loads(line)
+            if not {"key", "response", "finish_reason", "response_tokens"} <= set(r):
+                raise ValueError(f"{responses_path}:{i}: a response row needs key, response, finish_reason and response_tokens")
+            rows[r["key"]] = r
+    missing = [e["metadata"].get("key") for e in examples if e["metadata"].get("key") not in rows]
+    if missing:
+        raise ValueError(f"{responses_path} has no response for {len(missing)} of the {len(examples)} prompts (first key {missing[0]})")
+    picked = [rows[e["metadata"].get("key")] for e in examples]
+    finish = [(r["finish_reason"], int(r["response_tokens"])) for r in picked]
+    budget = cfg.rollout.sampling.max_new_tokens
+    return score_and_write(cfg, out, examples, [r["response"] for r in picked], finish, budget, {"rescored": str(responses_path)})
+
+
+def score_and_write(
+    cfg: AlignerConfig, out: Path, examples: list[dict], responses: list[str], finish: list[tuple[str, int]], budget: int, generation: dict
+) -> dict:
+    """IFEval's numbers for `responses` (one per example; `finish`: (finish reason, tokens) each), written to
+    `out` and its ``.responses.jsonl`` (the checkers are deterministic, so the numbers and the stored verdicts agree)."""
+    from aligner.reward.ifeval import ifeval_metrics, verdicts
+
     prompts = [e["prompt"] for e in examples]
     metas = [e["metadata"] for e in examples]
-    cut = [g.finish_reason == "length" for g in gens]
-    res = ifeval_metrics(prompts, responses, metas, cut)
-    n_tokens = sum(len(g.token_ids) for g in gens)
+    res = ifeval_metrics(prompts, responses, metas, [f == "length" for f, _ in finish])
     result = {
         "benchmark": "ifeval",
         "model": cfg.actor.init,
@@ -133,25 +171,25 @@ def evaluate_ifeval(cfg: AlignerConfig, out: Path, limit: int = 0) -> dict:
         "cut_rows": res["cut_rows"],
         "n_prompts": res["n_prompts"],
         "n_instructions": res["n_instructions"],
-        "mean_response_tokens": n_tokens / len(gens),
-        "generate_seconds": seconds,
-        "tokens_per_second": n_tokens / seconds if seconds > 0 else 0.0,
-        "engine": {"max_batch_size": engine.max_batch_size, "decode_attention": engine.decode_attention, **engine.layout},
+        "mean_response_tokens": sum(n for _, n in finish) / len(finish),
+        "generate_seconds": 0.0,
+        "tokens_per_second": 0.0,
+        **generation,
         "per_family": res["per_family"],
         "per_instruction": res["per_instruction"],
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     rows_path = out.with_name(out.stem + ".responses.jsonl")
     with open(rows_path, "w", encoding="utf-8") as f:
-        for e, g, r in zip(examples, gens, responses):
+        for e, (reason, n), r in zip(examples, finish, responses):
             v = verdicts(e["prompt"], r, e["metadata"])
             row = {
                 "key": e["metadata"].get("key"),
                 "source": e["source"],
                 "prompt": e["prompt"],
                 "response": r,
-                "finish_reason": g.finish_reason,
-                "response_tokens": len(g.token_ids),
+                "finish_reason": reason,
+                "response_tokens": n,
                 "strict": [s for _, s, _ in v],
                 "loose": [lo for _, _, lo in v],
             }
@@ -211,6 +249,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("benchmark", choices=BENCHMARKS)
     ap.add_argument("--out", default="", help="result JSON (default <output_dir>/ifeval.json)")
     ap.add_argument("--limit", type=int, default=0, help="evaluate the first N prompts only (0: all)")
+    ap.add_argument("--rescore", default="", help="score an earlier evaluation's .responses.jsonl again instead of generating")
     args, overrides = ap.parse_known_args(argv)
     bad = [o for o in overrides if o.startswith("-") or "=" not in o]
     if bad:
@@ -223,7 +262,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise UserError(f"--limit {args.limit} is invalid: give 0 (all prompts) or a positive count")
         cfg = load_config("ppo", overrides)
         out = Path(args.out or os.path.join(cfg.output_dir, "ifeval.json"))
-        result = evaluate_ifeval(cfg, out, args.limit)
+        if args.rescore and Path(args.rescore).resolve() == out.with_name(out.stem + ".responses.jsonl").resolve():
+            raise UserError(f"--rescore {args.rescore} is the file --out would write: give another --out")
+        result = rescore_ifeval(cfg, Path(args.rescore), out, args.limit) if args.rescore else evaluate_ifeval(cfg, out, args.limit)
     except (ConfigError, UserError, ValueError, FileNotFoundError, ImportError) as e:
         print(f"aligner eval: error: {e}", file=sys.stderr)
         return 2

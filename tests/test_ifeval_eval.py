@@ -127,3 +127,26 @@ def test_training_refuses_a_row_the_verifiers_cannot_score_before_any_worker_sta
     err = capsys.readouterr().err.strip()
     assert f"{path}:2: kwargs[0]" in err and "the checker takes none" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_rescore_scores_an_earlier_evaluations_responses_without_a_model(tmp_path, capsys):
+    """--rescore FILE: the responses of an earlier evaluation, joined on key, scored again (no model is
+    loaded: actor.init names none); a prompt without a response row is one line, exit 2."""
+    data = _file(tmp_path, [{**GOOD, "key": 1}, {**GOOD, "key": 2}])
+    earlier = tmp_path / "earlier.responses.jsonl"
+    rows = [
+        {"key": 2, "response": "Rain, soft rain", "finish_reason": "length", "response_tokens": 9},
+        {"key": 1, "response": "Rain falls soft", "finish_reason": "stop", "response_tokens": 4},
+    ]
+    earlier.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["ifeval", f"data.eval_path={data}", f"actor.init={tmp_path}/no_model", "tokenizer.path=", f"output_dir={tmp_path}/out"]
+    assert ev.main([*common, "--rescore", str(earlier), "--out", str(tmp_path / "re.json")]) == 0
+    res = json.loads((tmp_path / "re.json").read_text())
+    assert res["prompt_strict"] == 0.5 and res["cut_rows"] == 1 and res["mean_response_tokens"] == 6.5
+    again = [json.loads(x) for x in (tmp_path / "re.responses.jsonl").read_text().splitlines()]
+    assert [(r["key"], r["strict"], r["finish_reason"]) for r in again] == [(1, [True], "stop"), (2, [False], "length")]
+    earlier.write_text(json.dumps(rows[0]) + "\n")
+    capsys.readouterr()
+    assert ev.main([*common, "--rescore", str(earlier), "--out", str(tmp_path / "re2.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no response for 1 of the 2 prompts (first key 1)" in err and len(err.splitlines()) == 1, err
