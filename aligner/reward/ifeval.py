@@ -33,6 +33,7 @@ The schema, the checker registry, the row check and the offline Punkt model are
 
 from __future__ import annotations
 
+import random
 from collections import defaultdict
 from typing import Any, Optional, Sequence
 
@@ -45,11 +46,21 @@ def verdicts(prompt: str, response: str, metadata: dict) -> list[tuple[str, bool
     prompt: the request text (for checkers that read it); response: the decoded response.
     Computed by ``if_verifiable.common.evaluate_instructions`` (Google's evaluation_lib logic);
     an empty response fails every constraint, as in Google's evaluation_lib.
+
+    Deterministic: IFEval's checkers draw a kwarg they cannot use at random (``keywords:letter_frequency``
+    with a ``letter`` that is not a-z, such as "#" in IFEval's row 1122 and "!" in 1129, checks a random
+    letter instead), so Google's reference gives those rows a random verdict; here ``random`` is seeded
+    with 0 for the call (and restored after), so one response gets one verdict on every scoring.
     """
     from if_verifiable.common import evaluate_instructions
 
     ids, kwargs = list(metadata[ID_FIELD]), list(metadata[KWARGS_FIELD])
-    results, _ = evaluate_instructions(response, ids, kwargs, prompt, registry())
+    state = random.getstate()  # IFEval's checkers draw missing or unusable kwargs from `random` (below)
+    random.seed(0)
+    try:
+        results, _ = evaluate_instructions(response, ids, kwargs, prompt, registry())
+    finally:
+        random.setstate(state)
     if not results:  # an empty response: if-verifiable returns no verdicts, Google's evaluation_lib fails each
         return [(cid, False, False) for cid in ids]
     if len(results) != len(ids):

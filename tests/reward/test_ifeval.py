@@ -160,3 +160,19 @@ def test_language_verdicts_are_the_same_on_every_scoring():
     checker = build_checker("language:response_language", {"language": "fr"})
     assert len({checker.check_following("bonjour yes") for _ in range(200)}) == 1
     assert len({langdetect.detect("bonjour yes") for _ in range(200)}) == 1
+
+
+def test_a_checker_that_draws_a_random_kwarg_gives_one_verdict():
+    """IFEval's keywords:letter_frequency with a letter outside a-z ("#", IFEval's row 1122) checks a
+    random letter in Google's code; verdicts() seeds `random` for the call, so the verdict never changes,
+    and the caller's random state is left as it was."""
+    import random
+
+    meta = {"instruction_id_list": ["keywords:letter_frequency"], "kwargs": [{"let_relation": "at least", "letter": "#", "let_frequency": 4}]}
+    text = "aaaa bbbb cccc dddd eeee ffff gggg hhhh iiii jjjj kkkk llll mmmm nnnn oooo pppp qqqq rrrr ssss tttt uuuu"
+    random.seed(123)
+    expected_next = random.random()
+    random.seed(123)
+    got = {F.verdicts("p", text, meta)[0][1] for _ in range(50)}
+    assert len(got) == 1
+    assert random.random() == expected_next  # the global random state is restored
