@@ -599,7 +599,7 @@ def train_activation_bytes(
     ``TrainRuntime.forward_backward`` makes each frozen cast once per step and shares it between the
     micro-batches (:func:`aligner.nn.layers.frozen_weight_casts`). Under full recomputation the
     runtime does not share the frozen casts: only the layer being recomputed holds them.
-    tests/test_planner.py measures both on the CPU.
+    tests/planner/test_planner.py measures both on the CPU.
     """
     b, pp = layout.micro_batch_size, layout.pp
     in_flight = interleaved_in_flight(pp, layout.vpp, num_microbatches, stage)
