@@ -405,15 +405,16 @@ class TrainRuntime:
 
         return gather_full_state_dict_any(self)
 
-    def save(self, ckpt_dir: str, extra: Optional[dict] = None) -> str:
-        """Sharded checkpoint of model + optimizer + step into `ckpt_dir` (atomic). Returns the path."""
+    def save(self, role_dir: str, extra: Optional[dict] = None) -> str:
+        """This role's checkpoint (sharded model + optimizer + step) into `role_dir`, atomically
+        (:func:`aligner.runtime.checkpoint.save_checkpoint`). Returns the path."""
 
-        return save_checkpoint(self, ckpt_dir, extra=extra)
+        return save_checkpoint(self, role_dir, extra=extra)
 
-    def load(self, ckpt_dir: str) -> dict:
-        """Load a checkpoint saved under any tp/pp/dp layout; returns its metadata."""
+    def load(self, role_dir: str) -> dict:
+        """Load a role checkpoint saved under any tp/pp/dp layout; returns its metadata (meta.json)."""
 
-        return load_checkpoint(self, ckpt_dir)
+        return load_checkpoint(self, role_dir)
 
     def set_step(self, step: int) -> None:
         """Set the optimizer step counter and the LR schedule to `step` (after loading)."""
