@@ -32,6 +32,7 @@ from aligner.config import (
     hydra_schema,
     roles_with_field,
 )
+from aligner.config.renames import renamed_hint, renamed_overrides
 from aligner.errors import PlacementError, UserError
 from aligner.nn.cpu_isa import isa_cap
 from aligner.run_ops import preemption, supervisor
@@ -62,6 +63,7 @@ def _store_schema() -> None:
 def compose(stage: str, overrides: Sequence[str] = ()) -> omegaconf.DictConfig:  # noqa: F821
     """Compose the raw Hydra config for `stage` with `overrides` (``key=value`` strings).
 
+    A renamed field's old name in `overrides` sets the new field (:func:`aligner.config.renames.renamed_overrides`).
     Raises ConfigError for an unknown preset, an unknown key or a value of the wrong type.
     """
     from hydra import compose as hydra_compose
@@ -70,6 +72,7 @@ def compose(stage: str, overrides: Sequence[str] = ()) -> omegaconf.DictConfig: 
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    overrides = renamed_overrides(overrides)
     for o in overrides:
         if o.startswith(("+", "~")):
             raise ConfigError(
@@ -107,7 +110,7 @@ def _explain(e: BaseException) -> str:
     msg = ": ".join(parts)
     if "Could not override" in msg:
         msg += f" (no such config field{_role_field_hint(msg)}; run with --cfg to list the fields)"
-    return f"bad configuration: {msg}"
+    return f"bad configuration: {msg}{renamed_hint(msg)}"
 
 
 def _role_field_hint(msg: str) -> str:
@@ -129,11 +132,13 @@ def load_config(stage: str, overrides: Sequence[str] = ()) -> AlignerConfig:
     Before the config is built, the model's dimensions follow the primary role's checkpoint
     (:func:`adopt_checkpoint_dims`) and a preset's reward-KL settings that this run's estimator does not
     apply follow the estimator (:func:`aligner.config.follow_the_estimator`; `overrides` are the values
-    set explicitly)."""
+    set explicitly). A renamed field's old name in `overrides` logs one deprecation line and sets the new field."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     from aligner.config.run import secret_override_problem
+
+    overrides = renamed_overrides(overrides, log.warning)
 
     problem = secret_override_problem(overrides)
     if problem:

@@ -45,7 +45,7 @@ def shared():
 # it took 617 s after the rest of the suite against 396 s alone on the same machine (2026-11-26; the
 # cause was not found: no leftover process was busy, the session's Ray instance and the pooled gloo
 # ranks sat idle).
-RUN_FIRST = ("tests/test_sft_rm.py::test_tiny_demo_acceptance",)
+RUN_FIRST = ("tests/trainers/test_sft_rm.py::test_tiny_demo_acceptance",)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,6 +17,7 @@ Owns: the keyword-only dataclasses that Hydra/OmegaConf compose into, and their 
   stages and settings each applies to (``CROSS_CHECKS``);
 - :mod:`~aligner.config.probes`: package probes of a chosen backend (run with the validation);
 - :mod:`~aligner.config.paths`: the file-system checks (run after planning, before any work);
+- :mod:`~aligner.config.renames`: renamed fields, whose old names the command line still takes for one release;
 - :mod:`~aligner.config.view`: :class:`RunView`, the structural type by which validation, probes and
   paths read a whole config without importing :mod:`~aligner.config.run` (the imports point one way).
 

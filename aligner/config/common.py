@@ -13,10 +13,10 @@ STAGES = ("sft", "rm", "ppo", "plan", "dpo", "kto", "spin", "rs")
 ROLES = ("actor", "critic", "reward", "ref", "teacher", "rollout")
 MODEL_ROLES = ("actor", "critic", "reward", "ref", "teacher")  # the roles with a RoleConfig (init, parallel, resources)
 # the keys of aligner.data.formats.FORMATS, in order (config imports nothing from aligner.data, which imports
-# config; tests/test_config.py asserts the two agree)
+# config; tests/config/test_validation.py asserts the two agree)
 DATA_FORMATS = ("prompt", "sft", "chat", "pairs", "hh", "gsm8k", "text", "prompt_completion", "unpaired")
 # the names of aligner.envs.ENVIRONMENTS and aligner.envs.TOOLS, in order (the config sits below aligner.envs;
-# tests/test_config.py asserts they agree)
+# tests/config/test_validation.py asserts they agree)
 ENV_NAMES = ("single_turn", "retry", "tool")
 TOOL_NAMES = ("calculator",)
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")  # advantage estimators with a per-prompt group baseline

@@ -5,7 +5,7 @@ The cross-section checks (:mod:`aligner.config.validation`), the package probes
 run's config typed by this Protocol, so that they need no import of :mod:`aligner.config.run`, which
 builds the config and calls them: the imports between the config's modules point one way, from the
 whole run down to its sections. :class:`aligner.config.run.AlignerConfig` satisfies it
-(``tests/test_config.py`` checks every member).
+(``tests/config/test_validation.py`` checks every member).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ templates with tools render (``apply_chat_template(tools=...)``).
 Built in: ``calculator`` (:func:`calculate`): + - * / and parentheses over integers and decimals,
 evaluated exactly (fractions) from the expression's syntax tree, never by ``eval``.
 A new tool registered here also needs its name in ``aligner.config.common.TOOL_NAMES`` (the config,
-which sits below this package, checks ``env.tools`` against it; tests/test_config.py asserts the two agree).
+which sits below this package, checks ``env.tools`` against it; tests/config/test_validation.py asserts the two agree).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ Auxiliary losses reach the gradient without being returned: :class:`_AuxLoss` is
 the block's output and adds d(coef * aux)/d(router) in backward (Megatron-LM's
 MoEAuxLossAutoScaler), so the pipeline schedule and every loss function stay unchanged. Each is
 computed per micro-batch on that micro-batch's tokens (as Megatron-LM does) and weighted by
-1 / num_microbatches (:func:`set_aux_loss_scale`, called by the training step): a step adds coef
+1 / num_micro_batches (:func:`set_aux_loss_scale`, called by the training step): a step adds coef
 times their mean over its micro-batches (and over data-parallel ranks, whose gradients are
 averaged). Splitting a batch into micro-batches therefore changes the auxiliary term (a mean of
 per-micro-batch losses is not the loss of the whole batch); the language-model loss is unchanged.
@@ -457,7 +457,7 @@ class SparseMoE(nn.Module):
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
-    """Weight each micro-batch's auxiliary losses by `scale` (the training step sets 1 / num_microbatches,
+    """Weight each micro-batch's auxiliary losses by `scale` (the training step sets 1 / num_micro_batches,
     so a step adds coef * the mean over its micro-batches, whatever the loss reduction)."""
     for m in moe_layers(model):
         m.aux_scale = scale

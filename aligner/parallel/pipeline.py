@@ -17,7 +17,7 @@ micro-batch, so micro-batches of different [b, T] (token budgets) run in one sch
 with ``batch_isend_irecv`` (paired send/recv, deadlock-free in the 1F1B order).
 
 Loss scaling: ``loss_reduction="mean"`` divides each micro-batch loss by
-num_microbatches (whole-batch mean of equal-sized micro-batch means); ``"sum"`` leaves it
+num_micro_batches (whole-batch mean of equal-sized micro-batch means); ``"sum"`` leaves it
 (the loss_fn already divides by a whole-batch normalizer such as the masked token count),
 so either way the accumulated gradients equal the whole-batch gradients.
 
@@ -55,21 +55,21 @@ from aligner.parallel.tensor_parallel import seq_shards, sync_tp_grads
 MODEL_INPUT_KEYS = ("position_ids", "segment_ids", "prompt_segments", "attn_mask", "head_index", "logprob", "token_mask")
 
 
-def split_microbatches(batch: dict[str, torch.Tensor], num_microbatches: int) -> list[dict[str, torch.Tensor]]:
-    """Split every [B, ...] tensor of `batch` along dim 0 into num_microbatches dicts.
+def split_micro_batches(batch: dict[str, torch.Tensor], num_micro_batches: int) -> list[dict[str, torch.Tensor]]:
+    """Split every [B, ...] tensor of `batch` along dim 0 into num_micro_batches dicts.
 
     0-dim tensors and non-tensors are shared by all micro-batches.
-    Raises ValueError: B not divisible by num_microbatches.
+    Raises ValueError: B not divisible by num_micro_batches.
     """
     sizes = {v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0}
     if len(sizes) != 1:
-        raise ValueError(f"split_microbatches: batch tensors disagree on dim 0 sizes {sorted(sizes)}")
+        raise ValueError(f"split_micro_batches: batch tensors disagree on dim 0 sizes {sorted(sizes)}")
     b = sizes.pop()
-    if num_microbatches < 1 or b % num_microbatches:
-        raise ValueError(f"num_microbatches={num_microbatches} must divide the batch size {b}")
-    out = [{} for _ in range(num_microbatches)]
+    if num_micro_batches < 1 or b % num_micro_batches:
+        raise ValueError(f"num_micro_batches={num_micro_batches} must divide the batch size {b}")
+    out = [{} for _ in range(num_micro_batches)]
     for k, v in batch.items():
-        parts = v.chunk(num_microbatches) if torch.is_tensor(v) and v.dim() > 0 else [v] * num_microbatches
+        parts = v.chunk(num_micro_batches) if torch.is_tensor(v) and v.dim() > 0 else [v] * num_micro_batches
         for mb, part in zip(out, parts):
             mb[k] = part
     return out
@@ -152,7 +152,7 @@ def _activation_dtype(model: nn.Module, param_dtype: torch.dtype) -> torch.dtype
 def pipeline_train_step(
     model: nn.Module,
     dims,
-    microbatches: Sequence[dict[str, torch.Tensor]],
+    micro_batches: Sequence[dict[str, torch.Tensor]],
     loss_fn: Callable[[torch.Tensor, dict], torch.Tensor],
     *,
     loss_reduction: str = "mean",
@@ -165,34 +165,34 @@ def pipeline_train_step(
         model: this rank's stage (``build_parallel_model``), or the list of its chunks (virtual
             pipeline stages, :func:`aligner.parallel.parallelize.chunk_views`): the interleaved schedule.
         dims: ParallelDims (pp_group, pp_rank, pp_size, tp_group, is_first/last_stage).
-        microbatches: num_microbatches dicts, the same on every pp rank: ``input_ids`` [b, T]
+        micro_batches: num_micro_batches dicts, the same on every pp rank: ``input_ids`` [b, T]
             int64 (shapes on every stage, tokens on the first), optional ``position_ids`` /
             ``segment_ids`` [b, T], and any extra tensors the loss needs (advantages,
             old_log_probs, masks, labels, normalizers).
         loss_fn: (output, mb) -> scalar loss, run on the last stage; output is the last
             stage's model output (logits [b, T, V/tp], scores [b, T], or (log_probs, entropy)
             [b, R] each when the micro-batch carries a ``logprob`` spec).
-        loss_reduction: "mean" (scale each loss by 1/num_microbatches) or "sum" (no scaling).
+        loss_reduction: "mean" (scale each loss by 1/num_micro_batches) or "sum" (no scaling).
         finalize: run :func:`finalize_grads` after the last backward.
         before_last_backward: called with a chunk's index (0 without interleaving) just before that
             chunk's backward of the last micro-batch (backwards run in micro-batch order on every
             chunk): where FSDP2 turns its per-step gradient reduction back on
             (:class:`aligner.parallel.data_parallel.FsdpStepReduce`).
     Returns:
-        losses: [num_microbatches] fp32, the unscaled loss_fn values, on every pp rank.
+        losses: [num_micro_batches] fp32, the unscaled loss_fn values, on every pp rank.
     Raises ValueError: bad loss_reduction, no micro-batches, T not divisible under SP, or (interleaved)
         a number of micro-batches that is not a multiple of pp_size.
     """
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction={loss_reduction!r}: valid choices are mean, sum")
-    m = len(microbatches)
+    m = len(micro_batches)
     if m == 0:
         raise ValueError("pipeline_train_step: got no micro-batches")
     scale = 1.0 / m if loss_reduction == "mean" else 1.0
     if isinstance(model, (list, tuple)):  # virtual pipeline stages: this rank's chunks
         for chunk in model:
             set_aux_loss_scale(chunk, 1.0 / m)
-        losses = _interleaved_train_step(model, dims, microbatches, loss_fn, scale, before_last_backward)
+        losses = _interleaved_train_step(model, dims, micro_batches, loss_fn, scale, before_last_backward)
         if finalize:
             finalize_grads(model, dims)
         return _broadcast_from_last(torch.stack(losses) if dims.is_last_stage else None, dims)
@@ -204,7 +204,7 @@ def pipeline_train_step(
         return None if p2p.first else _hidden_buffer(model, mb, requires_grad=False)
 
     def forward(i, x):
-        mb = microbatches[i]
+        mb = micro_batches[i]
         if x is not None:
             x.requires_grad_(True)
         out = model(mb["input_ids"] if x is None else x, **model_kwargs(mb))
@@ -228,13 +228,13 @@ def pipeline_train_step(
     warmup = min(p2p.size - p2p.rank - 1, m)
     inputs, outputs = deque(), deque()
     for i in range(warmup):
-        x = recv_input(microbatches[i])
+        x = recv_input(micro_batches[i])
         p2p.run(recv_prev=x)
         y = forward(i, x)
         p2p.run(send_next=y.detach() if not p2p.last else None)
         inputs.append(x)
         outputs.append(y)
-    x = recv_input(microbatches[warmup]) if warmup < m else None
+    x = recv_input(micro_batches[warmup]) if warmup < m else None
     if warmup < m:
         p2p.run(recv_prev=x)
     for j in range(m - warmup):
@@ -250,7 +250,7 @@ def pipeline_train_step(
         if j == m - warmup - 1:
             p2p.run(send_prev=dx)
         else:
-            x = recv_input(microbatches[i + 1])
+            x = recv_input(micro_batches[i + 1])
             p2p.run(send_prev=dx, recv_prev=x)
     for _ in range(warmup):
         x0, y0 = inputs.popleft(), outputs.popleft()
@@ -266,7 +266,7 @@ def pipeline_train_step(
 def pipeline_forward(
     model: nn.Module,
     dims,
-    microbatches: Sequence[dict[str, torch.Tensor]],
+    micro_batches: Sequence[dict[str, torch.Tensor]],
     output_fn: Callable[[torch.Tensor, dict], torch.Tensor],
     broadcast: bool = True,
 ) -> Optional[torch.Tensor]:
@@ -279,12 +279,12 @@ def pipeline_forward(
     model: the stage, or the list of this rank's chunks (virtual pipeline stages).
     """
     if isinstance(model, (list, tuple)):
-        results = _interleaved_forward(model, dims, microbatches, output_fn)
+        results = _interleaved_forward(model, dims, micro_batches, output_fn)
         result = torch.cat(results) if dims.is_last_stage else None
         return _broadcast_from_last(result, dims) if broadcast else result
     p2p = _P2P(dims)
     pending, results = [], []
-    for mb in microbatches:
+    for mb in micro_batches:
         x = None
         if not p2p.first:
             x = _hidden_buffer(model, mb, requires_grad=False)
@@ -307,9 +307,9 @@ class _Ring:
     chunk c, the last rank's chunk c feeds rank 0's chunk c + 1 (gradients travel back the same way).
     Sends are posted at once and waited at :meth:`finish`; a receive blocks until its tensor is in."""
 
-    def __init__(self, dims, num_microbatches: int, num_chunks: int):
+    def __init__(self, dims, num_micro_batches: int, num_chunks: int):
         self.group, self.rank, self.size = dims.pp_group, dims.pp_rank, dims.pp_size
-        self.m, self.v = num_microbatches, num_chunks
+        self.m, self.v = num_micro_batches, num_chunks
         self.pending: list = []
 
     def _tag(self, backward: bool, mb: int, chunk: int) -> int:
@@ -343,11 +343,11 @@ class _Ring:
         comm.record_wait("pp_wait", time.perf_counter() - t0)
 
 
-def interleaved_order(num_microbatches: int, pp_size: int, num_chunks: int, pp_rank: int) -> tuple[list[tuple[int, int]], int]:
+def interleaved_order(num_micro_batches: int, pp_size: int, num_chunks: int, pp_rank: int) -> tuple[list[tuple[int, int]], int]:
     """Megatron's interleaved 1F1B order for one rank: ([(micro-batch, chunk)] of the m v forwards in
     order (the backwards run the same list with each chunk reversed: v - 1 - chunk), warm-up count).
     Raises ValueError: m not a multiple of pp."""
-    m, p, v = num_microbatches, pp_size, num_chunks
+    m, p, v = num_micro_batches, pp_size, num_chunks
     if m % p:
         raise ValueError(
             f"the interleaved pipeline schedule needs a number of micro-batches that is a multiple of pp_size={p}, got {m}: "
@@ -358,11 +358,11 @@ def interleaved_order(num_microbatches: int, pp_size: int, num_chunks: int, pp_r
     return order, warmup
 
 
-def _interleaved_train_step(chunks, dims, microbatches, loss_fn, scale: float, before_last_backward=None) -> list[torch.Tensor]:
+def _interleaved_train_step(chunks, dims, micro_batches, loss_fn, scale: float, before_last_backward=None) -> list[torch.Tensor]:
     """The interleaved 1F1B forward/backward of :func:`pipeline_train_step` over this rank's chunks;
     returns the unscaled losses by micro-batch (last rank) or an empty list. before_last_backward(c)
     runs before chunk c's backward of micro-batch m - 1 (each chunk's backwards run in micro-batch order)."""
-    p, r, v, m = dims.pp_size, dims.pp_rank, len(chunks), len(microbatches)
+    p, r, v, m = dims.pp_size, dims.pp_rank, len(chunks), len(micro_batches)
     order, warmup = interleaved_order(m, p, v, r)
     ring = _Ring(dims, m, v)
     first = lambda c: r == 0 and c == 0  # noqa: E731  (the virtual stage with the embedding)
@@ -372,7 +372,7 @@ def _interleaved_train_step(chunks, dims, microbatches, loss_fn, scale: float, b
 
     def forward(k: int) -> None:
         i, c = order[k]
-        mb = microbatches[i]
+        mb = micro_batches[i]
         x = None
         if not first(c):
             x = ring.recv(_hidden_buffer(chunks[c], mb, requires_grad=False), ring.prev_of(c), i, c, backward=False)
@@ -410,14 +410,14 @@ def _interleaved_train_step(chunks, dims, microbatches, loss_fn, scale: float, b
 
 
 @torch.no_grad()
-def _interleaved_forward(chunks, dims, microbatches, output_fn) -> list:
+def _interleaved_forward(chunks, dims, micro_batches, output_fn) -> list:
     """Forward-only over this rank's chunks, chunk by chunk (every rank finishes chunk c of every
     micro-batch before chunk c + 1, so no wait is circular); outputs on the last rank."""
-    p, r, v, m = dims.pp_size, dims.pp_rank, len(chunks), len(microbatches)
+    p, r, v, m = dims.pp_size, dims.pp_rank, len(chunks), len(micro_batches)
     ring = _Ring(dims, m, v)
     results = []
     for c in range(v):
-        for i, mb in enumerate(microbatches):
+        for i, mb in enumerate(micro_batches):
             x = None
             if not (r == 0 and c == 0):
                 x = ring.recv(_hidden_buffer(chunks[c], mb, requires_grad=False), ring.prev_of(c), i, c, backward=False)

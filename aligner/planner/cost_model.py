@@ -567,14 +567,14 @@ def autocast_weight_cast_bytes(model: ModelConfig, tp: int) -> float:
     return layer_activation_bytes(replace(LayerDims.of(model, 1, 1, tp), s=0), "autocast", False, "none")
 
 
-def interleaved_in_flight(pp: int, vpp: int, num_microbatches: int, stage: int) -> float:
+def interleaved_in_flight(pp: int, vpp: int, num_micro_batches: int, stage: int) -> float:
     """Micro-batches' worth of stage `stage`'s layer activations held at its peak: min(pp - stage, m)
     under 1F1B; with v chunks per rank, min(m v, 2 (pp - stage - 1) + (v - 1) pp + 1) chunk forwards of
     1 / v of the stage's layers each (Megatron's interleaved warm-up plus the forward before the first
     backward: on stage 0 about 1 + (p - 1) / (p v) times plain 1F1B's, Narayanan et al. 2021)."""
     if vpp == 1:
-        return float(min(pp - stage, num_microbatches))
-    return min(num_microbatches * vpp, 2 * (pp - stage - 1) + (vpp - 1) * pp + 1) / vpp
+        return float(min(pp - stage, num_micro_batches))
+    return min(num_micro_batches * vpp, 2 * (pp - stage - 1) + (vpp - 1) * pp + 1) / vpp
 
 
 def train_activation_bytes(
@@ -583,7 +583,7 @@ def train_activation_bytes(
     layout: Layout,
     e: int,
     seq_len: int,
-    num_microbatches: int,
+    num_micro_batches: int,
     stage: int,
     precision: str,
     frozen_base: bool = False,
@@ -599,10 +599,10 @@ def train_activation_bytes(
     ``TrainRuntime.forward_backward`` makes each frozen cast once per step and shares it between the
     micro-batches (:func:`aligner.nn.layers.frozen_weight_casts`). Under full recomputation the
     runtime does not share the frozen casts: only the layer being recomputed holds them.
-    tests/test_planner.py measures both on the CPU.
+    tests/planner/test_planner.py measures both on the CPU.
     """
     b, pp = layout.micro_batch_size, layout.pp
-    in_flight = interleaved_in_flight(pp, layout.vpp, num_microbatches, stage)
+    in_flight = interleaved_in_flight(pp, layout.vpp, num_micro_batches, stage)
     layers = layers_on_stage(model.num_layers, pp, stage)
     full_len, seq_len = seq_len, seq_len // layout.cp  # a cp rank holds seq_len / cp tokens of every row
     layer = layer_activation_bytes(LayerDims.of(model, seq_len, b, layout.tp), precision, layout.sp, layout.recompute)

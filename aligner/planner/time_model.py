@@ -15,7 +15,7 @@ B*T*H elements over the intra-node bandwidth with ring volume 2(n-1)/n; the data
 gradient all-reduce over the inter-node bandwidth when the dp group spans nodes, once per optimizer step
 (DDP, less what the last micro-batch's backward hides: :func:`dp_overlap_exposed`; DeepSpeed), or FSDP2's
 per-layer all-gathers (forward and backward) and reduce-scatters for every micro-batch, exposed beyond each
-pass's compute (``parallel.fsdp_reduce=micro_batch``, the default: :func:`fsdp2_microbatch_exposed_seconds`),
+pass's compute (``parallel.fsdp_reduce=micro_batch``, the default: :func:`fsdp2_micro_batch_exposed_seconds`),
 or once per optimizer step (``fsdp_reduce=step``: one all-gather per layer beside the first micro-batch's
 forward, one reduce-scatter beside the last one's backward: :func:`fsdp2_step_exposed_seconds`); the 1F1B bubble multiplies compute by 1 + (p-1)/m (Narayanan et al.
 2021). Rollout: a compute-bound prefill, then decode steps, each the larger of reading the stage
@@ -171,10 +171,10 @@ def exposed_dp_seconds(total_s: float, window_s: float, tail_s: float) -> float:
     return min(total_s, max(total_s - window_s, tail_s))
 
 
-def pipeline_bubble_fraction(pp: int, num_microbatches: int, vpp: int = 1) -> float:
+def pipeline_bubble_fraction(pp: int, num_micro_batches: int, vpp: int = 1) -> float:
     """1F1B bubble relative to the ideal compute time: (p - 1) / m, and (p - 1) / (v m) with v model
     chunks per rank (interleaved; Narayanan et al. 2021, sec. 2.2)."""
-    return (pp - 1) / (max(num_microbatches, 1) * vpp)
+    return (pp - 1) / (max(num_micro_batches, 1) * vpp)
 
 
 def pipeline_p2p_seconds(
@@ -323,7 +323,7 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
     if fsdp and layout.fsdp_reduce == "step":  # once per step: gathers in the first forward, reduce-scatters in the last backward
         dp = fsdp2_step_exposed_seconds(model, work, layout, c / m * fwd_share, c / m * (1.0 - fwd_share), cluster)
     elif fsdp:  # per micro-batch, overlapped per pass; the pipeline's slots (and so its bubble) grow with it
-        dp = m * fsdp2_microbatch_exposed_seconds(model, work, layout, c / m * fwd_share, c / m * (1.0 - fwd_share), cluster)
+        dp = m * fsdp2_micro_batch_exposed_seconds(model, work, layout, c / m * fwd_share, c / m * (1.0 - fwd_share), cluster)
         b += dp * pipeline_bubble_fraction(layout.pp, m, layout.vpp)
     else:
         p_sh, _, _ = _dp_shards(work.parallel)
@@ -343,9 +343,9 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
         ff = forward_flops_per_token(n, model, seq) * work.forward_seqs * seq
         c2, t2, b2 = _pass_time(ff, mf, layers, 2, layout, model, e, seq, cluster, rows_f, work.kind, training=False)
         if fsdp and layout.fsdp_reduce == "step":  # the pass gathers each layer once (TrainRuntime.forward_only)
-            dp += fsdp2_microbatch_exposed_seconds(model, work, layout, c2 / mf, None, cluster)
+            dp += fsdp2_micro_batch_exposed_seconds(model, work, layout, c2 / mf, None, cluster)
         elif fsdp:  # the forward-only passes all-gather every layer too (no backward, no reduce-scatter)
-            d2 = mf * fsdp2_microbatch_exposed_seconds(model, work, layout, c2 / mf, None, cluster)
+            d2 = mf * fsdp2_micro_batch_exposed_seconds(model, work, layout, c2 / mf, None, cluster)
             dp, b2 = dp + d2, b2 + d2 * pipeline_bubble_fraction(layout.pp, mf, layout.vpp)
         c, t, b = c + c2, t + t2, b + b2
         a2a += _a2a_time(model, layout, mf, seq, e, 2, cluster, rows_f)
@@ -375,7 +375,7 @@ def dp_overlap_exposed(
       accumulate under ``no_sync``): exposed is what exceeds that backward (compute_s / micro_batches times
       the backward's share of the training FLOPs), at least the last bucket's all-reduce (DDP_BUCKET_BYTES).
     - DDP with pp > 1: all-reduced after the pipeline's flush (``finalize_grads``): not overlapped.
-    - FSDP2 with dp > 1: not charged here, per micro-batch (:func:`fsdp2_microbatch_exposed_seconds`) or, with
+    - FSDP2 with dp > 1: not charged here, per micro-batch (:func:`fsdp2_micro_batch_exposed_seconds`) or, with
       ``fsdp_reduce=step``, once per step (:func:`fsdp2_step_exposed_seconds`) instead.
     - DeepSpeed: not overlapped (aligner's DeepSpeed config leaves ``overlap_comm`` at its default, off
       for ZeRO-1/2), once per step. An undercount for m > 1 left as it was: the config's
@@ -395,7 +395,7 @@ def dp_overlap_exposed(
     return dp_s
 
 
-def fsdp2_microbatch_exposed_seconds(
+def fsdp2_micro_batch_exposed_seconds(
     model: ModelConfig, work: RoleWork, layout: Layout, forward_s: float, backward_s: Optional[float], cluster: ClusterConfig
 ) -> float:
     """Seconds FSDP2's collectives add to one micro-batch on a stage (dp > 1), beyond its compute.
@@ -450,7 +450,7 @@ def fsdp2_step_exposed_seconds(
     step: one all-gather per unit, overlapped with the first micro-batch's forward (`forward_s`: one
     micro-batch's forward compute on the stage), and one reduce-scatter per unit beside the last micro-batch's
     backward (`backward_s`), each exposed beyond that pass's compute and at least one layer's transfer, plus
-    the root's gather and reduce-scatter; bytes and bandwidth as :func:`fsdp2_microbatch_exposed_seconds`.
+    the root's gather and reduce-scatter; bytes and bandwidth as :func:`fsdp2_micro_batch_exposed_seconds`.
     The forward-only passes (separate calls: old log-probs, values) gather each unit once per pass too
     (``TrainRuntime.forward_only`` keeps the units unsharded through the pass; charged in :func:`train_step_time`
     as one micro-batch's gathers). Not added to the pipeline bubble: paid once per step, not in every slot."""
@@ -470,7 +470,7 @@ def fsdp2_unit_seconds(
 ) -> tuple[float, float, int, float, float]:
     """FSDP2's collective times on the largest stage (dp > 1), seconds: (the root's all-gather, one decoder
     layer's all-gather, decoder layers on the stage, the root's reduce-scatter, one layer's reduce-scatter).
-    Bytes and bandwidth: :func:`fsdp2_microbatch_exposed_seconds`."""
+    Bytes and bandwidth: :func:`fsdp2_micro_batch_exposed_seconds`."""
     bf16 = work.parallel.mixed_precision == "bf16"
     c = 2 if bf16 else DTYPE_BYTES[model.dtype]
     r = 4 if bf16 else c

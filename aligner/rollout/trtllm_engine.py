@@ -92,7 +92,7 @@ ray_placement, write_engine_model_dir), the engine's calls into a recording stan
 AsyncLLM (their names and keywords bound against the recorded signatures), the config
 validation of rollout.backend=trtllm, and the static contract checks of every keyword, field,
 import path and method used here against the recorded API (tests/rollout/test_trtllm_engine.py,
-tests/test_config.py). The end-to-end behaviour is exercised only by gpu-marked tests
+tests/config/test_validation.py). The end-to-end behaviour is exercised only by gpu-marked tests
 (tests/rollout/test_trtllm_engine_gpu.py, tests/trainers/test_ppo_trtllm_gpu.py), which skip
 unless CUDA and tensorrt_llm are present.
 """

@@ -1,10 +1,15 @@
-"""Crash-safe checkpoint directories for a whole run (every role + trainer state).
+"""Crash-safe checkpoints of a whole run: one directory a step, holding every role checkpoint and the trainer state.
+
+Vocabulary (the same in :mod:`aligner.runtime.checkpoint` and :class:`aligner.trainers.loop.Checkpoints`): a
+*checkpoint* (`ckpt`) is one step's directory ``step_N/`` below, complete or absent; a *role checkpoint* is one
+role's directory inside it, written by the role's ranks (:mod:`aligner.runtime.checkpoint`); the *trainer state* is
+the driver's part (``trainer_state.json``, ``rng.pt``); the *pointer* is ``latest``.
 
 Owns the on-disk layout and its atomicity:
 
     output_dir/checkpoints/
         step_00000010/            a complete checkpoint (renamed into place when whole)
-            actor/ critic/ ...    each role's model + optimizer, written by its workers
+            actor/ critic/ ...    the role checkpoints: model + optimizer, written by each role's workers
             trainer_state.json    step, data position, KL controller, metrics so far
             rng.pt                driver RNG states (loaded with weights_only=True)
             MANIFEST.json         size + CRC-32 of every file above (all files under the dir)
@@ -54,7 +59,7 @@ log = logging.getLogger("aligner")
 
 
 class CheckpointManager:
-    """Checkpoints of one run under ``output_dir/checkpoints`` (see module docstring)."""
+    """Writes, finds, verifies and prunes the checkpoints of one run under ``output_dir/checkpoints`` (module docstring)."""
 
     def __init__(self, output_dir: str | os.PathLike, keep: int = 2, stage: str = ""):
         self.root = Path(output_dir) / "checkpoints"

@@ -1,8 +1,15 @@
-"""Resharding checkpoints of a TrainRuntime (torch.distributed.checkpoint) and gather-to-HF export.
+"""Role checkpoints: one role's model, optimizer state and step (torch.distributed.checkpoint), resharding on load;
+and the gather-to-HF export.
+
+Vocabulary (the same in :mod:`aligner.run_ops.checkpointing` and :class:`aligner.trainers.loop.Checkpoints`): a
+*checkpoint* is one step's directory ``output_dir/checkpoints/step_N/``, complete or absent, managed by
+:class:`~aligner.run_ops.checkpointing.CheckpointManager`; a *role checkpoint* (`role_dir`) is one trained role's
+directory inside it, ``step_N/<role>/``, written and read by every rank of the role with the functions here; the
+*trainer state* is the driver's part beside them (``trainer_state.json``, ``rng.pt``).
 
 Owns:
 
-- :func:`save_checkpoint` / :func:`load_checkpoint`: model parameters and AdamW state (and the
+- :func:`save_checkpoint` / :func:`load_checkpoint`: a role checkpoint: model parameters and AdamW state (and the
   step) written with ``dcp.save`` and read with ``dcp.load``. Keys are full HF names
   (``model/<hf name>``, ``optim/<hf name>/{exp_avg,exp_avg_sq,step}``, ``step``). Every
   tensor is described by its *global* (unsharded) shape and this rank's offset in it, so a
@@ -21,8 +28,8 @@ Owns:
     are gathered and saved as full tensors, and sliced again on load.
   * pipeline stages save disjoint keys; dcp merges them into one metadata file.
 
-  Writes go to ``<dir>.tmp`` and are renamed to ``<dir>`` after every rank finished (an
-  existing ``<dir>`` is replaced), so a crash never leaves a half checkpoint under the final
+  Writes go to ``<role_dir>.tmp`` and are renamed to ``<role_dir>`` after every rank finished (an
+  existing ``<role_dir>`` is replaced), so a crash never leaves a half role checkpoint under the final
   name. ``meta.json`` records the layout, step and model config.
   * with LoRA (``runtime.lora``) only the trainable parameters (the adapters, and a scalar head)
     and their moments are saved; the frozen base comes from the role's init again on load.
@@ -346,8 +353,8 @@ def _commit(tmp: str, final: str) -> None:
     _barrier()
 
 
-def save_checkpoint(runtime, ckpt_dir: str, extra: Optional[dict] = None) -> str:
-    """Save `runtime`'s model, optimizer and step to `ckpt_dir` (atomically). Collective; returns ckpt_dir.
+def save_checkpoint(runtime, role_dir: str, extra: Optional[dict] = None) -> str:
+    """Save `runtime`'s role checkpoint (model, optimizer and step) to `role_dir`, atomically. Collective; returns role_dir.
 
     DeepSpeed runtimes use DeepSpeed's ``save_checkpoint`` under the same atomic rename.
     """
@@ -359,8 +366,8 @@ def save_checkpoint(runtime, ckpt_dir: str, extra: Optional[dict] = None) -> str
             "export weights with te_backend.te_layer_to_hf or checkpoint with model.backend=torch"
         )
     _check_finite(runtime)
-    ckpt_dir = os.path.abspath(ckpt_dir)
-    tmp = ckpt_dir.rstrip("/") + ".tmp"
+    role_dir = os.path.abspath(role_dir)
+    tmp = role_dir.rstrip("/") + ".tmp"
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -374,8 +381,8 @@ def save_checkpoint(runtime, ckpt_dir: str, extra: Optional[dict] = None) -> str
     if _rank() == 0:
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump(_meta(runtime, extra), f, indent=2)
-    _commit(tmp, ckpt_dir)
-    return ckpt_dir
+    _commit(tmp, role_dir)
+    return role_dir
 
 
 def _check_finite(runtime) -> None:
@@ -397,16 +404,16 @@ def _check_finite(runtime) -> None:
         )
 
 
-def read_meta(ckpt_dir: str) -> dict:
-    """meta.json of a checkpoint. Raises ValueError when `ckpt_dir` is not a complete checkpoint."""
-    path = os.path.join(ckpt_dir, META_FILE)
+def read_meta(role_dir: str) -> dict:
+    """meta.json of a role checkpoint. Raises ValueError when `role_dir` is not a complete role checkpoint."""
+    path = os.path.join(role_dir, META_FILE)
     if not os.path.isfile(path):
-        raise ValueError(f"checkpoint dir {ckpt_dir!r} has no {META_FILE}: not a complete aligner checkpoint (pick another dir)")
+        raise ValueError(f"checkpoint dir {role_dir!r} has no {META_FILE}: not a complete aligner checkpoint (pick another dir)")
     with open(path) as f:
         return json.load(f)
 
 
-def read_model_state_dict(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
+def read_model_state_dict(role_dir: str) -> tuple[dict[str, torch.Tensor], dict]:
     """The full model weights of a checkpoint saved by any layout (tp/pp/dp, FSDP2), read in this one
     process without building the role: ({HF-style parameter name: tensor in its saved dtype}, meta).
 
@@ -416,40 +423,40 @@ def read_model_state_dict(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dict]
     """
     import torch.distributed.checkpoint as dcp
 
-    meta = read_meta(ckpt_dir)
+    meta = read_meta(role_dir)
     if meta.get("lora"):
-        raise ValueError(f"checkpoint {ckpt_dir!r} holds LoRA adapters only: export its run's hf/ instead (adapters merged)")
-    saved = dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+        raise ValueError(f"checkpoint {role_dir!r} holds LoRA adapters only: export its run's hf/ instead (adapters merged)")
+    saved = dcp.FileSystemReader(role_dir).read_metadata().state_dict_metadata
     sd = {
         k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in saved.items() if k.startswith("model.") and hasattr(m, "size")
     }
     with _dcp_no_dist(True):
-        dcp.load(sd, checkpoint_id=ckpt_dir, no_dist=True)
+        dcp.load(sd, checkpoint_id=role_dir, no_dist=True)
     return {k[len("model.") :]: v for k, v in sd.items()}, meta
 
 
-def _check_compatible(runtime, meta: dict, ckpt_dir: str) -> None:
+def _check_compatible(runtime, meta: dict, role_dir: str) -> None:
     saved = meta.get("model", {})
     mine = dataclasses.asdict(runtime.model_cfg)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "tie_word_embeddings"):
         if key in saved and saved[key] != mine[key]:
             raise ValueError(
-                f"checkpoint {ckpt_dir!r} has model.{key}={saved[key]} but this model has {mine[key]}: load it with the same model config"
+                f"checkpoint {role_dir!r} has model.{key}={saved[key]} but this model has {mine[key]}: load it with the same model config"
             )
     saved_lora, my_lora = meta.get("lora"), getattr(runtime, "lora", None)
     if (saved_lora is None) != (my_lora is None) or (
         saved_lora and (saved_lora["rank"], saved_lora["target_modules"]) != (my_lora.rank, list(my_lora.target_modules))
     ):
         raise ValueError(
-            f"checkpoint {ckpt_dir!r} was saved with lora={saved_lora} but this role has lora={my_lora}: "
+            f"checkpoint {role_dir!r} was saved with lora={saved_lora} but this role has lora={my_lora}: "
             "resume with the same lora settings (rank, target_modules)"
         )
     if meta.get("kind", runtime.kind) != runtime.kind:
-        raise ValueError(f"checkpoint {ckpt_dir!r} holds a kind={meta['kind']!r} model, not {runtime.kind!r}")
+        raise ValueError(f"checkpoint {role_dir!r} holds a kind={meta['kind']!r} model, not {runtime.kind!r}")
     saved_ds = meta["layout"]["dp_backend"] == "deepspeed"
     if saved_ds != (runtime.backend == "deepspeed"):
         raise ValueError(
-            f"checkpoint {ckpt_dir!r} was saved with dp_backend={meta['layout']['dp_backend']} and cannot load into "
+            f"checkpoint {role_dir!r} was saved with dp_backend={meta['layout']['dp_backend']} and cannot load into "
             f"dp_backend={runtime.backend}: DeepSpeed checkpoints load only into DeepSpeed runtimes (export to HF instead)"
         )
 
@@ -461,31 +468,31 @@ def _saved_dtype(saved_meta: dict, key: str) -> torch.dtype:
 
 
 @torch.no_grad()
-def load_checkpoint(runtime, ckpt_dir: str) -> dict:
-    """Load a checkpoint saved under any tp/pp/dp layout into `runtime` (collective); returns meta.
+def load_checkpoint(runtime, role_dir: str) -> dict:
+    """Load a role checkpoint saved under any tp/pp/dp layout into `runtime` (collective); returns meta.
 
     Parameters and Adam moments are copied into this rank's shards (moments read in their saved
     dtype and cast to :func:`moment_dtype`: fp32 and bf16 moments load into either); the step
     counter and LR schedule resume from the saved step. Raises ValueError for a
-    missing/incomplete checkpoint or a different model config.
+    missing/incomplete role checkpoint or a different model config.
     """
     import torch.distributed.checkpoint as dcp
 
-    meta = read_meta(ckpt_dir)
-    _check_compatible(runtime, meta, ckpt_dir)
+    meta = read_meta(role_dir)
+    _check_compatible(runtime, meta, role_dir)
     if runtime.backend == "deepspeed":
-        runtime.model.load_checkpoint(ckpt_dir, tag="ds")
+        runtime.model.load_checkpoint(role_dir, tag="ds")
         runtime.set_step(int(meta["step"]))
         return meta
     lay = _Layout(runtime)
-    saved_meta = dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata
+    saved_meta = dcp.FileSystemReader(role_dir).read_metadata().state_dict_metadata
     saved = set(saved_meta)
     sd: dict[str, Any] = {"model": {}, "optim": {}, "step": torch.zeros((), dtype=torch.int64)}
     finish = []
     for name, owner, pname, p in _checkpoint_params(runtime):
         key = name if f"model.{name}" in saved else _TIED.get(name, name)  # tied lm_head saved once at pp=1
         if f"model.{key}" not in saved:
-            raise ValueError(f"checkpoint {ckpt_dir!r} has no tensor for parameter {name!r}: it was saved from a different model")
+            raise ValueError(f"checkpoint {role_dir!r} has no tensor for parameter {name!r}: it was saved from a different model")
         bufs = {"param": lay.empty_global(p, owner, pname)}
         for k in ("exp_avg", "exp_avg_sq"):
             bufs[k] = lay.empty_global(p, owner, pname, _saved_dtype(saved_meta, f"optim.{key}.{k}"))
@@ -500,7 +507,7 @@ def load_checkpoint(runtime, ckpt_dir: str) -> dict:
         finish.append((key, p, bufs))
     no_dist = not _distributed()
     with _dcp_no_dist(no_dist):
-        dcp.load(sd, checkpoint_id=ckpt_dir, no_dist=no_dist)
+        dcp.load(sd, checkpoint_id=role_dir, no_dist=no_dist)
     for name, p, bufs in finish:
         _local(p).copy_(bufs["param"][1]())
         step = sd["optim"][name]["step"]

@@ -167,10 +167,10 @@ class RoleModel:
         cfg = peft_adapter_config(lo.rank, lo.alpha, lo.dropout, lo.target_modules, str(Path(base).resolve()), kind=self.kind)
         save_peft_adapter(full_sd, str(out), cfg)
 
-    def save(self, ckpt_dir: str) -> None:
-        """Model + optimizer + schedule of this role into `ckpt_dir` (collective)."""
-        self.runtime.save(ckpt_dir)
+    def save(self, role_dir: str) -> None:
+        """This role's checkpoint (model + optimizer + schedule) into `role_dir` (collective)."""
+        self.runtime.save(role_dir)
 
-    def load(self, ckpt_dir: str) -> None:
+    def load(self, role_dir: str) -> None:
         """Restore what :meth:`save` wrote (any source layout)."""
-        self.runtime.load(ckpt_dir)
+        self.runtime.load(role_dir)

@@ -68,7 +68,7 @@ OutputFn = Callable[[torch.Tensor, dict], torch.Tensor]
 def split_micro(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
     """Contiguous micro-batches of at most `micro_batch_size` rows (tensors split on dim 0).
 
-    Unlike ``pipeline.split_microbatches`` (an exact count), the last micro-batch may be smaller:
+    Unlike ``pipeline.split_micro_batches`` (an exact count), the last micro-batch may be smaller:
     dp_split hands ranks local batches whose sizes differ by one. Non-tensor values (such as a
     ``LogProbSpec``) are shared by every micro-batch.
     """

@@ -238,16 +238,16 @@ class TrainRuntime:
             loss.backward()
 
     def forward_backward(
-        self, microbatches: list[dict], loss_fn: Callable[[torch.Tensor, dict], torch.Tensor], loss_reduction: str = "mean"
+        self, micro_batches: list[dict], loss_fn: Callable[[torch.Tensor, dict], torch.Tensor], loss_reduction: str = "mean"
     ) -> torch.Tensor:
         """Forward + backward over micro-batches (1F1B across stages when pp_size > 1).
 
-        microbatches: dicts with ``input_ids`` [b, T] int64, the optional model inputs of
+        micro_batches: dicts with ``input_ids`` [b, T] int64, the optional model inputs of
         ``pipeline.MODEL_INPUT_KEYS`` (position_ids / segment_ids / prompt_segments [b, T], head_index [b, R]),
         plus whatever `loss_fn` (output, mb) -> scalar reads; the same
         on every pp rank of a dp replica. loss_reduction: "mean" scales each loss by
-        1/num_microbatches, "sum" leaves it (see aligner.parallel.pipeline).
-        Returns: [num_microbatches] fp32 unscaled losses (on every pp rank).
+        1/num_micro_batches, "sum" leaves it (see aligner.parallel.pipeline).
+        Returns: [num_micro_batches] fp32 unscaled losses (on every pp rank).
         Under autocast the frozen weights (a LoRA base) are cast to bf16 once for the whole step and
         shared by every micro-batch (:attr:`shares_frozen_casts`): a stage holds one copy of those
         casts, as autocast's own cache does for trainable weights, not one per micro-batch in flight.
@@ -255,7 +255,7 @@ class TrainRuntime:
         all-gathered once and its gradient reduce-scattered once per call, at the last micro-batch
         (:class:`aligner.parallel.data_parallel.FsdpStepReduce`).
         """
-        reduce = self._step_reduce if len(microbatches) > 1 else None
+        reduce = self._step_reduce if len(micro_batches) > 1 else None
         if reduce is not None:
             reduce.begin()
         try:
@@ -265,7 +265,7 @@ class TrainRuntime:
                         return pipeline_train_step(
                             self.stages,
                             self.dims,
-                            microbatches,
+                            micro_batches,
                             loss_fn,
                             loss_reduction=loss_reduction,
                             finalize=False,
@@ -273,13 +273,13 @@ class TrainRuntime:
                         )
                 if loss_reduction not in ("mean", "sum"):
                     raise ValueError(f"loss_reduction={loss_reduction!r}: valid choices are mean, sum")
-                scale = 1.0 / len(microbatches) if loss_reduction == "mean" else 1.0
-                set_aux_loss_scale(self.model, 1.0 / len(microbatches))
+                scale = 1.0 / len(micro_batches) if loss_reduction == "mean" else 1.0
+                set_aux_loss_scale(self.model, 1.0 / len(micro_batches))
                 losses = []
-                for i, mb in enumerate(microbatches):
-                    if reduce is not None and i == len(microbatches) - 1:
+                for i, mb in enumerate(micro_batches):
+                    if reduce is not None and i == len(micro_batches) - 1:
                         reduce.last_backward(0)
-                    with self._accumulating(i < len(microbatches) - 1):
+                    with self._accumulating(i < len(micro_batches) - 1):
                         loss = loss_fn(self.forward(mb["input_ids"], **model_kwargs(mb)), mb)
                         self.backward(loss * scale)
                     losses.append(loss.detach().float())
@@ -289,13 +289,13 @@ class TrainRuntime:
                 reduce.end()
 
     @contextlib.contextmanager
-    def forward_only(self, num_microbatches: int):
-        """Around a forward-only pass (under ``torch.no_grad``) over `num_microbatches` micro-batches: with
+    def forward_only(self, num_micro_batches: int):
+        """Around a forward-only pass (under ``torch.no_grad``) over `num_micro_batches` micro-batches: with
         ``parallel.fsdp_reduce=step`` and more than one, each FSDP2 unit is all-gathered by the first
         micro-batch's forward and kept unsharded through the pass, then freed
         (:meth:`aligner.parallel.data_parallel.FsdpStepReduce.hold` / ``release``), one all-gather per unit
         instead of one per micro-batch, within the memory the step's training already holds; else nothing."""
-        reduce = self._step_reduce if num_microbatches > 1 else None
+        reduce = self._step_reduce if num_micro_batches > 1 else None
         if reduce is None:
             yield
             return
@@ -405,15 +405,16 @@ class TrainRuntime:
 
         return gather_full_state_dict_any(self)
 
-    def save(self, ckpt_dir: str, extra: Optional[dict] = None) -> str:
-        """Sharded checkpoint of model + optimizer + step into `ckpt_dir` (atomic). Returns the path."""
+    def save(self, role_dir: str, extra: Optional[dict] = None) -> str:
+        """This role's checkpoint (sharded model + optimizer + step) into `role_dir`, atomically
+        (:func:`aligner.runtime.checkpoint.save_checkpoint`). Returns the path."""
 
-        return save_checkpoint(self, ckpt_dir, extra=extra)
+        return save_checkpoint(self, role_dir, extra=extra)
 
-    def load(self, ckpt_dir: str) -> dict:
-        """Load a checkpoint saved under any tp/pp/dp layout; returns its metadata."""
+    def load(self, role_dir: str) -> dict:
+        """Load a role checkpoint saved under any tp/pp/dp layout; returns its metadata (meta.json)."""
 
-        return load_checkpoint(self, ckpt_dir)
+        return load_checkpoint(self, role_dir)
 
     def set_step(self, step: int) -> None:
         """Set the optimizer step counter and the LR schedule to `step` (after loading)."""

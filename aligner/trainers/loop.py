@@ -172,11 +172,11 @@ class Trainer(abc.ABC):
     # ---- checkpoints -------------------------------------------------------------------------
     @abc.abstractmethod
     def save_roles(self, tmp: Path) -> None:
-        """Each trained role's workers write model + optimizer + schedule into ``tmp/<role>``."""
+        """Each trained role's workers write its role checkpoint (model + optimizer + schedule) into ``tmp/<role>``."""
 
     @abc.abstractmethod
     def load_roles(self, ckpt: Path) -> None:
-        """Each trained role's workers load ``ckpt/<role>``."""
+        """Each trained role's workers load its role checkpoint ``ckpt/<role>``."""
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:
@@ -187,13 +187,14 @@ class Trainer(abc.ABC):
         """Restore :meth:`state_dict` (ValueError when it does not fit this run's data)."""
 
     def save(self, manager) -> Path:
-        """Checkpoint of step ``self.step``, atomically: roles, then the driver state and RNG (CheckpointManager)."""
+        """The checkpoint of step ``self.step``, atomically: the role checkpoints, then the trainer state (driver state
+        and RNG) through the CheckpointManager."""
         tmp = manager.begin(self.step)
         self.save_roles(tmp)
         return manager.commit(tmp, self.step, self.state_dict())
 
     def load(self, ckpt: Path) -> None:
-        """Restore a checkpoint written by :meth:`save`: roles, driver state, RNG states.
+        """Restore a checkpoint written by :meth:`save`: the role checkpoints, then the trainer state (driver state, RNG).
 
         Raises UserError naming the checkpoint when its state does not fit this run (other data)."""
 
@@ -207,7 +208,8 @@ class Trainer(abc.ABC):
 
 # ---- the hooks ---------------------------------------------------------------------------------
 class Checkpoints:
-    """The loop's checkpoint hook: resume, saves and the stop at a step boundary after SIGTERM.
+    """The loop's checkpoint hook: resume, saves and the stop at a step boundary after SIGTERM (checkpoint, role
+    checkpoint and trainer state as :mod:`aligner.run_ops.checkpointing` defines them).
 
     One :class:`aligner.run_ops.checkpointing.CheckpointManager` under output_dir/checkpoints,
     recording ``trainer.name`` as the checkpoints' stage. ``last_saved`` is the step of the newest

@@ -103,12 +103,12 @@ class PolicyWorker:
         return self.policy.ppo_update(batch, self.cfg.algorithm, t.micro_batch_size, temperature, t.shared_prompt_pack_len)
 
     @dispatch("broadcast")
-    def save(self, ckpt_dir: str) -> None:
-        self.policy.save(ckpt_dir)
+    def save(self, role_dir: str) -> None:
+        self.policy.save(role_dir)
 
     @dispatch("broadcast")
-    def load(self, ckpt_dir: str) -> None:
-        self.policy.load(ckpt_dir)
+    def load(self, role_dir: str) -> None:
+        self.policy.load(role_dir)
 
     @dispatch("broadcast")
     def export_hf(self, out_dir: str, tokenizer_path: str = "") -> Optional[str]:

@@ -41,9 +41,9 @@ class CriticWorker:
         return self.critic.value_step(batch, self.cfg.algorithm, self.cfg.trainer.micro_batch_size)
 
     @dispatch("broadcast")
-    def save(self, ckpt_dir: str) -> None:
-        self.critic.save(ckpt_dir)
+    def save(self, role_dir: str) -> None:
+        self.critic.save(role_dir)
 
     @dispatch("broadcast")
-    def load(self, ckpt_dir: str) -> None:
-        self.critic.load(ckpt_dir)
+    def load(self, role_dir: str) -> None:
+        self.critic.load(role_dir)

@@ -66,12 +66,12 @@ class RewardWorker:
         return self.rm.bt_eval(batch, self.cfg.trainer.micro_batch_size)
 
     @dispatch("broadcast")
-    def save(self, ckpt_dir: str) -> None:
-        self.rm.save(ckpt_dir)
+    def save(self, role_dir: str) -> None:
+        self.rm.save(role_dir)
 
     @dispatch("broadcast")
-    def load(self, ckpt_dir: str) -> None:
-        self.rm.load(ckpt_dir)
+    def load(self, role_dir: str) -> None:
+        self.rm.load(role_dir)
 
     @dispatch("broadcast")
     def export_hf(self, out_dir: str, tokenizer_path: str = "", stats: Optional[dict] = None) -> Optional[str]:

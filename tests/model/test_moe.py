@@ -210,10 +210,10 @@ MOE_LAYOUTS = {
     "topk softmax, SP, z-loss, selective": (dict(router_z_loss_coef=0.01), "lm", dict(sp=True, recompute="selective")),
     "sinkhorn top-1, no SP, full recompute": (dict(moe_router="sinkhorn", num_experts_per_tok=1), "lm", dict(recompute="full")),
     # the auxiliary loss is per micro-batch (a mean of per-micro-batch losses, not the whole batch's): off here
-    "SP, 2 micro-batches, no aux": (dict(router_aux_loss_coef=0.0), "lm", dict(sp=True, num_microbatches=2)),
+    "SP, 2 micro-batches, no aux": (dict(router_aux_loss_coef=0.0), "lm", dict(sp=True, num_micro_batches=2)),
     "score model, SP, capacity 1.0": (dict(moe_capacity_factor=1.0), "score", dict(sp=True)),
     "pp=2, topk softmax, aux + z-loss": (dict(router_z_loss_coef=0.01), "lm", dict()),
-    "pp=2, 2 micro-batches, no aux": (dict(router_aux_loss_coef=0.0), "lm", dict(num_microbatches=2)),
+    "pp=2, 2 micro-batches, no aux": (dict(router_aux_loss_coef=0.0), "lm", dict(num_micro_batches=2)),
 }
 
 

@@ -95,7 +95,7 @@ def _random_b(module: nn.Module) -> None:
                 m.B.copy_(m.full_to_local("B", torch.randn(m.out_features, m.rank, generator=g) * 0.2))
 
 
-def _microbatches(m: int) -> list[dict]:
+def _micro_batches(m: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, CFG.vocab_size, (m, 1, 12), generator=g)  # 12 tokens: no activation has a weight's shape
     return [{"input_ids": x} for x in ids]
@@ -131,7 +131,7 @@ def _step(runtime, m: int, shared: bool):
     try:
         runtime.zero_grad()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            losses = runtime.forward_backward(_microbatches(m), _loss)
+            losses = runtime.forward_backward(_micro_batches(m), _loss)
     finally:
         TrainRuntime.shares_frozen_casts = before
     grads = {n: p.grad.clone() for n, p in runtime.module.named_parameters() if p.grad is not None}

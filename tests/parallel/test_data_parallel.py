@@ -96,7 +96,7 @@ def tp_pp_battery(rank: int, world: int) -> dict:
     }
     for name, par in layouts.items():
         eng = make_engine(cfg, par, optim, world)
-        losses, norms = engine_run(eng, data, num_microbatches=2 if par.pp_size > 1 else 1)
+        losses, norms = engine_run(eng, data, num_micro_batches=2 if par.pp_size > 1 else 1)
         out[name] = {"losses": losses, "norms": norms, "param_diff": max_param_diff(eng.full_state_dict(), ref_sd)}
     # GQA kv heads replicated over tp (num_kv_heads=1 < tp_size=2), FSDP2: replicated-row grads and norm
     cfg1 = model_cfg(num_kv_heads=1)

@@ -41,7 +41,7 @@ def ddp_battery(rank: int, world: int) -> dict:
     for m in (1, 4):
         eng = make_engine(cfg, ParallelConfig(dp_size=2, dp_backend="ddp"), optim, world)
         calls = _counted(eng)
-        losses, _ = engine_run(eng, data, num_microbatches=m)
+        losses, _ = engine_run(eng, data, num_micro_batches=m)
         out[m] = {"calls": calls[0], "losses": losses, "state": {k: v.clone() for k, v in eng.full_state_dict().items()}}
     return out
 

@@ -70,7 +70,7 @@ def ep_battery(rank: int, world: int, layouts: dict, ckpt_root: str) -> dict:
         eng = make_engine(cfg, par, optim, world)
         experts = [m for m in eng.module.modules() if isinstance(m, GroupedExperts)]
         local = {(m.expert_offset, m.num_local_experts) for m in experts}
-        losses, norms = engine_run(eng, data, num_microbatches=micro)
+        losses, norms = engine_run(eng, data, num_micro_batches=micro)
         res = {
             "losses": losses,
             "norms": norms,

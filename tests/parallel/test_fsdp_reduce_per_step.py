@@ -90,7 +90,7 @@ def _battery(rank: int, world: int, layouts: list[dict], num_layers: int) -> dic
             grads = {n: p.grad.to_local().clone() for n, p in eng.module.named_parameters()}
             eng.zero_grad()
             with _counting() as counts:
-                losses, _ = engine_run(eng, data, num_microbatches=M)
+                losses, _ = engine_run(eng, data, num_micro_batches=M)
             state = {k: v.clone() for k, v in eng.full_state_dict().items()}
             out[(tuple(layout.items()), mode)] = {
                 "tol": adamw_param_tol(OPTIM["lr"], STEPS, data[0].numel(), cfg),

@@ -31,7 +31,7 @@ def _battery(rank: int, world: int, ckpt_root: str) -> dict:
     nxt = batches(STEPS + 1)[-1]
     for v in (1, 2):
         eng = make_engine(cfg, ParallelConfig(pp_size=2, dp_size=2, dp_backend="fsdp2", virtual_pp_size=v), optim, world)
-        losses, norms = engine_run(eng, data, num_microbatches=2)
+        losses, norms = engine_run(eng, data, num_micro_batches=2)
         out[v] = {
             "losses": losses,
             "norms": norms,
@@ -40,14 +40,14 @@ def _battery(rank: int, world: int, ckpt_root: str) -> dict:
         }
         if v == 2:
             eng.save(f"{ckpt_root}/interleaved")
-            out[v]["next"] = engine_run(eng, [nxt], num_microbatches=2)[0][0]
+            out[v]["next"] = engine_run(eng, [nxt], num_micro_batches=2)[0][0]
             plain = make_engine(cfg, ParallelConfig(pp_size=2, dp_size=2, dp_backend="fsdp2"), optim, world)
             out[v]["load_step"] = plain.load(f"{ckpt_root}/interleaved")["step"]
-            out[v]["next_after_load"] = engine_run(plain, [nxt], num_microbatches=2)[0][0]
+            out[v]["next_after_load"] = engine_run(plain, [nxt], num_micro_batches=2)[0][0]
     for v in (1, 2):  # bf16 compute: the stages' activations travel in bf16
         par = ParallelConfig(pp_size=2, dp_size=2, dp_backend="fsdp2", virtual_pp_size=v, mixed_precision="bf16")
         eng = make_engine(cfg, par, optim, world)
-        losses, _ = engine_run(eng, data, num_microbatches=2)
+        losses, _ = engine_run(eng, data, num_micro_batches=2)
         out[f"bf16_{v}"] = {"losses": losses, "param_diff": max_abs_diff(eng.full_state_dict(), ref_sd)}
     return out
 

@@ -28,33 +28,33 @@ PP_LAYOUTS = {
         (2, 2, 1),
         dict(num_layers=3, attention_bias=True),
         "lm",
-        dict(num_microbatches=4),
+        dict(num_micro_batches=4),
     ),
     "tp2 x pp2, kv replicated, SP, full, tied, 4 mb": (
         (2, 2, 1),
         dict(num_kv_heads=1, tie_word_embeddings=True),
         "lm",
-        dict(sp=True, recompute="full", num_microbatches=4),
+        dict(sp=True, recompute="full", num_micro_batches=4),
     ),
     "tp2 x pp2, SP, selective, split 1+2, 2 mb": (
         (2, 2, 1),
         dict(num_layers=3),
         "lm",
-        dict(sp=True, recompute="selective", layer_split=[1, 2], num_microbatches=2),
+        dict(sp=True, recompute="selective", layer_split=[1, 2], num_micro_batches=2),
     ),
-    "tp2 x pp2, score model, SP, 4 mb": ((2, 2, 1), dict(num_kv_heads=1), "score", dict(sp=True, num_microbatches=4)),
+    "tp2 x pp2, score model, SP, 4 mb": ((2, 2, 1), dict(num_kv_heads=1), "score", dict(sp=True, num_micro_batches=4)),
     "pp2 x dp2, tied, split 1+2, 4 mb": (
         (1, 2, 2),
         dict(num_layers=3, tie_word_embeddings=True),
         "lm",
-        dict(layer_split=[1, 2], num_microbatches=4),
+        dict(layer_split=[1, 2], num_micro_batches=4),
     ),
-    "pp4, 4 layers, 4 mb": ((1, 4, 1), dict(num_layers=4), "lm", dict(num_microbatches=4)),
+    "pp4, 4 layers, 4 mb": ((1, 4, 1), dict(num_layers=4), "lm", dict(num_micro_batches=4)),
     "pp4, 4 layers, 2 mb (fewer than stages), selective": (
         (1, 4, 1),
         dict(num_layers=4),
         "lm",
-        dict(num_microbatches=2, recompute="selective"),
+        dict(num_micro_batches=2, recompute="selective"),
     ),
 }
 
@@ -64,7 +64,7 @@ def _mean_reduction_check(dims) -> float:
     from aligner.model.llama import build_model
     from aligner.nn.vocab import vocab_parallel_log_probs
     from aligner.parallel.parallelize import build_parallel_model
-    from aligner.parallel.pipeline import pipeline_train_step, split_microbatches
+    from aligner.parallel.pipeline import pipeline_train_step, split_micro_batches
     from aligner.parallel.sharding import gather_full_state_dict
     from aligner.parallel.tensor_parallel import vocab_start
 
@@ -77,7 +77,7 @@ def _mean_reduction_check(dims) -> float:
         return -vocab_parallel_log_probs(logits[:, :-1], mb["input_ids"][:, 1:], group, start).mean()
 
     loss_fn(ref(batch["input_ids"]), batch, None, 0).backward()
-    losses = pipeline_train_step(stage, dims, split_microbatches(batch, 4), loss_fn, loss_reduction="mean")
+    losses = pipeline_train_step(stage, dims, split_micro_batches(batch, 4), loss_fn, loss_reduction="mean")
     for p in stage.parameters():
         p.data, p.grad = p.grad, p.data
     grads = gather_full_state_dict(stage, dims.tp_group, dims.pp_group)
@@ -111,7 +111,7 @@ def _meta_build_and_dst_gather(dims) -> dict:
 
 def pp_battery(rank: int, world_size: int) -> dict:
     from aligner.parallel.parallelize import stage_layer_ids
-    from aligner.parallel.pipeline import split_microbatches
+    from aligner.parallel.pipeline import split_micro_batches
 
     torch.manual_seed(0)
     out = {"layouts": {}, "extra": {}, "errors": {}}
@@ -132,7 +132,7 @@ def pp_battery(rank: int, world_size: int) -> dict:
         except ValueError as e:
             out["errors"][str(args[3])] = str(e)
     try:
-        split_microbatches({"input_ids": torch.zeros(4, 8)}, 3)
+        split_micro_batches({"input_ids": torch.zeros(4, 8)}, 3)
     except ValueError as e:
         out["errors"]["mb"] = str(e)
     return out
@@ -160,4 +160,4 @@ def test_pipeline_split_and_validation(pp_results):
     assert res["split 3 on 2"] == [[0, 1], [2]]
     assert "pp_layer_split=[2, 2]" in res["errors"]["[2, 2]"]
     assert "pp_layer_split=[3, 0]" in res["errors"]["[3, 0]"]
-    assert "num_microbatches=3" in res["errors"]["mb"]
+    assert "num_micro_batches=3" in res["errors"]["mb"]

@@ -26,7 +26,7 @@ TP_LAYOUTS = {
     "kv replicated, SP, full, 2 micro-batches": (
         dict(num_kv_heads=1, attention_bias=True),
         "lm",
-        dict(sp=True, recompute="full", num_microbatches=2),
+        dict(sp=True, recompute="full", num_micro_batches=2),
     ),
     "tied embeddings, SP, none": (dict(tie_word_embeddings=True), "lm", dict(sp=True)),
     "MHA, no SP, full": (dict(num_kv_heads=4), "lm", dict(recompute="full")),

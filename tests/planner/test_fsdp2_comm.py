@@ -8,7 +8,7 @@ import pytest
 from aligner.config import ClusterConfig, ModelConfig, ParallelConfig
 from aligner.planner import Layout, RoleWork, estimate_layout
 from aligner.planner.cost_model import layer_num_parameters, layers_on_stage
-from aligner.planner.time_model import fsdp2_microbatch_exposed_seconds
+from aligner.planner.time_model import fsdp2_micro_batch_exposed_seconds
 
 LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32)
 MODEL = ModelConfig(**LLAMA2_7B, max_seq_len=4096, dtype="bfloat16")
@@ -38,12 +38,12 @@ def test_fsdp2_bytes_per_micro_batch():
     after forward: apply_fsdp2 passes reshard_after_forward=True): (n - 1) / n of (2 + 2 + 4) bytes per layer
     and per root parameter, over 50 GB/s."""
     layout = Layout(tp=1, pp=1, dp=16, micro_batch_size=1)
-    exposed = fsdp2_microbatch_exposed_seconds(MODEL, work("fsdp2"), layout, 0.0, 0.0, NO_OVERLAP_CLUSTER)
+    exposed = fsdp2_micro_batch_exposed_seconds(MODEL, work("fsdp2"), layout, 0.0, 0.0, NO_OVERLAP_CLUSTER)
     layer = layer_num_parameters(MODEL) * layers_on_stage(MODEL.num_layers, 1, 0)
     root = MODEL.num_parameters() - layer
     assert exposed == pytest.approx(15 / 16 * (8 * layer + 8 * root) / 50e9)
     # a forward-only pass (PPO's old log-probs in the trained role) gathers once and reduces nothing
-    forward = fsdp2_microbatch_exposed_seconds(MODEL, work("fsdp2"), layout, 0.0, None, NO_OVERLAP_CLUSTER)
+    forward = fsdp2_micro_batch_exposed_seconds(MODEL, work("fsdp2"), layout, 0.0, None, NO_OVERLAP_CLUSTER)
     assert forward == pytest.approx(15 / 16 * (2 * layer + 2 * root) / 50e9)
 
 
@@ -51,7 +51,7 @@ def test_fsdp2_traffic_hides_behind_compute_but_one_layer_per_pass():
     """With compute to spare, only the forward's first gather, the backward's last reduce-scatter and the root's
     collectives (two gathers, one reduce-scatter) stay exposed."""
     layout = Layout(tp=1, pp=1, dp=16, micro_batch_size=1)
-    exposed = fsdp2_microbatch_exposed_seconds(MODEL, work("fsdp2"), layout, 100.0, 100.0, NO_OVERLAP_CLUSTER)
+    exposed = fsdp2_micro_batch_exposed_seconds(MODEL, work("fsdp2"), layout, 100.0, 100.0, NO_OVERLAP_CLUSTER)
     per_layer = layer_num_parameters(MODEL)
     root = MODEL.num_parameters() - per_layer * MODEL.num_layers
     assert exposed == pytest.approx(15 / 16 * (2 * per_layer + 4 * per_layer + 8 * root) / 50e9)

@@ -3,7 +3,7 @@
 - the verdict parser and the rubric filling;
 - the judge's scores equal an independent reference: each filled rubric through the judge's chat
   template, greedy decoding by full forwards without a cache, the first number parsed;
-- bad settings stop before any worker starts (tests/test_config.py, CASES);
+- bad settings stop before any worker starts (tests/config/test_validation.py, CASES);
 - PPO end to end through Ray with a judge in the reward group: every step is scored by it and the
   share of verdicts it could not parse is logged.
 """

@@ -201,7 +201,7 @@ def test_registry_unknown_backend_and_trtllm_hint(model):
 
 
 def test_the_registry_names_its_engine_modules_in_import_statements():
-    """Static tools (tests/test_layering.py, IDEs) see rollout -> torch_engine / trtllm_engine as
+    """Static tools (tests/project/test_layering.py, IDEs) see rollout -> torch_engine / trtllm_engine as
     import statements, not strings; the imports run only when a backend is asked for."""
     import ast
     import subprocess

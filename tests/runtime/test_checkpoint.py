@@ -69,7 +69,7 @@ def load_pp2_dp2_battery(rank: int, world: int, root: str) -> dict:
             "step": eng.step_count,
             "param_diff": max(float((full[k] - expected["full"][k]).abs().max()) for k in expected["full"]),
             "logits_diff": float((full_logits(eng, data[5]) - expected["logits"]).abs().max()),
-            "losses": engine_run(eng, data[2:4], num_microbatches=2 if par.pp_size > 1 else 1)[0],
+            "losses": engine_run(eng, data[2:4], num_micro_batches=2 if par.pp_size > 1 else 1)[0],
         }
         if name == "pp2_dp2_fsdp2":
             from aligner.runtime.checkpoint import export_hf

@@ -1,6 +1,6 @@
 """The test toolkit: what more than one test module needs, written once.
 
-Test modules import from here and never from each other (tests/test_toolkit.py checks it).
+Test modules import from here and never from each other (tests/project/test_toolkit.py checks it).
 
 - :mod:`tests.toolkit.paths`: the repository root and ``../shared`` (skip where it is absent);
 - :mod:`tests.toolkit.spawn`: run a function on N gloo ranks (``run_distributed``);

@@ -63,7 +63,7 @@ def _max_err(full: dict, ref: dict) -> float:
 
 
 def run_layout(
-    dims, cfg, kind: str = "lm", *, sp: bool = False, recompute: str = "none", layer_split=None, num_microbatches: int = 1, steps: int = 3
+    dims, cfg, kind: str = "lm", *, sp: bool = False, recompute: str = "none", layer_split=None, num_micro_batches: int = 1, steps: int = 3
 ) -> dict[str, float]:
     """Run one TP x PP layout against the single-process reference; return {check: max abs error}."""
     import torch.distributed as dist
@@ -71,7 +71,7 @@ def run_layout(
     from aligner.model.llama import build_model
     from aligner.nn.vocab import vocab_parallel_entropy, vocab_parallel_log_probs
     from aligner.parallel.parallelize import build_parallel_model
-    from aligner.parallel.pipeline import pipeline_forward, pipeline_train_step, split_microbatches
+    from aligner.parallel.pipeline import pipeline_forward, pipeline_train_step, split_micro_batches
     from aligner.parallel.sharding import gather_full_state_dict
     from aligner.parallel.tensor_parallel import vocab_start
 
@@ -79,7 +79,7 @@ def run_layout(
     stage = build_parallel_model(cfg, kind, dims, layer_split=layer_split, sequence_parallel=sp, recompute=recompute, seed=11)
     tp_group, vstart = dims.tp_group, vocab_start(stage)
     batch = make_batch(cfg)
-    mbs = split_microbatches(batch, num_microbatches)
+    mbs = split_micro_batches(batch, num_micro_batches)
     errs: dict[str, float] = {}
     ref_sd = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     errs["load/gather weights"] = _max_err(gather_full_state_dict(stage, tp_group, dims.pp_group), ref_sd)

@@ -27,7 +27,7 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor, tp_group=None, vocab_start:
     return -shifted_log_probs(logits, ids, tp_group, vocab_start).mean()
 
 
-def engine_run(engine, data: list[torch.Tensor], num_microbatches: int = 1) -> tuple[list[float], list[float]]:
+def engine_run(engine, data: list[torch.Tensor], num_micro_batches: int = 1) -> tuple[list[float], list[float]]:
     """Train `engine` (a TrainRuntime) on this dp rank's slice of each batch; (dp-mean losses, grad norms) per step."""
     from aligner.parallel.tensor_parallel import vocab_start
 
@@ -37,7 +37,7 @@ def engine_run(engine, data: list[torch.Tensor], num_microbatches: int = 1) -> t
     losses, norms = [], []
     for ids in data:
         local = ids.chunk(d.dp_size)[d.dp_rank]
-        mbs = list({"input_ids": m} for m in local.chunk(num_microbatches))
+        mbs = list({"input_ids": m} for m in local.chunk(num_micro_batches))
         loss = engine.forward_backward(mbs, loss_fn).mean()
         out = engine.step()
         engine.zero_grad()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 # the toolkit's functions and classes, and the constants whose meaning is the toolkit's
 TOOLKIT_NAMES = {
     node.name

@@ -25,7 +25,7 @@ from aligner.rollout.base import Generation  # noqa: E402
 from aligner.trainers.evaluation import evaluate_greedy  # noqa: E402
 
 GOOD = {"prompt": "Write a haiku about rain.", "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]}
-MODEL = Path(__file__).resolve().parent.parent / "models" / "smollm2-135m"
+MODEL = Path(__file__).resolve().parents[2] / "models" / "smollm2-135m"
 
 
 def _file(tmp_path: Path, rows: list) -> Path:

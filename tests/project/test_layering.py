@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "aligner"
+ROOT = Path(__file__).resolve().parents[2] / "aligner"
 
 # lowest first; each row: the packages / top-level modules of one layer
 LAYERS = [
@@ -252,12 +252,18 @@ def test_process_entry_modules_import_no_heavy_library():
 
 
 def test_tests_mirror_the_packages():
-    """tests/<package>/test_<module>*.py: every test folder is an aligner package, so a module's test is found by its name.
-    (tests/toolkit/ holds no tests: the helpers the test modules share, tests/test_toolkit.py.)"""
-    tests = Path(__file__).resolve().parent
-    folders = sorted(p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_")) and p.name != "toolkit")
-    stray = [f for f in folders if not (ROOT / f / "__init__.py").exists()]
-    assert not stray, f"test folders that are not aligner packages: {stray}"
+    """tests/<package>/test_<module>*.py: every test folder is an aligner package (or, for aligner's top-level modules,
+    tests/<module>/: tests/cli/ for aligner/cli.py), so a module's test is found by its name; tests/project/ holds the
+    whole-project checks (import graph, docs, safe defaults, the suite's own rules). No test module at the top of tests/.
+    (tests/toolkit/ holds no tests: the helpers the test modules share, tests/project/test_toolkit.py.)"""
+    tests = Path(__file__).resolve().parents[1]
+    folders = sorted(
+        p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_")) and p.name not in ("toolkit", "project")
+    )
+    stray = [f for f in folders if not ((ROOT / f / "__init__.py").exists() or (ROOT / f"{f}.py").exists())]
+    assert not stray, f"test folders that are neither an aligner package nor a top-level module: {stray}"
+    top = sorted(p.name for p in tests.glob("test_*.py"))
+    assert not top, f"test modules at the top of tests/ (move each into tests/<package>/ or tests/project/): {top}"
 
 
 def test_ruff_lint_and_format_are_clean():

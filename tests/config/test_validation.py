@@ -869,7 +869,7 @@ def test_the_config_modules_import_one_way():
     import ast
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "aligner" / "config"
+    root = Path(__file__).resolve().parents[2] / "aligner" / "config"
     graph = {}
     for path in root.glob("*.py"):
         deps = set()
@@ -894,7 +894,7 @@ def test_the_config_modules_import_one_way():
         visit(m)
 
 
-AGENT = f"python {Path(__file__).resolve().parents[1] / 'examples' / 'calculator_agent.py'}"
+AGENT = f"python {Path(__file__).resolve().parents[2] / 'examples' / 'calculator_agent.py'}"
 AGENT_CASES = [  # the agent section (checked for every config) and its cross checks (env.name=agent)
     (["agent.parallel=0"], "agent.parallel=0", "must be >= 1"),
     (["agent.deadline_s=0"], "agent.deadline_s=0.0", "must be > 0 seconds"),
