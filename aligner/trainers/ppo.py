@@ -513,7 +513,9 @@ class PPOTrainer(Trainer):
             self.groups["reward"].worker_info(timeout_s=60.0)  # a dead judge process: WorkerDiedError, which the restart heals
             raise RuntimeError(next(g.extra["judge_error"] for g in gens if "judge_error" in g.extra))
         batch = assemble_batch(rows, gens, n, self.tok.pad_token_id, partial(self.tok.decode, skip_special_tokens=True), responses)
-        return without_dropped(batch, gens, self.cfg.algorithm.advantage in GROUP_ESTIMATORS)  # agent episodes not played: left out
+        # agent episodes not played: left out; a prompt's lone sample too when a group estimator trains the batch (n > 1:
+        # the evaluation's batch, one greedy sample per prompt and nothing trained, keeps every played row)
+        return without_dropped(batch, gens, n > 1 and self.cfg.algorithm.advantage in GROUP_ESTIMATORS)
 
     def _temperature(self) -> float:
         t = self.cfg.rollout.sampling.temperature
