@@ -66,7 +66,7 @@ class AlgorithmConfig:
     recompute_old_log_probs: bool = True
     vf_coef: float = 1.0  # value-loss weight
     # on-policy distillation (GKD, Agarwal et al. 2024): the per-token reverse KL to the teacher (teacher.init) on the
-    # student's own samples, -distill_coef * (log pi(y_t) - log pi_teacher(y_t)) added to each token's reward; 0 = off
+    # student's own samples, -distill_coef * (log pi(y_t) - log pi_teacher(y_t)), centered, added to each token's advantage; 0 = off
     distill_coef: float = 0.0
     # DAPO's soft overlong punishment (Yu et al. 2025): responses longer than max_new_tokens - overlong_buffer
     # lose up to overlong_penalty (at the budget, i.e. a cut response) from their score; 0 = off

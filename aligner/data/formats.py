@@ -359,7 +359,10 @@ def _hh_pair(chosen_text: str, rejected_text: str, where: str) -> dict:
     if pc != pr:
         raise RowError(f"{where}: fields 'chosen' and 'rejected' do not share the dialogue before the last assistant turn")
     if not chosen.strip() or not rejected.strip():
-        raise RowError(f"{where}: field {'chosen' if not chosen.strip() else 'rejected'!r} has an empty final assistant turn")
+        raise RowError(
+            f"{where}: field {'chosen' if not chosen.strip() else 'rejected'!r} has an empty final assistant turn: "
+            "a pair needs two replies; remove the row or set data.skip_invalid=true to skip and count such rows"
+        )
     return {"prompt": pc, "chosen": chosen, "rejected": rejected}
 
 

@@ -1,10 +1,19 @@
-"""On-policy distillation's signal in the PPO stage (GKD, Agarwal et al. 2024, arXiv:2306.13649): the teacher role
-(``teacher.init``, a frozen model served like the reference) scores the student's sampled tokens, and the per-token
-reverse-KL estimate ``log pi(y_t) - log pi_teacher(y_t)`` enters the reward with ``algorithm.distill_coef``, beside
-the task reward and the reference KL, through the advantage estimator's KL input (per token for gae and
-reinforce_pp, summed per sequence for the group estimators, as the reference KL)."""
+"""On-policy distillation's signal in the PPO stage (GKD, Agarwal et al. 2024, arXiv:2306.13649; the per-token
+formulation of Thinking Machines' "On-Policy Distillation", 2025): the teacher role (``teacher.init``, a frozen model
+served like the reference) scores the student's sampled tokens, and each response token's advantage gets
+``-distill_coef * (d_t - mean(d))`` with ``d_t = log pi(y_t) - log pi_teacher(y_t)``, the sampled-token reverse-KL
+estimate, added after the advantage estimator has turned the task reward and the reference KL into advantages.
+
+Why per token and not through the reward: with discount 0 each token's policy-gradient term
+``grad log pi(y_t) * -d_t`` is, in expectation over y_t ~ pi(. | y_<t), exactly ``-grad KL(pi || pi_teacher)`` at that
+position (``E[grad log pi] = 0`` removes the derivative of the log pi inside d_t, and the same identity makes the
+constant baseline ``mean(d)`` unbiased). Summed into a sequence reward and group-normalized (GRPO), every token would
+carry the whole sequence's KL noise, scaled by the group's spread: the same expectation for the sequence-level KL, a
+variance ~R times higher for R response tokens, and a step size set by the spread rather than by the KL."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -12,21 +21,43 @@ from aligner import algorithms as alg
 from aligner.protocol import RolloutBatch
 
 
-def distilled_kl(
-    batch: RolloutBatch, policy_log_probs: torch.Tensor, kl_coef: float, distill_coef: float, metrics: dict
-) -> tuple[torch.Tensor, float]:
-    """(kl [B, R], coef) for the advantage estimator, which subtracts ``coef * kl`` from the rewards: the reference KL
-    ``batch.kl`` with the controller's `kl_coef`, plus, with the teacher's log-probs in `batch`, ``distill_coef`` times
-    the student's per-token reverse-KL estimate to the teacher (:func:`aligner.algorithms.distillation_token_rewards`),
-    as ``(kl_coef * batch.kl + distill_coef * teacher_kl, 1.0)``. Adds ``teacher_kl`` (nats per sequence, the mean of
-    the per-sequence sums) and ``teacher_kl_token`` (nats per response token, the mean over the batch's tokens) to
-    `metrics`. Without a teacher: ``(batch.kl, kl_coef)`` unchanged.
+def teacher_kl_estimate(batch: RolloutBatch, policy_log_probs: torch.Tensor, metrics: dict) -> Optional[torch.Tensor]:
+    """The student's per-token reverse-KL estimate to the teacher on its own samples, ``d_t = log pi(y_t) -
+    log pi_teacher(y_t)`` [B, R] float32 nats, 0 on padding (:func:`aligner.algorithms.distillation_token_rewards` with
+    coef 1, negated), or None without the teacher's log-probs in `batch`. Adds ``teacher_kl`` (nats per sequence, the
+    mean of the per-sequence sums) and ``teacher_kl_token`` (nats per response token, the mean over the batch's tokens)
+    to `metrics`.
 
     policy_log_probs: [B, R] the sampling policy's log-probs of its tokens (the recomputed old ones)."""
-    if batch.teacher_log_probs is None or distill_coef == 0:
-        return batch.kl, kl_coef
+    if batch.teacher_log_probs is None:
+        return None
     mask = batch.response_mask
-    teacher_kl = -alg.distillation_token_rewards(policy_log_probs, batch.teacher_log_probs, mask, 1.0)
-    metrics["teacher_kl"] = float(teacher_kl.sum(-1).mean())
-    metrics["teacher_kl_token"] = float(teacher_kl.sum() / mask.sum().clamp(min=1))
-    return kl_coef * batch.kl + distill_coef * teacher_kl, 1.0
+    d = -alg.distillation_token_rewards(policy_log_probs, batch.teacher_log_probs, mask, 1.0)
+    metrics["teacher_kl"] = float(d.sum(-1).mean())
+    metrics["teacher_kl_token"] = float(d.sum() / mask.sum().clamp(min=1))
+    return d
+
+
+def distillation_advantages(teacher_kl: torch.Tensor, response_mask: torch.Tensor, distill_coef: float) -> torch.Tensor:
+    """The per-token advantage of on-policy distillation (discount 0), ``distill_coef * (mean(d) - d_t)`` on every
+    response token, 0 on padding; mean(d) is the batch's mean over response tokens (a constant baseline, as the
+    Tinker cookbook's ``incorporate_kl_penalty``).
+
+    Args:
+        teacher_kl: [B, R] float, d_t from :func:`teacher_kl_estimate` (no gradient).
+        response_mask: [B, R].
+        distill_coef: >= 0, nats -> advantage units.
+
+    Returns:
+        [B, R] float, detached.
+
+    Raises:
+        ValueError: distill_coef < 0 or shapes differ."""
+    if not distill_coef >= 0:
+        raise ValueError(f"distill_coef={distill_coef!r} is invalid: must be >= 0")
+    if teacher_kl.shape != response_mask.shape:
+        raise ValueError(f"teacher_kl {tuple(teacher_kl.shape)} and response_mask {tuple(response_mask.shape)} differ in shape")
+    m = response_mask.to(teacher_kl.dtype)
+    with torch.no_grad():
+        baseline = (teacher_kl * m).sum() / m.sum().clamp(min=1)
+        return distill_coef * (baseline - teacher_kl) * m

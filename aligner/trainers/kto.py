@@ -91,7 +91,7 @@ def load_unpaired(cfg: AlignerConfig, tokenizer, work_dir: str) -> DataSplits:
     d = cfg.data
     fmt = "pairs"
     if d.train_path:
-        fmt = load_records(d.train_path, d.format).format
+        fmt = load_records(d.train_path, d.format, None, d.skip_invalid).format  # invalid rows: as the loading below
         if fmt not in LABELLED_FORMATS:
             raise UserError(
                 f"data.train_path={d.train_path!r} has format {fmt!r}, which has no labels: KTO trains on completions labelled "

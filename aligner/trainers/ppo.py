@@ -64,7 +64,7 @@ from aligner.run_ops import preemption
 from aligner.tracking import plot_curves
 from aligner.trainers.agent_samples import without_dropped
 from aligner.trainers.batching import assemble_batch, requests, sample_seed
-from aligner.trainers.distill import distilled_kl
+from aligner.trainers.distill import distillation_advantages, teacher_kl_estimate
 from aligner.trainers.dynamic_sampling import dynamic_rollout
 from aligner.trainers.evaluation import EVAL_METRICS, accuracy_rule, episode_rows, evaluate_greedy, gather_generations, on_builtin_task
 from aligner.trainers.loop import Trainer, death_summary
@@ -513,7 +513,9 @@ class PPOTrainer(Trainer):
             self.groups["reward"].worker_info(timeout_s=60.0)  # a dead judge process: WorkerDiedError, which the restart heals
             raise RuntimeError(next(g.extra["judge_error"] for g in gens if "judge_error" in g.extra))
         batch = assemble_batch(rows, gens, n, self.tok.pad_token_id, partial(self.tok.decode, skip_special_tokens=True), responses)
-        return without_dropped(batch, gens, self.cfg.algorithm.advantage in GROUP_ESTIMATORS)  # agent episodes not played: left out
+        # agent episodes not played: left out; a prompt's lone sample too when a group estimator trains the batch (n > 1:
+        # the evaluation's batch, one greedy sample per prompt and nothing trained, keeps every played row)
+        return without_dropped(batch, gens, n > 1 and self.cfg.algorithm.advantage in GROUP_ESTIMATORS)
 
     def _temperature(self) -> float:
         t = self.cfg.rollout.sampling.temperature
@@ -600,14 +602,14 @@ class PPOTrainer(Trainer):
             batch.rewards = batch.rewards + length_term.to(batch.rewards.dtype)
             out["overlong_penalty_mean"] = float(length_term.mean())
         batch.kl = alg.kl_penalty(self._policy_log_probs(batch), batch.ref_log_probs, a.kl_estimator) * mask
-        kl, kl_coef = distilled_kl(batch, self._policy_log_probs(batch), self.reward_kl_coef(), a.distill_coef, out)
+        teacher_kl = teacher_kl_estimate(batch, self._policy_log_probs(batch), out) if a.distill_coef > 0 else None
         estimator = alg.get_advantage_estimator(a.advantage)
         adv, ret = estimator(
             scores=batch.rewards,
             response_mask=mask,
             values=batch.values,
-            kl=kl,
-            kl_coef=kl_coef,
+            kl=batch.kl,
+            kl_coef=self.reward_kl_coef(),
             gamma=a.gamma,
             gae_lambda=a.gae_lambda,
             group_ids=batch.group_ids,
@@ -615,6 +617,8 @@ class PPOTrainer(Trainer):
         )
         if a.advantage == "gae" and a.whiten_advantages:
             adv = alg.masked_whiten(adv, mask)
+        if teacher_kl is not None:  # on-policy distillation: a per-token advantage, after the estimator's normalization
+            adv = adv + distillation_advantages(teacher_kl, mask, a.distill_coef).to(adv.dtype)
         batch.advantages, batch.returns = adv * mask, ret * mask
         return {
             **out,

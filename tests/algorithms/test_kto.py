@@ -226,3 +226,38 @@ def test_unpaired_rows_and_pairs_made_unpaired(tmp_path, monkeypatch):
     data = load_unpaired(cfg, tok, str(tmp_path))
     assert [e["label"] for e in data.train] == [True, False]
     assert data.train[0]["ids"][: data.train[0]["prompt_len"]] == data.train[1]["ids"][: data.train[1]["prompt_len"]]
+
+
+def test_an_hh_pair_with_an_empty_reply_is_refused_or_skipped_under_skip_invalid(tmp_path, monkeypatch):
+    from aligner.cli import load_config
+    from aligner.trainers.kto import load_unpaired
+
+    monkeypatch.chdir(tmp_path)
+    hh = "\n\nHuman: 1+1=\n\nAssistant:"
+    rows = [
+        {"chosen": hh + " 2", "rejected": hh + " 3"},
+        {"chosen": hh + " ", "rejected": hh + " 3"},
+        {"chosen": hh + " 2", "rejected": hh + " 5"},
+    ]
+    _, path = _cfg(tmp_path, rows, fmt="hh")
+    base = [
+        "conf=tiny",
+        f"data.train_path={path}",
+        "data.format=hh",
+        "data.eval_fraction=0",
+        "data.max_prompt_len=48",
+        "data.max_seq_len=64",
+    ]
+    cfg = load_config("kto", base)
+    tok = _tokenizer(cfg, tmp_path)
+    with pytest.raises(ValueError) as e:
+        load_unpaired(cfg, tok, str(tmp_path))
+    msg = str(e.value)
+    assert (
+        msg.startswith(f"{path}:2: field 'chosen' has an empty final assistant turn")
+        and "data.skip_invalid=true" in msg
+        and "\n" not in msg
+    )
+    cfg = load_config("kto", [*base, "data.skip_invalid=true"])
+    data = load_unpaired(cfg, tok, str(tmp_path))  # the format's detection honours skip_invalid too
+    assert [e["label"] for e in data.train] == [True, False, True, False] and data.stats["skipped_invalid"] == 1

@@ -31,24 +31,40 @@ def _batch(teacher: bool):
     return b, (-torch.rand(2, 4, generator=g) * 3) * mask
 
 
-def test_distilled_kl_adds_the_reverse_kl_estimate():
-    from aligner.trainers.distill import distilled_kl
+def test_the_distillation_advantage_is_the_per_token_reverse_kl_estimate_centered():
+    from aligner.trainers.distill import distillation_advantages, teacher_kl_estimate
 
     b, lp = _batch(teacher=True)
     metrics: dict = {}
-    kl, coef = distilled_kl(b, lp, 0.2, 0.5, metrics)
-    assert coef == 1.0
-    teacher_kl = (lp - b.teacher_log_probs) * b.response_mask
-    torch.testing.assert_close(kl, 0.2 * b.kl + 0.5 * teacher_kl)
-    assert metrics["teacher_kl"] == pytest.approx(float(teacher_kl.sum(-1).mean()))
-    assert metrics["teacher_kl_token"] == pytest.approx(float(teacher_kl.sum() / b.response_mask.sum()))
-    # GRPO's scores: each sequence loses distill_coef * its summed reverse KL (and the reference KL's share)
-    scores = torch.tensor([1.0, 0.0])
-    shaped = alg.kl_shaped_scores(scores, kl, b.response_mask, coef)
-    torch.testing.assert_close(shaped, scores - (0.2 * b.kl + 0.5 * teacher_kl).sum(-1))
-    b, lp = _batch(teacher=False)
-    kl, coef = distilled_kl(b, lp, 0.2, 0.5, {})
-    assert kl is b.kl and coef == 0.2
+    d = teacher_kl_estimate(b, lp, metrics)
+    want = (lp - b.teacher_log_probs) * b.response_mask
+    torch.testing.assert_close(d, want)
+    assert metrics["teacher_kl"] == pytest.approx(float(want.sum(-1).mean()))
+    assert metrics["teacher_kl_token"] == pytest.approx(float(want.sum() / b.response_mask.sum()))
+    adv = distillation_advantages(d, b.response_mask, 0.5)
+    mean = float(want.sum() / b.response_mask.sum())
+    torch.testing.assert_close(adv, 0.5 * (mean - want) * b.response_mask)  # per token, not a sequence sum
+    assert float(adv.sum()) == pytest.approx(0.0, abs=1e-6)  # centered over the batch's response tokens
+    assert teacher_kl_estimate(_batch(teacher=False)[0], lp, {}) is None
+    with pytest.raises(ValueError, match="distill_coef=-1 is invalid"):
+        distillation_advantages(d, b.response_mask, -1)
+
+
+def test_the_per_token_advantage_gives_the_reverse_kl_gradient_in_expectation():
+    """Enumerating y_t over a small vocabulary: the policy gradient sum_v pi(v) * grad log pi(v) * A(v) with the
+    distillation advantage A(v) = -(d(v) - b), d(v) = log pi(v) - log pi_teacher(v), any constant b, equals
+    -grad KL(pi || pi_teacher) (:func:`aligner.algorithms.reverse_kl_per_token`) in float64."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, generator=g, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(7, generator=g, dtype=torch.float64) * 3
+    exact = alg.reverse_kl_per_token(logits[None, None], teacher[None, None])[0, 0]
+    (want,) = torch.autograd.grad(-exact, logits)
+    d = (torch.log_softmax(logits, -1) - torch.log_softmax(teacher, -1)).detach()
+    for b in (0.0, 2.5):
+        logp = torch.log_softmax(logits, -1)
+        surrogate = (logp.exp().detach() * logp * -(d - b)).sum()  # E_{v ~ pi}[log pi(v) * A(v)], pi held fixed
+        (got,) = torch.autograd.grad(surrogate, logits)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
 def _hf_dir(path, vocab_size: int, vocab: dict):

@@ -64,6 +64,8 @@ def test_failing_agents_are_dropped_and_counted(endpoint):
     }
     (crash,) = run_agents(endpoint, cmds["crash"], [("1+1=", {})], max_dropped_frac=1.0)
     assert crash.dropped and crash.reason == "exited with code 3: boom" and crash.samples == []
+    (mute,) = run_agents(endpoint, [sys.executable, "-c", "import sys; sys.exit(3)"], [("1+1=", {})], max_dropped_frac=1.0)
+    assert mute.reason == "exited with code 3: (no output on stdout or stderr)"
     (hang,) = run_agents(endpoint, cmds["hang"], [("1+1=", {})], deadline_s=2, max_dropped_frac=1.0)
     assert hang.dropped and "deadline of 2 s" in hang.reason and hang.returncode is None
     (silent,) = run_agents(endpoint, cmds["silent"], [("1+1=", {})], max_dropped_frac=1.0)
@@ -124,3 +126,16 @@ def test_the_example_agent_gives_the_in_process_tool_environments_sequences(endp
         assert s.prompt_ids == p
         assert s.generation.token_ids == g.token_ids and s.generation.own_mask == g.own_mask
         torch.testing.assert_close(torch.tensor(s.generation.rollout_log_probs), torch.tensor(g.rollout_log_probs), atol=1e-5, rtol=0)
+
+
+def test_a_crashing_agents_traceback_is_in_the_reason_and_the_log(endpoint, tmp_path, caplog):
+    script = tmp_path / "agent.py"
+    script.write_text("import os\n\n\ndef main():\n    return os.environ['NO_SUCH_VARIABLE']\n\n\nmain()\n")
+    with caplog.at_level("WARNING", logger="aligner.agent"):
+        (e,) = run_agents(endpoint, [sys.executable, str(script)], [("1+1=", {})], max_dropped_frac=1.0)
+    assert e.dropped and e.returncode == 1
+    # the innermost frame of the agent's own code, not os.py's
+    assert e.reason == f"exited with code 1: KeyError: 'NO_SUCH_VARIABLE' (at {script}:5)"
+    (rec,) = [r for r in caplog.records if r.name == "aligner.agent"]
+    msg = rec.getMessage()
+    assert e.episode_id in msg and "Traceback (most recent call last)" in msg and f'File "{script}", line 5, in main' in msg

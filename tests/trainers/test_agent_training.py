@@ -142,9 +142,6 @@ E2E = [
 ]
 
 
-@pytest.mark.skip(
-    reason="failed in the merged tree's suite run (2026-11-29): every agent episode dropped ('exited with code 3: (no output)' from tests/toolkit/two_turn_agent.py); not yet diagnosed"
-)
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.usefixtures("ray_cluster")

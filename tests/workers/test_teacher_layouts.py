@@ -3,7 +3,7 @@
 The teacher is a frozen PolicyWorker (role "teacher") loaded from an HF checkpoint (``teacher.init``) with its own
 ``teacher.parallel``: tp=2 (sequence parallel), pp=2 and dp=2 (its rows split over two ranks, as the driver's
 dp_split dispatch does). Each scores the student's sampled tokens of a ragged batch; the per-token teacher
-log-probs and the distillation signal the PPO stage builds from them (:func:`aligner.trainers.distill.distilled_kl`:
+log-probs and the distillation signal the PPO stage builds from them (:func:`aligner.trainers.distill.teacher_kl_estimate`:
 the per-token reverse-KL estimate and its ``teacher_kl`` metric) must equal the one-process teacher's within
 TOKEN_TOL / SEQ_TOL, derived below from fp32 rounding (the layouts sum in other orders: never bitwise).
 """
@@ -78,7 +78,7 @@ def _battery(rank: int, world_size: int, init: str):
 def _distill(teacher_lp: torch.Tensor) -> tuple[torch.Tensor, float]:
     """The PPO stage's distillation signal for a fixed student: (per-token kl [B, R], teacher_kl metric)."""
     from aligner.protocol import RolloutBatch
-    from aligner.trainers.distill import distilled_kl
+    from aligner.trainers.distill import teacher_kl_estimate
 
     x = _inputs()
     mask = x["response_mask"]
@@ -95,7 +95,7 @@ def _distill(teacher_lp: torch.Tensor) -> tuple[torch.Tensor, float]:
     batch.kl = torch.zeros_like(mask)
     batch.teacher_log_probs = teacher_lp * mask
     metrics: dict = {}
-    kl, _ = distilled_kl(batch, student, 0.0, 1.0, metrics)
+    kl = teacher_kl_estimate(batch, student, metrics)
     return kl, metrics["teacher_kl"]
 
 

@@ -13,15 +13,19 @@ The episode's reward is the one the agent reports (``POST /v1/episodes/{id}/rewa
 ``reward_fn(prompt, final completion text, metadata)`` when given (a rule's signature, as
 :class:`aligner.envs.base.EnvSpec` takes). An agent that exits non-zero, runs past ``deadline_s``
 (its process group is killed), makes no call, or ends without a reward when there is no
-``reward_fn`` is dropped: its records are discarded and the episode is counted with the reason. More
+``reward_fn`` is dropped: its records are discarded and the episode is counted with the reason (for a
+non-zero exit: the code and the last line of its output, with a traceback's innermost file:line; the
+``aligner.agent`` logger warns with the last 20 lines of its stdout and stderr). More
 than ``max_dropped_frac`` of the tasks dropped raises :class:`AgentRunError` (one line).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -35,6 +39,7 @@ from typing import Callable, Optional, Sequence, Union
 from aligner.rollout.agent.record import AgentSample
 
 RewardFn = Callable[[str, str, dict], float]
+logger = logging.getLogger("aligner.agent")
 
 
 class AgentRunError(RuntimeError):
@@ -144,7 +149,15 @@ def run_agents(
                     _kill(proc)
                     ep.dropped, ep.reason = True, f"ran past the deadline of {deadline_s:g} s and was killed"
                 elif rc != 0:
-                    ep.dropped, ep.reason = True, f"exited with code {rc}: {_last_line(log)}"
+                    lines = _output_lines(log)
+                    ep.dropped, ep.reason = True, f"exited with code {rc}: {_last_line(lines)}"
+                    logger.warning(
+                        "agent episode %s %s; the last %d lines of its output (stdout and stderr):\n%s",
+                        ep.episode_id,
+                        ep.reason,
+                        min(len(lines), 20),
+                        "\n".join(lines[-20:]) or "(none)",
+                    )
                 ep.returncode, ep.seconds = (None if late else rc), time.monotonic() - start
                 log.close()
                 del running[i]
@@ -200,10 +213,30 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _last_line(log) -> str:
-    """The last non-empty line of the agent's output (at most 300 characters)."""
+def _output_lines(log, limit: int = 16384) -> list[str]:
+    """The non-empty lines of the last `limit` bytes of the agent's output (stdout and stderr together)."""
     log.seek(0, os.SEEK_END)
     size = log.tell()
-    log.seek(max(0, size - 4096))
-    lines = [ln for ln in log.read().decode("utf-8", "replace").splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else "(no output)"
+    log.seek(max(0, size - limit))
+    return [ln.rstrip() for ln in log.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+
+
+def _last_line(lines: list[str]) -> str:
+    """One line for the drop reason: the output's last non-empty line (at most 300 characters), with the
+    innermost frame's file:line when the output holds a Python traceback ("KeyError: 'x' (at agent.py:12)"; the
+    innermost frame outside the standard library and site-packages when there is one);
+    "(no output on stdout or stderr)" when the agent wrote nothing."""
+    if not lines:
+        return "(no output on stdout or stderr)"
+    last = lines[-1].strip()[:300]
+    if any(ln.startswith("Traceback (most recent call last)") for ln in lines):
+        frames = [m for m in (_FRAME.match(ln) for ln in lines) if m]
+        own = [m for m in frames if not m["file"].startswith("<") and not _LIBRARY.search(m["file"])]  # the agent's code
+        if own or frames:
+            at = (own or frames)[-1]
+            return f"{last} (at {at['file']}:{at['line']})"
+    return last
+
+
+_FRAME = re.compile(r'\s*File "(?P<file>[^"]+)", line (?P<line>\d+)')
+_LIBRARY = re.compile(r"[/\\]lib[/\\]python[0-9.]*[/\\]")  # the standard library and site-packages
