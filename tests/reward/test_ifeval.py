@@ -168,7 +168,10 @@ def test_a_checker_that_draws_a_random_kwarg_gives_one_verdict():
     and the caller's random state is left as it was."""
     import random
 
-    meta = {"instruction_id_list": ["keywords:letter_frequency"], "kwargs": [{"let_relation": "at least", "letter": "#", "let_frequency": 4}]}
+    meta = {
+        "instruction_id_list": ["keywords:letter_frequency"],
+        "kwargs": [{"let_relation": "at least", "letter": "#", "let_frequency": 4}],
+    }
     text = "aaaa bbbb cccc dddd eeee ffff gggg hhhh iiii jjjj kkkk llll mmmm nnnn oooo pppp qqqq rrrr ssss tttt uuuu"
     random.seed(123)
     expected_next = random.random()

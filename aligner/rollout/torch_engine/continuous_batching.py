@@ -163,7 +163,11 @@ class ContinuousBatching:
                 tokens = sum(len(t) for t, _ in sched.outputs)
                 log.info(
                     "generate: %d/%d requests finished, %d tokens in %.0f s (%.0f tokens/s)",
-                    sched.finished, len(prompts), tokens, time.monotonic() - started, tokens / (time.monotonic() - started),
+                    sched.finished,
+                    len(prompts),
+                    tokens,
+                    time.monotonic() - started,
+                    tokens / (time.monotonic() - started),
                 )
             progress.beat()  # a scheduler step is progress for the hang watchdog (aligner.runtime.progress)
             if in_flight and in_flight[0][0] == mb:
