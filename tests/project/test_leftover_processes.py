@@ -44,6 +44,11 @@ LEAKY = textwrap.dedent(
         signal.signal(signal.SIGTERM, lambda *a: None)  # a preemption handler: SIGTERM does not end the rank
         _note(os.getpid())
         if rank == 1:
+            import time
+
+            deadline = time.monotonic() + 60  # fail only once rank 0 has noted its pid too (a loaded machine starts it late)
+            while len(open(PIDS).read().split()) < 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
             raise RuntimeError("rank 1 fails")
         dist.barrier()  # rank 0 waits for rank 1 in a collective, forever
 
