@@ -61,6 +61,7 @@ from aligner.algorithms.core import (
     masked_whiten,
 )
 from aligner.algorithms.distill import (
+    distillation_advantages,
     distillation_loss,
     distillation_token_rewards,
     reverse_kl_per_token,
@@ -124,6 +125,7 @@ __all__ = [
     "compute_token_rewards",
     "decoupled_policy_loss",
     "discounted_returns",
+    "distillation_advantages",
     "distillation_loss",
     "distillation_token_rewards",
     "dpo_loss",

@@ -71,3 +71,30 @@ def distillation_token_rewards(student_log_probs: Tensor, teacher_log_probs: Ten
         raise ValueError(f"coef={coef!r} is invalid: must be >= 0")
     with torch.no_grad():
         return -coef * (student_log_probs - teacher_log_probs) * response_mask.to(student_log_probs.dtype)
+
+
+def distillation_advantages(teacher_kl: Tensor, response_mask: Tensor, distill_coef: float) -> Tensor:
+    """The per-token advantage of on-policy distillation (discount 0; Thinking Machines' "On-Policy Distillation",
+    2025), ``distill_coef * (mean(d) - d_t)`` on every response token, 0 on padding; mean(d) is the batch's mean over
+    response tokens (a constant baseline, as the Tinker cookbook's ``incorporate_kl_penalty``). In expectation over
+    y_t ~ pi, ``grad log pi(y_t) * -d_t`` is ``-grad KL(pi || pi_teacher)`` at that position.
+
+    Args:
+        teacher_kl: [B, R] float nats, d_t = log pi(y_t) - log pi_teacher(y_t) on the student's sampled tokens
+            (no gradient).
+        response_mask: [B, R].
+        distill_coef: >= 0, nats -> advantage units.
+
+    Returns:
+        [B, R] float, detached.
+
+    Raises:
+        ValueError: distill_coef < 0 or shapes differ."""
+    if not distill_coef >= 0:
+        raise ValueError(f"distill_coef={distill_coef!r} is invalid: must be >= 0")
+    if teacher_kl.shape != response_mask.shape:
+        raise ValueError(f"teacher_kl {tuple(teacher_kl.shape)} and response_mask {tuple(response_mask.shape)} differ in shape")
+    m = response_mask.to(teacher_kl.dtype)
+    with torch.no_grad():
+        baseline = (teacher_kl * m).sum() / m.sum().clamp(min=1)
+        return distill_coef * (baseline - teacher_kl) * m

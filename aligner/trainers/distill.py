@@ -36,28 +36,3 @@ def teacher_kl_estimate(batch: RolloutBatch, policy_log_probs: torch.Tensor, met
     metrics["teacher_kl"] = float(d.sum(-1).mean())
     metrics["teacher_kl_token"] = float(d.sum() / mask.sum().clamp(min=1))
     return d
-
-
-def distillation_advantages(teacher_kl: torch.Tensor, response_mask: torch.Tensor, distill_coef: float) -> torch.Tensor:
-    """The per-token advantage of on-policy distillation (discount 0), ``distill_coef * (mean(d) - d_t)`` on every
-    response token, 0 on padding; mean(d) is the batch's mean over response tokens (a constant baseline, as the
-    Tinker cookbook's ``incorporate_kl_penalty``).
-
-    Args:
-        teacher_kl: [B, R] float, d_t from :func:`teacher_kl_estimate` (no gradient).
-        response_mask: [B, R].
-        distill_coef: >= 0, nats -> advantage units.
-
-    Returns:
-        [B, R] float, detached.
-
-    Raises:
-        ValueError: distill_coef < 0 or shapes differ."""
-    if not distill_coef >= 0:
-        raise ValueError(f"distill_coef={distill_coef!r} is invalid: must be >= 0")
-    if teacher_kl.shape != response_mask.shape:
-        raise ValueError(f"teacher_kl {tuple(teacher_kl.shape)} and response_mask {tuple(response_mask.shape)} differ in shape")
-    m = response_mask.to(teacher_kl.dtype)
-    with torch.no_grad():
-        baseline = (teacher_kl * m).sum() / m.sum().clamp(min=1)
-        return distill_coef * (baseline - teacher_kl) * m

@@ -64,7 +64,7 @@ from aligner.run_ops import preemption
 from aligner.tracking import plot_curves
 from aligner.trainers.agent_samples import without_dropped
 from aligner.trainers.batching import assemble_batch, requests, sample_seed
-from aligner.trainers.distill import distillation_advantages, teacher_kl_estimate
+from aligner.trainers.distill import teacher_kl_estimate
 from aligner.trainers.dynamic_sampling import dynamic_rollout
 from aligner.trainers.evaluation import EVAL_METRICS, accuracy_rule, episode_rows, evaluate_greedy, gather_generations, on_builtin_task
 from aligner.trainers.loop import Trainer, death_summary
@@ -592,7 +592,7 @@ class PPOTrainer(Trainer):
         )
         out = {}
         if a.non_stop_score is not None:  # Tülu 3's non-stop penalty: a response cut at the budget scores non_stop_score
-            ended = torch.tensor([m.get("finish_reason") == "stop" for m in batch.meta])
+            ended = torch.tensor([m["finish_reason"] == "stop" for m in batch.meta])  # every assembled row has it
             batch.rewards = alg.non_stop_scores(batch.rewards, ended, a.non_stop_score)
             out["non_stop_frac"] = float((~ended).float().mean())
         if a.overlong_buffer > 0:  # DAPO's soft overlong punishment, on top of the (standardized) score
@@ -618,7 +618,7 @@ class PPOTrainer(Trainer):
         if a.advantage == "gae" and a.whiten_advantages:
             adv = alg.masked_whiten(adv, mask)
         if teacher_kl is not None:  # on-policy distillation: a per-token advantage, after the estimator's normalization
-            adv = adv + distillation_advantages(teacher_kl, mask, a.distill_coef).to(adv.dtype)
+            adv = adv + alg.distillation_advantages(teacher_kl, mask, a.distill_coef).to(adv.dtype)
         batch.advantages, batch.returns = adv * mask, ret * mask
         return {
             **out,

@@ -32,7 +32,8 @@ def _batch(teacher: bool):
 
 
 def test_the_distillation_advantage_is_the_per_token_reverse_kl_estimate_centered():
-    from aligner.trainers.distill import distillation_advantages, teacher_kl_estimate
+    from aligner.algorithms import distillation_advantages
+    from aligner.trainers.distill import teacher_kl_estimate
 
     b, lp = _batch(teacher=True)
     metrics: dict = {}
