@@ -74,8 +74,8 @@ class AlgorithmConfig:
     overlong_penalty: float = 1.0
     # Tülu 3's non-stop penalty (Lambert et al. 2024; open-instruct's non_stop_penalty with
     # penalty_reward_value): a response that did not end with EOS (cut at max_new_tokens) gets this score
-    # instead of its reward, before any standardization-free estimator sees it (Tülu 3: -10; open-instruct's
-    # IF GRPO: 0). None = off. Applied to rule, model and environment scores alike.
+    # instead of its reward (after an RM score's standardization, before the advantage estimator; Tülu 3: -10;
+    # open-instruct's IF GRPO: 0). None = off. Applied to rule, model and environment scores alike.
     non_stop_score: Optional[float] = None
     # DAPO's dynamic sampling (Yu et al. 2025): groups whose n samples all got the same score are
     # dropped and more prompts are generated, up to dynamic_sampling_max_rounds generation rounds a

@@ -24,6 +24,7 @@ prompts in this schema are built by :mod:`aligner.data.ifeval_prompts`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import tempfile
@@ -94,12 +95,10 @@ def registry() -> dict[str, Any]:
     verdicts needs one verdict per text): the factory's seed is set to 0, deterministic per text.
     """
     ensure_punkt()
-    try:
+    with contextlib.suppress(ImportError):  # without langdetect, if-verifiable's own import below names it
         from langdetect import DetectorFactory
 
         DetectorFactory.seed = 0
-    except ImportError:  # if-verifiable's own import names the missing package
-        pass
     try:
         from if_verifiable.ifeval.instructions_registry import INSTRUCTION_DICT
     except ImportError:

@@ -158,16 +158,17 @@ class ContinuousBatching:
         started = time.monotonic()
         next_log = started + PROGRESS_LOG_S
         while True:
-            if time.monotonic() >= next_log:  # a long call says how far it is
+            now = time.monotonic()
+            if now >= next_log:  # a long call says how far it is
                 next_log += PROGRESS_LOG_S
-                tokens = sum(len(t) for t, _ in sched.outputs)
+                tokens, seconds = sum(len(t) for t, _ in sched.outputs), now - started
                 log.info(
                     "generate: %d/%d requests finished, %d tokens in %.0f s (%.0f tokens/s)",
                     sched.finished,
                     len(prompts),
                     tokens,
-                    time.monotonic() - started,
-                    tokens / (time.monotonic() - started),
+                    seconds,
+                    tokens / seconds,
                 )
             progress.beat()  # a scheduler step is progress for the hang watchdog (aligner.runtime.progress)
             if in_flight and in_flight[0][0] == mb:
