@@ -129,16 +129,22 @@ def evaluate_ifeval(cfg: AlignerConfig, out: Path, limit: int = 0) -> dict:
 def rescore_ifeval(cfg: AlignerConfig, responses_path: Path, out: Path, limit: int = 0) -> dict:
     """Score the responses of an earlier evaluation again (``--rescore FILE``: its ``.responses.jsonl``,
     joined on ``key`` with the prompts of ``data.eval_path``) with IFEval's checkers, without generating.
-    Raises ValueError naming the file for a prompt without a response row or a row without the fields."""
+    Raises FileNotFoundError for a missing file; ValueError naming file:line for a row that is not JSON or lacks
+    the fields, and naming the file for a prompt without a response row."""
     from aligner.data.pipeline import resolve_tokenizer
 
     tok = resolve_tokenizer(cfg.tokenizer, cfg.task, cfg.output_dir)
     examples = load_eval_prompts(cfg, tok, limit)
+    if not Path(responses_path).is_file():
+        raise FileNotFoundError(f"--rescore {responses_path}: no such file (an evaluation's <out>.responses.jsonl)")
     rows = {}
     for i, line in enumerate(Path(responses_path).read_text(encoding="utf-8").splitlines(), 1):
         if line.strip():
-            r = json.loads(line)
-            if not {"key", "response", "finish_reason", "response_tokens"} <= set(r):
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{responses_path}:{i}: invalid JSON ({e.msg})") from None
+            if not isinstance(r, dict) or not {"key", "response", "finish_reason", "response_tokens"} <= set(r):
                 raise ValueError(f"{responses_path}:{i}: a response row needs key, response, finish_reason and response_tokens")
             rows[r["key"]] = r
     missing = [e["metadata"].get("key") for e in examples if e["metadata"].get("key") not in rows]
@@ -233,8 +239,12 @@ def summary(result: dict) -> str:
         f"  prompt-level loose        {pct(result['prompt_loose'])}",
         f"  instruction-level loose   {pct(result['instruction_loose'])}",
         f"  rows cut at the limit     {result['cut_rows']} of {result['n_prompts']}",
-        f"  mean response             {result['mean_response_tokens']:.0f} tokens; generation {result['generate_seconds']:.0f} s "
-        f"({result['tokens_per_second']:.0f} tokens/s)",
+        f"  mean response             {result['mean_response_tokens']:.0f} tokens; "
+        + (
+            f"rescored from {result['rescored']}"
+            if "rescored" in result
+            else f"generation {result['generate_seconds']:.0f} s ({result['tokens_per_second']:.0f} tokens/s)"
+        ),
         "  per family (n, strict, loose):",
     ]
     lines += [f"    {k:20s} {v['n']:4d} {pct(v['strict'])} {pct(v['loose'])}" for k, v in result["per_family"].items()]

@@ -150,3 +150,7 @@ def test_rescore_scores_an_earlier_evaluations_responses_without_a_model(tmp_pat
     assert ev.main([*common, "--rescore", str(earlier), "--out", str(tmp_path / "re2.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert "no response for 1 of the 2 prompts (first key 1)" in err and len(err.splitlines()) == 1, err
+    earlier.write_text(json.dumps(rows[0]) + "\n" + '{"key": 1, ' + "\n")
+    assert ev.main([*common, "--rescore", str(earlier), "--out", str(tmp_path / "re3.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{earlier}:2: invalid JSON" in err and len(err.splitlines()) == 1, err
