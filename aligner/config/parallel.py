@@ -43,7 +43,6 @@ class ParallelConfig:
     # holding every layer's unsharded parameters and fp32 gradients through the step, like DDP (Megatron's
     # distributed optimizer; ep_size=1 only); aligner.parallel.data_parallel.FsdpStepReduce
     fsdp_reduce: str = "micro_batch"
-    num_micro_batches: int = 0  # pipeline micro-batches per step; 0 = derive from batch sizes
     pp_layer_split: Optional[list[int]] = None  # layers per stage (uneven splits); None = even
     # interleaved 1F1B (Narayanan et al. 2021): model chunks per pipeline rank, each rank holding v
     # non-contiguous virtual stages of num_layers / (pp_size * v) layers; the bubble shrinks v-fold
