@@ -101,6 +101,12 @@ def tokenizer_path(cfg: AlignerConfig, work_dir: str) -> str:
     return cfg.tokenizer.path or build_task_tokenizer(cfg.task, os.path.join(work_dir, "task"))
 
 
+def shown(metrics: dict) -> dict[str, float]:
+    """The float metrics of `metrics` at four significant digits, for a log line: a learning rate of 1e-5
+    shows as 1e-05 (rounding to decimal places would show 0.0)."""
+    return {k: float(f"{v:.4g}") for k, v in metrics.items() if isinstance(v, float)}
+
+
 class SupervisedTrainer(Trainer):
     """One standalone supervised stage on one role's worker group.
 
@@ -322,4 +328,4 @@ class SupervisedTrainer(Trainer):
         rows = read_metrics(self.out / "metrics.jsonl")
         summary = {"stage": self.name, "steps": rows[-1]["step"] if rows else 0, **(rows[-1] if rows else {})}
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-        log.info("%s: curves %s; final %s", self.name, png, {k: round(v, 4) for k, v in summary.items() if isinstance(v, float)})
+        log.info("%s: curves %s; final %s", self.name, png, shown(summary))

@@ -402,3 +402,9 @@ def test_no_restart_after_sigterm(tmp_path, monkeypatch):
     with pytest.raises(WorkerDiedError):
         toy.run()
     assert _of(toy.events, "step") == [1, 2]
+
+
+def test_the_final_log_line_keeps_small_values_such_as_the_learning_rate():
+    from aligner.trainers.supervised import shown
+
+    assert shown({"lr": 1e-5, "loss": 0.65183, "stage": "rs", "steps": 3, "eval_n": 64.0}) == {"lr": 1e-5, "loss": 0.6518, "eval_n": 64.0}
