@@ -26,7 +26,7 @@ longest prompt differs by a few tokens share a graph; graphs (and their pools) a
 calls, as the static scheduler keeps its own, and dropped by ``TorchEngine.offload``.
 
 Interruptible generation (``TorchEngine(interruptible=True)``, pp = 1): before each step's plan the
-loop applies the weight syncs another thread staged (:class:`aligner.rollout.weight_sync.staging.WeightStage`)
+loop applies the weight syncs another thread staged (:class:`aligner.rollout.weight_sync.staging.WeightStaging`)
 and goes on: the requests in flight keep their KV cache (computed with the old weights, as AReaL
 keeps it) and their next tokens are sampled with the new weights; each token is labelled with the
 engine's weight_version of the step that sampled it (``Generation.token_versions``).

@@ -56,7 +56,7 @@ from aligner.rollout.torch_engine.sampling import Sampler
 from aligner.rollout.torch_engine.scheduler import OnFinish, TurnEnd
 from aligner.rollout.torch_engine.shard import ModelShard
 from aligner.rollout.torch_engine.static_batching import StaticBatching
-from aligner.rollout.weight_sync.staging import Bucket, WeightStage
+from aligner.rollout.weight_sync.staging import Bucket, WeightStaging
 from aligner.runtime.host import keep_freed_host_memory
 
 SCHEDULERS = ("continuous", "static")
@@ -117,8 +117,8 @@ class TorchEngine(RolloutEngine):
             The static scheduler always runs SDPA.
         interruptible: weight syncs may land between decode steps (the split placement's
             ``rollout.interruptible``, docs/rollout.md; continuous scheduler, pp = 1): a sync handed to
-            :meth:`stage_weights` while a call decodes is applied at the call's next step boundary
-            (:class:`aligner.rollout.weight_sync.staging.WeightStage`), the requests in flight keep their KV
+            :meth:`offer_weights` while a call decodes is applied at the call's next step boundary
+            (:class:`aligner.rollout.weight_sync.staging.WeightStaging`), the requests in flight keep their KV
             cache and go on with the new weights, and every Generation carries ``token_versions``.
     The engine owns `model`: it re-lays its linear weights out in place (see :func:`_pack_weights`).
 
@@ -185,7 +185,7 @@ class TorchEngine(RolloutEngine):
                 f"pp_size={self.pp_size}: set scheduler='continuous' and pp_size=1, or interruptible=False"
             )
         self.interruptible = interruptible
-        self.weight_stage = WeightStage()  # interruptible: syncs received while a call decodes
+        self.weight_staging = WeightStaging()  # interruptible: syncs received while a call decodes
         self.weight_version = 0
         self.cuda_graphs = cuda_graphs
         self._rng_seed = seed
@@ -288,7 +288,7 @@ class TorchEngine(RolloutEngine):
             pp_stage_routing=self.pp_stage_routing,
             attach_routing=self.attach_routing,
             weight_version=lambda: self.weight_version,
-            step_boundary=lambda: self.weight_stage.step_boundary(self),
+            step_boundary=lambda: self.weight_staging.step_boundary(self),
         )
 
     # ---- weights ------------------------------------------------------------------------
@@ -336,15 +336,15 @@ class TorchEngine(RolloutEngine):
         self.last_update_names = set(self._received)
         self._received.clear()
 
-    def stage_weights(self, sync: list[Bucket]) -> bool:
+    def offer_weights(self, sync: list[Bucket]) -> bool:
         """One whole sync (its buckets of (hf_name, tensor) pairs, as :meth:`update_weights` takes them,
         the tensors owned by the engine from now on), from another thread than the one that generates:
         applied now when no generate() call runs (returns True); else, with ``interruptible``, applied at
-        the running call's next decode step boundary (returns False; :class:`WeightStage`). A sync is
+        the running call's next decode step boundary (returns False; :class:`WeightStaging`). A sync is
         applied whole, with :meth:`update_weights` per bucket and one :meth:`finish_weight_update`.
         Without ``interruptible`` no call is marked as decoding, so the sync is applied at once: the
         caller must then not generate at the same time (the worker's calls run one at a time)."""
-        return self.weight_stage.offer(self, sync)
+        return self.weight_staging.offer(self, sync)
 
     def offload(self) -> None:
         """Move parameters to host memory and drop graphs/caches (no-op on CPU)."""
@@ -413,7 +413,7 @@ class TorchEngine(RolloutEngine):
         stop = self.stop_ids(sampling)
         if self._stale:  # update_weights without finish_weight_update: the prepacked copies would be old
             self._repack()
-        with torch.inference_mode(), self.weight_stage.decoding(self) if self.interruptible else nullcontext():
+        with torch.inference_mode(), self.weight_staging.decoding(self) if self.interruptible else nullcontext():
             if turn_end is not None:
                 gens = self.batching.generate(prompt_ids, budgets, sampler, stop, turn_end, on_finish)
             else:
