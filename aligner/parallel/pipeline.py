@@ -276,7 +276,7 @@ def pipeline_forward(
         [b, T-1] from ``vocab_parallel_log_probs`` on logits [b, T, V/tp], or values [b, T].
     Returns: the per-micro-batch outputs concatenated on dim 0 ([B, ...]) on the last pipeline stage,
         and on every pp rank when `broadcast` (else None elsewhere).
-    model: the stage, or the list of this rank's chunks (virtual pipeline stages).
+    model: the pipeline stage, or the list of this rank's chunks (virtual pipeline stages).
     """
     if isinstance(model, (list, tuple)):
         results = _interleaved_forward(model, dims, micro_batches, output_fn)
