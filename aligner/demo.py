@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 def _start_ray(overrides: list[str]):
     """One Ray instance for the three stages (each stage joins it and leaves it running, as a stage
     run joins any Ray instance already up): a local instance costs seconds to start and stop.
-    Returns its RayInfo, or None when the overrides do not load (the first stage reports why)."""
+    Returns its RayInfo, or None when the overrides do not load (the SFT stage, run first, reports why)."""
     from aligner.cli import load_config
     from aligner.errors import ConfigError, UserError
     from aligner.workers.ray_runtime import init_ray

@@ -69,7 +69,7 @@ from aligner.planner import (  # noqa: E402
     forward_flops_per_token,
     gemm_efficiency,
     kv_cache_bytes,
-    layers_on_stage,
+    layers_on_pp_stage,
     plan_role,
     ppo_step_seconds,
     role_flop_parameters,
@@ -455,7 +455,7 @@ def materialised_score_bytes(model, work, lay: Layout) -> float:
     in_flight = interleaved_in_flight(lay.pp, lay.vpp, m, 0)
     s = work.seq_len // lay.cp
     per_layer = 5 * model.num_heads * s * work.seq_len * lay.micro_batch_size / lay.tp
-    return layers_on_stage(model.num_layers, lay.pp, 0) * in_flight * per_layer
+    return layers_on_pp_stage(model.num_layers, lay.pp, 0) * in_flight * per_layer
 
 
 def system_allows(row: TrainRow, est: LayoutEstimate, model, work, cluster) -> bool:

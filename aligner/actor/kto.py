@@ -16,7 +16,7 @@ import torch
 from aligner import algorithms as alg
 from aligner.actor.policy import Policy
 from aligner.config import KTOConfig
-from aligner.runtime.runner import dp_sum, from_last_stage
+from aligner.runtime.runner import dp_sum, from_last_pp_stage
 
 KL_KEYS = ("kl_input_ids", "kl_prompt_lens", "kl_response_mask")
 
@@ -91,7 +91,7 @@ def kto_step(policy: Policy, batch: dict, kto: KTOConfig, micro_batch_size: int)
 
     inputs = policy._response_model_inputs(rows, ("input_ids", "response_mask", "ref_logps", "label"), 1.0)
     stats = policy.runner.optimizer_step(inputs, loss_fn, micro_batch_size)
-    sums = from_last_stage(sums, policy.dims)
+    sums = from_last_pp_stage(sums, policy.dims)
     out = _metrics(policy, sums, n, float(z0))
     return {
         **out,

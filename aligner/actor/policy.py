@@ -36,7 +36,7 @@ from aligner.nn.chunked import LogProbSpec, auto_chunk_size
 from aligner.nn.vocab import vocab_parallel_log_probs, vocab_parallel_log_probs_entropy
 from aligner.protocol import ACTOR_UPDATE_FIELDS, response_index
 from aligner.runtime.role import RoleModel
-from aligner.runtime.runner import from_last_stage
+from aligner.runtime.runner import from_last_pp_stage
 
 
 def pair_rows(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -218,8 +218,8 @@ class Policy(RoleModel):
         int16}: for response token j of row b, the top-k experts (sorted along k) each of the
         model's L MoE layers chose at position prompt_lens[b] + j - 1 (the position whose logits
         give token j), -1 where response_mask is 0; L = 0 for a dense model. Eval-mode routing
-        (dropless), as the engine's. Collective like :meth:`log_probs`; with pp > 1 each stage
-        records its own layers and the stages' parts are gathered over the pp group (layer order);
+        (dropless), as the engine's. Collective like :meth:`log_probs`; with pp > 1 each pipeline stage
+        records its own layers and the pipeline stages' parts are gathered over the pp group (layer order);
         tp ranks route identically (the router is replicated, sequence parallelism gathers the
         tokens first); expert parallelism does not change the expert ids. Runs row-count
         micro-batches even with ``trainer.micro_batch_tokens`` > 0 (the log is read as [B, T] rows).
@@ -401,7 +401,7 @@ class Policy(RoleModel):
         else:
             inputs = self._response_model_inputs(batch, keys, temperature)
             stats = self.runner.optimizer_step(inputs, loss_fn, micro_batch_size)
-        sums = from_last_stage(sums, self.dims)
+        sums = from_last_pp_stage(sums, self.dims)
         tokens = float(batch["response_mask"].sum())
         counts = {k: tokens for k in ("clipfrac", "approx_kl", "behavior_weight_mean", "behavior_weight_capped_frac", "behavior_approx_kl")}
         agg_count = float(alg.loss_agg_count(batch["response_mask"], mode))
@@ -479,7 +479,7 @@ class Policy(RoleModel):
 
         inputs = self._response_model_inputs(rows, ("input_ids", "response_mask", "ref_logps"), 1.0)
         stats = self.runner.optimizer_step(inputs, loss_fn, 2 * micro_batch_size, unit=2)
-        sums = from_last_stage(sums, self.dims)
+        sums = from_last_pp_stage(sums, self.dims)
         out = self._dpo_metrics(sums, pairs, chosen_tokens, dpo)
         moe = {k: v for k, v in stats.items() if k.startswith("moe_")}
         return {

@@ -43,9 +43,9 @@ class ParallelConfig:
     # holding every layer's unsharded parameters and fp32 gradients through the step, like DDP (Megatron's
     # distributed optimizer; ep_size=1 only); aligner.parallel.data_parallel.FsdpStepReduce
     fsdp_reduce: str = "micro_batch"
-    pp_layer_split: Optional[list[int]] = None  # layers per stage (uneven splits); None = even
+    pp_layer_split: Optional[list[int]] = None  # layers per pipeline stage (uneven splits); None = even
     # interleaved 1F1B (Narayanan et al. 2021): model chunks per pipeline rank, each rank holding v
-    # non-contiguous virtual stages of num_layers / (pp_size * v) layers; the bubble shrinks v-fold
+    # non-contiguous virtual pipeline stages of num_layers / (pp_size * v) layers; the bubble shrinks v-fold
     virtual_pp_size: int = 1
     # policy log-probs / entropy: positions per chunk of the fused head + softmax (aligner.nn.chunked),
     # so no [B, R, V/tp] fp32 logits exist; 0 = the unchunked path (the head's logits, then aligner.nn.vocab);
@@ -166,13 +166,13 @@ class ParallelConfig:
             self.dp_backend in ("ddp", "fsdp2") or self.dp_size == 1,
             field,
             v,
-            f"runs with dp_backend=ddp or fsdp2 or dp_size=1 (DeepSpeed wraps the whole stage): set {prefix}.dp_backend=fsdp2",
+            f"runs with dp_backend=ddp or fsdp2 or dp_size=1 (DeepSpeed wraps the whole pipeline stage): set {prefix}.dp_backend=fsdp2",
         )
         _check(
             model is None or self.pp_size * v <= model.num_layers,
             field,
             v,
-            f"pp_size x virtual_pp_size = {self.pp_size * v} virtual stages exceed model.num_layers={model and model.num_layers}",
+            f"pp_size x virtual_pp_size = {self.pp_size * v} virtual pipeline stages exceed model.num_layers={model and model.num_layers}",
         )
 
     def validate_cp(self, prefix: str, model: Optional[ModelConfig] = None) -> None:

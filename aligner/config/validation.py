@@ -319,7 +319,7 @@ def validate_prompt_learning(cfg: RunView) -> None:
         p.pp_size == 1,
         "actor.parallel.pp_size",
         p.pp_size,
-        f"{f}={pl.type} supports pp_size=1 only (the virtual tokens live on the first stage, not implemented)",
+        f"{f}={pl.type} supports pp_size=1 only (the virtual tokens live on the first pipeline stage, not implemented)",
     )
     _check(not p.sequence_parallel, "actor.parallel.sequence_parallel", p.sequence_parallel, f"{f}={pl.type} needs sequence_parallel=false")
     _check(p.cp_size == 1, "actor.parallel.cp_size", p.cp_size, f"{f}={pl.type} needs cp_size=1 (the virtual tokens are not split)")

@@ -14,7 +14,7 @@ from aligner import algorithms as alg
 from aligner.config import AlgorithmConfig
 from aligner.protocol import values_to_response
 from aligner.runtime.role import RoleModel
-from aligner.runtime.runner import from_last_stage
+from aligner.runtime.runner import from_last_pp_stage
 
 
 class Critic(RoleModel):
@@ -49,7 +49,7 @@ class Critic(RoleModel):
             return algo.vf_coef * loss * n / norm
 
         stats = self.runner.optimizer_step(batch, loss_fn, micro_batch_size)
-        sums = from_last_stage(sums, self.dims)
+        sums = from_last_pp_stage(sums, self.dims)
         count = float(batch["response_mask"].sum())
         return {
             **{k: self.dp_mean(v, count) for k, v in sorted(sums.items())},

@@ -212,8 +212,8 @@ def shared_prompt_mask(segments: torch.Tensor) -> torch.Tensor:
 class LlamaModel(nn.Module):
     """Decoder trunk: embeddings, decoder layers and final norm (any may be absent on a PP stage).
 
-    Forward: input_ids [B, T] int64 (first stage) or hidden_states [B, T(/tp), H] (later stages)
-    -> hidden_states [B, T(/tp), H] (normed on the last stage).
+    Forward: input_ids [B, T] int64 (first pipeline stage) or hidden_states [B, T(/tp), H] (later ones)
+    -> hidden_states [B, T(/tp), H] (normed on the last pipeline stage).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -223,7 +223,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.num_layers)})
         self.norm: Optional[RMSNorm] = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.prompt: Optional[nn.Module] = None  # virtual tokens (aligner.model.prompt.attach_prompt), first stage only
+        self.prompt: Optional[nn.Module] = None  # virtual tokens (aligner.model.prompt.attach_prompt), first pipeline stage only
 
     def forward(
         self,
@@ -307,7 +307,7 @@ def default_position_ids(batch: int, t: int, device, segment_ids: Optional[torch
 class LlamaForCausalLM(nn.Module):
     """The policy: trunk + vocab-parallel lm_head.
 
-    Forward -> logits [B, T, V/tp] (fp32 math is left to the loss) on the last stage, else
+    Forward -> logits [B, T, V/tp] (fp32 math is left to the loss) on the last pipeline stage, else
     hidden states. ``lm_head`` is tied to ``model.embed_tokens`` when tie_word_embeddings.
     ``head_index`` [B, R] int64 (positions in 0..T-1) restricts the head to those positions:
     logits [B, R, V/tp], row i holding the logits at positions head_index[i]. RL losses need
@@ -315,7 +315,7 @@ class LlamaForCausalLM(nn.Module):
     shrink by R / T (with sequence parallelism the head runs on all positions, then selects).
 
     With ``logprob`` (a :class:`aligner.nn.chunked.LogProbSpec`) and ``labels`` [B, R] int64 (R = T
-    without head_index) the last stage returns (log_probs [B, R] fp32, entropy [B, R] fp32 nats) of
+    without head_index) the last pipeline stage returns (log_probs [B, R] fp32, entropy [B, R] fp32 nats) of
     the labels under softmax(logits / temperature) instead of logits, computed chunk by chunk from
     the head's input (:class:`aligner.nn.layers.LMHead`): no [B, R, V/tp] logits exist.
     """
@@ -358,7 +358,7 @@ def select_positions(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 class LlamaForScore(nn.Module):
     """Critic / reward model: trunk + scalar head ``score`` (HF LlamaForSequenceClassification, 1 label).
 
-    Forward -> per-token scalars [B, T] fp32 on the last stage (values for the critic; the reward
+    Forward -> per-token scalars [B, T] fp32 on the last pipeline stage (values for the critic; the reward
     model reads the last real token with :func:`last_token_scores`), else hidden states.
     """
 

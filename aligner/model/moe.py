@@ -476,7 +476,7 @@ def stack_routing(experts: list[torch.Tensor]) -> torch.Tensor:
 
 @contextmanager
 def record_routing(model: nn.Module) -> Iterator[list[list[torch.Tensor]]]:
-    """Record every forward's ``last_experts`` of this stage's MoE layers while the context is open.
+    """Record every forward's ``last_experts`` of this pipeline stage's MoE layers while the context is open.
 
     Yields one list per :class:`SparseMoE` of `model` (layer order) that receives, per forward of
     that layer (per micro-batch, in the order they ran), its experts [N, k] int16 on the layer's
@@ -500,7 +500,7 @@ def record_routing(model: nn.Module) -> Iterator[list[list[torch.Tensor]]]:
 
 def global_moe_metrics(model: nn.Module, dims) -> dict[str, float]:
     """:func:`moe_metrics` over every MoE layer of the role: layer sums all-reduced over the pp group
-    (each stage holds some layers) and averaged over dp ranks; {} for a dense model. Collective over
+    (each pipeline stage holds some layers) and averaged over dp ranks; {} for a dense model. Collective over
     pp and dp (every rank of the role calls it after a step)."""
     import torch.distributed as dist
 
@@ -525,7 +525,7 @@ def global_moe_metrics(model: nn.Module, dims) -> dict[str, float]:
 
 
 def moe_metrics(model: nn.Module) -> dict[str, float]:
-    """Mean over this stage's MoE layers of their last forward's ``stats`` (empty for a dense model):
+    """Mean over this pipeline stage's MoE layers of their last forward's ``stats`` (empty for a dense model):
     ``moe_aux_loss``, ``moe_z_loss``, ``moe_max_load``; ``moe_dropped`` is the sum over layers."""
     layers = [m for m in moe_layers(model) if m.stats]
     if not layers:

@@ -190,7 +190,7 @@ class FsdpStepReduce:
     The result equals per-micro-batch reduction up to the order of fp32 additions.
 
     Args:
-        root: the FSDP2 root model (:func:`apply_fsdp2`'s result, the rank's stage).
+        root: the FSDP2 root model (:func:`apply_fsdp2`'s result, the rank's pipeline stage).
         chunks: the modules the schedule backpropagates through, each holding its decoder layers: the
             interleaved chunk views, or ``[root]``.
         reshard_after_forward: the value :func:`apply_fsdp2` was given (restored by :meth:`end`).
@@ -283,7 +283,7 @@ def deepspeed_config(zero_stage: int, mixed_precision: str, grad_clip: float, of
         zero_stage: 0-3. mixed_precision: fp32 | bf16. grad_clip: max global norm (0 = off).
         offload_optimizer: keep the fp32 master weights and Adam state on CPU (DeepSpeedCPUAdam).
     Raises:
-        ValueError: zero_stage outside 0-3, unknown mixed_precision, offload with stage 0.
+        ValueError: zero_stage outside 0-3, unknown mixed_precision, offload with ZeRO stage 0.
     """
     _check_choice("parallel.zero_stage", zero_stage, (0, 1, 2, 3))
     _check_choice("parallel.mixed_precision", mixed_precision, MIXED_PRECISION)
@@ -367,7 +367,7 @@ def grad_norm_sq_local(model: nn.Module, tp_group=None, exclude: Optional[set[in
     """Sum of squared gradient entries of this rank's parameters, weighted so a later sum over
     tp, pp (and dp for dp-sharded grads) counts every entry of the full model once. fp64 scalar.
 
-    exclude: ids of parameters counted elsewhere (the last stage's copy of a tied embedding)."""
+    exclude: ids of parameters counted elsewhere (the last pipeline stage's copy of a tied embedding)."""
     tp_size, tp_rank = comm.group_size(tp_group), comm.group_rank(tp_group)
     total = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)
     seen: set[int] = set(exclude or ())

@@ -159,11 +159,11 @@ class ParallelDims:
         return self.dp_rank // self.ep_size
 
     @property
-    def is_first_stage(self) -> bool:
+    def is_first_pp_stage(self) -> bool:
         return self.pp_rank == 0
 
     @property
-    def is_last_stage(self) -> bool:
+    def is_last_pp_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 
     def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:

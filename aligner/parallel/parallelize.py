@@ -5,7 +5,7 @@ stages; :func:`parallelize` turns a full single-process model into this rank's p
 TP x PP x DP layout, the way torchtitan's ``parallelize_llama`` does:
 
     1. pipeline split   keep the decoder layers of dims.pp_rank, and the embedding / final
-                        norm / head only on the first / last stage (:func:`prune_to_stage`)
+                        norm / head only on the first / last pipeline stage (:func:`prune_to_pp_stage`)
     2. TP / SP          shard every building-block layer over dims.tp_group
                         (:func:`aligner.parallel.tensor_parallel.apply_tensor_parallel`)
     2b. EP              MoE experts split over dims.ep_group (:func:`apply_expert_parallel`)
@@ -53,16 +53,16 @@ from aligner.parallel.tensor_parallel import apply_tensor_parallel
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
-def stage_layer_ids(num_layers: int, pp_size: int, pp_rank: int, layer_split: Optional[Sequence[int]] = None) -> list[int]:
+def pp_stage_layer_ids(num_layers: int, pp_size: int, pp_rank: int, layer_split: Optional[Sequence[int]] = None) -> list[int]:
     """Global decoder-layer indices of pipeline stage `pp_rank`.
 
-    layer_split: layers per stage (ParallelConfig.pp_layer_split); None splits evenly with
-    the first num_layers % pp_size stages taking one extra layer.
+    layer_split: layers per pipeline stage (ParallelConfig.pp_layer_split); None splits evenly with
+    the first num_layers % pp_size pipeline stages taking one extra layer.
     Raises ValueError: the split does not have pp_size positive entries summing to num_layers.
     """
     if layer_split is None:
         if pp_size > num_layers:
-            raise ValueError(f"pp_size={pp_size} exceeds num_layers={num_layers}: use at most {num_layers} stages")
+            raise ValueError(f"pp_size={pp_size} exceeds num_layers={num_layers}: use at most {num_layers} pipeline stages")
         base, extra = divmod(num_layers, pp_size)
         layer_split = [base + (1 if s < extra else 0) for s in range(pp_size)]
     split = list(layer_split)
@@ -72,15 +72,17 @@ def stage_layer_ids(num_layers: int, pp_size: int, pp_rank: int, layer_split: Op
     return list(range(start, start + split[pp_rank]))
 
 
-def virtual_stage_layer_ids(num_layers: int, pp_size: int, num_chunks: int, pp_rank: int) -> list[list[int]]:
+def virtual_pp_stage_layer_ids(num_layers: int, pp_size: int, num_chunks: int, pp_rank: int) -> list[list[int]]:
     """Global decoder-layer indices of each of rank `pp_rank`'s `num_chunks` model chunks (virtual
-    pipeline stages, Megatron's interleaved layout): chunk c is virtual stage c * pp_size + pp_rank of
-    pp_size * num_chunks even stages (:func:`stage_layer_ids`), so a rank's layers are not contiguous.
-    Raises ValueError: more virtual stages than layers."""
-    stages = pp_size * num_chunks
-    if stages > num_layers:
-        raise ValueError(f"pp_size x virtual_pp_size = {stages} exceeds num_layers={num_layers}: use at most {num_layers} virtual stages")
-    return [stage_layer_ids(num_layers, stages, c * pp_size + pp_rank) for c in range(num_chunks)]
+    pipeline stages, Megatron's interleaved layout): chunk c is virtual pipeline stage c * pp_size + pp_rank of
+    pp_size * num_chunks even ones (:func:`pp_stage_layer_ids`), so a rank's layers are not contiguous.
+    Raises ValueError: more virtual pipeline stages than layers."""
+    virtual_pp_stages = pp_size * num_chunks
+    if virtual_pp_stages > num_layers:
+        raise ValueError(
+            f"pp_size x virtual_pp_size = {virtual_pp_stages} exceeds num_layers={num_layers}: use at most {num_layers} virtual pipeline stages"
+        )
+    return [pp_stage_layer_ids(num_layers, virtual_pp_stages, c * pp_size + pp_rank) for c in range(num_chunks)]
 
 
 def chunk_views(model: nn.Module, dims: ParallelDims, num_chunks: int) -> list[nn.Module]:
@@ -91,7 +93,7 @@ def chunk_views(model: nn.Module, dims: ParallelDims, num_chunks: int) -> list[n
     optimizer stay on `model`. Returns [model] for num_chunks = 1."""
     if num_chunks == 1:
         return [model]
-    ids = virtual_stage_layer_ids(model.cfg.num_layers, dims.pp_size, num_chunks, dims.pp_rank)
+    ids = virtual_pp_stage_layer_ids(model.cfg.num_layers, dims.pp_size, num_chunks, dims.pp_rank)
     views = []
     for c, layer_ids in enumerate(ids):
         view, trunk = _shallow(model), _shallow(model.model)
@@ -122,19 +124,19 @@ def _shallow(module: nn.Module) -> nn.Module:
 
 
 def decode_layer_split(cfg: ModelConfig, pp_size: int) -> list[int]:
-    """Layers per stage that balance a pipeline-parallel *decode* step's GEMM work.
+    """Layers per pipeline stage that balance a pipeline-parallel *decode* step's GEMM work.
 
-    In decode every stage's time is its weight GEMMs; the last stage also runs the
+    In decode every pipeline stage's time is its weight GEMMs; the last one also runs the
     [hidden, vocab] head (SmolLM2-135M: as much as 8 of its 30 layers). Per-token cost is
     counted as weight elements: a layer h(h_q + 2 kv_dim) + h_q h + 3 h I, the head V h (the
-    embedding lookup is no GEMM). The last stage gets the layers that bring it to the mean
-    stage cost (at least 1), the others split the rest evenly, extra layers to the first.
+    embedding lookup is no GEMM). The last pipeline stage gets the layers that bring it to the mean
+    pipeline stage cost (at least 1), the others split the rest evenly, extra layers to the first.
     Returns pp_size positive ints summing to cfg.num_layers (the even split when pp_size is 1).
     Raises ValueError: pp_size > num_layers.
     """
     n = cfg.num_layers
     if pp_size > n:
-        raise ValueError(f"pp_size={pp_size} exceeds num_layers={n}: use at most {n} stages")
+        raise ValueError(f"pp_size={pp_size} exceeds num_layers={n}: use at most {n} pipeline stages")
     if pp_size == 1:
         return [n]
     h, hd = cfg.hidden_size, cfg.resolved_head_dim
@@ -147,10 +149,10 @@ def decode_layer_split(cfg: ModelConfig, pp_size: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(pp_size - 1)] + [last]
 
 
-def prune_to_stage(model: nn.Module, layer_ids: list[int], first: bool, last: bool) -> nn.Module:
+def prune_to_pp_stage(model: nn.Module, layer_ids: list[int], first: bool, last: bool) -> nn.Module:
     """Keep only decoder layers `layer_ids` (global indices) and the ends this pipeline stage owns.
 
-    The stage is the same class with the other layers deleted and ``embed_tokens`` (not first),
+    The pipeline stage is the same class with the other layers deleted and ``embed_tokens`` (not first),
     ``norm`` and the head (not last) set to None; parameter names stay HF's.
     """
     trunk = model.model
@@ -270,8 +272,8 @@ def build_parallel_model(
 
     Args:
         cfg: ModelConfig. kind: "lm" (policy) | "score" (critic / reward model), see ``build_model``.
-        dims: ParallelDims (tp_size, pp_size, pp_rank, is_first_stage, is_last_stage, tp_group).
-        layer_split: decoder layers per stage; None = even.
+        dims: ParallelDims (tp_size, pp_size, pp_rank, is_first_pp_stage, is_last_pp_stage, tp_group).
+        layer_split: decoder layers per pipeline stage; None = even.
         sequence_parallel / recompute: SP on the tp group; none | selective | full.
         compile: torch.compile each decoder block (:func:`apply_compile`).
         seed: without `full_state_dict`, weights equal ``build_model(cfg, kind, seed)``'s
@@ -280,8 +282,8 @@ def build_parallel_model(
             sharded, then materialized on `device` and loaded (no full model in memory).
         cp_group: context-parallel group (step 2c of :func:`parallelize`); None = no CP.
         virtual_pp_size: model chunks per rank (interleaved 1F1B): the rank keeps the layers of its
-            chunks (:func:`virtual_stage_layer_ids`); :func:`chunk_views` splits it for the schedule.
-    Returns: LlamaForCausalLM / LlamaForScore with this stage's layers and this rank's shards.
+            chunks (:func:`virtual_pp_stage_layer_ids`); :func:`chunk_views` splits it for the schedule.
+    Returns: LlamaForCausalLM / LlamaForScore with this pipeline stage's layers and this rank's shards.
     Raises ValueError: a layer split or tp size the model cannot take, an unknown recompute mode.
     """
     model = build_model(cfg, kind, seed=seed, device="meta" if full_state_dict is not None else device)
@@ -357,10 +359,10 @@ def parallelize(
     device = device if device is not None else dims.device
     v = getattr(parallel_cfg, "virtual_pp_size", 1)
     if v > 1:  # interleaved: this rank holds its v chunks' layers (:func:`chunk_views` runs them apart)
-        ids = sorted(i for chunk in virtual_stage_layer_ids(model.cfg.num_layers, dims.pp_size, v, dims.pp_rank) for i in chunk)
+        ids = sorted(i for chunk in virtual_pp_stage_layer_ids(model.cfg.num_layers, dims.pp_size, v, dims.pp_rank) for i in chunk)
     else:
-        ids = stage_layer_ids(model.cfg.num_layers, dims.pp_size, dims.pp_rank, parallel_cfg.pp_layer_split)
-    prune_to_stage(model, ids, dims.is_first_stage, dims.is_last_stage)
+        ids = pp_stage_layer_ids(model.cfg.num_layers, dims.pp_size, dims.pp_rank, parallel_cfg.pp_layer_split)
+    prune_to_pp_stage(model, ids, dims.is_first_pp_stage, dims.is_last_pp_stage)
     apply_tensor_parallel(model, dims.tp_group, parallel_cfg.sequence_parallel)
     apply_expert_parallel(model, dims.ep_group)
     if cp_group is not None and parallel_cfg.compile:

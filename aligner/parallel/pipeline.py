@@ -1,17 +1,17 @@
-"""Pipeline parallelism: a 1F1B schedule with explicit P2P between stage models.
+"""Pipeline parallelism: a 1F1B schedule with explicit P2P between pipeline stage models.
 
-Owns, for the stage models :func:`aligner.parallel.parallelize.build_parallel_model` builds,
+Owns, for the pipeline stage models :func:`aligner.parallel.parallelize.build_parallel_model` builds,
 the one-forward-one-backward schedule of PipeDream-Flush / Megatron (Narayanan et al. 2021) for training
 (:func:`pipeline_train_step`), a forward-only schedule returning per-token outputs
 (:func:`pipeline_forward`), and the gradient finalization TP/PP leave to the caller
-(:func:`finalize_grads`: SP norm / replicated kv grads, tied embeddings across stages).
+(:func:`finalize_grads`: SP norm / replicated kv grads, tied embeddings across pipeline stages).
 
 Why explicit P2P rather than ``torch.distributed.pipelining``: the RL losses take
 per-micro-batch tensors (advantages, old_log_probs, masks, normalizers) that are not
-model inputs, and forward-only log-prob passes need a caller function on the last
+model inputs, and forward-only log-prob passes need a caller function on the last pipeline
 stage; here a micro-batch is a dict of tensors every pp rank holds, the model reads
 ``input_ids`` / ``position_ids`` / ``segment_ids`` and the loss gets the whole dict.
-Activations between stages are [b, T/seq_shards, H] in the model dtype, with shapes
+Activations between pipeline stages are [b, T/seq_shards, H] in the model dtype, with shapes
 known from the micro-batch, so no shape handshake is needed; every buffer is sized from its own
 micro-batch, so micro-batches of different [b, T] (token budgets) run in one schedule. P2P runs on the pp group
 with ``batch_isend_irecv`` (paired send/recv, deadlock-free in the 1F1B order).
@@ -22,7 +22,7 @@ num_micro_batches (whole-batch mean of equal-sized micro-batch means); ``"sum"``
 so either way the accumulated gradients equal the whole-batch gradients.
 
 Interleaved 1F1B (``parallel.virtual_pp_size`` = v > 1; Narayanan et al. 2021, sec. 2.2.2, Megatron's
-``forward_backward_pipelining_with_interleaving``): each rank holds v model chunks (virtual stage
+``forward_backward_pipelining_with_interleaving``): each rank holds v model chunks (virtual pipeline stage
 j = chunk * pp + rank, so a rank's layers are not contiguous) and runs them in Megatron's order:
 forward k uses chunk (k mod pp v) div pp of micro-batch (k div pp v) pp + k mod pp, warm-up
 2 (pp - rank - 1) + (v - 1) pp forwards, then one forward one backward, then the remaining
@@ -32,9 +32,9 @@ of pp. Activations travel rank to rank and from the last rank back to the first 
 chunk; each message is tagged with its direction, micro-batch and chunk and sent asynchronously
 (:class:`_Ring`), so the order in which ranks post them never pairs the wrong tensors.
 
-Tied embeddings with pp_size > 1: the first stage holds embed_tokens and the last stage
+Tied embeddings with pp_size > 1: the first pipeline stage holds embed_tokens and the last
 an lm_head sharing the same initial weight; :func:`finalize_grads` sums their grads
-between the two stages so both copies stay equal under any deterministic optimizer.
+between the two pipeline stages so both copies stay equal under any deterministic optimizer.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def split_micro_batches(batch: dict[str, torch.Tensor], num_micro_batches: int) 
 
 
 class _P2P:
-    """Paired point-to-point transfers with the neighbouring stages on the pp group."""
+    """Paired point-to-point transfers with the neighbouring pipeline stages on the pp group."""
 
     def __init__(self, dims):
         self.group, self.rank, self.size = dims.pp_group, dims.pp_rank, dims.pp_size
@@ -131,9 +131,9 @@ def _hidden_buffer(model: nn.Module, mb: dict, requires_grad: bool) -> torch.Ten
 
 
 def _activation_dtype(model: nn.Module, param_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a stage's hidden states travel in: FSDP2 mixed precision's compute dtype (its
+    """The dtype a pipeline stage's hidden states travel in: FSDP2 mixed precision's compute dtype (its
     unsharded parameters, bf16), else the parameters' own (fp32 master weights under autocast).
-    Found once per stage module (a walk of its modules) and kept on it: this runs per received micro-batch."""
+    Found once per pipeline stage module (a walk of its modules) and kept on it: this runs per received micro-batch."""
     cached = model.__dict__.get("_activation_dtype")
     if cached is not None:
         return cached
@@ -162,15 +162,15 @@ def pipeline_train_step(
     """Forward and backward over all micro-batches in the 1F1B order; gradients accumulate in .grad.
 
     Args:
-        model: this rank's stage (``build_parallel_model``), or the list of its chunks (virtual
+        model: this rank's pipeline stage (``build_parallel_model``), or the list of its chunks (virtual
             pipeline stages, :func:`aligner.parallel.parallelize.chunk_views`): the interleaved schedule.
-        dims: ParallelDims (pp_group, pp_rank, pp_size, tp_group, is_first/last_stage).
+        dims: ParallelDims (pp_group, pp_rank, pp_size, tp_group, is_first/last_pp_stage).
         micro_batches: num_micro_batches dicts, the same on every pp rank: ``input_ids`` [b, T]
-            int64 (shapes on every stage, tokens on the first), optional ``position_ids`` /
+            int64 (shapes on every pipeline stage, tokens on the first), optional ``position_ids`` /
             ``segment_ids`` [b, T], and any extra tensors the loss needs (advantages,
             old_log_probs, masks, labels, normalizers).
-        loss_fn: (output, mb) -> scalar loss, run on the last stage; output is the last
-            stage's model output (logits [b, T, V/tp], scores [b, T], or (log_probs, entropy)
+        loss_fn: (output, mb) -> scalar loss, run on the last pipeline stage; output is the last
+            pipeline stage's model output (logits [b, T, V/tp], scores [b, T], or (log_probs, entropy)
             [b, R] each when the micro-batch carries a ``logprob`` spec).
         loss_reduction: "mean" (scale each loss by 1/num_micro_batches) or "sum" (no scaling).
         finalize: run :func:`finalize_grads` after the last backward.
@@ -195,7 +195,7 @@ def pipeline_train_step(
         losses = _interleaved_train_step(model, dims, micro_batches, loss_fn, scale, before_last_backward)
         if finalize:
             finalize_grads(model, dims)
-        return _broadcast_from_last(torch.stack(losses) if dims.is_last_stage else None, dims)
+        return _broadcast_from_last(torch.stack(losses) if dims.is_last_pp_stage else None, dims)
     set_aux_loss_scale(model, 1.0 / m)
     p2p = _P2P(dims)
     losses: list[torch.Tensor] = []
@@ -272,15 +272,15 @@ def pipeline_forward(
 ) -> Optional[torch.Tensor]:
     """Forward-only pass over the micro-batches (no autograd graph kept).
 
-    output_fn: (output, mb) -> [b, ...] per micro-batch on the last stage, e.g. log_probs
+    output_fn: (output, mb) -> [b, ...] per micro-batch on the last pipeline stage, e.g. log_probs
         [b, T-1] from ``vocab_parallel_log_probs`` on logits [b, T, V/tp], or values [b, T].
-    Returns: the per-micro-batch outputs concatenated on dim 0 ([B, ...]) on the last stage,
+    Returns: the per-micro-batch outputs concatenated on dim 0 ([B, ...]) on the last pipeline stage,
         and on every pp rank when `broadcast` (else None elsewhere).
-    model: the stage, or the list of this rank's chunks (virtual pipeline stages).
+    model: the pipeline stage, or the list of this rank's chunks (virtual pipeline stages).
     """
     if isinstance(model, (list, tuple)):
         results = _interleaved_forward(model, dims, micro_batches, output_fn)
-        result = torch.cat(results) if dims.is_last_stage else None
+        result = torch.cat(results) if dims.is_last_pp_stage else None
         return _broadcast_from_last(result, dims) if broadcast else result
     p2p = _P2P(dims)
     pending, results = [], []
@@ -303,7 +303,7 @@ def pipeline_forward(
 
 # ---- interleaved 1F1B (virtual pipeline stages) ---------------------------------------------------
 class _Ring:
-    """Tagged asynchronous point-to-point between virtual stages: rank r's chunk c feeds rank r + 1's
+    """Tagged asynchronous point-to-point between virtual pipeline stages: rank r's chunk c feeds rank r + 1's
     chunk c, the last rank's chunk c feeds rank 0's chunk c + 1 (gradients travel back the same way).
     Sends are posted at once and waited at :meth:`finish`; a receive blocks until its tensor is in."""
 
@@ -316,11 +316,11 @@ class _Ring:
         return 1 + (int(backward) * self.m + mb) * self.v + chunk
 
     def next_of(self, chunk: int) -> tuple[int, int]:
-        """(rank, chunk) of the virtual stage after this rank's `chunk`."""
+        """(rank, chunk) of the virtual pipeline stage after this rank's `chunk`."""
         return (self.rank + 1, chunk) if self.rank < self.size - 1 else (0, chunk + 1)
 
     def prev_of(self, chunk: int) -> tuple[int, int]:
-        """(rank, chunk) of the virtual stage before this rank's `chunk`."""
+        """(rank, chunk) of the virtual pipeline stage before this rank's `chunk`."""
         return (self.rank - 1, chunk) if self.rank > 0 else (self.size - 1, chunk - 1)
 
     def send(self, t: torch.Tensor, peer: tuple[int, int], mb: int, backward: bool) -> None:
@@ -365,7 +365,7 @@ def _interleaved_train_step(chunks, dims, micro_batches, loss_fn, scale: float, 
     p, r, v, m = dims.pp_size, dims.pp_rank, len(chunks), len(micro_batches)
     order, warmup = interleaved_order(m, p, v, r)
     ring = _Ring(dims, m, v)
-    first = lambda c: r == 0 and c == 0  # noqa: E731  (the virtual stage with the embedding)
+    first = lambda c: r == 0 and c == 0  # noqa: E731  (the virtual pipeline stage with the embedding)
     last = lambda c: r == p - 1 and c == v - 1  # noqa: E731  (the one with the head and the loss)
     saved: dict[tuple[int, int], tuple] = {}
     losses: dict[int, torch.Tensor] = {}
@@ -431,7 +431,7 @@ def _interleaved_forward(chunks, dims, micro_batches, output_fn) -> list:
 
 
 def _broadcast_from_last(t: Optional[torch.Tensor], dims) -> torch.Tensor:
-    """Broadcast tensor `t` (given on the last stage) to every rank of the pp group."""
+    """Broadcast tensor `t` (given on the last pipeline stage) to every rank of the pp group."""
     if dims.pp_size == 1:
         return t
     last = dims.pp_size - 1
@@ -453,13 +453,13 @@ def sync_tied_embedding_grads(model: nn.Module, dims) -> None:
     No-op unless tie_word_embeddings and pp_size > 1. The two ends exchange their
     [V/tp, H] grads point-to-point (same tp_rank on both ends) and add them.
     """
-    if not model.cfg.tie_word_embeddings or dims.pp_size == 1 or not (dims.is_first_stage or dims.is_last_stage):
+    if not model.cfg.tie_word_embeddings or dims.pp_size == 1 or not (dims.is_first_pp_stage or dims.is_last_pp_stage):
         return
-    p = model.model.embed_tokens.weight if dims.is_first_stage else model.lm_head.weight
+    p = model.model.embed_tokens.weight if dims.is_first_pp_stage else model.lm_head.weight
     if p.grad is None:
         p.grad = torch.zeros_like(p)
     other = torch.empty_like(p.grad)
-    peer = dims.pp_size - 1 if dims.is_first_stage else 0
+    peer = dims.pp_size - 1 if dims.is_first_pp_stage else 0
     ops = [
         dist.P2POp(dist.isend, p.grad.contiguous(), group=dims.pp_group, group_peer=peer),
         dist.P2POp(dist.irecv, other, group=dims.pp_group, group_peer=peer),
@@ -471,8 +471,8 @@ def sync_tied_embedding_grads(model: nn.Module, dims) -> None:
 
 
 def finalize_grads(model, dims) -> None:
-    """TP/SP grad reductions (:func:`sync_tp_grads`) then tied-embedding sync across stages.
-    `model`: the stage, or the list of this rank's chunks (disjoint layers; the embedding in the
+    """TP/SP grad reductions (:func:`sync_tp_grads`) then tied-embedding sync across pipeline stages.
+    `model`: the pipeline stage, or the list of this rank's chunks (disjoint layers; the embedding in the
     first chunk, the head in the last).
 
     Data-parallel reduction is the dp backend's (FSDP2 / DDP / DeepSpeed) job, not this one's.
@@ -480,4 +480,4 @@ def finalize_grads(model, dims) -> None:
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     for chunk in chunks:
         sync_tp_grads(chunk, dims.tp_group)
-    sync_tied_embedding_grads(chunks[0] if dims.is_first_stage else chunks[-1], dims)
+    sync_tied_embedding_grads(chunks[0] if dims.is_first_pp_stage else chunks[-1], dims)

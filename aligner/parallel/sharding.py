@@ -68,7 +68,7 @@ def load_full_state_dict(model: nn.Module, full_sd: dict[str, torch.Tensor], str
     model: a (possibly TP-sharded, PP-pruned) LlamaForCausalLM / LlamaForScore with
     materialized parameters (after ``to_empty`` when built on meta). Each parameter takes
     ``full_to_local`` of its full tensor, cast to the parameter's dtype. Keys of `full_sd`
-    that this stage does not own are ignored.
+    that this pipeline stage does not own are ignored.
     Raises ValueError: a parameter is missing from `full_sd` (strict), a full tensor has the
     wrong shape, or the model is still on the meta device.
     """
@@ -92,7 +92,7 @@ def load_full_state_dict(model: nn.Module, full_sd: dict[str, torch.Tensor], str
 
 
 def _gather_tp(model: nn.Module, tp_group, bucket_bytes: int) -> dict[str, torch.Tensor]:
-    """This stage's full tensors: sharded ones all-gathered over `tp_group` in buckets."""
+    """This pipeline stage's full tensors: sharded ones all-gathered over `tp_group` in buckets."""
     local_sd = model.state_dict(keep_vars=True)
     specs = shard_specs(model)
     out: dict[str, torch.Tensor] = {}
@@ -196,30 +196,30 @@ def gather_full_state_dict(
     bucket_mb: int = 256,
 ) -> dict[str, torch.Tensor]:
     """Every HF-named full tensor of a TP x PP model, keyed and ordered like the unsharded
-    model's ``state_dict()`` (stages in pp order; tied embeddings under both names).
+    model's ``state_dict()`` (pipeline stages in pp order; tied embeddings under both names).
 
     Collective over `tp_group` and `pp_group`: every rank of both must call it.
     Args:
-        tp_group: this stage's tensor-parallel group (None: unsharded).
-        pp_group: the pipeline group (None: single stage).
+        tp_group: this pipeline stage's tensor-parallel group (None: unsharded).
+        pp_group: the pipeline group (None: one pipeline stage).
         dst_pp_rank: None gives the whole dict on every rank; an int gives it on that pp
-            rank only (point-to-point, cheaper), the others return their own stage's tensors.
+            rank only (point-to-point, cheaper), the others return their own pipeline stage's tensors.
         bucket_mb: upper size of one TP all-gather, MiB.
     Returns:
         {name: full tensor} (fresh tensors, detached from the model).
     """
-    stage = _gather_tp(model, tp_group, bucket_mb * 2**20)
+    local = _gather_tp(model, tp_group, bucket_mb * 2**20)
     pp = comm.group_size(pp_group)
     if pp == 1:
-        return stage
+        return local
     me = comm.group_rank(pp_group)
-    meta, flats = _flatten(stage)
+    meta, flats = _flatten(local)
     metas: list = [None] * pp
     dist.all_gather_object(metas, (meta, {d: f.numel() for d, f in flats.items()}), group=pp_group)
     result: dict[str, torch.Tensor] = {}
     for s in range(pp):
         if s == me:
-            result.update(stage)
+            result.update(local)
             if dst_pp_rank is None:
                 for f in flats.values():
                     dist.broadcast(f, group_src=s, group=pp_group)
@@ -230,7 +230,7 @@ def gather_full_state_dict(
         if dst_pp_rank is not None and me != dst_pp_rank:
             continue
         s_meta, sizes = metas[s]
-        device = next(iter(stage.values())).device
+        device = next(iter(local.values())).device
         recv = {d: torch.empty(n, dtype=d, device=device) for d, n in sizes.items()}
         for f in recv.values():
             if dst_pp_rank is None:
@@ -238,5 +238,5 @@ def gather_full_state_dict(
             else:
                 dist.recv(f, group_src=s, group=pp_group)
         result.update(_unflatten(s_meta, recv))
-    order = [name for s in range(pp) for name, *_ in metas[s][0]] if (dst_pp_rank is None or me == dst_pp_rank) else list(stage)
+    order = [name for s in range(pp) for name, *_ in metas[s][0]] if (dst_pp_rank is None or me == dst_pp_rank) else list(local)
     return {name: result[name] for name in order}

@@ -70,7 +70,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group: Optional[dist.ProcessGroup
     optimizer (parameters are replaced). Returns the model.
 
     Args:
-        model: built with ``aligner.model.llama.build_model`` (optionally pruned to a stage).
+        model: built with ``aligner.model.llama.build_model`` (optionally pruned to a pipeline stage).
         tp_group: tensor-parallel group; None or size 1 leaves the model single-process.
         sequence_parallel: hidden states between layers become [B, T/tp, H]; inputs must then
             have T divisible by tp_size (the embedding's reduce-scatter raises ValueError otherwise).

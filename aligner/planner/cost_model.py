@@ -1,7 +1,7 @@
 """The planner's cost model: bytes per device and seconds per step of one role's layout.
 
 Owns: the layout and estimate types (:class:`Layout`, :class:`RoleWork`, :class:`LayoutEstimate`,
-:class:`Rejected`), parameter counts per role and stage and the analytic memory model (weights,
+:class:`Rejected`), parameter counts per role and pipeline stage and the analytic memory model (weights,
 gradients, optimizer state, activations, KV cache). The step-time model is
 :mod:`aligner.planner.time_model`; one layout's evaluation (:func:`~aligner.planner.evaluate.evaluate_layout`:
 a :class:`LayoutEstimate`, or :class:`Rejected` with the reason) is :mod:`aligner.planner.evaluate`.
@@ -11,7 +11,7 @@ bytes, the unit GPU memory is sold in: an "80 GB" H100 or A100 has 80 GiB = 85.9
 which torch.cuda reports about 79.2 GiB = 85.0e9 as total_memory):
 - Parameters: :meth:`ModelConfig.num_parameters` (score models drop lm_head and add a [1, H]
   head). TP shards everything but the RMSNorm weights; PP splits layers evenly (the first
-  ``L % pp`` stages take one more); embedding and lm_head sit on the first/last stage.
+  ``L % pp`` pipeline stages take one more); embedding and lm_head sit on the first/last pipeline stage.
 - Training state follows ZeRO's accounting (Rajbhandari et al. 2020, section 3.1): mixed
   precision keeps a bf16 compute copy (2 B) and an fp32 master (4 B), fp32 grads (4 B; bf16
   under DeepSpeed) and Adam m, v in fp32 (8 B; 4 B with ``optim.state_dtype=bfloat16``,
@@ -35,11 +35,11 @@ which torch.cuda reports about 79.2 GiB = 85.0e9 as total_memory):
   RMSNorm saves an fp32 copy of its input, the normalized tensor and its output (Korthikanti's
   2 bytes per LayerNorm becomes 4 + 2e). TP divides everything inside the TP regions; SP also
   divides the norm regions; selective recomputation keeps only q, k, v (un-repeated) and the
-  core output; full recomputation keeps the layer input (2sbh in the paper). The last stage
+  core output; full recomputation keeps the layer input (2sbh in the paper). The last pipeline stage
   adds the fp32 log-softmax of the logits (the paper's 4sbv/t). 1F1B keeps min(pp - i, m)
-  micro-batches in flight on stage i (the first stage holds pp). Under torch.autocast (fp32
+  micro-batches in flight on pipeline stage i (the first holds pp). Under torch.autocast (fp32
   parameters, bf16 compute: bf16 mixed precision with DDP or one dp rank) the bf16 casts of
-  the weights are held once per stage, not per micro-batch in flight: autocast caches a trainable
+  the weights are held once per pipeline stage, not per micro-batch in flight: autocast caches a trainable
   weight's cast for its context, and the training step shares a frozen weight's (a LoRA base,
   :func:`aligner.nn.layers.frozen_weight_casts`); a frozen base under full recomputation holds
   only the recomputed layer's casts.
@@ -199,7 +199,7 @@ class RoleWork:
     micro_batch_tokens: ``trainer.micro_batch_tokens`` (0: row-count micro-batches of
     layout.micro_batch_size rows): micro-batches of up to this many tokens, batch * row_len / (dp *
     micro_batch_tokens) of them per pass (:func:`micro_batch_shape`), with or without pipeline
-    stages (the runtime runs them through 1F1B and interleaved 1F1B; not with DeepSpeed).
+    pipeline stages (the runtime runs them through 1F1B and interleaved 1F1B; not with DeepSpeed).
     """
 
     role: str
@@ -269,8 +269,8 @@ def role_active_parameters(model: ModelConfig, kind: str) -> int:
 
 def input_embedding_is_lookup(model: ModelConfig, kind: str, pp: int = 1) -> bool:
     """Whether the [V, H] input embedding is only gathered from (a token's row: no GEMM, no full read): always
-    for a score model and an untied LM; for a tied LM only with pipeline stages, where the last stage
-    multiplies by its own copy. On one stage a tied LM's embedding is also its output head, a [H, V] GEMM."""
+    for a score model and an untied LM; for a tied LM only with pipeline stages, where the last pipeline stage
+    multiplies by its own copy. On one pipeline stage a tied LM's embedding is also its output head, a [H, V] GEMM."""
     return kind == "score" or not model.tie_word_embeddings or pp > 1
 
 
@@ -295,17 +295,17 @@ def layer_num_parameters(model: ModelConfig) -> int:
     return (model.num_parameters() - model.vocab_size * h - head - h) // model.num_layers
 
 
-def layers_on_stage(num_layers: int, pp: int, stage: int) -> int:
-    """Decoder layers on pipeline stage `stage` of `pp` (even split, first stages take the rest)."""
-    return num_layers // pp + (1 if stage < num_layers % pp else 0)
+def layers_on_pp_stage(num_layers: int, pp: int, pp_stage: int) -> int:
+    """Decoder layers on pipeline stage `pp_stage` of `pp` (even split, the first pipeline stages take the rest)."""
+    return num_layers // pp + (1 if pp_stage < num_layers % pp else 0)
 
 
-def stage_expert_parameters(model: ModelConfig, tp: int, pp: int, stage: int, ep: int = 1) -> int:
+def pp_stage_expert_parameters(model: ModelConfig, tp: int, pp: int, pp_stage: int, ep: int = 1) -> int:
     """Expert parameters on one device of (tp, pp stage, ep): each MoE layer's E / ep experts, 1/tp of each."""
-    return layers_on_stage(model.num_layers, pp, stage) * (expert_layer_parameters(model) // (tp * ep))
+    return layers_on_pp_stage(model.num_layers, pp, pp_stage) * (expert_layer_parameters(model) // (tp * ep))
 
 
-def stage_num_parameters(model: ModelConfig, kind: str, tp: int, pp: int, stage: int, ep: int = 1) -> int:
+def pp_stage_num_parameters(model: ModelConfig, kind: str, tp: int, pp: int, pp_stage: int, ep: int = 1) -> int:
     """Parameters held by one device of (tp, pp stage): TP shards all but RMSNorm weights (and the
     MoE router); expert parallelism keeps E / ep of each layer's experts."""
     h, v = model.hidden_size, model.vocab_size
@@ -313,28 +313,28 @@ def stage_num_parameters(model: ModelConfig, kind: str, tp: int, pp: int, stage:
     experts = expert_layer_parameters(model)
     router = model.num_experts * h
     dense = (layer - 2 * h - experts - router) // tp + 2 * h + router
-    n = layers_on_stage(model.num_layers, pp, stage) * (dense + experts // (tp * ep))
-    if stage == 0:
+    n = layers_on_pp_stage(model.num_layers, pp, pp_stage) * (dense + experts // (tp * ep))
+    if pp_stage == 0:
         n += v * h // tp
-    if stage == pp - 1:
+    if pp_stage == pp - 1:
         n += h  # final norm
         if kind == "score":
             n += h
         elif not model.tie_word_embeddings or pp > 1:
-            n += v * h // tp  # lm_head (a tied copy lives on the last stage when pp > 1)
+            n += v * h // tp  # lm_head (a tied copy lives on the last pipeline stage when pp > 1)
     return n
 
 
 def decode_weight_bytes(model: ModelConfig, kind: str, layout: Layout, e: int) -> float:
     """Weight bytes one device of the busiest pipeline stage reads in a decode step (bytes): its weights
-    (:func:`stage_num_parameters` x `e`), less the input embedding on the first stage, of which a step gathers
+    (:func:`pp_stage_num_parameters` x `e`), less the input embedding on the first pipeline stage, of which a step gathers
     only its rows' tokens (:func:`input_embedding_is_lookup`).
     Expert layers are counted whole (at decode batch sizes every expert is routed to)."""
     h, v = model.hidden_size, model.vocab_size
     out = 0.0
-    for stage in sorted({0, layout.pp - 1}):
-        params = stage_num_parameters(model, kind, layout.tp, layout.pp, stage, layout.ep)
-        if stage == 0 and input_embedding_is_lookup(model, kind, layout.pp):
+    for pp_stage in sorted({0, layout.pp - 1}):
+        params = pp_stage_num_parameters(model, kind, layout.tp, layout.pp, pp_stage, layout.ep)
+        if pp_stage == 0 and input_embedding_is_lookup(model, kind, layout.pp):
             params -= v * h // layout.tp
         out = max(out, float(params * e))
     return out
@@ -371,14 +371,14 @@ def lora_num_parameters(model: ModelConfig, rank: int, targets: Iterable[str], t
     return per_layer * layers, 2 * len(names) * layers
 
 
-def stage_num_tensors(model: ModelConfig, kind: str, pp: int, stage: int) -> int:
-    """Parameter tensors on one stage (each gets a 4-byte Adam ``step`` tensor in torch)."""
+def pp_stage_num_tensors(model: ModelConfig, kind: str, pp: int, pp_stage: int) -> int:
+    """Parameter tensors on one pipeline stage (each gets a 4-byte Adam ``step`` tensor in torch)."""
     per_layer = 9 + (3 if model.attention_bias else 0) + (1 if getattr(model, "o_proj_bias", False) else 0)
     per_layer += 1 if model.num_experts else 0  # router + 3 stacked expert tensors instead of 3 MLP weights
-    n = layers_on_stage(model.num_layers, pp, stage) * per_layer
-    if stage == 0:
+    n = layers_on_pp_stage(model.num_layers, pp, pp_stage) * per_layer
+    if pp_stage == 0:
         n += 1
-    if stage == pp - 1:
+    if pp_stage == pp - 1:
         n += 1 + (1 if kind == "score" or not model.tie_word_embeddings or pp > 1 else 0)
     return n
 
@@ -392,7 +392,7 @@ def activation_dtype_bytes(model: ModelConfig, pc: ParallelConfig) -> int:
 
 
 def _dp_shards(pc: ParallelConfig) -> tuple[bool, bool, bool]:
-    """(params, grads, optimizer) sharded over dp: FSDP2 all (ZeRO-3), DDP none, DeepSpeed by stage."""
+    """(params, grads, optimizer) sharded over dp: FSDP2 all (ZeRO-3), DDP none, DeepSpeed by ZeRO stage."""
     if pc.dp_backend == "fsdp2":
         return True, True, True
     if pc.dp_backend == "ddp":
@@ -455,7 +455,7 @@ def train_state_bytes(
 
 def zero3_buffer_bytes(layer_params: int, params: int, pc: ParallelConfig, model: ModelConfig) -> tuple[float, float]:
     """(gathered parameters, unsharded gradient buffers) bytes at the peak of a ZeRO-3-style step
-    (FSDP2, DeepSpeed stage 3), on one device of a dp > 1 group, beside the dp-sharded state.
+    (FSDP2, DeepSpeed ZeRO stage 3), on one device of a dp > 1 group, beside the dp-sharded state.
 
     Gathered parameters and gradients are in the compute dtype c (bf16 under bf16 mixed precision:
     FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16), DeepSpeed's bf16 partitions; else model.dtype).
@@ -546,7 +546,7 @@ def layer_activation_bytes_per_token(model: ModelConfig, precision: str, tp: int
 
 
 def shared_activation_bytes(model: ModelConfig, e: int, batch: int, seq_len: int, recompute: str, first: bool) -> float:
-    """Per micro-batch, not per layer: input ids (int64, first stage) and RoPE cos and sin
+    """Per micro-batch, not per layer: input ids (int64, first pipeline stage) and RoPE cos and sin
     (unpacked batches build no attention mask)."""
     ids = 8 * batch * seq_len if first else 0
     rope = 2 * batch * seq_len * model.resolved_head_dim * e
@@ -554,7 +554,7 @@ def shared_activation_bytes(model: ModelConfig, e: int, batch: int, seq_len: int
 
 
 def head_activation_bytes_per_token(model: ModelConfig, e: int, tp: int, sp: bool, kind: str) -> float:
-    """Last stage: final RMSNorm plus the fp32 log-softmax of the logits, 4V/t (the paper's 4sbv/t);
+    """Last pipeline stage: final RMSNorm plus the fp32 log-softmax of the logits, 4V/t (the paper's 4sbv/t);
     a score head keeps one fp32 scalar per token instead."""
     norm = rmsnorm_bytes_per_token(model.hidden_size, e) / (tp if sp else 1)
     return norm + (4 * model.vocab_size / tp if kind == "lm" else 4)
@@ -567,14 +567,14 @@ def autocast_weight_cast_bytes(model: ModelConfig, tp: int) -> float:
     return layer_activation_bytes(replace(LayerDims.of(model, 1, 1, tp), s=0), "autocast", False, "none")
 
 
-def interleaved_in_flight(pp: int, vpp: int, num_micro_batches: int, stage: int) -> float:
-    """Micro-batches' worth of stage `stage`'s layer activations held at its peak: min(pp - stage, m)
-    under 1F1B; with v chunks per rank, min(m v, 2 (pp - stage - 1) + (v - 1) pp + 1) chunk forwards of
-    1 / v of the stage's layers each (Megatron's interleaved warm-up plus the forward before the first
-    backward: on stage 0 about 1 + (p - 1) / (p v) times plain 1F1B's, Narayanan et al. 2021)."""
+def interleaved_in_flight(pp: int, vpp: int, num_micro_batches: int, pp_stage: int) -> float:
+    """Micro-batches' worth of pipeline stage `pp_stage`'s layer activations held at its peak: min(pp - pp_stage, m)
+    under 1F1B; with v chunks per rank, min(m v, 2 (pp - pp_stage - 1) + (v - 1) pp + 1) chunk forwards of
+    1 / v of the pipeline stage's layers each (Megatron's interleaved warm-up plus the forward before the first
+    backward: on pipeline stage 0 about 1 + (p - 1) / (p v) times plain 1F1B's, Narayanan et al. 2021)."""
     if vpp == 1:
-        return float(min(pp - stage, num_micro_batches))
-    return min(num_micro_batches * vpp, 2 * (pp - stage - 1) + (vpp - 1) * pp + 1) / vpp
+        return float(min(pp - pp_stage, num_micro_batches))
+    return min(num_micro_batches * vpp, 2 * (pp - pp_stage - 1) + (vpp - 1) * pp + 1) / vpp
 
 
 def train_activation_bytes(
@@ -584,16 +584,16 @@ def train_activation_bytes(
     e: int,
     seq_len: int,
     num_micro_batches: int,
-    stage: int,
+    pp_stage: int,
     precision: str,
     frozen_base: bool = False,
 ) -> float:
-    """Activation bytes on pipeline stage `stage` under 1F1B: min(pp - stage, m) micro-batches in flight.
+    """Activation bytes on pipeline stage `pp_stage` under 1F1B: min(pp - pp_stage, m) micro-batches in flight.
 
     e: activation element bytes (shared inputs, head); precision: how the layers compute (:func:`training_precision`).
     frozen_base: the layers' linear weights are frozen (LoRA). Under "autocast" the bf16 weight casts
     (:func:`autocast_weight_cast_bytes` per layer) are counted as the runtime holds them: once per
-    stage, whatever the micro-batches in flight. torch.autocast caches the cast of a trainable fp32
+    pipeline stage, whatever the micro-batches in flight. torch.autocast caches the cast of a trainable fp32
     leaf for its whole context (the forward with pp = 1, the whole 1F1B step with pp > 1;
     recomputation hits the cache); it never caches a frozen weight's, but
     ``TrainRuntime.forward_backward`` makes each frozen cast once per step and shares it between the
@@ -602,8 +602,8 @@ def train_activation_bytes(
     tests/planner/test_planner.py measures both on the CPU.
     """
     b, pp = layout.micro_batch_size, layout.pp
-    in_flight = interleaved_in_flight(pp, layout.vpp, num_micro_batches, stage)
-    layers = layers_on_stage(model.num_layers, pp, stage)
+    in_flight = interleaved_in_flight(pp, layout.vpp, num_micro_batches, pp_stage)
+    layers = layers_on_pp_stage(model.num_layers, pp, pp_stage)
     full_len, seq_len = seq_len, seq_len // layout.cp  # a cp rank holds seq_len / cp tokens of every row
     layer = layer_activation_bytes(LayerDims.of(model, seq_len, b, layout.tp), precision, layout.sp, layout.recompute)
     layer += cp_gathered_kv_bytes(model, layout, b, full_len, e)
@@ -611,10 +611,10 @@ def train_activation_bytes(
     if precision == "autocast":
         cast = autocast_weight_cast_bytes(model, layout.tp)
         if layout.recompute != "full":
-            layer -= cast  # counted below, once per stage
+            layer -= cast  # counted below, once per pipeline stage
         casts = cast if frozen_base and layout.recompute == "full" else layers * cast
-    per_mb = layers * layer + shared_activation_bytes(model, e, b, seq_len, layout.recompute, stage == 0)
-    head = head_activation_bytes_per_token(model, e, layout.tp, layout.sp, kind) * b * seq_len if stage == pp - 1 else 0
+    per_mb = layers * layer + shared_activation_bytes(model, e, b, seq_len, layout.recompute, pp_stage == 0)
+    head = head_activation_bytes_per_token(model, e, layout.tp, layout.sp, kind) * b * seq_len if pp_stage == pp - 1 else 0
     return in_flight * per_mb + head + casts
 
 
@@ -633,7 +633,7 @@ def cp_gathered_kv_bytes(model: ModelConfig, layout: Layout, batch: int, seq_len
 
 def inference_activation_bytes(model: ModelConfig, kind: str, tp: int, e: int, tokens: int, last: bool) -> float:
     """Forward-only working set for `tokens` tokens: one layer's live tensors (input, normed, q, k, v,
-    output, gate, up, product) plus, on the last stage, the fp32 logits (lm) or scores."""
+    output, gate, up, product) plus, on the last pipeline stage, the fp32 logits (lm) or scores."""
     h, hd = model.hidden_size, model.resolved_head_dim
     q, kv = model.num_heads * hd, model.num_kv_heads * hd
     layer = e * (2 * h + (2 * q + 2 * kv + 3 * model.intermediate_size) / tp)
@@ -645,7 +645,7 @@ def kv_cache_bytes(model: ModelConfig, e: int, tp: int, pp: int, batch: int, seq
     """KV cache of one device: 2 * ceil(L/pp) * max(kv_heads/tp, 1) * head_dim * e * batch * seq (bytes).
 
     With tp > num_kv_heads the KV heads are replicated, so each device still holds one."""
-    layers = layers_on_stage(model.num_layers, pp, 0)
+    layers = layers_on_pp_stage(model.num_layers, pp, 0)
     kv_local = max(model.num_kv_heads // tp, 1)
     return 2.0 * layers * kv_local * model.resolved_head_dim * e * batch * seq_len
 

@@ -26,11 +26,11 @@ from aligner.planner.cost_model import (
     inference_activation_bytes,
     kv_cache_bytes,
     layer_num_parameters,
-    layers_on_stage,
+    layers_on_pp_stage,
     lora_num_parameters,
-    stage_expert_parameters,
-    stage_num_parameters,
-    stage_num_tensors,
+    pp_stage_expert_parameters,
+    pp_stage_num_parameters,
+    pp_stage_num_tensors,
     train_activation_bytes,
     train_state_bytes,
     training_precision,
@@ -85,7 +85,7 @@ def layout_problem(model: ModelConfig, work: RoleWork, layout: Layout, cluster: 
 
 
 def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster: ClusterConfig) -> LayoutEstimate:
-    """Memory (worst stage, bytes) and step time (seconds) of one structurally valid layout.
+    """Memory (worst pipeline stage, bytes) and step time (seconds) of one structurally valid layout.
 
     The rollout engine (mode generate) holds weights, KV cache and activations in work.dtype
     (``rollout.dtype``); the other roles' element size is :func:`activation_dtype_bytes`."""
@@ -97,13 +97,13 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
     best: Optional[MemoryBreakdown] = None
     grad_bytes = 0.0
     step = layout.fsdp_reduce == "step"  # FSDP2 holds every layer unsharded through the step (fsdp_step_buffer_bytes)
-    for stage in sorted({0, layout.pp - 1}):
-        params = stage_num_parameters(model, work.kind, layout.tp, layout.pp, stage, layout.ep)
-        last = stage == layout.pp - 1
+    for pp_stage in sorted({0, layout.pp - 1}):
+        params = pp_stage_num_parameters(model, work.kind, layout.tp, layout.pp, pp_stage, layout.ep)
+        last = pp_stage == layout.pp - 1
         if work.mode == "train":
             trained = params
             if work.lora_rank > 0:  # frozen base: weights only; the adapters (and a scalar head) train
-                layers = layers_on_stage(model.num_layers, layout.pp, stage)
+                layers = layers_on_pp_stage(model.num_layers, layout.pp, pp_stage)
                 n_ad, t_ad = lora_num_parameters(model, work.lora_rank, work.lora_targets, layout.tp, layers)
                 head = model.hidden_size if (work.kind == "score" and last) else 0
                 trained = n_ad + head
@@ -112,9 +112,9 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
                     trained, t_ad + (1 if head else 0), 0, work.parallel, model, layout.dp, work.optim_state_dtype, step
                 )
             else:
-                tensors = stage_num_tensors(model, work.kind, layout.pp, stage)
+                tensors = pp_stage_num_tensors(model, work.kind, layout.pp, pp_stage)
                 # experts (E / ep per rank) are sharded over the expert-data-parallel ranks, dp / ep
-                experts = stage_expert_parameters(model, layout.tp, layout.pp, stage, layout.ep) if layout.ep > 1 else 0
+                experts = pp_stage_expert_parameters(model, layout.tp, layout.pp, pp_stage, layout.ep) if layout.ep > 1 else 0
                 w, g, o = train_state_bytes(
                     params - experts, tensors, layer_local, work.parallel, model, layout.dp, work.optim_state_dtype, step
                 )
@@ -124,7 +124,7 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
             w += work.frozen_copies * frozen_weight_bytes(params, work.parallel, model, layout.dp)
             m = max(1, work.batch // (layout.dp * layout.micro_batch_size))
             precision = training_precision(model, work.parallel, layout.dp)
-            act = train_activation_bytes(model, work.kind, layout, e, work.seq_len, m, stage, precision, work.lora_rank > 0)
+            act = train_activation_bytes(model, work.kind, layout, e, work.seq_len, m, pp_stage, precision, work.lora_rank > 0)
             kv = 0.0
             grad_bytes = max(grad_bytes, trained * (4 if work.parallel.mixed_precision == "bf16" else e))
         else:
@@ -148,7 +148,7 @@ def estimate_layout(model: ModelConfig, work: RoleWork, layout: Layout, cluster:
 
 
 def memory_problem(est: LayoutEstimate, cluster: ClusterConfig) -> Optional[str]:
-    """ "needs X GiB/GPU > Y GiB" when the worst stage does not fit in cluster.gpu_mem_gb GiB, else None."""
+    """ "needs X GiB/GPU > Y GiB" when the worst pipeline stage does not fit in cluster.gpu_mem_gb GiB, else None."""
     if est.memory.total > cluster.gpu_mem_gb * GIB:
         return f"needs {est.memory.total / GIB:.1f} GiB/GPU > {cluster.gpu_mem_gb:g} GiB"
     return None

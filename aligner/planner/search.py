@@ -289,7 +289,7 @@ def _cp_sizes(model: ModelConfig, work: RoleWork, devices: int) -> list[int]:
 
 def _vpp_sizes(model: ModelConfig, work: RoleWork, pp: int, dp: int, mbs: int) -> list[int]:
     """Model chunks per pipeline rank to try: 1, and for a training role with pp > 1 on ddp or fsdp2 (or one
-    dp rank: DeepSpeed wraps the whole stage) 2 and 4 where pp x v divides the layers and the micro-batches
+    dp rank: DeepSpeed wraps the whole pipeline stage) 2 and 4 where pp x v divides the layers and the micro-batches
     per step are a multiple of pp (the rules of ``ParallelConfig.validate_virtual_pp`` and
     ``aligner.config.validation.validate_interleaved``)."""
     if work.mode != "train" or pp == 1 or (work.parallel.dp_backend == "deepspeed" and dp > 1):
@@ -323,7 +323,7 @@ def _fsdp_step_applies(work: RoleWork, layout: Layout) -> bool:
 
 
 def candidate_layouts(model: ModelConfig, work: RoleWork, devices: int, minimal: bool = False) -> Iterable[Layout]:
-    """Every tp x cp x pp x dp = devices with tp <= num_heads and pp <= num_layers (unequal stages
+    """Every tp x cp x pp x dp = devices with tp <= num_heads and pp <= num_layers (unequal pipeline stages
     allowed: the runtime's default split), each micro-batch
     size, recomputation and SP (training roles, tp > 1), for an MoE training role each ep dividing
     dp and num_experts (the rollout engine holds every expert per replica; with cp > 1 only ep = 1 or ep = dp at tp = pp = 1), and for a
@@ -336,7 +336,7 @@ def candidate_layouts(model: ModelConfig, work: RoleWork, devices: int, minimal:
             continue
         for pp in _divisors(devices // tp):
             if pp > model.num_layers:
-                continue  # uneven stages allowed (the runtime's default split: the first num_layers % pp take one more)
+                continue  # uneven pipeline stages allowed (the runtime's default split: the first num_layers % pp take one more)
             if work.group == ROLLOUT and tp * pp > 1:
                 continue  # the split placement's engines are whole replicas
             for cp in _cp_sizes(model, work, devices // (tp * pp)):

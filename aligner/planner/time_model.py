@@ -18,7 +18,7 @@ per-layer all-gathers (forward and backward) and reduce-scatters for every micro
 pass's compute (``parallel.fsdp_reduce=micro_batch``, the default: :func:`fsdp2_micro_batch_exposed_seconds`),
 or once per optimizer step (``fsdp_reduce=step``: one all-gather per layer beside the first micro-batch's
 forward, one reduce-scatter beside the last one's backward: :func:`fsdp2_step_exposed_seconds`); the 1F1B bubble multiplies compute by 1 + (p-1)/m (Narayanan et al.
-2021). Rollout: a compute-bound prefill, then decode steps, each the larger of reading the stage
+2021). Rollout: a compute-bound prefill, then decode steps, each the larger of reading the pipeline stage
 weights and the KV cache from HBM (the whole cache with aligner's engine, the rows' own tokens with
 TensorRT-LLM's paged one: :func:`paged_kv_bytes_per_step`) and its FLOPs, plus a fixed overhead per decoder layer
 (DECODE_OVERHEAD_S_PER_LAYER in a CUDA graph, DECODE_OVERHEAD_EAGER_S_PER_LAYER without: :func:`decode_graphed`;
@@ -47,11 +47,11 @@ from aligner.planner.cost_model import (
     expert_layer_parameters,
     kv_cache_bytes,
     layer_num_parameters,
-    layers_on_stage,
+    layers_on_pp_stage,
     lora_num_parameters,
     micro_batch_shape,
+    pp_stage_num_parameters,
     role_flop_parameters,
-    stage_num_parameters,
 )
 
 # Fraction of peak FLOP/s the rollout engine's prefill and compute-bound decode steps reach (unchanged, not
@@ -65,7 +65,7 @@ MODEL_FLOPS_EFFICIENCY = 0.4
 # docs/planner.md). Table 1: A100, fp16, full recomputation, 135-163 TFLOP/s = 43-52% of 312, which includes
 # their bubble and communication: the planner's modelled TP, DP (not overlapped, as Megatron-LM's local DDP of
 # 2021 ran it), pipeline point-to-point (split over the tp ranks, Megatron's scatter/gather) and bubble time is
-# taken out, and the busiest pipeline rank's share (the head on the last stage) put in, leaving 0.52-0.66. The
+# taken out, and the busiest pipeline rank's share (the head on the last pipeline stage) put in, leaving 0.52-0.66. The
 # rows span x = 768-2,304 and show no trend
 # with x: the held-in fit is flat (MFU_HALF_DIM = 0; all ten rows give 0.597 and 60, equally flat above a few
 # hundred), so **the model is a constant 0.575 of peak for training and forward passes**: the saturating
@@ -181,12 +181,12 @@ def pipeline_p2p_seconds(
     model: ModelConfig, layout: Layout, micro_batches: int, seq: float, e: int, cluster: ClusterConfig, directions: int = 2
 ) -> float:
     """Seconds of the pipeline's point-to-point messages on the schedule's critical path in one pass over
-    `micro_batches` micro-batches (0 at pp = 1). aligner's schedules exchange each stage's activations and
+    `micro_batches` micro-batches (0 at pp = 1). aligner's schedules exchange each pipeline stage's activations and
     gradients with ``batch_isend_irecv`` and wait (:mod:`aligner.parallel.pipeline`), so nothing hides them:
     1F1B runs m + p - 1 forward slots and as many backward slots, each ending in one message; interleaving
     with v chunks per rank makes it v m + p - 1 chunk slots (v times the messages, Narayanan et al. 2021,
     sec. 2.2). directions: 2 for a training pass (activations forward, gradients back), 1 for a forward-only
-    pass. A message is [b, seq / cp (/ tp with SP), H] elements of e bytes, over the link its stage boundary
+    pass. A message is [b, seq / cp (/ tp with SP), H] elements of e bytes, over the link its pipeline stage boundary
     crosses (:func:`pp_seconds_per_byte`)."""
     if layout.pp == 1:
         return 0.0
@@ -196,9 +196,9 @@ def pipeline_p2p_seconds(
 
 
 def pp_seconds_per_byte(layout: Layout, cluster: ClusterConfig) -> float:
-    """Mean seconds per byte over the stage boundaries a micro-batch crosses (p - 1; p with interleaving, whose
-    chunks wrap from the last stage to the first). aligner's rank order is tp, cp, pp, dp (tp fastest;
-    :mod:`aligner.parallel.dims`), so a stage is tp x cp consecutive ranks and a boundary stays inside a node
+    """Mean seconds per byte over the pipeline stage boundaries a micro-batch crosses (p - 1; p with interleaving, whose
+    chunks wrap from the last pipeline stage to the first). aligner's rank order is tp, cp, pp, dp (tp fastest;
+    :mod:`aligner.parallel.dims`), so a pipeline stage is tp x cp consecutive ranks and a boundary stays inside a node
     unless it falls on a node's edge: the whole pipeline inside one node while tp x cp x pp ranks fit it. On a
     CPU-only cluster (gpus_per_node = 0) each node is one device: every boundary is inter-node."""
     g, span = cluster.gpus_per_node, layout.tp * layout.cp
@@ -226,14 +226,14 @@ def pipeline_stage_factor(model: ModelConfig, layout: Layout, kind: str, seq: fl
     """How much longer the pipeline's busiest rank computes than the average rank: max over ranks of its FLOPs
     x pp / all the FLOPs (1.0 at pp = 1); the pipeline runs at that rank's pace.
 
-    A rank's FLOPs per token: its decoder layers (the runtime's split: the first num_layers % pp stages take one
+    A rank's FLOPs per token: its decoder layers (the runtime's split: the first num_layers % pp pipeline stages take one
     more; v equal chunks per rank when interleaved), each 6 P + 12 h s in training (P the layer's active
     parameters; PaLM's count, as :func:`train_flops_per_token`; a full recomputation adds a third, a selective
     one the attention core's 4 h s) or 2 P + 4 h s forward only, and, on the last rank, the head: 6 h V for a
     causal LM (2 h V forward only), 6 h for a score model. The head is not recomputed. Over a large vocabulary it
     outweighs layers: Llama 3 8B's (V = 128,256) has 2.4 layers' parameters, 2.1 layers' FLOPs at 4,096 tokens,
-    so a deep pipeline waits on its last stage
-    (Megatron-LM splits the first and last stages unevenly for this reason: --decoder-first/last-pipeline-num-layers)."""
+    so a deep pipeline waits on its last pipeline stage
+    (Megatron-LM splits the first and last pipeline stages unevenly for this reason: --decoder-first/last-pipeline-num-layers)."""
     if layout.pp == 1:
         return 1.0
     h, pp = model.hidden_size, layout.pp
@@ -249,7 +249,7 @@ def pipeline_stage_factor(model: ModelConfig, layout: Layout, kind: str, seq: fl
     if layout.vpp > 1:
         first = last = model.num_layers // pp
     else:
-        first, last = layers_on_stage(model.num_layers, pp, 0), layers_on_stage(model.num_layers, pp, pp - 1)
+        first, last = layers_on_pp_stage(model.num_layers, pp, 0), layers_on_pp_stage(model.num_layers, pp, pp - 1)
     total = model.num_layers * layer + head
     return max(first * layer, last * layer + head) * pp / total
 
@@ -270,9 +270,9 @@ def _pass_time(
 ) -> tuple[float, float, float]:
     """(compute, tp comm, bubble) seconds of `mb` micro-batches of `rows` rows (None:
     layout.micro_batch_size) of `seq` tokens through the pipeline, the compute at
-    :func:`gemm_efficiency` of peak. `layers`: the first (largest) stage's, for the tp collectives. The
+    :func:`gemm_efficiency` of peak. `layers`: the first (largest) pipeline stage's, for the tp collectives. The
     pipeline runs at its busiest rank's pace, so the compute is scaled by :func:`pipeline_stage_factor`
-    (unequal layer counts, the head on the last stage); kind, training: the role's head and pass."""
+    (unequal layer counts, the head on the last pipeline stage); kind, training: the role's head and pass."""
     rows = layout.micro_batch_size if rows is None else rows
     eff = gemm_efficiency(model, layout, rows, seq)
     compute = compute_seconds(flops, layout.devices, cluster, eff) * pipeline_stage_factor(model, layout, kind, seq, training)
@@ -294,10 +294,10 @@ def _a2a_time(
 ) -> float:
     """Expert-parallel all-to-all seconds of `micro_batches` passes of `rows` rows (None:
     layout.micro_batch_size): `per_layer` all-to-alls per MoE
-    layer of this stage (2 forward, 4 forward + backward, 6 with full recomputation)."""
+    layer of this pipeline stage (2 forward, 4 forward + backward, 6 with full recomputation)."""
     if layout.ep <= 1 or not model.num_experts:
         return 0.0
-    layers = layers_on_stage(model.num_layers, layout.pp, 0)
+    layers = layers_on_pp_stage(model.num_layers, layout.pp, 0)
     rows = layout.micro_batch_size if rows is None else rows
     nbytes = a2a_elements_per_layer(model, math.ceil(rows * seq)) * e
     return micro_batches * layers * per_layer * a2a_seconds(nbytes, layout.ep, _dp_gbps(layout, cluster))
@@ -313,7 +313,7 @@ def train_step_time(model: ModelConfig, work: RoleWork, layout: Layout, grad_byt
         frozen = n - (model.hidden_size if work.kind == "score" else 0)
         n += lora_num_parameters(model, work.lora_rank, work.lora_targets, 1, model.num_layers)[0]
     e = activation_dtype_bytes(model, work.parallel)
-    layers = layers_on_stage(model.num_layers, layout.pp, 0)
+    layers = layers_on_pp_stage(model.num_layers, layout.pp, 0)
     m, rows, seq = micro_batch_shape(work, layout, work.batch)
     colls = 6 if layout.recompute == "full" else 4
     flops = train_flops_per_token(n, model, seq, layout.recompute, frozen) * work.batch * seq
@@ -382,7 +382,7 @@ def dp_overlap_exposed(
       ``gradient_accumulation_steps: 1`` makes every ``engine.backward`` (one per micro-batch) an accumulation
       boundary, so DeepSpeed reduces (ZeRO-3: also gathers) for every micro-batch (docs/planner.md).
 
-    compute_s: one optimizer step's compute on a stage (seconds, no bubble); n, frozen: the trained
+    compute_s: one optimizer step's compute on a pipeline stage (seconds, no bubble); n, frozen: the trained
     role's active and frozen parameters (:func:`train_flops_per_token`)."""
     if dp_s <= 0.0 or layout.dp <= 1:
         return dp_s
@@ -398,7 +398,7 @@ def dp_overlap_exposed(
 def fsdp2_micro_batch_exposed_seconds(
     model: ModelConfig, work: RoleWork, layout: Layout, forward_s: float, backward_s: Optional[float], cluster: ClusterConfig
 ) -> float:
-    """Seconds FSDP2's collectives add to one micro-batch on a stage (dp > 1), beyond its compute.
+    """Seconds FSDP2's collectives add to one micro-batch on a pipeline stage (dp > 1), beyond its compute.
 
     What aligner's runtime does, per micro-batch, under ``parallel.fsdp_reduce=micro_batch`` (the default;
     ``step``: :func:`fsdp2_step_exposed_seconds`):
@@ -423,12 +423,12 @@ def fsdp2_micro_batch_exposed_seconds(
       all-gather is issued while the current layer computes (implicit prefetch), in backward the next layer's
       all-gather is prefetched explicitly and each reduce-scatter runs beside the next layer's backward. Exposed:
       what exceeds the pass's compute (`forward_s`, `backward_s`: this micro-batch's forward and backward compute
-      on the stage), and at least one layer's transfer per pass (the forward's first gather, the backward's last
+      on the pipeline stage), and at least one layer's transfer per pass (the forward's first gather, the backward's last
       reduce-scatter), plus the root's gathers (before the first layer in forward and in backward) and its
       reduce-scatter (after the last).
     backward_s None: a forward-only pass (the trained role's extra forwards: gathers, no reduce-scatter).
     Not modelled: contention between these collectives and TP's or the pipeline's on shared links, and the
-    interleaved schedule's chunks (a stage's layers are gathered once per micro-batch and pass, as without)."""
+    interleaved schedule's chunks (a pipeline stage's layers are gathered once per micro-batch and pass, as without)."""
     if layout.dp <= 1:
         return 0.0
     root_gather, gather, layers, root_reduce, reduce = fsdp2_unit_seconds(model, work, layout, cluster)
@@ -441,14 +441,14 @@ def fsdp2_micro_batch_exposed_seconds(
 def fsdp2_step_exposed_seconds(
     model: ModelConfig, work: RoleWork, layout: Layout, forward_s: float, backward_s: float, cluster: ClusterConfig
 ) -> float:
-    """Seconds FSDP2's collectives add to one optimizer step on a stage under ``parallel.fsdp_reduce=step``
+    """Seconds FSDP2's collectives add to one optimizer step on a pipeline stage under ``parallel.fsdp_reduce=step``
     (dp > 1), beyond its compute.
 
     What the runtime does (:class:`aligner.parallel.data_parallel.FsdpStepReduce`): every unit is all-gathered
     in the step's first forward and stays unsharded (no reshard after forward or backward, no gradient sync)
     until the last micro-batch's backward, which reduce-scatters each unit's accumulated gradient once. So per
     step: one all-gather per unit, overlapped with the first micro-batch's forward (`forward_s`: one
-    micro-batch's forward compute on the stage), and one reduce-scatter per unit beside the last micro-batch's
+    micro-batch's forward compute on the pipeline stage), and one reduce-scatter per unit beside the last micro-batch's
     backward (`backward_s`), each exposed beyond that pass's compute and at least one layer's transfer, plus
     the root's gather and reduce-scatter; bytes and bandwidth as :func:`fsdp2_micro_batch_exposed_seconds`.
     The forward-only passes (separate calls: old log-probs, values) gather each unit once per pass too
@@ -468,8 +468,8 @@ def fsdp2_step_exposed_seconds(
 def fsdp2_unit_seconds(
     model: ModelConfig, work: RoleWork, layout: Layout, cluster: ClusterConfig
 ) -> tuple[float, float, int, float, float]:
-    """FSDP2's collective times on the largest stage (dp > 1), seconds: (the root's all-gather, one decoder
-    layer's all-gather, decoder layers on the stage, the root's reduce-scatter, one layer's reduce-scatter).
+    """FSDP2's collective times on the largest pipeline stage (dp > 1), seconds: (the root's all-gather, one decoder
+    layer's all-gather, decoder layers on the pipeline stage, the root's reduce-scatter, one layer's reduce-scatter).
     Bytes and bandwidth: :func:`fsdp2_micro_batch_exposed_seconds`."""
     bf16 = work.parallel.mixed_precision == "bf16"
     c = 2 if bf16 else DTYPE_BYTES[model.dtype]
@@ -494,11 +494,11 @@ def fsdp2_unit_seconds(
         reduce = half(adapters * r, layout.dp)
     else:
         reduce = half(dense * r, layout.dp) + half(local_experts * r, exp_dp)
-    layers = layers_on_stage(model.num_layers, layout.pp, 0)
+    layers = layers_on_pp_stage(model.num_layers, layout.pp, 0)
     root = 0
-    for stage in sorted({0, layout.pp - 1}):
-        held = stage_num_parameters(model, work.kind, layout.tp, layout.pp, stage, layout.ep)
-        root = max(root, held - layers_on_stage(model.num_layers, layout.pp, stage) * (dense + local_experts))
+    for pp_stage in sorted({0, layout.pp - 1}):
+        held = pp_stage_num_parameters(model, work.kind, layout.tp, layout.pp, pp_stage, layout.ep)
+        root = max(root, held - layers_on_pp_stage(model.num_layers, layout.pp, pp_stage) * (dense + local_experts))
     root_trained = (h if work.kind == "score" else 0) if work.lora_rank > 0 else root
     return half(root * c, layout.dp), gather, layers, half(root_trained * r, layout.dp), reduce
 
@@ -510,7 +510,7 @@ def forward_step_time(model: ModelConfig, work: RoleWork, layout: Layout, cluste
     mb, rows, seq = micro_batch_shape(work, layout, work.batch)
     flops = forward_flops_per_token(n, model, seq) * work.batch * seq
     c, t, b = _pass_time(
-        flops, mb, layers_on_stage(model.num_layers, layout.pp, 0), 2, layout, model, e, seq, cluster, rows, work.kind, False
+        flops, mb, layers_on_pp_stage(model.num_layers, layout.pp, 0), 2, layout, model, e, seq, cluster, rows, work.kind, False
     )
     pp = pipeline_p2p_seconds(model, layout, mb, seq, e, cluster, directions=1)
     return StepTime(compute_s=c, tp_comm_s=t, dp_comm_s=0.0, bubble_s=b, pp_comm_s=pp)
@@ -551,12 +551,12 @@ def decode_step_seconds(
     """
     b = layout.micro_batch_size
     flops_s = 2.0 * n * b / (layout.tp * layout.pp * cluster.gpu_peak_tflops * 1e12 * MODEL_FLOPS_EFFICIENCY)
-    stage_s = max((weight_bytes + kv_bytes) / (cluster.hbm_gbps * GB), flops_s)
+    pp_stage_s = max((weight_bytes + kv_bytes) / (cluster.hbm_gbps * GB), flops_s)
     comm = 0.0
     if layout.tp > 1:
         per = COLLECTIVE_LATENCY_S + ring_allreduce_seconds(b * model.hidden_size * e, layout.tp, cluster.intra_node_gbps)
         comm = 2 * model.num_layers * per
-    return layout.pp * stage_s + model.num_layers * overhead_s_per_layer + comm
+    return layout.pp * pp_stage_s + model.num_layers * overhead_s_per_layer + comm
 
 
 def decode_steps(scheduler: str, requests: int, slots: int, mean_len: float, tail_len: float) -> float:

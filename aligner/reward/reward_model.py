@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from aligner.model.llama import last_token_scores
 from aligner.runtime.role import RoleModel
-from aligner.runtime.runner import from_last_stage
+from aligner.runtime.runner import from_last_pp_stage
 
 
 def interleave_pairs(batch: dict[str, torch.Tensor], pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -62,7 +62,7 @@ class RewardModel(RoleModel):
             return loss / norm
 
         stats = self.runner.optimizer_step(flat, loss_fn, 2 * micro_batch_size, unit=2)
-        sums = from_last_stage(sums, self.dims)
+        sums = from_last_pp_stage(sums, self.dims)
         return {
             **self.runner.padding_metrics(),
             **{k: self.dp_mean(v, pairs) for k, v in sorted(sums.items())},

@@ -38,7 +38,7 @@ Owns:
   :func:`aligner.model.hf.save_hf` (safetensors + config.json) from global rank 0.
 
 Simplification: DeepSpeed runtimes checkpoint with DeepSpeed's own ``save_checkpoint`` (ZeRO
-partitions, reloadable at the same dp size only); export to HF works for them from any stage.
+partitions, reloadable at the same dp size only); export to HF works for them from any pipeline stage.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def _dcp_no_dist(no_dist: bool) -> Iterator[None]:
         yield
 
 
-def _stage_mesh(dims):
+def _pp_stage_mesh(dims):
     """DeviceMesh ("cp", "tp", "dp") of this rank's pipeline stage, sliced from a ("pp", "cp", "tp", "dp") mesh
     (parameters are replicated over cp).
 
@@ -223,7 +223,7 @@ class _Layout:
         self.runtime = runtime
         self.dims = runtime.dims
         self.fsdp = runtime.fsdp
-        self.mesh = _stage_mesh(self.dims) if _distributed() else None
+        self.mesh = _pp_stage_mesh(self.dims) if _distributed() else None
         self.expert_mesh = _expert_mesh(self.dims) if _distributed() and self.dims.ep_size > 1 else None
         self.experts_fsdp = self.fsdp and self.dims.dp_size > self.dims.ep_size
 
@@ -496,7 +496,7 @@ def load_checkpoint(runtime, role_dir: str) -> dict:
         bufs = {"param": lay.empty_global(p, owner, pname)}
         for k in ("exp_avg", "exp_avg_sq"):
             bufs[k] = lay.empty_global(p, owner, pname, _saved_dtype(saved_meta, f"optim.{key}.{k}"))
-        if key in sd["model"]:  # both tied names on one stage cannot happen (deduplicated), guard anyway
+        if key in sd["model"]:  # both tied names on one pipeline stage cannot happen (deduplicated), guard anyway
             raise ValueError(f"checkpoint load: {name!r} and another parameter map to the same tensor {key!r}")
         sd["model"][key] = bufs["param"][0]
         sd["optim"][key] = {
@@ -523,17 +523,17 @@ def load_checkpoint(runtime, role_dir: str) -> dict:
 
 
 # ---- gather / export ------------------------------------------------------------------
-def _pp_walk(stage: dict[str, torch.Tensor], pp_group) -> dict[str, torch.Tensor]:
-    """Every stage's tensors on every rank of `pp_group` (one broadcast per tensor), pp order."""
+def _pp_walk(local: dict[str, torch.Tensor], pp_group) -> dict[str, torch.Tensor]:
+    """Every pipeline stage's tensors (`local`: this rank's) on every rank of `pp_group` (one broadcast per tensor), pp order."""
     n = comm.group_size(pp_group)
     if n == 1:
-        return stage
+        return local
     metas: list = [None] * n
-    dist.all_gather_object(metas, [(k, tuple(v.shape), v.dtype) for k, v in stage.items()], group=pp_group)
+    dist.all_gather_object(metas, [(k, tuple(v.shape), v.dtype) for k, v in local.items()], group=pp_group)
     me, out = comm.group_rank(pp_group), {}
     for s in range(n):
         for k, shape, dtype in metas[s]:
-            t = stage[k].contiguous() if s == me else torch.empty(shape, dtype=dtype)
+            t = local[k].contiguous() if s == me else torch.empty(shape, dtype=dtype)
             dist.broadcast(t, group_src=s, group=pp_group)
             out[k] = t
     return out
@@ -551,11 +551,11 @@ def gather_full_state_dict_any(runtime) -> dict[str, torch.Tensor]:
     if runtime.backend == "deepspeed":
         return _gather_deepspeed(runtime)
     lay = _Layout(runtime)
-    stage = {}
+    local = {}
     for name, owner, pname, p in _unique_params(runtime.module):
         g = lay.to_global(p, p, owner, pname)
-        stage[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
-    out = _pp_walk(stage, runtime.dims.pp_group)
+        local[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    out = _pp_walk(local, runtime.dims.pp_group)
     for name in runtime.module.state_dict(keep_vars=True):
         if name not in out and name.endswith("weight"):
             tied = {"lm_head.weight": "model.embed_tokens.weight"}.get(name)

@@ -4,7 +4,7 @@ Owns the one code path every role (policy, critic, reward model, reference) uses
 its TrainRuntime: split a rank's local batch into micro-batches, pad the sequence to a
 multiple of tp_size under sequence parallelism, and run either a plain loop (pp_size = 1)
 or the 1F1B pipeline schedule (:mod:`aligner.parallel.pipeline`). Loss functions are
-written once, per micro-batch, against the last stage's output.
+written once, per micro-batch, against the last pipeline stage's output.
 
 Loss scaling: a loss_fn returns the micro-batch's contribution to the *global* loss
 (sum over its tokens divided by a global normalizer the caller computed across dp), times
@@ -26,13 +26,13 @@ statistics of the step come from real rows.
 
 Token budgets with pipeline stages (pp_size > 1): every pp rank of a dp replica holds the same rows,
 so each computes the same split, the same dp maximum (its dp group's ranks hold the same shards as
-the other stages' dp groups) and the same fillers; the schedules (:mod:`aligner.parallel.pipeline`)
+the other pipeline stages' dp groups) and the same fillers; the schedules (:mod:`aligner.parallel.pipeline`)
 size each point-to-point buffer from the micro-batch's own [b, T] (T already rounded up to the
 sequence-parallel multiple), so micro-batches of different widths travel as they are. The
 interleaved schedule (``parallel.virtual_pp_size`` > 1) needs a multiple of pp_size micro-batches
 per training step: a training pass adds filler micro-batches up to the next multiple (the same on
 every dp and pp rank, since the dp maximum is). A forward-only pass pads each micro-batch's output
-to the batch width on the last stage, so the pipeline's outputs concatenate, then drops the fillers
+to the batch width on the last pipeline stage, so the pipeline's outputs concatenate, then drops the fillers
 and restores the row order.
 
 Context parallelism (``parallel.cp_size`` > 1, :mod:`aligner.parallel.context_parallel`): the
@@ -293,7 +293,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, batch: dict[str, torch.Tensor], output_fn: OutputFn, micro_batch_size: int) -> torch.Tensor:
-        """Forward-only pass; `output_fn(output, mb)` -> [b, ...] on the last stage; returns [B, ...] on every rank.
+        """Forward-only pass; `output_fn(output, mb)` -> [b, ...] on the last pipeline stage; returns [B, ...] on every rank.
 
         Batch tensors may live anywhere: micro-batches are moved to the runtime's device, and the
         result comes back on the CPU (where the driver's batch lives), in the batch's row order.
@@ -313,13 +313,13 @@ class ModelRunner:
 
     def _forward_passes(self, mbs: list[dict], order: Optional[list[int]], output_fn: OutputFn, t: int) -> torch.Tensor:
         """:meth:`forward`'s passes over the prepared micro-batches: [B, ...] on the CPU in the batch's row order."""
-        if self.dims.pp_size > 1:  # outputs padded to the batch width on the last stage, so they concatenate
+        if self.dims.pp_size > 1:  # outputs padded to the batch width on the last pipeline stage, so they concatenate
 
             def padded(o, mb):
                 return _pad_output(output_fn(o, mb), source_of(mb), t)
 
-            stages = getattr(self.runtime, "stages", self.runtime.model)
-            out = pipeline_forward(stages, self.dims, mbs, padded, broadcast=True).cpu()
+            pp_stages = getattr(self.runtime, "pp_stages", self.runtime.model)
+            out = pipeline_forward(pp_stages, self.dims, mbs, padded, broadcast=True).cpu()
             out = out[sum(mb["input_ids"].shape[0] for mb in mbs if mb.get(FILLER)) :]  # fillers come first
             return out if order is None else out[torch.argsort(torch.tensor(order))]
         outs = [output_fn(self.runtime(mb["input_ids"], **model_kwargs(mb)), mb) for mb in mbs]
@@ -395,10 +395,10 @@ def global_normalizer(local_count: float | torch.Tensor, dims: ParallelDims) -> 
     return max(dp_sum(local_count, dims) / dims.dp_size, 1e-8)
 
 
-def from_last_stage(obj, dims: ParallelDims):
+def from_last_pp_stage(obj, dims: ParallelDims):
     """A picklable object computed on the last pp stage, on every pp rank (identity when pp_size = 1)."""
     if dims.pp_size == 1:
         return obj
-    box = [obj if dims.is_last_stage else None]
+    box = [obj if dims.is_last_pp_stage else None]
     dist.broadcast_object_list(box, group_src=dims.pp_size - 1, group=dims.pp_group)
     return box[0]

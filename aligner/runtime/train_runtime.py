@@ -85,18 +85,18 @@ def _check_dims(parallel: ParallelConfig, dims: ParallelDims) -> None:
 
 
 def _sync_tied_grads(model: nn.Module, dims) -> None:
-    """Sum the tied embedding / lm_head grads between the first and last stage (local shards:
+    """Sum the tied embedding / lm_head grads between the first and last pipeline stage (local shards:
     works for plain and FSDP2 DTensor grads, both ends hold the same dp shard)."""
-    if not model.cfg.tie_word_embeddings or not (dims.is_first_stage or dims.is_last_stage):
+    if not model.cfg.tie_word_embeddings or not (dims.is_first_pp_stage or dims.is_last_pp_stage):
         return
     import torch.distributed as dist
 
-    p = model.model.embed_tokens.weight if dims.is_first_stage else model.lm_head.weight
+    p = model.model.embed_tokens.weight if dims.is_first_pp_stage else model.lm_head.weight
     if p.grad is None:
         p.grad = torch.zeros_like(p)
     g = dpmod._local_grad(p)
     other = torch.empty_like(g)
-    peer = dims.pp_size - 1 if dims.is_first_stage else 0
+    peer = dims.pp_size - 1 if dims.is_first_pp_stage else 0
     ops = [
         dist.P2POp(dist.isend, g.contiguous(), group=dims.pp_group, group_peer=peer),
         dist.P2POp(dist.irecv, other, group=dims.pp_group, group_peer=peer),
@@ -167,7 +167,7 @@ class TrainRuntime:
         self.backend = parallel_cfg.dp_backend
         self.bf16 = parallel_cfg.mixed_precision == "bf16"
         full = model if model is not None else build_model(model_cfg, kind, seed=seed, device=dims.device)
-        self.module = full  # parallelized in place below: this rank's stage and shards (HF parameter names)
+        self.module = full  # parallelized in place below: this rank's pipeline stage and shards (HF parameter names)
         wrapped = parallelize(
             full, dims, parallel_cfg, data_parallel=self.backend != "deepspeed", lora=self.lora, lora_seed=seed, cp_group=dims.cp_group
         )
@@ -203,7 +203,7 @@ class TrainRuntime:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.optim_cfg, self.total_steps)
 
     @property
-    def stages(self):
+    def pp_stages(self):
         """What the pipeline schedules run: the rank's chunks (interleaved 1F1B) or the model."""
         return self.chunks if self.chunks is not None else self.model
 
@@ -221,7 +221,7 @@ class TrainRuntime:
 
     # ---- one step ----------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Run the (wrapped) model: input_ids [B, T] int64 (first stage) -> logits [B, T, V/tp]
+        """Run the (wrapped) model: input_ids [B, T] int64 (first pipeline stage) -> logits [B, T, V/tp]
         (policy; (log_probs, entropy) [B, R] fp32 with a ``logprob`` input) or scores [B, T] fp32
         (score model). bf16 logits under bf16 mixed precision."""
         progress.beat()  # one forward (a micro-batch) is progress for the hang watchdog
@@ -240,7 +240,7 @@ class TrainRuntime:
     def forward_backward(
         self, micro_batches: list[dict], loss_fn: Callable[[torch.Tensor, dict], torch.Tensor], loss_reduction: str = "mean"
     ) -> torch.Tensor:
-        """Forward + backward over micro-batches (1F1B across stages when pp_size > 1).
+        """Forward + backward over micro-batches (1F1B across pipeline stages when pp_size > 1).
 
         micro_batches: dicts with ``input_ids`` [b, T] int64, the optional model inputs of
         ``pipeline.MODEL_INPUT_KEYS`` (position_ids / segment_ids / prompt_segments [b, T], head_index [b, R]),
@@ -249,7 +249,7 @@ class TrainRuntime:
         1/num_micro_batches, "sum" leaves it (see aligner.parallel.pipeline).
         Returns: [num_micro_batches] fp32 unscaled losses (on every pp rank).
         Under autocast the frozen weights (a LoRA base) are cast to bf16 once for the whole step and
-        shared by every micro-batch (:attr:`shares_frozen_casts`): a stage holds one copy of those
+        shared by every micro-batch (:attr:`shares_frozen_casts`): a pipeline stage holds one copy of those
         casts, as autocast's own cache does for trainable weights, not one per micro-batch in flight.
         With ``parallel.fsdp_reduce=step`` (FSDP2, more than one micro-batch) each FSDP2 unit is
         all-gathered once and its gradient reduce-scattered once per call, at the last micro-batch
@@ -263,7 +263,7 @@ class TrainRuntime:
                 if self.dims.pp_size > 1:
                     with dpmod.autocast_context(self.uses_autocast, self.device_type):
                         return pipeline_train_step(
-                            self.stages,
+                            self.pp_stages,
                             self.dims,
                             micro_batches,
                             loss_fn,
@@ -345,8 +345,13 @@ class TrainRuntime:
         d = self.dims
         self.finalize_grads()
         exclude = None
-        if self.model_cfg.tie_word_embeddings and d.pp_size > 1 and d.is_last_stage and getattr(self.module, "lm_head", None) is not None:
-            exclude = {id(self.module.lm_head.weight)}  # counted on the first stage
+        if (
+            self.model_cfg.tie_word_embeddings
+            and d.pp_size > 1
+            and d.is_last_pp_stage
+            and getattr(self.module, "lm_head", None) is not None
+        ):
+            exclude = {id(self.module.lm_head.weight)}  # counted on the first pipeline stage
         return dpmod.clip_grad_norm_(
             self.module,
             self.optim_cfg.grad_clip,

@@ -471,7 +471,12 @@ CASES = [
         "2",
         "set actor.parallel.pp_layer_split=null",
     ),
-    (["actor.parallel.virtual_pp_size=4", "actor.parallel.pp_size=2"], "actor.parallel.virtual_pp_size", "4", "8 virtual stages exceed"),
+    (
+        ["actor.parallel.virtual_pp_size=4", "actor.parallel.pp_size=2"],
+        "actor.parallel.virtual_pp_size",
+        "4",
+        "8 virtual pipeline stages exceed",
+    ),
     (
         ["actor.parallel.virtual_pp_size=2", "actor.parallel.pp_size=2", "trainer.mini_batch_size=8", "trainer.micro_batch_size=8"],
         "trainer.micro_batch_size",

@@ -74,7 +74,7 @@ def _loss(eng):
     from aligner.parallel.tensor_parallel import vocab_start
     from tests.toolkit.training import lm_loss
 
-    start = vocab_start(eng.module) if eng.dims.is_last_stage else 0
+    start = vocab_start(eng.module) if eng.dims.is_last_pp_stage else 0
     return lambda out, mb: lm_loss(out, mb["input_ids"], eng.dims.tp_group, start)
 
 
@@ -156,7 +156,7 @@ def _forward_battery(rank: int, world: int, layouts: list[dict], num_layers: int
             mbs = [{"input_ids": m} for m in data[0].chunk(eng.dims.dp_size)[eng.dims.dp_rank].chunk(M)]
             with _counting() as counts, torch.no_grad(), eng.forward_only(len(mbs)):
                 if eng.dims.pp_size > 1:
-                    logits = pipeline_forward(eng.stages, eng.dims, mbs, lambda o, mb: o.float(), broadcast=True)
+                    logits = pipeline_forward(eng.pp_stages, eng.dims, mbs, lambda o, mb: o.float(), broadcast=True)
                 else:
                     logits = torch.cat([eng(mb["input_ids"]).float() for mb in mbs])
             out[(tuple(layout.items()), mode)] = {

@@ -19,7 +19,7 @@ from aligner.actor.policy import Policy
 from aligner.config import ConfigError, ParallelConfig
 from aligner.critic.critic import Critic
 from aligner.parallel.dims import ParallelDims
-from aligner.parallel.parallelize import virtual_stage_layer_ids
+from aligner.parallel.parallelize import virtual_pp_stage_layer_ids
 from aligner.parallel.pipeline import interleaved_order
 from tests.toolkit.models import tiny_model_config
 from tests.toolkit.roles import OPTIM, full_grads, ppo_algo, rl_batch
@@ -49,11 +49,11 @@ def test_a_micro_batch_count_not_a_multiple_of_pp_is_refused():
 
 
 def test_virtual_stages_are_not_contiguous():
-    assert virtual_stage_layer_ids(8, 2, 2, 0) == [[0, 1], [4, 5]]
-    assert virtual_stage_layer_ids(8, 2, 2, 1) == [[2, 3], [6, 7]]
-    assert virtual_stage_layer_ids(4, 2, 2, 1) == [[1], [3]]
+    assert virtual_pp_stage_layer_ids(8, 2, 2, 0) == [[0, 1], [4, 5]]
+    assert virtual_pp_stage_layer_ids(8, 2, 2, 1) == [[2, 3], [6, 7]]
+    assert virtual_pp_stage_layer_ids(4, 2, 2, 1) == [[1], [3]]
     with pytest.raises(ValueError, match="pp_size x virtual_pp_size = 8 exceeds num_layers=4"):
-        virtual_stage_layer_ids(4, 2, 4, 0)
+        virtual_pp_stage_layer_ids(4, 2, 4, 0)
 
 
 def _step(par: ParallelConfig, dims: ParallelDims, batch: dict):
@@ -63,7 +63,7 @@ def _step(par: ParallelConfig, dims: ParallelDims, batch: dict):
     chunks = pol.runtime.chunks
     if par.virtual_pp_size > 1:  # the rank runs v chunk views of its non-contiguous layers
         layers = [sorted(int(i) for i in c.model.layers) for c in chunks]
-        assert layers == virtual_stage_layer_ids(4, par.pp_size, par.virtual_pp_size, dims.pp_rank)
+        assert layers == virtual_pp_stage_layer_ids(4, par.pp_size, par.virtual_pp_size, dims.pp_rank)
     with CommCounter() as counter:
         lp = pol.log_probs(batch, micro_batch_size=1)
         full = {k: v for k, v in batch.items() if k not in ("offset", "returns")}
@@ -123,7 +123,7 @@ def test_interleaved_equals_plain_1f1b_and_one_process(tp, dp, backend):
         ({"virtual_pp_size": 0}, "must be >= 1"),
         ({"virtual_pp_size": 2}, "needs actor.parallel.pp_size > 1"),
         ({"virtual_pp_size": 2, "pp_size": 2, "pp_layer_split": [1, 1]}, "set actor.parallel.pp_layer_split=null"),
-        ({"virtual_pp_size": 2, "pp_size": 2}, "4 virtual stages exceed model.num_layers=2"),
+        ({"virtual_pp_size": 2, "pp_size": 2}, "4 virtual pipeline stages exceed model.num_layers=2"),
     ],
 )
 def test_layouts_the_interleaved_schedule_cannot_run_are_refused(fields, match):

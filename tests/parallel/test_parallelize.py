@@ -10,7 +10,7 @@ from aligner.config import ModelConfig, ParallelConfig
 from aligner.model.llama import LlamaModel, build_model
 from aligner.parallel.dims import ParallelDims
 from aligner.parallel.memory import layer_saved_bytes
-from aligner.parallel.parallelize import apply_recompute, decode_layer_split, parallelize, recompute_mode, stage_layer_ids
+from aligner.parallel.parallelize import apply_recompute, decode_layer_split, parallelize, pp_stage_layer_ids, recompute_mode
 from tests.toolkit.models import tiny_model_config
 
 CFG = tiny_model_config(vocab_size=96, hidden_size=64, intermediate_size=160)
@@ -77,11 +77,11 @@ def test_compiled_blocks_train_like_the_eager_model(recompute):
                 torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=0, msg=n)
 
 
-def test_stage_layer_ids_split():
-    assert [stage_layer_ids(5, 2, s) for s in range(2)] == [[0, 1, 2], [3, 4]]
-    assert [stage_layer_ids(4, 2, s, [1, 3]) for s in range(2)] == [[0], [1, 2, 3]]
+def test_pp_stage_layer_ids_split():
+    assert [pp_stage_layer_ids(5, 2, s) for s in range(2)] == [[0, 1, 2], [3, 4]]
+    assert [pp_stage_layer_ids(4, 2, s, [1, 3]) for s in range(2)] == [[0], [1, 2, 3]]
     with pytest.raises(ValueError, match="pp_layer_split"):
-        stage_layer_ids(4, 2, 0, [2, 1])
+        pp_stage_layer_ids(4, 2, 0, [2, 1])
 
 
 SMOLLM2_DIMS = ModelConfig(
@@ -107,7 +107,7 @@ def test_decode_layer_split_balances_the_head_against_layers(pp):
         rest = cfg.num_layers - last
         other = [rest // (pp - 1) + (1 if s < rest % (pp - 1) else 0) for s in range(pp - 1)] + [last]
         assert worst(split) <= worst(other), (split, other)
-    stage_layer_ids(cfg.num_layers, pp, pp - 1, split)  # accepted by the pipeline split
+    pp_stage_layer_ids(cfg.num_layers, pp, pp - 1, split)  # accepted by the pipeline split
 
 
 def test_decode_layer_split_edge_cases():

@@ -110,7 +110,7 @@ def _meta_build_and_dst_gather(dims) -> dict:
 
 
 def pp_battery(rank: int, world_size: int) -> dict:
-    from aligner.parallel.parallelize import stage_layer_ids
+    from aligner.parallel.parallelize import pp_stage_layer_ids
     from aligner.parallel.pipeline import split_micro_batches
 
     torch.manual_seed(0)
@@ -125,10 +125,10 @@ def pp_battery(rank: int, world_size: int) -> dict:
     dims = dims_cache[(2, 2, 1)]
     out["extra"]["mean loss scaling, tp2 x pp2 SP"] = _mean_reduction_check(dims)
     out["extra"].update(_meta_build_and_dst_gather(dims))
-    out["split 3 on 2"] = [stage_layer_ids(3, 2, s) for s in range(2)]
+    out["split 3 on 2"] = [pp_stage_layer_ids(3, 2, s) for s in range(2)]
     for args in ((3, 2, 0, [2, 2]), (3, 2, 0, [3, 0])):
         try:
-            stage_layer_ids(*args)
+            pp_stage_layer_ids(*args)
         except ValueError as e:
             out["errors"][str(args[3])] = str(e)
     try:

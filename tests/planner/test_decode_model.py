@@ -29,8 +29,8 @@ from aligner.planner import (
     kv_cache_bytes,
     make_plan,
     plan_role,
+    pp_stage_num_parameters,
     role_works,
-    stage_num_parameters,
 )
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -218,11 +218,11 @@ def test_a_decode_step_reads_no_lookup_table(tied):
     )
     table = 1000 * 64 // 2
     one = Layout(tp=2, pp=1, dp=1, micro_batch_size=1)
-    whole = stage_num_parameters(model, "lm", 2, 1, 0) * 2
+    whole = pp_stage_num_parameters(model, "lm", 2, 1, 0) * 2
     assert decode_weight_bytes(model, "lm", one, 2) == (whole if tied else whole - 2 * table)
     two = Layout(tp=2, pp=2, dp=1, micro_batch_size=1)
-    first = (stage_num_parameters(model, "lm", 2, 2, 0) - table) * 2
-    last = stage_num_parameters(model, "lm", 2, 2, 1) * 2
+    first = (pp_stage_num_parameters(model, "lm", 2, 2, 0) - table) * 2
+    last = pp_stage_num_parameters(model, "lm", 2, 2, 1) * 2
     assert decode_weight_bytes(model, "lm", two, 2) == max(first, last) == last  # the head's stage is the busiest
-    score = stage_num_parameters(model, "score", 2, 1, 0) * 2
+    score = pp_stage_num_parameters(model, "score", 2, 1, 0) * 2
     assert decode_weight_bytes(model, "score", one, 2) == score - 2 * table  # a score model's embedding: a lookup

@@ -7,7 +7,7 @@ import pytest
 
 from aligner.config import ClusterConfig, ModelConfig, ParallelConfig
 from aligner.planner import Layout, RoleWork, estimate_layout
-from aligner.planner.cost_model import layer_num_parameters, layers_on_stage
+from aligner.planner.cost_model import layer_num_parameters, layers_on_pp_stage
 from aligner.planner.time_model import fsdp2_micro_batch_exposed_seconds
 
 LLAMA2_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32)
@@ -39,7 +39,7 @@ def test_fsdp2_bytes_per_micro_batch():
     and per root parameter, over 50 GB/s."""
     layout = Layout(tp=1, pp=1, dp=16, micro_batch_size=1)
     exposed = fsdp2_micro_batch_exposed_seconds(MODEL, work("fsdp2"), layout, 0.0, 0.0, NO_OVERLAP_CLUSTER)
-    layer = layer_num_parameters(MODEL) * layers_on_stage(MODEL.num_layers, 1, 0)
+    layer = layer_num_parameters(MODEL) * layers_on_pp_stage(MODEL.num_layers, 1, 0)
     root = MODEL.num_parameters() - layer
     assert exposed == pytest.approx(15 / 16 * (8 * layer + 8 * root) / 50e9)
     # a forward-only pass (PPO's old log-probs in the trained role) gathers once and reduces nothing

@@ -351,15 +351,15 @@ def _mixtral_like(**kw):
 def test_moe_total_and_active_parameters_and_expert_memory_per_ep():
     """Mixtral 8x7B's published sizes (46.7B total, 12.9B active per token, Jiang et al. 2024) from
     its dimensions; each ep rank holds E / ep of the experts."""
-    from aligner.planner import expert_layer_parameters, role_active_parameters, role_num_parameters, stage_num_parameters
+    from aligner.planner import expert_layer_parameters, pp_stage_num_parameters, role_active_parameters, role_num_parameters
 
     m = _mixtral_like()
     assert role_num_parameters(m, "lm") / 1e9 == pytest.approx(46.7, abs=0.1)
     assert role_active_parameters(m, "lm") / 1e9 == pytest.approx(12.9, abs=0.1)
     experts = m.num_layers * expert_layer_parameters(m)
-    one = stage_num_parameters(m, "lm", tp=1, pp=1, stage=0, ep=1)
+    one = pp_stage_num_parameters(m, "lm", tp=1, pp=1, pp_stage=0, ep=1)
     for ep in (2, 4, 8):
-        assert one - stage_num_parameters(m, "lm", tp=1, pp=1, stage=0, ep=ep) == experts - experts // ep
+        assert one - pp_stage_num_parameters(m, "lm", tp=1, pp=1, pp_stage=0, ep=ep) == experts - experts // ep
 
 
 def test_moe_layouts_ranked_with_all_to_all_time():
@@ -385,14 +385,14 @@ def test_moe_layouts_ranked_with_all_to_all_time():
 
 
 def test_dpo_plan_counts_the_reference_weights_and_both_sequences_of_a_pair():
-    from aligner.planner import DTYPE_BYTES, stage_num_parameters
+    from aligner.planner import DTYPE_BYTES, pp_stage_num_parameters
 
     sft, dpo = llama2_cfg("7b", nodes=2, stage="sft"), llama2_cfg("7b", nodes=2, stage="dpo")
     (s,), (d,) = role_works(sft), role_works(dpo)
     assert (d.role, d.batch, d.forward_seqs, d.frozen_copies) == ("actor", 2 * s.batch, 2 * s.batch, 1)
     lay = Layout(tp=8, pp=1, dp=2, micro_batch_size=1, sp=True, recompute="selective")
     es, ed = (estimate_layout(sft.model, w, lay, sft.cluster) for w in (s, d))
-    params = stage_num_parameters(sft.model, "lm", 8, 1, 0)
+    params = pp_stage_num_parameters(sft.model, "lm", 8, 1, 0)
     # FSDP2 (the default dp backend) shards the reference over dp as it shards the policy
     assert ed.memory.weights - es.memory.weights == pytest.approx(DTYPE_BYTES[sft.model.dtype] * params / 2, rel=1e-6)
     assert ed.memory.grads == es.memory.grads and ed.memory.optimizer == es.memory.optimizer
@@ -408,7 +408,7 @@ def test_rollout_engine_is_sized_at_rollout_dtype(dtype):
     """The engine holds its weights and KV cache in rollout.dtype (aligner.workers.actor casts the
     engine's model to it; the KV caches take the engine's parameter dtype), whatever model.dtype is:
     a float32 engine for the llama2_70b preset (model.dtype bfloat16) is twice its bf16 size."""
-    from aligner.planner import DTYPE_BYTES, stage_num_parameters
+    from aligner.planner import DTYPE_BYTES, pp_stage_num_parameters
     from aligner.planner.report import configured_layout
     from aligner.rollout.torch_engine.kv_cache import SlotKVCache
 
@@ -418,7 +418,7 @@ def test_rollout_engine_is_sized_at_rollout_dtype(dtype):
     lay = configured_layout(cfg, work)
     m = estimate_layout(cfg.model, work, lay, cfg.cluster).memory
     e = DTYPE_BYTES[dtype]
-    assert m.weights == e * stage_num_parameters(cfg.model, "lm", lay.tp, lay.pp, 0)
+    assert m.weights == e * pp_stage_num_parameters(cfg.model, "lm", lay.tp, lay.pp, 0)
     seq = cfg.data.max_prompt_len + work.new_tokens
     assert m.kv_cache == kv_cache_bytes(cfg.model, e, lay.tp, lay.pp, lay.micro_batch_size, seq)
     # what the runtime allocates: the engine model cast to rollout.dtype, its slot pool in that dtype
@@ -569,7 +569,7 @@ def test_llama2_70b_lora_tp2_pp4_fits_one_node_with_its_frozen_casts_shared():
     the same layout (bf16 base weights, 2 B per parameter, plus Korthikanti et al. 2022's 2sbh/t bytes
     per layer for full recomputation with SP, 4 micro-batches in flight): the factor is the fp32 base
     aligner keeps."""
-    from aligner.planner import layer_num_parameters, stage_num_parameters
+    from aligner.planner import layer_num_parameters, pp_stage_num_parameters
 
     s, b, h, t, layers, in_flight = 2048, 1, 8192, 2, 20, 4
     none = check_fits(_llama2_70b_lora("none"))["actor"].memory
@@ -579,7 +579,7 @@ def test_llama2_70b_lora_tp2_pp4_fits_one_node_with_its_frozen_casts_shared():
     est = check_fits(cfg)["actor"]
     m = est.memory
     assert m.total <= 80 * 2**30
-    params = stage_num_parameters(cfg.model, "lm", 2, 4, 0)
+    params = pp_stage_num_parameters(cfg.model, "lm", 2, 4, 0)
     megatron = 2 * params + in_flight * layers * 2 * s * b * h / t
     assert megatron < m.total < 2.5 * megatron, (m.total / 2**30, megatron / 2**30)
 

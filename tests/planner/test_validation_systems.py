@@ -10,7 +10,7 @@ import pytest
 
 from aligner.parallel.memory import LayerDims, korthikanti_bytes
 from aligner.planner import GIB, Layout, LayoutEstimate, estimate_layout, evaluate_layout
-from aligner.planner.cost_model import layers_on_stage, stage_num_parameters
+from aligner.planner.cost_model import layers_on_pp_stage, pp_stage_num_parameters
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -113,8 +113,8 @@ def test_distributed_optimizer_memory_is_6_plus_12_over_d(pv):
         megatron = estimate_layout(cfg.model, work, lay, cfg.cluster)
     after = estimate_layout(cfg.model, work, lay, cfg.cluster)
     assert after.memory == fsdp.memory  # the patch is undone
-    params = stage_num_parameters(cfg.model, work.kind, lay.tp, lay.pp, 0)
-    assert layers_on_stage(cfg.model.num_layers, lay.pp, 0) == 20
+    params = pp_stage_num_parameters(cfg.model, work.kind, lay.tp, lay.pp, 0)
+    assert layers_on_pp_stage(cfg.model.num_layers, lay.pp, 0) == 20
     assert fsdp.memory.grads - megatron.memory.grads == pytest.approx(4 * params / lay.dp, rel=1e-6)
     assert fsdp.memory.total > 80 * GIB > megatron.memory.total  # the published layout fits without recomputation
 
@@ -129,7 +129,7 @@ def test_megatron_core_keeps_a_frozen_base_in_bf16_at_one_dp_rank(pv):
     own = estimate_layout(cfg.model, work, lay, cfg.cluster)
     with pv.system_model(r):
         megatron = estimate_layout(cfg.model, work, lay, cfg.cluster)
-    base = stage_num_parameters(cfg.model, work.kind, lay.tp, lay.pp, 0)
+    base = pp_stage_num_parameters(cfg.model, work.kind, lay.tp, lay.pp, 0)
     assert megatron.memory.weights == pytest.approx(2 * base, rel=5e-3)  # + the adapters (0.2%)
     assert own.memory.total > 80 * GIB > megatron.memory.total
 
@@ -142,6 +142,6 @@ def test_megatron_core_full_fine_tuning_at_one_dp_rank_holds_18_bytes_a_paramete
     lay = Layout(tp=4, pp=4, dp=1, micro_batch_size=1, sp=True, recompute="full")
     with pv.system_model(r):
         m = estimate_layout(cfg.model, work, lay, cfg.cluster).memory
-    params = stage_num_parameters(cfg.model, work.kind, lay.tp, lay.pp, 0)
+    params = pp_stage_num_parameters(cfg.model, work.kind, lay.tp, lay.pp, 0)
     assert m.weights == pytest.approx(6 * params, rel=1e-6)
     assert m.weights + m.grads + m.optimizer == pytest.approx(18 * params, rel=1e-3)  # + Adam's step tensors

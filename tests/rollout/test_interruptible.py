@@ -17,7 +17,7 @@ import torch
 from aligner.config import SamplingConfig
 from aligner.rollout.torch_engine.engine import TorchEngine
 from aligner.rollout.torch_engine.kv_cache import StaticKVCache
-from aligner.rollout.weight_sync.staging import WeightStage
+from aligner.rollout.weight_sync.staging import WeightStaging
 from tests.toolkit.engine import ENGINE_CFG, engine_model
 
 PROMPTS = [[3, 9, 4], [7, 1], [5, 5, 5, 2], [11]]
@@ -63,16 +63,16 @@ def _reference(prompt: list[int], swap_after: int, weights_b) -> list[int]:
 
 def _swap_at(engine: TorchEngine, boundary: int, weights_b) -> None:
     """Stage `weights_b` as a sync from inside the engine's `boundary`-th step boundary (1 = before the first step)."""
-    stage, calls = engine.weight_stage, [0]
-    original = stage.step_boundary
+    staging, calls = engine.weight_staging, [0]
+    original = staging.step_boundary
 
     def hooked(eng):
         calls[0] += 1
         if calls[0] == boundary:
-            assert engine.stage_weights([weights_b]) is False  # a call decodes: staged, not applied
+            assert engine.offer_weights([weights_b]) is False  # a call decodes: staged, not applied
         return original(eng)
 
-    stage.step_boundary = hooked
+    staging.step_boundary = hooked
 
 
 @pytest.mark.parametrize("swap_after", [1, 4])
@@ -88,7 +88,7 @@ def test_swap_between_decode_steps_equals_reference_with_the_same_cache(swap_aft
     for prompt, g in zip(PROMPTS, gens):
         assert g.token_ids == _reference(prompt, swap_after, weights_b), prompt
         assert g.token_versions == [0] * swap_after + [1] * (NEW - swap_after)
-    assert engine.weight_version == 1 and engine.weight_stage.swaps == 1
+    assert engine.weight_version == 1 and engine.weight_staging.swaps == 1
     got = dict(engine.model.named_parameters(remove_duplicate=False))
     for name, t in weights_b:
         assert torch.equal(got[name], t), name
@@ -99,15 +99,15 @@ def test_swap_between_decode_steps_equals_reference_with_the_same_cache(swap_aft
 
 
 def test_sync_while_idle_applies_at_once_and_a_late_one_at_the_call_end():
-    """No call decoding: stage_weights applies the sync at once (True). A sync staged after the last step
+    """No call decoding: offer_weights applies the sync at once (True). A sync staged after the last step
     boundary is applied when the call ends, so the engine holds the newest weights afterwards; its tokens
     keep the version they were sampled with. Without the switch the engine refuses the static scheduler
     combination and generates exactly as before."""
     engine = TorchEngine(engine_model(1), interruptible=True, **KW)
-    assert engine.stage_weights([_weights(2)]) is True and engine.weight_version == 1
+    assert engine.offer_weights([_weights(2)]) is True and engine.weight_version == 1
     late = _weights(3)
-    with engine.weight_stage.decoding(engine):
-        assert engine.stage_weights([late]) is False and engine.weight_version == 1
+    with engine.weight_staging.decoding(engine):
+        assert engine.offer_weights([late]) is False and engine.weight_version == 1
     assert engine.weight_version == 2
     got = dict(engine.model.named_parameters(remove_duplicate=False))
     assert all(torch.equal(got[n], t) for n, t in late)
@@ -122,18 +122,18 @@ def test_sync_from_another_thread_lands_mid_call():
     step boundary (versions never go down along a response, and the call ends on version 1)."""
     engine = TorchEngine(engine_model(1), interruptible=True, **KW)
     weights_b, started, box = _weights(2), threading.Event(), {}
-    original = engine.weight_stage.step_boundary
+    original = engine.weight_staging.step_boundary
 
     def slow_boundary(eng):
         started.set()
         return original(eng)
 
-    engine.weight_stage.step_boundary = slow_boundary
+    engine.weight_staging.step_boundary = slow_boundary
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=40)
     gen = threading.Thread(target=lambda: box.setdefault("gens", engine.generate([[3, 9, 4]] * 2, sampling)))
     gen.start()
     started.wait(30)
-    engine.stage_weights([weights_b])
+    engine.offer_weights([weights_b])
     gen.join(60)
     assert engine.weight_version == 1
     for g in box["gens"]:
@@ -141,7 +141,7 @@ def test_sync_from_another_thread_lands_mid_call():
         assert g.token_versions == sorted(g.token_versions)
 
 
-def test_weight_stage_applies_staged_syncs_in_order():
+def test_weight_staging_applies_staged_syncs_in_order():
     """Two syncs staged in one step apply in order, each with its own finish (the version counts both)."""
 
     class Sink:
@@ -156,9 +156,9 @@ def test_weight_stage_applies_staged_syncs_in_order():
         def finish_weight_update(self):
             self.weight_version += 1
 
-    stage, sink = WeightStage(), Sink()
-    with stage.decoding(sink):
-        assert stage.offer(sink, [[("a", torch.zeros(1))]]) is False
-        assert stage.offer(sink, [[("b", torch.zeros(1))], [("c", torch.zeros(1))]]) is False
-        assert stage.step_boundary(sink) is True and stage.step_boundary(sink) is False
-    assert sink.got == ["a", "b", "c"] and sink.weight_version == 2 and stage.swaps == 2
+    staging, sink = WeightStaging(), Sink()
+    with staging.decoding(sink):
+        assert staging.offer(sink, [[("a", torch.zeros(1))]]) is False
+        assert staging.offer(sink, [[("b", torch.zeros(1))], [("c", torch.zeros(1))]]) is False
+        assert staging.step_boundary(sink) is True and staging.step_boundary(sink) is False
+    assert sink.got == ["a", "b", "c"] and sink.weight_version == 2 and staging.swaps == 2

@@ -63,7 +63,7 @@ def _sync_battery(rank: int, world_size: int, port: int, bucket_mb: float, stage
                 out["stats"].append(receive_weights_staged(group, engine))
                 assert out["stats"][-1]["applied"] is True
             else:
-                with engine.weight_stage.decoding(engine):
+                with engine.weight_staging.decoding(engine):
                     out["stats"].append(receive_weights_staged(group, engine))
                     assert out["stats"][-1]["applied"] is False and engine.weight_version == 1
             out["weights"].append({k: v.detach().clone() for k, v in engine.model.state_dict().items()})

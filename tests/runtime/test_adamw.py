@@ -158,7 +158,7 @@ def run(engine: TrainRuntime, data: list[torch.Tensor]) -> list[float]:
     from aligner.parallel.tensor_parallel import vocab_start
 
     d = engine.dims
-    start = vocab_start(engine.module) if d.is_last_stage else 0
+    start = vocab_start(engine.module) if d.is_last_pp_stage else 0
     losses = []
     for ids in data:
         mb = {"input_ids": ids.chunk(d.dp_size)[d.dp_rank]}

@@ -32,7 +32,7 @@ def engine_run(engine, data: list[torch.Tensor], num_micro_batches: int = 1) -> 
     from aligner.parallel.tensor_parallel import vocab_start
 
     d = engine.dims
-    start = vocab_start(engine.module) if d.is_last_stage else 0
+    start = vocab_start(engine.module) if d.is_last_pp_stage else 0
     loss_fn = lambda out, mb: lm_loss(out, mb["input_ids"], d.tp_group, start)  # noqa: E731
     losses, norms = [], []
     for ids in data:

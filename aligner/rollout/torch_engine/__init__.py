@@ -6,7 +6,7 @@
   the model shard, layout and hooks; the schedulers never import the engine).
 - :mod:`.scheduler`: the continuous scheduler's plans (pure Python); :mod:`.continuous_batching`
   and :mod:`.static_batching`: the two schedulers' execution, each with its CUDA-graph decode step
-  (captured by :mod:`.cuda_graphs`); :mod:`.stage_link`: the pipeline messages between stages.
+  (captured by :mod:`.cuda_graphs`); :mod:`.pipeline_link`: the messages between pipeline stages.
 - :mod:`.kv_cache`: the KV caches (slot pool, static batch); :mod:`.sampling`: greedy /
   temperature / top-k / top-p with per-request seeds.
 - :mod:`.cpu_kernels` (C sources in ``csrc/``, compiled on the machine that runs them) and

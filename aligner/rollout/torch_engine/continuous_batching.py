@@ -8,8 +8,8 @@ max_new_tokens) is refilled with the next request between two decode steps: its 
 the last token is prefilled (batched with the other new prompts, right-padded) or, when a live
 row already holds the same prompt, copied from it; the last prompt token then runs in the next
 decode step with everybody else's. With pp > 1 the pool is split into ``micro_batches`` blocks
-and stage 0 keeps one block's step in flight per stage (:class:`aligner.rollout.torch_engine.stage_link.StageLink`):
-while stage 1 runs block 0, stage 0 runs block 1; stage 0 broadcasts the finished Generations
+and pp rank 0 keeps one block's step in flight per pipeline stage (:class:`aligner.rollout.torch_engine.pipeline_link.PipelineLink`):
+while pp rank 1 runs block 0, pp rank 0 runs block 1; pp rank 0 broadcasts the finished Generations
 at the end of the call.
 
 Decode attention: SDPA over each block's positions up to its longest context under a mask, or
@@ -26,7 +26,7 @@ longest prompt differs by a few tokens share a graph; graphs (and their pools) a
 calls, as the static scheduler keeps its own, and dropped by ``TorchEngine.offload``.
 
 Interruptible generation (``TorchEngine(interruptible=True)``, pp = 1): before each step's plan the
-loop applies the weight syncs another thread staged (:class:`aligner.rollout.weight_sync.staging.WeightStage`)
+loop applies the weight syncs another thread staged (:class:`aligner.rollout.weight_sync.staging.WeightStaging`)
 and goes on: the requests in flight keep their KV cache (computed with the old weights, as AReaL
 keeps it) and their next tokens are sampled with the new weights; each token is labelled with the
 engine's weight_version of the step that sampled it (``Generation.token_versions``).
@@ -45,10 +45,10 @@ import torch.distributed as dist
 from aligner.rollout.base import Generation
 from aligner.rollout.torch_engine.cuda_graphs import capture_cuda_graph
 from aligner.rollout.torch_engine.kv_cache import SlotKVCache
+from aligner.rollout.torch_engine.pipeline_link import PipelineLink, PlanMeta, plan_meta
 from aligner.rollout.torch_engine.sampling import Sampler
 from aligner.rollout.torch_engine.scheduler import OnFinish, SlotScheduler, StepPlan, TurnEnd
 from aligner.rollout.torch_engine.shard import ModelShard
-from aligner.rollout.torch_engine.stage_link import PlanMeta, StageLink, plan_meta
 from aligner.runtime import progress
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class ContinuousBatching:
     Args:
         shard: the engine's :class:`ModelShard` (model, layout, hooks).
         max_batch_size: KV-cache slots; each of the ``micro_batches`` blocks gets max_batch_size // micro_batches (at least 1).
-        micro_batches: blocks of the slot pool (with pp > 1 each stage works on one block while the next works on another).
+        micro_batches: blocks of the slot pool (with pp > 1 each pipeline stage works on one block while the next works on another).
         cuda_graphs: capture the decode step in CUDA graphs where it can (:attr:`uses_graphs`).
         varlen: decode attention by the varlen kernel (fp32 on the CPU) instead of SDPA.
         interruptible: weight syncs land between decode steps (``shard.step_boundary``) and every
@@ -73,7 +73,7 @@ class ContinuousBatching:
     the same process between calls); with them (:attr:`uses_graphs`) each :class:`SlotDecodeGraph`
     in ``graphs`` owns its pool, kept across calls. ``routing``: during a call on an MoE model, the
     [requests, max budget, L_local, k] int16 buffer of every response token's experts on this
-    stage (-1 where unset). ``last_stats``: the last call's counters (the scheduler's, and generated tokens).
+    pipeline stage (-1 where unset). ``last_stats``: the last call's counters (the scheduler's, and generated tokens).
     """
 
     def __init__(self, shard: ModelShard, *, max_batch_size: int, micro_batches: int, cuda_graphs: bool, varlen: bool, interruptible: bool):
@@ -116,12 +116,12 @@ class ContinuousBatching:
     ) -> list[Generation]:
         """Every request of a call, in prompt order, on every pipeline stage; sets ``last_stats``.
         turn_end: the episodes' callback (:data:`aligner.rollout.torch_engine.scheduler.TurnEnd`), run by the first
-        stage's scheduler only; None for single-turn requests. on_finish: run by the first stage's
+        pipeline stage's scheduler only; None for single-turn requests. on_finish: run by the first pipeline stage's
         scheduler as each request ends (:data:`aligner.rollout.torch_engine.scheduler.OnFinish`).
 
         Iteration-level scheduling over a slot pool (:class:`SlotScheduler`); with pp > 1 the
-        first stage schedules and sends each step down the pipeline with its hidden states, the
-        last stage samples and sends the tokens back, and ``micro_batches`` steps are in flight."""
+        first pipeline stage schedules and sends each step down the pipeline with its hidden states, the
+        last pipeline stage samples and sends the tokens back, and ``micro_batches`` steps are in flight."""
         sh = self.shard
         if turn_end is not None and sh.pp_size > 1:
             raise ValueError("episodes (turn_end) with a pipeline-parallel engine are not built: use pp_size=1 engines")
@@ -146,7 +146,7 @@ class ContinuousBatching:
             k = sh.moe_top_k
             self.routing = torch.full((len(prompts), max(budgets), sh.moe_layers, k), -1, dtype=torch.int16, device=sh.device)
         if not sh.is_first:
-            self._serve_stage(pool, sampler)
+            self._serve_pp_stage(pool, sampler)
             sh.attach_routing(None, self.routing)
             self.routing = None
             return self._broadcast_generations(None)  # sets last_stats too
@@ -211,13 +211,13 @@ class ContinuousBatching:
         self.last_stats = {**sched.stats(), "generated_tokens": sum(len(g.token_ids) for g in gens)}
         return self._broadcast_generations(gens) if sh.pp_size > 1 else gens
 
-    def _link(self) -> StageLink:
+    def _link(self) -> PipelineLink:
         sh = self.shard
-        return StageLink(sh.pp_group, sh.device, sh.dtype, sh.hidden_size)
+        return PipelineLink(sh.pp_group, sh.device, sh.dtype, sh.hidden_size)
 
-    def _run_plan(self, plan: StepPlan, pool: SlotKVCache, sampler: Sampler, link: Optional[StageLink]):
-        """Stage 0: run one StepPlan on this stage and send it on (pp > 1), or sample (pp = 1):
-        (tokens [n], log_probs [n]) when this stage is also the last."""
+    def _run_plan(self, plan: StepPlan, pool: SlotKVCache, sampler: Sampler, link: Optional[PipelineLink]):
+        """pp rank 0: run one StepPlan on this pipeline stage and send it on (pp > 1), or sample (pp = 1):
+        (tokens [n], log_probs [n]) when this pipeline stage is also the last."""
         dev = self.shard.device
         prefill_x = None
         if plan.prefill_rows:
@@ -228,21 +228,23 @@ class ContinuousBatching:
             prefill_x = prefill_x.to(dev)
         decode_x = torch.tensor(plan.tokens, dtype=torch.long, device=dev).unsqueeze(1)
         meta = plan_meta(plan, prefill_x.shape[1] if prefill_x is not None else 0)
-        return self._stage_step(meta, prefill_x, decode_x, pool, sampler, link, plan.extends)
+        return self._pp_stage_step(meta, prefill_x, decode_x, pool, sampler, link, plan.extends)
 
-    def _serve_stage(self, pool: SlotKVCache, sampler: Sampler) -> None:
-        """Stages after the first: run every plan the previous stage sends until it sends stop."""
+    def _serve_pp_stage(self, pool: SlotKVCache, sampler: Sampler) -> None:
+        """Pipeline stages after the first: run every plan the previous one sends until it sends stop."""
         link = self._link()
         while True:
             got = link.recv_plan()
             if got is None:
                 break
-            self._stage_step(*got, pool, sampler, link)
+            self._pp_stage_step(*got, pool, sampler, link)
         link.send_stop()
         link.wait()
 
-    def _stage_step(self, meta: PlanMeta, prefill_x, decode_x, pool: SlotKVCache, sampler: Sampler, link: Optional[StageLink], extends=()):
-        """Execute a plan on this stage: prefill, copies, moves, extends (episodes, pp = 1), decode (scheduler.py's order)."""
+    def _pp_stage_step(
+        self, meta: PlanMeta, prefill_x, decode_x, pool: SlotKVCache, sampler: Sampler, link: Optional[PipelineLink], extends=()
+    ):
+        """Execute a plan on this pipeline stage: prefill, copies, moves, extends (episodes, pp = 1), decode (scheduler.py's order)."""
         sh = self.shard
         dev = sh.device
         trunk = sh.trunk
@@ -258,12 +260,12 @@ class ContinuousBatching:
             pool.copy(src, dst, n)
         if extends:
             self._extend(extends, pool)
-        if self._graph is not None:  # pp = 1, a dense model: this stage is also the last, no routing to record
+        if self._graph is not None:  # pp = 1, a dense model: this pipeline stage is also the last, no routing to record
             logits = self._graph.run(decode_x[:, 0], meta.positions.to(dev))
         else:
             h = self._decode_forward(meta, decode_x, pool)
             if self.routing is not None:  # decode row j produced token steps[j] of request requests[j]
-                self.routing[meta.requests.to(dev), meta.steps.to(dev)] = sh.stage_routing()
+                self.routing[meta.requests.to(dev), meta.steps.to(dev)] = sh.pp_stage_routing()
             if not sh.is_last:
                 link.send_plan(meta, prefill_h, h)
                 return None
@@ -292,7 +294,7 @@ class ContinuousBatching:
         self.shard.trunk(x.to(dev), position_ids=positions, attn_mask=mask, kv_cache=pool)
 
     def _decode_forward(self, meta: PlanMeta, decode_x: torch.Tensor, pool: SlotKVCache) -> torch.Tensor:
-        """The eager decode step of rows [start, start + n): hidden states [n, 1, H] of this stage, attention
+        """The eager decode step of rows [start, start + n): hidden states [n, 1, H] of this pipeline stage, attention
         over each block's positions up to its longest context (masked where the rows' lengths differ)."""
         dev = self.shard.device
         positions = meta.positions.to(dev)
@@ -304,7 +306,7 @@ class ContinuousBatching:
         return self.shard.trunk(decode_x, position_ids=positions.unsqueeze(1), attn_mask=mask, kv_cache=pool)
 
     def _broadcast_generations(self, gens: Optional[list[Generation]]) -> list[Generation]:
-        """Stage 0's Generations and last_stats on every pipeline stage (one object broadcast over the pp group)."""
+        """pp rank 0's Generations and last_stats on every pipeline stage (one object broadcast over the pp group)."""
         pp_group = self.shard.pp_group
         box = [(gens, self.last_stats)]
         dist.broadcast_object_list(box, src=dist.get_global_rank(pp_group, 0), group=pp_group)
@@ -325,7 +327,7 @@ class SlotDecodeGraph:
     """The continuous scheduler's decode step over all `slots` rows of its own pool, static shapes.
 
     Inputs ``tok`` [slots, 1] and ``pos`` [slots] int64 are copied in before each replay; the
-    output ``out`` [slots, V/tp] fp32 is the last stage's logits (pp = 1). Attention reads all
+    output ``out`` [slots, V/tp] fp32 is the last pipeline stage's logits (pp = 1). Attention reads all
     `max_len` cache positions with the mask ``positions <= pos`` built inside the step, and each
     row writes its new key/value at ``pos`` (:meth:`SlotKVCache.plan_decode` over every row).
     Captured in a CUDA graph at construction when the engine is on cuda; elsewhere (tests on the

@@ -5,7 +5,7 @@ forward in aligner, for training, prefill and decode. It owns the HF-named weigh
 (refit), tensor- and pipeline-parallel generation in the engine's own layout, stop tokens and
 rollout log-probs, and hands each generate() call to one of two schedulers:
 - continuous (default; :mod:`aligner.rollout.torch_engine.continuous_batching`, plans by
-  :mod:`aligner.rollout.torch_engine.scheduler`, pipeline messages by :mod:`aligner.rollout.torch_engine.stage_link`): a
+  :mod:`aligner.rollout.torch_engine.scheduler`, pipeline messages by :mod:`aligner.rollout.torch_engine.pipeline_link`): a
   pool of KV-cache slots (:mod:`aligner.rollout.torch_engine.kv_cache`) refilled as responses stop, shared
   prompt prefixes, pipelined decode with pp > 1;
 - static (:mod:`aligner.rollout.torch_engine.static_batching`): left-padded batches, with CUDA-graph decode on GPU.
@@ -56,7 +56,7 @@ from aligner.rollout.torch_engine.sampling import Sampler
 from aligner.rollout.torch_engine.scheduler import OnFinish, TurnEnd
 from aligner.rollout.torch_engine.shard import ModelShard
 from aligner.rollout.torch_engine.static_batching import StaticBatching
-from aligner.rollout.weight_sync.staging import Bucket, WeightStage
+from aligner.rollout.weight_sync.staging import Bucket, WeightStaging
 from aligner.runtime.host import keep_freed_host_memory
 
 SCHEDULERS = ("continuous", "static")
@@ -73,7 +73,7 @@ class TorchEngine(RolloutEngine):
             `tp_group` and/or pruned to this pp stage when those groups are given.
         eos_token_id: stop token besides sampling.stop_token_ids (None: none).
         tp_group: the engine's tensor-parallel group (None: no TP).
-        pp_group: the engine's pipeline group; stage index = rank in it (None: no PP).
+        pp_group: the engine's pipeline group; pipeline stage index = rank in it (None: no PP).
         max_batch_size: prompts per batch (static); KV-cache slots (continuous): each of the
             ``micro_batches`` blocks gets max_batch_size // micro_batches of them (at least 1).
         cuda_graphs: capture the decode step in CUDA graphs (on cuda, pp = 1; the continuous
@@ -92,8 +92,8 @@ class TorchEngine(RolloutEngine):
             prompts left-padded and decoded until their longest response ends (the first engine,
             kept for comparison and for CUDA-graph decode; :mod:`aligner.rollout.torch_engine.static_batching`).
         micro_batches: continuous scheduler only: blocks the slot pool is split into; with
-            pp > 1 every stage works on one block while the next stage works on another
-            (None: pp_size; 1 with pp > 1 runs the stages one after the other).
+            pp > 1 every pipeline stage works on one block while the next one works on another
+            (None: pp_size; 1 with pp > 1 runs the pipeline stages one after the other).
         cpu_layout: on the CPU, how linear weights are stored and multiplied for decode:
             "auto" (default) times a decode step's GEMMs with every (kernel, layout, fused)
             combination on this machine and keeps the fastest, once per machine and model
@@ -117,8 +117,8 @@ class TorchEngine(RolloutEngine):
             The static scheduler always runs SDPA.
         interruptible: weight syncs may land between decode steps (the split placement's
             ``rollout.interruptible``, docs/rollout.md; continuous scheduler, pp = 1): a sync handed to
-            :meth:`stage_weights` while a call decodes is applied at the call's next step boundary
-            (:class:`aligner.rollout.weight_sync.staging.WeightStage`), the requests in flight keep their KV
+            :meth:`offer_weights` while a call decodes is applied at the call's next step boundary
+            (:class:`aligner.rollout.weight_sync.staging.WeightStaging`), the requests in flight keep their KV
             cache and go on with the new weights, and every Generation carries ``token_versions``.
     The engine owns `model`: it re-lays its linear weights out in place (see :func:`_pack_weights`).
 
@@ -133,7 +133,7 @@ class TorchEngine(RolloutEngine):
     decode row that consumed the previous token, or, in the static scheduler, the last prompt
     token's prefill row for i = 0), read from the layers' ``last_experts`` after each forward. The
     continuous scheduler writes them into a [requests, max budget, L_local, k] buffer indexed by the
-    decode rows' (request, step); with pp > 1 each stage records its own layers and the stages'
+    decode rows' (request, step); with pp > 1 each pipeline stage records its own layers and the pipeline stages'
     parts are all-gathered over the pp group at the end of the call (layer order). Dense models skip
     all of it. The trainer's side and the metric: :meth:`aligner.actor.policy.Policy.log_probs_with_routing`,
     :func:`aligner.algorithms.routing_mismatch`.
@@ -185,7 +185,7 @@ class TorchEngine(RolloutEngine):
                 f"pp_size={self.pp_size}: set scheduler='continuous' and pp_size=1, or interruptible=False"
             )
         self.interruptible = interruptible
-        self.weight_stage = WeightStage()  # interruptible: syncs received while a call decodes
+        self.weight_staging = WeightStaging()  # interruptible: syncs received while a call decodes
         self.weight_version = 0
         self.cuda_graphs = cuda_graphs
         self._rng_seed = seed
@@ -285,10 +285,10 @@ class TorchEngine(RolloutEngine):
             pp_rank=self.pp_rank,
             moe_layers=len(self.moe_layers),
             moe_top_k=self.moe_layers[0].top_k if self.moe_layers else 0,
-            stage_routing=self.stage_routing,
+            pp_stage_routing=self.pp_stage_routing,
             attach_routing=self.attach_routing,
             weight_version=lambda: self.weight_version,
-            step_boundary=lambda: self.weight_stage.step_boundary(self),
+            step_boundary=lambda: self.weight_staging.step_boundary(self),
         )
 
     # ---- weights ------------------------------------------------------------------------
@@ -336,15 +336,15 @@ class TorchEngine(RolloutEngine):
         self.last_update_names = set(self._received)
         self._received.clear()
 
-    def stage_weights(self, sync: list[Bucket]) -> bool:
+    def offer_weights(self, sync: list[Bucket]) -> bool:
         """One whole sync (its buckets of (hf_name, tensor) pairs, as :meth:`update_weights` takes them,
         the tensors owned by the engine from now on), from another thread than the one that generates:
         applied now when no generate() call runs (returns True); else, with ``interruptible``, applied at
-        the running call's next decode step boundary (returns False; :class:`WeightStage`). A sync is
+        the running call's next decode step boundary (returns False; :class:`WeightStaging`). A sync is
         applied whole, with :meth:`update_weights` per bucket and one :meth:`finish_weight_update`.
         Without ``interruptible`` no call is marked as decoding, so the sync is applied at once: the
         caller must then not generate at the same time (the worker's calls run one at a time)."""
-        return self.weight_stage.offer(self, sync)
+        return self.weight_staging.offer(self, sync)
 
     def offload(self) -> None:
         """Move parameters to host memory and drop graphs/caches (no-op on CPU)."""
@@ -413,7 +413,7 @@ class TorchEngine(RolloutEngine):
         stop = self.stop_ids(sampling)
         if self._stale:  # update_weights without finish_weight_update: the prepacked copies would be old
             self._repack()
-        with torch.inference_mode(), self.weight_stage.decoding(self) if self.interruptible else nullcontext():
+        with torch.inference_mode(), self.weight_staging.decoding(self) if self.interruptible else nullcontext():
             if turn_end is not None:
                 gens = self.batching.generate(prompt_ids, budgets, sampler, stop, turn_end, on_finish)
             else:
@@ -425,15 +425,15 @@ class TorchEngine(RolloutEngine):
         """The token ids that end a response (or an episode's turn): sampling.stop_token_ids and eos, sorted."""
         return sorted({*sampling.stop_token_ids, *([] if self.eos_token_id is None else [self.eos_token_id])})
 
-    def stage_routing(self) -> torch.Tensor:
-        """This stage's MoE layers' experts in the last forward: [N, L_local, k] int16, sorted along k."""
+    def pp_stage_routing(self) -> torch.Tensor:
+        """This pipeline stage's MoE layers' experts in the last forward: [N, L_local, k] int16, sorted along k."""
         return stack_routing([m.last_experts for m in self.moe_layers])
 
     def attach_routing(self, gens: Optional[list[Generation]], routing: Optional[torch.Tensor]) -> None:
         """Set each Generation's routed_experts [R, L, k] from routing [B, >= R, L_local, k] (request
-        order, this stage's layers). With pp > 1 every stage calls it (a collective): the stages'
-        layers are gathered over the pp group and concatenated in stage (= layer) order; gens may be
-        None on a stage that does not build them."""
+        order, this pipeline stage's layers). With pp > 1 every pipeline stage calls it (a collective): their
+        layers are gathered over the pp group and concatenated in pp rank (= layer) order; gens may be
+        None on a pipeline stage that does not build them."""
         if routing is None:
             return
         routing = routing.cpu()

@@ -4,7 +4,7 @@
 Both implement the interface the model's attention calls (:class:`aligner.model.llama.KVCache`):
 ``update(layer, k, v, positions) -> (k, v)`` once per layer and forward, and optionally
 ``attend(layer, q, k, v, cos, sin)``. Keys are layer indices of this pipeline stage's own layers
-(a stage's cache holds its local layers only); k/v are [rows, kv_heads_local, max_len, head_dim]
+(a pipeline stage's cache holds its local layers only); k/v are [rows, kv_heads_local, max_len, head_dim]
 (kv heads divided by tp under tensor parallelism).
 """
 

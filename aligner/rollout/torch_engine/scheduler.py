@@ -23,7 +23,7 @@ either prefilled (``prefill_rows``: one batched forward of the new prompts, righ
 or, when a live row already holds the same prompt, copied from it (``copies``: a shared
 prompt prefix, e.g. the n samples of a GRPO group prefill their prompt once).
 
-Execution order of a plan on every stage: prefill, copies, moves, extends (below), decode. Copies
+Execution order of a plan on every pipeline stage: prefill, copies, moves, extends (below), decode. Copies
 read their sources before moves write; a move's destination is a hole no copy reads.
 
 Episodes (multi-turn, docs/environments.md). With a ``turn_end`` callback a request is an episode: when
@@ -98,7 +98,7 @@ class Row:
 
 @dataclass
 class StepPlan:
-    """One step of one micro-batch, as the engine executes it on every stage.
+    """One step of one micro-batch, as the engine executes it on every pipeline stage.
 
     prefill_rows [U] with prefill_ids [U][<= T]: rows whose prompt (minus its last token) is
     prefilled, right-padded to T = the longest. copies / moves: (src_row, dst_row, length)

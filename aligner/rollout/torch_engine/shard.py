@@ -29,18 +29,18 @@ class ModelShard:
         trunk: the decoder stack of this pipeline stage (``LlamaForCausalLM.model``):
             ``trunk(x, position_ids=[B, T] int64, attn_mask=bool or None, kv_cache=cache,
             cache_positions=[T] int64 or None) -> hidden [B, T, H]`` in ``dtype``; x is token ids
-            [B, T] int64 on the first stage, the previous stage's hidden states [B, T, H] on the others.
-        lm_head: hidden [n, H] -> this tp rank's logits [n, V/tp] (called on the last stage only).
-        layers: this stage's decoder layer indices, ascending (the KV caches' keys).
+            [B, T] int64 on the first pipeline stage, the previous pipeline stage's hidden states [B, T, H] on the others.
+        lm_head: hidden [n, H] -> this tp rank's logits [n, V/tp] (called on the last pipeline stage only).
+        layers: this pipeline stage's decoder layer indices, ascending (the KV caches' keys).
         kv_heads: key/value heads on this tp rank (num_kv_heads / tp); head_dim, hidden_size: the model's.
     Layout:
         tp_group: the engine's tensor-parallel group (None: tp = 1; sampling reduces over it).
-        pp_group, pp_size, pp_rank: the engine's pipeline group (None: pp = 1), its size and this stage.
+        pp_group, pp_size, pp_rank: the engine's pipeline group (None: pp = 1), its size and this pipeline stage's index.
     Mixture of Experts:
         moe_layers: local SparseMoE layers (0: a dense model, no routing recorded); moe_top_k: their k.
-        stage_routing: ``() -> [N, moe_layers, k] int16``, the experts of the last forward's N positions.
+        pp_stage_routing: ``() -> [N, moe_layers, k] int16``, the experts of the last forward's N positions.
         attach_routing: ``(gens or None, routing [B, >= R, moe_layers, k] or None) -> None``: sets each
-            Generation's routed_experts (with pp > 1 a collective over the pp group, on every stage).
+            Generation's routed_experts (with pp > 1 a collective over the pp group, on every pipeline stage).
     Weights:
         weight_version: ``() -> int``, the version of the weights now in the shard (read at each step:
             an interruptible engine's version changes during a call).
@@ -60,7 +60,7 @@ class ModelShard:
     pp_rank: int
     moe_layers: int
     moe_top_k: int
-    stage_routing: Callable[[], torch.Tensor]
+    pp_stage_routing: Callable[[], torch.Tensor]
     attach_routing: Callable[[Optional[list[Generation]], Optional[torch.Tensor]], None]
     weight_version: Callable[[], int]
     step_boundary: Callable[[], None]

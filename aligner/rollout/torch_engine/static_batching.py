@@ -13,9 +13,9 @@ It runs batches of max_batch_size prompts. How a batch runs:
 - the batch decodes until every row has stopped (a stop token or its own budget); tokens past
   a row's stop are cut.
 
-PP: stage s receives hidden states [B, T, H] from stage s-1 (``dist.recv`` on the pp group),
-runs its layers and sends to s+1; the last stage samples and broadcasts the tokens and
-log-probs to every stage, so all ranks return the same Generations.
+PP: pipeline stage s receives hidden states [B, T, H] from pipeline stage s-1 (``dist.recv`` on the pp group),
+runs its layers and sends to s+1; the last pipeline stage samples and broadcasts the tokens and
+log-probs to every pipeline stage, so all ranks return the same Generations.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class StaticBatching:
         return out
 
     def new_cache(self, batch: int, max_len: int) -> StaticKVCache:
-        """A StaticKVCache for this stage's layers only: k, v dicts {layer: [B, kvh_local, max_len, hd]}."""
+        """A StaticKVCache for this pipeline stage's layers only: k, v dicts {layer: [B, kvh_local, max_len, hd]}."""
         s = self.shard
         return StaticKVCache(list(s.layers), batch, s.kv_heads, max_len, s.head_dim, s.dtype, s.device)
 
@@ -119,7 +119,7 @@ class StaticBatching:
         logits = self.forward(ids, pos, mask, cache, torch.arange(p, device=dev))
         # MoE: the experts of the position that produces each token (the last prompt token's row here);
         # not with CUDA graphs (an MoE decode step syncs with the host, so it is never captured)
-        routing = [sh.stage_routing().view(b, p, sh.moe_layers, -1)[:, -1]] if sh.moe_layers and graph is None else None
+        routing = [sh.pp_stage_routing().view(b, p, sh.moe_layers, -1)[:, -1]] if sh.moe_layers and graph is None else None
         step_t = torch.zeros(b, dtype=torch.long, device=dev)
         tok, lp = self._sample(logits, sampler, req, step_t)
         tokens, log_probs = [tok], [lp]
@@ -137,7 +137,7 @@ class StaticBatching:
                 key_mask = None if no_padding else valid[:, None, None, : slot + 1]
                 logits = self.forward(tok.unsqueeze(1), pos, key_mask, cache, torch.tensor([slot], device=dev))
             if routing is not None:
-                routing.append(sh.stage_routing())
+                routing.append(sh.pp_stage_routing())
             tok, lp = self._sample(logits, sampler, req, step_t + step)  # draws past a budget are cut below
             tokens.append(tok)
             log_probs.append(lp)
@@ -161,9 +161,9 @@ class StaticBatching:
         return gens
 
     def forward(self, x, position_ids, mask, cache: StaticKVCache, cache_positions) -> Optional[torch.Tensor]:
-        """One stage-to-stage forward of the last query position -> local logits [B, V/tp] fp32 (or None off the last stage).
+        """One forward of the last query position through this pipeline stage -> local logits [B, V/tp] fp32 (or None off the last pipeline stage).
 
-        x: token ids [B, T] (first stage; later stages receive hidden states [B, T, H] from the
+        x: token ids [B, T] (first pipeline stage; later ones receive hidden states [B, T, H] from the
         previous one), position_ids [B, T], mask [B, 1, T, Tk] bool or None, cache_positions [T]:
         the cache slots written."""
         sh = self.shard
@@ -178,7 +178,7 @@ class StaticBatching:
         return sh.lm_head(h[:, -1]).float()
 
     def _sample(self, logits: Optional[torch.Tensor], sampler: Sampler, requests: torch.Tensor, steps: torch.Tensor):
-        """Local logits [B, V/tp] on the last stage -> (tokens [B] int64, log_probs [B] fp32) on every rank."""
+        """Local logits [B, V/tp] on the last pipeline stage -> (tokens [B] int64, log_probs [B] fp32) on every rank."""
         sh = self.shard
         if sh.is_last:
             tok, lp = sampler.sample_requests(logits, requests, steps, sh.tp_group)

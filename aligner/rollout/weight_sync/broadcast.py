@@ -209,7 +209,7 @@ def receive_weights(group: SyncGroup, engine: RolloutEngine) -> dict:
 
 
 def receive_weights_staged(group: SyncGroup, engine) -> dict:
-    """Receive one whole sync into buffers of its own, then hand it to ``engine.stage_weights`` (a
+    """Receive one whole sync into buffers of its own, then hand it to ``engine.offer_weights`` (a
     :class:`~aligner.rollout.torch_engine.engine.TorchEngine` built with ``interruptible=True``): applied at once
     when the engine is idle, else at the running generate() call's next decode step boundary
     (:mod:`aligner.rollout.weight_sync.staging`). Runs on a thread beside the one that generates; the receiver
@@ -219,6 +219,6 @@ def receive_weights_staged(group: SyncGroup, engine) -> dict:
     was applied before returning (the engine was idle), False when it waits for a step boundary.
     """
     sync = list(iter_received_buckets(group))  # each bucket's tensors are views of its own flat buffer
-    applied = engine.stage_weights(sync)
+    applied = engine.offer_weights(sync)
     nbytes = sum(t.numel() * t.element_size() for b in sync for _, t in b)
     return {"bytes": nbytes, "buckets": len(sync), "tensors": sum(len(b) for b in sync), "applied": applied}

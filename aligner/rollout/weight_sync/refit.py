@@ -6,7 +6,7 @@ Owns: the export walk (gather TP shards, walk PP stages, map to HF names), bucke
 
 Method (one simple scheme covers every (tp_train, pp_train) -> (tp_infer, pp_infer) pair):
 every trainer rank rebuilds each full HF tensor one parameter at a time (all-gather over
-its tp group, then a broadcast from the owning stage over its pp group), collects them into
+its tp group, then a broadcast from the owning pipeline stage over its pp group), collects them into
 buckets of at most ``bucket_mb`` MiB and hands each bucket to its colocated engine's
 ``update_weights``, which slices the full tensor down to the engine's own shard. Peak extra
 memory is one bucket of full tensors; the cost is that every rank receives every tensor.
@@ -14,7 +14,7 @@ memory is one bucket of full tensors; the cost is that every rank receives every
 Engine layout (colocated, same world): the engine mesh is (dp_infer, pp_infer, tp_infer)
 over the same ranks, dp_infer = world / (tp_infer * pp_infer)
 = dp_train * (pp_train / pp_infer) * (tp_train / tp_infer). With pp_train = 2 and
-pp_infer = 1 the two stage groups each become a full engine replica (NeMo-Aligner's
+pp_infer = 1 the two pipeline stage groups each become a full engine replica (NeMo-Aligner's
 reshard); pp_infer = pp_train keeps pipeline-parallel engines.
 
 Simplifications: trainer parameters must be plain tensors (TP-sharded aligner layers);
@@ -85,7 +85,7 @@ def _gather_tp(module: nn.Module, pname: str, local: torch.Tensor, tp_group) -> 
 
 def _full_shapes(model: nn.Module) -> dict[str, torch.Size]:
     """HF name -> full (unsharded, unpruned) shape, from a meta-device copy of the whole model
-    (LoRA adapters too: A [r, in], B [out, r] of every linear, r from this stage's adapters)."""
+    (LoRA adapters too: A [r, in], B [out, r] of every linear, r from this pipeline stage's adapters)."""
 
     meta = build_model(model.cfg, device="meta")
     shapes = {n: p.shape for n, p in meta.named_parameters(remove_duplicate=False)}
@@ -140,7 +140,7 @@ def iter_full_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for every parameter of the whole model, on every rank.
 
-    Stages are walked in order (stage 0's parameters first); each stage's names and dtypes
+    Pipeline stages are walked in order (pp rank 0's parameters first); each pipeline stage's names and dtypes
     are broadcast over the pp group, full shapes come from the model config. Collective:
     every rank of the tp and pp groups must iterate to the end. Tensors are detached, in
     the parameter dtype, on the parameter device; with tp = pp = 1 they alias the parameters
@@ -154,13 +154,13 @@ def iter_full_tensors(
     device = mine[0][1].device
     shapes = _full_shapes(model) if pp_size > 1 else {}
     with torch.no_grad():
-        for stage in range(pp_size):
-            src = dist.get_global_rank(pp_group, stage) if pp_size > 1 else 0
+        for pp_stage in range(pp_size):
+            src = dist.get_global_rank(pp_group, pp_stage) if pp_size > 1 else 0
             if pp_size > 1:
-                box = [[(to_hf_name(n), str(p.dtype).removeprefix("torch.")) for n, p in mine] if stage == pp_rank else None]
+                box = [[(to_hf_name(n), str(p.dtype).removeprefix("torch.")) for n, p in mine] if pp_stage == pp_rank else None]
                 dist.broadcast_object_list(box, src=src, group=pp_group)
                 specs = box[0]
-            if stage == pp_rank:
+            if pp_stage == pp_rank:
                 for name, p in mine:
                     module, pname = _owner(model, name)
                     full = _gather_tp(module, pname, p.detach(), tp_group).contiguous()
@@ -242,7 +242,7 @@ def rollout_dims(world_size: int, rank: int, tp_infer: int, pp_infer: int):
     """The engine's ParallelDims (tp_infer, pp_infer, dp_infer) over the actor's ranks, groups built.
 
     Collective (creates process groups): every rank must call it. With pp_train = 2,
-    pp_infer = 1 and tp_infer = tp_train the freed stage groups become extra replicas.
+    pp_infer = 1 and tp_infer = tp_train the freed pipeline stage groups become extra replicas.
     """
 
     dp = dp_infer_size(world_size, tp_infer, pp_infer)

@@ -9,7 +9,7 @@ engine's own ``update_weights`` / ``finish_weight_update`` (in-place copies, so 
 KV-cache pool stay valid), and goes on with the requests in flight. Each response token then
 records the engine's ``weight_version`` that produced it (``Generation.token_versions``).
 
-Owns: :class:`WeightStage` (the lock, the staged syncs, whether a call decodes).
+Owns: :class:`WeightStaging` (the lock, the staged syncs, whether a call decodes).
 
 Simplifications, as AReaL: the KV cache of the requests in flight is kept, so their positions
 computed before the swap keep the old weights' keys and values (and a new request that shares a
@@ -30,7 +30,7 @@ Bucket = list[tuple[str, torch.Tensor]]
 
 
 class Updatable(Protocol):
-    """What a stage applies syncs to: a rollout engine's bucketed weight-update protocol."""
+    """What a WeightStaging applies syncs to: a rollout engine's bucketed weight-update protocol."""
 
     weight_version: int
 
@@ -39,7 +39,7 @@ class Updatable(Protocol):
     def finish_weight_update(self) -> None: ...
 
 
-class WeightStage:
+class WeightStaging:
     """Syncs received while a call decodes, applied by the decode loop at its next step boundary.
 
     Thread-safe between one decoding thread (:meth:`decoding`, :meth:`step_boundary`) and one

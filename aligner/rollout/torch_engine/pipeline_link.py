@@ -1,10 +1,10 @@
-"""The pipeline link of the continuous scheduler: step plans and hidden states down the stages, tokens back.
+"""The pipeline link of the continuous scheduler: step plans and hidden states down the pipeline stages, tokens back.
 
-With pp > 1 stage 0 schedules (:class:`aligner.rollout.torch_engine.scheduler.SlotScheduler`), runs its
-layers on a step and sends the step's plan (:class:`PlanMeta`) with the hidden states to stage
-1, and so on; the last stage samples and sends the tokens and log-probs back to stage 0
-(:class:`StageLink`). The slot pool is split into ``micro_batches`` blocks and stage 0 keeps
-one block's step in flight per stage: while stage 1 runs block 0, stage 0 runs block 1.
+With pp > 1 pp rank 0 schedules (:class:`aligner.rollout.torch_engine.scheduler.SlotScheduler`), runs its
+layers on a step and sends the step's plan (:class:`PlanMeta`) with the hidden states to pp rank
+1, and so on; the last pipeline stage samples and sends the tokens and log-probs back to pp rank 0
+(:class:`PipelineLink`). The slot pool is split into ``micro_batches`` blocks and pp rank 0 keeps
+one block's step in flight per pipeline stage: while pp rank 1 runs block 0, pp rank 0 runs block 1.
 """
 
 from __future__ import annotations
@@ -65,17 +65,17 @@ def plan_meta(plan: StepPlan, prefill_len: int) -> PlanMeta:
     )
 
 
-class StageLink:
+class PipelineLink:
     """Point-to-point messages of the pipelined continuous engine over the pp group.
 
-    Plans flow stage s -> s + 1 as (header [8], body, prefill hidden [U, T, H] when U > 0,
-    decode hidden [n, 1, H]); the last stage sends (tokens [n] int64, log_probs [n] fp32) back
-    to stage 0. Sends are non-blocking; a stage waits for its previous message before sending
+    Plans flow pp rank s -> s + 1 as (header [8], body, prefill hidden [U, T, H] when U > 0,
+    decode hidden [n, 1, H]); the last pipeline stage sends (tokens [n] int64, log_probs [n] fp32) back
+    to pp rank 0. Sends are non-blocking; a pipeline stage waits for its previous message before sending
     the next (so at most one message per link is unreceived, and no send cycle can deadlock).
     A header of zeros ends the call.
 
     Args:
-        pp_group: the engine's pipeline group (this stage's index = its rank in it).
+        pp_group: the engine's pipeline group (this pipeline stage's index = its rank in it).
         device: where the messages' tensors live. dtype, hidden: the hidden states' dtype and size H.
     """
 
@@ -89,7 +89,7 @@ class StageLink:
         self._sent: list = []
 
     def wait(self) -> None:
-        """Block until this stage's last message has been sent."""
+        """Block until this pipeline stage's last message has been sent."""
         for work, _ in self._sent:
             work.wait()
         self._sent = []
@@ -104,12 +104,12 @@ class StageLink:
         return t
 
     def send_plan(self, meta: PlanMeta, prefill_h: Optional[torch.Tensor], decode_h: torch.Tensor) -> None:
-        """To the next stage: the plan, its prefill hidden states [U, T, H] (None when U = 0) and decode ones [n, 1, H]."""
+        """To the next pipeline stage: the plan, its prefill hidden states [U, T, H] (None when U = 0) and decode ones [n, 1, H]."""
         header, body = meta.encode()
         self._send([header.to(self.dev), body.to(self.dev)] + ([prefill_h] if prefill_h is not None else []) + [decode_h], self.next)
 
     def recv_plan(self):
-        """(meta, prefill hidden or None, decode hidden) from the previous stage, or None at the end."""
+        """(meta, prefill hidden or None, decode hidden) from the previous pipeline stage, or None at the end."""
         header = self._recv((8,), torch.long, self.prev).cpu()
         if int(header[0]) == 0:
             return None
@@ -120,16 +120,16 @@ class StageLink:
         return meta, prefill_h, self._recv((n, 1, self.hidden), self.dtype, self.prev)
 
     def send_tokens(self, tok: torch.Tensor, lp: torch.Tensor) -> None:
-        """Last stage to stage 0: a step's tokens [n] int64 and log-probs [n] (sent as fp32)."""
+        """Last pipeline stage to pp rank 0: a step's tokens [n] int64 and log-probs [n] (sent as fp32)."""
         self._send([tok, lp.float()], self.first)
 
     def recv_tokens(self, n: int) -> tuple[list[int], list[float]]:
-        """Stage 0: the last stage's tokens and log-probs of a step of n rows."""
+        """pp rank 0: the last pipeline stage's tokens and log-probs of a step of n rows."""
         tok = self._recv((n,), torch.long, self.last)
         lp = self._recv((n,), torch.float32, self.last)
         return tok.tolist(), lp.tolist()
 
     def send_stop(self) -> None:
-        """End the call on the next stage (a header of zeros); no-op on the last stage."""
+        """End the call on the next pipeline stage (a header of zeros); no-op on the last one."""
         if self.next is not None:
             self._send([torch.zeros(8, dtype=torch.long, device=self.dev)], self.next)
