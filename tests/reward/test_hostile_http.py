@@ -13,6 +13,7 @@ Content-Length (400), a bind off loopback without a token (refused).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -59,6 +60,8 @@ class RawServer:
                     pass
 
     def close(self) -> None:
+        with contextlib.suppress(OSError):  # wakes an accept() that is still waiting (close alone does not, on Linux)
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         self.thread.join(timeout=15)
 
