@@ -69,8 +69,11 @@ test-vllm: $(VLLM_STAMP)
 vllm-tests:
 	@echo $(VLLM_TESTS)
 
+# everyday work: the tests that run in one process, without the real model, over FAST_WORKERS pytest-xdist workers
+# (1,665 tests in 194 s on a 2-core AMD EPYC, 2026-11-29; 326 s in one process)
+FAST_WORKERS ?= 2
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(FAST_WORKERS) -m "not slow and not e2e and not distributed"
 
 clean:
 	rm -rf outputs .pytest_cache

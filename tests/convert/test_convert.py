@@ -45,6 +45,7 @@ def smollm2_hf(smollm2_wheel, tmp_path_factory) -> Path:
     return convert_gguf(smollm2_wheel, tmp_path_factory.mktemp("smollm2") / "hf")
 
 
+@pytest.mark.slow  # converts the real 93 MB GGUF (the module's fixture) and loads the model
 def test_converted_checkpoint_gives_transformers_logits_in_aligner(smollm2_gguf, smollm2_hf):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -65,6 +66,7 @@ def test_converted_checkpoint_gives_transformers_logits_in_aligner(smollm2_gguf,
     assert torch.equal(got[0, -1].argmax(), want[0, -1].argmax())
 
 
+@pytest.mark.slow  # converts the real 93 MB GGUF (the module's fixture) and loads the model
 def test_the_converted_checkpoint_sets_the_run_dimensions(smollm2_hf):
     from aligner.cli import load_config
 
@@ -142,6 +144,7 @@ def test_missing_file_and_usage(tmp_path):
     assert _convert_cli().returncode == 2
 
 
+@pytest.mark.slow  # converts the real 93 MB GGUF (the module's fixture) and loads the model
 def test_engine_greedy_equals_hf_generate_on_real_chat_prompts(smollm2_hf):
     """Real weights, real chat-templated prompts of ragged length, left padding for HF: TorchEngine's
     greedy tokens equal transformers' generate token for token, stopping at the model's EOS."""
