@@ -94,6 +94,7 @@ def test_a_template_that_defines_tool_calls_gets_tool_messages():
     assert [(m.role, m.content) for m in result.messages] == [("tool", "5"), ("tool", "6")]
 
 
+@pytest.mark.slow  # reads the real model's GGUF (fetched from PyPI once, 93 MB)
 def test_smollm2_template_defines_no_tool_format():
     """SmolLM2-135M-Instruct's template (from the PyPI wheel's GGUF) renders every role as <|im_start|>ROLE ...
     <|im_end|> and has no tool syntax."""
