@@ -23,6 +23,9 @@ class RSConfig:
     prompts_per_round: int = 64  # training prompts sampled each round (the data iterator walks the train split in epochs)
     threshold: float = 1.0  # a prompt's best response is kept when its reward >= threshold (reward units: a rule's [0, 1])
     eos_only: bool = True  # only responses that ended with EOS are candidates (a response cut at max_new_tokens is never kept)
+    # responses that loop, fill in placeholders or carry no words (aligner.reward.degenerate) are never kept and rank with
+    # the rejected side of the pairs: a format verifier (IFEval's) passes such text
+    reject_degenerate: bool = False
     epochs: float = 1.0  # SFT passes over each round's kept set: ceil(epochs * kept / trainer.global_batch_size) optimizer steps
     # "" = no pairs; else a preference dataset (jsonl {"prompt", "chosen", "rejected"}, TRL's standard type) written at the
     # end from every round's samples: chosen = the best response that ended and scores >= threshold, rejected = the

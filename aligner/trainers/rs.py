@@ -12,7 +12,8 @@ and NeMo-Aligner runs it as a stage of its own: one trainer step is one round,
               (:class:`aligner.workers.reward.RewardWorker`), or a remote endpoint
               (:class:`aligner.workers.reward.RemoteRewardRole`)
     select    per prompt, the best-scoring response among the candidates (with ``rs.eos_only`` those that
-              ended with EOS), kept when its reward is >= ``rs.threshold`` (:func:`select_best`); a round that
+              ended with EOS; with ``rs.reject_degenerate`` not loops, placeholders or empty text,
+              :mod:`aligner.reward.degenerate`), kept when its reward is >= ``rs.threshold`` (:func:`select_best`); a round that
               keeps nothing stops the run (UserError, exit 2) before any update on an empty set
     train     ceil(rs.epochs * kept / trainer.global_batch_size) optimizer steps of the SFT loss (next-token
               NLL on response tokens, EOS included) on the kept (prompt, response) rows, the actor's layout
@@ -28,7 +29,8 @@ IFEval-style rows also IFEval's four numbers). Checkpoints hold the actor (weigh
 the round and the prompt iterator's position; ``resume=true`` continues from the last complete round.
 
 Logged per round: kept, kept_fraction (kept / prompts), reward_mean_all, reward_mean_kept,
-ended_fraction (responses that ended with EOS), response_len_all, response_len_kept (tokens, EOS
+ended_fraction (responses that ended with EOS), with rs.reject_degenerate degenerate_fraction (of all responses)
+and degenerate_passing (degenerate responses the reward alone would have kept as candidates), response_len_all, response_len_kept (tokens, EOS
 included), the SFT steps' mean loss, grad_norm and lr, pairs, and the phase times.
 """
 
@@ -49,6 +51,7 @@ from aligner.config import AlignerConfig
 from aligner.data.collate import collate_sft
 from aligner.errors import UserError
 from aligner.protocol import build_sequences
+from aligner.reward.degenerate import degenerate_reason
 from aligner.reward.rules import ROW_CHECKS, check_rule_rows, get_rule, score
 from aligner.trainers.batching import sample_seed
 from aligner.trainers.evaluation import evaluate_greedy, gather_generations
@@ -62,24 +65,27 @@ log = logging.getLogger("aligner")
 
 
 # ---- selection: pure functions on scores -------------------------------------------------------
-def select_best(scores: torch.Tensor, ended: torch.Tensor, threshold: float, eos_only: bool) -> list[int]:
+def select_best(
+    scores: torch.Tensor, ended: torch.Tensor, threshold: float, eos_only: bool, eligible: Optional[torch.Tensor] = None
+) -> list[int]:
     """The sample kept for each prompt: rejection sampling's best-of-N (Llama 2, section 3.2.3).
 
     scores: [P, N] float rewards of N samples for each of P prompts; ended: [P, N] bool, True where the
     response ended with EOS (finish_reason "stop"); threshold: a prompt's best is kept when its reward
-    >= threshold; eos_only: only ended samples are candidates.
+    >= threshold; eos_only: only ended samples are candidates; eligible: [P, N] bool or None, False where a
+    sample is never a candidate (with rs.reject_degenerate: a degenerate response, aligner.reward.degenerate).
     Returns P sample indices in [0, N), or -1 where nothing is kept. Ties go to the lowest sample index
     (the order the engine was given, so a fixed seed keeps a fixed sample). A NaN score is never kept.
     The threshold is compared in the scores' dtype (a float32 score of 0.95 meets threshold=0.95).
+    Raises ValueError when the shapes differ.
     """
-    if scores.dim() != 2 or scores.shape != ended.shape:
-        raise ValueError(f"select_best: scores {tuple(scores.shape)} and ended {tuple(ended.shape)} must both be [P, N]")
+    eligible = _eligible(scores, ended, eligible, "select_best")
     threshold = float(torch.tensor(threshold, dtype=scores.dtype))
     keep = []
-    for row, fin in zip(scores.tolist(), ended.tolist()):
+    for row, fin, ok in zip(scores.tolist(), ended.tolist(), eligible.tolist()):
         best, idx = -math.inf, -1
-        for j, (s, e) in enumerate(zip(row, fin)):
-            if (eos_only and not e) or math.isnan(s):
+        for j, (s, e, g) in enumerate(zip(row, fin, ok)):
+            if (eos_only and not e) or math.isnan(s) or not g:
                 continue
             if s > best:
                 best, idx = s, j
@@ -87,29 +93,43 @@ def select_best(scores: torch.Tensor, ended: torch.Tensor, threshold: float, eos
     return keep
 
 
-def select_pairs(scores: torch.Tensor, ended: torch.Tensor, threshold: float) -> list[Optional[tuple[int, int]]]:
+def select_pairs(
+    scores: torch.Tensor, ended: torch.Tensor, threshold: float, eligible: Optional[torch.Tensor] = None
+) -> list[Optional[tuple[int, int]]]:
     """A verifier-ranked preference pair for each prompt, from the same N samples.
 
-    chosen: the best sample that ended with EOS and scores >= threshold (with a rule such as ifeval_all
-    at threshold 1: passes every constraint and ended); rejected: among the samples that score below
-    threshold or were cut at the token limit, the lowest score, a cut sample before an ended one at equal
-    score (a loop is what the pair should teach against), then the lowest index.
-    scores: [P, N] float; ended: [P, N] bool. Returns P entries: (chosen index, rejected index), or None
-    where the prompt has no passing sample or no failing one.
+    chosen: the best eligible sample that ended with EOS and scores >= threshold (with a rule such as
+    ifeval_all at threshold 1: passes every constraint and ended); rejected: among the samples that score
+    below threshold, were cut at the token limit or are not eligible (degenerate), a degenerate one first
+    (text that passes the verifier without content is what the pair should teach against most), then the
+    lowest score, a cut sample before an ended one at equal score (a loop), then the lowest index.
+    scores: [P, N] float; ended: [P, N] bool; eligible: [P, N] bool or None (all eligible). Returns P
+    entries: (chosen index, rejected index), or None where the prompt has no passing sample or no failing
+    one. Raises ValueError when the shapes differ.
     """
-    if scores.dim() != 2 or scores.shape != ended.shape:
-        raise ValueError(f"select_pairs: scores {tuple(scores.shape)} and ended {tuple(ended.shape)} must both be [P, N]")
-    chosen = select_best(scores, ended, threshold, eos_only=True)
+    eligible = _eligible(scores, ended, eligible, "select_pairs")
+    chosen = select_best(scores, ended, threshold, eos_only=True, eligible=eligible)
     threshold = float(torch.tensor(threshold, dtype=scores.dtype))
     out: list[Optional[tuple[int, int]]] = []
-    for c, row, fin in zip(chosen, scores.tolist(), ended.tolist()):
-        losers = [(s, e, j) for j, (s, e) in enumerate(zip(row, fin)) if not e or not s >= threshold]
+    for c, row, fin, ok in zip(chosen, scores.tolist(), ended.tolist(), eligible.tolist()):
+        losers = [(g, s, e, j) for j, (s, e, g) in enumerate(zip(row, fin, ok)) if not e or not s >= threshold or not g]
         if c < 0 or not losers:
             out.append(None)
             continue
-        s, e, j = min(losers, key=lambda t: (t[0] if not math.isnan(t[0]) else -math.inf, t[1], t[2]))
+        g, s, e, j = min(losers, key=lambda t: (t[0], t[1] if not math.isnan(t[1]) else -math.inf, t[2], t[3]))
         out.append((c, j))
     return out
+
+
+def _eligible(scores: torch.Tensor, ended: torch.Tensor, eligible: Optional[torch.Tensor], who: str) -> torch.Tensor:
+    """`eligible` checked against scores and ended ([P, N] each), or all True when None."""
+    if eligible is None:
+        eligible = torch.ones_like(ended, dtype=torch.bool)
+    if scores.dim() != 2 or scores.shape != ended.shape or eligible.shape != ended.shape:
+        raise ValueError(
+            f"{who}: scores {tuple(scores.shape)}, ended {tuple(ended.shape)} and eligible {tuple(eligible.shape)} must all be [P, N]"
+        )
+    return eligible
 
 
 def sft_rows(prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]], max_len: int) -> list[dict]:
@@ -309,14 +329,16 @@ class RSTrainer(SupervisedTrainer):
         sc = flat.view(p, n)
         ended = torch.tensor([g.finish_reason == "stop" for g in gens]).view(p, n)
         lens = torch.tensor([len(g.token_ids) for g in gens], dtype=torch.float32).view(p, n)
-        keep = select_best(sc, ended, rs.threshold, rs.eos_only)
+        reasons = [degenerate_reason(r["prompt"], t, r.get("metadata")) if rs.reject_degenerate else "" for r, t in zip(rows, responses)]
+        eligible = torch.tensor([not w for w in reasons]).view(p, n)
+        keep = select_best(sc, ended, rs.threshold, rs.eos_only, eligible)
         kept = [(i, j) for i, j in enumerate(keep) if j >= 0]
-        npairs = self.write_round_pairs(rnd, prompts, responses, sc, ended) if rs.write_pairs else 0
+        npairs = self.write_round_pairs(rnd, prompts, responses, sc, ended, eligible) if rs.write_pairs else 0
         if not kept:
             cand = sc[ended] if rs.eos_only else sc.flatten()
             best = f"{float(cand.max()):.4g}" if cand.numel() else "none"
             raise UserError(
-                f"rs.threshold={rs.threshold:g} kept no response in round {rnd}: {p} prompts x {n} samples, best reward {best}"
+                f"rs.threshold={rs.threshold:g}{' with rs.reject_degenerate' if rs.reject_degenerate else ''} kept no response in round {rnd}: {p} prompts x {n} samples, best reward {best}"
                 f"{f' among the {int(ended.sum())} that ended with EOS' if rs.eos_only else ''}; nothing was trained on it. "
                 "Lower rs.threshold, raise rs.num_samples or rollout.sampling.max_new_tokens"
                 f"{', or set rs.eos_only=false' if rs.eos_only else ''}"
@@ -348,6 +370,9 @@ class RSTrainer(SupervisedTrainer):
         }
         if rs.write_pairs:
             metrics["pairs"] = float(npairs)
+        if rs.reject_degenerate:
+            metrics["degenerate_fraction"] = sum(bool(w) for w in reasons) / len(reasons)
+            metrics["degenerate_passing"] = float(((sc >= rs.threshold) & ended & ~eligible).sum())
         log.info(
             "rs: round %d: kept %d/%d prompts (reward of kept %.3f, of all %.3f; %.0f%% ended; lengths kept %.0f, all %.0f tokens); "
             "%d SFT steps, loss %.4f; generate %.0f s, score %.0f s, train %.0f s",
@@ -379,12 +404,14 @@ class RSTrainer(SupervisedTrainer):
     def pairs_dir(self) -> Path:
         return self.out / "rs_pairs"
 
-    def write_round_pairs(self, rnd: int, prompts: list[dict], responses: list[str], sc: torch.Tensor, ended: torch.Tensor) -> int:
+    def write_round_pairs(
+        self, rnd: int, prompts: list[dict], responses: list[str], sc: torch.Tensor, ended: torch.Tensor, eligible: torch.Tensor
+    ) -> int:
         """output_dir/rs_pairs/round_<rnd>.jsonl (atomically): this round's pairs as {"prompt", "chosen",
-        "rejected", "chosen_reward", "rejected_reward", "rejected_cut"}, pairs with an empty side left out; returns how many."""
+        "rejected", "chosen_reward", "rejected_reward", "rejected_cut", "rejected_degenerate"}, pairs with an empty side left out; returns how many."""
         n = sc.shape[1]
         lines = []
-        for i, pair in enumerate(select_pairs(sc, ended, self.cfg.rs.threshold)):
+        for i, pair in enumerate(select_pairs(sc, ended, self.cfg.rs.threshold, eligible)):
             if pair is None:
                 continue
             c, r = pair
@@ -397,6 +424,7 @@ class RSTrainer(SupervisedTrainer):
                 "chosen_reward": float(sc[i, c]),
                 "rejected_reward": float(sc[i, r]),
                 "rejected_cut": not bool(ended[i, r]),
+                "rejected_degenerate": not bool(eligible[i, r]),
             }
             lines.append(json.dumps(row, ensure_ascii=False))
         d = self.pairs_dir()

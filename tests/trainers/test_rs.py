@@ -2,7 +2,7 @@
 stage end to end on the built-in task.
 
 - :func:`select_best` and :func:`select_pairs` against selections worked out by hand on fixed scores
-  (ties, the threshold, EOS-only, NaN);
+  (ties, the threshold, EOS-only, NaN, degenerate samples);
 - the SFT rows and the round's batches (loss on response tokens only; every batch full);
 - bad input: N < 2, a threshold a rule cannot reach, a missing prompt file, a reward that cannot score
   a row: one line naming the field or file:line, exit 2, no output_dir (nothing ran);
@@ -43,8 +43,13 @@ def test_select_best_by_hand():
     assert select_best(scores, ended, threshold=0.0, eos_only=True) == [1, 0, 2, 2, 2]
     assert select_best(scores, ended, threshold=0.95, eos_only=False) == [1, 2, -1, 0, -1]  # >= threshold: 0.95 is kept
     assert select_best(scores, ended, threshold=1.01, eos_only=False) == [-1] * 5
-    with pytest.raises(ValueError, match="must both be"):
+    with pytest.raises(ValueError, match="must all be"):
         select_best(scores, ended[:, :3], 0.5, True)
+    # a sample that is not eligible (degenerate) is never a candidate: the next best is kept, or nothing
+    eligible = torch.tensor([[T, F, T, T], [F, T, T, T], [T, T, T, T], [T, T, F, T], [T, T, F, T]])
+    assert select_best(scores, ended, threshold=0.8, eos_only=True, eligible=eligible) == [2, -1, -1, -1, 1]
+    with pytest.raises(ValueError, match="must all be"):
+        select_best(scores, ended, 0.5, True, eligible[:, :3])
 
 
 def test_select_pairs_by_hand():
@@ -66,6 +71,12 @@ def test_select_pairs_by_hand():
     # a loop that scores full marks is still the rejected side when nothing else fails
     s = torch.tensor([[1.0, 1.0]])
     assert select_pairs(s, torch.tensor([[T, F]]), threshold=1.0) == [(0, 1)]
+    # a degenerate sample is never chosen and is the rejected side before any lower score
+    s = torch.tensor([[1.0, 1.0, 0.0, 1.0]])
+    e = torch.tensor([[T, T, T, T]])
+    assert select_pairs(s, e, threshold=1.0, eligible=torch.tensor([[F, T, T, T]])) == [(1, 0)]
+    assert select_pairs(s, e, threshold=1.0, eligible=torch.tensor([[T, T, T, F]])) == [(0, 3)]
+    assert select_pairs(s, e, threshold=1.0, eligible=torch.tensor([[F, F, T, F]])) == [None]  # nothing left to choose
 
 
 def test_sft_rows_and_round_batches():
@@ -230,6 +241,20 @@ def test_a_round_that_keeps_nothing_stops_before_training(tmp_path, ray_cluster,
         line
     )
     assert "nothing was trained on it" in line[0] and "rs.eos_only=false" in line[0], line
+    assert not (out / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.e2e
+def test_degenerate_responses_are_never_kept(tmp_path, ray_cluster, cluster_env):
+    """rs.reject_degenerate=true with threshold 0 (every score passes) and one new token: every response has
+    fewer than 3 words (aligner.reward.degenerate: "no content"), so nothing is kept and the run stops with
+    the one line naming the filter, exit 2, no checkpoint."""
+    out = tmp_path / "degenerate"
+    args = [*FAST_RS, "rs.threshold=0.0", "trainer.max_steps=1", "rollout.sampling.max_new_tokens=1", "rs.eos_only=false"]
+    proc, _ = run_cli("aligner.rs", *args, "rs.reject_degenerate=true", f"output_dir={out}", cwd=tmp_path, env=cluster_env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("aligner rs: error:")]
+    assert len(line) == 1 and line[0].startswith("aligner rs: error: rs.threshold=0 with rs.reject_degenerate kept no response"), line
     assert not (out / "checkpoints" / "latest").exists()
 
 
