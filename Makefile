@@ -4,6 +4,8 @@
 #   make test-avx2  # the tests that depend on the CPU's instruction set, run as an AVX2-only CPU would
 #                   # (docs/hardware.md#running-as-an-avx2-only-cpu); TESTS=tests for the whole suite
 PYTHON ?= python3
+FAST_WORKERS ?= 2
+FAST_MARKERS := not slow and not e2e and not distributed
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.aligner-installed
@@ -26,8 +28,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m aligner.demo
 
+# every test in two passes: the one-process tests over FAST_WORKERS pytest-xdist workers (they leave a core idle
+# otherwise), then those marked slow, e2e or distributed in one process (they start gloo ranks, Ray clusters and
+# stage subprocesses that take every core); both always run, and the status is non-zero when either failed
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15
+	@status=0; \
+	$(BIN)/python -m pytest -q -n $(FAST_WORKERS) -m "$(FAST_MARKERS)" || status=$$?; \
+	$(BIN)/python -m pytest -q --durations=15 -m "not ($(FAST_MARKERS))" || status=$$?; \
+	exit $$status
 
 # torch's kernels (ATEN_CPU_CAPABILITY), oneDNN's (ONEDNN_MAX_CPU_ISA), MKL's GEMMs (MKL_ENABLE_INSTRUCTIONS,
 # Intel CPUs) and aligner's own choices (ALIGNER_CPU_ISA: compiled kernels, oneDNN bf16, the caches' keys) capped at AVX2;
@@ -69,12 +77,10 @@ test-vllm: $(VLLM_STAMP)
 vllm-tests:
 	@echo $(VLLM_TESTS)
 
-# everyday work: the tests not marked slow, e2e or distributed (no real model, no end-to-end run), over FAST_WORKERS
-# pytest-xdist workers
-# (about 1,680 tests in 194 s on a 2-core AMD EPYC, 2026-11-29; 326 s in one process)
-FAST_WORKERS ?= 2
+# everyday work: make test's first pass alone, the tests not marked slow, e2e or distributed (no real model, no
+# end-to-end run), over FAST_WORKERS pytest-xdist workers
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(FAST_WORKERS) -m "not slow and not e2e and not distributed"
+	$(BIN)/python -m pytest -q -n $(FAST_WORKERS) -m "$(FAST_MARKERS)"
 
 clean:
 	rm -rf outputs .pytest_cache
