@@ -337,11 +337,12 @@ class RSTrainer(SupervisedTrainer):
         if not kept:
             cand = sc[ended] if rs.eos_only else sc.flatten()
             best = f"{float(cand.max()):.4g}" if cand.numel() else "none"
+            off = [f"rs.{k}=false" for k in ("eos_only", "reject_degenerate") if getattr(rs, k)]
             raise UserError(
                 f"rs.threshold={rs.threshold:g}{' with rs.reject_degenerate' if rs.reject_degenerate else ''} kept no response in round {rnd}: {p} prompts x {n} samples, best reward {best}"
                 f"{f' among the {int(ended.sum())} that ended with EOS' if rs.eos_only else ''}; nothing was trained on it. "
                 "Lower rs.threshold, raise rs.num_samples or rollout.sampling.max_new_tokens"
-                f"{', or set rs.eos_only=false' if rs.eos_only else ''}"
+                + (", or set " + " or ".join(off) if off else "")
             )
         examples = sft_rows([prompts[i]["prompt_ids"] for i, _ in kept], [gens[i * n + j].token_ids for i, j in kept], cfg.data.max_seq_len)
         self.phase("actor")

@@ -255,6 +255,7 @@ def test_degenerate_responses_are_never_kept(tmp_path, ray_cluster, cluster_env)
     assert proc.returncode == 2, proc.stderr[-3000:]
     line = [ln for ln in proc.stderr.splitlines() if ln.startswith("aligner rs: error:")]
     assert len(line) == 1 and line[0].startswith("aligner rs: error: rs.threshold=0 with rs.reject_degenerate kept no response"), line
+    assert line[0].endswith(", or set rs.reject_degenerate=false"), line
     assert not (out / "checkpoints" / "latest").exists()
 
 
