@@ -23,8 +23,11 @@ Checks, in order (the first that applies is the reason):
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Optional
+
+from aligner.data.ifeval import ID_FIELD, KWARGS_FIELD
 
 PLACEHOLDER_IDS = ("detectable_content:number_placeholders",)
 SHORT_IDS = ("detectable_format:constrained_response",)
@@ -39,10 +42,11 @@ _FILLER = re.compile(
 _WORD = re.compile(r"[^\W_]+(?:['’-][^\W_]+)*")
 
 
-def degenerate_reason(prompt: str, response: str, metadata: Optional[dict] = None) -> str:
-    """Why `response` to `prompt` is degenerate ("repetition", "placeholder" or "no content"), or "" if it
-    is not (module docstring). metadata: the prompt row's metadata; its ``instruction_id_list`` (IFEval's
-    field) exempts prompts that ask for placeholders. Pure; never raises on any str."""
+def degenerate_reason(response: str, metadata: Optional[dict] = None) -> str:
+    """Why `response` is degenerate ("repetition", "placeholder" or "no content"), or "" if it is not (the
+    checks: module docstring). metadata: the prompt row's metadata; its IFEval fields ``instruction_id_list``
+    and ``kwargs`` exempt prompts that ask for placeholders or allow a short answer (absent: no exemption).
+    Pure; raises nothing on any str response and any dict metadata."""
     lines = [ln.strip() for ln in response.splitlines() if ln.strip()]
     if len(lines) >= 4 and len(set(lines)) * 2 < len(lines):
         return "repetition"
@@ -50,19 +54,19 @@ def degenerate_reason(prompt: str, response: str, metadata: Optional[dict] = Non
     grams = [tuple(words[i : i + 4]) for i in range(len(words) - 3)]
     if len(words) >= 20 and len(set(grams)) * 2 < len(grams):
         return "repetition"
-    ids = (metadata or {}).get("instruction_id_list") or ()
+    ids = (metadata or {}).get(ID_FIELD) or ()
     if not any(i in PLACEHOLDER_IDS for i in ids) and len(_BRACKET.findall(response)) >= 2:
         return "placeholder"
     if _FILLER.search(response):
         return "placeholder"
-    if len(words) < 3 and not _short_allowed(ids, (metadata or {}).get("kwargs") or ()):
+    if len(words) < 3 and not _short_allowed(ids, (metadata or {}).get(KWARGS_FIELD) or ()):
         return "no content"
     return ""
 
 
 def _short_allowed(ids, kwargs) -> bool:
     """Whether the constraints allow an answer of a few words."""
-    for i, kw in zip(ids, list(kwargs) + [None] * len(ids)):
+    for i, kw in itertools.zip_longest(ids, kwargs):
         if i in SHORT_IDS:
             return True
         if i == "length_constraints:number_words" and isinstance(kw, dict) and kw.get("relation") == "less than":

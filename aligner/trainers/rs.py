@@ -329,7 +329,7 @@ class RSTrainer(SupervisedTrainer):
         sc = flat.view(p, n)
         ended = torch.tensor([g.finish_reason == "stop" for g in gens]).view(p, n)
         lens = torch.tensor([len(g.token_ids) for g in gens], dtype=torch.float32).view(p, n)
-        reasons = [degenerate_reason(r["prompt"], t, r.get("metadata")) if rs.reject_degenerate else "" for r, t in zip(rows, responses)]
+        reasons = [degenerate_reason(t, r.get("metadata")) for r, t in zip(rows, responses)] if rs.reject_degenerate else [""] * len(rows)
         eligible = torch.tensor([not w for w in reasons]).view(p, n)
         keep = select_best(sc, ended, rs.threshold, rs.eos_only, eligible)
         kept = [(i, j) for i, j in enumerate(keep) if j >= 0]
@@ -373,7 +373,7 @@ class RSTrainer(SupervisedTrainer):
             metrics["pairs"] = float(npairs)
         if rs.reject_degenerate:
             metrics["degenerate_fraction"] = sum(bool(w) for w in reasons) / len(reasons)
-            metrics["degenerate_passing"] = float(((sc >= rs.threshold) & ended & ~eligible).sum())
+            metrics["degenerate_passing"] = float(((sc >= rs.threshold) & (ended | (not rs.eos_only)) & ~eligible).sum())
         log.info(
             "rs: round %d: kept %d/%d prompts (reward of kept %.3f, of all %.3f; %.0f%% ended; lengths kept %.0f, all %.0f tokens); "
             "%d SFT steps, loss %.4f; generate %.0f s, score %.0f s, train %.0f s",

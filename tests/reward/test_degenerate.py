@@ -30,7 +30,7 @@ ANSWER = (
     ],
 )
 def test_degenerate_shapes_are_named(response, reason):
-    assert degenerate_reason("a prompt", response, {}) == reason
+    assert degenerate_reason(response, {}) == reason
 
 
 @pytest.mark.parametrize(
@@ -52,14 +52,14 @@ def test_degenerate_shapes_are_named(response, reason):
     ],
 )
 def test_answers_are_not_degenerate(response, meta):
-    assert degenerate_reason("a prompt", response, meta) == ""
+    assert degenerate_reason(response, meta) == ""
 
 
 def test_placeholders_count_only_when_the_prompt_does_not_ask_for_them():
     text = "Send it to [address] before [date], then call [name]."
-    assert degenerate_reason("p", text, {}) == "placeholder"
+    assert degenerate_reason(text, {}) == "placeholder"
     asked = {"instruction_id_list": ["punctuation:no_comma", "detectable_content:number_placeholders"], "kwargs": [{}, {}]}
-    assert degenerate_reason("p", text, asked) == ""
+    assert degenerate_reason(text, asked) == ""
     # a word count of at least N does not allow a few words
     atleast = {"instruction_id_list": ["length_constraints:number_words"], "kwargs": [{"num_words": 5, "relation": "at least"}]}
-    assert degenerate_reason("p", "Paris.", atleast) == "no content"
+    assert degenerate_reason("Paris.", atleast) == "no content"
